@@ -1,0 +1,35 @@
+# One-command set-up: `make test` and `make demo` create .venv and install everything on a fresh machine.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# The CPU build on this project's machines; override for CUDA, e.g. TORCH_SPEC="torch==2.13.0 --index-url ..."
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: install test lint demo bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q $(TORCH_SPEC)
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+lint: $(STAMP)
+	$(BIN)/ruff check et_ode analysis tests benchmarks examples
+
+test: $(STAMP) lint
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+demo: $(STAMP)
+	$(BIN)/et-ode demo --out runs/demo
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/field.py
+	$(BIN)/python benchmarks/solvers.py
+	$(BIN)/python benchmarks/gradients.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

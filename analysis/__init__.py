@@ -1,0 +1,1 @@
+"""Analysis tools for ET solutions: convergence, Lyapunov checks, stability, pictures, reports."""

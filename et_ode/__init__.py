@@ -1,0 +1,24 @@
+"""et-ode: the Energy Transformer as a continuous-time dynamical system."""
+
+from .energies import EnergyAttention, HopfieldMemory
+from .field import ETField
+from .gradients import implicit_fixed_point
+from .model import EnergyTransformer
+from .neurons import LayerNormNeuron
+from .solve import METHODS, Solution, SolveError, SolveStats, Status, solve
+
+__all__ = [
+    "METHODS",
+    "ETField",
+    "EnergyAttention",
+    "EnergyTransformer",
+    "HopfieldMemory",
+    "LayerNormNeuron",
+    "Solution",
+    "SolveError",
+    "SolveStats",
+    "Status",
+    "implicit_fixed_point",
+    "solve",
+]
+__version__ = "0.1.0"

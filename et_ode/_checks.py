@@ -1,0 +1,43 @@
+"""Input validation shared by the public entry points. Every error names the argument."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def check_tokens(name: str, x: object, dim: int) -> Tensor:
+    """``x`` must be a finite floating tensor of shape ``(..., N, dim)`` with ``N >= 1``."""
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of shape (..., N, {dim}), got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(f"{name} must have a floating dtype (float32 or float64), got {x.dtype}")
+    if x.dim() < 2 or x.shape[-1] != dim:
+        raise ValueError(f"{name} must have shape (..., N, D) with D={dim}, got shape {tuple(x.shape)}")
+    if not bool(torch.isfinite(x).all()):
+        bad = int((~torch.isfinite(x)).sum())
+        raise ValueError(f"{name} has {bad} non-finite entries (NaN or inf); shape {tuple(x.shape)}")
+    return x
+
+
+def check_mask(mask: object, x: Tensor) -> Tensor | None:
+    """``mask`` must be ``None`` or a boolean ``(N, N)`` / ``(*batch, N, N)`` tensor broadcastable to ``x``."""
+    if mask is None:
+        return None
+    n = x.shape[-2]
+    batch = tuple(x.shape[:-2])
+    if not isinstance(mask, Tensor):
+        raise TypeError(f"mask must be a boolean torch.Tensor of shape (N, N) or (*batch, N, N), got {type(mask).__name__}")
+    if mask.dtype != torch.bool:
+        raise TypeError(f"mask must have dtype torch.bool (True where query C may attend to key B), got {mask.dtype}")
+    if mask.dim() < 2 or tuple(mask.shape[-2:]) != (n, n):
+        raise ValueError(f"mask must have shape (N, N) or (*batch, N, N) with N={n}, got shape {tuple(mask.shape)}")
+    try:
+        torch.broadcast_shapes(tuple(mask.shape[:-2]), batch)
+    except RuntimeError:
+        raise ValueError(
+            f"mask batch shape {tuple(mask.shape[:-2])} does not broadcast to the tokens' batch shape {batch}"
+        ) from None
+    if len(mask.shape) - 2 > len(batch):
+        raise ValueError(f"mask has more batch dimensions than the tokens: mask {tuple(mask.shape)}, x {tuple(x.shape)}")
+    return mask

@@ -1,0 +1,102 @@
+"""The ET vector field ``tau dx/dt = -dE/dg``: a plain ``nn.Module`` ``f(t, x)`` for any ODE solver."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from ._checks import check_mask, check_tokens
+from .model import EnergyTransformer
+
+GRAD_MODES = ("analytic", "autograd")
+
+
+@dataclass
+class Evaluations:
+    """How many times a field was evaluated. Shared by copies of the field made by ``with_mask``."""
+
+    count: int = 0
+
+
+class ETField(nn.Module):
+    """``f(t, x) = -(1/tau) dE/dg(g(x))`` for a state ``x`` of shape ``(..., N, D)``.
+
+    Args:
+        model: the energy.
+        tau: time constant, > 0.
+        grad: ``"analytic"`` (closed form, the default) or ``"autograd"`` (differentiates the energy;
+            the reference, also correct under ``torch.no_grad()``).
+        mask: an attention mask bound to the field (see :class:`EnergyTransformer`).
+
+    The field counts its evaluations in ``nfe`` (``reset_nfe()`` zeroes it). ``forward`` does not
+    validate its input, since solvers call it thousands of times; ``solve`` validates once.
+    """
+
+    def __init__(self, model: EnergyTransformer, tau: float = 1.0, grad: str = "analytic",
+                 mask: Tensor | None = None):
+        super().__init__()
+        if not isinstance(model, EnergyTransformer):
+            raise TypeError(f"model must be an EnergyTransformer, got {type(model).__name__}")
+        if not (float(tau) > 0):
+            raise ValueError(f"tau must be positive, got {tau!r}")
+        if grad not in GRAD_MODES:
+            raise ValueError(f"grad must be one of {GRAD_MODES}, got {grad!r}")
+        self.model = model
+        self.tau = float(tau)
+        self.grad_mode = grad
+        self.mask = mask
+        self.evaluations = Evaluations()
+
+    @property
+    def nfe(self) -> int:
+        """Number of evaluations of ``forward`` since the last reset."""
+        return self.evaluations.count
+
+    def reset_nfe(self) -> None:
+        self.evaluations.count = 0
+
+    def with_mask(self, mask: Tensor | None) -> ETField:
+        """A copy of this field bound to ``mask``, sharing the model and the evaluation counter."""
+        bound = copy.copy(self)
+        bound.__dict__["mask"] = mask
+        return bound
+
+    def grad_g(self, g: Tensor) -> Tensor:
+        """``dE/dg`` by the chosen mode, with the bound mask: ``(..., N, D) -> (..., N, D)``."""
+        if self.grad_mode == "analytic":
+            return self.model._grad_g(g, self.mask)
+        create_graph = torch.is_grad_enabled()
+        with torch.enable_grad():
+            if not g.requires_grad:
+                g = g.detach().requires_grad_(True)
+            energy = self.model._energy_g(g, self.mask).sum()
+            (grad,) = torch.autograd.grad(energy, g, create_graph=create_graph)
+        return grad
+
+    def forward(self, t: Tensor, x: Tensor) -> Tensor:
+        """``dx/dt``, shape of ``x``."""
+        self.evaluations.count += 1
+        return self.grad_g(self.model.neuron(x)) / -self.tau
+
+    def _checked(self, x: Tensor) -> Tensor:
+        check_tokens("x", x, self.model.dim)
+        check_mask(self.mask, x)
+        return x
+
+    def dg_dt(self, x: Tensor) -> Tensor:
+        """``dg/dt = M dx/dt`` (the motion of the attractor's coordinates): shape of ``x``."""
+        self._checked(x)
+        return self.model.neuron.hessian_vector(x, self.forward(torch.zeros(()), x))
+
+    def dE_dt(self, x: Tensor) -> Tensor:
+        """The exact ``dE/dt = -(1/tau) sum_A (dE/dg_A)^T M_A (dE/dg_A)`` per sample, shape ``x.shape[:-2]``."""
+        self._checked(x)
+        grad = self.grad_g(self.model.neuron(x))
+        return -(grad * self.model.neuron.hessian_vector(x, grad)).sum(dim=(-1, -2)) / self.tau
+
+    def rms_dg_dt(self, x: Tensor) -> Tensor:
+        """Root-mean-square of ``dg/dt`` over tokens and elements, per sample, shape ``x.shape[:-2]``."""
+        return self.dg_dt(x).square().mean(dim=(-1, -2)).sqrt()

@@ -1,0 +1,61 @@
+"""Where the attractors live: each normalized token on a sphere, and the Hessian along it.
+
+``g_A - delta`` has zero mean and norm ``gamma sqrt(D) |xt| / sqrt(|xt|^2 + D eps)``: up to O(eps)
+it lies on the sphere of radius ``r = gamma sqrt(D)`` in the centered subspace. The energy almost
+always decreases outward (``s_A . dE/dg_A < 0``, ``s_A`` the unit radial direction), so along a
+trajectory ``x`` keeps drifting: along the all-ones vector (the exact zero mode of ``M``) and
+radially (``|xt|`` grows about linearly in time, the radial eigenvalue ``gamma eps / sigma^3`` of ``M``
+vanishes, and the tangential rate ``gamma / sigma`` decays like ``1/t``). ``g`` converges, at a
+rate set by the time change ``ds = gamma / (tau sigma) dt``, to a critical point of ``E`` on the
+product of spheres. Its stability, and the implicit gradient through it, are read from the
+Riemannian Hessian of ``E`` on those spheres, per token:
+
+    Hess_R w = T (H w) - (s . dE/dg) / r * w        for tangent ``w`` (T removes mean and radial part),
+
+whose curvature term is what the Euclidean ``M^(1/2) H M^(1/2)`` misses.
+Shapes: ``(..., N, D)`` throughout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from .field import ETField
+
+
+def radial_direction(g: Tensor, delta: Tensor) -> tuple[Tensor, Tensor]:
+    """Unit radial direction ``s_A = (g_A - delta) / r_A`` and the radius ``r_A`` (shape ``(..., N, 1)``)."""
+    u = g - delta
+    u = u - u.mean(dim=-1, keepdim=True)
+    radius = u.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(g.dtype).tiny)
+    return u / radius, radius
+
+
+def tangent_projection(v: Tensor, s: Tensor) -> Tensor:
+    """``T v``: remove each token's mean and its component along the unit radial ``s``."""
+    v = v - v.mean(dim=-1, keepdim=True)
+    return v - (v * s).sum(dim=-1, keepdim=True) * s
+
+
+def riemannian_hessian(field: ETField, g: Tensor) -> tuple[Callable[[Tensor], Tensor], Tensor]:
+    """The operator ``w -> Hess_R w`` at ``g`` (Hessian-vector products by autograd of the field's
+    ``dE/dg``, never forming the matrix), and the tangent projection of ``dE/dg`` (zero at a critical point).
+
+    The returned operator is symmetric on the tangent space and maps into it.
+    """
+    s, radius = radial_direction(g.detach(), field.model.neuron.delta.detach())
+    with torch.enable_grad():
+        point = g.detach().requires_grad_(True)
+        grad_e = field.grad_g(point)
+    curvature = ((grad_e.detach() * s).sum(dim=-1, keepdim=True) / radius).detach()
+
+    def apply(w: Tensor) -> Tensor:
+        w = tangent_projection(w, s)
+        (hw,) = torch.autograd.grad(grad_e, point, w, retain_graph=True)
+        field.evaluations.count += 1
+        return tangent_projection(hw, s) - curvature * w
+
+    return apply, tangent_projection(grad_e.detach(), s)

@@ -1,0 +1,387 @@
+"""One solve function for the ET dynamics, returning a :class:`Solution` with its statistics.
+
+``solve`` wraps torchdiffeq: every torchdiffeq method, the paper's Euler scheme (``method="et"``),
+stopping at the attractor (``steady_state``), and three ways to differentiate (``grad``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torchdiffeq import odeint, odeint_adjoint, odeint_event
+
+from ._checks import check_mask, check_tokens
+from .field import ETField, Evaluations
+
+ADAPTIVE_METHODS = ("dopri5", "dopri8", "bosh3", "fehlberg2", "adaptive_heun")
+FIXED_METHODS = ("euler", "midpoint", "rk4", "explicit_adams", "implicit_adams")
+METHODS = (*ADAPTIVE_METHODS, *FIXED_METHODS, "et")
+GRADIENTS = ("direct", "adjoint", "implicit")
+SAVES = ("all", "steps", "final")
+
+
+class Status(str, Enum):
+    """How a solve ended."""
+
+    REACHED_END = "reached_end"
+    STEADY_STATE = "steady_state"
+    FAILED = "failed"
+
+
+@dataclass
+class SolveStats:
+    """Statistics of one solve.
+
+    ``nfe_backward`` counts the field evaluations made after the forward solve returned (the
+    adjoint's backward pass, or the implicit solver's Hessian-vector products), so read it after
+    ``loss.backward()``.
+    """
+
+    nfe_forward: int
+    accepted_steps: int
+    rejected_steps: int
+    wall_time: float
+    t_final: float
+    status: Status
+    evaluations: Evaluations = field(repr=False)
+    nfe_at_return: int = field(repr=False)
+
+    @property
+    def nfe_backward(self) -> int:
+        return self.evaluations.count - self.nfe_at_return
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"nfe_forward": self.nfe_forward, "nfe_backward": self.nfe_backward,
+                "accepted_steps": self.accepted_steps, "rejected_steps": self.rejected_steps,
+                "wall_time": self.wall_time, "t_final": self.t_final, "status": self.status.value}
+
+
+@dataclass
+class Solution:
+    """What a solve returns.
+
+    Attributes:
+        ts: saved times, ``(T,)``.
+        xs: saved states ``(T, *batch, N, D)``, or ``None`` with ``save="final"``.
+        energies: energy per sample at the saved times, ``(T, *batch)`` (detached).
+        x: final state ``(*batch, N, D)``; differentiable with ``grad`` "direct" and "adjoint".
+        g: final normalized state ``LayerNorm(x)``, ``(*batch, N, D)``; differentiable in every mode.
+        residual: RMS of ``dg/dt`` per sample at the final state, ``(*batch,)`` (detached).
+        stats: :class:`SolveStats`.
+    """
+
+    ts: Tensor
+    xs: Tensor | None
+    energies: Tensor
+    x: Tensor
+    g: Tensor
+    residual: Tensor
+    stats: SolveStats
+    mask: Tensor | None = None
+
+    @property
+    def status(self) -> Status:
+        return self.stats.status
+
+
+class SolveError(RuntimeError):
+    """A solve that could not finish. ``solution`` holds what was computed up to ``time``."""
+
+    def __init__(self, message: str, *, time: float, solution: Solution | None):
+        super().__init__(message)
+        self.time = time
+        self.solution = solution
+
+
+class _Recorder(nn.Module):
+    """Wraps the field for torchdiffeq, counting steps and catching runaway or non-finite solves."""
+
+    def __init__(self, field: ETField, max_steps: int, keep_steps: bool):
+        super().__init__()
+        self.field = field
+        self.max_steps = max_steps
+        self.keep_steps = keep_steps
+        self.steps = 0
+        self.accepted = 0
+        self.rejected = 0
+        self.last: tuple[float, Tensor] | None = None
+        self.saved: list[tuple[float, Tensor]] = []
+
+    def forward(self, t: Tensor, x: Tensor) -> Tensor:
+        return self.field(t, x)
+
+    saves_each_step = True  # fixed-step solvers accept every step
+
+    def callback_step(self, t0: Tensor, y0: Tensor, dt: Tensor) -> None:
+        self.steps += 1
+        self.last = (float(t0.detach()), y0.detach())
+        if self.keep_steps and self.saves_each_step:
+            self.saved.append(self.last)
+        if not bool(torch.isfinite(y0).all()):
+            raise _Failure(f"the state became non-finite (NaN or inf) by t={self.last[0]:.6g}", self.last[0])
+        if self.steps > self.max_steps:
+            raise _Failure(f"max_steps={self.max_steps} solver steps exceeded at t={self.last[0]:.6g}", self.last[0])
+
+
+class _AdaptiveRecorder(_Recorder):
+    saves_each_step = False
+
+    def callback_accept_step(self, t0: Tensor, y0: Tensor, dt: Tensor) -> None:
+        self.accepted += 1
+        if self.keep_steps:
+            self.saved.append((float(t0.detach()), y0.detach()))
+
+    def callback_reject_step(self, t0: Tensor, y0: Tensor, dt: Tensor) -> None:
+        self.rejected += 1
+
+
+class _Failure(Exception):
+    def __init__(self, message: str, time: float):
+        super().__init__(message)
+        self.time = time
+
+
+def _time_grid(t: Tensor | Sequence[float] | None, method: str, step: float | None, steps: int | None,
+               tau: float, device: torch.device) -> Tensor:
+    if method == "et":
+        if t is not None and not isinstance(t, (tuple, list)):
+            raise ValueError("method='et' builds its grid from step and steps; give t=None or t=(t0,)")
+        if step is None or steps is None:
+            raise ValueError("method='et' needs step (alpha, e.g. 0.1) and steps (e.g. 12)")
+        if not (step > 0) or not (isinstance(steps, int) and steps >= 1):
+            raise ValueError(f"method='et' needs step > 0 and an integer steps >= 1, got step={step}, steps={steps}")
+        t0 = float(t[0]) if t else 0.0
+        return t0 + torch.arange(steps + 1, dtype=torch.float64, device=device) * (step * tau)
+    if t is None:
+        raise ValueError("t is required: a 1-D tensor of output times or a pair (t0, t1)")
+    grid = torch.as_tensor(t, dtype=torch.float64).to(device).detach()
+    if grid.dim() != 1 or grid.numel() < 2:
+        raise ValueError(f"t must be a 1-D tensor of at least 2 times or a pair (t0, t1), got shape {tuple(grid.shape)}")
+    if not bool(torch.isfinite(grid).all()) or not bool((grid[1:] > grid[:-1]).all()):
+        raise ValueError(f"t must be finite and strictly increasing, got {grid.tolist()}")
+    return grid
+
+
+def solve(
+    field: ETField,
+    x0: Tensor,
+    t: Tensor | Sequence[float] | None = None,
+    *,
+    method: str = "dopri5",
+    rtol: float = 1e-5,
+    atol: float = 1e-6,
+    step: float | None = None,
+    steps: int | None = None,
+    options: dict[str, Any] | None = None,
+    grad: str = "direct",
+    adjoint_rtol: float | None = None,
+    adjoint_atol: float | None = None,
+    adjoint_method: str | None = None,
+    seminorm: bool = False,
+    implicit_tol: float = 1e-8,
+    implicit_max_iter: int = 200,
+    steady_state: float | None = None,
+    max_steps: int = 10_000,
+    mask: Tensor | None = None,
+    save: str = "all",
+) -> Solution:
+    """Integrate ``tau dx/dt = -dE/dg`` from ``x0`` of shape ``(*batch, N, D)``.
+
+    Args:
+        field: the vector field (its bound mask is used unless ``mask`` is given).
+        x0: initial state ``(*batch, N, D)``.
+        t: 1-D tensor of output times, or ``(t0, t1)``. ``None`` with ``method="et"``.
+        method: a torchdiffeq method (adaptive: dopri5, dopri8, bosh3, fehlberg2, adaptive_heun;
+            fixed: euler, midpoint, rk4, explicit_adams, implicit_adams) or ``"et"``, the paper's
+            scheme: ``steps`` Euler steps of size ``step * tau`` (``x <- x - step * dE/dg``).
+        rtol, atol: tolerances of adaptive methods.
+        step: step size of fixed methods (``options["step_size"]``); the alpha of ``method="et"``.
+            A fixed method without a step steps on the grid ``t`` itself.
+        steps: number of steps of ``method="et"``.
+        options: further torchdiffeq solver options.
+        grad: ``"direct"`` (backpropagate through the solver), ``"adjoint"`` (torchdiffeq's adjoint,
+            memory independent of the steps) or ``"implicit"`` (implicit function theorem at the
+            fixed point; needs ``steady_state`` and gives gradients through ``Solution.g`` only).
+        adjoint_rtol, adjoint_atol, adjoint_method, seminorm: the adjoint's backward solve.
+        implicit_tol, implicit_max_iter: the conjugate-gradient solve of the implicit adjoint system.
+        steady_state: stop once the RMS of ``dg/dt`` of every sample is below this value (or at the
+            end of ``t``, whichever is first); gradients flow through the stopping time.
+        max_steps: raise :class:`SolveError` after this many solver steps.
+        mask: attention mask ``(N, N)`` or ``(*batch, N, N)``.
+        save: ``"all"`` (the states at the times ``t``; with ``steady_state``, those before the stop
+            and the stop itself, recomputed without gradients), ``"steps"`` (every accepted step of
+            an adaptive method, every step of a fixed one) or ``"final"``.
+
+    Raises:
+        ValueError / TypeError: bad arguments, naming the argument.
+        SolveError: too many steps, step-size underflow, or a non-finite state; carries the partial
+            solution.
+    """
+    if not isinstance(field, ETField):
+        raise TypeError(f"field must be an et_ode.ETField, got {type(field).__name__}")
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; valid methods: {', '.join(METHODS)}")
+    if grad not in GRADIENTS:
+        raise ValueError(f"grad must be one of {GRADIENTS}, got {grad!r}")
+    if save not in SAVES:
+        raise ValueError(f"save must be one of {SAVES}, got {save!r}")
+    if not (rtol > 0 and atol > 0):
+        raise ValueError(f"rtol and atol must be positive, got rtol={rtol}, atol={atol}")
+    if steady_state is not None and not steady_state > 0:
+        raise ValueError(f"steady_state must be a positive tolerance, got {steady_state!r}")
+    if not (isinstance(max_steps, int) and max_steps >= 1):
+        raise ValueError(f"max_steps must be a positive integer, got {max_steps!r}")
+    if grad == "implicit" and steady_state is None:
+        raise ValueError("grad='implicit' differentiates at a fixed point: give steady_state=tol")
+    check_tokens("x0", x0, field.model.dim)
+    if mask is not None:
+        field = field.with_mask(check_mask(mask, x0))
+    else:
+        check_mask(field.mask, x0)
+    grid = _time_grid(t, method, step, steps, field.tau, x0.device)
+
+    torch_method = "euler" if method == "et" else method
+    opts = dict(options or {})
+    if method == "et":
+        if steady_state is not None:  # the event loop of fixed solvers needs a step size; else step on the grid
+            opts["step_size"] = step * field.tau
+    elif step is not None:
+        if method in ADAPTIVE_METHODS:
+            raise ValueError(f"step is for fixed-step methods; {method!r} is adaptive (use rtol/atol, or options)")
+        opts["step_size"] = float(step)
+    if steady_state is not None and torch_method in FIXED_METHODS and "step_size" not in opts:
+        raise ValueError(f"steady_state with the fixed-step method {method!r} needs step=...")
+
+    adaptive = torch_method in ADAPTIVE_METHODS
+    fixed_step = opts.get("step_size")
+    if not adaptive:
+        planned = len(grid) - 1 if fixed_step is None else int(torch.ceil((grid[-1] - grid[0]) / fixed_step))
+        if planned > max_steps:
+            raise SolveError(f"solve failed ({method}): {planned} fixed steps planned from t={float(grid[0]):.6g} to "
+                             f"{float(grid[-1]):.6g}, more than max_steps={max_steps}", time=float(grid[0]),
+                             solution=None)
+    recorder = (_AdaptiveRecorder if adaptive else _Recorder)(field, max_steps, keep_steps=save == "steps")
+    evaluations = field.evaluations
+    nfe_before = evaluations.count
+    kwargs: dict[str, Any] = dict(rtol=rtol, atol=atol, method=torch_method, options=opts)
+    if grad == "adjoint":
+        interface = odeint_adjoint
+        kwargs.update(adjoint_params=tuple(field.parameters()), adjoint_rtol=adjoint_rtol or rtol,
+                      adjoint_atol=adjoint_atol or atol, adjoint_method=adjoint_method,
+                      adjoint_options=dict(norm="seminorm") if seminorm else None)
+    else:
+        interface = odeint
+
+    started = time.perf_counter()
+    status = Status.REACHED_END
+    try:
+        with torch.no_grad() if grad == "implicit" else contextlib.nullcontext():
+            if steady_state is None:
+                xs = interface(recorder, x0, grid, **kwargs)
+                ts, x_final = grid, xs[-1]
+            else:
+                x_final, t_stop, status = _solve_to_steady_state(recorder, x0, grid, steady_state, interface, kwargs)
+                ts, xs = grid[grid < t_stop], None
+                ts = torch.cat([ts, ts.new_tensor([t_stop])])
+    except (_Failure, AssertionError, RuntimeError) as error:
+        if isinstance(error, RuntimeError) and "Reached maximum number of iterations" not in str(error):
+            raise
+        last_time = recorder.last[0] if recorder.last else float(grid[0])
+        fail_time = error.time if isinstance(error, _Failure) else last_time
+        partial = _partial_solution(field, recorder, x0, evaluations, nfe_before, time.perf_counter() - started)
+        raise SolveError(f"solve failed ({method}): {error}", time=fail_time, solution=partial) from error
+    wall_time = time.perf_counter() - started
+    nfe_forward = evaluations.count - nfe_before
+    if not bool(torch.isfinite(x_final).all()):
+        partial = _partial_solution(field, recorder, x0, evaluations, nfe_before, wall_time)
+        raise SolveError(f"solve failed ({method}): the state became non-finite (NaN or inf) by "
+                         f"t={float(ts[-1]):.6g}", time=float(ts[-1]), solution=partial)
+    if not adaptive and steady_state is not None:  # torchdiffeq's fixed-step event loop has no step callback
+        recorder.steps = round((float(ts[-1]) - float(grid[0])) / fixed_step)
+
+    if grad == "implicit":
+        if status is not Status.STEADY_STATE:
+            raise SolveError(
+                f"grad='implicit' needs a converged fixed point, but the solve reached t={float(ts[-1]):.6g} "
+                f"without RMS |dg/dt| < {steady_state}; integrate longer or loosen steady_state",
+                time=float(ts[-1]), solution=None)
+        from .gradients import implicit_fixed_point
+
+        g_final = implicit_fixed_point(field, x_final.detach(), tol=implicit_tol, max_iter=implicit_max_iter)
+        x_final = x_final.detach()
+    else:
+        g_final = field.model.neuron(x_final)
+
+    with torch.no_grad():
+        if save == "all" and xs is None:  # steady state: the saved grid up to the stop
+            xs = torch.stack([x0.detach(), x_final.detach()])
+            if len(ts) > 2:  # recompute the intermediate times without gradients (costs a second solve)
+                solver_args = {k: kwargs[k] for k in ("rtol", "atol", "method", "options")}
+                xs = torch.cat([odeint(field, x0.detach(), ts[:-1], **solver_args), xs[-1:]])
+        elif save == "steps":
+            ts, xs = _steps_saved(recorder, ts, x0, x_final)
+        elif save == "final":
+            ts, xs = ts[-1:], None
+        states = x_final.detach()[None] if xs is None else xs.detach()
+        energies = field.model._energy_g(field.model.neuron(states), field.mask)
+        residual = field.rms_dg_dt(x_final.detach())
+    stats = SolveStats(nfe_forward=nfe_forward,
+                       accepted_steps=recorder.accepted if adaptive else recorder.steps,
+                       rejected_steps=recorder.rejected, wall_time=wall_time, t_final=float(ts[-1]),
+                       status=status, evaluations=evaluations, nfe_at_return=evaluations.count)
+    return Solution(ts=ts, xs=xs, energies=energies, x=x_final, g=g_final, residual=residual, stats=stats,
+                    mask=field.mask)
+
+
+def _solve_to_steady_state(recorder: _Recorder, x0: Tensor, grid: Tensor, tol: float, interface: Any,
+                           kwargs: dict[str, Any]) -> tuple[Tensor, float, Status]:
+    """Integrate until max over samples of RMS |dg/dt| < tol, or to ``grid[-1]``."""
+    field = recorder.field
+    t_end = grid[-1]
+    with torch.no_grad():
+        if float(field.rms_dg_dt(x0).max()) < tol:
+            return x0, float(grid[0]), Status.STEADY_STATE
+
+    def event_fn(t: Tensor, x: Tensor) -> Tensor:
+        converged = torch.log(field.rms_dg_dt(x).max() / tol)
+        return torch.minimum(converged, (t_end - t).to(converged.dtype))
+
+    t_event, xs = odeint_event(recorder, x0, grid[0], event_fn=event_fn, odeint_interface=interface, **kwargs)
+    t_stop = float(t_event)
+    with torch.no_grad():
+        reached = float(field.rms_dg_dt(xs[-1]).max()) < tol * (1 + 1e-6)
+    status = Status.STEADY_STATE if reached and t_stop < float(t_end) else Status.REACHED_END
+    return xs[-1], min(t_stop, float(t_end)), status
+
+
+def _steps_saved(recorder: _Recorder, ts: Tensor, x0: Tensor, x_final: Tensor) -> tuple[Tensor, Tensor]:
+    """The start of every accepted step, then the final state."""
+    times = [t for t, _ in recorder.saved] + [float(ts[-1])]
+    states = [s for _, s in recorder.saved] + [x_final.detach()]
+    if not recorder.saved or times[0] > float(ts[0]):
+        times.insert(0, float(ts[0]))
+        states.insert(0, x0.detach())
+    return torch.tensor(times, dtype=ts.dtype, device=ts.device), torch.stack(states)
+
+
+def _partial_solution(field: ETField, recorder: _Recorder, x0: Tensor, evaluations: Evaluations, nfe_before: int,
+                      wall_time: float) -> Solution:
+    t_last, x_last = recorder.last if recorder.last is not None else (0.0, x0.detach())
+    ts = torch.tensor([t_last], dtype=torch.float64)
+    with torch.no_grad():
+        g = field.model.neuron(x_last)
+        energies = field.model._energy_g(g, field.mask)[None]
+        finite = bool(torch.isfinite(x_last).all())
+        residual = field.rms_dg_dt(x_last) if finite else torch.full_like(energies[0], float("nan"))
+    stats = SolveStats(nfe_forward=evaluations.count - nfe_before, accepted_steps=recorder.accepted or recorder.steps,
+                       rejected_steps=recorder.rejected, wall_time=wall_time, t_final=t_last, status=Status.FAILED,
+                       evaluations=evaluations, nfe_at_return=evaluations.count)
+    return Solution(ts=ts, xs=x_last[None], energies=energies, x=x_last, g=g, residual=residual, stats=stats,
+                    mask=field.mask)

@@ -9,7 +9,7 @@ from torch import Tensor, nn
 
 from ._checks import check_mask, check_tokens
 from .energies import EnergyAttention, HopfieldMemory
-from .neurons import LayerNormNeuron
+from .neurons import LayerNormNeuron, inverse_softplus
 
 
 class EnergyTransformer(nn.Module):
@@ -80,7 +80,7 @@ class EnergyTransformer(nn.Module):
             raise ValueError(f"xi must have shape (K, D) with D={dim}, got {tuple(xi.shape)}")
         if delta.shape != (dim,):
             raise ValueError(f"delta must have shape ({dim},), got {tuple(delta.shape)}")
-        gamma_value = float(torch.as_tensor(gamma))
+        gamma_value = float(gamma.detach()) if isinstance(gamma, Tensor) else float(gamma)
         if not gamma_value > 0:
             raise ValueError(f"gamma must be positive, got {gamma_value}")
         model = cls(dim, heads, head_dim, xi.shape[0], hopfield=hopfield, beta=beta, beta_hn=beta_hn,
@@ -91,7 +91,7 @@ class EnergyTransformer(nn.Module):
             model.attention.WQ.copy_(WQ)
             model.hopfield.xi.copy_(xi)
             model.neuron.delta.copy_(delta)
-            model.neuron.gamma_raw.copy_(torch.log(torch.expm1(torch.tensor(gamma_value, dtype=torch.float64))))
+            model.neuron.gamma_raw.copy_(torch.tensor(inverse_softplus(gamma_value), dtype=torch.float64))
         return model
 
     # -- unchecked internals, used on hot paths (the vector field) -----------------------------

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 
-def _inverse_softplus(y: float) -> float:
+def inverse_softplus(y: float) -> float:
     """The ``r`` with ``softplus(r) == y`` for ``y > 0``."""
     return y + math.log(-math.expm1(-y))
 
@@ -46,7 +46,7 @@ class LayerNormNeuron(nn.Module):
         self.dim = dim
         self.eps = float(eps)
         self.positive_gamma = positive_gamma
-        raw = _inverse_softplus(gamma) if positive_gamma else gamma
+        raw = inverse_softplus(gamma) if positive_gamma else gamma
         self.gamma_raw = nn.Parameter(torch.tensor(float(raw)))
         self.delta = nn.Parameter(torch.zeros(dim))
 

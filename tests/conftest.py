@@ -1,0 +1,34 @@
+"""Shared test helpers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import et_ode
+
+# The test problems are tiny: one intra-op thread avoids OpenMP wake-up latency, which dominates them
+# (and explodes when the cores are shared).
+torch.set_num_threads(1)
+
+SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+
+def random_model(dim: int = 8, heads: int = 2, head_dim: int = 4, memories: int = 12, *, seed: int = 0,
+                 dtype: torch.dtype = torch.float64, **kwargs: object) -> et_ode.EnergyTransformer:
+    """A small random model with a non-trivial gamma and delta."""
+    torch.manual_seed(seed)
+    model = et_ode.EnergyTransformer(dim, heads, head_dim, memories, **kwargs).to(dtype)
+    with torch.no_grad():
+        model.neuron.delta.normal_(0.0, 0.3)
+        model.neuron.gamma_raw.add_(0.3)
+    return model
+
+
+@pytest.fixture
+def shared_data() -> Path:
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"shared data folder not found at {SHARED_DATA}")
+    return SHARED_DATA

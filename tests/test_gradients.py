@@ -1,0 +1,106 @@
+"""Gradients through solves: direct vs adjoint vs implicit, and gradcheck."""
+
+import pytest
+import torch
+from torch.func import functional_call
+
+from et_ode import ETField, solve
+from tests.conftest import random_model
+
+
+def parameter_gradients(model, x0, target, **kwargs):
+    model.zero_grad()
+    x0 = x0.clone().requires_grad_(True)
+    solution = solve(ETField(model), x0, save="final", **kwargs)
+    ((solution.g - target) ** 2).sum().backward()
+    x0_grad = torch.zeros_like(x0) if x0.grad is None else x0.grad
+    return torch.cat([p.grad.flatten() for p in model.parameters()] + [x0_grad.flatten()]), solution
+
+
+def relative(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize("hopfield, bound", [("softmax", 1e-6), ("softplus", 1e-6), ("relu", 1e-2)])
+def test_adjoint_equals_direct(hopfield, bound):
+    """ReLU memories make the field only once differentiable where an overlap crosses zero: adaptive
+    step-size control then differs between the forward and the adjoint solve, hence the looser bound."""
+    model = random_model(hopfield=hopfield, seed=1)
+    x0 = torch.randn(2, 4, 8, dtype=torch.float64)
+    target = torch.randn_like(x0)
+    tight = hopfield != "relu"  # ReLU kinks make tight tolerances expensive without making them more accurate
+    options = dict(t=(0.0, 3.0), rtol=1e-10 if tight else 1e-7, atol=1e-12 if tight else 1e-9)
+    direct, _ = parameter_gradients(model, x0, target, **options)
+    adjoint, solution = parameter_gradients(model, x0, target, grad="adjoint", **options)
+    assert relative(adjoint, direct) < bound
+    assert solution.stats.nfe_backward > 0
+
+
+def test_adjoint_with_seminorm_and_fixed_steps():
+    model = random_model(hopfield="relu", seed=2)
+    x0 = torch.randn(1, 3, 8, dtype=torch.float64)
+    target = torch.randn_like(x0)
+    direct, _ = parameter_gradients(model, x0, target, t=(0.0, 1.0), method="rk4", step=0.01)
+    adjoint, _ = parameter_gradients(model, x0, target, t=(0.0, 1.0), method="rk4", step=0.01, grad="adjoint",
+                                     adjoint_method="rk4")
+    assert relative(adjoint, direct) < 1e-6  # the continuous adjoint vs the discrete one, O(step^4)
+    semi, _ = parameter_gradients(model, x0, target, t=(0.0, 1.0), rtol=1e-9, atol=1e-11, grad="adjoint",
+                                  seminorm=True)
+    assert relative(semi, direct) < 1e-4
+
+
+class Solved(torch.nn.Module):
+    def __init__(self, grad: str):
+        super().__init__()
+        self.model = random_model(4, 1, 2, 3, hopfield="softmax", seed=5)
+        self.grad = grad
+
+    def forward(self, x0: torch.Tensor) -> torch.Tensor:
+        return solve(ETField(self.model), x0, (0.0, 0.5), method="rk4", step=0.05, grad=self.grad,
+                     save="final").g
+
+
+@pytest.mark.parametrize("grad", ["direct", "adjoint"])
+def test_gradcheck_through_the_solve(grad):
+    solved = Solved(grad)
+    x0 = torch.randn(1, 2, 4, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(solved, (x0,), atol=1e-6, rtol=1e-5)
+    if grad == "direct":  # parameters too, through functional_call
+        wk = solved.model.attention.WK.detach().clone().requires_grad_(True)
+        xi = solved.model.hopfield.xi.detach().clone().requires_grad_(True)
+
+        def of_weights(wk, xi):
+            return functional_call(solved, {"model.attention.WK": wk, "model.hopfield.xi": xi}, (x0.detach(),))
+
+        assert torch.autograd.gradcheck(of_weights, (wk, xi), atol=1e-6, rtol=1e-5)
+
+
+def converging_model():
+    """One token with self-attention and sharp softmax memories: converges about like 1/t (see et_ode.manifold)."""
+    model = random_model(8, 2, 4, 6, hopfield="softmax", beta_hn=10.0, self_attention=True, seed=0)
+    with torch.no_grad():
+        model.attention.WK.mul_(0.05)
+        model.hopfield.xi.mul_(3.0)
+    return model
+
+
+def test_implicit_equals_direct_through_a_long_converged_solve():
+    model = converging_model()
+    x0 = torch.randn(2, 1, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    target = torch.randn_like(x0)
+    direct, long_solve = parameter_gradients(model, x0, target, t=(0.0, 1e7), rtol=1e-10, atol=1e-12,
+                                             grad="adjoint")
+    implicit, fixed = parameter_gradients(model, x0, target, t=(0.0, 1e9), rtol=1e-10, atol=1e-12, grad="implicit",
+                                          steady_state=1e-12, implicit_tol=1e-12)
+    n_params = sum(p.numel() for p in model.parameters())
+    assert fixed.status.value == "steady_state"
+    assert relative(implicit[:n_params], direct[:n_params]) < 1e-4
+    assert float(implicit[n_params:].abs().max()) == 0.0  # the fixed point does not depend on x0 locally
+    assert 0 < fixed.stats.nfe_backward < 100  # conjugate-gradient Hessian-vector products, not a backward solve
+
+
+def test_implicit_needs_a_converged_solve():
+    model = converging_model()
+    x0 = torch.randn(1, 1, 8, dtype=torch.float64)
+    with pytest.raises(Exception, match="converged fixed point"):
+        solve(ETField(model), x0, (0.0, 1.0), grad="implicit", steady_state=1e-12)

@@ -1,0 +1,169 @@
+"""solve(): solvers against references, the paper's scheme, steady state, energy descent, failures."""
+
+import pytest
+import torch
+from torchdiffeq import odeint
+
+from et_ode import METHODS, ETField, SolveError, Status, solve
+from tests.conftest import random_model
+
+
+def setup(seed: int = 0, hopfield: str = "softmax", batch: int = 2, n: int = 4):
+    model = random_model(hopfield=hopfield, seed=seed)
+    x0 = torch.randn(batch, n, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+    return model, ETField(model), x0
+
+
+def test_solution_shapes_and_statistics():
+    model, field, x0 = setup()
+    t = torch.linspace(0, 2, 5, dtype=torch.float64)
+    solution = solve(field, x0, t)
+    assert solution.xs.shape == (5, 2, 4, 8) and solution.energies.shape == (5, 2)
+    assert torch.equal(solution.ts, t) and solution.status is Status.REACHED_END
+    assert solution.stats.nfe_forward > 0 and solution.stats.accepted_steps > 0
+    torch.testing.assert_close(solution.g, model.activation(solution.x))
+    torch.testing.assert_close(solution.energies[-1], model.energy(solution.x).detach())
+    torch.testing.assert_close(solution.residual, field.rms_dg_dt(solution.x).detach())
+
+
+@pytest.mark.parametrize("method", ["dopri5", "bosh3", "adaptive_heun", "dopri8", "fehlberg2"])
+def test_adaptive_solve_agrees_with_fine_fixed_step_reference(method):
+    _, field, x0 = setup()
+    t = (0.0, 1.5)
+    reference = odeint(field, x0, torch.tensor(t, dtype=torch.float64), method="rk4", options={"step_size": 1e-3})[-1]
+    rtol, atol = 1e-6, 1e-8
+    solution = solve(field, x0, t, method=method, rtol=rtol, atol=atol)
+    error = (solution.x - reference).abs().max()
+    assert float(error) < 100 * (atol + rtol * float(reference.abs().max()))
+
+
+# explicit Adams (high order, small stability region) is unstable on this field above a step of about 0.003
+@pytest.mark.parametrize("method, step", [("euler", 0.02), ("midpoint", 0.02), ("rk4", 0.02),
+                                          ("explicit_adams", 0.0025), ("implicit_adams", 0.02)])
+def test_fixed_step_methods_converge_to_the_reference(method, step):
+    _, field, x0 = setup()
+    reference = solve(field, x0, (0.0, 1.0), method="dopri8", rtol=1e-12, atol=1e-13).x
+    coarse = (solve(field, x0, (0.0, 1.0), method=method, step=step).x - reference).abs().max()
+    fine = (solve(field, x0, (0.0, 1.0), method=method, step=step / 2).x - reference).abs().max()
+    assert float(fine) < float(coarse) < 1e-1  # converges as the step shrinks
+
+
+def test_paper_scheme_equals_hand_written_euler_loop_exactly():
+    model, field, x0 = setup(hopfield="relu")
+    alpha, steps = 0.1, 12
+    solution = solve(field, x0, method="et", step=alpha, steps=steps)
+    x, paper = x0.clone(), x0.clone()
+    with torch.no_grad():
+        for t0, t1 in zip(solution.ts[:-1], solution.ts[1:]):
+            x = x + (t1 - t0) * field(t0, x)
+            paper = paper - alpha * model.grad_g(model.activation(paper))
+    assert torch.equal(solution.x.detach(), x)
+    torch.testing.assert_close(solution.x.detach(), paper, rtol=1e-13, atol=1e-13)
+    assert solution.stats.accepted_steps == steps and solution.stats.nfe_forward == steps
+    assert len(solution.ts) == steps + 1
+
+
+def test_energy_is_non_increasing_along_adaptive_trajectories():
+    for seed in range(3):
+        model, field, x0 = setup(seed=seed, hopfield="relu", batch=3)
+        solution = solve(field, x0, (0.0, 20.0), rtol=1e-7, atol=1e-9, save="steps")
+        rises = solution.energies[1:] - solution.energies[:-1]
+        assert float(rises.max()) <= 1e-6 * float(solution.energies.abs().max())
+        assert solution.xs.shape[0] == solution.stats.accepted_steps + 1
+
+
+def test_steady_state_stops_early_below_tolerance_with_finite_difference_gradients():
+    torch.manual_seed(0)
+    model, field, x0 = setup(n=1, batch=1)
+    tol = 1e-3
+    solution = solve(field, x0, (0.0, 1e3), steady_state=tol, rtol=1e-10, atol=1e-12)
+    assert solution.status is Status.STEADY_STATE
+    assert solution.stats.t_final < 1e3
+    assert float(solution.residual.max()) <= tol * (1 + 1e-6)
+    assert float(solution.residual.max()) >= 0.5 * tol  # stopped at the crossing, not long after
+
+    target = torch.randn_like(x0)
+
+    def loss(scale: torch.Tensor) -> torch.Tensor:
+        out = solve(field, x0 * scale, (0.0, 1e3), steady_state=tol, rtol=1e-10, atol=1e-12, save="final")
+        return ((out.g - target) ** 2).sum()
+
+    scale = torch.tensor(1.0, dtype=torch.float64, requires_grad=True)
+    (grad,) = torch.autograd.grad(loss(scale), scale)
+    h = 1e-4
+    fd = (loss(torch.tensor(1 + h, dtype=torch.float64)) - loss(torch.tensor(1 - h, dtype=torch.float64))) / (2 * h)
+    assert torch.isfinite(grad)
+    assert abs(float(grad) - float(fd)) <= 1e-3 * max(abs(float(fd)), 1e-3)
+
+
+def test_steady_state_saves_grid_up_to_the_stop():
+    _, field, x0 = setup(n=1, batch=1)
+    t = torch.linspace(0, 1e3, 11, dtype=torch.float64)
+    solution = solve(field, x0, t, steady_state=1e-3, rtol=1e-9, atol=1e-11)
+    assert solution.status is Status.STEADY_STATE
+    assert solution.xs.shape[0] == len(solution.ts) and solution.ts[-1] == solution.stats.t_final
+    assert bool((solution.ts[:-1] < solution.stats.t_final).all())
+    torch.testing.assert_close(solution.xs[-1], solution.x.detach())
+
+
+def test_steady_state_not_reached_reports_reached_end():
+    _, field, x0 = setup()
+    solution = solve(field, x0, (0.0, 0.5), steady_state=1e-12)
+    assert solution.status is Status.REACHED_END
+    assert abs(solution.stats.t_final - 0.5) < 1e-5
+
+
+def test_unknown_method_lists_the_valid_ones():
+    _, field, x0 = setup()
+    with pytest.raises(ValueError) as info:
+        solve(field, x0, (0.0, 1.0), method="rk45")
+    for name in METHODS:
+        assert name in str(info.value)
+
+
+@pytest.mark.parametrize("kwargs, word", [
+    (dict(t=(1.0, 0.0)), "increasing"),
+    (dict(t=(0.0,)), "at least 2"),
+    (dict(t=(0.0, 1.0), grad="magic"), "grad"),
+    (dict(t=(0.0, 1.0), grad="implicit"), "steady_state"),
+    (dict(t=(0.0, 1.0), save="some"), "save"),
+    (dict(t=(0.0, 1.0), rtol=-1.0), "rtol"),
+    (dict(t=None, method="et", step=0.1), "steps"),
+    (dict(t=(0.0, 1.0), method="dopri5", step=0.1), "adaptive"),
+    (dict(t=(0.0, 1.0), method="rk4", steady_state=1e-3), "step"),
+])
+def test_bad_arguments_are_named(kwargs, word):
+    _, field, x0 = setup()
+    with pytest.raises(ValueError, match=word):
+        solve(field, x0, **kwargs)
+
+
+def test_bad_state_is_rejected_before_solving():
+    _, field, x0 = setup()
+    with pytest.raises(ValueError, match="x0"):
+        solve(field, x0[..., :5], (0.0, 1.0))
+    with pytest.raises(ValueError, match="non-finite"):
+        solve(field, x0 * torch.nan, (0.0, 1.0))
+
+
+def test_max_steps_raises_with_partial_solution():
+    _, field, x0 = setup()
+    with pytest.raises(SolveError, match="max_steps=5") as info:
+        solve(field, x0, (0.0, 100.0), max_steps=5)
+    partial = info.value.solution
+    assert partial.status is Status.FAILED and partial.stats.accepted_steps == 5
+    assert 0 < info.value.time < 100 and partial.x.shape == x0.shape
+
+
+def test_step_underflow_raises_solve_error():
+    _, field, x0 = setup()
+    with pytest.raises(SolveError, match="underflow") as info:
+        solve(field, x0, (1e17, 1e17 + 100.0))
+    assert info.value.solution is not None
+
+
+def test_non_finite_state_raises_solve_error():
+    _, field, x0 = setup()
+    with pytest.raises(SolveError, match="non-finite") as info:
+        solve(field, x0, torch.tensor([0.0, 1e305, 2e305, 3e305, 4e305], dtype=torch.float64), method="euler")
+    assert info.value.solution.status is Status.FAILED

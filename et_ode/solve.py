@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -19,6 +19,7 @@ from torchdiffeq import odeint, odeint_adjoint, odeint_event
 
 from ._checks import check_mask, check_tokens
 from .field import ETField, Evaluations
+from .manifold import radial_direction, tangent_projection
 
 ADAPTIVE_METHODS = ("dopri5", "dopri8", "bosh3", "fehlberg2", "adaptive_heun")
 FIXED_METHODS = ("euler", "midpoint", "rk4", "explicit_adams", "implicit_adams")
@@ -41,7 +42,9 @@ class SolveStats:
 
     ``nfe_backward`` counts the field evaluations made after the forward solve returned (the
     adjoint's backward pass, or the implicit solver's Hessian-vector products), so read it after
-    ``loss.backward()``.
+    ``loss.backward()``. ``sample_evaluations`` adds up the batch size of every forward evaluation: with
+    ``per_sample=True`` converged samples leave the batch, so it falls below ``nfe_forward * batch``.
+    ``stop_times`` (with ``steady_state``) holds the time at which each sample stopped, shape ``(*batch,)``.
     """
 
     nfe_forward: int
@@ -52,6 +55,8 @@ class SolveStats:
     status: Status
     evaluations: Evaluations = field(repr=False)
     nfe_at_return: int = field(repr=False)
+    sample_evaluations: int = 0
+    stop_times: Tensor | None = None
 
     @property
     def nfe_backward(self) -> int:
@@ -60,7 +65,9 @@ class SolveStats:
     def as_dict(self) -> dict[str, Any]:
         return {"nfe_forward": self.nfe_forward, "nfe_backward": self.nfe_backward,
                 "accepted_steps": self.accepted_steps, "rejected_steps": self.rejected_steps,
-                "wall_time": self.wall_time, "t_final": self.t_final, "status": self.status.value}
+                "wall_time": self.wall_time, "t_final": self.t_final, "status": self.status.value,
+                "sample_evaluations": self.sample_evaluations,
+                "stop_times": None if self.stop_times is None else self.stop_times.tolist()}
 
 
 @dataclass
@@ -100,46 +107,59 @@ class SolveError(RuntimeError):
         self.solution = solution
 
 
+@dataclass
+class _Progress:
+    """What the solver did, shared by the recorders of one solve."""
+
+    steps: int = 0
+    accepted: int = 0
+    rejected: int = 0
+    sample_evaluations: int = 0
+    last_dt: float | None = None
+    last: tuple[float, Tensor] | None = None
+    saved: list[tuple[float, Tensor]] = field(default_factory=list)
+
+
 class _Recorder(nn.Module):
     """Wraps the field for torchdiffeq, counting steps and catching runaway or non-finite solves."""
 
-    def __init__(self, field: ETField, max_steps: int, keep_steps: bool):
+    saves_each_step = True  # fixed-step solvers accept every step
+
+    def __init__(self, field: ETField, max_steps: int, keep_steps: bool, progress: _Progress):
         super().__init__()
         self.field = field
         self.max_steps = max_steps
         self.keep_steps = keep_steps
-        self.steps = 0
-        self.accepted = 0
-        self.rejected = 0
-        self.last: tuple[float, Tensor] | None = None
-        self.saved: list[tuple[float, Tensor]] = []
+        self.progress = progress
 
     def forward(self, t: Tensor, x: Tensor) -> Tensor:
+        self.progress.sample_evaluations += x.shape[:-2].numel()
         return self.field(t, x)
 
-    saves_each_step = True  # fixed-step solvers accept every step
-
     def callback_step(self, t0: Tensor, y0: Tensor, dt: Tensor) -> None:
-        self.steps += 1
-        self.last = (float(t0.detach()), y0.detach())
+        progress = self.progress
+        progress.steps += 1
+        progress.last = (float(t0.detach()), y0.detach())
         if self.keep_steps and self.saves_each_step:
-            self.saved.append(self.last)
+            progress.saved.append(progress.last)
         if not bool(torch.isfinite(y0).all()):
-            raise _Failure(f"the state became non-finite (NaN or inf) by t={self.last[0]:.6g}", self.last[0])
-        if self.steps > self.max_steps:
-            raise _Failure(f"max_steps={self.max_steps} solver steps exceeded at t={self.last[0]:.6g}", self.last[0])
+            raise _Failure(f"the state became non-finite (NaN or inf) by t={progress.last[0]:.6g}", progress.last[0])
+        if progress.steps > self.max_steps:
+            raise _Failure(f"max_steps={self.max_steps} solver steps exceeded at t={progress.last[0]:.6g}",
+                           progress.last[0])
 
 
 class _AdaptiveRecorder(_Recorder):
     saves_each_step = False
 
     def callback_accept_step(self, t0: Tensor, y0: Tensor, dt: Tensor) -> None:
-        self.accepted += 1
+        self.progress.accepted += 1
+        self.progress.last_dt = float(dt.detach())
         if self.keep_steps:
-            self.saved.append((float(t0.detach()), y0.detach()))
+            self.progress.saved.append((float(t0.detach()), y0.detach()))
 
     def callback_reject_step(self, t0: Tensor, y0: Tensor, dt: Tensor) -> None:
-        self.rejected += 1
+        self.progress.rejected += 1
 
 
 class _Failure(Exception):
@@ -188,6 +208,8 @@ def solve(
     implicit_tol: float = 1e-8,
     implicit_max_iter: int = 200,
     steady_state: float | None = None,
+    steady_state_measure: str = "dg_dt",
+    per_sample: bool = False,
     max_steps: int = 10_000,
     mask: Tensor | None = None,
     save: str = "all",
@@ -213,6 +235,12 @@ def solve(
         implicit_tol, implicit_max_iter: the conjugate-gradient solve of the implicit adjoint system.
         steady_state: stop once the RMS of ``dg/dt`` of every sample is below this value (or at the
             end of ``t``, whichever is first); gradients flow through the stopping time.
+        steady_state_measure: ``"dg_dt"`` (RMS of ``dg/dt``, the default) or ``"tangent_gradient"``
+            (RMS of the energy gradient along the per-token spheres, ``T dE/dg``: scale-free, since
+            ``|dg/dt|`` also shrinks as ``|x|`` drifts outward; see :mod:`et_ode.manifold`).
+        per_sample: with ``steady_state``, every sample stops at its own crossing and leaves the batch,
+            so converged samples stop costing work (``stats.sample_evaluations``, ``stats.stop_times``).
+            Needs ``x0`` of shape ``(batch, N, D)`` and ``save="final"``.
         max_steps: raise :class:`SolveError` after this many solver steps.
         mask: attention mask ``(N, N)`` or ``(*batch, N, N)``.
         save: ``"all"`` (the states at the times ``t``; with ``steady_state``, those before the stop
@@ -236,6 +264,11 @@ def solve(
         raise ValueError(f"rtol and atol must be positive, got rtol={rtol}, atol={atol}")
     if steady_state is not None and not steady_state > 0:
         raise ValueError(f"steady_state must be a positive tolerance, got {steady_state!r}")
+    if steady_state_measure not in _MEASURES:
+        raise ValueError(f"steady_state_measure must be one of {tuple(_MEASURES)}, got {steady_state_measure!r}")
+    if per_sample and (steady_state is None or save != "final" or x0.dim() != 3):
+        raise ValueError("per_sample=True needs steady_state=tol, save='final' and x0 of shape (batch, N, D); got "
+                         f"steady_state={steady_state}, save={save!r}, x0 shape {tuple(x0.shape)}")
     if not (isinstance(max_steps, int) and max_steps >= 1):
         raise ValueError(f"max_steps must be a positive integer, got {max_steps!r}")
     if grad == "implicit" and steady_state is None:
@@ -267,7 +300,9 @@ def solve(
             raise SolveError(f"solve failed ({method}): {planned} fixed steps planned from t={float(grid[0]):.6g} to "
                              f"{float(grid[-1]):.6g}, more than max_steps={max_steps}", time=float(grid[0]),
                              solution=None)
-    recorder = (_AdaptiveRecorder if adaptive else _Recorder)(field, max_steps, keep_steps=save == "steps")
+    progress = _Progress()
+    recorder_type = _AdaptiveRecorder if adaptive else _Recorder
+    recorder = recorder_type(field, max_steps, keep_steps=save == "steps", progress=progress)
     evaluations = field.evaluations
     nfe_before = evaluations.count
     kwargs: dict[str, Any] = dict(rtol=rtol, atol=atol, method=torch_method, options=opts)
@@ -283,28 +318,31 @@ def solve(
     status = Status.REACHED_END
     try:
         with torch.no_grad() if grad == "implicit" else contextlib.nullcontext():
+            stop_times = None
             if steady_state is None:
                 xs = interface(recorder, x0, grid, **kwargs)
                 ts, x_final = grid, xs[-1]
             else:
-                x_final, t_stop, status = _solve_to_steady_state(recorder, x0, grid, steady_state, interface, kwargs)
+                x_final, stop_times, status = _solve_to_steady_state(
+                    recorder, x0, grid, steady_state, interface, kwargs, _MEASURES[steady_state_measure], per_sample)
+                t_stop = float(stop_times.max())
                 ts, xs = grid[grid < t_stop], None
                 ts = torch.cat([ts, ts.new_tensor([t_stop])])
     except (_Failure, AssertionError, RuntimeError) as error:
         if isinstance(error, RuntimeError) and "Reached maximum number of iterations" not in str(error):
             raise
-        last_time = recorder.last[0] if recorder.last else float(grid[0])
+        last_time = progress.last[0] if progress.last else float(grid[0])
         fail_time = error.time if isinstance(error, _Failure) else last_time
-        partial = _partial_solution(field, recorder, x0, evaluations, nfe_before, time.perf_counter() - started)
+        partial = _partial_solution(field, progress, x0, evaluations, nfe_before, time.perf_counter() - started)
         raise SolveError(f"solve failed ({method}): {error}", time=fail_time, solution=partial) from error
     wall_time = time.perf_counter() - started
     nfe_forward = evaluations.count - nfe_before
     if not bool(torch.isfinite(x_final).all()):
-        partial = _partial_solution(field, recorder, x0, evaluations, nfe_before, wall_time)
+        partial = _partial_solution(field, progress, x0, evaluations, nfe_before, wall_time)
         raise SolveError(f"solve failed ({method}): the state became non-finite (NaN or inf) by "
                          f"t={float(ts[-1]):.6g}", time=float(ts[-1]), solution=partial)
     if not adaptive and steady_state is not None:  # torchdiffeq's fixed-step event loop has no step callback
-        recorder.steps = round((float(ts[-1]) - float(grid[0])) / fixed_step)
+        progress.steps = round((float(ts[-1]) - float(grid[0])) / fixed_step)
 
     if grad == "implicit":
         if status is not Status.STEADY_STATE:
@@ -326,62 +364,116 @@ def solve(
                 solver_args = {k: kwargs[k] for k in ("rtol", "atol", "method", "options")}
                 xs = torch.cat([odeint(field, x0.detach(), ts[:-1], **solver_args), xs[-1:]])
         elif save == "steps":
-            ts, xs = _steps_saved(recorder, ts, x0, x_final)
+            ts, xs = _steps_saved(progress, ts, x0, x_final)
         elif save == "final":
             ts, xs = ts[-1:], None
         states = x_final.detach()[None] if xs is None else xs.detach()
         energies = field.model._energy_g(field.model.neuron(states), field.mask)
         residual = field.rms_dg_dt(x_final.detach())
     stats = SolveStats(nfe_forward=nfe_forward,
-                       accepted_steps=recorder.accepted if adaptive else recorder.steps,
-                       rejected_steps=recorder.rejected, wall_time=wall_time, t_final=float(ts[-1]),
-                       status=status, evaluations=evaluations, nfe_at_return=evaluations.count)
+                       accepted_steps=progress.accepted if adaptive else progress.steps,
+                       rejected_steps=progress.rejected, wall_time=wall_time, t_final=float(ts[-1]),
+                       status=status, evaluations=evaluations, nfe_at_return=evaluations.count,
+                       sample_evaluations=progress.sample_evaluations, stop_times=stop_times)
     return Solution(ts=ts, xs=xs, energies=energies, x=x_final, g=g_final, residual=residual, stats=stats,
                     mask=field.mask)
 
 
+def _rms_tangent_gradient(field: ETField, x: Tensor) -> Tensor:
+    g = field.model.neuron(x)
+    s, _ = radial_direction(g, field.model.neuron.delta)
+    return tangent_projection(field.grad_g(g), s).square().mean(dim=(-1, -2)).sqrt()
+
+
+_MEASURES: dict[str, Callable[[ETField, Tensor], Tensor]] = {
+    "dg_dt": lambda field, x: field.rms_dg_dt(x),
+    "tangent_gradient": _rms_tangent_gradient,
+}
+
+
 def _solve_to_steady_state(recorder: _Recorder, x0: Tensor, grid: Tensor, tol: float, interface: Any,
-                           kwargs: dict[str, Any]) -> tuple[Tensor, float, Status]:
-    """Integrate until max over samples of RMS |dg/dt| < tol, or to ``grid[-1]``."""
-    field = recorder.field
-    t_end = grid[-1]
+                           kwargs: dict[str, Any], measure: Callable[[ETField, Tensor], Tensor],
+                           per_sample: bool) -> tuple[Tensor, Tensor, Status]:
+    """Integrate until every sample's ``measure`` is below ``tol``, or to ``grid[-1]``.
+
+    Jointly (``per_sample=False``): one event, the largest measure of the batch crossing ``tol``. Per sample:
+    the smallest measure among the samples still running crosses ``tol``; those that converged leave the
+    batch and the rest continue from there, each segment a solve of its own on the remaining samples.
+    Returns the final states, each sample's stopping time ``(*batch,)`` and the status.
+    """
+    field, t_end = recorder.field, grid[-1]
+    batch_shape = x0.shape[:-2]
+    stop_times = torch.full(batch_shape, float(t_end), dtype=grid.dtype)
+    finals: list[Tensor | None] = [None] * (x0.shape[0] if per_sample else 1)
+    active = torch.arange(len(finals))
+    x, t_start = x0, grid[0]
+    while len(active):
+        segment_field = field
+        if per_sample and field.mask is not None and field.mask.dim() == 3:
+            segment_field = field.with_mask(field.mask[active])
+        segment = type(recorder)(segment_field, recorder.max_steps, recorder.keep_steps, recorder.progress)
+        with torch.no_grad():
+            converged = measure(segment_field, x) < tol
+        if not per_sample:
+            converged = converged.all().reshape(1)
+        if not bool(converged.any()):  # (samples converged at a segment's start stop before integrating)
+            def event_fn(t: Tensor, y: Tensor, segment_field: ETField = segment_field) -> Tensor:
+                values = measure(segment_field, y)
+                crossing = torch.log((values.min() if per_sample else values.max()) / tol)
+                return torch.minimum(crossing, (t_end - t).to(crossing.dtype))
+
+            segment_kwargs = kwargs
+            if recorder.progress.last_dt is not None:  # continue with the step size the last segment reached
+                options = dict(kwargs["options"], first_step=recorder.progress.last_dt)
+                segment_kwargs = dict(kwargs, options=options)
+            t_event, xs = odeint_event(segment, x, t_start, event_fn=event_fn, odeint_interface=interface,
+                                       **segment_kwargs)
+            t_start, x = t_event.detach(), xs[-1]
+            with torch.no_grad():
+                converged = measure(segment_field, x) < tol * (1 + 1e-6)
+            if not per_sample:
+                converged = converged.all().reshape(1)
+            if float(t_start) >= float(t_end) * (1 - 1e-12) or not bool(converged.any()):
+                converged = torch.ones_like(converged)  # the end of the time span: everyone stops
+        for position in torch.nonzero(converged).flatten().tolist():
+            index = int(active[position])
+            finals[index] = x[position] if per_sample else x
+            stop_value = min(float(t_start), float(t_end))
+            if per_sample:
+                stop_times[index] = stop_value
+            else:
+                stop_times.fill_(stop_value)
+        keep = ~converged
+        active, x = active[keep], (x[keep] if per_sample else x)
+    x_final = torch.stack(finals) if per_sample else finals[0]
     with torch.no_grad():
-        if float(field.rms_dg_dt(x0).max()) < tol:
-            return x0, float(grid[0]), Status.STEADY_STATE
-
-    def event_fn(t: Tensor, x: Tensor) -> Tensor:
-        converged = torch.log(field.rms_dg_dt(x).max() / tol)
-        return torch.minimum(converged, (t_end - t).to(converged.dtype))
-
-    t_event, xs = odeint_event(recorder, x0, grid[0], event_fn=event_fn, odeint_interface=interface, **kwargs)
-    t_stop = float(t_event)
-    with torch.no_grad():
-        reached = float(field.rms_dg_dt(xs[-1]).max()) < tol * (1 + 1e-6)
-    status = Status.STEADY_STATE if reached and t_stop < float(t_end) else Status.REACHED_END
-    return xs[-1], min(t_stop, float(t_end)), status
+        reached = bool((measure(field, x_final.detach()) < tol * (1 + 1e-6)).all())
+    status = Status.STEADY_STATE if reached and float(stop_times.max()) < float(t_end) else Status.REACHED_END
+    return x_final, stop_times, status
 
 
-def _steps_saved(recorder: _Recorder, ts: Tensor, x0: Tensor, x_final: Tensor) -> tuple[Tensor, Tensor]:
+def _steps_saved(progress: _Progress, ts: Tensor, x0: Tensor, x_final: Tensor) -> tuple[Tensor, Tensor]:
     """The start of every accepted step, then the final state."""
-    times = [t for t, _ in recorder.saved] + [float(ts[-1])]
-    states = [s for _, s in recorder.saved] + [x_final.detach()]
-    if not recorder.saved or times[0] > float(ts[0]):
+    times = [t for t, _ in progress.saved] + [float(ts[-1])]
+    states = [s for _, s in progress.saved] + [x_final.detach()]
+    if not progress.saved or times[0] > float(ts[0]):
         times.insert(0, float(ts[0]))
         states.insert(0, x0.detach())
     return torch.tensor(times, dtype=ts.dtype, device=ts.device), torch.stack(states)
 
 
-def _partial_solution(field: ETField, recorder: _Recorder, x0: Tensor, evaluations: Evaluations, nfe_before: int,
+def _partial_solution(field: ETField, progress: _Progress, x0: Tensor, evaluations: Evaluations, nfe_before: int,
                       wall_time: float) -> Solution:
-    t_last, x_last = recorder.last if recorder.last is not None else (0.0, x0.detach())
+    t_last, x_last = progress.last if progress.last is not None else (0.0, x0.detach())
     ts = torch.tensor([t_last], dtype=torch.float64)
     with torch.no_grad():
         g = field.model.neuron(x_last)
         energies = field.model._energy_g(g, field.mask)[None]
         finite = bool(torch.isfinite(x_last).all())
         residual = field.rms_dg_dt(x_last) if finite else torch.full_like(energies[0], float("nan"))
-    stats = SolveStats(nfe_forward=evaluations.count - nfe_before, accepted_steps=recorder.accepted or recorder.steps,
-                       rejected_steps=recorder.rejected, wall_time=wall_time, t_final=t_last, status=Status.FAILED,
-                       evaluations=evaluations, nfe_at_return=evaluations.count)
+    stats = SolveStats(nfe_forward=evaluations.count - nfe_before, accepted_steps=progress.accepted or progress.steps,
+                       rejected_steps=progress.rejected, wall_time=wall_time, t_final=t_last, status=Status.FAILED,
+                       evaluations=evaluations, nfe_at_return=evaluations.count,
+                       sample_evaluations=progress.sample_evaluations)
     return Solution(ts=ts, xs=x_last[None], energies=energies, x=x_last, g=g, residual=residual, stats=stats,
                     mask=field.mask)

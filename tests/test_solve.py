@@ -167,3 +167,46 @@ def test_non_finite_state_raises_solve_error():
     with pytest.raises(SolveError, match="non-finite") as info:
         solve(field, x0, torch.tensor([0.0, 1e305, 2e305, 3e305, 4e305], dtype=torch.float64), method="euler")
     assert info.value.solution.status is Status.FAILED
+
+
+def test_per_sample_stopping_matches_solving_each_sample_alone():
+    model = random_model(hopfield="softmax")
+    field = ETField(model)
+    scales = torch.tensor([0.2, 1.0, 5.0], dtype=torch.float64)[:, None, None]
+    x0 = torch.randn(3, 3, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(3)) * scales
+    tol, options = 1e-3, dict(rtol=1e-9, atol=1e-11, save="final")
+    together = solve(field, x0, (0.0, 1e4), steady_state=tol, per_sample=True, **options)
+    assert together.status is Status.STEADY_STATE
+    assert bool((together.residual <= tol * (1 + 1e-6)).all()) and bool((together.residual >= 0.5 * tol).all())
+    stops = together.stats.stop_times
+    assert len(set(stops.tolist())) == 3
+    for i in range(3):
+        alone = solve(field, x0[i : i + 1], (0.0, 1e4), steady_state=tol, **options)
+        assert abs(alone.stats.t_final - float(stops[i])) <= 1e-3 * float(stops[i])
+        torch.testing.assert_close(together.x[i], alone.x[0], rtol=1e-4, atol=1e-4)
+    assert together.stats.sample_evaluations < 3 * together.stats.nfe_forward
+
+
+def test_per_sample_stopping_is_differentiable_with_the_adjoint():
+    model = random_model(hopfield="softmax")
+    x0 = torch.randn(3, 3, 8, dtype=torch.float64) * torch.tensor([0.3, 1.0, 3.0], dtype=torch.float64)[:, None, None]
+    solution = solve(ETField(model), x0, (0.0, 1e4), steady_state=1e-3, per_sample=True, save="final", grad="adjoint")
+    solution.g.square().sum().backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+    with pytest.raises(ValueError, match="per_sample"):
+        solve(ETField(model), x0, (0.0, 1.0), steady_state=1e-3, per_sample=True)  # save="all"
+
+
+def test_tangent_gradient_measure_stops_on_the_energy_gradient_along_the_spheres():
+    from et_ode.manifold import radial_direction, tangent_projection
+
+    model = random_model(hopfield="softmax", seed=2)
+    field = ETField(model)
+    x0 = torch.randn(2, 1, 8, dtype=torch.float64)
+    solution = solve(field, x0, (0.0, 1e6), steady_state=1e-2, steady_state_measure="tangent_gradient",
+                     rtol=1e-9, atol=1e-11)
+    assert solution.status is Status.STEADY_STATE
+    g = solution.g.detach()
+    s, _ = radial_direction(g, model.neuron.delta.detach())
+    tangent = tangent_projection(model.grad_g(g), s).square().mean(dim=(-1, -2)).sqrt()
+    assert float(tangent.max()) <= 1e-2 * (1 + 1e-6)

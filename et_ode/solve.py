@@ -35,6 +35,9 @@ class Status(str, Enum):
     STEADY_STATE = "steady_state"
     FAILED = "failed"
 
+    def __str__(self) -> str:
+        return self.value
+
 
 @dataclass
 class SolveStats:

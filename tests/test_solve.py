@@ -63,12 +63,14 @@ def test_paper_scheme_equals_hand_written_euler_loop_exactly():
     assert len(solution.ts) == steps + 1
 
 
-def test_energy_is_non_increasing_along_adaptive_trajectories():
-    for seed in range(3):
+@pytest.mark.parametrize("seed, method", enumerate(["dopri5", "dopri8", "bosh3", "fehlberg2", "adaptive_heun"]))
+def test_energy_is_non_increasing_along_adaptive_trajectories(seed, method):
+    for seed in (seed, seed + 10):
         model, field, x0 = setup(seed=seed, hopfield="relu", batch=3)
-        solution = solve(field, x0, (0.0, 20.0), rtol=1e-7, atol=1e-9, save="steps")
+        rtol = 1e-6 if method in ("dopri5", "dopri8") else 1e-5  # low orders need many steps at tight rtol
+        solution = solve(field, x0, (0.0, 5.0), method=method, rtol=rtol, atol=1e-8, save="steps")
         rises = solution.energies[1:] - solution.energies[:-1]
-        assert float(rises.max()) <= 1e-6 * float(solution.energies.abs().max())
+        assert float(rises.max()) <= rtol * float(solution.energies.abs().max())
         assert solution.xs.shape[0] == solution.stats.accepted_steps + 1
 
 
@@ -165,7 +167,7 @@ def test_step_underflow_raises_solve_error():
 def test_non_finite_state_raises_solve_error():
     _, field, x0 = setup()
     with pytest.raises(SolveError, match="non-finite") as info:
-        solve(field, x0, torch.tensor([0.0, 1e305, 2e305, 3e305, 4e305], dtype=torch.float64), method="euler")
+        solve(field, x0, torch.tensor([0.0, 1e308, 1.5e308], dtype=torch.float64), method="euler")  # x overflows
     assert info.value.solution.status is Status.FAILED
 
 

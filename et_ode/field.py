@@ -7,11 +7,15 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+from torch.nn import functional as F
 
 from ._checks import check_mask, check_tokens
+from .fused import FusedGrad
 from .model import EnergyTransformer
+from .neurons import LayerNormNeuron
 
 GRAD_MODES = ("analytic", "autograd")
+BACKENDS = ("auto", "fused", "reference")
 
 
 @dataclass
@@ -30,13 +34,19 @@ class ETField(nn.Module):
         grad: ``"analytic"`` (closed form, the default) or ``"autograd"`` (differentiates the energy;
             the reference, also correct under ``torch.no_grad()``).
         mask: an attention mask bound to the field (see :class:`EnergyTransformer`).
+        backend: how ``grad="analytic"`` evaluates ``dE/dg``: ``"fused"`` (:mod:`et_ode.fused`: two large
+            matrix products on the fastest GEMM back end, and a closed-form Hessian-vector product as its
+            backward), ``"reference"`` (the model's own closed form, differentiated by autograd), or
+            ``"auto"`` (the default: fused wherever it applies). The fused path applies to masks that are
+            ``None`` or dense boolean tensors; any other mask falls back to the model's ``_grad_g``.
+            Its backward is first-order (no double backward through the field).
 
     The field counts its evaluations in ``nfe`` (``reset_nfe()`` zeroes it). ``forward`` does not
     validate its input, since solvers call it thousands of times; ``solve`` validates once.
     """
 
     def __init__(self, model: EnergyTransformer, tau: float = 1.0, grad: str = "analytic",
-                 mask: Tensor | None = None):
+                 mask: Tensor | None = None, backend: str = "auto"):
         super().__init__()
         if not isinstance(model, EnergyTransformer):
             raise TypeError(f"model must be an EnergyTransformer, got {type(model).__name__}")
@@ -44,10 +54,16 @@ class ETField(nn.Module):
             raise ValueError(f"tau must be positive, got {tau!r}")
         if grad not in GRAD_MODES:
             raise ValueError(f"grad must be one of {GRAD_MODES}, got {grad!r}")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if backend == "fused" and grad != "analytic":
+            raise ValueError(f"backend='fused' is the closed form of grad='analytic', got grad={grad!r}")
         self.model = model
         self.tau = float(tau)
         self.grad_mode = grad
         self.mask = mask
+        self.backend = backend
+        self.fused = FusedGrad(model) if backend != "reference" and grad == "analytic" else None
         self.evaluations = Evaluations()
 
     @property
@@ -67,6 +83,8 @@ class ETField(nn.Module):
     def grad_g(self, g: Tensor) -> Tensor:
         """``dE/dg`` by the chosen mode, with the bound mask: ``(..., N, D) -> (..., N, D)``."""
         if self.grad_mode == "analytic":
+            if self.fused is not None and self.fused.supports(g, self.mask):
+                return self.fused(g, self.mask)
             return self.model._grad_g(g, self.mask)
         create_graph = torch.is_grad_enabled()
         with torch.enable_grad():
@@ -79,7 +97,17 @@ class ETField(nn.Module):
     def forward(self, t: Tensor, x: Tensor) -> Tensor:
         """``dx/dt``, shape of ``x``."""
         self.evaluations.count += 1
-        return self.grad_g(self.model.neuron(x)) / -self.tau
+        grad = self.grad_g(self._activation(x))
+        if grad.requires_grad or self.fused is None:
+            return grad / -self.tau
+        return grad.mul_(-1.0 / self.tau)  # a fresh tensor of the fused path: scaled in place
+
+    def _activation(self, x: Tensor) -> Tensor:
+        """``g = LayerNorm(x)``; on the fused path by the one-kernel ``layer_norm`` (same formula as the neuron)."""
+        neuron = self.model.neuron
+        if self.fused is None or type(neuron) is not LayerNormNeuron:
+            return neuron(x)
+        return F.layer_norm(x, (neuron.dim,), neuron.gamma.expand(neuron.dim), neuron.delta, neuron.eps)
 
     def _checked(self, x: Tensor) -> Tensor:
         check_tokens("x", x, self.model.dim)

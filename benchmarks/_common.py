@@ -1,0 +1,140 @@
+"""Shared helpers of the benchmark scripts: models of the standard sizes, interleaved timing, tables.
+
+Timing is interleaved: every repetition runs each candidate once untimed (to take over the cores and
+caches from the previous candidate) and once timed; tables report the minimum (default) or the median over
+repetitions. On a machine shared with other jobs, other load only ever adds time, so the minimum estimates
+the uncontended time of deterministic arithmetic best; medians show what a typical call met.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+import et_ode
+
+
+@dataclass(frozen=True)
+class Size:
+    """A problem size: ``batch`` samples of ``n`` tokens of dimension ``d``; ``h`` heads of ``y``; ``k`` memories."""
+
+    name: str
+    n: int
+    d: int
+    h: int
+    y: int
+    k: int
+    batch: int
+
+    def flops(self) -> float:
+        """Floating-point operations of one ``dE/dg`` evaluation (SPEC section 7), whole batch."""
+        per_sample = 8 * self.n * self.d * self.h * self.y + 6 * self.n ** 2 * self.h * self.y + 4 * self.n * self.d * self.k
+        return float(self.batch * per_sample)
+
+    def with_batch(self, batch: int) -> Size:
+        return Size(self.name, self.n, self.d, self.h, self.y, self.k, batch)
+
+
+DIGITS = Size("8x8 digits, 2x2 patches", 17, 64, 4, 16, 256, 64)
+MNIST = Size("28x28, 4x4 patches", 50, 128, 4, 32, 512, 64)
+IMAGENET = Size("ImageNet", 197, 768, 12, 64, 3072, 4)
+
+
+def make_model(size: Size, *, hopfield: str = "relu", dtype: torch.dtype = torch.float32,
+               seed: int = 0) -> et_ode.EnergyTransformer:
+    """A model of ``size`` with the library's default initialization and a random ``delta``."""
+    torch.manual_seed(seed)
+    model = et_ode.EnergyTransformer(size.d, size.h, size.y, size.k, hopfield=hopfield)
+    with torch.no_grad():
+        model.neuron.delta.normal_(0.0, 0.1)
+    return model.to(dtype)
+
+
+def initial_state(size: Size, *, dtype: torch.dtype = torch.float32, seed: int = 1) -> torch.Tensor:
+    """A random state ``(batch, n, d)``."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(size.batch, size.n, size.d, generator=generator).to(dtype)
+
+
+STATISTICS = {"min": min, "median": statistics.median}
+
+
+def interleaved(candidates: dict[str, Callable[[], object]], reps: int, warmup: int = 2,
+                statistic: str = "min") -> dict[str, float]:
+    """Seconds per call of each candidate (``statistic`` over interleaved repetitions: "min" or "median")."""
+    times: dict[str, list[float]] = {name: [] for name in candidates}
+    for _ in range(warmup):
+        for run in candidates.values():
+            run()
+    for _ in range(reps):
+        for name, run in candidates.items():
+            run()  # untimed: hand-over from the previous candidate
+            start = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - start)
+    return {name: STATISTICS[statistic](values) for name, values in times.items()}
+
+
+def gemm_candidates(m: int, d: int, r: int, dtype: torch.dtype = torch.float32) -> dict[str, Callable[[], object]]:
+    """The float32 matrix products torch offers for ``(m, d) @ (d, r)``: MKL's and oneDNN's (packed weight)."""
+    x, w = torch.randn(m, d, dtype=dtype), torch.randn(r, d, dtype=dtype)
+    candidates: dict[str, Callable[[], object]] = {"GEMM torch.matmul": lambda: x @ w.T}
+    if et_ode.fused.supports_onednn(dtype, x.device):
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, m)
+        candidates["GEMM oneDNN packed"] = lambda: et_ode.fused._onednn_linear(x, packed)
+    return candidates
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[object]], title: str = "") -> str:
+    """A plain-text table (also valid Markdown)."""
+    cells = [[str(h) for h in headers]] + [[_fmt(v) for v in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    lines = [f"\n{title}"] if title else []
+    lines.append("| " + " | ".join(c.ljust(w) for c, w in zip(cells[0], widths, strict=True)) + " |")
+    lines.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for row in cells[1:]:
+        lines.append("| " + " | ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) + " |")
+    return "\n".join(lines)
+
+
+def _fmt(value: object) -> str:
+    if isinstance(value, float):
+        if value == 0 or 1e-3 <= abs(value) < 1e5:
+            return f"{value:.4g}"
+        return f"{value:.3e}"
+    return str(value)
+
+
+def ms(seconds: float) -> float:
+    return seconds * 1e3
+
+
+def environment() -> str:
+    """One line on the software and threads behind the numbers."""
+    return (f"torch {torch.__version__}, {torch.get_num_threads()} threads, oneDNN "
+            f"{'available' if et_ode.fused.onednn_available() else 'unavailable'}")
+
+
+def set_threads(threads: int | None) -> None:
+    """Use ``threads`` CPU threads in torch and (if imported later) XLA; ``None`` keeps the defaults.
+
+    Call before jax is imported. One thread gives steadier figures on a machine shared with other jobs, where
+    threads of an OpenMP team wait for each other whenever one of them is descheduled.
+    """
+    if threads is None:
+        return
+    if "jax" in sys.modules:
+        raise RuntimeError("set_threads must run before jax is imported")
+    torch.set_num_threads(threads)
+    flags = os.environ.get("XLA_FLAGS", "")
+    if threads == 1:
+        flags += " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+    else:
+        flags += f" intra_op_parallelism_threads={threads}"
+    os.environ["XLA_FLAGS"] = flags.strip()

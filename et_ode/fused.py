@@ -1,0 +1,353 @@
+"""The ET's ``dE/dg`` as two large matrix products, with a closed-form backward (a Hessian-vector product).
+
+All three linear maps of ``g`` (keys, queries, memory overlaps) are one product with the stacked weight
+``W = [WK; WQ; xi]`` of shape ``(R, D)``, ``R = 2 H Y + K``, and their transposes are one product back:
+
+    P = g W^T = [K | Q | h]                                    (M, R),  M = batch * N tokens
+    c = [S Q | S^T K | phi(h)]     (S: softmax over keys of beta K Q^T, per head; phi: the Hopfield form)
+    dE/dg = -c W                                               (M, D)
+
+where ``phi`` is ``relu(h)``, ``softplus(s h)/s * sigmoid(s h)`` or ``softmax(beta h)`` (SPEC sections 2-3).
+Everything else (per-head score products ``N x N x Y``, softmax, the rectifier) is small next to these two
+products at the paper's sizes, so the evaluation runs at the speed of the machine's best matrix product.
+(The code holds ``S`` query-major, ``S^T[h, C, B]``, so that the softmax runs over the last axis.)
+
+Backward. For a cotangent ``u`` of ``dE/dg`` (shape ``(M, D)``), ``L = <u, dE/dg> = -<U, c>`` with
+``U = u W^T = [uK | uQ | uh]``, and ``R_ = -dL/dP`` has the blocks
+
+    Pm = uK Q^T + K uQ^T                 Z = beta S * (Pm - colsum_B(S * Pm))       (per head, N x N)
+    R_K = S uQ + Z Q                     R_Q = S^T uK + Z^T K                       R_h = phi'(h) [uh]
+    dL/dg = -R_ W                        dL/dW = -(c^T u + R_^T g)
+
+(``phi'(h)[uh]`` is ``1[h>0] uh`` for relu, ``(sigma^2 + softplus(s h) sigma (1 - sigma)) uh`` for softplus
+and ``beta p (uh - p.uh)`` for softmax.) ``dL/dg`` is the Hessian of ``E`` applied to ``u``: a VJP of the field
+costs two more large products for ``g`` and two for the weights, never a double backward.
+
+GEMM back ends on CPU: ``torch.matmul`` (MKL) or oneDNN's ``mkldnn._linear_pointwise`` on dense tensors with
+a pre-packed weight, which on this project's machines runs about twice as fast in float32. ``gemm="auto"``
+times both once per problem size and keeps the faster. CUDA and float64 use ``torch.matmul``.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from .energies import EnergyAttention, HopfieldMemory
+from .model import EnergyTransformer
+
+GEMMS = ("auto", "matmul", "onednn")
+
+
+def onednn_available() -> bool:
+    """Whether oneDNN's dense linear with pre-packed weights is available in this PyTorch build."""
+    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+def _onednn_linear(x: Tensor, weight: Tensor) -> Tensor:
+    """``x @ weight^T`` by oneDNN; ``weight`` ``(out, in)`` is dense or pre-packed."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+
+
+def supports_onednn(dtype: torch.dtype, device: torch.device) -> bool:
+    return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and onednn_available()
+
+
+_GEMM_CHOICE: dict[tuple[Any, ...], str] = {}
+
+
+def choose_gemm(m: int, d: int, r: int, dtype: torch.dtype, device: torch.device, reps: int = 7) -> str:
+    """The faster of ``"matmul"`` and ``"onednn"`` for ``(m, d) @ (d, r)`` products, timed once (medians of
+    ``reps`` interleaved runs of the projection and its transpose) and remembered for the process."""
+    if not supports_onednn(dtype, device):
+        return "matmul"
+    key = (m, d, r, dtype, str(device))
+    if key not in _GEMM_CHOICE:
+        x, y, w = torch.randn(m, d, dtype=dtype), torch.randn(m, r, dtype=dtype), torch.randn(r, d, dtype=dtype)
+        w_t = w.T.contiguous()
+        packed, packed_t = (torch.ops.mkldnn._reorder_linear_weight(a, m) for a in (w, w_t))
+        candidates: dict[str, Callable[[], Any]] = {
+            "matmul": lambda: (x @ w.T, y @ w),
+            "onednn": lambda: (_onednn_linear(x, packed), _onednn_linear(y, packed_t)),
+        }
+        times: dict[str, list[float]] = {name: [] for name in candidates}
+        for rep in range(reps + 2):
+            for name, run in candidates.items():
+                start = time.perf_counter()
+                run()
+                if rep >= 2:  # the first two are warm-up
+                    times[name].append(time.perf_counter() - start)
+        _GEMM_CHOICE[key] = min(times, key=lambda name: statistics.median(times[name]))
+    return _GEMM_CHOICE[key]
+
+
+def _version_key(*tensors: Tensor) -> tuple[Any, ...]:
+    return tuple((t.data_ptr(), t._version, t.dtype, t.device, tuple(t.shape)) for t in tensors)
+
+
+def _same_objects(refs: tuple[weakref.ref, ...], tensors: tuple[Tensor, ...]) -> bool:
+    """Whether ``tensors`` are the very objects behind ``refs`` (a new tensor at a freed one's address is not)."""
+    return len(refs) == len(tensors) and all(ref() is t for ref, t in zip(refs, tensors, strict=True))
+
+
+class FusedGrad:
+    """``dE/dg`` of an :class:`EnergyTransformer` by the fused closed form, differentiable by a closed-form
+    backward.
+
+    Args:
+        model: the energy (read, never modified; its weights may change between calls, e.g. by an optimizer:
+            the stacked and packed copies are rebuilt when a parameter's version changes).
+        gemm: ``"auto"`` (time the back ends once per size), ``"matmul"`` or ``"onednn"``.
+
+    ``supports(g, mask)`` says whether this path applies (masks: ``None`` or a dense boolean tensor; the
+    model's modules of the exact core types); ``__call__(g, mask)`` maps ``(..., N, D) -> (..., N, D)``.
+    The backward is first-order only (``once_differentiable``).
+    """
+
+    def __init__(self, model: EnergyTransformer, gemm: str = "auto"):
+        if gemm not in GEMMS:
+            raise ValueError(f"gemm must be one of {GEMMS}, got {gemm!r}")
+        self.model = model
+        self.gemm = gemm
+        self._cache_key: tuple[Any, ...] | None = None
+        self._cache_refs: tuple[weakref.ref, ...] = ()
+        self._weights: Tensor | None = None
+        self._packed: dict[str, Tensor] = {}
+        self._beta_h: Tensor | None = None
+        self._beta_scalar: float | None = None
+
+    # -- applicability --------------------------------------------------------------------------
+    def supports(self, g: Tensor, mask: object) -> bool:
+        model = self.model
+        if type(model.attention) is not EnergyAttention or type(model.hopfield) is not HopfieldMemory:
+            return False
+        if mask is not None and not (type(mask) is Tensor and mask.dtype == torch.bool and mask.layout == torch.strided):
+            return False
+        weight = model.attention.WK
+        return g.dtype == weight.dtype and g.device == weight.device and g.dim() >= 2
+
+    # -- weights --------------------------------------------------------------------------------
+    def _stacked(self) -> Tensor:
+        """``[WK; WQ; xi]`` as ``(R, D)``, detached, rebuilt only when a parameter (or beta) changed."""
+        attention, hopfield = self.model.attention, self.model.hopfield
+        tensors = (attention.WK, attention.WQ, hopfield.xi, attention.beta)
+        key = _version_key(*tensors)
+        if key != self._cache_key or self._weights is None or not _same_objects(self._cache_refs, tensors):
+            d = attention.dim
+            with torch.no_grad():
+                self._weights = torch.cat([attention.WK.reshape(-1, d), attention.WQ.reshape(-1, d), hopfield.xi])
+            beta = attention.beta.to(self._weights.dtype)
+            self._beta_h = beta[:, None, None]
+            self._beta_scalar = float(beta[0]) if bool((beta == beta[0]).all()) else None
+            self._packed = {}
+            self._cache_key = key
+            self._cache_refs = tuple(weakref.ref(t) for t in tensors)
+        return self._weights
+
+    def _backend(self, m: int, weights: Tensor) -> str:
+        if self.gemm == "auto":  # timed once per power-of-two bucket of the row count
+            bucket = 1 << max(m - 1, 1).bit_length()
+            return choose_gemm(bucket, weights.shape[1], weights.shape[0], weights.dtype, weights.device)
+        if self.gemm == "onednn" and not supports_onednn(weights.dtype, weights.device):
+            return "matmul"
+        return self.gemm
+
+    def _project(self, x: Tensor, weights: Tensor, backend: str) -> Tensor:
+        """``x @ W^T``: ``(M, D) -> (M, R)``."""
+        if backend == "matmul":
+            return x @ weights.T
+        packed = self._packed.get("forward")  # packed for the first row count seen; valid for any
+        if packed is None:
+            packed = self._packed["forward"] = torch.ops.mkldnn._reorder_linear_weight(weights, x.shape[0])
+        return _onednn_linear(x, packed)
+
+    def _back_project(self, y: Tensor, weights: Tensor, backend: str) -> Tensor:
+        """``-y @ W``: ``(M, R) -> (M, D)``, the sign folded into a cached copy of ``-W``."""
+        if weights is not self._weights:  # stale weights saved by a forward pass (see _backward)
+            return (y @ weights).neg_()
+        if backend == "matmul":
+            minus = self._packed.get("back_matmul")
+            if minus is None:
+                minus = self._packed["back_matmul"] = -weights
+            return y @ minus
+        packed = self._packed.get("back")
+        if packed is None:
+            minus_t = (-weights.T).contiguous()
+            packed = self._packed["back"] = torch.ops.mkldnn._reorder_linear_weight(minus_t, y.shape[0])
+        return _onednn_linear(y, packed)
+
+    # -- the computation ------------------------------------------------------------------------
+    def _allowed(self, mask: Tensor | None, batch: tuple[int, ...], n: int) -> Tensor | None:
+        """Allowed (query C, key B) pairs as ``(Bt or 1, 1, C, B)``, or None (all pairs, diagonal handled apart)."""
+        if mask is None:
+            return None
+        if mask.dim() > 2:
+            mask = mask.expand(*batch, n, n).reshape(-1, n, n)
+        return mask.reshape(-1, 1, n, n)
+
+    def _phi(self, h: Tensor, out: Tensor) -> None:
+        """The Hopfield coefficient ``phi(h)`` written into ``out`` (same shape)."""
+        hopfield = self.model.hopfield
+        if hopfield.form == "relu":
+            torch.clamp_min(h, 0.0, out=out)
+        elif hopfield.form == "softplus":
+            sh = h * hopfield.beta
+            out.copy_(torch.nn.functional.softplus(sh).div_(hopfield.beta).mul_(torch.sigmoid(sh)))
+        else:
+            out.copy_(torch.softmax(h * hopfield.beta, dim=-1))
+
+    def _forward(self, g: Tensor, mask: Tensor | None, keep: bool) -> tuple[Tensor, tuple[Tensor | None, ...]]:
+        attention = self.model.attention
+        heads, head_dim, dim = attention.heads, attention.head_dim, attention.dim
+        hy = heads * head_dim
+        batch, n = tuple(g.shape[:-2]), g.shape[-2]
+        g2 = g.reshape(-1, dim)
+        if not g2.is_contiguous():
+            g2 = g2.contiguous()
+        m = g2.shape[0]
+        bt = m // n
+        weights = self._stacked()
+        backend = self._backend(m, weights)
+        p = self._project(g2, weights, backend)  # (M, R): [K | Q | h]
+        r = p.shape[1]
+        p3 = p.view(bt, n, r)
+        keys = p3[..., :hy].unflatten(-1, (heads, head_dim)).transpose(1, 2).contiguous()  # (Bt, H, N, Y)
+        queries = p3[..., hy:2 * hy].unflatten(-1, (heads, head_dim)).transpose(1, 2).contiguous()
+        logits = torch.matmul(queries, keys.transpose(-1, -2))  # (Bt, H, C, B): query-major, softmax over the last axis
+        beta_h = self._beta_h
+        logits.mul_(self._beta_scalar if self._beta_scalar is not None else beta_h)
+        if not attention.self_attention:
+            logits.diagonal(dim1=-2, dim2=-1).fill_(-math.inf)
+        allowed = self._allowed(mask, batch, n)
+        has_key = None
+        if allowed is not None:
+            logits.masked_fill_(~allowed, -math.inf)
+            if not attention.self_attention:
+                allowed = allowed & ~torch.eye(n, dtype=torch.bool, device=g.device)
+            has_key = allowed.any(dim=-1, keepdim=True)  # (Bt or 1, 1, C, 1)
+        elif not attention.self_attention and n == 1:
+            has_key = torch.zeros(1, 1, 1, 1, dtype=torch.bool, device=g.device)
+        if has_key is not None:
+            logits.masked_fill_(~has_key, 0.0)
+        attn = torch.softmax(logits, dim=-1)  # attn[C, B] = S[B, C]
+        if has_key is not None:
+            attn.mul_(has_key)
+        d_keys = torch.matmul(attn.transpose(-1, -2), queries)  # (Bt, H, N, Y): sum_C S[B, C] Q[C]
+        d_queries = torch.matmul(attn, keys)  # sum_B S[B, C] K[B]
+        coefficient = torch.empty_like(p) if keep else p  # reuse P's memory when nothing is saved
+        c3 = coefficient.view(bt, n, r)
+        c3[..., :hy].unflatten(-1, (heads, head_dim)).copy_(d_keys.transpose(1, 2))
+        c3[..., hy:2 * hy].unflatten(-1, (heads, head_dim)).copy_(d_queries.transpose(1, 2))
+        self._phi(p[:, 2 * hy:], coefficient[:, 2 * hy:])
+        out = self._back_project(coefficient, weights, backend).view(*batch, n, dim)
+        saved = (g2, keys, queries, attn, p, coefficient, beta_h, weights) if keep else ()
+        return out, saved
+
+    def _backward(self, u: Tensor, saved: tuple[Any, ...], need_g: bool, need_w: bool) -> tuple[Tensor | None, ...]:
+        g2, keys, queries, attn, p, coefficient, beta_h, weights = saved
+        attention, hopfield = self.model.attention, self.model.hopfield
+        heads, head_dim, dim = attention.heads, attention.head_dim, attention.dim
+        hy = heads * head_dim
+        m, r = p.shape
+        n = attn.shape[-1]
+        bt = m // n
+        u2 = u.reshape(m, dim)
+        if not u2.is_contiguous():
+            u2 = u2.contiguous()
+        # the weights of the forward pass; if they were changed in place since, the packed copies are stale
+        backend = self._backend(m, weights) if weights is self._stacked() else "matmul"
+
+        def per_head(t: Tensor, lo: int, hi: int) -> Tensor:
+            return t.view(bt, n, r)[..., lo:hi].unflatten(-1, (heads, head_dim)).transpose(1, 2)
+
+        big_u = self._project(u2, weights, backend)  # [uK | uQ | uh], becomes dL/dP in place
+        u_keys, u_queries = per_head(big_u, 0, hy).contiguous(), per_head(big_u, hy, 2 * hy).contiguous()
+        pm = torch.matmul(queries, u_keys.transpose(-1, -2))  # (C, B) layout, like attn
+        pm.add_(torch.matmul(u_queries, keys.transpose(-1, -2)))
+        pm.mul_(attn)
+        z = pm.addcmul_(attn, pm.sum(dim=-1, keepdim=True), value=-1.0).mul_(beta_h)  # z[C, B] = Z[B, C]
+        r_keys = torch.matmul(attn.transpose(-1, -2), u_queries).add_(torch.matmul(z.transpose(-1, -2), queries))
+        r_queries = torch.matmul(attn, u_keys).add_(torch.matmul(z, keys))
+        per_head(big_u, 0, hy).copy_(r_keys)
+        per_head(big_u, hy, 2 * hy).copy_(r_queries)
+        uh = big_u[:, 2 * hy:]
+        h = p[:, 2 * hy:]
+        if hopfield.form == "relu":
+            uh.mul_(h > 0)
+        elif hopfield.form == "softplus":
+            s = hopfield.beta
+            sig = torch.sigmoid(h * s)
+            uh.mul_(torch.nn.functional.softplus(h * s).mul_(1 - sig).add_(sig).mul_(sig))
+        else:
+            prob = coefficient[:, 2 * hy:]
+            uh.sub_((prob * uh).sum(dim=-1, keepdim=True)).mul_(prob).mul_(hopfield.beta)
+        grad_g = self._back_project(big_u, weights, backend) if need_g else None
+        grad_w = None
+        if need_w:
+            if backend == "onednn":
+                grad_w = _onednn_linear(coefficient.T, u2.T).add_(_onednn_linear(big_u.T, g2.T)).neg_()
+            else:
+                grad_w = torch.addmm(coefficient.T @ u2, big_u.T, g2).neg_()
+        return grad_g, grad_w
+
+    def __call__(self, g: Tensor, mask: Tensor | None = None) -> Tensor:
+        """``dE/dg``: ``(..., N, D) -> (..., N, D)``; differentiable w.r.t. ``g``, ``WK``, ``WQ`` and ``xi``."""
+        attention, hopfield = self.model.attention, self.model.hopfield
+        params = (attention.WK, attention.WQ, hopfield.xi)
+        if torch.is_grad_enabled() and (g.requires_grad or any(p.requires_grad for p in params)):
+            # views give the weights graph nodes whose use the backward can query (see _weights_needed)
+            return _FusedGradFunction.apply(g, mask, self, *(p.view_as(p) for p in params))
+        out, _ = self._forward(g, mask, keep=False)
+        return out
+
+
+def _weights_needed(ctx: Any) -> bool:
+    """Whether this backward pass needs the weight gradients: not for ``autograd.grad(out, g)`` alone (a
+    Hessian-vector product), which then costs two large products instead of four."""
+    if not any(ctx.needs_input_grad[3:]):
+        return False
+    try:
+        return any(node is not None and torch._C._will_engine_execute_node(node) for node, _ in ctx.next_functions[3:])
+    except (AttributeError, RuntimeError):  # API missing in this PyTorch, or a leaf node: assume needed
+        return True
+
+
+class _FusedGradFunction(torch.autograd.Function):
+    """``dE/dg`` with the closed-form backward of :class:`FusedGrad` (inputs: g, mask, fused, WK, WQ, xi)."""
+
+    @staticmethod
+    def forward(ctx: Any, g: Tensor, mask: Tensor | None, fused: FusedGrad, wk: Tensor, wq: Tensor,
+                xi: Tensor) -> Tensor:
+        out, saved = fused._forward(g, mask, keep=True)
+        ctx.fused = fused
+        ctx.saved_rest = saved[4:]
+        ctx.g_shape = g.shape
+        ctx.save_for_backward(*saved[:4])
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, u: Tensor) -> tuple[Tensor | None, ...]:
+        need_g = ctx.needs_input_grad[0]
+        need_w = _weights_needed(ctx)
+        saved = (*ctx.saved_tensors, *ctx.saved_rest)
+        grad_g, grad_w = ctx.fused._backward(u, saved, need_g, need_w)
+        if grad_g is not None:
+            grad_g = grad_g.view(ctx.g_shape)
+        grads_w: list[Tensor | None] = [None, None, None]
+        if grad_w is not None:
+            attention = ctx.fused.model.attention
+            hy = attention.heads * attention.head_dim
+            shape = attention.WK.shape
+            grads_w = [grad_w[:hy].view(shape), grad_w[hy:2 * hy].view(shape), grad_w[2 * hy:]]
+        needs = ctx.needs_input_grad[3:]
+        return (grad_g, None, None, *(gw if need else None for gw, need in zip(grads_w, needs, strict=True)))

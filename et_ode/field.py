@@ -41,7 +41,8 @@ class ETField(nn.Module):
             ``None`` or dense boolean tensors; any other mask falls back to the model's ``_grad_g``.
             Its backward is first-order (no double backward through the field).
 
-    The field counts its evaluations in ``nfe`` (``reset_nfe()`` zeroes it). ``forward`` does not
+    The field counts its evaluations in ``nfe`` (``reset_nfe()`` zeroes it); the diagnostics ``dg_dt``,
+    ``dE_dt`` and ``rms_dg_dt`` are not counted. ``forward`` does not
     validate its input, since solvers call it thousands of times; ``solve`` validates once.
     """
 
@@ -95,8 +96,12 @@ class ETField(nn.Module):
         return grad
 
     def forward(self, t: Tensor, x: Tensor) -> Tensor:
-        """``dx/dt``, shape of ``x``."""
+        """``dx/dt``, shape of ``x``. Counted in ``nfe``."""
         self.evaluations.count += 1
+        return self._velocity(x)
+
+    def _velocity(self, x: Tensor) -> Tensor:
+        """``dx/dt`` without counting it (for diagnostics)."""
         grad = self.grad_g(self._activation(x))
         if grad.requires_grad or self.fused is None:
             return grad / -self.tau
@@ -117,7 +122,7 @@ class ETField(nn.Module):
     def dg_dt(self, x: Tensor) -> Tensor:
         """``dg/dt = M dx/dt`` (the motion of the attractor's coordinates): shape of ``x``."""
         self._checked(x)
-        return self.model.neuron.hessian_vector(x, self.forward(torch.zeros(()), x))
+        return self.model.neuron.hessian_vector(x, self._velocity(x))
 
     def dE_dt(self, x: Tensor) -> Tensor:
         """The exact ``dE/dt = -(1/tau) sum_A (dE/dg_A)^T M_A (dE/dg_A)`` per sample, shape ``x.shape[:-2]``."""

@@ -7,9 +7,11 @@ stopping at the attractor (``steady_state``), and three ways to differentiate (`
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
@@ -56,8 +58,8 @@ class SolveStats:
     wall_time: float
     t_final: float
     status: Status
-    evaluations: Evaluations = field(repr=False)
-    nfe_at_return: int = field(repr=False)
+    evaluations: Evaluations = dataclasses.field(repr=False)
+    nfe_at_return: int = dataclasses.field(repr=False)
     sample_evaluations: int = 0
     stop_times: Tensor | None = None
 
@@ -80,25 +82,42 @@ class Solution:
     Attributes:
         ts: saved times, ``(T,)``.
         xs: saved states ``(T, *batch, N, D)``, or ``None`` with ``save="final"``.
-        energies: energy per sample at the saved times, ``(T, *batch)`` (detached).
+        energies: energy per sample at the saved times, ``(T, *batch)`` (detached, computed when first read).
         x: final state ``(*batch, N, D)``; differentiable with ``grad`` "direct" and "adjoint".
         g: final normalized state ``LayerNorm(x)``, ``(*batch, N, D)``; differentiable in every mode.
-        residual: RMS of ``dg/dt`` per sample at the final state, ``(*batch,)`` (detached).
+        residual: RMS of ``dg/dt`` per sample at the final state, ``(*batch,)`` (detached, computed when first read).
         stats: :class:`SolveStats`.
+        field: the field that was integrated (with its mask).
     """
 
     ts: Tensor
     xs: Tensor | None
-    energies: Tensor
     x: Tensor
     g: Tensor
-    residual: Tensor
     stats: SolveStats
-    mask: Tensor | None = None
+    field: ETField = dataclasses.field(repr=False)
+
+    @property
+    def mask(self) -> Tensor | None:
+        return self.field.mask
 
     @property
     def status(self) -> Status:
         return self.stats.status
+
+    @functools.cached_property
+    def energies(self) -> Tensor:
+        """Energy per sample at the saved times, ``(T, *batch)``, computed on first access (detached)."""
+        states = self.x.detach()[None] if self.xs is None else self.xs.detach()
+        model = self.field.model
+        with torch.no_grad():
+            return model._energy_g(model.neuron(states), self.field.mask)
+
+    @functools.cached_property
+    def residual(self) -> Tensor:
+        """RMS of ``dg/dt`` per sample at the final state, ``(*batch,)``, computed on first access (detached)."""
+        with torch.no_grad():
+            return self.field.rms_dg_dt(self.x.detach())
 
 
 class SolveError(RuntimeError):
@@ -120,7 +139,7 @@ class _Progress:
     sample_evaluations: int = 0
     last_dt: float | None = None
     last: tuple[float, Tensor] | None = None
-    saved: list[tuple[float, Tensor]] = field(default_factory=list)
+    saved: list[tuple[float, Tensor]] = dataclasses.field(default_factory=list)
 
 
 class _Recorder(nn.Module):
@@ -370,26 +389,28 @@ def solve(
             ts, xs = _steps_saved(progress, ts, x0, x_final)
         elif save == "final":
             ts, xs = ts[-1:], None
-        states = x_final.detach()[None] if xs is None else xs.detach()
-        energies = field.model._energy_g(field.model.neuron(states), field.mask)
-        residual = field.rms_dg_dt(x_final.detach())
     stats = SolveStats(nfe_forward=nfe_forward,
                        accepted_steps=progress.accepted if adaptive else progress.steps,
                        rejected_steps=progress.rejected, wall_time=wall_time, t_final=float(ts[-1]),
                        status=status, evaluations=evaluations, nfe_at_return=evaluations.count,
                        sample_evaluations=progress.sample_evaluations, stop_times=stop_times)
-    return Solution(ts=ts, xs=xs, energies=energies, x=x_final, g=g_final, residual=residual, stats=stats,
-                    mask=field.mask)
+    return Solution(ts=ts, xs=xs, x=x_final, g=g_final, stats=stats, field=field)
+
+
+def _rms_dg_dt(field: ETField, x: Tensor) -> Tensor:
+    field.evaluations.count += 1  # a field evaluation the solve pays for
+    return field.rms_dg_dt(x)
 
 
 def _rms_tangent_gradient(field: ETField, x: Tensor) -> Tensor:
+    field.evaluations.count += 1
     g = field.model.neuron(x)
     s, _ = radial_direction(g, field.model.neuron.delta)
     return tangent_projection(field.grad_g(g), s).square().mean(dim=(-1, -2)).sqrt()
 
 
 _MEASURES: dict[str, Callable[[ETField, Tensor], Tensor]] = {
-    "dg_dt": lambda field, x: field.rms_dg_dt(x),
+    "dg_dt": _rms_dg_dt,
     "tangent_gradient": _rms_tangent_gradient,
 }
 
@@ -471,12 +492,8 @@ def _partial_solution(field: ETField, progress: _Progress, x0: Tensor, evaluatio
     ts = torch.tensor([t_last], dtype=torch.float64)
     with torch.no_grad():
         g = field.model.neuron(x_last)
-        energies = field.model._energy_g(g, field.mask)[None]
-        finite = bool(torch.isfinite(x_last).all())
-        residual = field.rms_dg_dt(x_last) if finite else torch.full_like(energies[0], float("nan"))
     stats = SolveStats(nfe_forward=evaluations.count - nfe_before, accepted_steps=progress.accepted or progress.steps,
                        rejected_steps=progress.rejected, wall_time=wall_time, t_final=t_last, status=Status.FAILED,
                        evaluations=evaluations, nfe_at_return=evaluations.count,
                        sample_evaluations=progress.sample_evaluations)
-    return Solution(ts=ts, xs=x_last[None], energies=energies, x=x_last, g=g, residual=residual, stats=stats,
-                    mask=field.mask)
+    return Solution(ts=ts, xs=x_last[None], x=x_last, g=g, stats=stats, field=field)

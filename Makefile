@@ -30,6 +30,10 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/field.py
 	$(BIN)/python benchmarks/solvers.py
 	$(BIN)/python benchmarks/gradients.py
+	$(BIN)/python benchmarks/graph_scale.py
+	$(BIN)/python benchmarks/ddp.py
+	$(BIN)/python benchmarks/graph_scale.py
+	$(BIN)/python benchmarks/ddp.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -3,6 +3,7 @@
 from .energies import EnergyAttention, HopfieldMemory
 from .field import ETField
 from .gradients import implicit_fixed_point
+from .graph_attention import GraphMask
 from .model import EnergyTransformer
 from .neurons import LayerNormNeuron
 from .solve import METHODS, Solution, SolveError, SolveStats, Status, solve
@@ -10,6 +11,7 @@ from .solve import METHODS, Solution, SolveError, SolveStats, Status, solve
 __all__ = [
     "METHODS",
     "ETField",
+    "GraphMask",
     "EnergyAttention",
     "EnergyTransformer",
     "HopfieldMemory",

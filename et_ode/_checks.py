@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .graph_attention import GraphMask
+
 
 def check_tokens(name: str, x: object, dim: int) -> Tensor:
     """``x`` must be a finite floating tensor of shape ``(..., N, dim)`` with ``N >= 1``."""
@@ -20,14 +22,28 @@ def check_tokens(name: str, x: object, dim: int) -> Tensor:
     return x
 
 
-def check_mask(mask: object, x: Tensor) -> Tensor | None:
-    """``mask`` must be ``None`` or a boolean ``(N, N)`` / ``(*batch, N, N)`` tensor broadcastable to ``x``."""
+def check_mask(mask: object, x: Tensor) -> Tensor | GraphMask | None:
+    """``mask`` must be ``None``, a boolean ``(N, N)`` / ``(*batch, N, N)`` tensor broadcastable to ``x``, or a
+    :class:`GraphMask` (edge list, validated on construction: long ``(2, E)``, indices in range) of ``N`` nodes
+    on the device of ``x``."""
     if mask is None:
         return None
     n = x.shape[-2]
     batch = tuple(x.shape[:-2])
+    if isinstance(mask, GraphMask):
+        if mask.num_nodes != n:
+            raise ValueError(f"mask is a GraphMask of num_nodes={mask.num_nodes}, but the tokens have N={n} "
+                             f"(shape {tuple(x.shape)})")
+        if mask.device != x.device:
+            raise ValueError(f"mask (GraphMask) is on {mask.device} but the tokens are on {x.device}; use mask.to(device)")
+        return mask
+    if isinstance(mask, Tensor) and not mask.is_floating_point() and mask.dtype != torch.bool and mask.dim() == 2 \
+            and mask.shape[0] == 2:
+        raise TypeError(f"mask is an integer tensor of shape {tuple(mask.shape)}; an edge list must be wrapped: "
+                        "mask=GraphMask(edge_index, num_nodes)")
     if not isinstance(mask, Tensor):
-        raise TypeError(f"mask must be a boolean torch.Tensor of shape (N, N) or (*batch, N, N), got {type(mask).__name__}")
+        raise TypeError("mask must be a boolean torch.Tensor of shape (N, N) or (*batch, N, N), or an "
+                        f"et_ode.graph_attention.GraphMask, got {type(mask).__name__}")
     if mask.dtype != torch.bool:
         raise TypeError(f"mask must have dtype torch.bool (True where query C may attend to key B), got {mask.dtype}")
     if mask.dim() < 2 or tuple(mask.shape[-2:]) != (n, n):

@@ -13,6 +13,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
+from .graph_attention import GraphMask, graph_attention_weights, graph_energy, graph_energy_grad
+
 
 def _per_head(value: float | Sequence[float] | Tensor | None, heads: int, default: float, name: str) -> Tensor:
     """A positive value per head as a float tensor of shape ``(H,)``."""
@@ -86,25 +88,35 @@ class EnergyAttention(nn.Module):
             logits = logits.masked_fill(~allowed, -math.inf).masked_fill(~has_key, 0.0)
         return logits, k, q, has_key
 
-    def energy(self, g: Tensor, mask: Tensor | None = None) -> Tensor:
-        """``E_ATT`` per sample: ``(..., N, D) -> (...)``."""
+    def energy(self, g: Tensor, mask: Tensor | GraphMask | None = None) -> Tensor:
+        """``E_ATT`` per sample: ``(..., N, D) -> (...)``. A :class:`GraphMask` uses the edge-list form."""
+        if isinstance(mask, GraphMask):
+            return graph_energy(self, g, mask)
         logits, _, _, has_key = self._logits(g, mask)
         lse = torch.logsumexp(logits, dim=-2)  # (..., H, C)
         if has_key is not None:
             lse = lse * has_key.squeeze(-2)
         return -(lse / self.beta.to(g.dtype)[:, None]).sum(dim=(-1, -2))
 
-    def attention(self, g: Tensor, mask: Tensor | None = None) -> Tensor:
-        """Attention weights ``S[..., h, B, C]``: softmax over keys ``B`` for each query ``C``."""
+    def attention(self, g: Tensor, mask: Tensor | GraphMask | None = None) -> Tensor:
+        """Attention weights ``S[..., h, B, C]``: softmax over keys ``B`` for each query ``C``.
+
+        With a :class:`GraphMask`, the weights per edge ``(..., H, E)``, aligned with ``mask.edge_index``.
+        """
+        if isinstance(mask, GraphMask):
+            return graph_attention_weights(self, g, mask)
         logits, _, _, has_key = self._logits(g, mask)
         weights = torch.softmax(logits, dim=-2)
         return weights if has_key is None else weights * has_key
 
-    def grad(self, g: Tensor, mask: Tensor | None = None) -> Tensor:
+    def grad(self, g: Tensor, mask: Tensor | GraphMask | None = None) -> Tensor:
         """``dE_ATT/dg`` in closed form: ``(..., N, D) -> (..., N, D)``.
 
         ``-sum_h [S_h Q_h WK_h + S_h^T K_h WQ_h]``: token D as a key, then as a query.
+        A :class:`GraphMask` uses the edge-list form (segment softmax over each query's incoming edges).
         """
+        if isinstance(mask, GraphMask):
+            return graph_energy_grad(self, g, mask)
         logits, k, q, has_key = self._logits(g, mask)
         weights = torch.softmax(logits, dim=-2)
         if has_key is not None:

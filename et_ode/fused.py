@@ -72,7 +72,8 @@ def choose_gemm(m: int, d: int, r: int, dtype: torch.dtype, device: torch.device
         return "matmul"
     key = (m, d, r, dtype, str(device))
     if key not in _GEMM_CHOICE:
-        x, y, w = torch.randn(m, d, dtype=dtype), torch.randn(m, r, dtype=dtype), torch.randn(r, d, dtype=dtype)
+        local = torch.Generator().manual_seed(0)  # the global random stream stays untouched (reproducible training)
+        x, y, w = (torch.randn(*shape, dtype=dtype, generator=local) for shape in ((m, d), (m, r), (r, d)))
         w_t = w.T.contiguous()
         packed, packed_t = (torch.ops.mkldnn._reorder_linear_weight(a, m) for a in (w, w_t))
         candidates: dict[str, Callable[[], Any]] = {

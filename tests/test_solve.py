@@ -65,8 +65,8 @@ def test_paper_scheme_equals_hand_written_euler_loop_exactly():
 
 @pytest.mark.parametrize("seed, method", enumerate(["dopri5", "dopri8", "bosh3", "fehlberg2", "adaptive_heun"]))
 def test_energy_is_non_increasing_along_adaptive_trajectories(seed, method):
-    for seed in (seed, seed + 10):
-        model, field, x0 = setup(seed=seed, hopfield="relu", batch=3)
+    for run_seed in (seed, seed + 10):
+        model, field, x0 = setup(seed=run_seed, hopfield="relu", batch=3)
         rtol = 1e-6 if method in ("dopri5", "dopri8") else 1e-5  # low orders need many steps at tight rtol
         solution = solve(field, x0, (0.0, 5.0), method=method, rtol=rtol, atol=1e-8, save="steps")
         rises = solution.energies[1:] - solution.energies[:-1]

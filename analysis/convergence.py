@@ -1,0 +1,246 @@
+"""Convergence of ET trajectories: traces against time, convergence times, decay rates, zero-mode drift.
+
+The attractor lives in ``g``-space (SPEC section 5), so convergence is measured there: RMS ``|dg/dt|``
+(``dg/dt = M dx/dt``) and the tangential gradient RMS ``|T dE/dg|`` (see :mod:`et_ode.manifold`): the
+first falls like a power of ``t`` even far from a critical point, because the token scale ``sigma``
+grows about linearly and slows the motion of ``g`` down; the second is scale-free and vanishes
+exactly at a critical point on the spheres. ``|dx/dt|`` need not vanish at all: ``x`` drifts along
+the all-ones vector of each token (exact zero mode of ``M``) and radially (the scale grows); both
+drifts are reported separately.
+
+Shapes: a solution holds ``xs`` of shape ``(T, *batch, N, D)``; every per-sample quantity here is
+flattened to ``B = prod(batch)`` samples (``B = 1`` without batch dimensions).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import Tensor
+
+from et_ode import ETField, Solution
+from et_ode.manifold import radial_direction, tangent_projection
+
+
+def flat_states(solution: Solution, field: ETField) -> Tensor:
+    """The saved states as ``(T, B, N, D)``; raises ValueError when the solution kept none."""
+    if not isinstance(solution, Solution):
+        raise TypeError(f"solution must be an et_ode.Solution, got {type(solution).__name__}")
+    if not isinstance(field, ETField):
+        raise TypeError(f"field must be an et_ode.ETField, got {type(field).__name__}")
+    if solution.xs is None:
+        raise ValueError("solution.xs is None: solve with save='all' or save='steps' to analyse a trajectory")
+    xs = solution.xs.detach()
+    if xs.dim() < 3 or xs.shape[-1] != field.model.dim:
+        raise ValueError(f"solution.xs must have shape (T, *batch, N, D) with D={field.model.dim}, "
+                         f"got {tuple(xs.shape)}")
+    return xs.reshape(xs.shape[0], -1, *xs.shape[-2:])
+
+
+def flat_mask(mask: Tensor | None, batch_shape: tuple[int, ...]) -> Tensor | None:
+    """An ``(N, N)`` mask unchanged; a ``(*batch, N, N)`` one broadcast to ``batch_shape`` and flattened to ``(B, N, N)``."""
+    if mask is None or mask.dim() == 2:
+        return mask
+    n = mask.shape[-1]
+    return mask.expand(*batch_shape, n, n).reshape(-1, n, n)
+
+
+def tangent_gradient(field: ETField, x: Tensor) -> Tensor:
+    """RMS of ``T dE/dg`` per sample (over tokens and elements): ``(..., N, D) -> (...)``."""
+    with torch.no_grad():
+        g = field.model.neuron(x)
+        s, _ = radial_direction(g, field.model.neuron.delta)
+        return tangent_projection(field.grad_g(g), s).square().mean(dim=(-1, -2)).sqrt()
+
+
+@dataclass
+class ConvergenceTraces:
+    """Per-sample quantities at the saved times. Every tensor is ``(T, B)`` except ``ts`` ``(T,)``.
+
+    ``ones_drift``: RMS over tokens of the change of the token mean ``mean_i x[A, i]`` since ``ts[0]``
+    (units of ``x``). ``radial_drift``: mean over tokens of the change of the token scale ``sigma_A``
+    (the RMS of the centered token) since ``ts[0]``; it grows about linearly in ``t``.
+    """
+
+    ts: Tensor
+    energy: Tensor
+    rms_dg_dt: Tensor
+    rms_dx_dt: Tensor
+    tangent_grad: Tensor
+    ones_drift: Tensor
+    radial_drift: Tensor
+
+
+def convergence_traces(solution: Solution, field: ETField) -> ConvergenceTraces:
+    """Energy, RMS ``|dg/dt|``, RMS ``|dx/dt|``, RMS ``|T dE/dg|`` and both drifts at every saved time."""
+    xs = flat_states(solution, field)
+    mask = flat_mask(solution.mask if solution.mask is not None else field.mask, tuple(solution.xs.shape[1:-2]))
+    bound = field.with_mask(mask)
+    model = field.model
+    with torch.no_grad():
+        g = model.neuron(xs)
+        grad = bound.grad_g(g)
+        dx_dt = grad / -field.tau
+        dg_dt = model.neuron.hessian_vector(xs, dx_dt)
+        s, _ = radial_direction(g, model.neuron.delta)
+        tangent = tangent_projection(grad, s)
+        means = xs.mean(dim=-1)
+        scale = (xs - means[..., None]).square().mean(dim=-1).add(model.neuron.eps).sqrt()
+        energy = model._energy_g(g, mask)
+    rms = lambda v: v.square().mean(dim=(-1, -2)).sqrt()  # noqa: E731
+    return ConvergenceTraces(
+        ts=solution.ts.detach().to(torch.float64).cpu(),
+        energy=energy.cpu(),
+        rms_dg_dt=rms(dg_dt).cpu(),
+        rms_dx_dt=rms(dx_dt).cpu(),
+        tangent_grad=rms(tangent).cpu(),
+        ones_drift=(means - means[:1]).square().mean(dim=-1).sqrt().cpu(),
+        radial_drift=(scale - scale[:1]).mean(dim=-1).cpu(),
+    )
+
+
+@dataclass
+class RateFit:
+    """A least-squares fit of ``log v`` near the end of a trajectory.
+
+    ``model == "exponential"``: ``v ~ prefactor * exp(-rate * t)``; ``"power"``: ``v ~ prefactor * t^(-rate)``.
+    ``rms_log_residual`` is the RMS of the residual of ``log v`` (natural log) over the ``points`` used.
+    """
+
+    model: str
+    rate: float
+    prefactor: float
+    rms_log_residual: float
+    points: int
+
+
+def fit_decay(ts: Tensor, values: Tensor, *, tail: float = 0.5) -> tuple[RateFit, RateFit]:
+    """Fit ``values`` (``(T,)``, positive) over the last ``tail`` fraction of the time span, as an
+    exponential and as a power law. Returns ``(exponential, power)``; both have ``nan`` rates when fewer
+    than 3 usable points (positive values, ``t > 0``) remain.
+    """
+    if not 0 < tail <= 1:
+        raise ValueError(f"tail must be in (0, 1], got {tail!r}")
+    t = ts.detach().to(torch.float64).cpu()
+    v = values.detach().to(torch.float64).cpu()
+    start = float(t[-1]) - tail * float(t[-1] - t[0])
+    keep = (t >= start) & (t > 0) & (v > 0) & torch.isfinite(v)
+    t, logv = t[keep], v[keep].log()
+    fits = []
+    for model, abscissa in (("exponential", t), ("power", t.log() if len(t) else t)):
+        if len(t) < 3 or float(abscissa.max() - abscissa.min()) <= 0:
+            fits.append(RateFit(model, math.nan, math.nan, math.nan, int(len(t))))
+            continue
+        design = torch.stack([torch.ones_like(abscissa), abscissa], dim=1)
+        coef = torch.linalg.lstsq(design, logv[:, None]).solution[:, 0]
+        residual = logv - design @ coef
+        fits.append(RateFit(model, float(-coef[1]), float(coef[0].exp()), float(residual.square().mean().sqrt()),
+                            int(len(t))))
+    return fits[0], fits[1]
+
+
+def first_time_below(ts: Tensor, values: Tensor, tol: float) -> float | None:
+    """The first saved time from which ``values`` (``(T,)``) stays below ``tol`` to the end, or None."""
+    above = (values >= tol).nonzero()
+    if len(above) == 0:
+        return float(ts[0])
+    last = int(above[-1])
+    return None if last == len(ts) - 1 else float(ts[last + 1])
+
+
+@dataclass
+class SampleConvergence:
+    """Convergence summary of one sample (see :func:`analyze_convergence`)."""
+
+    sample: int
+    converged: bool
+    t_converged: float | None
+    tangent_converged: bool
+    t_tangent_converged: float | None
+    energy_start: float
+    energy_end: float
+    final_rms_dg_dt: float
+    final_rms_dx_dt: float
+    final_tangent_grad: float
+    exponential: RateFit
+    power: RateFit
+    better_fit: str
+    ones_drift: float
+    radial_drift: float
+
+
+@dataclass
+class ConvergenceReport:
+    """Traces and per-sample summaries; ``tol`` applies to RMS ``|dg/dt|``, ``tangent_tol`` to RMS ``|T dE/dg|``."""
+
+    traces: ConvergenceTraces
+    samples: list[SampleConvergence]
+    tol: float
+    tangent_tol: float
+    tail: float
+
+    @property
+    def all_converged(self) -> bool:
+        return all(s.converged for s in self.samples)
+
+    def table(self) -> str:
+        """A Markdown table, one row per sample."""
+        rows = ["| sample | converged (RMS dg/dt < tol) at t | critical (RMS T dE/dg < tol) at t | E start -> end | "
+                "final RMS dg/dt | final RMS T dE/dg | final RMS dx/dt | decay: exp rate / power exponent (better) | "
+                "ones drift | radial drift |",
+                "|---|---|---|---|---|---|---|---|---|---|"]
+        for s in self.samples:
+            when = lambda ok, t: f"yes, {t:.4g}" if ok else "no"  # noqa: E731
+            rows.append(
+                f"| {s.sample} | {when(s.converged, s.t_converged)} | {when(s.tangent_converged, s.t_tangent_converged)}"
+                f" | {s.energy_start:.6g} -> {s.energy_end:.6g} | {s.final_rms_dg_dt:.3g} | {s.final_tangent_grad:.3g}"
+                f" | {s.final_rms_dx_dt:.3g} | {s.exponential.rate:.3g} / {s.power.rate:.3g} ({s.better_fit})"
+                f" | {s.ones_drift:.3g} | {s.radial_drift:.3g} |")
+        return "\n".join(rows)
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def as_dict(self) -> dict:
+        return {"tol": self.tol, "tangent_tol": self.tangent_tol, "tail": self.tail,
+                "all_converged": self.all_converged, "samples": [asdict(s) for s in self.samples]}
+
+
+def analyze_convergence(solution: Solution, field: ETField, *, tol: float = 1e-3, tangent_tol: float | None = None,
+                        tail: float = 0.5) -> ConvergenceReport:
+    """Whether and when each sample converged, and how fast.
+
+    Args:
+        solution: a solve with saved states (``save="all"`` or ``"steps"``).
+        field: the field that was solved.
+        tol: convergence tolerance on RMS ``|dg/dt|`` (the motion of ``g``): converged from the first
+            saved time after which it stays below ``tol``.
+        tangent_tol: the same on RMS ``|T dE/dg|`` (distance from a critical point); default ``tol``.
+        tail: fraction of the time span, at the end, over which the decay of RMS ``|dg/dt|`` is fitted
+            (exponential and power law; ``better_fit`` is the one with the smaller log residual).
+    """
+    if not tol > 0:
+        raise ValueError(f"tol must be positive, got {tol!r}")
+    tangent_tol = tol if tangent_tol is None else tangent_tol
+    if not tangent_tol > 0:
+        raise ValueError(f"tangent_tol must be positive, got {tangent_tol!r}")
+    traces = convergence_traces(solution, field)
+    samples = []
+    for b in range(traces.energy.shape[1]):
+        t_dg = first_time_below(traces.ts, traces.rms_dg_dt[:, b], tol)
+        t_tg = first_time_below(traces.ts, traces.tangent_grad[:, b], tangent_tol)
+        exponential, power = fit_decay(traces.ts, traces.rms_dg_dt[:, b], tail=tail)
+        if math.isnan(exponential.rms_log_residual):
+            better = "n/a"
+        else:
+            better = "power" if power.rms_log_residual < exponential.rms_log_residual else "exponential"
+        samples.append(SampleConvergence(
+            sample=b, converged=t_dg is not None, t_converged=t_dg, tangent_converged=t_tg is not None,
+            t_tangent_converged=t_tg, energy_start=float(traces.energy[0, b]), energy_end=float(traces.energy[-1, b]),
+            final_rms_dg_dt=float(traces.rms_dg_dt[-1, b]), final_rms_dx_dt=float(traces.rms_dx_dt[-1, b]),
+            final_tangent_grad=float(traces.tangent_grad[-1, b]), exponential=exponential, power=power,
+            better_fit=better, ones_drift=float(traces.ones_drift[-1, b]),
+            radial_drift=float(traces.radial_drift[-1, b])))
+    return ConvergenceReport(traces=traces, samples=samples, tol=tol, tangent_tol=tangent_tol, tail=tail)

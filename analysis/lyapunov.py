@@ -1,0 +1,214 @@
+"""Is the energy a Lyapunov function along this trajectory? (SPEC section 5)
+
+Three checks, on the saved states of a solution:
+
+1. **Energy descent**: ``E(t_{k+1}) - E(t_k) <= tol`` for every saved interval.
+2. **The rate**: the exact ``dE/dt = -(1/tau) sum_A (dE/dg_A)^T M_A (dE/dg_A)`` (the field's ``dE_dt``) is
+   ``<= 0`` at every saved state, and the measured change ``E(t_{k+1}) - E(t_k)`` equals its integral,
+   first estimated by the trapezoid rule from the two ends; where that disagrees, the interval is
+   re-evaluated densely: the ODE is re-integrated from ``x(t_k)`` at tight tolerance and the exact
+   ``dE/dt`` is integrated along it by Simpson's rule.
+3. **The metric**: ``M_A`` is positive semi-definite, i.e. ``gamma > 0`` (``eps > 0`` always). Its
+   eigenvalues are ``0`` (all-ones), ``gamma eps / sigma^3`` (radial) and ``gamma / sigma`` (the rest).
+
+A too-large Euler step shows up as energy rises and rate mismatches; ``gamma < 0`` as a non-PSD
+metric, a positive ``dE/dt`` and energy rises. Every violation has its sample, kind, times and size.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import Tensor
+from torchdiffeq import odeint
+from tqdm.auto import tqdm
+
+from et_ode import ETField, Solution
+
+from .convergence import flat_mask, flat_states
+
+KINDS = ("energy rise", "dE/dt mismatch", "dE/dt > 0", "M not PSD")
+
+
+@dataclass
+class Violation:
+    """One failed check: ``size`` exceeded ``allowed`` on ``[t_start, t_end]`` (equal times: at one state)."""
+
+    sample: int
+    kind: str
+    t_start: float
+    t_end: float
+    size: float
+    allowed: float
+
+
+@dataclass
+class LyapunovReport:
+    """Verdicts per sample and every violation. ``descends[b]``: the energy is a Lyapunov function along
+    sample ``b`` (no energy rise, no positive ``dE/dt``, ``M`` PSD); ``follows_rate[b]``: its measured energy
+    changes match the exact ``dE/dt`` (a discretisation that does not follow the ODE fails this one);
+    ``passed[b]``: both.
+
+    ``max_energy_rise[b]``: largest ``E(t_{k+1}) - E(t_k)`` (negative when the energy always fell);
+    ``max_mismatch[b]``: largest ``|measured - integrated|`` change of energy over an interval, relative
+    to ``|integrated| + tol`` (trapezoid, or dense re-evaluation where the trapezoid disagreed);
+    ``m_min_eigenvalue``: smallest non-zero eigenvalue
+    of any ``M_A`` over the trajectory.
+    """
+
+    passed: list[bool]
+    descends: list[bool]
+    follows_rate: list[bool]
+    violations: list[Violation]
+    max_energy_rise: list[float]
+    max_mismatch: list[float]
+    gamma: float
+    eps: float
+    m_min_eigenvalue: float
+    intervals: int
+    dense_rechecks: int
+    settings: dict = field(default_factory=dict)
+
+    @property
+    def all_passed(self) -> bool:
+        return all(self.passed)
+
+    @property
+    def m_psd(self) -> bool:
+        return self.gamma > 0 and self.eps > 0
+
+    def table(self, max_rows: int = 20) -> str:
+        """Markdown: a verdict per sample, then the violations (at most ``max_rows``)."""
+        lines = [f"M positive semi-definite: {'yes' if self.m_psd else 'NO'} (gamma = {self.gamma:.6g}, "
+                 f"eps = {self.eps:.3g}, smallest non-zero eigenvalue of M along the trajectory "
+                 f"{self.m_min_eigenvalue:.3g}); {self.intervals} intervals, {self.dense_rechecks} re-evaluated densely.",
+                 "", "| sample | energy descends (Lyapunov) | follows the exact dE/dt | violations | "
+                 "largest energy rise | largest relative dE/dt mismatch |",
+                 "|---|---|---|---|---|---|"]
+        for b in range(len(self.passed)):
+            count = sum(v.sample == b for v in self.violations)
+            lines.append(f"| {b} | {'yes' if self.descends[b] else 'NO'} | {'yes' if self.follows_rate[b] else 'NO'} | "
+                         f"{count} | {self.max_energy_rise[b]:.3g} | {self.max_mismatch[b]:.3g} |")
+        if self.violations:
+            lines += ["", "| sample | kind | t start | t end | size | allowed |", "|---|---|---|---|---|---|"]
+            for v in self.violations[:max_rows]:
+                lines.append(f"| {v.sample} | {v.kind} | {v.t_start:.6g} | {v.t_end:.6g} | {v.size:.3g} | "
+                             f"{v.allowed:.3g} |")
+            if len(self.violations) > max_rows:
+                lines.append(f"| ... | {len(self.violations) - max_rows} more | | | | |")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def as_dict(self) -> dict:
+        return {"all_passed": self.all_passed, "passed": self.passed, "descends": self.descends,
+                "follows_rate": self.follows_rate, "m_psd": self.m_psd, "gamma": self.gamma,
+                "eps": self.eps, "m_min_eigenvalue": self.m_min_eigenvalue, "intervals": self.intervals,
+                "dense_rechecks": self.dense_rechecks, "max_energy_rise": self.max_energy_rise,
+                "max_mismatch": self.max_mismatch, "settings": self.settings,
+                "violations": [asdict(v) for v in self.violations]}
+
+
+def metric_spectrum(field: ETField, xs: Tensor) -> tuple[float, float]:
+    """``(gamma, smallest non-zero eigenvalue of M_A)`` over all tokens of the states ``xs`` (``(..., N, D)``)."""
+    neuron = field.model.neuron
+    gamma = float(neuron.gamma.detach())
+    with torch.no_grad():
+        sigma = (xs - xs.mean(dim=-1, keepdim=True)).square().mean(dim=-1).add(neuron.eps).sqrt()
+        eigenvalues = torch.stack([gamma * neuron.eps / sigma.pow(3), gamma / sigma])
+    return gamma, float(eigenvalues.min())
+
+
+def _simpson(values: Tensor, h: float) -> Tensor:
+    """Composite Simpson integral over the first axis (an even number of intervals of width ``h``)."""
+    weights = torch.ones(values.shape[0], dtype=values.dtype, device=values.device)
+    weights[1:-1:2], weights[2:-1:2] = 4.0, 2.0
+    return (weights[:, None] * values).sum(dim=0) * h / 3.0
+
+
+def check_lyapunov(solution: Solution, field: ETField, *, energy_rtol: float | None = None, energy_atol: float = 0.0,
+                   match_rtol: float = 0.05, dense_points: int = 16, progress: bool = False) -> LyapunovReport:
+    """Check that the energy is a Lyapunov function along ``solution`` (see the module docstring).
+
+    Args:
+        solution: a solve with saved states (``save="all"`` or ``"steps"``), at least two times.
+        field: the field that was solved (its model's ``gamma`` and ``eps`` are checked).
+        energy_rtol, energy_atol: an interval may raise the energy by ``energy_rtol |E| + energy_atol``
+            (rounding; default ``energy_rtol`` is ``100`` machine epsilons of the states' dtype).
+        match_rtol: allowed relative difference between the measured and the integrated change of energy.
+        dense_points: evaluation points (even) per interval for the dense re-evaluation.
+        progress: show a progress bar over the dense re-evaluations.
+    """
+    xs = flat_states(solution, field)
+    if xs.shape[0] < 2:
+        raise ValueError(f"solution has {xs.shape[0]} saved time(s); the Lyapunov check needs at least 2")
+    if not (isinstance(dense_points, int) and dense_points >= 2 and dense_points % 2 == 0):
+        raise ValueError(f"dense_points must be an even integer >= 2, got {dense_points!r}")
+    if not match_rtol > 0:
+        raise ValueError(f"match_rtol must be positive, got {match_rtol!r}")
+    finfo = torch.finfo(xs.dtype)
+    energy_rtol = 100 * finfo.eps if energy_rtol is None else energy_rtol
+    mask = flat_mask(solution.mask if solution.mask is not None else field.mask, tuple(solution.xs.shape[1:-2]))
+    bound = field.with_mask(mask)
+    model = field.model
+    ts = solution.ts.detach().to(torch.float64).cpu()
+    steps, batch = xs.shape[0] - 1, xs.shape[1]
+    with torch.no_grad():
+        g = model.neuron(xs)
+        energy = model._energy_g(g, mask).to(torch.float64).cpu()  # (T, B)
+        grad = bound.grad_g(g)
+        m_grad = model.neuron.hessian_vector(xs, grad)
+        rate = (-(grad * m_grad).sum(dim=(-1, -2)) / field.tau).to(torch.float64).cpu()  # exact dE/dt, (T, B)
+        rate_scale = ((grad * m_grad).abs().sum(dim=(-1, -2)) / field.tau).to(torch.float64).cpu()
+    gamma, m_min = metric_spectrum(field, xs)
+    violations: list[Violation] = []
+    if not (gamma > 0 and model.neuron.eps > 0):
+        violations += [Violation(b, "M not PSD", float(ts[0]), float(ts[-1]), m_min, 0.0) for b in range(batch)]
+
+    rate_allowed = 1e3 * finfo.eps * rate_scale
+    for k, b in (rate > rate_allowed).nonzero().tolist():
+        violations.append(Violation(b, "dE/dt > 0", float(ts[k]), float(ts[k]), float(rate[k, b]),
+                                    float(rate_allowed[k, b])))
+
+    h = (ts[1:] - ts[:-1])[:, None]  # (T-1, 1)
+    rise = energy[1:] - energy[:-1]  # (T-1, B)
+    allowed = energy_rtol * torch.maximum(energy[1:].abs(), energy[:-1].abs()) + energy_atol
+    for k, b in (rise > allowed).nonzero().tolist():
+        violations.append(Violation(b, "energy rise", float(ts[k]), float(ts[k + 1]), float(rise[k, b]),
+                                    float(allowed[k, b])))
+
+    integral = h * (rate[1:] + rate[:-1]) / 2  # trapezoid
+    close = (rise - integral).abs() <= match_rtol * torch.maximum(integral.abs(), rise.abs()) + allowed
+    suspicious = (~close).nonzero().tolist()
+    intervals = sorted({k for k, _ in suspicious})
+    dense_rtol, dense_atol = (1e-8, 1e-10) if xs.dtype == torch.float64 else (1e-6, 1e-8)
+    for k in tqdm(intervals, desc="dense dE/dt re-evaluation", disable=not progress or not intervals):
+        grid = torch.linspace(float(ts[k]), float(ts[k + 1]), dense_points + 1, dtype=torch.float64)
+        with torch.no_grad():
+            path = odeint(bound, xs[k], grid.to(xs.device), rtol=dense_rtol, atol=dense_atol, method="dopri5")
+            rates = bound.dE_dt(path).to(torch.float64).cpu()  # (points, B)
+        dense = _simpson(rates, float(grid[1] - grid[0]))
+        redo = ~close[k]
+        integral[k, redo] = dense[redo]
+    mismatch = (rise - integral).abs()
+    limit = match_rtol * integral.abs() + allowed
+    for k, b in suspicious:
+        if mismatch[k, b] > limit[k, b]:
+            violations.append(Violation(b, "dE/dt mismatch", float(ts[k]), float(ts[k + 1]),
+                                        float(mismatch[k, b]), float(limit[k, b])))
+    relative = mismatch / (integral.abs() + allowed).clamp_min(finfo.tiny)
+    relative[~torch.isfinite(relative)] = math.inf
+    violations.sort(key=lambda v: (v.sample, v.t_start, KINDS.index(v.kind)))
+    flagged = {v.sample for v in violations}
+    off_rate = {v.sample for v in violations if v.kind == "dE/dt mismatch"}
+    not_descending = {v.sample for v in violations if v.kind != "dE/dt mismatch"}
+    return LyapunovReport(
+        passed=[b not in flagged for b in range(batch)], descends=[b not in not_descending for b in range(batch)],
+        follows_rate=[b not in off_rate for b in range(batch)], violations=violations,
+        max_energy_rise=rise.max(dim=0).values.tolist(), max_mismatch=relative.max(dim=0).values.tolist(),
+        gamma=gamma, eps=model.neuron.eps, m_min_eigenvalue=m_min, intervals=steps, dense_rechecks=len(intervals),
+        settings={"energy_rtol": energy_rtol, "energy_atol": energy_atol, "match_rtol": match_rtol,
+                  "dense_points": dense_points})

@@ -1,0 +1,346 @@
+"""Pictures of ET dynamics. Every function returns a matplotlib ``Figure`` (Agg, no pyplot state) and,
+given ``path``, writes it as a PNG of ``figsize * dpi`` pixels (width x height).
+
+Conventions: time is in the units of the solve (``tau`` included); ``g`` is the normalized token.
+States are ``(T, *batch, N, D)`` as in :class:`et_ode.Solution`; ``sample`` picks one sample of a batch
+(flattened index).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+from matplotlib.collections import LineCollection
+from matplotlib.colors import LogNorm, Normalize
+from matplotlib.figure import Figure
+from torch import Tensor
+
+from et_ode import ETField, Solution
+
+from .convergence import convergence_traces, flat_mask, flat_states
+
+PathLike = str | os.PathLike[str]
+
+
+def _finish(fig: Figure, path: PathLike | None, dpi: int) -> Figure:
+    if path is not None:
+        path = Path(path)
+        if path.suffix.lower() != ".png":
+            raise ValueError(f"path must end in .png, got {str(path)!r}")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=dpi, format="png")
+    return fig
+
+
+def _sample_index(sample: int, count: int) -> int:
+    if not isinstance(sample, int) or not -count <= sample < count:
+        raise ValueError(f"sample must be an integer index in [0, {count}), got {sample!r}")
+    return sample % count
+
+
+def _sample_colors(count: int) -> list:
+    from matplotlib import colormaps
+
+    cmap = colormaps["tab10" if count <= 10 else "viridis"]
+    return [cmap(i if count <= 10 else i / max(count - 1, 1)) for i in range(count)]
+
+
+def plot_convergence(solution: Solution, field: ETField, *, path: PathLike | None = None,
+                     figsize: tuple[float, float] = (15.0, 4.5), dpi: int = 100, max_samples: int = 10) -> Figure:
+    """Energy, RMS ``|dg/dt|`` and RMS ``|T dE/dg|`` (log-log), and the two zero-mode drifts of ``x``
+    against time, one color per sample (at most ``max_samples`` drawn)."""
+    traces = convergence_traces(solution, field)
+    count = min(traces.energy.shape[1], max_samples)
+    colors = _sample_colors(count)
+    t = traces.ts.numpy()
+    positive = t > 0
+    fig = Figure(figsize=figsize, layout="constrained")
+    ax_e, ax_r, ax_d = fig.subplots(1, 3)
+    for b in range(count):
+        label = f"sample {b}"
+        ax_e.plot(t, traces.energy[:, b].numpy(), color=colors[b], label=label)
+        ax_r.plot(t[positive], traces.rms_dg_dt[positive, b].numpy(), color=colors[b], label=f"{label}: RMS |dg/dt|")
+        ax_r.plot(t[positive], traces.tangent_grad[positive, b].numpy(), color=colors[b], linestyle="--",
+                  label=f"{label}: RMS |T dE/dg|")
+        ax_d.plot(t, traces.ones_drift[:, b].numpy(), color=colors[b], label=f"{label}: along all-ones")
+        ax_d.plot(t, traces.radial_drift[:, b].numpy(), color=colors[b], linestyle=":", label=f"{label}: radial")
+    ax_e.set(title="Energy E(t) (must never rise)", xlabel="time t", ylabel="energy E")
+    ax_r.set(title="Motion of g: solid RMS |dg/dt|, dashed RMS |T dE/dg|\n(power law = straight line)",
+             xlabel="time t (log scale)", ylabel="per element (log scale)", xscale="log", yscale="log")
+    ax_d.set(title="Drift of x along its zero modes since t0\nsolid: token mean (all-ones); dotted: scale sigma",
+             xlabel="time t", ylabel="drift (units of x)")
+    handles = [ax_e.get_lines()[b] for b in range(count)]
+    ax_e.legend(handles=handles, fontsize="small", loc="upper right")
+    for ax in (ax_e, ax_r, ax_d):
+        ax.grid(True, alpha=0.3)
+    fig.suptitle(f"Convergence of {traces.energy.shape[1]} sample(s)"
+                 + (f" (first {count} drawn)" if count < traces.energy.shape[1] else ""))
+    return _finish(fig, path, dpi)
+
+
+def _normalized_tokens(xs: Tensor) -> Tensor:
+    """``(x - mean) / std`` per token: ``g`` up to the model's ``gamma`` and ``delta``."""
+    centered = xs - xs.mean(dim=-1, keepdim=True)
+    return centered / centered.square().mean(dim=-1, keepdim=True).sqrt().clamp_min(torch.finfo(xs.dtype).tiny)
+
+
+def _pca(points: np.ndarray, dims: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Center and directions (rows) of the first ``dims`` principal components, and explained-variance ratios."""
+    center = points.mean(axis=0)
+    _, singular, vt = np.linalg.svd(points - center, full_matrices=False)
+    variance = singular**2 / max((singular**2).sum(), np.finfo(float).tiny)
+    return center, vt[:dims], variance[:dims]
+
+
+def plot_trajectories(solution: Solution, *, sample: int = 0, dims: int = 2, color_by: str = "time",
+                      path: PathLike | None = None, figsize: tuple[float, float] = (8.0, 6.5), dpi: int = 100) -> Figure:
+    """Token trajectories of one sample projected on their first ``dims`` (2 or 3) principal components.
+
+    The tokens are normalized as ``(x - mean) / std`` (the activation ``g`` up to ``gamma`` and ``delta``,
+    so the drifts of ``x`` along its zero modes do not show). Each token is a line colored by time or by
+    the sample's energy (``color_by``); circles mark the starts, stars the final states (at the fixed point once converged).
+    """
+    if dims not in (2, 3):
+        raise ValueError(f"dims must be 2 or 3, got {dims!r}")
+    if color_by not in ("time", "energy"):
+        raise ValueError(f"color_by must be 'time' or 'energy', got {color_by!r}")
+    if not isinstance(solution, Solution) or solution.xs is None:
+        raise ValueError("solution must be an et_ode.Solution with saved states (save='all' or 'steps')")
+    xs = solution.xs.detach()
+    xs = xs.reshape(xs.shape[0], -1, *xs.shape[-2:])
+    b = _sample_index(sample, xs.shape[1])
+    tokens = _normalized_tokens(xs[:, b].to(torch.float64)).cpu().numpy()  # (T, N, D)
+    steps, count, dim = tokens.shape
+    center, axes, variance = _pca(tokens.reshape(-1, dim), dims)
+    projected = (tokens - center) @ axes.T  # (T, N, dims)
+    if color_by == "time":
+        values, label = solution.ts.detach().to(torch.float64).cpu().numpy(), "time t"
+    else:
+        values, label = solution.energies.detach().reshape(steps, -1)[:, b].to(torch.float64).cpu().numpy(), "energy E"
+    norm = Normalize(values.min(), values.max() if values.max() > values.min() else values.min() + 1)
+    if color_by == "time" and len(values) > 2 and values[1] > 0 and values[-1] / values[1] > 50:
+        norm, label = LogNorm(values[1], values[-1], clip=True), "time t (log color scale)"  # early motion is fast
+    fig = Figure(figsize=figsize, layout="constrained")
+    ax = fig.add_subplot(projection="3d" if dims == 3 else None)
+    cmap = "viridis" if color_by == "time" else "plasma"
+    segment_values = (values[1:] + values[:-1]) / 2
+    for a in range(count):
+        path_a = projected[:, a]
+        segments = np.stack([path_a[:-1], path_a[1:]], axis=1)
+        if dims == 3:
+            from mpl_toolkits.mplot3d.art3d import Line3DCollection
+
+            lines = Line3DCollection(segments, cmap=cmap, norm=norm, linewidth=1.5)
+        else:
+            lines = LineCollection(segments, cmap=cmap, norm=norm, linewidth=1.5)
+        lines.set_array(segment_values)
+        ax.add_collection(lines)
+    start, end = projected[0], projected[-1]
+    ax.scatter(*start.T, facecolors="none", edgecolors="black", s=30, label="start (t0)")
+    ax.scatter(*end.T, marker="*", color="red", edgecolors="black", s=160, zorder=5,
+               label=f"final state (t = {float(solution.ts[-1]):.3g})")
+    if dims == 2:
+        ax.autoscale()
+        ax.set_aspect("equal", adjustable="datalim")
+    else:
+        for setter, column in zip((ax.set_xlim, ax.set_ylim, ax.set_zlim), projected.reshape(-1, 3).T, strict=True):
+            pad = 0.05 * (column.max() - column.min() + 1e-12)
+            setter(column.min() - pad, column.max() + pad)
+        ax.set_zlabel(f"PC 3 ({100 * variance[2]:.0f}% var.)")
+    ax.set_xlabel(f"PC 1 ({100 * variance[0]:.0f}% of variance)")
+    ax.set_ylabel(f"PC 2 ({100 * variance[1]:.0f}% of variance)")
+    ax.set_title(f"Sample {b}: {count} token trajectories of the normalized state (x - mean)/std,\n"
+                 f"first {dims} principal components, colored by {label}")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12 if dims == 2 else -0.02), ncol=2, fontsize="small")
+    fig.colorbar(lines, ax=ax, label=label, shrink=0.8)
+    return _finish(fig, path, dpi)
+
+
+def _retract(field: ETField, g_star: Tensor, offset: Tensor) -> Tensor:
+    """Move ``g_star`` by ``offset`` and put every token back on its sphere (same radius, zero mean)."""
+    delta = field.model.neuron.delta.detach()
+    u0 = g_star - delta
+    radius = u0.norm(dim=-1, keepdim=True)
+    u = u0 + offset
+    u = u - u.mean(dim=-1, keepdim=True)
+    return delta + radius * u / u.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(u.dtype).tiny)
+
+
+def plot_energy_slice(field: ETField, x_fixed: Tensor, *, trajectories: Solution | Tensor | None = None,
+                      span: float | None = None, resolution: int = 41, path: PathLike | None = None, sample: int = 0,
+                      figsize: tuple[float, float] = (8.0, 6.5), dpi: int = 100, seed: int = 0) -> Figure:
+    """Contours of ``E`` on a 2-D slice of the product of spheres through the fixed point ``x_fixed``.
+
+    ``x_fixed``: ``(N, D)`` or ``(B, N, D)`` (``sample`` picks one). The slice is
+    ``g(a, b) = retract(g* + a u + b v)`` with orthonormal tangent directions ``u, v`` (over all tokens):
+    the first two principal directions of the trajectory's ``g - g*`` when ``trajectories`` (a Solution or
+    states ``(T, N, D)`` / ``(T, B, N, D)``) is given, else random ones. ``span``: half-width in ``g`` units
+    (default: 1.2 times the trajectory's extent, or half a token radius). Trajectories are drawn projected
+    on ``(u, v)``.
+    """
+    if not isinstance(field, ETField):
+        raise TypeError(f"field must be an et_ode.ETField, got {type(field).__name__}")
+    if not (isinstance(resolution, int) and resolution >= 3):
+        raise ValueError(f"resolution must be an integer >= 3, got {resolution!r}")
+    if not isinstance(x_fixed, Tensor) or x_fixed.dim() not in (2, 3) or x_fixed.shape[-1] != field.model.dim:
+        raise ValueError(f"x_fixed must be a tensor (N, D) or (B, N, D) with D={field.model.dim}, got "
+                         f"{tuple(x_fixed.shape) if isinstance(x_fixed, Tensor) else type(x_fixed).__name__}")
+    xf = x_fixed.detach().reshape(-1, *x_fixed.shape[-2:])
+    b = _sample_index(sample, xf.shape[0])
+    model = field.model
+    mask = field.mask if field.mask is None or field.mask.dim() == 2 else field.mask.reshape(-1, *field.mask.shape[-2:])[b]
+    with torch.no_grad():
+        g_star = model.neuron(xf[b])
+        s = (g_star - model.neuron.delta) - (g_star - model.neuron.delta).mean(dim=-1, keepdim=True)
+        s = s / s.norm(dim=-1, keepdim=True)
+
+        def tangent(v: Tensor) -> Tensor:
+            v = v - v.mean(dim=-1, keepdim=True)
+            return v - (v * s).sum(dim=-1, keepdim=True) * s
+
+        path_g = None
+        if trajectories is not None:
+            states = trajectories.xs if isinstance(trajectories, Solution) else trajectories
+            shape_ok = isinstance(states, Tensor) and tuple(states.shape[-2:]) == tuple(xf.shape[-2:])
+            if not shape_ok or states.dim() not in (3, 4):
+                raise ValueError(f"trajectories must be a Solution with saved states or a tensor (T, N, D) / "
+                                 f"(T, B, N, D) matching x_fixed's (N, D)={tuple(xf.shape[-2:])}")
+            states = states.detach().reshape(states.shape[0], -1, *states.shape[-2:])[:, b if states.dim() == 4 else 0]
+            path_g = model.neuron(states) - g_star  # (T, N, D)
+            directions = tangent(path_g).reshape(path_g.shape[0], -1)
+            _, _, vt = torch.linalg.svd(directions - directions.mean(dim=0), full_matrices=False)
+            basis = [tangent(vt[i].reshape(g_star.shape)) for i in range(min(2, vt.shape[0]))]
+        else:
+            generator = torch.Generator().manual_seed(seed)
+            basis = [tangent(torch.randn(g_star.shape, generator=generator, dtype=g_star.dtype).to(g_star.device))
+                     for _ in range(2)]
+        while len(basis) < 2:
+            basis.append(tangent(torch.randn(g_star.shape, dtype=g_star.dtype).to(g_star.device)))
+        u = basis[0] / basis[0].norm()
+        v = basis[1] - (basis[1] * u).sum() * u
+        v = v / v.norm()
+        coords = None
+        if path_g is not None:
+            coords = torch.stack([(path_g * u).sum(dim=(-1, -2)), (path_g * v).sum(dim=(-1, -2))], dim=1).cpu().numpy()
+        if span is None:
+            radius = float((g_star - model.neuron.delta).norm(dim=-1).mean())
+            span = 1.2 * float(np.abs(coords).max()) if coords is not None and np.abs(coords).max() > 0 else radius / 2
+        grid = torch.linspace(-span, span, resolution, dtype=g_star.dtype, device=g_star.device)
+        a, c = torch.meshgrid(grid, grid, indexing="xy")
+        offsets = a.reshape(-1, 1, 1) * u + c.reshape(-1, 1, 1) * v
+        energies = model._energy_g(_retract(field, g_star.expand_as(offsets), offsets), mask)
+        energies = energies.reshape(resolution, resolution).to(torch.float64).cpu().numpy()
+        e_star = float(model._energy_g(g_star, mask))
+    fig = Figure(figsize=figsize, layout="constrained")
+    ax = fig.add_subplot()
+    grid = grid.cpu().numpy()
+    filled = ax.contourf(grid, grid, energies, levels=20, cmap="viridis")
+    ax.contour(grid, grid, energies, levels=20, colors="white", linewidths=0.4, alpha=0.6)
+    fig.colorbar(filled, ax=ax, label="energy E on the slice")
+    if coords is not None:
+        ax.plot(coords[:, 0], coords[:, 1], color="red", linewidth=1.5, label="trajectory (projected)")
+        ax.scatter(coords[0, 0], coords[0, 1], facecolors="none", edgecolors="red", s=50, label="trajectory start")
+        ax.scatter(coords[-1, 0], coords[-1, 1], marker="x", color="red", s=60, label="trajectory end")
+    ax.scatter([0], [0], marker="*", s=220, color="white", edgecolors="black", zorder=5,
+               label=f"fixed point (E = {e_star:.4g})")
+    ax.set(xlim=(-span, span), ylim=(-span, span), aspect="equal",
+           xlabel="coordinate along u (units of g)", ylabel="coordinate along v (units of g)",
+           title=f"Energy on a 2-D slice through the fixed point (sample {b})\n"
+                 f"u, v: {'principal directions of the trajectory' if coords is not None else 'random tangent directions'}"
+                 ", tokens kept on their spheres")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2, fontsize="small")
+    return _finish(fig, path, dpi)
+
+
+def plot_attention(field: ETField, solution: Solution, *, sample: int = 0, head: int = 0,
+                   times: Sequence[float] | None = None, path: PathLike | None = None,
+                   figsize: tuple[float, float] | None = None, dpi: int = 100) -> Figure:
+    """Attention maps ``S[head, key B, query C]`` of one sample at a few saved times (default: 4, from
+    first to last). Each requested time uses the nearest saved one. Default size: 3.6 inches per map, 4 tall."""
+    xs = flat_states(solution, field)
+    b = _sample_index(sample, xs.shape[1])
+    heads = field.model.attention.heads
+    if not isinstance(head, int) or not 0 <= head < heads:
+        raise ValueError(f"head must be an integer in [0, {heads}), got {head!r}")
+    ts = solution.ts.detach().to(torch.float64).cpu()
+    if times is None:
+        indices = sorted(set(np.linspace(0, len(ts) - 1, min(4, len(ts))).round().astype(int).tolist()))
+    else:
+        indices = [int((ts - float(t)).abs().argmin()) for t in times]
+        if not indices:
+            raise ValueError("times must name at least one time")
+    mask = flat_mask(solution.mask if solution.mask is not None else field.mask, tuple(solution.xs.shape[1:-2]))
+    sample_mask = mask[b] if mask is not None and mask.dim() == 3 else mask
+    with torch.no_grad():
+        maps = field.model.attention.attention(field.model.neuron(xs[indices, b]), sample_mask)[:, head]
+    maps = maps.to(torch.float64).cpu().numpy()  # (len, B, C)
+    figsize = figsize or (3.6 * len(indices) + 1.2, 4.0)
+    fig = Figure(figsize=figsize, layout="constrained")
+    axes = np.atleast_1d(fig.subplots(1, len(indices)))
+    image = None
+    for ax, k, attention in zip(axes, indices, maps, strict=True):
+        image = ax.imshow(attention, cmap="magma", vmin=0.0, vmax=1.0, interpolation="nearest")
+        ax.set(title=f"t = {float(ts[k]):.4g}", xlabel="query token C", ylabel="key token B")
+    fig.colorbar(image, ax=list(axes), label="attention weight (softmax over keys B)")
+    fig.suptitle(f"Attention of head {head}, sample {b}: column C sums to 1")
+    return _finish(fig, path, dpi)
+
+
+def _as_images(name: str, value: Tensor | np.ndarray, single: bool) -> np.ndarray:
+    """``(T, H, W)``, ``(T, C, H, W)`` (or one frame without ``T`` when ``single``) to ``(T, H, W[, 3])``."""
+    array = value.detach().to(torch.float64).cpu().numpy() if isinstance(value, Tensor) else np.asarray(value, float)
+    if single:
+        array = array[None]
+    if array.ndim == 4:
+        if array.shape[1] not in (1, 3):
+            raise ValueError(f"{name} must have 1 or 3 channels in (T, C, H, W), got shape {array.shape}")
+        array = array[:, 0] if array.shape[1] == 1 else np.moveaxis(array, 1, -1)
+    elif array.ndim != 3:
+        expected = "(H, W) or (C, H, W)" if single else "(T, H, W) or (T, C, H, W)"
+        raise ValueError(f"{name} must have shape {expected}, got {array.shape[1:] if single else array.shape}")
+    return array
+
+
+def plot_film_strip(frames: Tensor | np.ndarray, times: Sequence[float] | Tensor, *, target: Tensor | None = None,
+                    masked: Tensor | None = None, path: PathLike | None = None,
+                    figsize: tuple[float, float] | None = None, dpi: int = 100) -> Figure:
+    """A row of images: the masked input (if given), the completion at each time, the ground truth (if given).
+
+    ``frames``: ``(T, H, W)`` grayscale or ``(T, C, H, W)`` with ``C`` 1 or 3; ``times``: ``T`` values;
+    ``target`` / ``masked``: one image ``(H, W)`` or ``(C, H, W)``. All panels share one intensity scale
+    (shown by a colorbar for grayscale). Default size: 2.2 inches per panel, 2.9 tall.
+    """
+    images = _as_images("frames", frames, single=False)
+    times = [float(t) for t in (times.tolist() if isinstance(times, Tensor) else times)]
+    if len(times) != len(images):
+        raise ValueError(f"times must have one value per frame ({len(images)}), got {len(times)}")
+    panels = [(f"t = {t:.3g}", image) for t, image in zip(times, images, strict=True)]
+    for name, extra, position in (("masked input", masked, 0), ("ground truth", target, None)):
+        if extra is not None:
+            image = _as_images(name, extra, single=True)[0]
+            if image.shape != images.shape[1:]:
+                raise ValueError(f"{name} must match the frames' image shape {images.shape[1:]}, got {image.shape}")
+            panels.insert(len(panels) if position is None else position, (name, image))
+    low = min(float(p.min()) for _, p in panels)
+    high = max(float(p.max()) for _, p in panels)
+    high = high if high > low else low + 1.0
+    figsize = figsize or (2.2 * len(panels) + 1.0, 2.9)
+    fig = Figure(figsize=figsize, layout="constrained")
+    axes = np.atleast_1d(fig.subplots(1, len(panels)))
+    image = None
+    for ax, (title, picture) in zip(axes, panels, strict=True):
+        color = picture.ndim == 3
+        shown = np.clip((picture - low) / (high - low), 0, 1) if color else picture
+        image = ax.imshow(shown, cmap=None if color else "gray", vmin=None if color else low,
+                          vmax=None if color else high, interpolation="nearest")
+        ax.set_title(title, fontsize="medium", fontweight="bold" if title in ("masked input", "ground truth") else None)
+        ax.set_xticks([])
+        ax.set_yticks([])
+    if images.ndim == 3:
+        fig.colorbar(image, ax=list(axes), label="intensity", shrink=0.9)
+    fig.suptitle("Completion over time (time runs left to right)")
+    return _finish(fig, path, dpi)

@@ -1,0 +1,661 @@
+"""Stability of fixed points: the Riemannian Hessian's spectrum, the Jacobian of the g-dynamics,
+finite-time Lyapunov exponents and a basin probe.
+
+Near a critical point ``g*`` on the per-token spheres (:mod:`et_ode.manifold`) the dynamics of ``g`` on
+the tangent space is, to first order,
+
+    d(dg)/dt = J dg,      J = -(1/tau) Lambda Hess_R,      Lambda = diag(gamma / sigma_A),
+
+(``Hess_R w = T H w - (s . dE/dg)/r w``, the curvature term coming from the derivative of ``M`` along
+the radial drift). ``J`` is similar to the symmetric ``-(1/tau) Lambda^(1/2) Hess_R Lambda^(1/2)`` and has
+the inertia of ``-Hess_R`` (Sylvester), so the point is classified from ``Hess_R`` on the tangent space
+(dimension ``N (D - 2)`` per sample), which excludes the two known zero modes of every token: the
+all-ones vector (exact) and the radial direction (eigenvalue ``gamma eps / sigma^3`` of ``M``):
+
+- all eigenvalues ``> zero_tol``: **stable attractor** (strict local minimum of E on the spheres);
+- some ``< -zero_tol``: **saddle** (all of them: **maximum**);
+- none negative, some ``|lambda| <= zero_tol``: **degenerate** (higher-order terms decide).
+
+Small systems: exact dense matrices by ``torch.func`` (``riemannian_hessian_matrix``, ``g_jacobian``).
+Large ones: the extreme eigenvalues by Lanczos (full reorthogonalisation) or power iteration on
+Hessian-vector products, never forming a matrix. The generic entry point ``operator_stability`` takes any
+symmetric operator ``w -> A w`` (for example a quadratic energy's Hessian).
+
+Since ``Lambda`` decays like ``1/t`` (``sigma`` grows linearly), a plain solve approaches ``g*`` only
+like a power of ``t``. ``find_fixed_point`` therefore descends on the spheres directly (Riemannian
+gradient descent; the same critical points, reached in far fewer steps), and the flows of
+``lyapunov_exponent`` and ``basin_probe`` can rescale ``x`` to ``sigma = 1`` between segments
+(``restart``): that leaves ``g`` unchanged (up to O(eps)) and only undoes the slowing time change.
+
+Shapes: states ``x`` are ``(B, N, D)`` (a single ``(N, D)`` is treated as ``B = 1``); vectors acted on
+by operators have the shape of the state; dot products are per sample.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import Tensor
+
+from et_ode import ETField, solve
+from et_ode.manifold import radial_direction, riemannian_hessian, tangent_projection
+
+Operator = Callable[[Tensor], Tensor]
+CLASSES = ("stable attractor", "saddle", "maximum", "degenerate")
+
+
+def _batched(x: Tensor, field: ETField | None = None, name: str = "x") -> Tensor:
+    """Validate a state and return it as ``(B, N, D)``."""
+    if not isinstance(x, Tensor) or not x.is_floating_point():
+        raise TypeError(f"{name} must be a floating torch.Tensor of shape (B, N, D) or (N, D), got "
+                        f"{type(x).__name__ if not isinstance(x, Tensor) else x.dtype}")
+    if x.dim() == 2:
+        x = x[None]
+    if x.dim() != 3 or (field is not None and x.shape[-1] != field.model.dim):
+        expected = "D" if field is None else f"D={field.model.dim}"
+        raise ValueError(f"{name} must have shape (B, N, {expected}) or (N, {expected}), got {tuple(x.shape)}")
+    if not bool(torch.isfinite(x).all()):
+        raise ValueError(f"{name} has non-finite entries")
+    return x.detach()
+
+
+def _dot(a: Tensor, b: Tensor) -> Tensor:
+    """Per-sample inner product: ``(B, ...) x (B, ...) -> (B,)``."""
+    return (a * b).flatten(1).sum(dim=1)
+
+
+def _expand(v: Tensor, like: Tensor) -> Tensor:
+    return v.reshape(-1, *([1] * (like.dim() - 1)))
+
+
+# -- generic symmetric eigen-solvers ------------------------------------------------------------------------------
+
+
+def lanczos(apply: Operator, v0: Tensor, *, iterations: int, project: Operator | None = None,
+            generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+    """Lanczos with full reorthogonalisation, one Krylov space per sample.
+
+    Args:
+        apply: the symmetric operator, acting per sample on ``(B, ...)``.
+        v0: starting vectors ``(B, ...)``.
+        iterations: Krylov dimension (at most the dimension of the space; the iteration stops earlier
+            when every sample's space is exhausted).
+        project: a projector onto the subspace to work in (applied to every Lanczos vector).
+        generator: for the fresh random vectors drawn when a sample's Krylov space closes early.
+
+    Returns ``(ritz_values, residuals)``, each ``(B, m)``, values ascending; ``residuals[b, i]`` bounds
+    the distance of ``ritz_values[b, i]`` from an eigenvalue of the operator.
+    """
+    if not (isinstance(iterations, int) and iterations >= 1):
+        raise ValueError(f"iterations must be a positive integer, got {iterations!r}")
+    project = project or (lambda v: v)
+    tiny = torch.finfo(v0.dtype).eps ** 0.75
+
+    def orthonormalize(w: Tensor, basis: list[Tensor]) -> tuple[Tensor, Tensor]:
+        if basis:
+            q = torch.stack(basis, dim=1).flatten(2)  # (B, j, size)
+            flat = w.flatten(1)[:, :, None]
+            for _ in range(2):  # classical Gram-Schmidt, twice
+                flat = flat - q.transpose(1, 2) @ (q @ flat)
+            w = flat.reshape(w.shape)
+        w = project(w)
+        norm = _dot(w, w).sqrt()
+        return w / _expand(norm.clamp_min(torch.finfo(w.dtype).tiny), w), norm
+
+    v, norm = orthonormalize(project(v0), [])
+    if bool((norm == 0).any()):
+        raise ValueError("v0 has no component in the subspace of project for some sample")
+    basis: list[Tensor] = []
+    alphas: list[Tensor] = []
+    betas: list[Tensor] = []
+    for _ in range(iterations):
+        basis.append(v)
+        w = project(apply(v))
+        alphas.append(_dot(w, v))
+        w, beta = orthonormalize(w, basis)
+        betas.append(beta)
+        closed = beta <= tiny * alphas[-1].abs().clamp_min(1.0)
+        if bool(closed.any()):
+            fresh, fresh_norm = orthonormalize(torch.randn(v.shape, generator=generator, dtype=v.dtype).to(v.device),
+                                               basis)
+            if bool((fresh_norm[closed] <= tiny).any()):
+                break  # the whole space is spanned
+            betas[-1] = torch.where(closed, torch.zeros_like(beta), beta)
+            w = torch.where(_expand(closed, w), fresh, w)
+        v = w
+    m = len(alphas)
+    tridiagonal = torch.diag_embed(torch.stack(alphas, dim=1))
+    if m > 1:
+        off = torch.stack(betas[:-1], dim=1)
+        tridiagonal = tridiagonal + torch.diag_embed(off, 1) + torch.diag_embed(off, -1)
+    values, vectors = torch.linalg.eigh(tridiagonal)
+    residuals = (betas[-1][:, None] * vectors[:, -1, :]).abs()
+    return values, residuals
+
+
+def power_iteration(apply: Operator, v0: Tensor, *, iterations: int, shift: Tensor | float = 0.0,
+                    project: Operator | None = None) -> Tensor:
+    """The eigenvalue of largest magnitude of ``A - shift I`` per sample, by power iteration (Rayleigh quotient).
+
+    ``shift`` is a scalar or ``(B,)``. Returns ``(B,)``, the estimate for ``A - shift I``.
+    """
+    project = project or (lambda v: v)
+    shift = torch.as_tensor(shift, dtype=v0.dtype, device=v0.device).expand(v0.shape[0])
+    v = project(v0)
+    v = v / _expand(_dot(v, v).sqrt(), v)
+    value = torch.zeros_like(shift)
+    for _ in range(iterations):
+        w = project(apply(v) - _expand(shift, v) * v)
+        value = _dot(w, v)
+        v = w / _expand(_dot(w, w).sqrt().clamp_min(torch.finfo(v.dtype).tiny), w)
+    return value
+
+
+def extreme_eigenvalues(apply: Operator, like: Tensor, *, method: str = "lanczos", iterations: int = 60,
+                        project: Operator | None = None, seed: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+    """Smallest and largest eigenvalue per sample of a symmetric operator, matrix-free.
+
+    Args:
+        apply: ``w -> A w`` on vectors shaped like ``like`` (``(B, ...)``).
+        like: a tensor giving shape, dtype and device.
+        method: ``"lanczos"`` (``iterations`` Krylov vectors) or ``"power"`` (``iterations`` products for
+            the dominant eigenvalue, then as many for the other end of the spectrum on ``A - lambda_dom I``).
+        project: projector onto the subspace where ``A`` is considered (e.g. the tangent space).
+        seed: seeds the random starting vector.
+
+    Returns ``(smallest, largest, residual)``, each ``(B,)``; ``residual`` is the larger of the two
+    Lanczos residual bounds (``nan`` for power iteration).
+    """
+    generator = torch.Generator().manual_seed(seed)
+    v0 = torch.randn(like.shape, generator=generator, dtype=like.dtype).to(like.device)
+    if method == "lanczos":
+        size = like[0].numel()
+        values, residuals = lanczos(apply, v0, iterations=min(iterations, size), project=project, generator=generator)
+        return values[:, 0], values[:, -1], torch.maximum(residuals[:, 0], residuals[:, -1])
+    if method == "power":
+        dominant = power_iteration(apply, v0, iterations=iterations, project=project)
+        other = power_iteration(apply, v0, iterations=iterations, shift=dominant, project=project) + dominant
+        nan = torch.full_like(dominant, math.nan)
+        return torch.minimum(dominant, other), torch.maximum(dominant, other), nan
+    raise ValueError(f"method must be 'lanczos' or 'power', got {method!r}")
+
+
+def operator_matrix(apply: Operator, basis: Tensor) -> Tensor:
+    """The matrix ``Q^T A Q`` per sample for an orthonormal ``basis`` ``(B, n, ...)`` (``n`` vectors per sample)."""
+    columns = [apply(basis[:, j]) for j in range(basis.shape[1])]
+    image = torch.stack(columns, dim=1).flatten(2)  # (B, n, size): row j = A q_j
+    return basis.flatten(2) @ image.transpose(1, 2)
+
+
+def dense_eigenvalues(apply: Operator, like: Tensor, *, basis: Tensor | None = None) -> Tensor:
+    """All eigenvalues (ascending, ``(B, n)``) of a symmetric operator restricted to ``span(basis)``;
+    the standard basis of the shape of ``like[0]`` when ``basis`` is None. Costs ``n`` products."""
+    if basis is None:
+        size = like[0].numel()
+        eye = torch.eye(size, dtype=like.dtype, device=like.device).reshape(size, *like.shape[1:])
+        basis = eye.expand(like.shape[0], *eye.shape)
+    matrix = operator_matrix(apply, basis)
+    return torch.linalg.eigvalsh((matrix + matrix.transpose(1, 2)) / 2)
+
+
+def classify(smallest: float, largest: float, *, zero_tol: float) -> str:
+    """One of :data:`CLASSES` from the extreme eigenvalues of a Hessian on the space of interest."""
+    if smallest > zero_tol:
+        return "stable attractor"
+    if smallest < -zero_tol:
+        return "maximum" if largest < -zero_tol else "saddle"
+    return "degenerate"
+
+
+# -- the ET's tangent space ---------------------------------------------------------------------------------------
+
+
+def tangent_basis(g: Tensor, delta: Tensor) -> Tensor:
+    """An orthonormal basis of the tangent space at ``g`` (``(B, N, D)``): ``(B, N (D-2), N, D)``.
+
+    Vector ``A (D-2) + j`` lives on token ``A`` only, orthogonal to the all-ones vector and to the radial ``s_A``.
+    """
+    batch, n, d = g.shape
+    s, _ = radial_direction(g, delta)
+    ones = torch.full((batch, n, d), d ** -0.5, dtype=g.dtype, device=g.device)
+    frame = torch.stack([ones, s], dim=-1)  # (B, N, D, 2), orthonormal columns
+    projector = torch.eye(d, dtype=g.dtype, device=g.device) - frame @ frame.transpose(-1, -2)
+    values, vectors = torch.linalg.eigh(projector)  # eigenvalues 0, 0, 1, ..., 1
+    tangent = vectors[..., 2:]  # (B, N, D, D-2)
+    basis = torch.zeros(batch, n, d - 2, n, d, dtype=g.dtype, device=g.device)
+    index = torch.arange(n, device=g.device)
+    basis[:, index, :, index, :] = tangent.permute(1, 0, 3, 2)  # (N, B, D-2, D)
+    return basis.reshape(batch, n * (d - 2), n, d)
+
+
+def _rates(field: ETField, x: Tensor) -> Tensor:
+    """``gamma / sigma_A`` per token, ``(B, N, 1)``: the tangential eigenvalue of ``M``."""
+    neuron = field.model.neuron
+    sigma = (x - x.mean(dim=-1, keepdim=True)).square().mean(dim=-1, keepdim=True).add(neuron.eps).sqrt()
+    return neuron.gamma.detach() / sigma
+
+
+def _sample_field(field: ETField, mask: Tensor | None, b: int) -> ETField:
+    return field.with_mask(mask[b] if mask is not None and mask.dim() == 3 else mask)
+
+
+def riemannian_hessian_matrix(field: ETField, x: Tensor, *, mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """The dense Riemannian Hessian of ``E`` at ``g = LayerNorm(x)`` in :func:`tangent_basis`, exact.
+
+    Built from the full Euclidean Hessian of ``E(g)`` (``torch.func.hessian``, ``(ND)^2`` entries per
+    sample): ``Q^T H Q - diag((s_A . dE/dg_A) / r_A)``. Returns ``(matrix (B, n, n), basis (B, n, N, D))``.
+    """
+    x = _batched(x, field)
+    mask = field.mask if mask is None else mask
+    model = field.model
+    with torch.no_grad():
+        g = model.neuron(x)
+        grad = field.with_mask(mask).grad_g(g)
+    s, radius = radial_direction(g, model.neuron.delta.detach())
+    basis = tangent_basis(g, model.neuron.delta.detach())
+    d = x.shape[-1]
+    matrices = []
+    for b in range(x.shape[0]):
+        sample_mask = mask[b] if mask is not None and mask.dim() == 3 else mask
+        hessian = torch.func.hessian(lambda gb, m=sample_mask: model._energy_g(gb, m))(g[b].detach())
+        size = g[b].numel()
+        q = basis[b].reshape(-1, size)
+        curvature = ((grad[b] * s[b]).sum(dim=-1) / radius[b, :, 0]).repeat_interleave(d - 2)
+        matrices.append(q @ hessian.detach().reshape(size, size) @ q.T - torch.diag(curvature))
+    return torch.stack(matrices), basis
+
+
+def g_jacobian(field: ETField, x: Tensor, *, mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """The exact Jacobian of the g-dynamics on the tangent space at ``x``, ``(B, n, n)``, and the basis.
+
+    ``torch.func.jacrev`` of ``x -> dg/dt = M(x) f(x)``; a tangent change ``dg`` of ``g`` is produced by
+    ``dx = (sigma_A / gamma) dg``, so ``J = Q^T (d(dg/dt)/dx) Q diag(sigma_A / gamma)``. Its eigenvalues are
+    the local rates ``exp(lambda t)`` of the motion of ``g`` at this state (``Re lambda < 0``: decay).
+    """
+    x = _batched(x, field)
+    mask = field.mask if mask is None else mask
+    model = field.model
+    with torch.no_grad():
+        g = model.neuron(x)
+    basis = tangent_basis(g, model.neuron.delta.detach())
+    scale = (1.0 / _rates(field, x)).detach()  # (B, N, 1): sigma / gamma
+    d = x.shape[-1]
+    matrices = []
+    for b in range(x.shape[0]):
+        bound = _sample_field(field, mask, b)
+
+        def dg_dt(xb: Tensor, bound: ETField = bound) -> Tensor:  # the closed form (torch.func-traceable)
+            return model.neuron.hessian_vector(xb, model._grad_g(model.neuron(xb), bound.mask) / -bound.tau)
+
+        jac = torch.func.jacrev(dg_dt)(x[b])
+        size = x[b].numel()
+        q = basis[b].reshape(-1, size)
+        right = scale[b, :, 0].repeat_interleave(d - 2)
+        matrices.append(q @ jac.detach().reshape(size, size) @ q.T * right[None, :])
+    return torch.stack(matrices), basis
+
+
+# -- results ------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SampleStability:
+    """The spectrum at one sample's point.
+
+    ``smallest`` / ``largest``: extreme eigenvalues of ``Hess_R`` (intrinsic curvature, units of energy per
+    ``g``^2). ``rate_slowest`` / ``rate_fastest``: extreme eigenvalues of the g-Jacobian at this state (per
+    unit time; negative decays); ``eigenvalues``: all of ``Hess_R``'s when computed densely.
+    ``tangent_grad``: RMS ``|T dE/dg|``; ``critical`` when it is at most ``critical_tol``.
+    """
+
+    sample: int
+    kind: str
+    smallest: float
+    largest: float
+    negative: int | None
+    rate_slowest: float
+    rate_fastest: float
+    tangent_grad: float
+    critical: bool
+    residual: float
+    eigenvalues: list[float] | None = None
+
+
+@dataclass
+class StabilityReport:
+    samples: list[SampleStability]
+    method: str
+    dimension: int
+    zero_tol: float
+    settings: dict = field(default_factory=dict)
+
+    def table(self) -> str:
+        lines = [f"Riemannian Hessian on the tangent space (dimension {self.dimension} per sample, the all-ones and "
+                 f"radial zero modes of every token excluded), method: {self.method}; |lambda| <= {self.zero_tol:.2g} "
+                 "counts as zero.", "",
+                 "| sample | classification | smallest eigenvalue | largest eigenvalue | negative | "
+                 "slowest / fastest rate of g (1/time) | RMS T dE/dg | critical point |",
+                 "|---|---|---|---|---|---|---|---|"]
+        for s in self.samples:
+            negative = "?" if s.negative is None else str(s.negative)
+            lines.append(f"| {s.sample} | {s.kind} | {s.smallest:.6g} | {s.largest:.6g} | {negative} | "
+                         f"{s.rate_slowest:.3g} / {s.rate_fastest:.3g} | {s.tangent_grad:.3g} | "
+                         f"{'yes' if s.critical else 'no'} |")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def as_dict(self) -> dict:
+        return {"method": self.method, "dimension": self.dimension, "zero_tol": self.zero_tol,
+                "settings": self.settings, "samples": [asdict(s) for s in self.samples]}
+
+
+def _zero_tol(smallest: Tensor, largest: Tensor, rel_tol: float, abs_tol: float) -> Tensor:
+    return rel_tol * torch.maximum(smallest.abs(), largest.abs()) + abs_tol
+
+
+def operator_stability(apply: Operator, like: Tensor, *, method: str = "auto", project: Operator | None = None,
+                       basis: Tensor | None = None, iterations: int = 80, max_dense: int = 400,
+                       rel_tol: float = 1e-6, abs_tol: float = 1e-9, seed: int = 0) -> StabilityReport:
+    """Classify the critical point(s) of a generic energy from its symmetric Hessian operator.
+
+    ``apply`` acts per sample on ``(B, ...)`` tensors shaped like ``like``. ``method``: ``"dense"`` (all
+    eigenvalues, on ``basis`` or the standard basis), ``"lanczos"``, ``"power"`` or ``"auto"`` (dense up
+    to ``max_dense`` dimensions). An eigenvalue counts as zero when ``|lambda| <= rel_tol max|lambda| + abs_tol``.
+    Rates are reported as ``-lambda`` (gradient flow ``dg/dt = -A g``).
+    """
+    if not isinstance(like, Tensor) or like.dim() < 2:
+        raise ValueError(f"like must be a tensor (B, ...) with a leading sample dimension, got "
+                         f"{tuple(like.shape) if isinstance(like, Tensor) else type(like).__name__}")
+    dimension = like[0].numel() if basis is None else basis.shape[1]
+    method = ("dense" if dimension <= max_dense else "lanczos") if method == "auto" else method
+    eigenvalues = None
+    if method == "dense":
+        eigenvalues = dense_eigenvalues(apply, like, basis=basis)
+        smallest, largest = eigenvalues[:, 0], eigenvalues[:, -1]
+        residual = torch.zeros_like(smallest)
+    elif method in ("lanczos", "power"):
+        smallest, largest, residual = extreme_eigenvalues(apply, like, method=method, iterations=iterations,
+                                                          project=project, seed=seed)
+    else:
+        raise ValueError(f"method must be 'auto', 'dense', 'lanczos' or 'power', got {method!r}")
+    tol = _zero_tol(smallest, largest, rel_tol, abs_tol)
+    samples = []
+    for b in range(like.shape[0]):
+        samples.append(SampleStability(
+            sample=b, kind=classify(float(smallest[b]), float(largest[b]), zero_tol=float(tol[b])),
+            smallest=float(smallest[b]), largest=float(largest[b]),
+            negative=None if eigenvalues is None else int((eigenvalues[b] < -tol[b]).sum()),
+            rate_slowest=float(-smallest[b]), rate_fastest=float(-largest[b]), tangent_grad=math.nan, critical=True,
+            residual=float(residual[b]), eigenvalues=None if eigenvalues is None else eigenvalues[b].tolist()))
+    return StabilityReport(samples=samples, method=method, dimension=dimension, zero_tol=float(tol.max()),
+                           settings={"rel_tol": rel_tol, "abs_tol": abs_tol, "iterations": iterations})
+
+
+def fixed_point_stability(field: ETField, x: Tensor, *, method: str = "auto", mask: Tensor | None = None,
+                          iterations: int = 80, max_dense: int = 300, rel_tol: float = 1e-6, abs_tol: float = 1e-9,
+                          critical_tol: float = 1e-4, seed: int = 0) -> StabilityReport:
+    """Classify the state(s) ``x`` (``(B, N, D)`` or ``(N, D)``), normally a converged one.
+
+    ``method``: ``"dense"`` (exact: ``torch.func`` Hessian of ``E``, and the Jacobian of the g-dynamics
+    for the rates), ``"lanczos"`` / ``"power"`` (extreme eigenvalues from Hessian-vector products of
+    :func:`et_ode.manifold.riemannian_hessian`), ``"auto"`` (dense up to ``max_dense`` tangent dimensions).
+    ``critical`` is reported per sample: RMS ``|T dE/dg| <= critical_tol``; away from a critical point the
+    classification describes the local curvature only.
+    """
+    if not isinstance(field, ETField):
+        raise TypeError(f"field must be an et_ode.ETField, got {type(field).__name__}")
+    x = _batched(x, field)
+    mask = field.mask if mask is None else mask
+    bound = field.with_mask(mask)
+    batch, n, d = x.shape
+    dimension = n * (d - 2)
+    method = ("dense" if dimension <= max_dense else "lanczos") if method == "auto" else method
+    if method not in ("dense", "lanczos", "power"):
+        raise ValueError(f"method must be 'auto', 'dense', 'lanczos' or 'power', got {method!r}")
+    g = field.model.neuron(x).detach()
+    apply, tangent = riemannian_hessian(bound, g)
+    tangent_grad = tangent.square().mean(dim=(-1, -2)).sqrt()
+    rates = _rates(field, x)
+    s, _ = radial_direction(g, field.model.neuron.delta.detach())
+
+    def project(w: Tensor) -> Tensor:
+        return tangent_projection(w, s)
+
+    eigenvalues = None
+    if method == "dense":
+        matrix, _ = riemannian_hessian_matrix(field, x, mask=mask)
+        eigenvalues = torch.linalg.eigvalsh((matrix + matrix.transpose(1, 2)) / 2)
+        smallest, largest = eigenvalues[:, 0], eigenvalues[:, -1]
+        jacobian, _ = g_jacobian(field, x, mask=mask)
+        rate_values = torch.linalg.eigvals(jacobian).real
+        rate_slowest, rate_fastest = rate_values.max(dim=1).values, rate_values.min(dim=1).values
+        residual = torch.zeros_like(smallest)
+    else:
+        smallest, largest, residual = extreme_eigenvalues(apply, g, method=method, iterations=iterations,
+                                                          project=project, seed=seed)
+        root = rates.sqrt()
+
+        def scaled(w: Tensor) -> Tensor:  # -(1/tau) Lambda^(1/2) Hess_R Lambda^(1/2), same spectrum as J
+            return -root * apply(root * project(w)) / field.tau
+
+        low, high, _ = extreme_eigenvalues(scaled, g, method=method, iterations=iterations, project=project,
+                                           seed=seed + 1)
+        rate_slowest, rate_fastest = high, low
+    tol = _zero_tol(smallest, largest, rel_tol, abs_tol)
+    samples = []
+    for b in range(batch):
+        samples.append(SampleStability(
+            sample=b, kind=classify(float(smallest[b]), float(largest[b]), zero_tol=float(tol[b])),
+            smallest=float(smallest[b]), largest=float(largest[b]),
+            negative=None if eigenvalues is None else int((eigenvalues[b] < -tol[b]).sum()),
+            rate_slowest=float(rate_slowest[b]), rate_fastest=float(rate_fastest[b]),
+            tangent_grad=float(tangent_grad[b]), critical=bool(tangent_grad[b] <= critical_tol),
+            residual=float(residual[b]), eigenvalues=None if eigenvalues is None else eigenvalues[b].tolist()))
+    return StabilityReport(samples=samples, method=method, dimension=dimension, zero_tol=float(tol.max()),
+                           settings={"rel_tol": rel_tol, "abs_tol": abs_tol, "iterations": iterations,
+                                     "critical_tol": critical_tol})
+
+
+# -- reaching the fixed point -------------------------------------------------------------------------------------
+
+
+def normalize_scale(x: Tensor, eps: float = 0.0) -> Tensor:
+    """Center every token and scale it to ``sigma = 1``: ``g`` is unchanged up to O(eps) (``(..., N, D)``)."""
+    xt = x - x.mean(dim=-1, keepdim=True)
+    return xt / xt.square().mean(dim=-1, keepdim=True).sub(eps).clamp_min(torch.finfo(x.dtype).tiny).sqrt()
+
+
+@dataclass
+class FixedPointSearch:
+    """Result of :func:`find_fixed_point`: ``x`` ``(B, N, D)`` with ``sigma = 1`` per token; the RMS tangent
+    gradient per sample at the end; the iterations used; the energy before and after per sample."""
+
+    x: Tensor
+    tangent_grad: Tensor
+    iterations: int
+    converged: bool
+    energy_start: Tensor
+    energy_end: Tensor
+
+
+def find_fixed_point(field: ETField, x: Tensor, *, tol: float = 1e-6, max_iter: int = 5000, step: float = 0.1,
+                     progress: bool = False) -> FixedPointSearch:
+    """Descend from ``x`` to a nearby critical point of ``E`` on the spheres (the limit set of the flow).
+
+    Riemannian gradient descent with a per-sample Armijo step (grown by 1.5 after success, halved after
+    failure): ``x <- normalize_scale(x - step (sigma/gamma) T dE/dg)``, which moves ``g`` by ``-step T dE/dg``
+    and stays on the spheres. Once energy differences fall below rounding, a step is accepted when it
+    reduces ``|T dE/dg|``. Stops when every sample's RMS ``|T dE/dg| < tol`` or no step makes progress.
+    """
+    from tqdm.auto import tqdm
+
+    x = _batched(x, field)
+    model, eps = field.model, field.model.neuron.eps
+    gamma = float(model.neuron.gamma.detach())
+    if not gamma > 0:
+        raise ValueError(f"find_fixed_point needs gamma > 0 (a Lyapunov energy), got gamma={gamma}")
+    x = normalize_scale(x, eps)
+    delta = model.neuron.delta.detach()
+    steps = torch.full((x.shape[0],), float(step), dtype=x.dtype, device=x.device)
+
+    def evaluate(state: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        g = model.neuron(state)
+        s, _ = radial_direction(g, delta)
+        return model._energy_g(g, field.mask), tangent_projection(field.grad_g(g), s), g
+
+    iterations = 0
+    with torch.no_grad(), tqdm(total=max_iter, desc="fixed point", disable=not progress, leave=False) as bar:
+        energy, tangent, _ = evaluate(x)
+        energy_start = energy.clone()
+        for iterations in range(1, max_iter + 1):
+            norm2 = tangent.square().sum(dim=(-1, -2))
+            rms = (norm2 / tangent[0].numel()).sqrt()
+            if bool((rms < tol).all()):
+                iterations -= 1
+                break
+            trial = normalize_scale(x - _expand(steps, x) * tangent / gamma, eps)
+            trial_energy, trial_tangent, _ = evaluate(trial)
+            trial_norm2 = trial_tangent.square().sum(dim=(-1, -2))
+            flat = (trial_energy - energy).abs() <= 100 * torch.finfo(x.dtype).eps * energy.abs()
+            sufficient = trial_energy <= energy - 1e-4 * steps * norm2
+            accept = (sufficient | (flat & (trial_norm2 < norm2))) & (rms >= tol)  # below rounding: |grad| decides
+            keep = _expand(accept, x)
+            x = torch.where(keep, trial, x)
+            tangent = torch.where(keep, trial_tangent, tangent)
+            energy = torch.where(accept, trial_energy, energy)
+            steps = torch.where(accept, steps * 1.5, steps * 0.5)
+            bar.update()
+            if bool(((steps < 1e-12) | (rms < tol)).all()):
+                break  # no further progress possible in this precision
+            if iterations % 50 == 0:
+                bar.set_postfix(rms_tangent_grad=f"{float(rms.max()):.2e}")
+    rms = tangent.square().mean(dim=(-1, -2)).sqrt()
+    return FixedPointSearch(x=x, tangent_grad=rms, iterations=iterations, converged=bool((rms < tol).all()),
+                            energy_start=energy_start, energy_end=energy)
+
+
+def flow(field: ETField, x: Tensor, duration: float, *, segments: int = 1, restart: bool = True,
+         method: str = "dopri5", rtol: float = 1e-7, atol: float = 1e-9) -> Tensor:
+    """Integrate the ET dynamics for ``segments`` consecutive spans of ``duration / segments``; with
+    ``restart`` each span starts from ``normalize_scale(x)`` (same ``g``, undone slow-down). Returns the final ``x``."""
+    for _ in range(segments):
+        if restart:
+            x = normalize_scale(x, field.model.neuron.eps)
+        x = solve(field, x, (0.0, duration / segments), method=method, rtol=rtol, atol=atol, save="final").x.detach()
+    return x
+
+
+@dataclass
+class LyapunovExponent:
+    """Finite-time largest Lyapunov exponent per sample, ``(B,)``, and its running estimate ``(K, B)``
+    at the renormalisation times ``times`` ``(K,)`` (measured in ``g``, per unit of time of the flow)."""
+
+    exponent: Tensor
+    times: Tensor
+    running: Tensor
+    d0: float
+
+
+def lyapunov_exponent(field: ETField, x0: Tensor, *, duration: float = 10.0, renormalizations: int = 20,
+                      d0: float = 1e-6, restart: bool = False, method: str = "dopri5", rtol: float = 1e-9,
+                      atol: float = 1e-11, seed: int = 0, progress: bool = False) -> LyapunovExponent:
+    """Benettin's method: the growth rate of a small tangent perturbation of ``g`` (size ``d0``).
+
+    The pair (reference, perturbed) is integrated together for ``duration`` in ``renormalizations`` spans;
+    after each, the g-distance ``d`` is measured, ``log(d / d0)`` accumulated and the perturbation of ``x``
+    rescaled to ``d0``. Negative: nearby trajectories converge. With ``restart`` both states are rescaled
+    to ``sigma = 1`` at each span (intrinsic time, see the module docstring).
+    """
+    from tqdm.auto import tqdm
+
+    x = _batched(x0, field)
+    if not (duration > 0 and d0 > 0):
+        raise ValueError(f"duration and d0 must be positive, got duration={duration}, d0={d0}")
+    model = field.model
+    generator = torch.Generator().manual_seed(seed)
+    g = model.neuron(x).detach()
+    s, _ = radial_direction(g, model.neuron.delta.detach())
+    w = tangent_projection(torch.randn(x.shape, generator=generator, dtype=x.dtype).to(x.device), s)
+    w = w * d0 / _expand(_dot(w, w).sqrt(), w)
+    pair = torch.cat([x, x + w / _rates(field, x)])
+    span = duration / renormalizations
+    logs, times = [], []
+    total = torch.zeros(x.shape[0], dtype=torch.float64)
+    batch = x.shape[0]
+    for k in tqdm(range(renormalizations), desc="Lyapunov exponent", disable=not progress, leave=False):
+        if restart:
+            pair = normalize_scale(pair, model.neuron.eps)
+        pair = solve(field, pair, (0.0, span), method=method, rtol=rtol, atol=atol, save="final").x.detach()
+        with torch.no_grad():
+            gs = model.neuron(pair)
+        dist = _dot(gs[batch:] - gs[:batch], gs[batch:] - gs[:batch]).sqrt()
+        total += (dist / d0).log().to(torch.float64).cpu()
+        logs.append(total / ((k + 1) * span))
+        times.append((k + 1) * span)
+        scale = _expand(d0 / dist.clamp_min(torch.finfo(dist.dtype).tiny), pair[:batch])
+        pair = torch.cat([pair[:batch], pair[:batch] + (pair[batch:] - pair[:batch]) * scale])
+    return LyapunovExponent(exponent=total / duration, times=torch.tensor(times, dtype=torch.float64),
+                            running=torch.stack(logs), d0=d0)
+
+
+@dataclass
+class BasinProbe:
+    """``returned[b, j]``: fraction of the trials at radius ``radii[j]`` that came back (final g-distance to the
+    fixed point at most ``shrink`` times the initial one); ``radius[b]``: the largest radius up to which every
+    trial came back (0 if none). Radii are RMS per element of the g-perturbation divided by ``gamma``."""
+
+    radii: list[float]
+    returned: Tensor
+    final_distance: Tensor
+    radius: list[float]
+    shrink: float
+
+
+def basin_probe(field: ETField, x_star: Tensor, *, radii: list[float] | None = None, trials: int = 4,
+                duration: float = 20.0, segments: int = 10, shrink: float = 0.5, seed: int = 0,
+                rtol: float = 1e-7, atol: float = 1e-9, progress: bool = False) -> BasinProbe:
+    """Perturb the fixed point(s) ``x_star`` (``(B, N, D)``) with random tangent noise of growing size and
+    follow the dynamics (with scale restarts, see :func:`flow`) for ``duration``.
+
+    ``radii`` default: ``0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1``.
+    """
+    from tqdm.auto import tqdm
+
+    x = normalize_scale(_batched(x_star, field, "x_star"), field.model.neuron.eps)
+    radii = [0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0] if radii is None else [float(r) for r in radii]
+    if not radii or any(not r > 0 for r in radii) or sorted(radii) != radii:
+        raise ValueError(f"radii must be positive and increasing, got {radii}")
+    model = field.model
+    gamma = float(model.neuron.gamma.detach())
+    generator = torch.Generator().manual_seed(seed)
+    batch, n, d = x.shape
+    g_star = model.neuron(x).detach()
+    s, _ = radial_direction(g_star, model.neuron.delta.detach())
+    starts = x.repeat(trials, 1, 1)  # (trials * B, N, D), trial-major
+    s_all = s.repeat(trials, 1, 1)
+    target = g_star.repeat(trials, 1, 1)
+    returned = torch.zeros(batch, len(radii), dtype=torch.float64)
+    final = torch.zeros(batch, len(radii), trials, dtype=torch.float64)
+    for j, radius in enumerate(tqdm(radii, desc="basin probe", disable=not progress, leave=False)):
+        w = tangent_projection(torch.randn(starts.shape, generator=generator, dtype=x.dtype).to(x.device), s_all)
+        w = w * radius * gamma / w.square().mean(dim=(-1, -2), keepdim=True).sqrt()
+        perturbed = normalize_scale(starts + w / gamma, model.neuron.eps)  # sigma = 1: dx = dg / gamma
+        with torch.no_grad():
+            initial = (model.neuron(perturbed) - target).square().mean(dim=(-1, -2)).sqrt()
+        end = flow(field, perturbed, duration, segments=segments, rtol=rtol, atol=atol)
+        with torch.no_grad():
+            distance = (model.neuron(end) - target).square().mean(dim=(-1, -2)).sqrt()
+        back = (distance <= shrink * initial).reshape(trials, batch)
+        returned[:, j] = back.to(torch.float64).mean(dim=0).cpu()
+        final[:, j] = (distance / gamma).reshape(trials, batch).T.to(torch.float64).cpu()
+    radius_per_sample = []
+    for b in range(batch):
+        full = (returned[b] == 1.0).tolist()
+        count = full.index(False) if False in full else len(full)
+        radius_per_sample.append(radii[count - 1] if count else 0.0)
+    return BasinProbe(radii=radii, returned=returned, final_distance=final, radius=radius_per_sample, shrink=shrink)

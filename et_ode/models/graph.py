@@ -1,0 +1,123 @@
+"""The Energy Transformer on graphs: nodes are tokens, attention follows the edges (SPEC section 6).
+
+Tokens: ``x0_A = W_x x_A + W_pe (s * pe_A)`` for each node ``A``, with ``pe`` the ``k`` Laplacian eigenvectors
+(:func:`et_ode.data.graphs.add_laplacian_pe`) and ``s`` a random sign per graph and eigenvector while training
+(eigenvectors are defined up to sign). For graph readout a learned CLS token per graph is linked to every node of
+its graph in both directions. Attention is restricted to the edges (plus the CLS links) with a
+:class:`~et_ode.graph_attention.GraphMask`, so memory grows with the number of edges, not nodes squared.
+
+A batch of graphs of different sizes (a PyG ``Batch``) is one disjoint graph: the state has shape
+``(N_total + G, D)`` (the ``N_total`` nodes of all graphs, then one CLS token per graph), and ``solve`` integrates
+the dynamics of all graphs at once (its step control and ``steady_state`` see them as one sample).
+The output is read from the final normalized state ``g``: the CLS tokens' (``readout="graph"``, logits
+``(G, classes)``) or every node's (``readout="node"``, logits ``(N_total, classes)``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..field import ETField
+from ..graph_attention import GraphMask
+from ..model import EnergyTransformer
+from ..solve import Solution, solve
+
+READOUTS = ("graph", "node")
+
+
+class GraphET(nn.Module):
+    """Graph Energy Transformer.
+
+    Args:
+        in_features: node feature size ``F``.
+        classes: outputs per graph (``readout="graph"``) or per node (``readout="node"``).
+        dim, heads, head_dim, memories: the ET block (``D``, ``H``, ``Y``, ``K``).
+        pe_dim: Laplacian eigenvectors per node ``k`` (0: none).
+        readout: ``"graph"`` (CLS tokens) or ``"node"`` (no CLS token).
+        hopfield, self_attention: passed to :class:`~et_ode.EnergyTransformer`.
+        method, step, steps, t1, rtol, atol, grad: how the dynamics are solved (``method="et"``: ``steps`` Euler
+            steps of size ``step``, the paper's block; otherwise any ``solve`` method on ``(0, t1)``).
+        dropout: dropout on the encoded node features while training.
+        tau: the field's time constant.
+        head_hidden: 0 for a linear read-out of ``g``; else a hidden layer of this width (GELU) before it.
+
+    ``forward(batch)`` takes a PyG ``Data``/``Batch`` with ``x (N, F)``, ``edge_index (2, E)``, ``pe (N, k)`` and,
+    for several graphs, ``batch (N,)``; it returns logits.
+    """
+
+    def __init__(self, in_features: int, classes: int, *, dim: int = 64, heads: int = 4, head_dim: int = 16,
+                 memories: int = 128, pe_dim: int = 15, readout: str = "graph", hopfield: str = "relu",
+                 self_attention: bool = False, method: str = "et", step: float = 0.1, steps: int = 12,
+                 t1: float = 1.0, rtol: float = 1e-4, atol: float = 1e-5, grad: str = "direct", dropout: float = 0.0,
+                 tau: float = 1.0, head_hidden: int = 0):
+        super().__init__()
+        if readout not in READOUTS:
+            raise ValueError(f"readout must be one of {READOUTS}, got {readout!r}")
+        for name, value in (("in_features", in_features), ("classes", classes)):
+            if not (isinstance(value, int) and value >= 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not (isinstance(pe_dim, int) and pe_dim >= 0):
+            raise ValueError(f"pe_dim must be an integer >= 0, got {pe_dim!r}")
+        self.config: dict[str, Any] = dict(
+            in_features=in_features, classes=classes, dim=dim, heads=heads, head_dim=head_dim, memories=memories,
+            pe_dim=pe_dim, readout=readout, hopfield=hopfield, self_attention=self_attention, method=method,
+            step=step, steps=steps, t1=t1, rtol=rtol, atol=atol, grad=grad, dropout=dropout, tau=tau,
+            head_hidden=head_hidden)
+        self.readout, self.pe_dim = readout, pe_dim
+        self.encoder = nn.Linear(in_features, dim)
+        self.pe_encoder = nn.Linear(pe_dim, dim, bias=False) if pe_dim else None
+        self.cls = nn.Parameter(torch.randn(dim) * 0.02) if readout == "graph" else None
+        self.dropout = nn.Dropout(dropout)
+        self.et = EnergyTransformer(dim, heads, head_dim, memories, hopfield=hopfield, self_attention=self_attention)
+        self.field = ETField(self.et, tau=tau)
+        self.head = nn.Linear(dim, classes) if not head_hidden else nn.Sequential(
+            nn.Linear(dim, head_hidden), nn.GELU(), nn.Linear(head_hidden, classes))
+        self.last_solution: Solution | None = None
+
+    def tokens(self, batch: Any) -> tuple[Tensor, GraphMask]:
+        """The initial state ``(N + G, D)`` (``(N, D)`` for node readout) and its attention mask."""
+        x, edge_index = batch.x, batch.edge_index
+        n = x.shape[0]
+        if x.dim() != 2 or x.shape[1] != self.encoder.in_features:
+            raise ValueError(f"batch.x must have shape (N, {self.encoder.in_features}), got {tuple(x.shape)}")
+        graph_of = getattr(batch, "batch", None)
+        if graph_of is None:
+            graph_of = torch.zeros(n, dtype=torch.long, device=x.device)
+        graphs = int(graph_of.max()) + 1 if n else 0
+        tokens = self.dropout(self.encoder(x.to(self.encoder.weight.dtype)))
+        if self.pe_encoder is not None:
+            pe = getattr(batch, "pe", None)
+            if pe is None or tuple(pe.shape) != (n, self.pe_dim):
+                shape = None if pe is None else tuple(pe.shape)
+                raise ValueError(f"batch.pe must have shape (N, pe_dim) = ({n}, {self.pe_dim}), got {shape}; "
+                                 f"add it with et_ode.data.graphs.add_laplacian_pe(data, k={self.pe_dim})")
+            pe = pe.to(tokens.dtype)
+            if self.training:  # eigenvectors have no preferred sign: a random one per graph and eigenvector
+                sign = torch.randint(0, 2, (graphs, self.pe_dim), device=x.device).to(pe.dtype) * 2 - 1
+                pe = pe * sign[graph_of]
+            tokens = tokens + self.pe_encoder(pe)
+        if self.cls is None:
+            return tokens, GraphMask(edge_index, n)
+        cls_index = n + torch.arange(graphs, device=x.device)
+        nodes = torch.arange(n, device=x.device)
+        links = torch.cat([torch.stack([nodes, cls_index[graph_of]]), torch.stack([cls_index[graph_of], nodes])], 1)
+        tokens = torch.cat([tokens, self.cls.expand(graphs, -1)])
+        return tokens, GraphMask(torch.cat([edge_index, links], dim=1), n + graphs)
+
+    def forward(self, batch: Any) -> Tensor:
+        """Logits ``(G, classes)`` (graph readout) or ``(N, classes)`` (node readout)."""
+        x0, mask = self.tokens(batch)
+        c = self.config
+        if c["method"] == "et":
+            solution = solve(self.field, x0, method="et", step=c["step"], steps=c["steps"], mask=mask,
+                             grad=c["grad"], save="final")
+        else:
+            solution = solve(self.field, x0, (0.0, c["t1"]), method=c["method"], rtol=c["rtol"], atol=c["atol"],
+                             mask=mask, grad=c["grad"], save="final")
+        self.last_solution = solution
+        n = batch.x.shape[0]
+        g = solution.g[n:] if self.cls is not None else solution.g
+        return self.head(g)

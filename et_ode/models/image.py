@@ -1,0 +1,367 @@
+"""Masked image completion with an Energy Transformer (SPEC section 6).
+
+An image ``(C, H, W)`` is cut into ``N = (H/P)(W/P)`` patches of ``C P P`` pixels. Each patch is encoded
+linearly into ``R^D`` and gets a learned positional embedding; a masked (hidden) patch is replaced by a
+learned MASK token plus its position; an optional CLS token comes first. The ET block then evolves the
+tokens by ``tau dx/dt = -dE/dg`` with :func:`et_ode.solve` (any solver, a time horizon or a steady state,
+any gradient mode), and a linear decoder maps each final normalized token ``g`` back to a patch.
+
+Masks are two boolean tensors ``(B, N)``: ``hidden`` (replaced by MASK) and ``scored`` (counted in the
+loss). Random masks score a fraction of the patches and hide them all; the paper's scheme leaves some of
+the scored patches visible (ImageNet: 100 of 196 scored, 90 hidden, 10 visible): :func:`random_masks`.
+
+Public API::
+
+    SolverSettings(method="dopri5", t1=1.2, rtol=1e-3, atol=1e-4, step=None, steps=None, grad="adjoint",
+                   adjoint_rtol=None, adjoint_atol=None, seminorm=False, steady_state=None, max_steps=2000,
+                   options=None)
+    ImageET(image_shape, patch, dim, heads, head_dim, memories=None, *, cls_token=False, hopfield="relu",
+            self_attention=False, tau=1.0, solver=SolverSettings())
+        .forward(images (B,C,H,W), hidden (B,N), solver=None) -> Completion(patches (B,N,C*P*P), solution)
+        .tokens(images, hidden) -> x0 (B, N(+1), D);  .decode(g) -> (B, N, C*P*P)
+        .film(images, hidden, times, solver=None, keep_visible=True) -> (frames (T,B,C,H,W), solution)
+        .config() -> dict;  ImageET.from_config(dict)
+    patchify(images, patch) -> (B, N, C*P*P);  unpatchify(patches, patch, image_shape) -> (B, C, H, W)
+    random_masks(batch, num_patches, ratio, *, visible_fraction=0.0, generator=None, device=None)
+        -> (hidden, scored)
+    masked_mse(pred, target, scored) -> scalar;  CompletionTask(ratio, visible_fraction=0.0) (for et_ode.train.fit)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..field import ETField
+from ..model import EnergyTransformer
+from ..solve import GRADIENTS, METHODS, Solution, solve
+
+
+@dataclass
+class SolverSettings:
+    """How the ET block is integrated. Passed to :func:`et_ode.solve`.
+
+    Args:
+        method: any solve method; ``"et"`` is the paper's scheme (``steps`` Euler steps of ``step`` = alpha).
+        t1: time horizon (from 0); ignored by ``"et"``, whose horizon is ``steps * step * tau``.
+        rtol, atol: tolerances of adaptive methods.
+        step: step size of fixed methods, alpha of ``"et"``.
+        steps: number of steps of ``"et"``.
+        grad: ``"direct"``, ``"adjoint"`` or ``"implicit"`` (the last needs ``steady_state``).
+        adjoint_rtol, adjoint_atol, seminorm: the adjoint's backward solve (default: the forward tolerances;
+            ``seminorm`` drops the parameter-gradient channels from the step-size control, often halving its cost).
+        steady_state: stop where RMS |dg/dt| < this (``t1`` is then the longest time allowed).
+        max_steps: solver step limit (a :class:`et_ode.SolveError` beyond it).
+        options: extra torchdiffeq options.
+    """
+
+    method: str = "dopri5"
+    t1: float = 1.2
+    rtol: float = 1e-3
+    atol: float = 1e-4
+    step: float | None = None
+    steps: int | None = None
+    grad: str = "adjoint"
+    adjoint_rtol: float | None = None
+    adjoint_atol: float | None = None
+    seminorm: bool = False
+    steady_state: float | None = None
+    max_steps: int = 2000
+    options: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"SolverSettings.method must be one of {METHODS}, got {self.method!r}")
+        if self.grad not in GRADIENTS:
+            raise ValueError(f"SolverSettings.grad must be one of {GRADIENTS}, got {self.grad!r}")
+        if self.method == "et" and (self.step is None or self.steps is None):
+            raise ValueError("SolverSettings(method='et') needs step (alpha) and steps, e.g. step=0.1, steps=12")
+        if not (self.t1 > 0 and math.isfinite(self.t1)):
+            raise ValueError(f"SolverSettings.t1 must be positive and finite, got {self.t1!r}")
+
+    def replace(self, **changes: Any) -> SolverSettings:
+        return dataclasses.replace(self, **changes)
+
+    def solve(self, field_: ETField, x0: Tensor, times: Tensor | None = None, save: str = "final") -> Solution:
+        """Run :func:`et_ode.solve` with these settings; ``times`` (from 0 to the horizon) are saved if given."""
+        t = None if self.method == "et" else (times if times is not None else (0.0, self.t1))
+        return solve(field_, x0, t, method=self.method, rtol=self.rtol, atol=self.atol, step=self.step,
+                     steps=self.steps, grad=self.grad, adjoint_rtol=self.adjoint_rtol, adjoint_atol=self.adjoint_atol,
+                     seminorm=self.seminorm, steady_state=self.steady_state, max_steps=self.max_steps,
+                     options=self.options, save=save)
+
+
+@dataclass
+class Completion:
+    """The decoded patches ``(B, N, C P P)`` and the solve that produced them (None for baselines)."""
+
+    patches: Tensor
+    solution: Solution | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+# ----------------------------------------------------------------------------------------------- patches
+def _check_images(images: object, shape: Sequence[int] | None = None) -> Tensor:
+    if not isinstance(images, Tensor):
+        raise TypeError(f"images must be a torch.Tensor of shape (B, C, H, W), got {type(images).__name__}")
+    if images.dim() != 4:
+        raise ValueError(f"images must have shape (B, C, H, W), got {tuple(images.shape)}")
+    if shape is not None and tuple(images.shape[1:]) != tuple(shape):
+        raise ValueError(f"images must have shape (B, {', '.join(map(str, shape))}) (C, H, W) for this model, "
+                         f"got {tuple(images.shape)}")
+    if not images.is_floating_point():
+        raise TypeError(f"images must be floating point (values in [0, 1]), got {images.dtype}")
+    return images
+
+
+def patchify(images: Tensor, patch: int) -> Tensor:
+    """``(B, C, H, W) -> (B, N, C P P)``, patches in row-major order, each flattened channel-first."""
+    b, c, h, w = _check_images(images).shape
+    if h % patch or w % patch:
+        raise ValueError(f"image size {h}x{w} is not divisible by the patch size {patch}")
+    grid = images.reshape(b, c, h // patch, patch, w // patch, patch)
+    return grid.permute(0, 2, 4, 1, 3, 5).reshape(b, (h // patch) * (w // patch), c * patch * patch)
+
+
+def unpatchify(patches: Tensor, patch: int, image_shape: Sequence[int]) -> Tensor:
+    """Inverse of :func:`patchify`: ``(..., N, C P P) -> (..., C, H, W)``."""
+    c, h, w = image_shape
+    lead = patches.shape[:-2]
+    grid = patches.reshape(-1, h // patch, w // patch, c, patch, patch)
+    return grid.permute(0, 3, 1, 4, 2, 5).reshape(*lead, c, h, w)
+
+
+def random_masks(batch: int, num_patches: int, ratio: float, *, visible_fraction: float = 0.0,
+                 generator: torch.Generator | None = None, device: torch.device | str | None = None
+                 ) -> tuple[Tensor, Tensor]:
+    """Random patch masks ``(hidden, scored)``, boolean ``(batch, num_patches)``.
+
+    Each image scores ``round(ratio * num_patches)`` patches drawn uniformly; of those,
+    ``round(visible_fraction * scored)`` stay visible (the paper's scheme: ``ratio=100/196``,
+    ``visible_fraction=0.1``) and the rest are hidden behind the MASK token.
+    """
+    if not (isinstance(ratio, (int, float)) and 0 < ratio < 1):
+        raise ValueError(f"mask ratio must be in (0, 1) (the fraction of patches scored), got {ratio!r}")
+    if not 0 <= visible_fraction < 1:
+        raise ValueError(f"visible_fraction must be in [0, 1), got {visible_fraction!r}")
+    n_scored = round(ratio * num_patches)
+    if not 1 <= n_scored <= num_patches:
+        raise ValueError(f"mask ratio {ratio} scores {n_scored} of {num_patches} patches; need at least 1")
+    n_visible = round(visible_fraction * n_scored)
+    if n_visible >= n_scored:
+        raise ValueError(f"visible_fraction {visible_fraction} leaves no hidden patch among {n_scored} scored")
+    noise = torch.rand(batch, num_patches, generator=generator)
+    order = noise.argsort(dim=1)
+    rank = torch.empty_like(order).scatter_(1, order, torch.arange(num_patches).expand(batch, -1))
+    scored = rank < n_scored
+    hidden = rank < n_scored - n_visible
+    return hidden.to(device), scored.to(device)
+
+
+def masked_mse(pred: Tensor, target: Tensor, scored: Tensor) -> Tensor:
+    """Mean squared error over the pixels of scored patches: ``pred, target (B, N, P2)``, ``scored (B, N)``."""
+    weight = scored.to(pred.dtype)[..., None]
+    return ((pred - target).square() * weight).sum() / (weight.sum() * pred.shape[-1]).clamp_min(1)
+
+
+# ----------------------------------------------------------------------------------------------- the model
+class ImageET(nn.Module):
+    """Patch encoder, positional embedding, MASK (and CLS) token, ET block, linear decoder.
+
+    Args:
+        image_shape: ``(C, H, W)``; ``H`` and ``W`` multiples of ``patch``.
+        patch: patch side ``P``.
+        dim, heads, head_dim, memories: the ET block (``memories`` default ``4 * dim``).
+        cls_token: prepend a learned CLS token (it is not decoded).
+        hopfield, self_attention: passed to :class:`et_ode.EnergyTransformer`.
+        tau: time constant of the dynamics.
+        solver: default :class:`SolverSettings`; ``forward(..., solver=...)`` overrides it.
+    """
+
+    def __init__(self, image_shape: Sequence[int], patch: int, dim: int, heads: int, head_dim: int,
+                 memories: int | None = None, *, cls_token: bool = False, hopfield: str = "relu",
+                 self_attention: bool = False, tau: float = 1.0, solver: SolverSettings | None = None):
+        super().__init__()
+        if len(image_shape) != 3 or not all(isinstance(s, int) and s >= 1 for s in image_shape):
+            raise ValueError(f"image_shape must be (C, H, W) of positive integers, got {tuple(image_shape)}")
+        c, h, w = image_shape
+        if not (isinstance(patch, int) and patch >= 1) or h % patch or w % patch:
+            raise ValueError(f"patch must be a positive integer dividing H={h} and W={w}, got {patch!r}")
+        if not float(tau) > 0:
+            raise ValueError(f"tau must be positive, got {tau!r}")
+        self.image_shape = (c, h, w)
+        self.patch = patch
+        self.num_patches = (h // patch) * (w // patch)
+        self.patch_dim = c * patch * patch
+        self.dim = dim
+        self.tau = float(tau)
+        self.solver = solver or SolverSettings()
+        self._block_args = dict(heads=heads, head_dim=head_dim, memories=memories or 4 * dim, hopfield=hopfield,
+                                self_attention=self_attention)
+        self.block = EnergyTransformer(dim, heads, head_dim, memories or 4 * dim, hopfield=hopfield,
+                                       self_attention=self_attention)
+        self.encoder = nn.Linear(self.patch_dim, dim)
+        self.decoder = nn.Linear(dim, self.patch_dim)
+        # Unit-scale tokens: the LayerNorm's rate gamma/sigma sets the speed of the dynamics, and a tiny token
+        # (sigma ~ 0.02) would rotate fifty times faster than the others.
+        self.position = nn.Parameter(torch.randn(self.num_patches, dim) * 0.5)
+        self.mask_token = nn.Parameter(torch.randn(dim) * 0.5)
+        self.cls = nn.Parameter(torch.randn(1, dim) * 0.5) if cls_token else None
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_patches + (self.cls is not None)
+
+    def config(self) -> dict[str, Any]:
+        """Constructor arguments, JSON-friendly: ``ImageET.from_config(model.config())`` rebuilds it."""
+        return dict(image_shape=list(self.image_shape), patch=self.patch, dim=self.dim, **self._block_args,
+                    cls_token=self.cls is not None, tau=self.tau, solver=dataclasses.asdict(self.solver))
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> ImageET:
+        config = dict(config)
+        solver = SolverSettings(**config.pop("solver", {}))
+        return cls(tuple(config.pop("image_shape")), solver=solver, **config)
+
+    def field(self) -> ETField:
+        """The vector field of the block (a fresh NFE counter)."""
+        return ETField(self.block, tau=self.tau)
+
+    def _check_hidden(self, hidden: object, batch: int) -> Tensor:
+        if not isinstance(hidden, Tensor) or hidden.dtype != torch.bool:
+            raise TypeError(f"hidden must be a boolean tensor (B, N) with N={self.num_patches}, got "
+                            f"{type(hidden).__name__ if not isinstance(hidden, Tensor) else hidden.dtype}")
+        if tuple(hidden.shape) != (batch, self.num_patches):
+            raise ValueError(f"hidden must have shape ({batch}, {self.num_patches}), got {tuple(hidden.shape)}")
+        return hidden
+
+    def tokens(self, images: Tensor, hidden: Tensor) -> Tensor:
+        """Initial state ``x0 (B, N(+1), D)``: encoded patches or MASK, plus positions; CLS first if used."""
+        images = _check_images(images, self.image_shape)
+        hidden = self._check_hidden(hidden, images.shape[0])
+        encoded = self.encoder(patchify(images, self.patch))
+        x0 = torch.where(hidden[..., None], self.mask_token.to(encoded.dtype), encoded) + self.position
+        if self.cls is not None:
+            x0 = torch.cat([self.cls.expand(x0.shape[0], 1, self.dim), x0], dim=1)
+        return x0
+
+    def decode(self, g: Tensor) -> Tensor:
+        """Patches ``(..., N, C P P)`` from normalized tokens ``g (..., N(+1), D)`` (the CLS token dropped)."""
+        if self.cls is not None:
+            g = g[..., 1:, :]
+        return self.decoder(g)
+
+    def forward(self, images: Tensor, hidden: Tensor, solver: SolverSettings | None = None) -> Completion:
+        """Complete ``images (B, C, H, W)`` whose patches ``hidden (B, N)`` are masked."""
+        x0 = self.tokens(images, hidden)
+        solution = (solver or self.solver).solve(self.field(), x0)
+        return Completion(self.decode(solution.g), solution)
+
+    def film(self, images: Tensor, hidden: Tensor, times: Tensor | Sequence[float] | None = None,
+             solver: SolverSettings | None = None, keep_visible: bool = True) -> tuple[Tensor, Solution]:
+        """The completion over time: images ``(T, B, C, H, W)`` decoded at the saved times, and the solution.
+
+        ``times``: from 0 to the horizon (default 9 equal steps to ``solver.t1``); the ``"et"`` method saves
+        every step instead. ``keep_visible``: show the input in the visible patches (the decoder is trained on
+        the hidden ones only); False shows the decoding of every token.
+        """
+        solver = solver or self.solver
+        if times is None and solver.method != "et":
+            times = torch.linspace(0.0, solver.t1, 9)
+        times = None if times is None else torch.as_tensor(times, dtype=torch.float64)
+        with torch.no_grad():
+            solution = solver.replace(grad="direct", steady_state=None).solve(
+                self.field(), self.tokens(images, hidden), times, save="all")
+            frames = self.decode(self.block.neuron(solution.xs))  # (T, B, N, C P P)
+            if keep_visible:
+                frames = torch.where(hidden[..., None], frames, patchify(images, self.patch))
+        return unpatchify(frames, self.patch, self.image_shape).clamp(0, 1), solution
+
+
+# ----------------------------------------------------------------------------------------------- the task
+def _unwrap(model: nn.Module) -> nn.Module:
+    return getattr(model, "module", model)
+
+
+def _images_of(batch: Any) -> Tensor:
+    return batch[0] if isinstance(batch, (tuple, list)) else batch
+
+
+class CompletionTask:
+    """Masked-patch completion for :func:`et_ode.train.fit`.
+
+    Training batches are images ``(B, C, H, W)`` (or tuples whose first item is the images); masks are
+    drawn with the global RNG (restored on resume). Evaluation batches are ``(images, hidden, scored)``
+    with fixed masks (:func:`fixed_mask_set`), so every model and baseline is scored on the same patches.
+    """
+
+    def __init__(self, ratio: float, visible_fraction: float = 0.0):
+        if not (isinstance(ratio, (int, float)) and 0 < ratio < 1):
+            raise ValueError(f"mask ratio must be in (0, 1) (the fraction of patches scored), got {ratio!r}")
+        if not 0 <= visible_fraction < 1:
+            raise ValueError(f"visible_fraction must be in [0, 1), got {visible_fraction!r}")
+        self.ratio = ratio
+        self.visible_fraction = visible_fraction
+
+    def loss(self, model: nn.Module, batch: Any) -> tuple[Tensor, dict[str, float]]:
+        images = _images_of(batch)
+        core = _unwrap(model)
+        hidden, scored = random_masks(images.shape[0], core.num_patches, self.ratio,
+                                      visible_fraction=self.visible_fraction, device=images.device)
+        out = model(images, hidden)
+        loss = masked_mse(out.patches, patchify(images, core.patch), scored)
+        metrics = {"mse": float(loss.detach())}
+        if out.solution is not None:
+            metrics.update(nfe=float(out.solution.stats.nfe_forward), energy=float(out.solution.energies[-1].mean()))
+        return loss, metrics
+
+    def evaluate(self, model: nn.Module, batches: Iterable[Any]) -> dict[str, float]:
+        return evaluate_completion(model, batches)
+
+
+def evaluate_completion(model: nn.Module, batches: Iterable[Any], solver: SolverSettings | None = None
+                        ) -> dict[str, float]:
+    """Masked-patch MSE over all scored pixels of ``batches`` of ``(images, hidden, scored)``.
+
+    ``model(images, hidden)`` returns a :class:`Completion` (an :class:`ImageET` or a baseline). Also returns,
+    when the model solves dynamics, the mean forward NFE per batch, the mean final energy and residual
+    (RMS |dg/dt|), the total solve time in seconds and the mean final time per batch.
+    """
+    squared, count, images_seen = 0.0, 0.0, 0
+    nfe, energy, residual, seconds, t_final, solves = 0.0, 0.0, 0.0, 0.0, 0.0, 0
+    patch = _unwrap(model).patch
+    for images, hidden, scored in batches:
+        out = model(images, hidden) if solver is None else model(images, hidden, solver=solver)
+        weight = scored.to(out.patches.dtype)[..., None]
+        squared += float(((out.patches - patchify(images, patch)).square() * weight).sum())
+        count += float(weight.sum()) * out.patches.shape[-1]
+        images_seen += images.shape[0]
+        if out.solution is not None:
+            solves += 1
+            nfe += out.solution.stats.nfe_forward
+            seconds += out.solution.stats.wall_time
+            t_final += out.solution.stats.t_final
+            energy += float(out.solution.energies[-1].sum())
+            residual += float(out.solution.residual.sum())
+    if count == 0:
+        raise ValueError("evaluation saw no scored patch (empty data?)")
+    metrics = {"mse": squared / count}
+    if solves:
+        metrics.update(nfe=nfe / solves, energy=energy / images_seen, residual=residual / images_seen,
+                       solve_seconds=seconds, t_final=t_final / solves)
+    return metrics
+
+
+def fixed_mask_set(images: Tensor, num_patches: int, ratio: float, visible_fraction: float = 0.0, seed: int = 0
+                   ) -> torch.utils.data.TensorDataset:
+    """``TensorDataset(images, hidden, scored)`` with masks fixed by ``seed``: a reproducible evaluation set."""
+    generator = torch.Generator().manual_seed(seed)
+    hidden, scored = random_masks(images.shape[0], num_patches, ratio, visible_fraction=visible_fraction,
+                                  generator=generator)
+    return torch.utils.data.TensorDataset(images, hidden, scored)

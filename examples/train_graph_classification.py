@@ -1,0 +1,35 @@
+"""Graph classification with the graph ET: stratified 10-fold cross-validation on a TU data set (MUTAG by default).
+
+Each fold trains a fresh model for a fixed number of epochs and scores it once on its test graphs; the script prints
+the per-fold and the mean +- standard deviation of the test accuracy (see ``et_ode.tasks_graph``).
+The defaults here are the recipe measured on MUTAG: node-degree one-hot features (``--max-degree 4``), 6 Euler steps
+of 0.2, AdamW at 3e-3 for 100 epochs in batches of 32, i.e. ``et-ode train graph classify --root ../shared/data
+--max-degree 4 --steps 6 --step 0.2 --lr 3e-3 --epochs 100``.
+
+    python examples/train_graph_classification.py --root ../shared/data --out runs/mutag
+    python examples/train_graph_classification.py --root /path/to/tu --name PROTEINS --epochs 50
+
+Same as ``et-ode train graph classify ...``; every option of that command works here (``--help``).
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+from et_ode.tasks_graph import add_graph_train_arguments, run_graph_train
+
+DEFAULT_ROOT = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_graph_train_arguments(parser)
+    parser.set_defaults(max_degree=4, steps=6, step=0.2, lr=3e-3, epochs=100)
+    args = parser.parse_args(["classify", *sys.argv[1:]])
+    if args.root is None and (DEFAULT_ROOT / args.name).is_dir():
+        args.root = str(DEFAULT_ROOT)
+    run_graph_train(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""Graph tasks: cross-validated MUTAG classification, anomaly metrics and detection, the CLI entry points."""
+
+import argparse
+import json
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("torch_geometric")
+
+from torch_geometric.data import Data  # noqa: E402
+
+from et_ode.data.graphs import add_laplacian_pe, inject_anomalies, read_tu  # noqa: E402
+from et_ode.tasks_graph import (  # noqa: E402
+    add_graph_train_arguments,
+    anomaly_metrics,
+    cross_validate,
+    detect_anomalies,
+    load_anomaly_graph,
+    run_graph_train,
+)
+from et_ode.train import TrainConfig  # noqa: E402
+
+SMALL = dict(dim=16, heads=2, head_dim=8, memories=32, steps=4, step=0.2)
+
+
+def test_a_few_epochs_on_mutag_beat_the_majority_class_on_held_out_folds(shared_data):
+    graphs = read_tu(shared_data, "MUTAG", pe_dim=8)
+    config = TrainConfig(epochs=12, batch_size=32, lr=5e-3, warmup=0.1, device="cpu", progress=False)
+    result = cross_validate(graphs, {**SMALL, "pe_dim": 8}, config, folds=3, seed=0, verbose=False)
+    assert len(result["accuracies"]) == 3
+    assert result["majority"] == pytest.approx(125 / 188, abs=0.01)
+    assert result["mean"] > result["majority"] + 0.05, result
+
+
+def auc_by_pairs(scores: np.ndarray, labels: np.ndarray) -> float:
+    positive, negative = scores[labels == 1], scores[labels == 0]
+    wins = (positive[:, None] > negative[None, :]).sum() + 0.5 * (positive[:, None] == negative[None, :]).sum()
+    return wins / (len(positive) * len(negative))
+
+
+def test_anomaly_metrics_auc_and_validation_threshold():
+    rng = np.random.default_rng(0)
+    labels = torch.tensor(rng.random(200) < 0.1).long()
+    scores = torch.tensor(rng.normal(size=200) + 1.5 * labels.numpy())
+    masks = {"val": torch.arange(200) < 100, "test": torch.arange(200) >= 100}
+    metrics = anomaly_metrics(scores, labels, masks)
+    test = masks["test"].numpy()
+    assert metrics["auc"] == pytest.approx(auc_by_pairs(scores.numpy()[test], labels.numpy()[test]))
+    val = masks["val"].numpy()
+
+    def macro_f1(s, y, t):
+        predicted = s >= t
+        f1 = []
+        for positive_class in (True, False):
+            tp = np.sum((predicted == positive_class) & ((y == 1) == positive_class))
+            fp = np.sum((predicted == positive_class) & ((y == 1) != positive_class))
+            fn = np.sum((predicted != positive_class) & ((y == 1) == positive_class))
+            f1.append(2 * tp / max(2 * tp + fp + fn, 1))
+        return float(np.mean(f1))
+
+    s, y = scores.numpy(), labels.numpy()
+    best = max(np.unique(s[val]), key=lambda t: macro_f1(s[val], y[val], t))
+    assert metrics["threshold"] == pytest.approx(best)
+    assert metrics["macro_f1"] == pytest.approx(macro_f1(s[test], y[test], best))
+
+
+def test_detect_anomalies_runs_all_three_models_reproducibly():
+    torch.manual_seed(0)
+    n = 120
+    nodes = torch.arange(n)
+    ring = torch.cat([torch.stack([nodes, (nodes + 1) % n]), torch.stack([nodes, (nodes + 2) % n])], dim=1)
+    graph = Data(x=torch.randn(n, 4).cumsum(0) / 5, edge_index=torch.cat([ring, ring.flip(0)], dim=1))
+    graph = add_laplacian_pe(inject_anomalies(graph, cliques=2, clique_size=6, contextual=8, seed=1), 4)
+    config = TrainConfig(epochs=15, lr=5e-3, device="cpu", progress=False)
+    results = detect_anomalies(graph, {**SMALL, "pe_dim": 4}, config, seed=0)
+    assert results["nodes"] == n and results["anomalies"] == 20
+    for name in ("et", "logistic_regression", "gcn"):
+        assert 0 <= results[name]["auc"] <= 1 and 0 <= results[name]["macro_f1"] <= 1
+    again = detect_anomalies(graph, {**SMALL, "pe_dim": 4}, config, seed=0)
+    assert again["et"] == results["et"] and again["gcn"] == results["gcn"]
+
+
+def test_cli_classify_writes_results_and_resumes(shared_data, tmp_path):
+    parser = argparse.ArgumentParser()
+    add_graph_train_arguments(parser)
+    argv = ["classify", "--root", str(shared_data), "--folds", "2", "--epochs", "1", "--dim", "8", "--heads", "1",
+            "--head-dim", "4", "--memories", "8", "--steps", "2", "--pe-dim", "4", "--device", "cpu",
+            "--no-progress", "--out", str(tmp_path)]
+    first = run_graph_train(parser.parse_args(argv))
+    saved = json.loads((tmp_path / "cv_results.json").read_text())
+    assert saved["accuracies"] == first["accuracies"] and len(first["accuracies"]) == 2
+    assert all((tmp_path / f"fold_{k}" / "checkpoint.pt").is_file() for k in range(2))
+    (tmp_path / "fold_1" / "result.json").write_text(json.dumps({"test_acc": 0.5, "majority": 0.6}))
+    second = run_graph_train(parser.parse_args(argv))  # finished folds are read back, not retrained
+    assert second["accuracies"] == [first["accuracies"][0], 0.5]
+    with pytest.raises(ValueError, match="--root"):
+        run_graph_train(parser.parse_args(["classify", "--no-progress"]))
+
+
+def test_cli_anomaly_graph_sources(shared_data, tmp_path):
+    parser = argparse.ArgumentParser()
+    add_graph_train_arguments(parser)
+    mutag = load_anomaly_graph(parser.parse_args(["anomaly", "--graph", "mutag", "--root", str(shared_data)]))
+    assert mutag.num_nodes == 3371 and int(mutag.y.sum()) == 2 * 15 + 30 and mutag.pe.shape == (3371, 15)
+    (tmp_path / "e.txt").write_text("0 1\n1 2\n2 3\n3 0\n")
+    (tmp_path / "x.txt").write_text("1 0\n0 1\n1 1\n0 0\n")
+    (tmp_path / "y.txt").write_text("0\n0\n1\n0\n")
+    argv = ["anomaly", "--graph", "files", "--edges", str(tmp_path / "e.txt"), "--features", str(tmp_path / "x.txt"),
+            "--labels", str(tmp_path / "y.txt"), "--pe-dim", "2"]
+    own = load_anomaly_graph(parser.parse_args(argv))
+    assert own.y.tolist() == [0, 0, 1, 0] and own.pe.shape == (4, 2)  # labels given: nothing injected
+    with pytest.raises(ValueError, match="--edges and --features"):
+        load_anomaly_graph(parser.parse_args(["anomaly", "--graph", "files"]))

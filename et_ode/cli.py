@@ -325,11 +325,11 @@ def demo_config(quick: bool = False) -> ImageRunConfig:
     train = TrainConfig(epochs=1 if quick else DEMO_EPOCHS, batch_size=32, lr=2e-3, warmup=0.05, seed=0,
                         device="auto", progress=not quick)
     return ImageRunConfig(data="digits", train_limit=64 if quick else None, test_limit=32 if quick else None,
-                          val_size=0, patch=4, dim=32, heads=4, head_dim=8, tau=1.0, ratio=0.5, solver=solver,
+                          val_size=0, patch=4, dim=64, heads=4, head_dim=16, tau=1.0, ratio=0.5, solver=solver,
                           train=train, threads=1)
 
 
-DEMO_EPOCHS = 16
+DEMO_EPOCHS = 40
 
 
 def demo(out_dir: str | Path = "runs/demo", *, quick: bool = False) -> dict[str, Any]:

@@ -162,6 +162,7 @@ def session(enabled: bool | None = None, *, device: str | torch.device = "auto",
     resolved = init(env, device=device, backend=backend, timeout=timeout)
     try:
         yield resolved
+        dist.barrier()  # every rank is done: tear the group down together (a one-sided gloo teardown can abort)
     finally:
         shutdown()
 

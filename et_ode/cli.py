@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import importlib
 import json
 import math
 import sys
@@ -602,20 +603,20 @@ def _add_train_graph(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description="Train a graph ET (et_ode.tasks_graph): `classify` runs k-fold cross-validation on a TU data set; "
                     "`anomaly` scores the nodes of one graph against feature and GCN baselines.")
+    _wire_lazily(parser, "et-ode train graph", "et_ode.tasks_graph", "add_graph_train_arguments", "run_graph_train")
+
+
+def _wire_lazily(parser: argparse.ArgumentParser, command: str, module: str, add_arguments: str, run: str) -> None:
+    """Give ``parser`` the options of ``module.add_arguments`` and run ``module.run(args)``; the module is imported
+    when the CLI starts, but a missing optional dependency only fails the command that needs it."""
     try:
-        from .tasks_graph import add_graph_train_arguments
-    except ImportError as error:  # torch_geometric or the graph module missing: say so when the command is used
+        target = importlib.import_module(module)
+    except ImportError as error:
         reason = str(error)
-        parser.set_defaults(run=lambda args: _missing("et-ode train graph", "et_ode.tasks_graph", reason))
+        parser.set_defaults(run=lambda args: _missing(command, module, reason))
         return
-    add_graph_train_arguments(parser)
-    parser.set_defaults(run=_run_train_graph)
-
-
-def _run_train_graph(args: argparse.Namespace) -> None:
-    from .tasks_graph import run_graph_train
-
-    run_graph_train(args)
+    getattr(target, add_arguments)(parser)
+    parser.set_defaults(run=getattr(target, run))
 
 
 def _missing(command: str, module: str, reason: str) -> None:
@@ -658,20 +659,7 @@ def _add_analyze(commands: argparse._SubParsersAction) -> None:
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                                  description="Study the attractors of a trained ET block (e.g. OUT/et_block.pt with "
                                              "the token states OUT/tokens.pt written by `et-ode train`).")
-    try:
-        from .analysis.report import add_analyze_arguments
-    except ImportError as error:
-        reason = str(error)
-        parser.set_defaults(run=lambda args: _missing("et-ode analyze", "et_ode.analysis.report", reason))
-        return
-    add_analyze_arguments(parser)
-    parser.set_defaults(run=_run_analyze)
-
-
-def _run_analyze(args: argparse.Namespace) -> None:
-    from .analysis.report import run_analyze
-
-    run_analyze(args)
+    _wire_lazily(parser, "et-ode analyze", "et_ode.analysis.report", "add_analyze_arguments", "run_analyze")
 
 
 def _add_demo(commands: argparse._SubParsersAction) -> None:

@@ -4,9 +4,11 @@ Graph classification (e.g. MUTAG, any TU-format data set): stratified ``folds``-
 (scikit-learn's ``StratifiedKFold``, shuffled with ``seed``). In each fold a fresh :class:`GraphET` (seeded with
 ``seed + fold``) is trained for a fixed number of epochs on the other folds and evaluated once on the fold's test
 graphs, which take no part in training or model selection (the last epoch's model is the one scored; no early
-stopping). The result is the mean and standard deviation over folds of the test accuracy. With ``out_dir`` each
-fold writes ``fold_K/`` (checkpoint and metrics from ``fit``) and ``fold_K/result.json``; a rerun skips the
-finished folds and resumes the unfinished one.
+stopping). With a ``grid`` of candidate options the cross-validation is nested: each fold chooses among them by an
+inner cross-validation of its own training graphs. The result is the mean and standard deviation over folds of
+the test accuracy. With ``out_dir`` each fold writes ``fold_K/`` (checkpoint and metrics from ``fit``, the inner
+runs under ``fold_K/selection/``) and ``fold_K/result.json``; a rerun skips finished runs and resumes the
+unfinished one.
 
 Node anomaly detection: one graph with node labels ``y`` (1 anomalous), from :func:`inject_anomalies` or a
 user's files. The nodes are split (stratified, ``node_split``) into train/val/test; the model sees the whole graph
@@ -19,8 +21,10 @@ features alone (class-balanced) and a 2-layer GCN (PyG ``GCNConv``, class-weight
 from __future__ import annotations
 
 import argparse
+import inspect
+import itertools
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -60,63 +64,151 @@ class GraphClassificationTask:
         return {"acc": correct / total, "loss": loss / total}
 
 
+#: Options that change the data's encoding; they are fixed for a cross-validation, not selected in it.
+DATA_OPTIONS = ("pe_dim", "max_degree", "rw_steps")
+
+
+def expand_grid(grid: Mapping[str, Sequence[Any]] | None, config: TrainConfig) -> list[dict[str, Any]]:
+    """Every combination of the ``grid``'s values, in order (the last option varying fastest): ``[{}]`` for none.
+
+    Keys are :class:`GraphET` arguments or :class:`TrainConfig` fields; a data option (``pe_dim``, ...), an
+    unknown name or an empty list of values raises ``ValueError`` naming it.
+    """
+    if not grid:
+        return [{}]
+    model_options = set(inspect.signature(GraphET).parameters) - {"in_features", "classes", "readout"}
+    train_options = set(config.to_dict()) - {"seed", "out_dir", "resume", "device", "progress"}
+    for key, values in grid.items():
+        if key in DATA_OPTIONS:
+            raise ValueError(f"grid option {key!r} changes the data encoding; set it for the whole run instead")
+        if key not in model_options | train_options:
+            raise ValueError(f"grid option {key!r} is neither a GraphET argument nor a TrainConfig field; choose from "
+                             f"{sorted(model_options | train_options)}")
+        if not isinstance(values, Sequence) or isinstance(values, str) or not values:
+            raise ValueError(f"grid option {key!r} needs a non-empty list of values, got {values!r}")
+    return [dict(zip(grid, values, strict=True)) for values in itertools.product(*grid.values())]
+
+
+def _split_options(options: Mapping[str, Any], model_kwargs: dict[str, Any],
+                   config: TrainConfig) -> tuple[dict[str, Any], TrainConfig]:
+    """``model_kwargs`` and ``config`` with ``options`` (GraphET arguments and TrainConfig fields) applied."""
+    fields = config.to_dict()
+    train = {k: v for k, v in options.items() if k in fields}
+    return {**model_kwargs, **{k: v for k, v in options.items() if k not in fields}}, TrainConfig(**{**fields, **train})
+
+
+def _train_and_score(graphs: list, train_index: np.ndarray, test_index: np.ndarray, model_kwargs: dict[str, Any],
+                     config: TrainConfig, seed: int, run_dir: Path | None, meta: dict[str, Any],
+                     ensemble: int = 1) -> dict[str, Any]:
+    """Train ``ensemble`` fresh :class:`GraphET` (member ``j`` seeded with ``seed + 1000 j``) on
+    ``graphs[train_index]`` for ``config.epochs`` and score them once on ``graphs[test_index]``: the prediction
+    is the mean of the members' class probabilities. With ``run_dir`` the runs checkpoint there (``member_j/``
+    when ``ensemble > 1``; resumable) and the result is kept in ``run_dir/score.json``, which a rerun reads
+    instead of training again."""
+    result_file = run_dir / "score.json" if run_dir is not None else None
+    if result_file is not None and result_file.is_file():
+        return json.loads(result_file.read_text())
+    labels = [int(graph.y) for graph in graphs]
+    device = resolve_device(config.device)
+    test_batch = move_to(collate_graphs([graphs[i] for i in test_index]), device)
+    probabilities = []
+    for member in range(ensemble):
+        member_seed = seed + 1000 * member
+        member_dir = run_dir if run_dir is None or ensemble == 1 else run_dir / f"member_{member}"
+        torch.manual_seed(member_seed)
+        model = GraphET(graphs[0].x.shape[1], max(labels) + 1, readout="graph", **model_kwargs)
+        run_config = TrainConfig(**{**config.to_dict(), "seed": member_seed, "resume": member_dir is not None,
+                                    "out_dir": None if member_dir is None else str(member_dir)})
+        fit(model, GraphClassificationTask(), [graphs[i] for i in train_index], None, run_config,
+            collate_fn=collate_graphs, meta={"model": model.config, **meta, "member": member})
+        with torch.no_grad():
+            probabilities.append(torch.softmax(model.eval()(test_batch).double(), dim=-1).cpu())
+    mean = torch.stack(probabilities).mean(dim=0)
+    target = test_batch.y.cpu()
+    result = {"test_acc": float((mean.argmax(-1) == target).double().mean()),
+              "test_loss": float(F.nll_loss(mean.clamp_min(1e-300).log(), target)), "test_size": len(test_index)}
+    if result_file is not None:
+        result_file.parent.mkdir(parents=True, exist_ok=True)
+        result_file.write_text(json.dumps(result))
+    return result
+
+
 def cross_validate(graphs: list, model_kwargs: dict[str, Any], config: TrainConfig, *, folds: int = 10,
-                   seed: int = 0, out_dir: str | Path | None = None, verbose: bool = True) -> dict[str, Any]:
-    """Stratified ``folds``-fold cross-validation of :class:`GraphET` on ``graphs`` (PyG ``Data`` with ``pe``).
+                   seed: int = 0, out_dir: str | Path | None = None, verbose: bool = True,
+                   grid: Mapping[str, Sequence[Any]] | None = None, inner_folds: int = 3,
+                   ensemble: int = 1) -> dict[str, Any]:
+    """Stratified ``folds``-fold cross-validation of :class:`GraphET` on ``graphs`` (PyG ``Data`` with ``pe``),
+    nested when a ``grid`` of candidates is given.
 
     Args:
         graphs: the data set, e.g. :func:`et_ode.data.graphs.read_tu`.
         model_kwargs: :class:`GraphET` arguments other than ``in_features`` and ``classes`` (taken from the data).
-        config: training settings of every fold (``out_dir`` and ``seed`` are set per fold).
-        folds, seed: the split (``StratifiedKFold(folds, shuffle=True, random_state=seed)``).
-        out_dir: per-fold checkpoints and results (resumable); None keeps nothing.
-        verbose: print each fold's test accuracy.
+        config: training settings of every run (``out_dir`` and ``seed`` are set per run).
+        folds, seed: the split (``StratifiedKFold(folds, shuffle=True, random_state=seed)``); fold ``K``'s models
+            are initialised with seed ``seed + K``.
+        out_dir: per-run checkpoints and results (resumable); None keeps nothing.
+        verbose: print each fold's test accuracy (and choice).
+        grid: model selection: option name -> candidate values (GraphET arguments or TrainConfig fields, e.g.
+            ``{"lr": [1e-3, 3e-3], "pool": ["cls", "cls+sum"]}``). Each outer fold scores every combination by
+            its mean validation accuracy in a stratified ``inner_folds``-fold cross-validation of the fold's own
+            training graphs, trains the best (ties: the first) on all of them and scores its test graphs once.
+            The test graphs take part in neither training nor selection.
+        inner_folds: folds of the inner cross-validation.
+        ensemble: models trained per run (differently seeded); a run predicts the mean of their class
+            probabilities. Applies to the selection runs too.
 
-    Returns ``{"accuracies": [...], "mean": m, "std": s, "folds": folds, "majority": rate}`` where ``std`` is the
-    population standard deviation over folds and ``majority`` the test accuracy of always predicting the most
-    frequent training class (the floor to beat).
+    Returns ``{"accuracies": [...], "mean": m, "std": s, "folds": folds, "majority": rate, "chosen": [...]}``
+    where ``std`` is the population standard deviation over folds, ``majority`` the test accuracy of always
+    predicting the most frequent training class (the floor to beat) and ``chosen`` each fold's selected options.
     """
     from sklearn.model_selection import StratifiedKFold
 
     labels = np.array([int(graph.y) for graph in graphs])
+    if not (isinstance(ensemble, int) and ensemble >= 1):
+        raise ValueError(f"ensemble must be a positive integer, got {ensemble!r}")
     if len(graphs) < folds or np.bincount(labels).min() < folds:
         raise ValueError(f"{folds}-fold stratified cross-validation needs at least {folds} graphs of every class; "
                          f"class counts: {np.bincount(labels).tolist()}")
+    candidates = expand_grid(grid, config)
     classes = int(labels.max()) + 1
-    in_features = graphs[0].x.shape[1]
     splitter = StratifiedKFold(folds, shuffle=True, random_state=seed)
-    accuracies, majority = [], []
+    accuracies, majority, chosen = [], [], []
     for fold, (train_index, test_index) in enumerate(splitter.split(np.zeros(len(labels)), labels)):
         fold_dir = Path(out_dir) / f"fold_{fold}" if out_dir is not None else None
         result_file = fold_dir / "result.json" if fold_dir is not None else None
         if result_file is not None and result_file.is_file():
             result = json.loads(result_file.read_text())
         else:
-            torch.manual_seed(seed + fold)
-            model = GraphET(in_features, classes, readout="graph", **model_kwargs)
-            fold_config = TrainConfig(**{**config.to_dict(), "seed": seed + fold,
-                                         "out_dir": None if fold_dir is None else str(fold_dir),
-                                         "resume": fold_dir is not None})
-            train = [graphs[i] for i in train_index]
-            test_batches = [collate_graphs([graphs[i] for i in test_index])]
-            fit(model, GraphClassificationTask(), train, None, fold_config, collate_fn=collate_graphs,
-                meta={"model": model.config, "fold": fold})
-            device = resolve_device(config.device)
-            with torch.no_grad():
-                test = GraphClassificationTask().evaluate(model.eval(), (move_to(b, device) for b in test_batches))
+            selection = []
+            if len(candidates) > 1:
+                inner = StratifiedKFold(inner_folds, shuffle=True, random_state=seed + fold)
+                splits = list(inner.split(np.zeros(len(train_index)), labels[train_index]))
+                for j, options in enumerate(candidates):
+                    kwargs, options_config = _split_options(options, model_kwargs, config)
+                    scores = [_train_and_score(
+                        graphs, train_index[fit_part], train_index[val_part], kwargs, options_config, seed + fold,
+                        None if fold_dir is None else fold_dir / "selection" / f"candidate_{j}" / f"inner_{i}",
+                        {"fold": fold, "candidate": j, "inner_fold": i}, ensemble)["test_acc"]
+                        for i, (fit_part, val_part) in enumerate(splits)]
+                    selection.append({"options": options, "val_acc": float(np.mean(scores))})
+            best = max(range(len(candidates)), key=lambda j: (selection[j]["val_acc"] if selection else 0.0, -j))
+            kwargs, best_config = _split_options(candidates[best], model_kwargs, config)
+            result = _train_and_score(graphs, train_index, test_index, kwargs, best_config, seed + fold, fold_dir,
+                                      {"fold": fold}, ensemble)
             common = np.bincount(labels[train_index], minlength=classes).argmax()
-            result = {"fold": fold, "test_acc": test["acc"], "test_loss": test["loss"],
-                      "majority": float((labels[test_index] == common).mean()), "test_size": len(test_index)}
+            result.update(fold=fold, majority=float((labels[test_index] == common).mean()),
+                          chosen=candidates[best], selection=selection)
             if result_file is not None:
-                result_file.parent.mkdir(parents=True, exist_ok=True)
                 result_file.write_text(json.dumps(result))
         accuracies.append(result["test_acc"])
         majority.append(result["majority"])
+        chosen.append(result.get("chosen", {}))
         if verbose:
+            choice = f", chose {result['chosen']}" if result.get("chosen") else ""
             print(f"fold {fold + 1}/{folds}: test accuracy {result['test_acc']:.4f} "
-                  f"(majority class {result['majority']:.4f})", flush=True)
+                  f"(majority class {result['majority']:.4f}{choice})", flush=True)
     summary = {"accuracies": accuracies, "mean": float(np.mean(accuracies)), "std": float(np.std(accuracies)),
-               "folds": folds, "majority": float(np.mean(majority))}
+               "folds": folds, "majority": float(np.mean(majority)), "chosen": chosen}
     if out_dir is not None:
         (Path(out_dir) / "cv_results.json").write_text(json.dumps(summary, indent=2))
     return summary
@@ -298,7 +390,15 @@ def add_graph_train_arguments(parser: argparse.ArgumentParser) -> None:
     data.add_argument("--candidates", type=int, default=50, help="candidates per contextual anomaly")
     data.add_argument("--max-degree", type=int, default=0,
                       help="classify: append a one-hot of the node degree (clamped to this) to the features; 0: none")
+    data.add_argument("--rw-steps", type=int, default=0,
+                      help="classify: append random-walk return probabilities for 1..this many steps; 0: none")
     data.add_argument("--folds", type=int, default=10, help="classify: cross-validation folds")
+    data.add_argument("--grid", action="append", default=[], metavar="OPTION=V1,V2,...",
+                      help="classify: candidate values of a model or training option (e.g. lr=1e-3,3e-3; repeat for "
+                           "more options), chosen per fold by an inner cross-validation of its training graphs")
+    data.add_argument("--inner-folds", type=int, default=3, help="classify: folds of the inner (selection) CV")
+    data.add_argument("--ensemble", type=int, default=1,
+                      help="classify: models per run, differently seeded; predictions average their probabilities")
     model = parser.add_argument_group("model")
     model.add_argument("--dim", type=int, default=64)
     model.add_argument("--heads", type=int, default=4)
@@ -312,6 +412,8 @@ def add_graph_train_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--t1", type=float, default=1.0, help="horizon of other methods")
     model.add_argument("--dropout", type=float, default=0.0)
     model.add_argument("--head-hidden", type=int, default=0, help="hidden width of the read-out (0: linear)")
+    model.add_argument("--pool", choices=("cls", "cls+mean", "cls+sum"), default="cls",
+                       help="classify: read out the CLS token, or it with the mean or sum of the node states")
     train = parser.add_argument_group("training")
     train.add_argument("--epochs", type=int, default=None, help="default: 100 (classify), 300 (anomaly)")
     train.add_argument("--batch-size", type=int, default=32)
@@ -323,10 +425,32 @@ def add_graph_train_arguments(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--no-progress", action="store_true")
 
 
+def parse_grid(items: Sequence[str]) -> dict[str, list[Any]]:
+    """``["lr=1e-3,3e-3", "pool=cls,cls+sum"]`` -> ``{"lr": [0.001, 0.003], "pool": ["cls", "cls+sum"]}``: values
+    become int, float or bool where they read as one; dashes in names become underscores (CLI spelling)."""
+    def value(text: str) -> Any:
+        if text.lower() in ("true", "false"):
+            return text.lower() == "true"
+        for kind in (int, float):
+            try:
+                return kind(text)
+            except ValueError:
+                pass
+        return text
+
+    grid: dict[str, list[Any]] = {}
+    for item in items:
+        name, sep, values = item.partition("=")
+        if not sep or not name or not values:
+            raise ValueError(f"--grid expects OPTION=V1,V2,..., got {item!r}")
+        grid[name.strip().replace("-", "_")] = [value(v.strip()) for v in values.split(",")]
+    return grid
+
+
 def _model_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return dict(dim=args.dim, heads=args.heads, head_dim=args.head_dim, memories=args.memories, pe_dim=args.pe_dim,
                 hopfield=args.hopfield, method=args.method, step=args.step, steps=args.steps, t1=args.t1,
-                dropout=args.dropout, head_hidden=args.head_hidden)
+                dropout=args.dropout, head_hidden=args.head_hidden, pool=args.pool)
 
 
 def load_anomaly_graph(args: argparse.Namespace) -> Any:
@@ -363,9 +487,11 @@ def run_graph_train(args: argparse.Namespace) -> dict[str, Any]:
             raise ValueError("et-ode train graph classify needs --root, the folder holding NAME/raw/ (TU format)")
         from .data.graphs import read_tu
 
-        graphs = read_tu(args.root, args.name, pe_dim=args.pe_dim or None, max_degree=args.max_degree)
+        graphs = read_tu(args.root, args.name, pe_dim=args.pe_dim or None, max_degree=args.max_degree,
+                         rw_steps=args.rw_steps)
         results = cross_validate(graphs, _model_kwargs(args), config, folds=args.folds, seed=args.seed,
-                                 out_dir=args.out)
+                                 out_dir=args.out, grid=parse_grid(args.grid), inner_folds=args.inner_folds,
+                                 ensemble=args.ensemble)
         print(f"{args.name}: {args.folds}-fold test accuracy {100 * results['mean']:.2f} +- "
               f"{100 * results['std']:.2f} % (majority class {100 * results['majority']:.2f} %)")
         return results

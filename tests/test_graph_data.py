@@ -15,6 +15,7 @@ from et_ode.data.graphs import (  # noqa: E402
     CONTEXTUAL,
     STRUCTURAL,
     add_laplacian_pe,
+    add_random_walk_features,
     check_tu_files,
     inject_anomalies,
     node_split,
@@ -156,3 +157,18 @@ def test_node_split_is_stratified_and_disjoint():
     masks = node_split(labels, (0.6, 0.2, 0.2), seed=1)
     assert torch.equal(masks["train"].int() + masks["val"].int() + masks["test"].int(), torch.ones(200, dtype=torch.int))
     assert [int(labels[masks[k]].sum()) for k in ("train", "val", "test")] == [12, 4, 4]
+
+
+def test_random_walk_features_are_return_probabilities_of_matrix_powers():
+    graph = Data(x=torch.ones(5, 1), edge_index=torch.tensor([[0, 1, 1, 2, 2, 3, 3, 0, 0, 4],
+                                                              [1, 0, 2, 1, 3, 2, 0, 3, 4, 0]]))
+    add_random_walk_features(graph, 4)
+    adjacency = torch.zeros(5, 5, dtype=torch.float64)
+    adjacency[graph.edge_index[0], graph.edge_index[1]] = 1.0
+    walk = adjacency / adjacency.sum(1, keepdim=True)  # P = D^-1 A
+    expected = torch.stack([torch.linalg.matrix_power(walk, t).diagonal() for t in range(1, 5)], dim=1)
+    assert graph.x.shape == (5, 5)
+    torch.testing.assert_close(graph.x[:, 1:].double(), expected, rtol=1e-6, atol=1e-6)
+    assert float(graph.x[0, 1]) == 0.0 and abs(float(graph.x[4, 2]) - 1 / 3) < 1e-6  # leaf 4 -> 0 -> 4: 1/3
+    with pytest.raises(ValueError, match="rw_steps must be a positive integer"):
+        add_random_walk_features(graph, 0)

@@ -41,10 +41,11 @@ def test_batch_mask_is_block_diagonal_adjacency_plus_cls_links():
     assert torch.equal(mask.to_dense(), expected)
 
 
-@pytest.mark.parametrize("readout", ["graph", "node"])
-def test_a_batch_equals_its_graphs_one_by_one(readout):
+@pytest.mark.parametrize("readout, pool", [("graph", "cls"), ("graph", "cls+mean"), ("graph", "cls+sum"),
+                                           ("node", "cls")])
+def test_a_batch_equals_its_graphs_one_by_one(readout, pool):
     graphs = [small_graph(n, seed) for seed, n in enumerate((4, 9, 6))]
-    net = model(readout)
+    net = model(readout, pool=pool)
     with torch.no_grad():
         together = net(Batch.from_data_list(graphs))
         alone = torch.cat([net(Batch.from_data_list([graph])) for graph in graphs])
@@ -94,3 +95,17 @@ def test_every_parameter_gets_a_gradient_and_errors_are_clear():
         net(batch)
     with pytest.raises(ValueError, match="readout"):
         GraphET(3, 2, readout="edges")
+
+
+@pytest.mark.parametrize("pool", ["cls+mean", "cls+sum"])
+def test_pooled_readout_reads_the_cls_state_and_the_pooled_node_states(pool):
+    graph = small_graph(6, 0)
+    net = model(pool=pool)
+    with torch.no_grad():
+        logits = net(Batch.from_data_list([graph]))
+        g = net.last_solution.g  # (6 nodes + 1 CLS, D)
+        pooled = g[:6].mean(0) if pool == "cls+mean" else g[:6].sum(0)
+        expected = net.head(torch.cat([g[6], pooled]))
+    torch.testing.assert_close(logits[0], expected, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="pool must be one of"):
+        GraphET(3, 2, pool="max")

@@ -11,16 +11,21 @@ pytest.importorskip("torch_geometric")
 
 from torch_geometric.data import Data  # noqa: E402
 
+from et_ode import tasks_graph  # noqa: E402
 from et_ode.data.graphs import add_laplacian_pe, inject_anomalies, read_tu  # noqa: E402
+from et_ode.models.graph import GraphET  # noqa: E402
 from et_ode.tasks_graph import (  # noqa: E402
     add_graph_train_arguments,
     anomaly_metrics,
+    collate_graphs,
     cross_validate,
     detect_anomalies,
+    expand_grid,
     load_anomaly_graph,
+    parse_grid,
     run_graph_train,
 )
-from et_ode.train import TrainConfig  # noqa: E402
+from et_ode.train import TrainConfig, load_checkpoint  # noqa: E402
 
 SMALL = dict(dim=16, heads=2, head_dim=8, memories=32, steps=4, step=0.2)
 
@@ -32,6 +37,71 @@ def test_a_few_epochs_on_mutag_beat_the_majority_class_on_held_out_folds(shared_
     assert len(result["accuracies"]) == 3
     assert result["majority"] == pytest.approx(125 / 188, abs=0.01)
     assert result["mean"] > result["majority"] + 0.05, result
+
+
+def test_nested_selection_never_sees_test_graphs_and_keeps_the_best_candidate(shared_data, monkeypatch):
+    graphs = read_tu(shared_data, "MUTAG", pe_dim=4)
+    runs = []
+
+    def fake_run(graphs, train_index, test_index, model_kwargs, config, seed, run_dir, meta, ensemble=1):
+        # a score that depends on the candidate and the fold, so the choice differs between folds
+        score = (0.5 + 0.1 * model_kwargs["steps"] + (0.3 if config.lr == 1e-2 and meta["fold"] == 1 else 0.0))
+        runs.append(dict(train=set(train_index.tolist()), test=set(test_index.tolist()), steps=model_kwargs["steps"],
+                         lr=config.lr, **meta))
+        return {"test_acc": score, "test_loss": 0.0, "test_size": len(test_index)}
+
+    monkeypatch.setattr(tasks_graph, "_train_and_score", fake_run)
+    config = TrainConfig(epochs=1, lr=1e-3, device="cpu", progress=False)
+    result = cross_validate(graphs, {**SMALL, "pe_dim": 4}, config, folds=3, seed=0, verbose=False,
+                            grid={"steps": [1, 2], "lr": [1e-3, 1e-2]}, inner_folds=2)
+    finals = [run for run in runs if "candidate" not in run]
+    assert len(finals) == 3 and len(runs) == 3 * (4 * 2 + 1)
+    for final in finals:
+        inner = [run for run in runs if run["fold"] == final["fold"] and "candidate" in run]
+        assert all(run["train"] | run["test"] == final["train"] for run in inner)  # only the fold's training graphs
+        assert all(not (run["train"] | run["test"]) & final["test"] for run in inner)
+        assert all(not run["train"] & run["test"] for run in inner)
+    assert [(f["steps"], f["lr"]) for f in finals] == [(2, 1e-3), (2, 1e-2), (2, 1e-3)]
+    assert result["chosen"] == [{"steps": 2, "lr": 1e-3}, {"steps": 2, "lr": 1e-2}, {"steps": 2, "lr": 1e-3}]
+
+
+def test_an_ensemble_predicts_the_mean_of_its_members_probabilities(shared_data, tmp_path):
+    graphs = read_tu(shared_data, "MUTAG", pe_dim=4)
+    train_index, test_index = np.arange(0, 188, 2), np.arange(1, 188, 2)
+    kwargs = {**SMALL, "pe_dim": 4}
+    config = TrainConfig(epochs=2, batch_size=32, lr=5e-3, device="cpu", progress=False)
+    result = tasks_graph._train_and_score(graphs, train_index, test_index, kwargs, config, 7, tmp_path, {}, 2)
+    test = collate_graphs([graphs[i] for i in test_index])
+    probabilities = []
+    for member in range(2):
+        model = GraphET(graphs[0].x.shape[1], 2, readout="graph", **kwargs)
+        model.load_state_dict(load_checkpoint(tmp_path / f"member_{member}" / "checkpoint.pt")["model"])
+        with torch.no_grad():
+            probabilities.append(torch.softmax(model.eval()(test).double(), dim=-1))
+    mean = (probabilities[0] + probabilities[1]) / 2
+    assert result["test_acc"] == pytest.approx(float((mean.argmax(-1) == test.y).double().mean()))
+    assert result["test_loss"] == pytest.approx(float(-mean[torch.arange(94), test.y].log().mean()), rel=1e-9)
+    assert not torch.equal(probabilities[0], probabilities[1])  # differently seeded members
+    assert json.loads((tmp_path / "score.json").read_text()) == result
+    with pytest.raises(ValueError, match="ensemble must be a positive integer"):
+        cross_validate(graphs, kwargs, config, ensemble=0)
+
+
+def test_grid_options_are_parsed_and_checked():
+    assert parse_grid(["lr=1e-3,3e-3", "pool=cls,cls+sum", "head-hidden=0,32", "self_attention=true"]) == {
+        "lr": [1e-3, 3e-3], "pool": ["cls", "cls+sum"], "head_hidden": [0, 32], "self_attention": [True]}
+    config = TrainConfig()
+    assert expand_grid({"lr": [1, 2], "steps": [3, 4]}, config) == [
+        {"lr": 1, "steps": 3}, {"lr": 1, "steps": 4}, {"lr": 2, "steps": 3}, {"lr": 2, "steps": 4}]
+    assert expand_grid(None, config) == [{}]
+    with pytest.raises(ValueError, match="OPTION=V1,V2"):
+        parse_grid(["lr"])
+    with pytest.raises(ValueError, match="'pe_dim' changes the data encoding"):
+        expand_grid({"pe_dim": [4, 8]}, config)
+    with pytest.raises(ValueError, match="'layers' is neither a GraphET argument nor a TrainConfig field"):
+        expand_grid({"layers": [1, 2]}, config)
+    with pytest.raises(ValueError, match="non-empty list"):
+        expand_grid({"lr": []}, config)
 
 
 def auc_by_pairs(scores: np.ndarray, labels: np.ndarray) -> float:
@@ -97,6 +167,29 @@ def test_cli_classify_writes_results_and_resumes(shared_data, tmp_path):
     assert second["accuracies"] == [first["accuracies"][0], 0.5]
     with pytest.raises(ValueError, match="--root"):
         run_graph_train(parser.parse_args(["classify", "--no-progress"]))
+
+
+def test_cli_nested_selection_writes_inner_runs_and_resumes(shared_data, tmp_path, monkeypatch):
+    parser = argparse.ArgumentParser()
+    add_graph_train_arguments(parser)
+    argv = ["classify", "--root", str(shared_data), "--folds", "2", "--epochs", "1", "--dim", "8", "--heads", "1",
+            "--head-dim", "4", "--memories", "8", "--steps", "2", "--pe-dim", "4", "--rw-steps", "3", "--device",
+            "cpu", "--no-progress", "--out", str(tmp_path), "--grid", "pool=cls,cls+sum", "--inner-folds", "2"]
+    first = run_graph_train(parser.parse_args(argv))
+    assert all(choice["pool"] in ("cls", "cls+sum") for choice in first["chosen"])
+    for fold in range(2):
+        result = json.loads((tmp_path / f"fold_{fold}" / "result.json").read_text())
+        assert [entry["options"] for entry in result["selection"]] == [{"pool": "cls"}, {"pool": "cls+sum"}]
+        assert all((tmp_path / f"fold_{fold}" / "selection" / f"candidate_{j}" / f"inner_{i}" / "score.json").is_file()
+                   for j in range(2) for i in range(2))
+    (tmp_path / "fold_1" / "result.json").unlink()  # an interrupted fold: its finished inner runs are kept
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("a finished run was trained again")
+
+    monkeypatch.setattr(tasks_graph, "fit", no_training)
+    second = run_graph_train(parser.parse_args(argv))
+    assert second["accuracies"] == first["accuracies"] and second["chosen"] == first["chosen"]
 
 
 def test_cli_anomaly_graph_sources(shared_data, tmp_path):

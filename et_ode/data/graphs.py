@@ -138,7 +138,7 @@ def check_tu_files(root: str | Path, name: str) -> tuple[int, int]:
     return graphs, nodes
 
 
-def read_tu(root: str | Path, name: str, *, pe_dim: int | None = 15, max_degree: int = 0) -> list:
+def read_tu(root: str | Path, name: str, *, pe_dim: int | None = 15, max_degree: int = 0, rw_steps: int = 0) -> list:
     """A TU-format data set as a list of PyG ``Data`` graphs (labels mapped to ``0..C-1``).
 
     Args:
@@ -146,6 +146,8 @@ def read_tu(root: str | Path, name: str, *, pe_dim: int | None = 15, max_degree:
         name: the data set's name, the prefix of its files (``"MUTAG"``).
         pe_dim: add Laplacian eigenvector encodings ``pe (n, pe_dim)`` (None: none).
         max_degree: if > 0, append a one-hot of the node degree (clamped) to ``x`` (:func:`add_degree_features`).
+        rw_steps: if > 0, append random-walk return probabilities for 1..rw_steps steps to ``x``
+            (:func:`add_random_walk_features`).
 
     The files are checked first (:func:`check_tu_files`); PyG's ``TUDataset`` then reads a copy in a temporary
     folder, so nothing is written next to the data. Node labels become one-hot features ``x``.
@@ -164,6 +166,8 @@ def read_tu(root: str | Path, name: str, *, pe_dim: int | None = 15, max_degree:
         graph.x = graph.x.float()
         if max_degree:
             add_degree_features(graph, max_degree)
+        if rw_steps:
+            add_random_walk_features(graph, rw_steps)
         if pe_dim:
             add_laplacian_pe(graph, pe_dim)
     return graphs
@@ -200,6 +204,20 @@ def add_degree_features(data, max_degree: int):
         raise ValueError(f"max_degree must be a positive integer, got {max_degree!r}")
     degree = torch.bincount(data.edge_index[1], minlength=data.num_nodes).clamp(max=max_degree)
     data.x = torch.cat([data.x, torch.nn.functional.one_hot(degree, max_degree + 1).to(data.x.dtype)], dim=1)
+    return data
+
+
+def add_random_walk_features(data, steps: int):
+    """Append each node's random-walk return probabilities ``[(P^t)_AA for t = 1..steps]`` to ``data.x``
+    (``P = D^-1 A``; PyG's ``AddRandomWalkPE``): ``F -> F + steps``. Unlike eigenvectors they have no sign
+    ambiguity, and they see rings (a node of a 6-ring returns at ``t = 6`` along the ring)."""
+    _require_pyg()
+    from torch_geometric.transforms import AddRandomWalkPE
+
+    if not (isinstance(steps, int) and steps >= 1):
+        raise ValueError(f"rw_steps must be a positive integer, got {steps!r}")
+    walk = AddRandomWalkPE(steps, attr_name="rw")(data.clone()).rw
+    data.x = torch.cat([data.x, walk.to(data.x.dtype)], dim=1)
     return data
 
 

@@ -26,6 +26,7 @@ from ..model import EnergyTransformer
 from ..solve import Solution, solve
 
 READOUTS = ("graph", "node")
+POOLS = ("cls", "cls+mean", "cls+sum")
 
 
 class GraphET(nn.Module):
@@ -43,6 +44,8 @@ class GraphET(nn.Module):
         dropout: dropout on the encoded node features while training.
         tau: the field's time constant.
         head_hidden: 0 for a linear read-out of ``g``; else a hidden layer of this width (GELU) before it.
+        pool: graph read-out: the CLS token's ``g`` (``"cls"``, the paper's), or that concatenated with the mean
+            (``"cls+mean"``) or the sum (``"cls+sum"``, which keeps the graph's size) of its nodes' ``g``.
 
     ``forward(batch)`` takes a PyG ``Data``/``Batch`` with ``x (N, F)``, ``edge_index (2, E)``, ``pe (N, k)`` and,
     for several graphs, ``batch (N,)``; it returns logits.
@@ -52,10 +55,12 @@ class GraphET(nn.Module):
                  memories: int = 128, pe_dim: int = 15, readout: str = "graph", hopfield: str = "relu",
                  self_attention: bool = False, method: str = "et", step: float = 0.1, steps: int = 12,
                  t1: float = 1.0, rtol: float = 1e-4, atol: float = 1e-5, grad: str = "direct", dropout: float = 0.0,
-                 tau: float = 1.0, head_hidden: int = 0):
+                 tau: float = 1.0, head_hidden: int = 0, pool: str = "cls"):
         super().__init__()
         if readout not in READOUTS:
             raise ValueError(f"readout must be one of {READOUTS}, got {readout!r}")
+        if pool not in POOLS:
+            raise ValueError(f"pool must be one of {POOLS}, got {pool!r}")
         for name, value in (("in_features", in_features), ("classes", classes)):
             if not (isinstance(value, int) and value >= 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -65,16 +70,17 @@ class GraphET(nn.Module):
             in_features=in_features, classes=classes, dim=dim, heads=heads, head_dim=head_dim, memories=memories,
             pe_dim=pe_dim, readout=readout, hopfield=hopfield, self_attention=self_attention, method=method,
             step=step, steps=steps, t1=t1, rtol=rtol, atol=atol, grad=grad, dropout=dropout, tau=tau,
-            head_hidden=head_hidden)
-        self.readout, self.pe_dim = readout, pe_dim
+            head_hidden=head_hidden, pool=pool)
+        self.readout, self.pe_dim, self.pool = readout, pe_dim, pool
         self.encoder = nn.Linear(in_features, dim)
         self.pe_encoder = nn.Linear(pe_dim, dim, bias=False) if pe_dim else None
         self.cls = nn.Parameter(torch.randn(dim) * 0.02) if readout == "graph" else None
         self.dropout = nn.Dropout(dropout)
         self.et = EnergyTransformer(dim, heads, head_dim, memories, hopfield=hopfield, self_attention=self_attention)
         self.field = ETField(self.et, tau=tau)
-        self.head = nn.Linear(dim, classes) if not head_hidden else nn.Sequential(
-            nn.Linear(dim, head_hidden), nn.GELU(), nn.Linear(head_hidden, classes))
+        width = dim if readout == "node" or pool == "cls" else 2 * dim
+        self.head = nn.Linear(width, classes) if not head_hidden else nn.Sequential(
+            nn.Linear(width, head_hidden), nn.GELU(), nn.Linear(head_hidden, classes))
         self.last_solution: Solution | None = None
 
     def tokens(self, batch: Any) -> tuple[Tensor, GraphMask]:
@@ -118,6 +124,16 @@ class GraphET(nn.Module):
             solution = solve(self.field, x0, (0.0, c["t1"]), method=c["method"], rtol=c["rtol"], atol=c["atol"],
                              mask=mask, grad=c["grad"], save="final")
         self.last_solution = solution
+        if self.cls is None:
+            return self.head(solution.g)
         n = batch.x.shape[0]
-        g = solution.g[n:] if self.cls is not None else solution.g
+        g = solution.g[n:]
+        if self.pool != "cls":
+            graph_of = getattr(batch, "batch", None)
+            if graph_of is None:
+                graph_of = torch.zeros(n, dtype=torch.long, device=g.device)
+            pooled = g.new_zeros(g.shape).index_add(0, graph_of, solution.g[:n])
+            if self.pool == "cls+mean":
+                pooled = pooled / torch.bincount(graph_of, minlength=g.shape[0]).clamp_min(1).unsqueeze(-1).to(g.dtype)
+            g = torch.cat([g, pooled], dim=-1)
         return self.head(g)

@@ -23,7 +23,15 @@ import pytest
 import torch
 
 from et_ode import distributed
-from et_ode.models.image import ImageET, SolverSettings, evaluate_completion, masked_mse, patchify, random_masks
+from et_ode.models.image import (
+    CompletionTask,
+    ImageET,
+    SolverSettings,
+    evaluate_completion,
+    masked_mse,
+    patchify,
+    random_masks,
+)
 from et_ode.train import CHECKPOINT_NAME, METRICS_NAME, TrainConfig, fit, load_checkpoint
 
 torch.set_num_threads(1)
@@ -74,6 +82,19 @@ def make_data(count: int, seed: int) -> torch.utils.data.TensorDataset:
     return torch.utils.data.TensorDataset(images, hidden, scored)
 
 
+def make_images(count: int, seed: int) -> torch.utils.data.TensorDataset:
+    """Random float64 images alone: CompletionTask draws their masks while training."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.utils.data.TensorDataset(torch.rand(count, *IMAGE_SHAPE, generator=generator, dtype=torch.float64))
+
+
+def random_mask_run() -> dict[str, torch.Tensor]:
+    """Two steps of CompletionTask (masks drawn per step from the global RNG) on 8 images."""
+    model = make_model("direct")
+    fit(model, CompletionTask(0.5), make_images(8, seed=5), config=step_config(None))
+    return model.state_dict()
+
+
 def make_model(grad: str) -> ImageET:
     if grad == "implicit":
         solver = SolverSettings(method="dopri5", t1=200.0, rtol=1e-7, atol=1e-8, grad="implicit", steady_state=2e-3)
@@ -113,6 +134,7 @@ def worker(scenario: str, out: Path) -> None:
             torch.save(_step_results(STEP_CASES[:4], device), out / f"rank{distributed.rank()}.pt")
         elif scenario == "train":  # one launch for two tests (each launch costs seconds of start-up)
             torch.save(_step_results(STEP_CASES, device), out / f"rank{distributed.rank()}.pt")
+            torch.save(random_mask_run(), out / f"masks_rank{distributed.rank()}.pt")
             try:  # a crash of every rank at the first step of epoch 2
                 fit(make_model("direct"), FixedMaskTask(fail_at=3), make_data(12, seed=2), make_data(5, seed=3),
                     resume_config(out / "interrupted"))
@@ -208,6 +230,14 @@ def test_two_processes_step_like_one_process_on_the_global_batch(trained: Path) 
     half = make_model("direct")
     fit(half, FixedMaskTask(), torch.utils.data.Subset(data, range(0, 8, 2)), config=step_config(None, batch_size=2))
     assert _close(grads_of(half)["block.hopfield.xi"], ranks[0]["direct"]["grads"]["block.hopfield.xi"], 0) > 1e-3
+
+
+def test_random_masks_of_two_processes_are_those_of_one_process(trained: Path) -> None:
+    expected = random_mask_run()  # one process on the same global batches
+    for r in range(2):
+        result = torch.load(trained / f"masks_rank{r}.pt", weights_only=False)
+        for key, value in expected.items():
+            assert _close(result[key], value, 1e-10) < 1e-10, (key, r)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL data parallelism needs 2 GPUs")

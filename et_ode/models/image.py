@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .. import distributed
 from ..field import ETField
 from ..model import EnergyTransformer
 from ..solve import GRADIENTS, METHODS, Solution, solve
@@ -297,8 +298,12 @@ class CompletionTask:
     """Masked-patch completion for :func:`et_ode.train.fit`.
 
     Training batches are images ``(B, C, H, W)`` (or tuples whose first item is the images); masks are
-    drawn with the global RNG (restored on resume). Evaluation batches are ``(images, hidden, scored)``
-    with fixed masks (:func:`fixed_mask_set`), so every model and baseline is scored on the same patches.
+    drawn with the global RNG (restored on resume). Under data parallelism each of the ``W`` ranks holds every
+    ``W``-th example of the global batch (see :func:`et_ode.train.fit`): every rank draws the masks of the whole
+    global batch (their RNGs agree) and keeps its examples' ones, so ``W`` processes draw exactly the masks one
+    process would on the global batch (not ``W`` copies of the same masks). Evaluation batches are
+    ``(images, hidden, scored)`` with fixed masks (:func:`fixed_mask_set`), so every model and baseline is
+    scored on the same patches.
     """
 
     def __init__(self, ratio: float, visible_fraction: float = 0.0):
@@ -312,8 +317,10 @@ class CompletionTask:
     def loss(self, model: nn.Module, batch: Any) -> tuple[Tensor, dict[str, float]]:
         images = _images_of(batch)
         core = _unwrap(model)
-        hidden, scored = random_masks(images.shape[0], core.num_patches, self.ratio,
+        rank, world = distributed.rank(), distributed.world_size()
+        hidden, scored = random_masks(images.shape[0] * world, core.num_patches, self.ratio,
                                       visible_fraction=self.visible_fraction, device=images.device)
+        hidden, scored = hidden[rank::world], scored[rank::world]
         out = model(images, hidden)
         loss = masked_mse(out.patches, patchify(images, core.patch), scored)
         metrics = {"mse": float(loss.detach())}

@@ -117,24 +117,25 @@ def ms(seconds: float) -> float:
 
 def environment() -> str:
     """One line on the software and threads behind the numbers."""
-    return (f"torch {torch.__version__}, {torch.get_num_threads()} threads, oneDNN "
+    return (f"torch {torch.__version__}, {torch.get_num_threads()} threads on {len(os.sched_getaffinity(0))} cores, oneDNN "
             f"{'available' if et_ode.fused.onednn_available() else 'unavailable'}")
 
 
 def set_threads(threads: int | None) -> None:
-    """Use ``threads`` CPU threads in torch and (if imported later) XLA; ``None`` keeps the defaults.
+    """Run torch and (if imported later) XLA on ``threads`` CPU cores; ``None`` keeps the defaults.
 
-    Call before jax is imported. One thread gives steadier figures on a machine shared with other jobs, where
-    threads of an OpenMP team wait for each other whenever one of them is descheduled.
+    The process is pinned to the first ``threads`` of its cores (``os.sched_setaffinity``) and torch uses that
+    many threads, so both libraries get the same cores: XLA's CPU runtime sizes its own thread pool and ignores
+    the thread flags of older releases (measured: jax 0.10.2 with ``--xla_cpu_multi_thread_eigen=false`` still
+    ran a GEMM on 2 cores). Call before jax is imported. One core gives steadier figures on a machine shared
+    with other jobs, where threads of an OpenMP team wait for each other whenever one of them is descheduled.
     """
     if threads is None:
         return
     if "jax" in sys.modules:
         raise RuntimeError("set_threads must run before jax is imported")
+    cores = sorted(os.sched_getaffinity(0))
+    if threads > len(cores):
+        raise ValueError(f"--threads {threads}: this process may run on {len(cores)} cores only")
+    os.sched_setaffinity(0, cores[:threads])
     torch.set_num_threads(threads)
-    flags = os.environ.get("XLA_FLAGS", "")
-    if threads == 1:
-        flags += " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
-    else:
-        flags += f" intra_op_parallelism_threads={threads}"
-    os.environ["XLA_FLAGS"] = flags.strip()

@@ -4,11 +4,14 @@ For every torchdiffeq method and the paper's scheme (``method="et"``: explicit E
 the same criterion), reports the field evaluations (NFE; includes the stopping test's evaluations), accepted steps,
 stopping time and wall time of ``et_ode.solve(..., steady_state=tol)``, with the fused field (the default).
 Then, at the 28x28 size with batch 64, a dopri5 solve to the same criterion: the fraction of its wall time spent
-inside the field, and a torch.profiler table of where the time goes.
+inside the field, a torch.profiler table of where the time goes, and (where ``jax`` is installed) its wall time
+against a jit-compiled JAX Euler loop (the paper's scheme, alpha = 0.1, written in ``benchmarks/field.py`` from
+the SPEC) that stops at the same criterion, max over the batch of RMS ``dg/dt`` (exact, by a JVP of the LayerNorm).
 
     python benchmarks/solvers.py                  # default (8x8 digits size, batch 16; dopri5 profile), ~3 min
     python benchmarks/solvers.py --all-methods    # every torchdiffeq method (the fixed-step ones take minutes)
     python benchmarks/solvers.py --size mnist     # the method table at the 28x28 size too
+    python benchmarks/solvers.py --no-jax         # skip the JAX comparison (it runs tens of thousands of steps)
 """
 
 from __future__ import annotations
@@ -107,6 +110,72 @@ def profile_dopri5(size: Size, args: argparse.Namespace) -> str:
     return summary + "\n\ntorch.profiler, the same solve (self CPU time per op):\n" + ops
 
 
+def jax_euler_to_steady_state(model: et_ode.EnergyTransformer, x0: torch.Tensor, tol: float,
+                              max_steps: int) -> tuple[int, float, float] | None:
+    """Euler steps ``x += 0.1 dx/dt`` in one jit-compiled ``lax.while_loop`` until the max over samples of RMS
+    ``dg/dt`` is below ``tol``: (steps, wall seconds without compilation, final max RMS); None without jax."""
+    from field import ALPHA, jax_field
+
+    field = jax_field(model)
+    if field is None:
+        return None
+    import jax
+    import jax.numpy as jnp
+
+    gamma, eps = float(model.neuron.gamma.detach()), model.neuron.eps
+    delta = jnp.asarray(model.neuron.delta.detach().numpy())
+
+    def layer_norm(x):
+        xt = x - x.mean(axis=-1, keepdims=True)
+        return gamma * xt / jnp.sqrt((xt ** 2).mean(axis=-1, keepdims=True) + eps) + delta
+
+    def measure(x, v):  # max over samples of RMS dg/dt, dg/dt = d LayerNorm(x) [v]
+        dg = jax.jvp(layer_norm, (x,), (v,))[1]
+        return jnp.sqrt((dg ** 2).mean(axis=(-1, -2))).max()
+
+    def body(state):
+        x, v, steps, _ = state
+        x = x + ALPHA * v
+        v = field(x)
+        return x, v, steps + 1, measure(x, v)
+
+    @jax.jit
+    def run(x, limit):
+        v = field(x)
+        state = (x, v, jnp.int32(0), measure(x, v))
+        return jax.lax.while_loop(lambda s: (s[3] >= tol) & (s[2] < limit), body, state)
+
+    xj = x0.numpy()
+    jax.block_until_ready(run(xj, 1))  # compile (the step limit is traced: no recompilation below)
+    start = time.perf_counter()
+    _, _, steps, rms = jax.block_until_ready(run(xj, max_steps))
+    return int(steps), time.perf_counter() - start, float(rms)
+
+
+def versus_jax(size: Size, args: argparse.Namespace) -> str:
+    """Wall time to RMS dg/dt < tol: et_ode's dopri5 solve against the JAX Euler loop, same model and states."""
+    model = make_model(size, hopfield="relu")
+    x0 = initial_state(size)
+    field = et_ode.ETField(model)
+    kwargs = dict(t=(0.0, args.t_end), rtol=args.rtol, atol=args.atol, steady_state=args.tol, save="final",
+                  max_steps=args.max_steps)
+    with torch.no_grad():
+        et_ode.solve(field, x0, method="dopri5", **{**kwargs, "t": (0.0, 1.0)})  # warm-up
+        start = time.perf_counter()
+        solution = et_ode.solve(field, x0, method="dopri5", **kwargs)
+        ours = time.perf_counter() - start
+    jax_result = jax_euler_to_steady_state(model, x0, args.tol, args.jax_max_steps)
+    rows = [["et_ode.solve dopri5 (fused)", solution.stats.nfe_forward, solution.stats.t_final,
+             f"{float(solution.residual.max()):.2e}", ours, 1.0]]
+    if jax_result is not None:
+        steps, seconds, rms = jax_result
+        reached = "" if rms < args.tol else f" (stopped at the limit {args.jax_max_steps}: a lower bound)"
+        rows.append([f"JAX Euler, alpha={0.1}, lax.while_loop{reached}", steps, steps * 0.1, f"{rms:.2e}", seconds,
+                     seconds / ours])
+    return table(["solver", "NFE / steps", "t stop", "max RMS dg/dt", "wall s", "JAX time / this"], rows,
+                 f"To max RMS |dg/dt| < {args.tol:g}: {size.name}, batch {size.batch}, hopfield=relu, float32")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", choices=["digits", "mnist"], default="digits", help="size of the method table")
@@ -122,16 +191,23 @@ def main() -> None:
                         help="add adaptive_heun, euler, midpoint, rk4, explicit_adams, implicit_adams (slow)")
     parser.add_argument("--profile-batch", type=int, default=64, help="batch of the 28x28 dopri5 profile (0: skip)")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    parser.add_argument("--no-jax", action="store_true", help="skip the comparison with the JAX Euler loop")
+    parser.add_argument("--jax-max-steps", type=int, default=200_000, help="step limit of the JAX Euler loop")
+    parser.add_argument("--only-jax", action="store_true", help="run only the 28x28 comparison with JAX")
     args = parser.parse_args()
     set_threads(args.threads)
     print(environment())
     methods = [*DEFAULT_METHODS, *(SLOW_METHODS if args.all_methods else ()), "et"]
     size = (DIGITS if args.size == "digits" else MNIST).with_batch(args.batch)
-    print(f"method table: {size.name}, batch {size.batch}", flush=True)
-    print(method_table(size, methods, args))
-    if args.profile_batch > 0:
+    if not args.only_jax:
+        print(f"method table: {size.name}, batch {size.batch}", flush=True)
+        print(method_table(size, methods, args))
+    if args.profile_batch > 0 and not args.only_jax:
         print(f"profiling dopri5: {MNIST.name}, batch {args.profile_batch}", flush=True)
         print(profile_dopri5(MNIST.with_batch(args.profile_batch), args))
+    if args.profile_batch > 0 and not args.no_jax:
+        print(f"dopri5 against the JAX Euler loop: {MNIST.name}, batch {args.profile_batch}", flush=True)
+        print(versus_jax(MNIST.with_batch(args.profile_batch), args))
 
 
 if __name__ == "__main__":

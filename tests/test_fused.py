@@ -175,18 +175,19 @@ def test_riemannian_hessian_through_the_fused_backward():
     assert _relative(fused(w), reference(w)) < 1e-10
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
-def test_cuda_matches_float64_reference(dtype, tol):
+def test_low_precision_matches_float64_reference(device, dtype, tol):
     model = random_model(dim=64, heads=4, head_dim=16, memories=256)
     mask = _mask("batched", 12)
     x = torch.randn(3, 12, 64, dtype=torch.float64)
     exact = ETField(model, mask=mask, backend="reference")(0.0, x)
-    model_gpu = copy.deepcopy(model).to(device="cuda", dtype=dtype)
-    field = ETField(model_gpu, mask=mask.cuda(), backend="fused")
-    assert field.fused.supports(x.to("cuda", dtype), mask.cuda())
-    assert _relative(field(0.0, x.to("cuda", dtype)).double().cpu(), exact) < tol
-    xg = x.to("cuda", dtype).requires_grad_(True)
+    model_low = copy.deepcopy(model).to(device=device, dtype=dtype)
+    field = ETField(model_low, mask=mask.to(device), backend="fused")
+    assert field.fused.supports(x.to(device, dtype), mask.to(device))
+    assert _relative(field(0.0, x.to(device, dtype)).double().cpu(), exact) < tol
+    xg = x.to(device, dtype).requires_grad_(True)
     (grad_x,) = torch.autograd.grad(field(0.0, xg).float().square().sum(), xg)
     x64 = x.clone().requires_grad_(True)
     (expected,) = torch.autograd.grad(ETField(model, mask=mask, backend="reference")(0.0, x64).square().sum(), x64)

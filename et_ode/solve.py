@@ -153,10 +153,22 @@ class _Recorder(nn.Module):
         self.max_steps = max_steps
         self.keep_steps = keep_steps
         self.progress = progress
+        self._last: tuple[Tensor, int, Tensor, int] | None = None
 
     def forward(self, t: Tensor, x: Tensor) -> Tensor:
         self.progress.sample_evaluations += x.shape[:-2].numel()
-        return self.field(t, x)
+        velocity = self.field(t, x)
+        self._last = (x, x._version, velocity, velocity._version)
+        return velocity
+
+    def last_velocity(self, x: Tensor) -> Tensor | None:
+        """``dx/dt`` at ``x`` if the solver's latest evaluation was at this very tensor, unchanged since; else
+        None. Runge-Kutta steps evaluate the field at the state they accept (first-same-as-last: dopri5, bosh3)
+        and at the initial state, so the steady-state test there costs no evaluation of its own."""
+        last = self._last
+        if last is None or last[0] is not x or last[1] != x._version or last[3] != last[2]._version:
+            return None
+        return last[2]
 
     def callback_step(self, t0: Tensor, y0: Tensor, dt: Tensor) -> None:
         progress = self.progress
@@ -397,27 +409,33 @@ def solve(
     return Solution(ts=ts, xs=xs, x=x_final, g=g_final, stats=stats, field=field)
 
 
-def _rms_dg_dt(field: ETField, x: Tensor) -> Tensor:
+def _rms_dg_dt(field: ETField, x: Tensor, velocity: Tensor | None = None) -> Tensor:
     # unchecked on purpose: the event calls this every step; the state was validated once and the recorder
-    # catches non-finite states. ``field(...)`` counts the evaluation the solve pays for.
-    return field.model.neuron.hessian_vector(x, field(None, x)).square().mean(dim=(-1, -2)).sqrt()
+    # catches non-finite states. ``field(...)`` counts the evaluation the solve pays for, when it pays one.
+    if velocity is None:
+        velocity = field(None, x)
+    return field.model.neuron.hessian_vector(x, velocity).square().mean(dim=(-1, -2)).sqrt()
 
 
-def _rms_tangent_gradient(field: ETField, x: Tensor) -> Tensor:
-    field.evaluations.count += 1
+def _rms_tangent_gradient(field: ETField, x: Tensor, velocity: Tensor | None = None) -> Tensor:
     g = field.model.neuron(x)
+    if velocity is None:
+        field.evaluations.count += 1
+        grad = field.grad_g(g)
+    else:
+        grad = velocity * -field.tau  # dx/dt = -dE/dg / tau
     s, _ = radial_direction(g, field.model.neuron.delta)
-    return tangent_projection(field.grad_g(g), s).square().mean(dim=(-1, -2)).sqrt()
+    return tangent_projection(grad, s).square().mean(dim=(-1, -2)).sqrt()
 
 
-_MEASURES: dict[str, Callable[[ETField, Tensor], Tensor]] = {
+_MEASURES: dict[str, Callable[[ETField, Tensor, Tensor | None], Tensor]] = {
     "dg_dt": _rms_dg_dt,
     "tangent_gradient": _rms_tangent_gradient,
 }
 
 
 def _solve_to_steady_state(recorder: _Recorder, x0: Tensor, grid: Tensor, tol: float, interface: Any,
-                           kwargs: dict[str, Any], measure: Callable[[ETField, Tensor], Tensor],
+                           kwargs: dict[str, Any], measure: Callable[[ETField, Tensor, Tensor | None], Tensor],
                            per_sample: bool) -> tuple[Tensor, Tensor, Status]:
     """Integrate until every sample's ``measure`` is below ``tol``, or to ``grid[-1]``.
 
@@ -442,8 +460,9 @@ def _solve_to_steady_state(recorder: _Recorder, x0: Tensor, grid: Tensor, tol: f
         if not per_sample:
             converged = converged.all().reshape(1)
         if not bool(converged.any()):  # (samples converged at a segment's start stop before integrating)
-            def event_fn(t: Tensor, y: Tensor, segment_field: ETField = segment_field) -> Tensor:
-                values = measure(segment_field, y)
+            def event_fn(t: Tensor, y: Tensor, segment_field: ETField = segment_field,
+                         segment: _Recorder = segment) -> Tensor:
+                values = measure(segment_field, y, segment.last_velocity(y))
                 crossing = torch.log((values.min() if per_sample else values.max()) / tol)
                 return torch.minimum(crossing, (t_end - t).to(crossing.dtype))
 

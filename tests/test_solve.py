@@ -1,5 +1,7 @@
 """solve(): solvers against references, the paper's scheme, steady state, energy descent, failures."""
 
+import importlib
+
 import pytest
 import torch
 from torchdiffeq import odeint
@@ -96,6 +98,23 @@ def test_steady_state_stops_early_below_tolerance_with_finite_difference_gradien
     fd = (loss(torch.tensor(1 + h, dtype=torch.float64)) - loss(torch.tensor(1 - h, dtype=torch.float64))) / (2 * h)
     assert torch.isfinite(grad)
     assert abs(float(grad) - float(fd)) <= 1e-3 * max(abs(float(fd)), 1e-3)
+
+
+@pytest.mark.parametrize("method, measure, tol, per_sample", [
+    ("dopri5", "dg_dt", 1e-3, False), ("bosh3", "dg_dt", 1e-3, True), ("dopri5", "tangent_gradient", 0.1, False)])
+def test_steady_state_test_reuses_the_solvers_evaluation_at_accepted_states(monkeypatch, method, measure, tol,
+                                                                           per_sample):
+    solve_module = importlib.import_module("et_ode.solve")  # the module (et_ode.solve is also the function)
+    _, field, x0 = setup(batch=3)
+    kwargs = dict(method=method, steady_state=tol, steady_state_measure=measure, per_sample=per_sample, save="final")
+    reused = solve(field, x0, (0.0, 1e3), **kwargs)
+    monkeypatch.setattr(solve_module._Recorder, "last_velocity", lambda self, x: None)  # every test evaluates anew
+    fresh = solve(field, x0, (0.0, 1e3), **kwargs)
+    assert reused.status is fresh.status is Status.STEADY_STATE
+    torch.testing.assert_close(reused.stats.stop_times, fresh.stats.stop_times, rtol=0, atol=0)
+    torch.testing.assert_close(reused.x, fresh.x, rtol=0, atol=0)  # the same decisions, bit for bit
+    # at least one evaluation saved per accepted step (dopri5 and bosh3 end each step with the field there)
+    assert fresh.stats.nfe_forward - reused.stats.nfe_forward >= reused.stats.accepted_steps > 10
 
 
 def test_steady_state_saves_grid_up_to_the_stop():

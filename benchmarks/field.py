@@ -16,7 +16,7 @@ ImageNet size with batch 4 and 1.
 
     python benchmarks/field.py                # default, about 2-3 minutes on 2 cores
     python benchmarks/field.py --reps 30      # steadier medians
-    python benchmarks/field.py --threads 1    # one thread for torch and XLA: steadier on a shared machine
+    python benchmarks/field.py --threads 1    # torch and XLA pinned to one core: steadier on a shared machine
     OMP_WAIT_POLICY=PASSIVE python benchmarks/field.py   # several threads on a shared machine (see below)
 
 On a machine shared with other jobs, torch's OpenMP threads spin at every barrier and lose their time slices to
@@ -221,7 +221,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reps", type=int, default=7, help="timed repetitions per candidate (median reported)")
     parser.add_argument("--no-jax", action="store_true", help="skip the JAX column even if jax is installed")
-    parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch and XLA (default: theirs)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="pin torch and XLA to this many cores (default: all, each library's own threads)")
     parser.add_argument("--compile", action="store_true",
                         help="add a torch.compile'd reference field (compiling takes minutes)")
     parser.add_argument("--sizes", default="digits,mnist,imagenet4,imagenet1",

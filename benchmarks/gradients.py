@@ -125,7 +125,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--reps", type=int, default=3, help="training steps timed per configuration (median)")
     parser.add_argument("--implicit-iter", type=int, default=100, help="max conjugate-gradient iterations")
-    parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    parser.add_argument("--threads", type=int, default=None, help="pin the process to this many cores (default: all)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker is not None:

@@ -190,7 +190,7 @@ def main() -> None:
     parser.add_argument("--all-methods", action="store_true",
                         help="add adaptive_heun, euler, midpoint, rk4, explicit_adams, implicit_adams (slow)")
     parser.add_argument("--profile-batch", type=int, default=64, help="batch of the 28x28 dopri5 profile (0: skip)")
-    parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    parser.add_argument("--threads", type=int, default=None, help="pin the process to this many cores (default: all)")
     parser.add_argument("--no-jax", action="store_true", help="skip the comparison with the JAX Euler loop")
     parser.add_argument("--jax-max-steps", type=int, default=200_000, help="step limit of the JAX Euler loop")
     parser.add_argument("--only-jax", action="store_true", help="run only the 28x28 comparison with JAX")

@@ -153,22 +153,24 @@ class _Recorder(nn.Module):
         self.max_steps = max_steps
         self.keep_steps = keep_steps
         self.progress = progress
-        self._last: tuple[Tensor, int, Tensor, int] | None = None
+        self._last: tuple[Tensor, int, bool, Tensor, int] | None = None
 
     def forward(self, t: Tensor, x: Tensor) -> Tensor:
+        return self.velocity(x, t)
+
+    def velocity(self, x: Tensor, t: Tensor | None = None) -> Tensor:
+        """``dx/dt`` at ``x``, shared by the solver and the steady-state test: an evaluation at the very tensor
+        of the latest one (unchanged since, same grad mode) returns that result instead of evaluating again.
+        Runge-Kutta steps end with the field at the state they accept (first-same-as-last: dopri5, bosh3) and
+        the test then reads it; fixed steps start from the state the test has just evaluated."""
+        last = self._last
+        if (last is not None and last[0] is x and last[1] == x._version and last[2] == torch.is_grad_enabled()
+                and last[4] == last[3]._version):
+            return last[3]
         self.progress.sample_evaluations += x.shape[:-2].numel()
         velocity = self.field(t, x)
-        self._last = (x, x._version, velocity, velocity._version)
+        self._last = (x, x._version, torch.is_grad_enabled(), velocity, velocity._version)
         return velocity
-
-    def last_velocity(self, x: Tensor) -> Tensor | None:
-        """``dx/dt`` at ``x`` if the solver's latest evaluation was at this very tensor, unchanged since; else
-        None. Runge-Kutta steps evaluate the field at the state they accept (first-same-as-last: dopri5, bosh3)
-        and at the initial state, so the steady-state test there costs no evaluation of its own."""
-        last = self._last
-        if last is None or last[0] is not x or last[1] != x._version or last[3] != last[2]._version:
-            return None
-        return last[2]
 
     def callback_step(self, t0: Tensor, y0: Tensor, dt: Tensor) -> None:
         progress = self.progress
@@ -456,13 +458,13 @@ def _solve_to_steady_state(recorder: _Recorder, x0: Tensor, grid: Tensor, tol: f
             segment_field = field.with_mask(field.mask[active])
         segment = type(recorder)(segment_field, recorder.max_steps, recorder.keep_steps, recorder.progress)
         with torch.no_grad():
-            converged = measure(segment_field, x) < tol
+            converged = measure(segment_field, x, segment.velocity(x)) < tol
         if not per_sample:
             converged = converged.all().reshape(1)
         if not bool(converged.any()):  # (samples converged at a segment's start stop before integrating)
             def event_fn(t: Tensor, y: Tensor, segment_field: ETField = segment_field,
                          segment: _Recorder = segment) -> Tensor:
-                values = measure(segment_field, y, segment.last_velocity(y))
+                values = measure(segment_field, y, segment.velocity(y))
                 crossing = torch.log((values.min() if per_sample else values.max()) / tol)
                 return torch.minimum(crossing, (t_end - t).to(crossing.dtype))
 

@@ -76,16 +76,22 @@ def expand_grid(grid: Mapping[str, Sequence[Any]] | None, config: TrainConfig) -
     """
     if not grid:
         return [{}]
-    model_options = set(inspect.signature(GraphET).parameters) - {"in_features", "classes", "readout"}
-    train_options = set(config.to_dict()) - {"seed", "out_dir", "resume", "device", "progress"}
+    defaults = {name: p.default for name, p in inspect.signature(GraphET).parameters.items()
+                if name not in ("in_features", "classes", "readout")}
+    defaults.update({name: value for name, value in config.to_dict().items()
+                     if name not in ("seed", "out_dir", "resume", "device", "progress")})
     for key, values in grid.items():
         if key in DATA_OPTIONS:
             raise ValueError(f"grid option {key!r} changes the data encoding; set it for the whole run instead")
-        if key not in model_options | train_options:
+        if key not in defaults:
             raise ValueError(f"grid option {key!r} is neither a GraphET argument nor a TrainConfig field; choose from "
-                             f"{sorted(model_options | train_options)}")
+                             f"{sorted(defaults)}")
         if not isinstance(values, Sequence) or isinstance(values, str) or not values:
             raise ValueError(f"grid option {key!r} needs a non-empty list of values, got {values!r}")
+        numeric = isinstance(defaults[key], (int, float)) and not isinstance(defaults[key], bool)
+        for value in values:
+            if numeric and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise ValueError(f"grid option {key!r} takes numbers (default {defaults[key]!r}), got {value!r}")
     return [dict(zip(grid, values, strict=True)) for values in itertools.product(*grid.values())]
 
 

@@ -102,6 +102,8 @@ def test_grid_options_are_parsed_and_checked():
         expand_grid({"layers": [1, 2]}, config)
     with pytest.raises(ValueError, match="non-empty list"):
         expand_grid({"lr": []}, config)
+    with pytest.raises(ValueError, match="'lr' takes numbers .* got 'fast'"):
+        expand_grid(parse_grid(["lr=1e-3,fast"]), config)
 
 
 def auc_by_pairs(scores: np.ndarray, labels: np.ndarray) -> float:

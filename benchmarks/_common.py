@@ -117,7 +117,7 @@ def ms(seconds: float) -> float:
 
 def environment() -> str:
     """One line on the software and threads behind the numbers."""
-    return (f"torch {torch.__version__}, {torch.get_num_threads()} threads on {len(os.sched_getaffinity(0))} cores, oneDNN "
+    return (f"torch {torch.__version__}, {torch.get_num_threads()} threads on {len(_cores())} cores, oneDNN "
             f"{'available' if et_ode.fused.onednn_available() else 'unavailable'}")
 
 
@@ -134,8 +134,16 @@ def set_threads(threads: int | None) -> None:
         return
     if "jax" in sys.modules:
         raise RuntimeError("set_threads must run before jax is imported")
-    cores = sorted(os.sched_getaffinity(0))
+    cores = _cores()
     if threads > len(cores):
         raise ValueError(f"--threads {threads}: this process may run on {len(cores)} cores only")
-    os.sched_setaffinity(0, cores[:threads])
+    if hasattr(os, "sched_setaffinity"):  # Linux; elsewhere only torch's thread count is set
+        os.sched_setaffinity(0, cores[:threads])
     torch.set_num_threads(threads)
+
+
+def _cores() -> list[int]:
+    """The cores this process may run on (all of them where the OS cannot say)."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))

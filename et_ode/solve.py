@@ -476,7 +476,7 @@ def _solve_to_steady_state(recorder: _Recorder, x0: Tensor, grid: Tensor, tol: f
                                        **segment_kwargs)
             t_start, x = t_event.detach(), xs[-1]
             with torch.no_grad():
-                converged = measure(segment_field, x) < tol * (1 + 1e-6)
+                converged = measure(segment_field, x, segment.velocity(x)) < tol * (1 + 1e-6)
             if not per_sample:
                 converged = converged.all().reshape(1)
             if float(t_start) >= float(t_end) * (1 - 1e-12) or not bool(converged.any()):
@@ -493,7 +493,7 @@ def _solve_to_steady_state(recorder: _Recorder, x0: Tensor, grid: Tensor, tol: f
         active, x = active[keep], (x[keep] if per_sample else x)
     x_final = torch.stack(finals) if per_sample else finals[0]
     with torch.no_grad():
-        reached = bool((measure(field, x_final.detach()) < tol * (1 + 1e-6)).all())
+        reached = bool((measure(field, x_final, recorder.velocity(x_final)) < tol * (1 + 1e-6)).all())
     status = Status.STEADY_STATE if reached and float(stop_times.max()) < float(t_end) else Status.REACHED_END
     return x_final, stop_times, status
 

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from .models.graph import GraphET
+from .models.graph import POOLS, GraphET
 from .train import TrainConfig, fit, move_to, resolve_device, seed_everything
 
 
@@ -418,7 +418,7 @@ def add_graph_train_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--t1", type=float, default=1.0, help="horizon of other methods")
     model.add_argument("--dropout", type=float, default=0.0)
     model.add_argument("--head-hidden", type=int, default=0, help="hidden width of the read-out (0: linear)")
-    model.add_argument("--pool", choices=("cls", "cls+mean", "cls+sum"), default="cls",
+    model.add_argument("--pool", choices=POOLS, default="cls",
                        help="classify: read out the CLS token, or it with the mean or sum of the node states")
     train = parser.add_argument_group("training")
     train.add_argument("--epochs", type=int, default=None, help="default: 100 (classify), 300 (anomaly)")

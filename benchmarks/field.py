@@ -58,6 +58,20 @@ ALPHA = 0.1
 STATISTIC = "min"  # set by --stat
 
 
+def jax_layer_norm(model: et_ode.EnergyTransformer) -> Callable[[object], object]:
+    """``x -> g = LayerNorm(x)`` of the model's neuron in jax.numpy (SPEC section 1); needs jax."""
+    import jax.numpy as jnp
+
+    delta = jnp.asarray(model.neuron.delta.detach().numpy())
+    gamma, eps = float(model.neuron.gamma.detach()), model.neuron.eps
+
+    def layer_norm(x):
+        xt = x - x.mean(axis=-1, keepdims=True)
+        return gamma * xt / jnp.sqrt((xt ** 2).mean(axis=-1, keepdims=True) + eps) + delta
+
+    return layer_norm
+
+
 def jax_field(model: et_ode.EnergyTransformer) -> Callable[[object], object] | None:
     """``x -> -dE/dg(LayerNorm(x))`` compiled by XLA, from SPEC sections 1-4; None without jax."""
     try:
@@ -67,8 +81,7 @@ def jax_field(model: et_ode.EnergyTransformer) -> Callable[[object], object] | N
         return None
     wk, wq = (jnp.asarray(w.detach().numpy()) for w in (model.attention.WK, model.attention.WQ))
     xi = jnp.asarray(model.hopfield.xi.detach().numpy())
-    delta = jnp.asarray(model.neuron.delta.detach().numpy())
-    gamma, eps = float(model.neuron.gamma.detach()), model.neuron.eps
+    layer_norm = jax_layer_norm(model)
     beta = float(model.attention.beta[0])
     self_attention = model.attention.self_attention
 
@@ -86,9 +99,7 @@ def jax_field(model: et_ode.EnergyTransformer) -> Callable[[object], object] | N
     grad_energy = jax.grad(energy)
 
     def field(x):
-        xt = x - x.mean(axis=-1, keepdims=True)
-        g = gamma * xt / jnp.sqrt((xt ** 2).mean(axis=-1, keepdims=True) + eps) + delta
-        return -grad_energy(g)
+        return -grad_energy(layer_norm(x))
 
     return jax.jit(field)
 

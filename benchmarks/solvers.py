@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import DIGITS, MNIST, Size, environment, initial_state, make_model, set_threads, table  # noqa: E402
+from field import ALPHA, jax_field, jax_layer_norm  # noqa: E402
 
 import et_ode  # noqa: E402
 
@@ -50,8 +51,8 @@ def run_method(model: et_ode.EnergyTransformer, x0: torch.Tensor, method: str, t
     field = et_ode.ETField(model)
     kwargs: dict[str, object] = dict(steady_state=tol, save="final", max_steps=max_steps)
     if method == "et":
-        kwargs.update(step=0.1, steps=int(t_end / 0.1))
-        label = "et (paper: Euler, alpha=0.1)"
+        kwargs.update(step=ALPHA, steps=int(t_end / ALPHA))
+        label = f"et (paper: Euler, alpha={ALPHA})"
     elif method in ADAPTIVE:
         kwargs.update(t=(0.0, t_end), rtol=rtol, atol=atol)
         label = f"{method} (rtol={rtol:g}, atol={atol:g})"
@@ -82,6 +83,12 @@ def method_table(size: Size, methods: list[str], args: argparse.Namespace) -> st
                  f"K={size.k}), batch {size.batch}, float32, hopfield={args.hopfield}")
 
 
+def _steady_state_kwargs(args: argparse.Namespace) -> dict[str, object]:
+    """``solve`` options of an adaptive solve to the command line's steady-state criterion."""
+    return dict(t=(0.0, args.t_end), rtol=args.rtol, atol=args.atol, steady_state=args.tol, save="final",
+                max_steps=args.max_steps)
+
+
 def profile_dopri5(size: Size, args: argparse.Namespace) -> str:
     """Fraction of a dopri5 solve's wall time spent in the field, and the profiler's op table."""
     model = make_model(size, hopfield=args.hopfield)
@@ -90,8 +97,7 @@ def profile_dopri5(size: Size, args: argparse.Namespace) -> str:
     with torch.no_grad():  # warm-up (GEMM back-end choice, allocator)
         field(torch.zeros(()), x0)
     field.seconds = 0.0
-    kwargs = dict(t=(0.0, args.t_end), rtol=args.rtol, atol=args.atol, steady_state=args.tol, save="final",
-                  max_steps=args.max_steps)
+    kwargs = _steady_state_kwargs(args)
     with torch.no_grad():
         start = time.perf_counter()
         solution = et_ode.solve(field, x0, method="dopri5", **kwargs)
@@ -112,22 +118,15 @@ def profile_dopri5(size: Size, args: argparse.Namespace) -> str:
 
 def jax_euler_to_steady_state(model: et_ode.EnergyTransformer, x0: torch.Tensor, tol: float,
                               max_steps: int) -> tuple[int, float, float] | None:
-    """Euler steps ``x += 0.1 dx/dt`` in one jit-compiled ``lax.while_loop`` until the max over samples of RMS
+    """Euler steps ``x += ALPHA dx/dt`` in one jit-compiled ``lax.while_loop`` until the max over samples of RMS
     ``dg/dt`` is below ``tol``: (steps, wall seconds without compilation, final max RMS); None without jax."""
-    from field import ALPHA, jax_field
-
     field = jax_field(model)
     if field is None:
         return None
     import jax
     import jax.numpy as jnp
 
-    gamma, eps = float(model.neuron.gamma.detach()), model.neuron.eps
-    delta = jnp.asarray(model.neuron.delta.detach().numpy())
-
-    def layer_norm(x):
-        xt = x - x.mean(axis=-1, keepdims=True)
-        return gamma * xt / jnp.sqrt((xt ** 2).mean(axis=-1, keepdims=True) + eps) + delta
+    layer_norm = jax_layer_norm(model)
 
     def measure(x, v):  # max over samples of RMS dg/dt, dg/dt = d LayerNorm(x) [v]
         dg = jax.jvp(layer_norm, (x,), (v,))[1]
@@ -157,8 +156,7 @@ def versus_jax(size: Size, args: argparse.Namespace) -> str:
     model = make_model(size, hopfield="relu")
     x0 = initial_state(size)
     field = et_ode.ETField(model)
-    kwargs = dict(t=(0.0, args.t_end), rtol=args.rtol, atol=args.atol, steady_state=args.tol, save="final",
-                  max_steps=args.max_steps)
+    kwargs = _steady_state_kwargs(args)
     with torch.no_grad():
         et_ode.solve(field, x0, method="dopri5", **{**kwargs, "t": (0.0, 1.0)})  # warm-up
         start = time.perf_counter()
@@ -170,7 +168,7 @@ def versus_jax(size: Size, args: argparse.Namespace) -> str:
     if jax_result is not None:
         steps, seconds, rms = jax_result
         reached = "" if rms < args.tol else f" (stopped at the limit {args.jax_max_steps}: a lower bound)"
-        rows.append([f"JAX Euler, alpha={0.1}, lax.while_loop{reached}", steps, steps * 0.1, f"{rms:.2e}", seconds,
+        rows.append([f"JAX Euler, alpha={ALPHA}, lax.while_loop{reached}", steps, steps * ALPHA, f"{rms:.2e}", seconds,
                      seconds / ours])
     return table(["solver", "NFE / steps", "t stop", "max RMS dg/dt", "wall s", "JAX time / this"], rows,
                  f"To max RMS |dg/dt| < {args.tol:g}: {size.name}, batch {size.batch}, hopfield=relu, float32")
@@ -202,9 +200,9 @@ def main() -> None:
     if not args.only_jax:
         print(f"method table: {size.name}, batch {size.batch}", flush=True)
         print(method_table(size, methods, args))
-    if args.profile_batch > 0 and not args.only_jax:
-        print(f"profiling dopri5: {MNIST.name}, batch {args.profile_batch}", flush=True)
-        print(profile_dopri5(MNIST.with_batch(args.profile_batch), args))
+        if args.profile_batch > 0:
+            print(f"profiling dopri5: {MNIST.name}, batch {args.profile_batch}", flush=True)
+            print(profile_dopri5(MNIST.with_batch(args.profile_batch), args))
     if args.profile_batch > 0 and not args.no_jax:
         print(f"dopri5 against the JAX Euler loop: {MNIST.name}, batch {args.profile_batch}", flush=True)
         print(versus_jax(MNIST.with_batch(args.profile_batch), args))

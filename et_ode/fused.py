@@ -58,8 +58,34 @@ def _onednn_linear(x: Tensor, weight: Tensor) -> Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
 
 
+_ONEDNN_PROBES: dict[torch.dtype, bool] = {}
+
+
 def supports_onednn(dtype: torch.dtype, device: torch.device) -> bool:
-    return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and onednn_available()
+    """Whether oneDNN can pack and multiply a weight of ``dtype`` on this CPU.
+
+    Asked of the library, not assumed from the dtype: a tiny pack-and-multiply is tried once per dtype and
+    the answer remembered. PyTorch's oneDNN refuses bfloat16 packing on CPUs without AVX-512 (BW, VL, DQ) or
+    AVX-NE-CONVERT, and the answer differs between machines of the same kind; where it refuses, the field
+    uses ``torch.matmul`` for that dtype (slower on such hardware, never wrong). float64 is never packed.
+    """
+    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False
+    if dtype not in _ONEDNN_PROBES:
+        _ONEDNN_PROBES[dtype] = onednn_available() and _probe_onednn(dtype)
+    return _ONEDNN_PROBES[dtype]
+
+
+def _probe_onednn(dtype: torch.dtype) -> bool:
+    """Pack a small weight and multiply by it; False where oneDNN refuses this dtype on this CPU."""
+    weight = torch.arange(48, dtype=torch.float32).reshape(6, 8).div_(48).to(dtype)
+    x = torch.ones(4, 8, dtype=dtype)
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, x.shape[0])
+        out = _onednn_linear(x, packed)
+    except (RuntimeError, NotImplementedError):
+        return False
+    return out.shape == (4, 6) and bool(torch.allclose(out.float(), x.float() @ weight.float().T, rtol=2e-2, atol=2e-2))
 
 
 _GEMM_CHOICE: dict[tuple[Any, ...], str] = {}

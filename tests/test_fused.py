@@ -7,6 +7,7 @@ import torch
 from torchdiffeq import odeint_adjoint
 
 from et_ode import ETField
+from et_ode import fused as fused_module
 from et_ode.fused import FusedGrad, choose_gemm, onednn_available
 from et_ode.manifold import riemannian_hessian
 from tests.conftest import random_model
@@ -177,7 +178,7 @@ def test_riemannian_hessian_through_the_fused_backward():
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2), (torch.float16, 5e-3)])
 def test_low_precision_matches_float64_reference(device, dtype, tol):
     model = random_model(dim=64, heads=4, head_dim=16, memories=256)
     mask = _mask("batched", 12)
@@ -192,6 +193,32 @@ def test_low_precision_matches_float64_reference(device, dtype, tol):
     x64 = x.clone().requires_grad_(True)
     (expected,) = torch.autograd.grad(ETField(model, mask=mask, backend="reference")(0.0, x64).square().sum(), x64)
     assert _relative(grad_x.double().cpu(), expected) < 10 * tol
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2), (torch.float16, 5e-3)])
+def test_field_falls_back_to_matmul_where_onednn_refuses_the_dtype(monkeypatch, dtype, tol):
+    """An AVX2-only CPU: oneDNN refuses to pack bfloat16 weights (a RuntimeError in PyTorch). The probe must
+    catch that once, and the field must then use torch.matmul and still match the float64 reference."""
+    def refuse(*args, **kwargs):
+        raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx_ne_convert or "
+                           "avx512bw, avx512vl and avx512dq")
+
+    monkeypatch.setattr(fused_module, "_ONEDNN_PROBES", {})
+    monkeypatch.setattr(fused_module, "_GEMM_CHOICE", {})
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", refuse, raising=False)
+    assert not fused_module.supports_onednn(dtype, torch.device("cpu"))
+    assert choose_gemm(64, 64, 576, dtype, torch.device("cpu")) == "matmul"
+    model = random_model(dim=64, heads=4, head_dim=16, memories=256)
+    mask = _mask("batched", 12)
+    x = torch.randn(3, 12, 64, dtype=torch.float64)
+    exact = ETField(model, mask=mask, backend="reference")(0.0, x)
+    for gemm in ("auto", "onednn"):  # an explicit request for oneDNN falls back too
+        field = ETField(copy.deepcopy(model).to(dtype), mask=mask, backend="fused")
+        field.fused.gemm = gemm
+        assert _relative(field(0.0, x.to(dtype)).double(), exact) < tol
+        xg = x.to(dtype).requires_grad_(True)
+        (grad_x,) = torch.autograd.grad(field(0.0, xg).float().square().sum(), xg)
+        assert torch.isfinite(grad_x).all()
 
 
 def test_backward_uses_the_weights_of_its_forward_pass():

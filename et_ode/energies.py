@@ -8,7 +8,7 @@ where query token ``C`` may attend to key token ``B``.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -17,9 +17,10 @@ from .graph_attention import GraphMask, graph_attention_weights, graph_energy, g
 
 
 def _per_head(value: float | Sequence[float] | Tensor | None, heads: int, default: float, name: str) -> Tensor:
-    """A positive value per head as a float tensor of shape ``(H,)``."""
-    beta = torch.full((heads,), default) if value is None else torch.as_tensor(value, dtype=torch.get_default_dtype())
-    beta = beta.detach().clone().to(torch.get_default_dtype()).reshape(-1)
+    """A positive value per head as a float64 tensor of shape ``(H,)``: Python floats and float64 tensors are
+    held exactly, whatever the default dtype."""
+    given = default if value is None else value
+    beta = torch.as_tensor(given, dtype=torch.float64).detach().clone().cpu().reshape(-1)
     if beta.numel() == 1:
         beta = beta.expand(heads).clone()
     if beta.numel() != heads:
@@ -37,6 +38,9 @@ class EnergyAttention(nn.Module):
     Parameters ``WK``, ``WQ`` have the paper's layout ``(H, Y, D)``. By default a token does not
     attend to itself (``B != C``); ``self_attention=True`` includes the diagonal, as the official
     code releases do. A query token with no allowed key contributes nothing.
+
+    ``beta`` (shape ``(H,)``) is a constant, not a weight: it stays float64 whatever dtype the module is
+    moved to, so a float64 model holds ``1/sqrt(Y)`` exactly; it is rounded to the computation's dtype where used.
     """
 
     def __init__(
@@ -48,6 +52,8 @@ class EnergyAttention(nn.Module):
         beta: float | Sequence[float] | Tensor | None = None,
         self_attention: bool = False,
         init_std: float | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
     ):
         super().__init__()
         for name, value in (("dim", dim), ("heads", heads), ("head_dim", head_dim)):
@@ -56,9 +62,16 @@ class EnergyAttention(nn.Module):
         self.dim, self.heads, self.head_dim = dim, heads, head_dim
         self.self_attention = self_attention
         std = init_std if init_std is not None else 1.0 / math.sqrt(dim)
-        self.WK = nn.Parameter(torch.randn(heads, head_dim, dim) * std)
-        self.WQ = nn.Parameter(torch.randn(heads, head_dim, dim) * std)
-        self.register_buffer("beta", _per_head(beta, heads, 1.0 / math.sqrt(head_dim), "beta"))
+        self.WK = nn.Parameter(torch.randn(heads, head_dim, dim, dtype=dtype, device=device) * std)
+        self.WQ = nn.Parameter(torch.randn(heads, head_dim, dim, dtype=dtype, device=device) * std)
+        self.register_buffer("beta", _per_head(beta, heads, 1.0 / math.sqrt(head_dim), "beta").to(self.WK.device))
+
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> EnergyAttention:
+        """Moves and casts like any module, except that ``beta`` keeps its float64 values (see the class doc)."""
+        beta = self.beta
+        super()._apply(fn, recurse)
+        self.beta = beta.to(self.beta.device)
+        return self
 
     def _keys_queries(self, g: Tensor) -> tuple[Tensor, Tensor]:
         """Keys and queries, each ``(..., H, N, Y)``, from one fused product with ``[WK; WQ]``."""
@@ -144,7 +157,8 @@ class HopfieldMemory(nn.Module):
     """
 
     def __init__(self, dim: int, memories: int, *, form: str = "relu", beta: float | None = None,
-                 init_std: float | None = None):
+                 init_std: float | None = None, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None):
         super().__init__()
         if form not in HOPFIELD_FORMS:
             raise ValueError(f"hopfield form must be one of {HOPFIELD_FORMS}, got {form!r}")
@@ -156,7 +170,7 @@ class HopfieldMemory(nn.Module):
             raise ValueError(f"beta_hn must be positive and finite, got {beta!r}")
         self.dim, self.memories, self.form, self.beta = dim, memories, form, beta
         std = init_std if init_std is not None else 1.0 / math.sqrt(dim)
-        self.xi = nn.Parameter(torch.randn(memories, dim) * std)
+        self.xi = nn.Parameter(torch.randn(memories, dim, dtype=dtype, device=device) * std)
 
     def energy(self, g: Tensor) -> Tensor:
         """``E_HN`` per sample: ``(..., N, D) -> (...)``."""

@@ -25,6 +25,9 @@ class EnergyTransformer(nn.Module):
         beta_hn: the Hopfield module's inverse temperature (softmax and softplus forms).
         self_attention: include ``B = C`` in the attention sum (the official code releases do).
         eps: the LayerNorm regularizer.
+        positive_gamma: keep the LayerNorm scale positive by construction (see :class:`LayerNormNeuron`).
+        dtype, device: of the parameters, as in PyTorch's modules. Constants are exact in every dtype: ``eps``
+            and ``beta_hn`` are Python floats and ``beta`` is held in float64 (so ``.double()`` loses nothing).
 
     Shapes: ``x`` and ``g`` are ``(..., N, D)``; energies are per sample, shape ``(...)``;
     ``mask`` is a boolean ``(N, N)`` or ``(*batch, N, N)``, True where query ``C`` may attend to key ``B``.
@@ -43,12 +46,15 @@ class EnergyTransformer(nn.Module):
         self_attention: bool = False,
         eps: float = 1e-5,
         positive_gamma: bool = True,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
     ):
         super().__init__()
         self.dim = dim
-        self.neuron = LayerNormNeuron(dim, eps=eps, positive_gamma=positive_gamma)
-        self.attention = EnergyAttention(dim, heads, head_dim, beta=beta, self_attention=self_attention)
-        self.hopfield = HopfieldMemory(dim, memories, form=hopfield, beta=beta_hn)
+        factory = dict(dtype=dtype, device=device)
+        self.neuron = LayerNormNeuron(dim, eps=eps, positive_gamma=positive_gamma, **factory)
+        self.attention = EnergyAttention(dim, heads, head_dim, beta=beta, self_attention=self_attention, **factory)
+        self.hopfield = HopfieldMemory(dim, memories, form=hopfield, beta=beta_hn, **factory)
 
     @classmethod
     def from_tensors(
@@ -84,8 +90,7 @@ class EnergyTransformer(nn.Module):
         if not gamma_value > 0:
             raise ValueError(f"gamma must be positive, got {gamma_value}")
         model = cls(dim, heads, head_dim, xi.shape[0], hopfield=hopfield, beta=beta, beta_hn=beta_hn,
-                    self_attention=self_attention, eps=eps)
-        model = model.to(dtype=WK.dtype, device=WK.device)
+                    self_attention=self_attention, eps=eps, dtype=WK.dtype, device=WK.device)
         with torch.no_grad():
             model.attention.WK.copy_(WK)
             model.attention.WQ.copy_(WQ)

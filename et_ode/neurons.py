@@ -33,9 +33,13 @@ class LayerNormNeuron(nn.Module):
         positive_gamma: keep ``gamma`` positive by construction (the default). ``False`` stores
             ``gamma`` as a free parameter that may take any sign; this exists to study what goes
             wrong without the guarantee (the Lyapunov checks flag it), not for training.
+        dtype, device: of the parameters (PyTorch's factory arguments). ``gamma_raw`` is created in ``dtype``
+            directly, so a model built in float64 holds ``softplus^-1(gamma)`` to float64 precision; ``eps`` is a
+            Python float, exact in every dtype.
     """
 
-    def __init__(self, dim: int, *, gamma: float = 1.0, eps: float = 1e-5, positive_gamma: bool = True):
+    def __init__(self, dim: int, *, gamma: float = 1.0, eps: float = 1e-5, positive_gamma: bool = True,
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None):
         super().__init__()
         if not isinstance(dim, int) or dim < 2:
             raise ValueError(f"dim must be an integer >= 2, got {dim!r}")
@@ -47,8 +51,8 @@ class LayerNormNeuron(nn.Module):
         self.eps = float(eps)
         self.positive_gamma = positive_gamma
         raw = inverse_softplus(gamma) if positive_gamma else gamma
-        self.gamma_raw = nn.Parameter(torch.tensor(float(raw)))
-        self.delta = nn.Parameter(torch.zeros(dim))
+        self.gamma_raw = nn.Parameter(torch.tensor(float(raw), dtype=dtype, device=device))
+        self.delta = nn.Parameter(torch.zeros(dim, dtype=dtype, device=device))
 
     @property
     def gamma(self) -> Tensor:

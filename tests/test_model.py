@@ -1,5 +1,7 @@
 """The EnergyTransformer's constructors, loading of external weights, and input validation."""
 
+import math
+
 import pytest
 import torch
 
@@ -85,3 +87,46 @@ def test_load_reports_missing_and_corrupt_files(tmp_path):
     path.write_bytes(path.read_bytes()[:200])
     with pytest.raises(ValueError, match="truncated or corrupt"):
         load_model(path)
+
+
+def _reference_energy(g: torch.Tensor, model: EnergyTransformer, beta: float, beta_hn: float) -> torch.Tensor:
+    """SPEC sections 2-3 in plain torch, with the constants given as Python floats (float64-exact)."""
+    wk, wq, xi = (t.detach() for t in (model.attention.WK, model.attention.WQ, model.hopfield.xi))
+    keys = torch.einsum("hyd,...bd->...hby", wk, g)
+    queries = torch.einsum("hyd,...cd->...hcy", wq, g)
+    scores = beta * torch.einsum("...hby,...hcy->...hbc", keys, queries)
+    n = g.shape[-2]
+    scores = scores.masked_fill(torch.eye(n, dtype=torch.bool), -math.inf)  # B != C
+    attention = -(torch.logsumexp(scores, dim=-2) / beta).sum(dim=(-1, -2))
+    hopfield = -(torch.logsumexp(beta_hn * g @ xi.T, dim=-1) / beta_hn).sum(dim=-1)
+    return attention + hopfield
+
+
+@pytest.mark.parametrize("build", ["double", "dtype", "from_tensors"])
+def test_float64_models_hold_float64_constants_exactly(build):
+    """beta = 1/sqrt(8) is not a float32 number: a float64 model must hold it (and beta_hn, eps) exactly, so that
+    its energy and gradient equal a float64 computation to 1e-12, not to the 1e-8 of float32-rounded constants."""
+    beta, beta_hn, eps = 1 / math.sqrt(8), 0.7, 1e-5
+    options = dict(hopfield="softmax", beta_hn=beta_hn, eps=eps)
+    torch.manual_seed(0)
+    if build == "double":
+        model = EnergyTransformer(16, 2, 8, 32, **options).double()
+    elif build == "dtype":
+        model = EnergyTransformer(16, 2, 8, 32, **options, dtype=torch.float64)
+    else:
+        w = torch.randn(3, 2, 8, 16, dtype=torch.float64) / 4
+        model = EnergyTransformer.from_tensors(w[0], w[1], torch.randn(32, 16, dtype=torch.float64) / 4, 0.9,
+                                               torch.zeros(16, dtype=torch.float64), beta=beta, **options)
+    assert model.attention.beta.dtype == torch.float64
+    assert model.attention.beta.tolist() == [beta, beta]
+    assert model.hopfield.beta == beta_hn and model.neuron.eps == eps
+    g = model.neuron(torch.randn(3, 7, 16, dtype=torch.float64)).detach().requires_grad_(True)
+    expected = _reference_energy(g, model, beta, beta_hn)
+    (expected_grad,) = torch.autograd.grad(expected.sum(), g)
+    with torch.no_grad():
+        energy, grad = model.energy_g(g), model.grad_g(g)
+        field = ETField(model, tau=2.0)  # the default (fused) field: -tau * f = dE/dg
+        fused_grad = field.fused(g, None)
+    torch.testing.assert_close(energy, expected.detach(), rtol=1e-12, atol=0)
+    torch.testing.assert_close(grad, expected_grad, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(fused_grad, expected_grad, rtol=1e-12, atol=1e-14)

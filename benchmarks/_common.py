@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 import et_ode
+import et_ode.runtime
 
 
 @dataclass(frozen=True)
@@ -117,8 +118,8 @@ def ms(seconds: float) -> float:
 
 def environment() -> str:
     """One line on the software and threads behind the numbers."""
-    return (f"torch {torch.__version__}, {torch.get_num_threads()} threads on {len(_cores())} cores, oneDNN "
-            f"{'available' if et_ode.fused.onednn_available() else 'unavailable'}")
+    return (f"{et_ode.runtime.cpu_description()}; torch {torch.__version__}, {torch.get_num_threads()} threads on "
+            f"{len(_cores())} cores, oneDNN {'available' if et_ode.fused.onednn_available() else 'unavailable'}")
 
 
 def set_threads(threads: int | None) -> None:

@@ -697,6 +697,11 @@ def _run_complete_official(args: argparse.Namespace) -> None:
 
     if args.checkpoint is not None or args.index is not None:
         raise ValueError("--official completes photos (--image); it takes no CHECKPOINT or --index")
+    trained_only = [flag for flag, value in (("--mask-ratio", args.mask_ratio), ("--t1", args.t1),
+                                             ("--solver", args.solver)) if value is not None]
+    if trained_only:
+        raise ValueError(f"{', '.join(trained_only)} apply to trained checkpoints; with --official use --masked, "
+                         f"--steady-state, --t-max, --rtol, --atol (the three solves are fixed)")
     try:
         summary = complete_photos(args.official, args.image, args.out, image_shape=tuple(args.image_shape),
                                   patch=args.patch, masked=args.masked, seed=args.seed,

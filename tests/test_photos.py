@@ -111,6 +111,9 @@ def test_complete_official_argument_errors(checkpoint, tmp_path, capsys):
     assert "= (768, 48) for image_shape (3, 224, 224) and patch 16, found (192, 48)" in capsys.readouterr().err
     assert main(["complete", "--image", str(photo), "--out", str(tmp_path / "o")]) == 2
     assert "CHECKPOINT" in capsys.readouterr().err
+    assert main([*base, "--t1", "3"]) == 2
+    assert "--t1 apply to trained checkpoints" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
 
 
 def test_analyze_official_takes_the_tokens_of_photos(checkpoint, tmp_path):

@@ -1,20 +1,16 @@
 """The official release's checkpoint format and image pipeline (bhoov/energy-transformer-jax).
 
-The release ships its pretrained ImageNet Energy Transformer as a plain-dict ``.npz`` file (float32 arrays):
+The release ships its pretrained ImageNet Energy Transformer as a plain-dict ``.npz`` file (float32 arrays)::
 
-=================  ===================  ==========================================================================
-key                shape                meaning
-=================  ===================  ==========================================================================
-``Wk``, ``Wq``     ``(H, Y, D)``        key and query weights (our :class:`et_ode.EnergyTransformer` layout)
-``Xi``             ``(D, M)``           the Hopfield memories, **transposed** with respect to our ``(K, D)``
-``Wenc``, ``Benc`` ``(C P P, D), (D,)`` patch encoder ``tokens = patches @ Wenc + Benc`` (patch flattened (c, h, w))
-``Wdec``, ``Bdec`` ``(D, C P P), (CPP,)`` decoder
-``LNORM_gamma``    ``()``               the energy LayerNorm's scalar gamma (eps is 1e-5)
-``LNORM_bias``     ``(D,)``             its bias delta
-``CLS_token``      ``(D,)``             token 0
-``MASK_token``     ``(D,)``             replaces every masked patch token
-``POS_embed``      ``(1 + N, D)``       added to every token after masking, CLS included
-=================  ===================  ==========================================================================
+    Wk, Wq        (H, Y, D)              key and query weights (our EnergyTransformer layout)
+    Xi            (D, M)                 the Hopfield memories, TRANSPOSED with respect to our (K, D)
+    Wenc, Benc    (C P P, D), (D,)       patch encoder: tokens = patches @ Wenc + Benc (a patch flattened (c, h, w))
+    Wdec, Bdec    (D, C P P), (C P P,)   decoder
+    LNORM_gamma   ()                     the energy LayerNorm's scalar gamma (its eps is 1e-5)
+    LNORM_bias    (D,)                   its bias delta
+    CLS_token     (D,)                   token 0
+    MASK_token    (D,)                   replaces the token of every masked patch
+    POS_embed     (1 + N, D)             added to every token after masking, CLS included
 
 The official pipeline on images ``(B, C, H, W)`` (normalized photos) and masks ``(B, N)``: patchify (row-major
 patches), encode, replace the masked tokens by ``MASK_token``, put ``CLS_token`` in front, add ``POS_embed``; 12

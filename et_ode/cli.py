@@ -6,7 +6,9 @@ Subcommands::
                        [model, mask, solver and training options] --out DIR [--resume]
     et-ode train graph (classify|anomaly) ...   (et_ode.tasks_graph's options)
     et-ode complete CHECKPOINT (--image FILE.png | --index I) --out DIR
+    et-ode complete --official CKPT.npz --image A.png [--image B.png ...] --out DIR   (et_ode.photos)
     et-ode analyze ...        (options from et_ode.analysis.report.add_analyze_arguments)
+    et-ode analyze --official CKPT.npz --image A.png [...] --out DIR   (the report on the tokens of photos)
     et-ode demo [--out runs/demo]
 
 ``train`` takes the task as a sub-subcommand: ``et-ode train image ...``. Another task adds itself by putting
@@ -629,15 +631,27 @@ TRAIN_TASKS: dict[str, Callable[[argparse._SubParsersAction], None]] = {"image":
 
 def _add_complete(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
-        "complete", help="complete a masked image with a trained model; film strip and energy curve",
+        "complete", help="complete a masked image with a trained model (or photos with the official checkpoint)",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description="Hide random patches of one image, run the trained ET from the MASK tokens to the horizon, and "
                     "write OUT/film.pt (frames over time, target, masked input), OUT/energy.csv, and, with "
-                    "et_ode.analysis installed, OUT/film_strip.png and OUT/energy.png.")
-    parser.add_argument("checkpoint", help="checkpoint.pt written by `et-ode train image`")
+                    "et_ode.analysis installed, OUT/film_strip.png and OUT/energy.png. With --official: complete "
+                    "photos with the official release's checkpoint three ways (its 12 Euler steps, dopri5 to the same "
+                    "time, dopri5 to the steady state) and write OUT/report.md with pictures (et_ode.photos).")
+    parser.add_argument("checkpoint", nargs="?", default=None, help="checkpoint.pt written by `et-ode train image`")
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--image", help="a PNG file of the model's image size")
+    source.add_argument("--image", action="append", help="a PNG file of the model's image size (with --official: "
+                                                         "any RGB photo, resized and cropped; repeat for more)")
     source.add_argument("--index", type=int, help="index of a test image of the run's data set")
+    _add_official_arguments(parser, masks=True)
+    official = parser.add_argument_group("solves of `--official`")
+    official.add_argument("--rtol", type=float, default=1e-5, help="dopri5 rtol")
+    official.add_argument("--atol", type=float, default=1e-7, help="dopri5 atol")
+    official.add_argument("--steady-state", type=float, default=1e-3, metavar="TOL",
+                          help="the steady state: RMS |dg/dt| < TOL")
+    official.add_argument("--t-max", type=float, default=100.0, help="longest time of the steady-state solve")
+    official.add_argument("--overwrite", action="store_true", help="write into a non-empty --out folder")
+    official.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--out", required=True, help="output folder")
     parser.add_argument("--mask-ratio", type=float, default=None, help="fraction of patches hidden (default: the run's)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random mask")
@@ -648,18 +662,93 @@ def _add_complete(commands: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=_run_complete)
 
 
+def _add_official_arguments(parser: argparse.ArgumentParser, masks: bool) -> argparse._ArgumentGroup:
+    group = parser.add_argument_group("the official release's checkpoint (et_ode.models.official)")
+    group.add_argument("--official", type=Path, default=None, metavar="CKPT.npz",
+                       help="an official-format .npz checkpoint (plain dict: Wk, Wq, Xi, Wenc, ...); use --image")
+    group.add_argument("--image-shape", type=int, nargs=3, default=(3, 224, 224), metavar=("C", "H", "W"),
+                       help="the checkpoint's image size")
+    group.add_argument("--patch", type=int, default=16, help="the checkpoint's patch side")
+    group.add_argument("--masked", type=int, default=None,
+                       help="patches hidden per photo (default: 100 of 196, scaled to the number of patches)")
+    if masks:
+        group.add_argument("--dtype", choices=("float32", "float64"), default="float32", help="model precision")
+    else:
+        group.add_argument("--mask-seed", type=int, default=0, help="seed of the masks")
+    return group
+
+
 def _run_complete(args: argparse.Namespace) -> None:
-    summary = complete(args.checkpoint, args.out, image=args.image, index=args.index, frames=args.frames, t1=args.t1,
+    if args.official is not None:
+        _run_complete_official(args)
+        return
+    if args.checkpoint is None:
+        raise ValueError("give a CHECKPOINT (written by `et-ode train image`) or --official CKPT.npz")
+    if args.image is not None and len(args.image) > 1:
+        raise ValueError("a trained CHECKPOINT completes one --image at a time")
+    image = args.image[0] if args.image else None
+    summary = complete(args.checkpoint, args.out, image=image, index=args.index, frames=args.frames, t1=args.t1,
                        method=args.solver, ratio=args.mask_ratio, seed=args.seed, device=args.device)
     print(json.dumps({k: summary[k] for k in ("files", "masked_mse", "monotone")}, indent=2))
+
+
+def _run_complete_official(args: argparse.Namespace) -> None:
+    from .photos import complete_photos
+
+    if args.checkpoint is not None or args.index is not None:
+        raise ValueError("--official completes photos (--image); it takes no CHECKPOINT or --index")
+    trained_only = [flag for flag, value in (("--mask-ratio", args.mask_ratio), ("--t1", args.t1),
+                                             ("--solver", args.solver)) if value is not None]
+    if trained_only:
+        raise ValueError(f"{', '.join(trained_only)} apply to trained checkpoints; with --official use --masked, "
+                         f"--steady-state, --t-max, --rtol, --atol (the three solves are fixed)")
+    try:
+        summary = complete_photos(args.official, args.image, args.out, image_shape=tuple(args.image_shape),
+                                  patch=args.patch, masked=args.masked, seed=args.seed,
+                                  dtype=getattr(torch, args.dtype), rtol=args.rtol, atol=args.atol,
+                                  steady_state=args.steady_state, t_max=args.t_max, device=args.device,
+                                  overwrite=args.overwrite, progress=not args.no_progress)
+    except FileExistsError as error:
+        raise ValueError(str(error)) from None
+    verdicts = {record["photo"]: {name: {k: entry[k] for k in ("t_final", "masked_mse", "lyapunov_descends",
+                                                                "lyapunov_follows_rate")}
+                                  for name, entry in record["solves"].items()} for record in summary["photos"]}
+    print(json.dumps({"files": summary["files"], "photos": verdicts}, indent=2))
 
 
 def _add_analyze(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser("analyze", help="convergence, Lyapunov and stability report of a trained ET",
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                                  description="Study the attractors of a trained ET block (e.g. OUT/et_block.pt with "
-                                             "the token states OUT/tokens.pt written by `et-ode train`).")
+                                             "the token states OUT/tokens.pt written by `et-ode train`), or "
+                                             "the official release's checkpoint on the tokens of photos "
+                                             "(--official CKPT.npz --image A.png).")
     _wire_lazily(parser, "et-ode analyze", "et_ode.analysis.report", "add_analyze_arguments", "run_analyze")
+    official = _add_official_arguments(parser, masks=False)
+    official.add_argument("--image", action="append", default=None,
+                        help="with --official: an RGB photo whose tokens are the initial states (repeat for more)")
+    run = parser.get_default("run")
+    parser.set_defaults(run=lambda args: run(_official_states(args)))
+
+
+def _official_states(args: argparse.Namespace) -> argparse.Namespace:
+    """With ``--official``: the checkpoint's ET block as ``--model`` and the tokens of the photos as ``--x0``."""
+    if args.official is None:
+        if args.image:
+            raise ValueError("--image needs --official CKPT.npz (the photos' tokens are its initial states)")
+        return args
+    if args.model is not None or args.x0 is not None:
+        raise ValueError("--official replaces --model and --x0; give one or the other")
+    if not args.image:
+        raise ValueError("--official needs at least one --image (the photos whose tokens are analysed)")
+    from .photos import official_tokens
+
+    model, _, images, hidden = official_tokens(args.official, args.image, image_shape=tuple(args.image_shape),
+                                               patch=args.patch, masked=args.masked, seed=args.mask_seed,
+                                               dtype=getattr(torch, args.dtype))
+    with torch.no_grad():
+        states = model.tokens(images, hidden)
+    return argparse.Namespace(**{**vars(args), "model": model.block, "x0": states, "tau": model.tau})
 
 
 def _add_demo(commands: argparse._SubParsersAction) -> None:

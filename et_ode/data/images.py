@@ -241,3 +241,31 @@ def load_images(name: str, path: str | Path | None = None, split: str = "train",
             raise ValueError("png needs path=<folder of .png images>")
         return load_png_folder(path, split=split, **kwargs)
     raise ValueError(f"unknown image source {name!r}; valid: {', '.join(SOURCES)}")
+
+
+def read_photo(path: str | Path, size: tuple[int, int]) -> Tensor:
+    """An RGB photo (PNG, JPEG, ... anything Pillow reads) scaled and center-cropped to ``size = (H, W)``.
+
+    The shorter side is scaled to fit (bicubic), the longer one cropped evenly on both sides. Returns the pixels
+    as a uint8 tensor ``(3, H, W)`` (grey and RGBA photos are converted to RGB).
+    """
+    from PIL import Image, UnidentifiedImageError
+
+    height, width = size
+    if not (isinstance(height, int) and isinstance(width, int) and height >= 1 and width >= 1):
+        raise ValueError(f"size must be (H, W) of positive integers, got {size!r}")
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"image not found: {path.resolve()}")
+    try:
+        with Image.open(path) as opened:
+            photo = opened.convert("RGB")
+    except (UnidentifiedImageError, OSError) as error:
+        raise ValueError(f"cannot read the image {path}: {error}") from None
+    scale = max(height / photo.height, width / photo.width)
+    scaled = (max(width, round(photo.width * scale)), max(height, round(photo.height * scale)))
+    if scaled != photo.size:
+        photo = photo.resize(scaled, Image.Resampling.BICUBIC)
+    left, top = (scaled[0] - width) // 2, (scaled[1] - height) // 2
+    photo = photo.crop((left, top, left + width, top + height))
+    return torch.from_numpy(np.asarray(photo, dtype=np.uint8).copy()).permute(2, 0, 1).contiguous()

@@ -16,11 +16,13 @@ Public API::
                    adjoint_rtol=None, adjoint_atol=None, seminorm=False, steady_state=None, max_steps=2000,
                    options=None)
     ImageET(image_shape, patch, dim, heads, head_dim, memories=None, *, cls_token=False, hopfield="relu",
-            self_attention=False, tau=1.0, solver=SolverSettings())
+            self_attention=False, tau=1.0, solver=SolverSettings(), cls_position=False, renormalize=False)
         .forward(images (B,C,H,W), hidden (B,N), solver=None) -> Completion(patches (B,N,C*P*P), solution)
         .tokens(images, hidden) -> x0 (B, N(+1), D);  .decode(g) -> (B, N, C*P*P)
         .film(images, hidden, times, solver=None, keep_visible=True) -> (frames (T,B,C,H,W), solution)
         .config() -> dict;  ImageET.from_config(dict)
+        ImageET.from_official(path, image_shape=(3, 224, 224), patch=16, dtype=torch.float32);  .to_official(path)
+            (the official release's plain-dict .npz checkpoint: :mod:`et_ode.models.official`)
     patchify(images, patch) -> (B, N, C*P*P);  unpatchify(patches, patch, image_shape) -> (B, C, H, W)
     random_masks(batch, num_patches, ratio, *, visible_fraction=0.0, generator=None, device=None)
         -> (hidden, scored)
@@ -33,6 +35,7 @@ import dataclasses
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -183,11 +186,17 @@ class ImageET(nn.Module):
         hopfield, self_attention: passed to :class:`et_ode.EnergyTransformer`.
         tau: time constant of the dynamics.
         solver: default :class:`SolverSettings`; ``forward(..., solver=...)`` overrides it.
+        cls_position: the positional embedding has a row for the CLS token too, ``(1 + N, D)``, added after the CLS
+            token is put in front (the official release's order); needs ``cls_token``. Default: ``(N, D)``, added to
+            the patch tokens only.
+        renormalize: the decoder reads ``LayerNorm(g)`` instead of ``g`` (the official release applies its energy
+            LayerNorm twice before the decoder: once after the dynamics, once more inside its ``decode``).
     """
 
     def __init__(self, image_shape: Sequence[int], patch: int, dim: int, heads: int, head_dim: int,
                  memories: int | None = None, *, cls_token: bool = False, hopfield: str = "relu",
-                 self_attention: bool = False, tau: float = 1.0, solver: SolverSettings | None = None):
+                 self_attention: bool = False, tau: float = 1.0, solver: SolverSettings | None = None,
+                 cls_position: bool = False, renormalize: bool = False):
         super().__init__()
         if len(image_shape) != 3 or not all(isinstance(s, int) and s >= 1 for s in image_shape):
             raise ValueError(f"image_shape must be (C, H, W) of positive integers, got {tuple(image_shape)}")
@@ -196,6 +205,8 @@ class ImageET(nn.Module):
             raise ValueError(f"patch must be a positive integer dividing H={h} and W={w}, got {patch!r}")
         if not float(tau) > 0:
             raise ValueError(f"tau must be positive, got {tau!r}")
+        if cls_position and not cls_token:
+            raise ValueError("cls_position=True puts a position on the CLS token: it needs cls_token=True")
         self.image_shape = (c, h, w)
         self.patch = patch
         self.num_patches = (h // patch) * (w // patch)
@@ -203,6 +214,8 @@ class ImageET(nn.Module):
         self.dim = dim
         self.tau = float(tau)
         self.solver = solver or SolverSettings()
+        self.cls_position = bool(cls_position)
+        self.renormalize = bool(renormalize)
         self._block_args = dict(heads=heads, head_dim=head_dim, memories=memories or 4 * dim, hopfield=hopfield,
                                 self_attention=self_attention)
         self.block = EnergyTransformer(dim, heads, head_dim, memories or 4 * dim, hopfield=hopfield,
@@ -211,7 +224,7 @@ class ImageET(nn.Module):
         self.decoder = nn.Linear(dim, self.patch_dim)
         # Unit-scale tokens: the LayerNorm's rate gamma/sigma sets the speed of the dynamics, and a tiny token
         # (sigma ~ 0.02) would rotate fifty times faster than the others.
-        self.position = nn.Parameter(torch.randn(self.num_patches, dim) * 0.5)
+        self.position = nn.Parameter(torch.randn(self.num_patches + self.cls_position, dim) * 0.5)
         self.mask_token = nn.Parameter(torch.randn(dim) * 0.5)
         self.cls = nn.Parameter(torch.randn(1, dim) * 0.5) if cls_token else None
 
@@ -222,13 +235,29 @@ class ImageET(nn.Module):
     def config(self) -> dict[str, Any]:
         """Constructor arguments, JSON-friendly: ``ImageET.from_config(model.config())`` rebuilds it."""
         return dict(image_shape=list(self.image_shape), patch=self.patch, dim=self.dim, **self._block_args,
-                    cls_token=self.cls is not None, tau=self.tau, solver=dataclasses.asdict(self.solver))
+                    cls_token=self.cls is not None, tau=self.tau, solver=dataclasses.asdict(self.solver),
+                    cls_position=self.cls_position, renormalize=self.renormalize)
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> ImageET:
         config = dict(config)
         solver = SolverSettings(**config.pop("solver", {}))
         return cls(tuple(config.pop("image_shape")), solver=solver, **config)
+
+    @classmethod
+    def from_official(cls, path: str | Path, image_shape: Sequence[int] = (3, 224, 224), patch: int = 16, *,
+                      dtype: torch.dtype = torch.float32) -> ImageET:
+        """The model stored in the official release's ``.npz`` checkpoint, with the official dynamics as its default
+        solver (12 Euler steps of 0.1): see :func:`et_ode.models.official.load_official`."""
+        from .official import load_official
+
+        return load_official(path, image_shape, patch, dtype=dtype)
+
+    def to_official(self, path: str | Path, *, overwrite: bool = False) -> Path:
+        """Write this model in the official release's ``.npz`` layout: see :func:`et_ode.models.official.save_official`."""
+        from .official import save_official
+
+        return save_official(self, path, overwrite=overwrite)
 
     def field(self) -> ETField:
         """The vector field of the block (a fresh NFE counter)."""
@@ -243,19 +272,27 @@ class ImageET(nn.Module):
         return hidden
 
     def tokens(self, images: Tensor, hidden: Tensor) -> Tensor:
-        """Initial state ``x0 (B, N(+1), D)``: encoded patches or MASK, plus positions; CLS first if used."""
+        """Initial state ``x0 (B, N(+1), D)``: encoded patches, the hidden ones replaced by MASK, plus positions; CLS
+        first if used (with ``cls_position``, CLS is put in front before the positions are added, so it gets one)."""
         images = _check_images(images, self.image_shape)
         hidden = self._check_hidden(hidden, images.shape[0])
         encoded = self.encoder(patchify(images, self.patch))
-        x0 = torch.where(hidden[..., None], self.mask_token.to(encoded.dtype), encoded) + self.position
+        x0 = torch.where(hidden[..., None], self.mask_token.to(encoded.dtype), encoded)
+        if not self.cls_position:
+            x0 = x0 + self.position
         if self.cls is not None:
             x0 = torch.cat([self.cls.expand(x0.shape[0], 1, self.dim), x0], dim=1)
+        if self.cls_position:
+            x0 = x0 + self.position
         return x0
 
     def decode(self, g: Tensor) -> Tensor:
-        """Patches ``(..., N, C P P)`` from normalized tokens ``g (..., N(+1), D)`` (the CLS token dropped)."""
+        """Patches ``(..., N, C P P)`` from normalized tokens ``g (..., N(+1), D)`` (the CLS token dropped; with
+        ``renormalize``, the LayerNorm is applied to ``g`` once more first)."""
         if self.cls is not None:
             g = g[..., 1:, :]
+        if self.renormalize:
+            g = self.block.neuron(g)
         return self.decoder(g)
 
     def forward(self, images: Tensor, hidden: Tensor, solver: SolverSettings | None = None) -> Completion:

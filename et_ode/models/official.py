@@ -1,0 +1,321 @@
+"""The official release's checkpoint format and image pipeline (bhoov/energy-transformer-jax).
+
+The release ships its pretrained ImageNet Energy Transformer as a plain-dict ``.npz`` file (float32 arrays)::
+
+    Wk, Wq        (H, Y, D)              key and query weights (our EnergyTransformer layout)
+    Xi            (D, M)                 the Hopfield memories, TRANSPOSED with respect to our (K, D)
+    Wenc, Benc    (C P P, D), (D,)       patch encoder: tokens = patches @ Wenc + Benc (a patch flattened (c, h, w))
+    Wdec, Bdec    (D, C P P), (C P P,)   decoder
+    LNORM_gamma   ()                     the energy LayerNorm's scalar gamma (its eps is 1e-5)
+    LNORM_bias    (D,)                   its bias delta
+    CLS_token     (D,)                   token 0
+    MASK_token    (D,)                   replaces the token of every masked patch
+    POS_embed     (1 + N, D)             added to every token after masking, CLS included
+
+The official pipeline on images ``(B, C, H, W)`` (normalized photos) and masks ``(B, N)``: patchify (row-major
+patches), encode, replace the masked tokens by ``MASK_token``, put ``CLS_token`` in front, add ``POS_embed``; 12
+Euler steps ``x <- x - 0.1 dE/dg``, ``g = LayerNorm(x)``, with energy attention that includes the diagonal at
+``beta = 1/sqrt(Y)`` and the ReLU Hopfield energy; drop CLS; the decoder reads ``LayerNorm(LayerNorm(x))`` (the
+release normalizes once after the steps and once more inside its ``decode``); unpatchify. :func:`load_official`
+builds the :class:`ImageET` that does exactly this (``cls_position=True``, ``renormalize=True``, the official
+solver as its default), so that ``unpatchify(model(images, hidden).patches, patch, image_shape)`` is the release's
+output; any other solver, horizon or steady state is a :class:`SolverSettings` away.
+
+Photos are normalized as the release does: pixel values ``0..255`` minus ``255 * mean``, divided by ``255 * std``
+(ImageNet's mean and standard deviation per channel), see :func:`normalize_pixels`. Its masks hide a given
+number of patches (100 of 196) drawn at random: :func:`official_masks`.
+
+Public API::
+
+    OFFICIAL_KEYS, IMAGENET_MEAN, IMAGENET_STD, OFFICIAL_MASKED (100), OFFICIAL_PATCHES (196)
+    official_solver() -> SolverSettings (method "et", 12 steps of 0.1)
+    read_official(path) -> dict[str, np.ndarray]          # never executes code (allow_pickle=False)
+    official_sizes(arrays, image_shape, patch) -> dict     # validates every shape, names the key at fault
+    load_official(path, image_shape=(3, 224, 224), patch=16, *, dtype=torch.float32) -> ImageET
+    official_arrays(model) -> dict[str, np.ndarray];  save_official(model, path, *, overwrite=False) -> Path
+    normalize_pixels(pixels uint8 (..., C, H, W)) -> float64;  denormalize(images) -> values in [0, 1]
+    default_masked(num_patches) -> int;  official_masks(batch, num_patches, masked, *, seed=0) -> (B, N) bool
+"""
+
+from __future__ import annotations
+
+import math
+import zipfile
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+from torch.nn import functional as F
+
+from ..neurons import inverse_softplus
+from .image import ImageET, SolverSettings
+
+OFFICIAL_KEYS = ("Wk", "Wq", "Xi", "Wenc", "Benc", "Wdec", "Bdec", "LNORM_gamma", "LNORM_bias", "CLS_token",
+                 "MASK_token", "POS_embed")
+OFFICIAL_EPS = 1e-5
+OFFICIAL_STEPS = 12
+OFFICIAL_ALPHA = 0.1
+OFFICIAL_MASKED = 100
+OFFICIAL_PATCHES = 196
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+def official_solver() -> SolverSettings:
+    """The release's dynamics: 12 Euler steps ``x <- x - 0.1 dE/dg`` (tau = 1), gradients straight through."""
+    return SolverSettings(method="et", step=OFFICIAL_ALPHA, steps=OFFICIAL_STEPS, grad="direct")
+
+
+# ----------------------------------------------------------------------------------------------- reading
+def read_official(path: str | Path) -> dict[str, np.ndarray]:
+    """The arrays of an official-format checkpoint, by key (keys other than :data:`OFFICIAL_KEYS` are ignored).
+
+    Reads with ``numpy.load(..., allow_pickle=False)``: a file holding pickled objects is refused, never run.
+
+    Raises:
+        FileNotFoundError: no file at ``path``.
+        ValueError: not an ``.npz`` archive, a key missing, an array that is not floating point or not finite.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"official checkpoint: no file at {path}")
+    try:
+        loaded = np.load(path, allow_pickle=False)
+        if not isinstance(loaded, np.lib.npyio.NpzFile):
+            raise ValueError("it holds a single array, not a dictionary of arrays (.npz)")
+        with loaded as archive:
+            missing = [key for key in OFFICIAL_KEYS if key not in archive.files]
+            if missing:
+                raise ValueError(f"key(s) {', '.join(missing)} missing (found: {', '.join(sorted(archive.files))})")
+            arrays = {key: archive[key] for key in OFFICIAL_KEYS}
+    except (OSError, zipfile.BadZipFile, EOFError) as error:
+        raise ValueError(f"official checkpoint {path} is not a readable .npz archive: {error}") from error
+    except ValueError as error:
+        raise ValueError(f"official checkpoint {path}: {error}") from error
+    for key, array in arrays.items():
+        if not np.issubdtype(array.dtype, np.floating):
+            raise ValueError(f"official checkpoint {path}: {key} must hold floating-point numbers, got {array.dtype}")
+        if not np.isfinite(array).all():
+            raise ValueError(f"official checkpoint {path}: {key} holds NaN or infinite values")
+    return arrays
+
+
+def _check_layout(image_shape: Sequence[int], patch: int) -> tuple[tuple[int, int, int], int]:
+    shape = tuple(image_shape)
+    if len(shape) != 3 or not all(isinstance(s, int) and s >= 1 for s in shape):
+        raise ValueError(f"image_shape must be (C, H, W) of positive integers, got {shape}")
+    c, h, w = shape
+    if not (isinstance(patch, int) and patch >= 1) or h % patch or w % patch:
+        raise ValueError(f"patch must be a positive integer dividing H={h} and W={w}, got {patch!r}")
+    return (c, h, w), (h // patch) * (w // patch)
+
+
+def official_sizes(arrays: dict[str, np.ndarray], image_shape: Sequence[int], patch: int) -> dict[str, int]:
+    """Check every array's shape against each other and against ``image_shape`` ``(C, H, W)`` and ``patch``.
+
+    Returns ``dim`` (D), ``heads`` (H), ``head_dim`` (Y), ``memories`` (M) and ``num_patches`` (N).
+
+    Raises:
+        ValueError: naming the key, the shape expected and the shape found (and the likely cause: ``Xi`` stored
+            in our ``(K, D)`` layout, a checkpoint made for another image size or patch).
+    """
+    (c, h, w), num_patches = _check_layout(image_shape, patch)
+    wk = arrays["Wk"]
+    if wk.ndim != 3:
+        raise ValueError(f"official checkpoint: Wk must have shape (H, Y, D), found {wk.shape}")
+    heads, head_dim, dim = wk.shape
+    xi = arrays["Xi"]
+    if xi.ndim != 2 or xi.shape[0] != dim:
+        hint = (f"; it looks like our (K, D) layout: the official file stores Xi transposed, ({dim}, {xi.shape[0]})"
+                if xi.ndim == 2 and xi.shape[1] == dim else "")
+        raise ValueError(f"official checkpoint: Xi must have shape (D, M) = ({dim}, M) with D from Wk, "
+                         f"found {xi.shape}{hint}")
+    memories = xi.shape[1]
+    patch_dim = c * patch * patch
+    wenc = arrays["Wenc"]
+    if wenc.ndim == 2 and wenc.shape[1] == dim and wenc.shape[0] != patch_dim:
+        side = math.isqrt(wenc.shape[0] // c) if wenc.shape[0] % c == 0 else None
+        fits = (f"; a checkpoint for {c}-channel patches of side {side}?"
+                if side and side * side * c == wenc.shape[0] else "")
+        raise ValueError(f"official checkpoint: Wenc must have shape (C P P, D) = ({patch_dim}, {dim}) for "
+                         f"image_shape {(c, h, w)} and patch {patch}, found {wenc.shape}{fits}")
+    expected = {
+        "Wq": (heads, head_dim, dim), "Wenc": (patch_dim, dim), "Benc": (dim,), "Wdec": (dim, patch_dim),
+        "Bdec": (patch_dim,), "LNORM_gamma": (), "LNORM_bias": (dim,), "CLS_token": (dim,), "MASK_token": (dim,),
+        "POS_embed": (1 + num_patches, dim),
+    }
+    for key, shape in expected.items():
+        found = arrays[key].shape
+        if found != shape:
+            why = ""
+            if key == "POS_embed" and len(found) == 2 and found[1] == dim:
+                why = (f" (1 + {num_patches} patches of image_shape {(c, h, w)} with patch {patch}; a checkpoint "
+                       f"for {found[0] - 1} patches?)" if found[0] != num_patches else
+                       " (the CLS token's row is missing: 1 + patches rows)")
+            raise ValueError(f"official checkpoint: {key} must have shape {shape}, found {found}{why}")
+    gamma = float(arrays["LNORM_gamma"])
+    if not gamma > 0:
+        raise ValueError(f"official checkpoint: LNORM_gamma must be positive (the energy is then a Lyapunov "
+                         f"function), found {gamma}")
+    return dict(dim=dim, heads=heads, head_dim=head_dim, memories=memories, num_patches=num_patches)
+
+
+# ----------------------------------------------------------------------------------------------- the mapping
+def _exact_gamma_raw(gamma: float, dtype: torch.dtype) -> Tensor:
+    """The raw parameter whose softplus, computed in ``dtype``, is ``gamma`` rounded to ``dtype`` (exactly when
+    such a value exists, which a few ulp steps from the inverse find; else the closest)."""
+    target = torch.tensor(gamma, dtype=dtype)
+    raw = torch.tensor(inverse_softplus(gamma), dtype=dtype)
+    best, best_error = raw, math.inf
+    for _ in range(64):
+        value = F.softplus(raw)
+        error = abs(float(value) - float(target))
+        if error < best_error:
+            best, best_error = raw, error
+        if error == 0:
+            break
+        raw = torch.nextafter(raw, torch.tensor(math.inf if value < target else -math.inf, dtype=dtype))
+    return best
+
+
+def load_official(path: str | Path, image_shape: Sequence[int] = (3, 224, 224), patch: int = 16, *,
+                  dtype: torch.dtype = torch.float32) -> ImageET:
+    """An :class:`ImageET` holding the weights of an official-format checkpoint, its default solver the official one.
+
+    The model: CLS token with its own position (``cls_position``), attention including the diagonal, ``beta =
+    1/sqrt(Y)`` for every head, eps = 1e-5, ReLU memories ``Xi^T``, the decoder reading ``LayerNorm(g)``
+    (``renormalize``), tau = 1, :func:`official_solver`. ``dtype``: float32 (the file's precision) or float64
+    (the weights converted exactly; beta and eps are then float64 values). Loading leaves the global RNG as it was.
+
+    Raises:
+        FileNotFoundError, ValueError: see :func:`read_official` and :func:`official_sizes`.
+    """
+    if dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
+    arrays = read_official(path)
+    sizes = official_sizes(arrays, image_shape, patch)
+    with torch.random.fork_rng(devices=[]):
+        model = ImageET(tuple(image_shape), patch, sizes["dim"], sizes["heads"], sizes["head_dim"], sizes["memories"],
+                        cls_token=True, hopfield="relu", self_attention=True, tau=1.0, solver=official_solver(),
+                        cls_position=True, renormalize=True)
+    model = model.to(dtype)
+    block = model.block
+
+    def tensor(key: str) -> Tensor:
+        return torch.from_numpy(np.ascontiguousarray(arrays[key])).to(dtype)
+
+    with torch.no_grad():
+        block.attention.WK.copy_(tensor("Wk"))
+        block.attention.WQ.copy_(tensor("Wq"))
+        block.attention.beta.fill_(1.0 / math.sqrt(sizes["head_dim"]))
+        block.hopfield.xi.copy_(tensor("Xi").T)
+        block.neuron.delta.copy_(tensor("LNORM_bias"))
+        block.neuron.gamma_raw.copy_(_exact_gamma_raw(float(arrays["LNORM_gamma"]), dtype))
+        block.neuron.eps = OFFICIAL_EPS
+        model.encoder.weight.copy_(tensor("Wenc").T)
+        model.encoder.bias.copy_(tensor("Benc"))
+        model.decoder.weight.copy_(tensor("Wdec").T)
+        model.decoder.bias.copy_(tensor("Bdec"))
+        model.cls.copy_(tensor("CLS_token")[None])
+        model.mask_token.copy_(tensor("MASK_token"))
+        model.position.copy_(tensor("POS_embed"))
+    return model.eval()
+
+
+def official_arrays(model: ImageET) -> dict[str, np.ndarray]:
+    """The arrays of ``model`` in the official layout, float32 (a float64 model is rounded).
+
+    Raises:
+        ValueError: a model the official pipeline cannot express (no CLS token with its own position, no
+            renormalizing decoder, attention without the diagonal, memories other than ReLU, beta other than
+            ``1/sqrt(Y)``, eps other than 1e-5, tau other than 1).
+    """
+    if not isinstance(model, ImageET):
+        raise TypeError(f"model must be an et_ode.models.ImageET, got {type(model).__name__}")
+    block = model.block
+    attention, hopfield, neuron = block.attention, block.hopfield, block.neuron
+    beta = 1.0 / math.sqrt(attention.head_dim)
+    problems = [name for name, ok in (
+        ("cls_token=True", model.cls is not None), ("cls_position=True", model.cls_position),
+        ("renormalize=True", model.renormalize), ("self_attention=True", attention.self_attention),
+        ("hopfield='relu'", hopfield.form == "relu"), ("eps=1e-5", neuron.eps == OFFICIAL_EPS),
+        ("tau=1", model.tau == 1.0), ("positive gamma", neuron.positive_gamma),
+        (f"beta=1/sqrt(Y)={beta:.6g} for every head", bool(torch.allclose(attention.beta.double().cpu(),
+                                                                            torch.tensor(beta, dtype=torch.float64),
+                                                                            rtol=1e-6, atol=0.0))),
+    ) if not ok]
+    if problems:
+        raise ValueError(f"the official format cannot hold this model: it needs {', '.join(problems)}")
+
+    def array(tensor: Tensor) -> np.ndarray:
+        return tensor.detach().cpu().to(torch.float32).numpy().copy()
+
+    return {
+        "Wk": array(attention.WK), "Wq": array(attention.WQ), "Xi": array(hopfield.xi.T),
+        "Wenc": array(model.encoder.weight.T), "Benc": array(model.encoder.bias),
+        "Wdec": array(model.decoder.weight.T), "Bdec": array(model.decoder.bias),
+        "LNORM_gamma": array(neuron.gamma), "LNORM_bias": array(neuron.delta),
+        "CLS_token": array(model.cls[0]), "MASK_token": array(model.mask_token), "POS_embed": array(model.position),
+    }
+
+
+def save_official(model: ImageET, path: str | Path, *, overwrite: bool = False) -> Path:
+    """Write ``model`` as an official-format ``.npz`` at exactly ``path`` (no suffix added); returns the path.
+
+    ``load_official(save_official(model, p), model.image_shape, model.patch)`` gives back a float32 model with the
+    same values bit for bit.
+
+    Raises:
+        FileExistsError: ``path`` exists and ``overwrite`` is False.
+        ValueError, TypeError: see :func:`official_arrays`.
+    """
+    arrays = official_arrays(model)
+    path = Path(path)
+    if path.exists() and not overwrite:
+        raise FileExistsError(f"{path} exists; pass overwrite=True to replace it")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb" if overwrite else "xb") as handle:
+        np.savez(handle, **arrays)
+    return path
+
+
+# ----------------------------------------------------------------------------------------------- photos and masks
+def normalize_pixels(pixels: Tensor) -> Tensor:
+    """The release's photo normalization: ``(pixels - 255 mean) / (255 std)`` per RGB channel, in float64.
+
+    ``pixels``: ``(..., 3, H, W)`` with values 0..255 (uint8 or any real type).
+    """
+    if not isinstance(pixels, Tensor) or pixels.dim() < 3 or pixels.shape[-3] != 3:
+        raise ValueError(f"pixels must be a tensor (..., 3, H, W) of RGB values 0..255, got "
+                         f"{tuple(pixels.shape) if isinstance(pixels, Tensor) else type(pixels).__name__}")
+    mean = torch.tensor(IMAGENET_MEAN, dtype=torch.float64)[:, None, None] * 255
+    std = torch.tensor(IMAGENET_STD, dtype=torch.float64)[:, None, None] * 255
+    return (pixels.to(torch.float64) - mean) / std
+
+
+def denormalize(images: Tensor) -> Tensor:
+    """Inverse of :func:`normalize_pixels`, scaled to ``[0, 1]`` and clipped there (for pictures): ``(..., 3, H, W)``."""
+    mean = torch.tensor(IMAGENET_MEAN, dtype=images.dtype, device=images.device)[:, None, None]
+    std = torch.tensor(IMAGENET_STD, dtype=images.dtype, device=images.device)[:, None, None]
+    return (images * std + mean).clamp(0, 1)
+
+
+def default_masked(num_patches: int) -> int:
+    """The release's share of masked patches, 100 of 196, scaled to ``num_patches`` (at least 1)."""
+    return max(1, round(OFFICIAL_MASKED * num_patches / OFFICIAL_PATCHES))
+
+
+def official_masks(batch: int, num_patches: int, masked: int | None = None, *, seed: int = 0) -> Tensor:
+    """Boolean masks ``(batch, num_patches)``, each hiding exactly ``masked`` patches drawn uniformly (the release's
+    scheme; default :func:`default_masked`), reproducible from ``seed``."""
+    masked = default_masked(num_patches) if masked is None else masked
+    if not (isinstance(masked, int) and 1 <= masked <= num_patches):
+        raise ValueError(f"masked must be an integer in [1, {num_patches}] (patches hidden per image), got {masked!r}")
+    if not (isinstance(batch, int) and batch >= 1):
+        raise ValueError(f"batch must be a positive integer, got {batch!r}")
+    generator = torch.Generator().manual_seed(seed)
+    order = torch.rand(batch, num_patches, generator=generator).argsort(dim=1)
+    hidden = torch.zeros(batch, num_patches, dtype=torch.bool)
+    return hidden.scatter_(1, order[:, :masked], True)

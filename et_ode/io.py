@@ -83,9 +83,9 @@ def load_model(path: str | os.PathLike[str], *, map_location: str | torch.device
     try:
         blob = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as error:  # torch raises several types for damaged archives and refused objects
-        reason = str(error).strip().splitlines()[-1][:300] if str(error).strip() else type(error).__name__
-        raise ValueError(f"{path} is not a readable model file: truncated, corrupt, or holding objects other than "
-                         f"tensors and numbers (refused unread by weights_only=True): {reason}") from None
+        reason = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+        raise ValueError(f"{path} is not a readable model file (truncated or corrupt, or holding objects other than "
+                         f"tensors and numbers, refused unread by weights_only=True): {reason}") from None
     if not isinstance(blob, dict) or blob.get("format") != FORMAT:
         raise ValueError(f"{path} is not an et-ode model file (expected format {FORMAT!r})")
     missing = [key for key in ("config", "state_dict") if not isinstance(blob.get(key), dict)]

@@ -109,7 +109,7 @@ class EnergyTransformer(nn.Module):
     # -- public, validated ---------------------------------------------------------------------
     def activation(self, x: Tensor) -> Tensor:
         """``g = LayerNorm(x)``: ``(..., N, D) -> (..., N, D)``."""
-        return self.neuron(check_tokens("x", x, self.dim))
+        return self.neuron(check_tokens("x", x, self.dim, like=self.neuron.delta))
 
     def energy(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
         """Total energy per sample of the state ``x``: ``(..., N, D) -> (...)``."""
@@ -124,12 +124,12 @@ class EnergyTransformer(nn.Module):
 
     def energy_g(self, g: Tensor, mask: Tensor | None = None) -> Tensor:
         """Total energy per sample as a function of ``g``: ``(..., N, D) -> (...)``."""
-        check_tokens("g", g, self.dim)
+        check_tokens("g", g, self.dim, like=self.neuron.delta)
         return self._energy_g(g, check_mask(mask, g))
 
     def grad_g(self, g: Tensor, mask: Tensor | None = None) -> Tensor:
         """``dE/dg`` in closed form: ``(..., N, D) -> (..., N, D)``."""
-        check_tokens("g", g, self.dim)
+        check_tokens("g", g, self.dim, like=self.neuron.delta)
         return self._grad_g(g, check_mask(mask, g))
 
     def extra_repr(self) -> str:

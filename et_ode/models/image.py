@@ -194,8 +194,8 @@ class ImageET(nn.Module):
         c, h, w = image_shape
         if not (isinstance(patch, int) and patch >= 1) or h % patch or w % patch:
             raise ValueError(f"patch must be a positive integer dividing H={h} and W={w}, got {patch!r}")
-        if not float(tau) > 0:
-            raise ValueError(f"tau must be positive, got {tau!r}")
+        if not 0 < float(tau) < float("inf"):
+            raise ValueError(f"tau must be positive and finite, got {tau!r}")
         self.image_shape = (c, h, w)
         self.patch = patch
         self.num_patches = (h // patch) * (w // patch)

@@ -97,7 +97,7 @@ def load_model(path: str | os.PathLike[str], *, map_location: str | torch.device
         model = model.to(next(iter(state.values())).dtype)
         model.load_state_dict(state)
     except (TypeError, ValueError, RuntimeError, AttributeError) as error:
-        first = str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
+        first = " ".join(str(error).split())[:300] or type(error).__name__
         raise ValueError(f"{path}: its settings and weights do not make an EnergyTransformer: {first}") from None
     meta = blob.get("meta", {})
     return model, dict(meta) if isinstance(meta, dict) else {}

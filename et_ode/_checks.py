@@ -58,11 +58,13 @@ def check_mask(mask: object, x: Tensor) -> Tensor | GraphMask | None:
     if mask.dim() < 2 or tuple(mask.shape[-2:]) != (n, n):
         raise ValueError(f"mask must have shape (N, N) or (*batch, N, N) with N={n}, got shape {tuple(mask.shape)}")
     try:
-        torch.broadcast_shapes(tuple(mask.shape[:-2]), batch)
+        broadcast = torch.broadcast_shapes(tuple(mask.shape[:-2]), batch)
     except RuntimeError:
+        broadcast = None
+    if broadcast != batch:  # e.g. a (2, N, N) mask with one sample: it would make two
         raise ValueError(
             f"mask batch shape {tuple(mask.shape[:-2])} does not broadcast to the tokens' batch shape {batch}"
-        ) from None
+        )
     if len(mask.shape) - 2 > len(batch):
         raise ValueError(f"mask has more batch dimensions than the tokens: mask {tuple(mask.shape)}, x {tuple(x.shape)}")
     return mask

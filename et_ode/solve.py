@@ -200,9 +200,11 @@ class _Recorder(nn.Module):
         progress = self.progress
         progress.backward_steps += 1
         states = y0 if isinstance(y0, (tuple, list)) else (y0,)
-        if progress.backward_steps > self.max_steps or not all(bool(torch.isfinite(s).all()) for s in states):
+        finite = all(bool(torch.isfinite(s).all()) for s in states)
+        underflow = not bool(t0 + dt > t0)  # torchdiffeq would assert next, printing the whole state
+        if progress.backward_steps > self.max_steps or not finite or underflow:
             what = (f"more than max_steps={self.max_steps} steps" if progress.backward_steps > self.max_steps
-                    else "a non-finite adjoint state")
+                    else "a non-finite adjoint state" if not finite else f"underflow in its step size {float(dt):.3g}")
             raise SolveError(f"the adjoint's backward solve failed at t={float(t0):.6g}: {what} (the forward solve "
                              f"took {progress.steps} steps); the backward dynamics are stiffer than the forward: "
                              f"raise max_steps, loosen adjoint_rtol/adjoint_atol, use seminorm=True, or grad='direct'",

@@ -31,6 +31,11 @@ class EnergyTransformer(nn.Module):
 
     Shapes: ``x`` and ``g`` are ``(..., N, D)``; energies are per sample, shape ``(...)``;
     ``mask`` is a boolean ``(N, N)`` or ``(*batch, N, N)``, True where query ``C`` may attend to key ``B``.
+
+    Raises (construction): ValueError naming the setting (``dim``, ``heads``, ``head_dim``, ``memories``,
+    ``hopfield``, ``beta``, ``beta_hn``, ``eps``). Raises (the public methods): TypeError for a state ``x``/``g``
+    that is not a floating tensor of the model's dtype or a mask of the wrong type; ValueError for a wrong shape,
+    N = 0, NaN/inf entries, a state on another device, or a mask of the wrong shape, each naming the argument.
     """
 
     def __init__(

@@ -338,6 +338,14 @@ def fit(
         collate_fn: the DataLoader's ``collate_fn`` (default: PyTorch's).
         meta: anything JSON/pickle-able stored in the checkpoint under ``"meta"`` (e.g. how to rebuild the model).
         callback: called with each epoch record after it is logged.
+
+    Raises:
+        TypeError: ``model``, ``task`` or ``train_data`` of the wrong kind.
+        ValueError: empty ``train_data``; a batch size the processes do not divide; a checkpoint to resume that
+            is damaged, a pickle (refused unread), or of another model or other training settings (named).
+        et_ode.runs.RunFolderError: ``out_dir`` is a file, is in use by another live process (named), or already
+            holds a run while neither ``resume`` nor ``overwrite`` is set.
+        FloatingPointError: the loss became non-finite (the message gives the epoch, step and learning rate).
     """
     config = config or TrainConfig()
     if not isinstance(model, nn.Module):

@@ -210,7 +210,8 @@ def test_solve(x0, data, method, perturb, backward):
 
 # ---------------------------------------------------------------------------------------------- loaders
 @FUZZ
-@given(data=st.binary(max_size=400), cut=st.sampled_from([1.0, 1.0, 0.9, 0.5, 0.1, 0.0]), flips=st.lists(st.integers(0, 10**6), max_size=4),
+@given(data=st.binary(max_size=400), cut=st.sampled_from([1.0, 1.0, 0.9, 0.5, 0.1, 0.0]),
+       flips=st.lists(st.integers(0, 10**6), max_size=4),
        kind=st.sampled_from(["random", "checkpoint", "model"]))
 def test_loaders_on_damaged_files(tmp_path_factory, data, cut, flips, kind):
     from et_ode.io import load_model, save_model

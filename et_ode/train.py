@@ -73,6 +73,7 @@ from .statefile import describe, load_state, save_state, torch_file_format
 
 CHECKPOINT_NAME = "checkpoint.safetensors"
 CHECKPOINT_FORMAT = "et-ode/training-checkpoint/2"
+LEGACY_CHECKPOINT_NAME = "checkpoint.pt"  # the pickle checkpoints of et-ode before the safetensors format
 METRICS_NAME = "metrics.jsonl"
 # Fields that change the sequence of parameter updates: a resumed run must keep them.
 _TRAJECTORY_FIELDS = ("batch_size", "lr", "weight_decay", "betas", "warmup", "min_lr_ratio", "grad_clip", "seed",
@@ -525,8 +526,13 @@ def _resume_path(config: TrainConfig, out_dir: Path | None) -> Path | None:
         return None
     if config.resume is True:
         if out_dir is None:
-            raise ValueError("TrainConfig.resume=True needs out_dir (it reads out_dir/checkpoint.pt)")
+            raise ValueError(f"TrainConfig.resume=True needs out_dir (it reads out_dir/{CHECKPOINT_NAME})")
         path = out_dir / CHECKPOINT_NAME
+        if not path.is_file() and (out_dir / LEGACY_CHECKPOINT_NAME).is_file():
+            raise ValueError(f"cannot resume {out_dir}: it holds {LEGACY_CHECKPOINT_NAME}, a pickle checkpoint of an "
+                             f"older et-ode, which is never loaded (it could run code). If you trust it, convert it "
+                             f"once: save_checkpoint(out_dir / {CHECKPOINT_NAME!r}, torch.load(out_dir / "
+                             f"{LEGACY_CHECKPOINT_NAME!r}, weights_only=False)); or start a new out_dir")
         return path if path.is_file() else None  # nothing to resume yet: start fresh
     path = Path(config.resume)
     if not path.is_file():

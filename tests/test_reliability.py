@@ -63,6 +63,13 @@ def test_payload_in_a_training_checkpoint_is_refused_unrun(tmp_path):
         fit(linear(), NoisyRegression(), regression_data(), None,
             TrainConfig(epochs=1, out_dir=str(run), resume=True, progress=False))
     assert not marker.exists()
+    legacy = tmp_path / "legacy"  # an old run folder: resuming it must not silently start afresh
+    legacy.mkdir()
+    planted(legacy / "checkpoint.pt", marker, {"model": {}})
+    with pytest.raises(ValueError, match="holds checkpoint.pt, a pickle checkpoint of an older et-ode"):
+        fit(linear(), NoisyRegression(), regression_data(), None,
+            TrainConfig(epochs=1, out_dir=str(legacy), resume=True, progress=False))
+    assert not marker.exists() and sorted(p.name for p in legacy.iterdir()) == ["checkpoint.pt"]
 
 
 def test_payload_through_the_cli_is_refused_unrun(tmp_path, capsys):

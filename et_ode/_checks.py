@@ -73,7 +73,8 @@ def check_mask(mask: object, x: Tensor) -> Tensor | GraphMask | None:
 def check_normalisable(name: str, x: Tensor) -> Tensor:
     """The LayerNorm of every token of ``x`` must be computable in ``x``'s dtype: its variance must not overflow
     (float32 squares overflow past ~1.8e19). ValueError naming the first bad token and the remedy."""
-    spread = (x - x.mean(dim=-1, keepdim=True)).square().mean(dim=-1)
+    with torch.no_grad():
+        spread = (x - x.mean(dim=-1, keepdim=True)).square().mean(dim=-1)
     bad = ~torch.isfinite(spread)
     if bool(bad.any()):
         where = tuple(int(i) for i in bad.nonzero()[0])

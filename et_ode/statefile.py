@@ -127,7 +127,7 @@ def _header(raw: bytes) -> dict[str, Any] | None:
         return None
     try:
         header = json.loads(raw[8:8 + size])
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: a header nested thousands deep
         return None
     return header if isinstance(header, dict) else None
 
@@ -191,7 +191,7 @@ def load_state(path: str | os.PathLike[str], format: str, map_location: str | to
         tensors = load_tensors(raw)
         skeleton = json.loads(meta["state"])
         state = _decode(skeleton, tensors)
-    except (SafetensorError, KeyError, ValueError, TypeError) as error:
+    except (SafetensorError, KeyError, ValueError, TypeError, RecursionError) as error:
         raise ValueError(f"{what} {path} ({len(raw)} bytes) is truncated or corrupt and cannot be read: "
                          f"{type(error).__name__}: {error}") from None
     if not isinstance(state, dict):

@@ -107,7 +107,8 @@ def test_a_crafted_safetensors_header_cannot_reach_anything_but_data(tmp_path):
     from safetensors.torch import save
 
     path = tmp_path / CHECKPOINT_NAME
-    for state in ('{"model": {"__tensor__": "missing"}}', '[1, 2]', "not json"):
+    deep = "[" * 100_000 + "]" * 100_000  # json.loads would raise RecursionError
+    for state in ('{"model": {"__tensor__": "missing"}}', '[1, 2]', "not json", deep, '{"__items__": [1]}'):
         path.write_bytes(save({"t0": torch.ones(1)}, metadata={"format": "et-ode/training-checkpoint/2",
                                                                  "state": state}))
         with pytest.raises(ValueError, match="corrupt|does not hold a dict"):
@@ -291,6 +292,8 @@ def test_dtype_mismatch_names_x0(field64):
         field64.model.energy(x0)
     with pytest.raises(TypeError, match="x0 has dtype torch.float64"):
         solve(ETField(EnergyTransformer(8, 2, 4, 12)), x0.double(), (0.0, 1.0))
+    with pytest.raises(ValueError, match="x0 is on meta but the model is on cpu"):  # (cuda: the same check)
+        solve(field64, x0.double().to("meta"), (0.0, 1.0))
 
 
 @pytest.mark.parametrize("steady_state", [None, 1e-3])

@@ -194,7 +194,6 @@ class _Recorder(nn.Module):
             raise _Failure(f"max_steps={self.max_steps} solver steps exceeded at t={progress.last[0]:.6g}",
                            progress.last[0])
 
-
     def callback_step_adjoint(self, t0: Tensor, y0: Tensor, dt: Tensor) -> None:
         """Bounds the adjoint's backward solve by ``max_steps`` of its own; raised out of ``loss.backward()``."""
         progress = self.progress
@@ -413,14 +412,14 @@ def solve(
         last_time = progress.last[0] if progress.last else float(grid[0])
         fail_time = error.time if isinstance(error, _Failure) else last_time
         partial = _partial_solution(field, progress, x0, evaluations, nfe_before, time.perf_counter() - started)
-        raise SolveError(f"solve failed ({method}): {error}{_advice(error)}", time=fail_time,
+        raise SolveError(f"solve failed ({method}): {error}{_advice(str(error))}", time=fail_time,
                          solution=partial) from error
     wall_time = time.perf_counter() - started
     nfe_forward = evaluations.count - nfe_before
     if not bool(torch.isfinite(x_final).all()):
         partial = _partial_solution(field, progress, x0, evaluations, nfe_before, wall_time)
         raise SolveError(f"solve failed ({method}): the state became non-finite (NaN or inf) by "
-                         f"t={float(ts[-1]):.6g}", time=float(ts[-1]), solution=partial)
+                         f"t={float(ts[-1]):.6g}{_advice('non-finite')}", time=float(ts[-1]), solution=partial)
     if not adaptive and progress.largest_growth > GROWTH_WARNING:
         warnings.warn(f"solve ({method}): one fixed step grew the state {progress.largest_growth:.3g}-fold (largest "
                       f"|x|): the step is far too large for this field (stiff, or large weights), so the result is "
@@ -460,9 +459,8 @@ def solve(
     return Solution(ts=ts, xs=xs, x=x_final, g=g_final, stats=stats, field=field)
 
 
-def _advice(error: Exception) -> str:
-    """What to try after a failed solve, from its cause."""
-    text = str(error)
+def _advice(text: str) -> str:
+    """What to try after a failed solve, from the text of its cause."""
     if "non-finite" in text or "underflow in dt" in text:
         return ("; the dynamics overflowed or became too stiff for the solver there: use float64 (x0 and model), "
                 "a smaller step, tighter rtol/atol, or smaller weights")

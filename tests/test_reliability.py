@@ -386,8 +386,8 @@ def test_threads_out_of_range_are_refused_by_the_parser(threads, capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["train", "image", "--out", "x", "--threads", threads])
     assert "--threads" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="threads must be None or an integer in"):
-        ImageRunConfig(threads=int(threads) if threads.isdigit() else -1)
+    with pytest.raises(ValueError, match="threads must be None or a positive integer"):
+        ImageRunConfig(threads=0 if threads.isdigit() else "two")
 
 
 def test_png_files_are_read_whatever_the_case_of_their_suffix(tmp_path):

@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install test test-avx2 lint demo bench clean
+.PHONY: install test test-avx2 lint demo bench fuzz clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -29,6 +29,10 @@ test-avx2: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/et-ode demo --out runs/demo
+
+# The fuzz suite's long profile: 1,000 fresh random cases per entry point (the default run tries 30, derandomised)
+fuzz: $(STAMP)
+	ET_ODE_FUZZ=long $(BIN)/python -m pytest -q tests/test_fuzz.py --hypothesis-show-statistics
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/field.py

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from et_ode import METHODS, EnergyTransformer, ETField, SolveError, solve
+from et_ode import METHODS, EnergyTransformer, ETField, SolveError, runs, solve
 from et_ode.solve import ADAPTIVE_METHODS
 
 from .convergence import analyze_convergence
@@ -335,7 +335,10 @@ def add_analyze_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
                         help="model file written by et_ode.io.save_model (default: a built-in random model)")
     parser.add_argument("--x0", type=Path, default=None,
                         help="torch-saved tensor of initial states (batch, N, D) (default: random)")
-    parser.add_argument("--out", type=Path, default=Path("runs/analyze"), help="output folder (default runs/analyze)")
+    parser.add_argument("--out", type=Path, default=Path("runs/analyze"),
+                        help="output folder, new or empty (default runs/analyze)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace the report in --out (a folder written by et-ode analyze)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random model and states")
     parser.add_argument("--dim", type=int, default=16, help="random model: token size D")
     parser.add_argument("--heads", type=int, default=2, help="random model: attention heads H")
@@ -361,9 +364,20 @@ def add_analyze_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
 
 
 def run_analyze(args: argparse.Namespace) -> Path:
-    """Run :func:`analyze` from parsed ``et-ode analyze`` arguments; returns the report folder."""
+    """Run :func:`analyze` from parsed ``et-ode analyze`` arguments; returns the report folder.
+
+    ``--out`` is taken with :func:`et_ode.runs.claim`: a folder holding files needs ``--overwrite``
+    (:class:`et_ode.runs.RunFolderError` otherwise, and while another process writes there).
+    """
     if args.method not in ADAPTIVE_METHODS and args.method != "et" and args.step is None:
         raise ValueError(f"--method {args.method} is a fixed-step method: give --step")
+    setup = {k: str(v) if isinstance(v, Path) else v for k, v in sorted(vars(args).items())
+             if isinstance(v, (str, int, float, bool, type(None), Path)) and k not in ("command", "overwrite")}
+    with runs.claim(args.out, setup, overwrite=getattr(args, "overwrite", False)):
+        return _run_analyze(args)
+
+
+def _run_analyze(args: argparse.Namespace) -> Path:
     return analyze(args.model, args.x0, out=args.out, seed=args.seed, dim=args.dim, heads=args.heads,
                    head_dim=args.head_dim, memories=args.memories, hopfield=args.hopfield, tokens=args.tokens,
                    batch=args.batch, dtype=args.dtype, tau=args.tau, method=args.method, rtol=args.rtol,

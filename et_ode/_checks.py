@@ -8,14 +8,23 @@ from torch import Tensor
 from .graph_attention import GraphMask
 
 
-def check_tokens(name: str, x: object, dim: int) -> Tensor:
-    """``x`` must be a finite floating tensor of shape ``(..., N, dim)`` with ``N >= 1``."""
+def check_tokens(name: str, x: object, dim: int, like: Tensor | None = None) -> Tensor:
+    """``x`` must be a finite floating tensor of shape ``(..., N, dim)`` with ``N >= 1``; with ``like`` (a model
+    parameter), of its dtype (TypeError) and on its device (ValueError)."""
     if not isinstance(x, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of shape (..., N, {dim}), got {type(x).__name__}")
     if not x.is_floating_point():
         raise TypeError(f"{name} must have a floating dtype (float32 or float64), got {x.dtype}")
     if x.dim() < 2 or x.shape[-1] != dim:
         raise ValueError(f"{name} must have shape (..., N, D) with D={dim}, got shape {tuple(x.shape)}")
+    if x.shape[-2] == 0:
+        raise ValueError(f"{name} has no tokens: N=0 in shape {tuple(x.shape)} (..., N, D); give at least one token")
+    if like is not None and x.dtype != like.dtype:
+        raise TypeError(f"{name} has dtype {x.dtype} but the model's parameters are {like.dtype}: convert one, e.g. "
+                        f"{name}.to({like.dtype}) or model.to({x.dtype})")
+    if like is not None and x.device != like.device:
+        raise ValueError(f"{name} is on {x.device} but the model is on {like.device}: move one, e.g. "
+                         f"{name}.to('{like.device}')")
     if not bool(torch.isfinite(x).all()):
         bad = int((~torch.isfinite(x)).sum())
         raise ValueError(f"{name} has {bad} non-finite entries (NaN or inf); shape {tuple(x.shape)}")
@@ -49,11 +58,38 @@ def check_mask(mask: object, x: Tensor) -> Tensor | GraphMask | None:
     if mask.dim() < 2 or tuple(mask.shape[-2:]) != (n, n):
         raise ValueError(f"mask must have shape (N, N) or (*batch, N, N) with N={n}, got shape {tuple(mask.shape)}")
     try:
-        torch.broadcast_shapes(tuple(mask.shape[:-2]), batch)
+        broadcast = torch.broadcast_shapes(tuple(mask.shape[:-2]), batch)
     except RuntimeError:
+        broadcast = None
+    if broadcast != batch:  # e.g. a (2, N, N) mask with one sample: it would make two
         raise ValueError(
             f"mask batch shape {tuple(mask.shape[:-2])} does not broadcast to the tokens' batch shape {batch}"
-        ) from None
+        )
     if len(mask.shape) - 2 > len(batch):
         raise ValueError(f"mask has more batch dimensions than the tokens: mask {tuple(mask.shape)}, x {tuple(x.shape)}")
     return mask
+
+
+def check_normalisable(name: str, x: Tensor) -> Tensor:
+    """The LayerNorm of every token of ``x`` must be computable in ``x``'s dtype: its variance must not overflow
+    (float32 squares overflow past ~1.8e19). ValueError naming the first bad token and the remedy."""
+    with torch.no_grad():
+        spread = (x - x.mean(dim=-1, keepdim=True)).square().mean(dim=-1)
+    bad = ~torch.isfinite(spread)
+    if bool(bad.any()):
+        where = tuple(int(i) for i in bad.nonzero()[0])
+        largest = float(x.detach().abs().max())
+        raise ValueError(f"{name} is too large for {x.dtype}: the LayerNorm variance of token {where} (index "
+                         f"(*batch, N)) overflows (|{name}| up to {largest:.3g}; {x.dtype} holds squares up to "
+                         f"{torch.finfo(x.dtype).max:.3g}); rescale {name} or use float64 ({name}.double() and "
+                         f"model.double())")
+    return x
+
+
+def check_precision(name: str, x: Tensor, method: str, adaptive: bool) -> None:
+    """Adaptive step control cannot work in half precision (the error estimate and the time underflow):
+    ValueError up front instead of an "underflow in dt" after the first step."""
+    if adaptive and x.dtype in (torch.float16, torch.bfloat16):
+        raise ValueError(f"{name} is {x.dtype}, too coarse for the adaptive method {method!r}: its error estimate "
+                         f"and step size underflow. Use float32/float64 ({name}.float() and model.float()), or a "
+                         f"fixed-step method ('et', 'euler', 'rk4' with step=...)")

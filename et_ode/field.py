@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +31,7 @@ class ETField(nn.Module):
 
     Args:
         model: the energy.
-        tau: time constant, > 0.
+        tau: time constant, positive and finite (ValueError otherwise).
         grad: ``"analytic"`` (closed form, the default) or ``"autograd"`` (differentiates the energy;
             the reference, also correct under ``torch.no_grad()``).
         mask: an attention mask bound to the field (see :class:`EnergyTransformer`).
@@ -51,8 +52,8 @@ class ETField(nn.Module):
         super().__init__()
         if not isinstance(model, EnergyTransformer):
             raise TypeError(f"model must be an EnergyTransformer, got {type(model).__name__}")
-        if not (float(tau) > 0):
-            raise ValueError(f"tau must be positive, got {tau!r}")
+        if not (0 < float(tau) < math.inf):
+            raise ValueError(f"tau must be positive and finite, got {tau!r}")
         if grad not in GRAD_MODES:
             raise ValueError(f"grad must be one of {GRAD_MODES}, got {grad!r}")
         if backend not in BACKENDS:
@@ -115,7 +116,7 @@ class ETField(nn.Module):
         return F.layer_norm(x, (neuron.dim,), neuron.gamma.expand(neuron.dim), neuron.delta, neuron.eps)
 
     def _checked(self, x: Tensor) -> Tensor:
-        check_tokens("x", x, self.model.dim)
+        check_tokens("x", x, self.model.dim, like=self.model.neuron.delta)
         check_mask(self.mask, x)
         return x
 

@@ -160,7 +160,7 @@ class FusedGrad:
         if mask is not None and not (type(mask) is Tensor and mask.dtype == torch.bool and mask.layout == torch.strided):
             return False
         weight = model.attention.WK
-        return g.dtype == weight.dtype and g.device == weight.device and g.dim() >= 2
+        return g.dtype == weight.dtype and g.device == weight.device and g.dim() >= 2 and g.numel() > 0
 
     # -- weights --------------------------------------------------------------------------------
     def _stacked(self) -> Tensor:

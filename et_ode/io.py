@@ -1,7 +1,9 @@
 """Saving and loading an :class:`EnergyTransformer` with the settings needed to rebuild it.
 
 Files are written atomically (a temporary file in the same folder, then ``os.replace``), so an
-interrupted save never leaves a truncated model behind.
+interrupted save never leaves a truncated model behind. A model file is a ``torch.save`` archive of a dict of
+tensors, numbers and strings; :func:`load_model` reads it with ``torch.load(weights_only=True)``, PyTorch's
+data-only unpickler, which refuses any other object (so nothing in the file can run code; torch >= 2.6).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 import torch
 
 from .model import EnergyTransformer
+from .statefile import describe
 
 FORMAT = "et-ode/energy-transformer/1"
 
@@ -42,7 +45,16 @@ def atomic_save(obj: Any, path: str | os.PathLike[str]) -> Path:
 
 
 def save_model(model: EnergyTransformer, path: str | os.PathLike[str], **meta: Any) -> Path:
-    """Write ``model`` (weights and architecture) and any JSON-like ``meta`` to ``path``."""
+    """Write ``model`` (weights and architecture) and any JSON-like ``meta`` to ``path``.
+
+    Raises:
+        TypeError: ``model`` is not an :class:`EnergyTransformer` (e.g. an ``ImageET``: save its ``.block``).
+    """
+    if not isinstance(model, EnergyTransformer):
+        block = getattr(model, "block", None)
+        hint = ("; save its ET block: save_model(model.block, path) (its tau and solver belong in meta, as "
+                "`et-ode train` does)" if isinstance(block, EnergyTransformer) else "")
+        raise TypeError(f"model must be an et_ode.EnergyTransformer, got {type(model).__name__}{hint}")
     state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     return atomic_save({"format": FORMAT, "config": model_config(model), "state_dict": state, "meta": meta}, path)
 
@@ -51,21 +63,41 @@ def load_model(path: str | os.PathLike[str], *, map_location: str | torch.device
                ) -> tuple[EnergyTransformer, dict[str, Any]]:
     """Read a file written by :func:`save_model`: returns the model and its ``meta``.
 
-    Raises FileNotFoundError for a missing file and ValueError for one that is truncated, corrupt
-    or not an et-ode model file.
+    Data only: the file is read with ``torch.load(weights_only=True)``, so a file holding code is refused.
+
+    Raises:
+        FileNotFoundError: no file at ``path``.
+        ValueError: the file is truncated or corrupt, holds objects other than data (refused unread), is a
+            training checkpoint (the message says how to get the model out of it), or is not a complete et-ode
+            model file (wrong format, missing entries, weights that do not fit the settings).
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no model file at {path.resolve()} (write one with et_ode.io.save_model)")
+    kind = describe(path)
+    if kind.startswith("an et-ode state file"):
+        raise ValueError(f"{path} is {kind}: a training checkpoint (model, optimizer, RNG states), not a model file. "
+                         f"Get the model with `model, run = et_ode.cli.load_trained(path)` (image runs; the "
+                         f"EnergyTransformer is model.block; save it with save_model(model.block, 'et_block.pt')), "
+                         f"or use the et_block.pt that `et-ode train image` writes beside the checkpoint")
     try:
         blob = torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as error:  # torch raises several types for damaged archives
-        raise ValueError(f"{path} is not a readable model file (truncated or corrupt?): {error}") from error
+    except Exception as error:  # torch raises several types for damaged archives and refused objects
+        reason = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+        raise ValueError(f"{path} is not a readable model file (truncated or corrupt, or holding objects other than "
+                         f"tensors and numbers, refused unread by weights_only=True): {reason}") from None
     if not isinstance(blob, dict) or blob.get("format") != FORMAT:
         raise ValueError(f"{path} is not an et-ode model file (expected format {FORMAT!r})")
-    model = EnergyTransformer(**blob["config"])
-    state = blob["state_dict"]
-    dtype = next(iter(state.values())).dtype
-    model = model.to(dtype)
-    model.load_state_dict(state)
-    return model, dict(blob.get("meta", {}))
+    missing = [key for key in ("config", "state_dict") if not isinstance(blob.get(key), dict)]
+    if missing or not blob["state_dict"]:
+        raise ValueError(f"{path} is an incomplete et-ode model file: {missing or ['state_dict']} missing or empty")
+    try:
+        model = EnergyTransformer(**blob["config"])
+        state = blob["state_dict"]
+        model = model.to(next(iter(state.values())).dtype)
+        model.load_state_dict(state)
+    except (TypeError, ValueError, RuntimeError, AttributeError) as error:
+        first = " ".join(str(error).split())[:300] or type(error).__name__
+        raise ValueError(f"{path}: its settings and weights do not make an EnergyTransformer: {first}") from None
+    meta = blob.get("meta", {})
+    return model, dict(meta) if isinstance(meta, dict) else {}

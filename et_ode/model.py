@@ -31,6 +31,11 @@ class EnergyTransformer(nn.Module):
 
     Shapes: ``x`` and ``g`` are ``(..., N, D)``; energies are per sample, shape ``(...)``;
     ``mask`` is a boolean ``(N, N)`` or ``(*batch, N, N)``, True where query ``C`` may attend to key ``B``.
+
+    Raises (construction): ValueError naming the setting (``dim``, ``heads``, ``head_dim``, ``memories``,
+    ``hopfield``, ``beta``, ``beta_hn``, ``eps``). Raises (the public methods): TypeError for a state ``x``/``g``
+    that is not a floating tensor of the model's dtype or a mask of the wrong type; ValueError for a wrong shape,
+    N = 0, NaN/inf entries, a state on another device, or a mask of the wrong shape, each naming the argument.
     """
 
     def __init__(
@@ -109,7 +114,7 @@ class EnergyTransformer(nn.Module):
     # -- public, validated ---------------------------------------------------------------------
     def activation(self, x: Tensor) -> Tensor:
         """``g = LayerNorm(x)``: ``(..., N, D) -> (..., N, D)``."""
-        return self.neuron(check_tokens("x", x, self.dim))
+        return self.neuron(check_tokens("x", x, self.dim, like=self.neuron.delta))
 
     def energy(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
         """Total energy per sample of the state ``x``: ``(..., N, D) -> (...)``."""
@@ -124,12 +129,12 @@ class EnergyTransformer(nn.Module):
 
     def energy_g(self, g: Tensor, mask: Tensor | None = None) -> Tensor:
         """Total energy per sample as a function of ``g``: ``(..., N, D) -> (...)``."""
-        check_tokens("g", g, self.dim)
+        check_tokens("g", g, self.dim, like=self.neuron.delta)
         return self._energy_g(g, check_mask(mask, g))
 
     def grad_g(self, g: Tensor, mask: Tensor | None = None) -> Tensor:
         """``dE/dg`` in closed form: ``(..., N, D) -> (..., N, D)``."""
-        check_tokens("g", g, self.dim)
+        check_tokens("g", g, self.dim, like=self.neuron.delta)
         return self._grad_g(g, check_mask(mask, g))
 
     def extra_repr(self) -> str:

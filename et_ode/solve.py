@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import functools
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -19,7 +20,7 @@ import torch
 from torch import Tensor, nn
 from torchdiffeq import odeint, odeint_adjoint, odeint_event
 
-from ._checks import check_mask, check_tokens
+from ._checks import check_mask, check_normalisable, check_precision, check_tokens
 from .field import ETField, Evaluations
 from .manifold import radial_direction, tangent_projection
 
@@ -28,6 +29,7 @@ FIXED_METHODS = ("euler", "midpoint", "rk4", "explicit_adams", "implicit_adams")
 METHODS = (*ADAPTIVE_METHODS, *FIXED_METHODS, "et")
 GRADIENTS = ("direct", "adjoint", "implicit")
 SAVES = ("all", "steps", "final")
+GROWTH_WARNING = 1e3  # a fixed step that grows max |x| more than this many times warns (RuntimeWarning)
 
 
 class Status(str, Enum):
@@ -138,6 +140,9 @@ class _Progress:
     rejected: int = 0
     sample_evaluations: int = 0
     last_dt: float | None = None
+    backward_steps: int = 0
+    largest_growth: float = 1.0  # largest ratio of max |x| after and before one fixed step
+    last_scale: float | None = None
     last: tuple[float, Tensor] | None = None
     saved: list[tuple[float, Tensor]] = dataclasses.field(default_factory=list)
 
@@ -178,11 +183,31 @@ class _Recorder(nn.Module):
         progress.last = (float(t0.detach()), y0.detach())
         if self.keep_steps and self.saves_each_step:
             progress.saved.append(progress.last)
+        if self.saves_each_step:  # fixed steps: watch the state's growth (no step control catches a blow-up)
+            scale = float(y0.detach().abs().amax())
+            if progress.last_scale:
+                progress.largest_growth = max(progress.largest_growth, scale / progress.last_scale)
+            progress.last_scale = scale
         if not bool(torch.isfinite(y0).all()):
             raise _Failure(f"the state became non-finite (NaN or inf) by t={progress.last[0]:.6g}", progress.last[0])
         if progress.steps > self.max_steps:
             raise _Failure(f"max_steps={self.max_steps} solver steps exceeded at t={progress.last[0]:.6g}",
                            progress.last[0])
+
+    def callback_step_adjoint(self, t0: Tensor, y0: Tensor, dt: Tensor) -> None:
+        """Bounds the adjoint's backward solve by ``max_steps`` of its own; raised out of ``loss.backward()``."""
+        progress = self.progress
+        progress.backward_steps += 1
+        states = y0 if isinstance(y0, (tuple, list)) else (y0,)
+        finite = all(bool(torch.isfinite(s).all()) for s in states)
+        underflow = not bool(t0 + dt > t0)  # torchdiffeq would assert next, printing the whole state
+        if progress.backward_steps > self.max_steps or not finite or underflow:
+            what = (f"more than max_steps={self.max_steps} steps" if progress.backward_steps > self.max_steps
+                    else "a non-finite adjoint state" if not finite else f"underflow in its step size {float(dt):.3g}")
+            raise SolveError(f"the adjoint's backward solve failed at t={float(t0):.6g}: {what} (the forward solve "
+                             f"took {progress.steps} steps); the backward dynamics are stiffer than the forward: "
+                             f"raise max_steps, loosen adjoint_rtol/adjoint_atol, use seminorm=True, or grad='direct'",
+                             time=float(t0), solution=None)
 
 
 class _AdaptiveRecorder(_Recorder):
@@ -277,16 +302,23 @@ def solve(
         per_sample: with ``steady_state``, every sample stops at its own crossing and leaves the batch,
             so converged samples stop costing work (``stats.sample_evaluations``, ``stats.stop_times``).
             Needs ``x0`` of shape ``(batch, N, D)`` and ``save="final"``.
-        max_steps: raise :class:`SolveError` after this many solver steps.
+        max_steps: raise :class:`SolveError` after this many solver steps; with ``grad="adjoint"`` the backward
+            solve has a budget of its own of as many steps (its SolveError comes out of ``loss.backward()``).
         mask: attention mask ``(N, N)`` or ``(*batch, N, N)``.
         save: ``"all"`` (the states at the times ``t``; with ``steady_state``, those before the stop
             and the stop itself, recomputed without gradients), ``"steps"`` (every accepted step of
             an adaptive method, every step of a fixed one) or ``"final"``.
 
     Raises:
-        ValueError / TypeError: bad arguments, naming the argument.
-        SolveError: too many steps, step-size underflow, or a non-finite state; carries the partial
-            solution.
+        TypeError: ``field`` is not an ETField; ``x0`` or ``mask`` of the wrong type or dtype (``x0`` must have the
+            model's dtype).
+        ValueError: a bad argument, named: unknown ``method``/``grad``/``save``, bad tolerances or ``t``; ``x0`` of
+            the wrong shape, with N = 0 or an empty batch, non-finite, too large for its dtype (the LayerNorm's
+            variance overflows: use float64), half precision with an adaptive method, or on another device.
+        SolveError: too many steps (``method="et"`` and fixed steps are checked before any work), step-size
+            underflow, or a non-finite state (the message says where and what to try); ``error.solution`` holds
+            the partial solution (``status`` FAILED). The adjoint's backward solve raises it from
+            ``loss.backward()`` when it exceeds ``max_steps`` (then ``solution`` is None).
     """
     if not isinstance(field, ETField):
         raise TypeError(f"field must be an et_ode.ETField, got {type(field).__name__}")
@@ -309,7 +341,16 @@ def solve(
         raise ValueError(f"max_steps must be a positive integer, got {max_steps!r}")
     if grad == "implicit" and steady_state is None:
         raise ValueError("grad='implicit' differentiates at a fixed point: give steady_state=tol")
-    check_tokens("x0", x0, field.model.dim)
+    check_tokens("x0", x0, field.model.dim, like=field.model.neuron.delta)
+    if x0.shape[:-2].numel() == 0:
+        raise ValueError(f"x0 has an empty batch: shape {tuple(x0.shape)} (*batch, N, D); give at least one sample")
+    check_normalisable("x0", x0)
+    check_precision("x0", x0, method, method in ADAPTIVE_METHODS)
+    if method == "et" and isinstance(steps, int) and steps > max_steps:  # before building a grid of steps + 1 times
+        raise SolveError(f"solve failed (et): steps={steps} is more than max_steps={max_steps}; raise max_steps or "
+                         f"take fewer, larger steps", time=float(t[0]) if isinstance(t, (tuple, list)) and t else 0.0,
+                         solution=_partial_solution(field, _Progress(), x0, field.evaluations,
+                                                    field.evaluations.count, 0.0))
     if mask is not None:
         field = field.with_mask(check_mask(mask, x0))
     else:
@@ -335,7 +376,8 @@ def solve(
         if planned > max_steps:
             raise SolveError(f"solve failed ({method}): {planned} fixed steps planned from t={float(grid[0]):.6g} to "
                              f"{float(grid[-1]):.6g}, more than max_steps={max_steps}", time=float(grid[0]),
-                             solution=None)
+                             solution=_partial_solution(field, _Progress(), x0, field.evaluations,
+                                                        field.evaluations.count, 0.0))
     progress = _Progress()
     recorder_type = _AdaptiveRecorder if adaptive else _Recorder
     recorder = recorder_type(field, max_steps, keep_steps=save == "steps", progress=progress)
@@ -370,13 +412,19 @@ def solve(
         last_time = progress.last[0] if progress.last else float(grid[0])
         fail_time = error.time if isinstance(error, _Failure) else last_time
         partial = _partial_solution(field, progress, x0, evaluations, nfe_before, time.perf_counter() - started)
-        raise SolveError(f"solve failed ({method}): {error}", time=fail_time, solution=partial) from error
+        raise SolveError(f"solve failed ({method}): {error}{_advice(str(error))}", time=fail_time,
+                         solution=partial) from error
     wall_time = time.perf_counter() - started
     nfe_forward = evaluations.count - nfe_before
     if not bool(torch.isfinite(x_final).all()):
         partial = _partial_solution(field, progress, x0, evaluations, nfe_before, wall_time)
         raise SolveError(f"solve failed ({method}): the state became non-finite (NaN or inf) by "
-                         f"t={float(ts[-1]):.6g}", time=float(ts[-1]), solution=partial)
+                         f"t={float(ts[-1]):.6g}{_advice('non-finite')}", time=float(ts[-1]), solution=partial)
+    if not adaptive and progress.largest_growth > GROWTH_WARNING:
+        warnings.warn(f"solve ({method}): one fixed step grew the state {progress.largest_growth:.3g}-fold (largest "
+                      f"|x|): the step is far too large for this field (stiff, or large weights), so the result is "
+                      f"not an accurate solution and the state heads for overflow. Use a smaller step, more steps, "
+                      f"or an adaptive method", RuntimeWarning, stacklevel=2)
     if not adaptive and steady_state is not None:  # torchdiffeq's fixed-step event loop has no step callback
         progress.steps = round((float(ts[-1]) - float(grid[0])) / fixed_step)
 
@@ -409,6 +457,16 @@ def solve(
                        status=status, evaluations=evaluations, nfe_at_return=evaluations.count,
                        sample_evaluations=progress.sample_evaluations, stop_times=stop_times)
     return Solution(ts=ts, xs=xs, x=x_final, g=g_final, stats=stats, field=field)
+
+
+def _advice(text: str) -> str:
+    """What to try after a failed solve, from the text of its cause."""
+    if "non-finite" in text or "underflow in dt" in text:
+        return ("; the dynamics overflowed or became too stiff for the solver there: use float64 (x0 and model), "
+                "a smaller step, tighter rtol/atol, or smaller weights")
+    if "max_steps" in text or "Reached maximum" in text:
+        return "; raise max_steps, loosen rtol/atol, or shorten the horizon"
+    return ""
 
 
 def _rms_dg_dt(field: ETField, x: Tensor, velocity: Tensor | None = None) -> Tensor:

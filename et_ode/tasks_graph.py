@@ -33,6 +33,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from . import runs
 from .models.graph import POOLS, GraphET
 from .train import TrainConfig, fit, move_to, resolve_device, seed_everything
 
@@ -427,8 +428,10 @@ def add_graph_train_arguments(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--weight-decay", type=float, default=1e-4)
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--device", default="auto")
-    train.add_argument("--out", default=None, help="output folder (checkpoints, metrics, results; resumable)")
+    train.add_argument("--out", default=None,
+                       help="output folder (checkpoints, metrics, results): new or empty, or see --resume, --overwrite")
     train.add_argument("--no-progress", action="store_true")
+    runs.add_arguments(parser)
 
 
 def parse_grid(items: Sequence[str]) -> dict[str, list[Any]]:
@@ -481,8 +484,27 @@ def load_anomaly_graph(args: argparse.Namespace) -> Any:
     return graph
 
 
+# Options of ``et-ode train graph`` that a resume may change: how the run executes, not what it computes.
+RESUMABLE_CHANGES = ("device", "no_progress", "out", "resume", "overwrite")
+
+
 def run_graph_train(args: argparse.Namespace) -> dict[str, Any]:
-    """Run ``et-ode train graph``; prints and returns the results (also written to ``--out``)."""
+    """Run ``et-ode train graph``; prints and returns the results (also written to ``--out``).
+
+    ``--out`` is taken with :func:`et_ode.runs.claim` (its ``config.json`` holds the options): a folder holding
+    files needs ``--resume`` (same options; finished folds are read back, the unfinished one resumes) or
+    ``--overwrite``; otherwise :class:`et_ode.runs.RunFolderError`.
+    """
+    if not args.out:
+        return _run_graph_train(args)
+    setup = {k: v for k, v in sorted(vars(args).items())
+             if isinstance(v, (str, int, float, bool, list, type(None))) and k not in ("command", "task")}
+    with runs.claim(args.out, setup, resume=getattr(args, "resume", False),
+                    overwrite=getattr(args, "overwrite", False), may_change=RESUMABLE_CHANGES):
+        return _run_graph_train(args)
+
+
+def _run_graph_train(args: argparse.Namespace) -> dict[str, Any]:
     classify = args.graph_task == "classify"
     config = TrainConfig(epochs=args.epochs or (100 if classify else 300), batch_size=args.batch_size,
                          lr=args.lr or (1e-3 if classify else 5e-3), weight_decay=args.weight_decay, seed=args.seed,

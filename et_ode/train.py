@@ -12,13 +12,13 @@ Public API::
 
     TrainConfig(epochs=10, batch_size=64, lr=1e-3, weight_decay=1e-4, betas=(0.9, 0.999), warmup=0.05,
                 min_lr_ratio=0.0, grad_clip=1.0, seed=0, device="auto", out_dir=None, resume=False,
-                eval_every=1, checkpoint_every=0, eval_batch_size=None, max_train_batches=None,
+                overwrite=False, eval_every=1, checkpoint_every=0, eval_batch_size=None, max_train_batches=None,
                 num_workers=0, progress=True)
     fit(model, task, train_data, val_data=None, config=TrainConfig(), *, collate_fn=None, meta=None,
         callback=None) -> History
     History.records: list[dict]  (one per epoch: epoch, step, lr, train_<metric> means, val_<metric>, time)
-    save_checkpoint(path, state: dict) -> None          # atomic: temporary file, fsync, os.replace
-    load_checkpoint(path, map_location="cpu") -> dict    # ValueError naming the file if truncated/corrupt
+    save_checkpoint(path, state: dict) -> None          # atomic; TypeError naming an entry that is not data
+    load_checkpoint(path, map_location="cpu") -> dict    # ValueError naming the file: corrupt, pickle, model file
     resolve_device(device: str) -> torch.device          # "auto" | "cpu" | "cuda" | "cuda:1"
     seed_everything(seed: int) -> None
     move_to(batch, device) -> batch                      # tensors, tuples, lists, dicts, objects with .to()
@@ -26,10 +26,13 @@ Public API::
 ``train_data`` / ``val_data``: a ``torch.utils.data.Dataset`` (batched by ``fit`` with ``collate_fn``) or,
 for ``val_data`` only, any iterable of ready batches. Batches are moved to the device by :func:`move_to`.
 
-Files written to ``config.out_dir`` (when set): ``checkpoint.pt`` (model, optimizer, scheduler, RNG states,
-epoch, step within the epoch, config, history, ``meta``), ``metrics.jsonl`` (one JSON object per epoch and
-per checkpoint-interval log line). Resume (``config.resume=True`` reads ``out_dir/checkpoint.pt``, or give a
-path) continues mid-epoch exactly: the order of each epoch is a fixed function of ``(seed, epoch)`` and the
+Files written to ``config.out_dir`` (when set): ``checkpoint.safetensors`` (model, optimizer, scheduler, RNG
+states, epoch, step within the epoch, config, history, ``meta``; tensors in safetensors, the rest JSON, see
+:mod:`et_ode.statefile`: loading it never runs code), ``metrics.jsonl`` (one JSON object per epoch and per
+checkpoint-interval log line). The folder is locked while ``fit`` runs (:func:`et_ode.runs.lock`), and a
+folder that already holds a checkpoint or metrics is refused unless ``resume`` or ``overwrite`` is set.
+Resume (``config.resume=True`` reads ``out_dir/checkpoint.safetensors``, or give a path) continues mid-epoch
+exactly: the order of each epoch is a fixed function of ``(seed, epoch)`` and the
 global RNG states are restored, so a resumed run ends with the same parameters as an uninterrupted one
 (bit for bit on CPU).
 
@@ -47,13 +50,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import io
 import json
 import math
 import os
 import random
 import sys
-import tempfile
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator
@@ -67,9 +68,12 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, Sampler
 from tqdm.auto import tqdm
 
-from . import distributed
+from . import distributed, runs
+from .statefile import describe, load_state, save_state, torch_file_format
 
-CHECKPOINT_NAME = "checkpoint.pt"
+CHECKPOINT_NAME = "checkpoint.safetensors"
+CHECKPOINT_FORMAT = "et-ode/training-checkpoint/2"
+LEGACY_CHECKPOINT_NAME = "checkpoint.pt"  # the pickle checkpoints of et-ode before the safetensors format
 METRICS_NAME = "metrics.jsonl"
 # Fields that change the sequence of parameter updates: a resumed run must keep them.
 _TRAJECTORY_FIELDS = ("batch_size", "lr", "weight_decay", "betas", "warmup", "min_lr_ratio", "grad_clip", "seed",
@@ -100,7 +104,9 @@ class TrainConfig:
         seed: seeds parameters' initialisation by the caller's choice, data order, and the global RNGs.
         device: ``"auto"`` (CUDA when available), ``"cpu"``, ``"cuda"`` or ``"cuda:i"``.
         out_dir: folder for the checkpoint and the metrics (None: write nothing).
-        resume: False, True (``out_dir/checkpoint.pt`` if it exists) or a checkpoint path.
+        resume: False, True (``out_dir/checkpoint.safetensors`` if it exists) or a checkpoint path.
+        overwrite: start afresh in an ``out_dir`` that holds a checkpoint or metrics, deleting them (without
+            it, or ``resume``, such a folder is refused).
         eval_every: evaluate on ``val_data`` every this many epochs (and after the last).
         checkpoint_every: also checkpoint every this many steps within an epoch (0: only at epoch ends).
         eval_batch_size: batch size of the evaluation (default ``batch_size``).
@@ -121,6 +127,7 @@ class TrainConfig:
     device: str = "auto"
     out_dir: str | None = None
     resume: bool | str = False
+    overwrite: bool = False
     eval_every: int = 1
     checkpoint_every: int = 0
     eval_batch_size: int | None = None
@@ -226,47 +233,34 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save_checkpoint(path: str | os.PathLike, state: dict[str, Any]) -> None:
-    """Write ``state`` with ``torch.save`` atomically: a temporary file in the same folder, fsync, ``os.replace``.
+    """Write ``state`` (tensors, NumPy arrays, numbers, strings, and lists/tuples/dicts of them) as safetensors +
+    JSON (:mod:`et_ode.statefile`), atomically: a crash mid-write leaves the previous checkpoint intact.
 
-    A crash mid-write leaves the previous checkpoint intact.
+    Raises:
+        TypeError: ``state`` holds an object that is not data, naming where.
     """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(handle, "wb") as file:
-            torch.save(state, file)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    save_state(path, state, CHECKPOINT_FORMAT)
 
 
 def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu",
                     required: Iterable[str] = ("model",)) -> dict[str, Any]:
-    """Read a checkpoint written by :func:`save_checkpoint`.
+    """Read a checkpoint written by :func:`save_checkpoint`. Data only: nothing in the file can run code.
 
     Raises:
         FileNotFoundError: no file at ``path``.
-        ValueError: the file is truncated, corrupt, not a checkpoint, or lacks one of ``required`` keys.
+        ValueError: the file is empty, truncated or corrupt, a pickle (refused, never unpickled), an et-ode model
+            file (the message says how to load it), not a checkpoint, or lacks one of ``required`` keys.
     """
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"checkpoint not found: {path} (looked for a file at {path.resolve()})")
-    raw = path.read_bytes()
-    if not raw:
-        raise ValueError(f"checkpoint {path} is empty (0 bytes): truncated or corrupt; delete it or resume "
-                         f"from another checkpoint")
     try:
-        state = torch.load(io.BytesIO(raw), map_location=map_location, weights_only=False)
-    except Exception as error:  # torch raises RuntimeError, EOFError, UnpicklingError, ... for damaged files
-        raise ValueError(f"checkpoint {path} ({len(raw)} bytes) is truncated or corrupt and cannot be read: "
-                         f"{type(error).__name__}: {error}") from None
-    if not isinstance(state, dict):
-        raise ValueError(f"checkpoint {path} does not hold a dict of training state (got {type(state).__name__})")
+        state = load_state(path, CHECKPOINT_FORMAT, map_location, what="checkpoint")
+    except ValueError:
+        if path.is_file() and describe(path).startswith("a pickle") \
+                and (torch_file_format(path) or "").startswith("et-ode/energy-transformer"):
+            raise ValueError(f"{path} is an et-ode model file (et_ode.io.save_model: an EnergyTransformer and its "
+                             f"settings), not a training checkpoint: read it with et_ode.io.load_model(path). A "
+                             f"checkpoint is the {CHECKPOINT_NAME} that training writes in its --out folder") from None
+        raise
     missing = [key for key in required if key not in state]
     if missing:
         raise ValueError(f"checkpoint {path} lacks the entries {missing}; it has {sorted(state)}")
@@ -345,6 +339,14 @@ def fit(
         collate_fn: the DataLoader's ``collate_fn`` (default: PyTorch's).
         meta: anything JSON/pickle-able stored in the checkpoint under ``"meta"`` (e.g. how to rebuild the model).
         callback: called with each epoch record after it is logged.
+
+    Raises:
+        TypeError: ``model``, ``task`` or ``train_data`` of the wrong kind.
+        ValueError: empty ``train_data``; a batch size the processes do not divide; a checkpoint to resume that
+            is damaged, a pickle (refused unread), or of another model or other training settings (named).
+        et_ode.runs.RunFolderError: ``out_dir`` is a file, is in use by another live process (named), or already
+            holds a run while neither ``resume`` nor ``overwrite`` is set.
+        FloatingPointError: the loss became non-finite (the message gives the epoch, step and learning rate).
     """
     config = config or TrainConfig()
     if not isinstance(model, nn.Module):
@@ -370,130 +372,153 @@ def fit(
                          f"environment) but torch.distributed is not initialised: call fit inside "
                          f"`with et_ode.distributed.session():` so that the ranks train together")
     out_dir = Path(config.out_dir) if config.out_dir else None
+    with runs.lock(out_dir) if out_dir is not None and is_main else contextlib.nullcontext():
+        if out_dir is not None and is_main:
+            _check_fresh(config, out_dir)
 
-    seed_everything(config.seed)
-    model.to(device)
-    net = distributed.wrap(model, device)
+        seed_everything(config.seed)
+        model.to(device)
+        net = distributed.wrap(model, device)
 
-    sampler = _EpochSampler(len(train_data), config.seed, rank, world)
-    loader = DataLoader(train_data, batch_size=local_batch, sampler=sampler, collate_fn=collate_fn,
-                        num_workers=config.num_workers, pin_memory=device.type == "cuda",
-                        generator=torch.Generator().manual_seed(config.seed))  # keeps the global RNG untouched
-    batches_per_epoch = math.ceil(len(sampler.indices()) / local_batch)
-    if config.max_train_batches is not None:
-        batches_per_epoch = min(batches_per_epoch, config.max_train_batches)
-    total_steps = batches_per_epoch * config.epochs
-    warmup_steps = _warmup_steps(config, total_steps)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=config.betas,
-                                  weight_decay=config.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_factor(step, total_steps, warmup_steps, config.min_lr_ratio))
-    val_share: int | None = None  # examples of val_data evaluated by this rank (None: all ranks see all batches)
-    if isinstance(val_data, Dataset):
-        part = val_data if world == 1 else torch.utils.data.Subset(val_data, distributed.shard(len(val_data)))
-        val_share = len(part)
-        val_batches: Iterable[Any] | None = DataLoader(part, batch_size=config.eval_batch_size or config.batch_size,
-                                                       shuffle=False, collate_fn=collate_fn,
-                                                       num_workers=config.num_workers)
-    else:
-        val_batches = val_data
+        sampler = _EpochSampler(len(train_data), config.seed, rank, world)
+        loader = DataLoader(train_data, batch_size=local_batch, sampler=sampler, collate_fn=collate_fn,
+                            num_workers=config.num_workers, pin_memory=device.type == "cuda",
+                            generator=torch.Generator().manual_seed(config.seed))  # keeps the global RNG untouched
+        batches_per_epoch = math.ceil(len(sampler.indices()) / local_batch)
+        if config.max_train_batches is not None:
+            batches_per_epoch = min(batches_per_epoch, config.max_train_batches)
+        total_steps = batches_per_epoch * config.epochs
+        warmup_steps = _warmup_steps(config, total_steps)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=config.betas,
+                                      weight_decay=config.weight_decay)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: lr_factor(step, total_steps, warmup_steps, config.min_lr_ratio))
+        val_share: int | None = None  # examples of val_data evaluated by this rank (None: all ranks see all batches)
+        if isinstance(val_data, Dataset):
+            part = val_data if world == 1 else torch.utils.data.Subset(val_data, distributed.shard(len(val_data)))
+            val_share = len(part)
+            val_batches: Iterable[Any] | None = DataLoader(part, batch_size=config.eval_batch_size or config.batch_size,
+                                                           shuffle=False, collate_fn=collate_fn,
+                                                           num_workers=config.num_workers)
+        else:
+            val_batches = val_data
 
-    history = History()
-    epoch, batch_in_epoch, step = 0, 0, 0
-    running: dict[str, float] = {}
-    count = 0
-    elapsed = 0.0  # training seconds before this process (a resumed run continues the clock)
-    resume_path = _resume_path(config, out_dir) if is_main else None
-    state = None
-    if resume_path is not None:
-        state = load_checkpoint(resume_path, map_location="cpu",
-                                required=("model", "optimizer", "scheduler", "rng", "epoch", "batch", "config"))
-        _check_resumable(state["config"], config, resume_path)
-    state = distributed.broadcast_object(state)
-    if state is not None:
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        _set_rng_state(state["rng"])
-        epoch, batch_in_epoch, step = state["epoch"], state["batch"], state["step"]
-        running, count = dict(state.get("running", {})), int(state.get("count", 0))
-        elapsed = float(state.get("elapsed", 0.0))
-        history.records = list(state.get("history", []))
+        history = History()
+        epoch, batch_in_epoch, step = 0, 0, 0
+        running: dict[str, float] = {}
+        count = 0
+        elapsed = 0.0  # training seconds before this process (a resumed run continues the clock)
+        resume_path = _resume_path(config, out_dir) if is_main else None
+        state = None
+        if resume_path is not None:
+            state = load_checkpoint(resume_path, map_location="cpu",
+                                    required=("model", "optimizer", "scheduler", "rng", "epoch", "batch", "config"))
+            _check_resumable(state["config"], config, resume_path)
+        state = distributed.broadcast_object(state)
+        if state is not None:
+            try:
+                model.load_state_dict(state["model"])
+                optimizer.load_state_dict(state["optimizer"])
+            except (RuntimeError, ValueError, KeyError) as error:
+                raise ValueError(f"cannot resume from {resume_path or 'the checkpoint'}: it holds a different model "
+                                 f"or optimizer ({str(error).splitlines()[0][:300]}); resume with the run's model "
+                                 f"settings or start a new out_dir") from None
+            scheduler.load_state_dict(state["scheduler"])
+            _set_rng_state(state["rng"])
+            epoch, batch_in_epoch, step = state["epoch"], state["batch"], state["step"]
+            running, count = dict(state.get("running", {})), int(state.get("count", 0))
+            elapsed = float(state.get("elapsed", 0.0))
+            history.records = list(state.get("history", []))
 
-    def checkpoint() -> None:
-        if out_dir is None or not is_main:
-            return
-        save_checkpoint(out_dir / CHECKPOINT_NAME, {
-            "model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-            "rng": _rng_state(), "epoch": epoch, "batch": batch_in_epoch, "step": step, "running": running,
-            "count": count, "elapsed": elapsed + time.perf_counter() - started, "config": config.to_dict(),
-            "world_size": world, "history": history.records, "meta": meta or {}})
+        def checkpoint() -> None:
+            if out_dir is None or not is_main:
+                return
+            save_checkpoint(out_dir / CHECKPOINT_NAME, {
+                "model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                "rng": _rng_state(), "epoch": epoch, "batch": batch_in_epoch, "step": step, "running": running,
+                "count": count, "elapsed": elapsed + time.perf_counter() - started, "config": config.to_dict(),
+                "world_size": world, "history": history.records, "meta": meta or {}})
 
-    def log(record: dict[str, Any]) -> None:
-        if out_dir is None or not is_main:
-            return
-        out_dir.mkdir(parents=True, exist_ok=True)
-        with open(out_dir / METRICS_NAME, "a") as file:
-            file.write(json.dumps(record) + "\n")
+        def log(record: dict[str, Any]) -> None:
+            if out_dir is None or not is_main:
+                return
+            out_dir.mkdir(parents=True, exist_ok=True)
+            with open(out_dir / METRICS_NAME, "a") as file:
+                file.write(json.dumps(record) + "\n")
 
-    started = time.perf_counter()
-    while epoch < config.epochs:
-        sampler.epoch, sampler.start = epoch, batch_in_epoch * local_batch
-        net.train()
-        bar = tqdm(total=batches_per_epoch, initial=batch_in_epoch, desc=f"epoch {epoch + 1}/{config.epochs}",
-                   disable=not (config.progress and is_main), leave=False, dynamic_ncols=True)
-        for batch in loader:
-            if batch_in_epoch >= batches_per_epoch:
-                break
-            batch = move_to(batch, device)
-            loss, metrics = task.loss(net, batch)
-            if not bool(torch.isfinite(loss)):
-                raise FloatingPointError(f"the training loss became {float(loss.detach())} at epoch {epoch + 1}, "
-                                         f"step {step}; lower lr (now {scheduler.get_last_lr()[0]:.3g}) or the solver "
-                                         f"tolerances")
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            if config.grad_clip:
-                metrics = {**metrics, "grad_norm": float(nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip))}
-            optimizer.step()
-            scheduler.step()
-            step += 1
-            batch_in_epoch += 1
-            metrics = {"loss": float(loss.detach()), **{k: float(v) for k, v in metrics.items()}}
-            for key, value in metrics.items():
-                running[key] = running.get(key, 0.0) + value
-            count += 1
-            bar.set_postfix(_format(metrics), refresh=False)
-            bar.update(1)
-            if config.checkpoint_every and step % config.checkpoint_every == 0 and batch_in_epoch < batches_per_epoch:
-                checkpoint()
-                means = distributed.reduce_mean({k: v / count for k, v in running.items()})
-                log({"kind": "step", "epoch": epoch + 1, "step": step, "lr": scheduler.get_last_lr()[0],
-                     "time": elapsed + time.perf_counter() - started, **{f"train_{k}": v for k, v in means.items()}})
-        bar.close()
+        started = time.perf_counter()
+        while epoch < config.epochs:
+            sampler.epoch, sampler.start = epoch, batch_in_epoch * local_batch
+            net.train()
+            bar = tqdm(total=batches_per_epoch, initial=batch_in_epoch, desc=f"epoch {epoch + 1}/{config.epochs}",
+                       disable=not (config.progress and is_main), leave=False, dynamic_ncols=True)
+            for batch in loader:
+                if batch_in_epoch >= batches_per_epoch:
+                    break
+                batch = move_to(batch, device)
+                loss, metrics = task.loss(net, batch)
+                if not bool(torch.isfinite(loss)):
+                    raise FloatingPointError(f"the training loss became {float(loss.detach())} at epoch {epoch + 1}, "
+                                             f"step {step}; lower lr (now {scheduler.get_last_lr()[0]:.3g}) or the solver "
+                                             f"tolerances")
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                if config.grad_clip:
+                    metrics = {**metrics, "grad_norm": float(nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip))}
+                optimizer.step()
+                scheduler.step()
+                step += 1
+                batch_in_epoch += 1
+                metrics = {"loss": float(loss.detach()), **{k: float(v) for k, v in metrics.items()}}
+                for key, value in metrics.items():
+                    running[key] = running.get(key, 0.0) + value
+                count += 1
+                bar.set_postfix(_format(metrics), refresh=False)
+                bar.update(1)
+                if config.checkpoint_every and step % config.checkpoint_every == 0 and batch_in_epoch < batches_per_epoch:
+                    checkpoint()
+                    means = distributed.reduce_mean({k: v / count for k, v in running.items()})
+                    log({"kind": "step", "epoch": epoch + 1, "step": step, "lr": scheduler.get_last_lr()[0],
+                         "time": elapsed + time.perf_counter() - started, **{f"train_{k}": v for k, v in means.items()}})
+            bar.close()
 
-        means = distributed.reduce_mean({k: v / max(count, 1) for k, v in running.items()})
-        record: dict[str, Any] = {"kind": "epoch", "epoch": epoch + 1, "step": step, "lr": scheduler.get_last_lr()[0],
-                                  **{f"train_{k}": v for k, v in means.items()}}
-        last_epoch = epoch + 1 == config.epochs
-        if val_batches is not None and ((epoch + 1) % config.eval_every == 0 or last_epoch):
-            model.eval()
-            with torch.no_grad():
-                evaluated = task.evaluate(model, (move_to(b, device) for b in val_batches)) if val_share != 0 else {}
-            if val_share is not None:
-                evaluated = distributed.reduce_mean(evaluated, weight=val_share)
-            record.update({f"val_{k}": float(v) for k, v in evaluated.items()})
-        record["time"] = elapsed + time.perf_counter() - started
-        history.records.append(record)
-        log(record)
-        if callback is not None and is_main:
-            callback(record)
-        if config.progress and is_main:
-            tqdm.write(" ".join(f"{k}={v}" for k, v in _format(record).items() if k != "kind"))
-        epoch, batch_in_epoch, running, count = epoch + 1, 0, {}, 0
-        checkpoint()
-    model.eval()
-    return history
+            means = distributed.reduce_mean({k: v / max(count, 1) for k, v in running.items()})
+            record: dict[str, Any] = {"kind": "epoch", "epoch": epoch + 1, "step": step, "lr": scheduler.get_last_lr()[0],
+                                      **{f"train_{k}": v for k, v in means.items()}}
+            last_epoch = epoch + 1 == config.epochs
+            if val_batches is not None and ((epoch + 1) % config.eval_every == 0 or last_epoch):
+                model.eval()
+                with torch.no_grad():
+                    evaluated = task.evaluate(model, (move_to(b, device) for b in val_batches)) if val_share != 0 else {}
+                if val_share is not None:
+                    evaluated = distributed.reduce_mean(evaluated, weight=val_share)
+                record.update({f"val_{k}": float(v) for k, v in evaluated.items()})
+            record["time"] = elapsed + time.perf_counter() - started
+            history.records.append(record)
+            log(record)
+            if callback is not None and is_main:
+                callback(record)
+            if config.progress and is_main:
+                tqdm.write(" ".join(f"{k}={v}" for k, v in _format(record).items() if k != "kind"))
+            epoch, batch_in_epoch, running, count = epoch + 1, 0, {}, 0
+            checkpoint()
+        model.eval()
+        return history
+
+
+def _check_fresh(config: TrainConfig, out_dir: Path) -> None:
+    """A run that does not resume must not mix with another's checkpoint and metrics in ``out_dir``."""
+    if config.resume is not False and config.resume is not None:
+        return
+    found = [name for name in (CHECKPOINT_NAME, METRICS_NAME) if (out_dir / name).exists()]
+    if not found:
+        return
+    if not config.overwrite:
+        raise runs.RunFolderError(f"{out_dir} already holds a run ({', '.join(found)}): resume it "
+                                  f"(TrainConfig.resume=True, --resume), replace it (overwrite=True, --overwrite) "
+                                  f"or choose another out_dir")
+    for name in found:
+        (out_dir / name).unlink()
 
 
 def _resume_path(config: TrainConfig, out_dir: Path | None) -> Path | None:
@@ -501,8 +526,13 @@ def _resume_path(config: TrainConfig, out_dir: Path | None) -> Path | None:
         return None
     if config.resume is True:
         if out_dir is None:
-            raise ValueError("TrainConfig.resume=True needs out_dir (it reads out_dir/checkpoint.pt)")
+            raise ValueError(f"TrainConfig.resume=True needs out_dir (it reads out_dir/{CHECKPOINT_NAME})")
         path = out_dir / CHECKPOINT_NAME
+        if not path.is_file() and (out_dir / LEGACY_CHECKPOINT_NAME).is_file():
+            raise ValueError(f"cannot resume {out_dir}: it holds {LEGACY_CHECKPOINT_NAME}, a pickle checkpoint of an "
+                             f"older et-ode, which is never loaded (it could run code). If you trust it, convert it "
+                             f"once: save_checkpoint(out_dir / {CHECKPOINT_NAME!r}, torch.load(out_dir / "
+                             f"{LEGACY_CHECKPOINT_NAME!r}, weights_only=False)); or start a new out_dir")
         return path if path.is_file() else None  # nothing to resume yet: start fresh
     path = Path(config.resume)
     if not path.is_file():

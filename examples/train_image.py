@@ -27,7 +27,7 @@ def main() -> None:
     )
     results = train_image(config)
     print(json.dumps({k: results[k] for k in ("model", "mean_baseline", "nearest_neighbour")}, indent=2))
-    film = complete(f"{args.out}/checkpoint.pt", f"{args.out}/film", index=0)
+    film = complete(f"{args.out}/checkpoint.safetensors", f"{args.out}/film", index=0)
     print("completion of test image 0 written:", film["files"], "masked MSE", round(film["masked_mse"], 4))
 
 

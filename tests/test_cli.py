@@ -7,6 +7,7 @@ import torch
 
 from et_ode.cli import build_parser, load_trained, main
 from et_ode.io import load_model
+from et_ode.train import load_checkpoint
 
 TINY = ["--train-limit", "48", "--test-limit", "24", "--dim", "8", "--heads", "2", "--head-dim", "4",
         "--solver", "et", "--step", "0.1", "--steps", "3", "--grad", "direct", "--epochs", "2", "--batch-size", "16",
@@ -21,7 +22,7 @@ def trained(tmp_path_factory):
 
 
 def test_train_writes_everything(trained):
-    for name in ("checkpoint.pt", "metrics.jsonl", "results.json", "config.json", "et_block.pt", "tokens.pt"):
+    for name in ("checkpoint.safetensors", "metrics.jsonl", "results.json", "config.json", "et_block.pt", "tokens.pt"):
         assert (trained / name).is_file(), name
     results = json.loads((trained / "results.json").read_text())
     assert results["test_images"] == 24 and results["train_images"] == 48
@@ -31,7 +32,7 @@ def test_train_writes_everything(trained):
     epochs = [json.loads(line) for line in (trained / "metrics.jsonl").read_text().splitlines()]
     assert [e["epoch"] for e in epochs] == [1, 2]
     # the saved block and token states are what the model uses
-    model, _ = load_trained(trained / "checkpoint.pt")
+    model, _ = load_trained(trained / "checkpoint.safetensors")
     block, meta = load_model(trained / "et_block.pt")
     tokens = torch.load(trained / "tokens.pt")
     assert tokens.shape == (16, 16, 8) and meta["tau"] == model.tau
@@ -39,16 +40,16 @@ def test_train_writes_everything(trained):
 
 
 def test_train_resume_is_a_no_op_when_finished(trained, capsys):
-    before = torch.load(trained / "checkpoint.pt", weights_only=False)["model"]
+    before = load_checkpoint(trained / "checkpoint.safetensors")["model"]
     assert main(["train", "image", *TINY, "--out", str(trained), "--resume"]) == 0
-    after = torch.load(trained / "checkpoint.pt", weights_only=False)["model"]
+    after = load_checkpoint(trained / "checkpoint.safetensors")["model"]
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
 def test_complete_by_index_and_by_png(trained, tmp_path):
     from matplotlib.image import imsave
 
-    assert main(["complete", str(trained / "checkpoint.pt"), "--index", "2", "--out", str(tmp_path / "a")]) == 0
+    assert main(["complete", str(trained / "checkpoint.safetensors"), "--index", "2", "--out", str(tmp_path / "a")]) == 0
     film = torch.load(tmp_path / "a" / "film.pt")
     assert film["frames"].shape[1:] == (1, 8, 8) and film["frames"].shape[0] == len(film["times"])
     lines = (tmp_path / "a" / "energy.csv").read_text().splitlines()
@@ -57,7 +58,7 @@ def test_complete_by_index_and_by_png(trained, tmp_path):
     assert all(b <= a for a, b in zip(energies, energies[1:], strict=False))
 
     imsave(tmp_path / "digit.png", torch.rand(8, 8).numpy(), cmap="gray", vmin=0, vmax=1)
-    assert main(["complete", str(trained / "checkpoint.pt"), "--image", str(tmp_path / "digit.png"),
+    assert main(["complete", str(trained / "checkpoint.safetensors"), "--image", str(tmp_path / "digit.png"),
                  "--solver", "dopri5", "--t1", "0.5", "--frames", "4", "--out", str(tmp_path / "b")]) == 0
     film = torch.load(tmp_path / "b" / "film.pt")
     assert film["times"].tolist() == pytest.approx([0.0, 0.5 / 3, 1.0 / 3, 0.5])
@@ -67,14 +68,14 @@ def test_complete_errors(trained, tmp_path, capsys):
     from matplotlib.image import imsave
 
     imsave(tmp_path / "big.png", torch.rand(10, 8).numpy(), cmap="gray")
-    assert main(["complete", str(trained / "checkpoint.pt"), "--image", str(tmp_path / "big.png"),
+    assert main(["complete", str(trained / "checkpoint.safetensors"), "--image", str(tmp_path / "big.png"),
                  "--out", str(tmp_path / "c")]) == 2
     assert "has shape (1, 10, 8)" in capsys.readouterr().err
-    raw = (trained / "checkpoint.pt").read_bytes()
+    raw = (trained / "checkpoint.safetensors").read_bytes()
     (tmp_path / "cut.pt").write_bytes(raw[: len(raw) // 3])
     assert main(["complete", str(tmp_path / "cut.pt"), "--index", "0", "--out", str(tmp_path / "c")]) == 2
     assert "truncated or corrupt" in capsys.readouterr().err
-    assert main(["complete", str(trained / "checkpoint.pt"), "--index", "999", "--out", str(tmp_path / "c")]) == 2
+    assert main(["complete", str(trained / "checkpoint.safetensors"), "--index", "999", "--out", str(tmp_path / "c")]) == 2
     assert "index must be in [0, 359)" in capsys.readouterr().err
 
 

@@ -27,7 +27,7 @@ def test_integrate(tmp_path):
 
 def test_train_image(tmp_path):
     run("train_image.py", "--out", str(tmp_path), "--epochs", "1")
-    assert (tmp_path / "checkpoint.pt").is_file()
+    assert (tmp_path / "checkpoint.safetensors").is_file()
 
 
 def test_study_stability(tmp_path):
@@ -40,7 +40,8 @@ def test_train_graph_classification(shared_data, tmp_path):
     out = run("train_graph_classification.py", "--root", str(shared_data), "--folds", "2", "--ensemble", "2",
               "--out", str(tmp_path), *TINY_GRAPH)
     assert "MUTAG: 2-fold test accuracy" in out
-    assert (tmp_path / "cv_results.json").is_file() and (tmp_path / "fold_0" / "member_1" / "checkpoint.pt").is_file()
+    assert (tmp_path / "cv_results.json").is_file()
+    assert (tmp_path / "fold_0" / "member_1" / "checkpoint.safetensors").is_file()
 
 
 def test_detect_graph_anomalies(tmp_path):

@@ -75,7 +75,7 @@ def test_an_ensemble_predicts_the_mean_of_its_members_probabilities(shared_data,
     probabilities = []
     for member in range(2):
         model = GraphET(graphs[0].x.shape[1], 2, readout="graph", **kwargs)
-        model.load_state_dict(load_checkpoint(tmp_path / f"member_{member}" / "checkpoint.pt")["model"])
+        model.load_state_dict(load_checkpoint(tmp_path / f"member_{member}" / "checkpoint.safetensors")["model"])
         with torch.no_grad():
             probabilities.append(torch.softmax(model.eval()(test).double(), dim=-1))
     mean = (probabilities[0] + probabilities[1]) / 2
@@ -163,9 +163,9 @@ def test_cli_classify_writes_results_and_resumes(shared_data, tmp_path):
     first = run_graph_train(parser.parse_args(argv))
     saved = json.loads((tmp_path / "cv_results.json").read_text())
     assert saved["accuracies"] == first["accuracies"] and len(first["accuracies"]) == 2
-    assert all((tmp_path / f"fold_{k}" / "checkpoint.pt").is_file() for k in range(2))
+    assert all((tmp_path / f"fold_{k}" / "checkpoint.safetensors").is_file() for k in range(2))
     (tmp_path / "fold_1" / "result.json").write_text(json.dumps({"test_acc": 0.5, "majority": 0.6}))
-    second = run_graph_train(parser.parse_args(argv))  # finished folds are read back, not retrained
+    second = run_graph_train(parser.parse_args([*argv, "--resume"]))  # finished folds are read back, not retrained
     assert second["accuracies"] == [first["accuracies"][0], 0.5]
     with pytest.raises(ValueError, match="--root"):
         run_graph_train(parser.parse_args(["classify", "--no-progress"]))
@@ -190,7 +190,7 @@ def test_cli_nested_selection_writes_inner_runs_and_resumes(shared_data, tmp_pat
         raise AssertionError("a finished run was trained again")
 
     monkeypatch.setattr(tasks_graph, "fit", no_training)
-    second = run_graph_train(parser.parse_args(argv))
+    second = run_graph_train(parser.parse_args([*argv, "--resume"]))
     assert second["accuracies"] == first["accuracies"] and second["chosen"] == first["chosen"]
 
 

@@ -138,9 +138,9 @@ def test_corrupt_and_truncated_checkpoints(tmp_path):
     with pytest.raises(ValueError, match="truncated or corrupt"):
         load_checkpoint(path)
     torch.save([1, 2], path)
-    with pytest.raises(ValueError, match="does not hold a dict"):
+    with pytest.raises(ValueError, match="refused: it is a pickle"):
         load_checkpoint(path)
-    torch.save({"model": {}}, path)
+    save_checkpoint(path, {"model": {}})
     with pytest.raises(ValueError, match=r"lacks the entries \['optimizer'\]"):
         load_checkpoint(path, required=("model", "optimizer"))
     with pytest.raises(FileNotFoundError, match="missing.pt"):
@@ -161,7 +161,7 @@ def test_atomic_save_keeps_the_old_file_when_writing_fails(tmp_path):
         def __reduce__(self):
             raise RuntimeError("cannot pickle")
 
-    with pytest.raises(RuntimeError, match="cannot pickle"):
+    with pytest.raises(TypeError, match=r"cannot store state\.model: Unpicklable is not data"):
         save_checkpoint(path, {"model": Unpicklable()})
     assert torch.equal(load_checkpoint(path)["model"]["w"], torch.ones(3))
     assert [p.name for p in tmp_path.iterdir()] == ["c.pt"]  # no temporary file left behind

@@ -28,7 +28,6 @@ Anomaly injection (:func:`inject_anomalies`), the standard protocol of graph ano
 
 from __future__ import annotations
 
-import shutil
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -115,6 +114,8 @@ def check_tu_files(root: str | Path, name: str) -> tuple[int, int]:
                          f"{indicator[i]} breaks the order 1, 1, ..., 2, ... (ids must start at 1, be sorted and "
                          f"leave no gaps)")
     edges = np.array(_read_rows(path["A"], int, 2, "two integer node ids 'i, j'"), dtype=np.int64).reshape(-1, 2)
+    if len(edges) == 0:
+        raise ValueError(f"{path['A']}: no edges (the file has no 'i, j' lines); a TU data set lists its edges there")
     bad = np.nonzero((edges < 1) | (edges > nodes))[0]
     if len(bad):
         raise ValueError(f"{path['A']}:{_line_of(path['A'], int(bad[0]))}: node id out of range 1..{nodes} "
@@ -125,6 +126,7 @@ def check_tu_files(root: str | Path, name: str) -> tuple[int, int]:
         raise ValueError(f"{path['A']}:{_line_of(path['A'], int(across[0]))}: edge ({i}, {j}) joins graph "
                          f"{indicator[i - 1]} and graph {indicator[j - 1]}")
     labels = _read_rows(path["graph_labels"], int, 1, "one integer graph label")
+    _check_categories(path["graph_labels"], labels, "graph label")
     if len(labels) != graphs:
         raise ValueError(f"{path['graph_labels']}: {len(labels)} labels for {graphs} graphs "
                          f"(graph ids in {path['graph_indicator'].name})")
@@ -132,10 +134,41 @@ def check_tu_files(root: str | Path, name: str) -> tuple[int, int]:
                                ("edge_labels", int, len(edges)), ("edge_attributes", float, len(edges))):
         if path[kind].is_file():
             rows = _read_rows(path[kind], parse, None, "integers" if parse is int else "numbers")
+            if parse is int:
+                _check_categories(path[kind], rows, kind[:-1].replace("_", " "))
             if len(rows) != count:
                 raise ValueError(f"{path[kind]}: {len(rows)} lines, expected {count} (one per "
                                  f"{'node' if kind.startswith('node') else 'edge'})")
     return graphs, nodes
+
+
+MAX_CATEGORIES = 10_000  # the widest one-hot (max - min + 1 label values) a TU label file may ask for
+
+
+def _check_categories(path: Path, rows: list[list[int]], what: str) -> None:
+    """Integer labels are category ids, one-hot encoded (node and edge labels) or class indices (graph labels):
+    their range must stay below :data:`MAX_CATEGORIES`."""
+    if not rows:
+        return
+    values = np.array(rows, dtype=np.int64)
+    low = int(values.min())
+    too_big = np.nonzero((values - low).max(axis=1) >= MAX_CATEGORIES)[0]
+    if len(too_big):
+        row = int(too_big[0])
+        raise ValueError(f"{path}:{_line_of(path, row)}: {what} {int(values[row].max())} spans "
+                         f"{int(values[row].max()) - low + 1} category ids from the smallest, {low} (more than "
+                         f"{MAX_CATEGORIES}); labels are category ids (0..C-1 or 1..C), one-hot encoded per value")
+
+
+def _normalised_copy(source: Path, target: Path) -> None:
+    """``source`` (a TU raw folder) copied to ``target`` with the ``.txt`` files rewritten as PyG's reader wants
+    them: no blank lines or ``#`` comments, values separated by ", "."""
+    target.mkdir(parents=True)
+    for file in source.iterdir():
+        if file.suffix != ".txt":
+            continue
+        lines = (line.split("#", 1)[0].replace(",", " ").split() for line in file.read_text().splitlines())
+        (target / file.name).write_text("".join(", ".join(values) + "\n" for values in lines if values))
 
 
 def read_tu(root: str | Path, name: str, *, pe_dim: int | None = 15, max_degree: int = 0, rw_steps: int = 0) -> list:
@@ -149,15 +182,16 @@ def read_tu(root: str | Path, name: str, *, pe_dim: int | None = 15, max_degree:
         rw_steps: if > 0, append random-walk return probabilities for 1..rw_steps steps to ``x``
             (:func:`add_random_walk_features`).
 
-    The files are checked first (:func:`check_tu_files`); PyG's ``TUDataset`` then reads a copy in a temporary
-    folder, so nothing is written next to the data. Node labels become one-hot features ``x``.
+    The files are checked first (:func:`check_tu_files`: ValueError naming ``file:line``); PyG's ``TUDataset`` then
+    reads a normalised copy in a temporary folder, so nothing is written next to the data. Node labels become
+    one-hot features ``x``.
     """
     _require_pyg()
     from torch_geometric.datasets import TUDataset
 
     check_tu_files(root, name)
     with tempfile.TemporaryDirectory(prefix="et_ode_tu_") as tmp:
-        shutil.copytree(Path(root) / name / "raw", Path(tmp) / name / "raw")
+        _normalised_copy(Path(root) / name / "raw", Path(tmp) / name / "raw")
         dataset = TUDataset(tmp, name)
         graphs = [dataset[i] for i in range(len(dataset))]
     for graph in graphs:

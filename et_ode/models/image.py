@@ -203,8 +203,8 @@ class ImageET(nn.Module):
         c, h, w = image_shape
         if not (isinstance(patch, int) and patch >= 1) or h % patch or w % patch:
             raise ValueError(f"patch must be a positive integer dividing H={h} and W={w}, got {patch!r}")
-        if not float(tau) > 0:
-            raise ValueError(f"tau must be positive, got {tau!r}")
+        if not 0 < float(tau) < float("inf"):
+            raise ValueError(f"tau must be positive and finite, got {tau!r}")
         if cls_position and not cls_token:
             raise ValueError("cls_position=True puts a position on the CLS token: it needs cls_token=True")
         self.image_shape = (c, h, w)

@@ -28,7 +28,7 @@ test-avx2: $(STAMP)
 	ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2 $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 demo: $(STAMP)
-	$(BIN)/et-ode demo --out runs/demo
+	$(BIN)/et-ode demo --out runs/demo --overwrite
 
 # The fuzz suite's long profile: 1,000 fresh random cases per entry point (the default run tries 30, derandomised)
 fuzz: $(STAMP)

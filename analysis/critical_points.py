@@ -143,7 +143,9 @@ def saddle_from_minimum(field: ETField, x_min: Tensor, *, direction: int = 1, pu
     matrix, gradient, frame = hessian_in_frame(field, x)
     values, vectors = torch.linalg.eigh(matrix)
     x = _step_in_g(field, x, frame, direction * push * vectors[:, 0])
-    for iterations in range(1, max_iter + 1):
+    iterations = 0
+    while iterations < max_iter:
+        iterations += 1
         matrix, gradient, frame = hessian_in_frame(field, x)
         values, vectors = torch.linalg.eigh(matrix)
         along = vectors.T @ gradient

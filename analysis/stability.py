@@ -39,7 +39,6 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 from torch import Tensor
-
 from torchdiffeq import odeint
 
 from et_ode import ETField, solve

@@ -23,8 +23,9 @@ def test_wilson_interval_inverts_the_score_test(successes: int, trials: int):
     def score(p0: float) -> float:  # the score test accepts p0 where |p_hat - p0| <= z sqrt(p0 (1 - p0) / n)
         return abs(p_hat - p0) - z * math.sqrt(p0 * (1 - p0) / trials)
 
-    expected_low = scipy.optimize.brentq(score, 0.0, p_hat, xtol=1e-15) if p_hat > 0 else 0.0
-    expected_high = scipy.optimize.brentq(score, p_hat, 1.0, xtol=1e-15) if p_hat < 1 else 1.0
+    inner = min(max(p_hat, 1e-12), 1 - 1e-12)  # the score is negative there
+    expected_low = scipy.optimize.brentq(score, 0.0, inner, xtol=1e-15) if p_hat > 0 else 0.0
+    expected_high = scipy.optimize.brentq(score, inner, 1.0, xtol=1e-15) if p_hat < 1 else 1.0
     assert low == pytest.approx(expected_low, abs=1e-12) and high == pytest.approx(expected_high, abs=1e-12)
     with pytest.raises(ValueError, match="successes"):
         wilson_interval(5, 3)

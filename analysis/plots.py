@@ -305,7 +305,7 @@ def plot_energy_slice(field: ETField, x_fixed: Tensor, *, trajectories: Solution
     coords = None if plane.coords is None else plane.coords.cpu().numpy()
     g_star = plane.g_star
     if span is None:
-        radius = float((g_star - model.neuron.delta).norm(dim=-1).mean())
+        radius = float((g_star - model.neuron.delta.detach()).norm(dim=-1).mean())
         span = 1.2 * float(np.abs(coords).max()) if coords is not None and np.abs(coords).max() > 0 else radius / 2
     grid = torch.linspace(-span, span, resolution, dtype=g_star.dtype, device=g_star.device)
     a, c = torch.meshgrid(grid, grid, indexing="xy")

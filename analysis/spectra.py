@@ -14,9 +14,11 @@ Shapes: states ``(N, D)`` (one sample) or ``(T, B, N, D)`` saved states; spectra
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
+from matplotlib.figure import Figure
 from torch import Tensor
 from torchdiffeq import odeint
 
@@ -24,7 +26,10 @@ from et_ode import ETField, Solution, solve
 from et_ode.manifold import radial_direction, tangent_projection
 
 from .convergence import flat_states
+from .plots import _finish
 from .sphere import FixedScaleField, hessian_in_frame, tangent_frame, unit_scale
+
+PathLike = str | os.PathLike[str]
 
 
 @dataclass
@@ -143,3 +148,32 @@ def lyapunov_spectrum(field: ETField, x0: Tensor, *, count: int | None = None, d
     order = torch.argsort(late, descending=True)
     return LyapunovSpectrum(exponents=(total / duration)[order], late=late[order], times=times,
                             running=(running_tensor / times[:, None])[:, order], intrinsic=intrinsic, d0=d0)
+
+
+def plot_hessian_along(trace: HessianTrace, *, path: PathLike | None = None, figsize: tuple[float, float] = (12.0, 4.5),
+                       dpi: int = 100, max_samples: int = 10) -> Figure:
+    """The Riemannian Hessian's smallest and largest eigenvalue (left) and the saddle index (right) against time
+    (log scale from the first positive saved time), one colour per sample."""
+    from matplotlib import colormaps
+
+    count = min(trace.smallest.shape[1], max_samples)
+    colors = colormaps["tab10"]
+    t = trace.ts.numpy()
+    positive = t > 0
+    fig = Figure(figsize=figsize, layout="constrained")
+    ax_values, ax_index = fig.subplots(1, 2)
+    for b in range(count):
+        ax_values.plot(t[positive], trace.smallest[positive, b].numpy(), color=colors(b), label=f"sample {b}: smallest")
+        ax_values.plot(t[positive], trace.largest[positive, b].numpy(), color=colors(b), linestyle=":",
+                       label=f"sample {b}: largest")
+        ax_index.step(t[positive], trace.index[positive, b].numpy() + 0.04 * b, where="post", color=colors(b),
+                      label=f"sample {b}")
+    ax_values.axhline(0.0, color="black", linewidth=0.8)
+    ax_values.set(xscale="log", xlabel="time t (log scale)", ylabel="eigenvalue of Hess_R",
+                  title="Curvature of E on the spheres along the trajectory\nsolid: smallest, dotted: largest eigenvalue")
+    ax_index.set(xscale="log", xlabel="time t (log scale)", ylabel="negative eigenvalues (saddle index)",
+                 title="Saddle index along the trajectory\n(0 once it is in a minimum's convex neighbourhood)")
+    for ax in (ax_values, ax_index):
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize="small")
+    return _finish(fig, path, dpi)

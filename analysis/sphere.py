@@ -98,12 +98,13 @@ def hessian_in_frame(field: ETField, x: Tensor) -> tuple[Tensor, Tensor, Tensor]
     """The Riemannian Hessian of ``E`` at the unit-scale state ``x`` ``(N, D)`` in :func:`tangent_frame`.
 
     Returns ``(hessian (n, n), gradient (n,), frame (n, N, D))``: the symmetric matrix from ``n``
-    Hessian-vector products of :func:`et_ode.manifold.riemannian_hessian`, and the Riemannian gradient in
-    the same coordinates (both with respect to ``g``).
+    Hessian-vector products of :func:`et_ode.manifold.riemannian_hessian` (batched: ``n`` copies of the state,
+    one backward pass), and the Riemannian gradient in the same coordinates (both with respect to ``g``).
+    The field's mask must be ``None``, ``(N, N)`` or broadcastable to the ``n`` copies.
     """
-    g = field.model.neuron(x[None]).detach()
-    apply, gradient = riemannian_hessian(field, g)
     frame = tangent_frame(x)
-    images = torch.stack([apply(v[None])[0] for v in frame])  # (n, N, D)
+    g = field.model.neuron(x).detach().expand(len(frame), *x.shape)  # one copy per frame vector: one backward pass
+    apply, gradient = riemannian_hessian(field, g)
+    images = apply(frame)  # (n, N, D): row i is Hess_R applied to frame vector i
     matrix = frame.flatten(1) @ images.flatten(1).T
     return (matrix + matrix.T) / 2, frame.flatten(1) @ gradient[0].flatten(), frame

@@ -43,7 +43,7 @@ def test_basin_map_of_a_reflection_symmetric_model(tmp_path):
     side = (g[..., 0, :] @ U1).detach()
     for label, attractor in enumerate(basins.attractors):
         chosen = basins.labels == label
-        overlap = float(model.neuron(attractor.x)[0].detach() @ U1) / float(model.neuron(attractor.x).norm())
+        overlap = float(model.neuron(attractor.x)[0].detach() @ U1) / float(model.neuron(attractor.x).detach().norm())
         if attractor.index == 0:
             assert abs(overlap) == pytest.approx(1.0, abs=1e-9)
             assert bool((side[chosen] * overlap > 1e-9).all())  # every start on its side of the hyperplane

@@ -132,7 +132,7 @@ def memory_scale_family(field: ETField):
 
 
 def landscape_study(field: ETField, x0: Tensor, x_final: Tensor, *, folder: PathLike, starts: int = 4,
-                    attractor_starts: int = 16, basin_resolution: int = 9, t_end_asymptotic: float = 1e4,
+                    attractor_starts: int = 16, basin_resolution: int = 9, t_end_asymptotic: float = 1e5,
                     continuation_end: float = 0.5, seed: int = 0, progress: bool = False) -> LandscapeStudy:
     """Study the landscape around one sample: ``x0`` its initial state, ``x_final`` the solve's final state
     (each ``(N, D)``); pictures are written into ``folder``. ``starts``: searches from the final state and

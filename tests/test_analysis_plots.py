@@ -111,7 +111,7 @@ def test_energy_slice_holds_the_start_and_the_end(solved):
         a, b = plane.coords[k]
         assert float(plane.off_plane[k]) < 1e-10 * float(plane.distance[k])
         # the retraction keeps g*'s per-token radius, which differs from the state's by O(eps / sigma^2)
-        expected = model.energy(states[k])
+        expected = model.energy(states[k]).detach()
         assert float(plane.energy(a, b)) == pytest.approx(float(expected), rel=1e-4)
         assert torch.allclose(plane.points(a, b), model.neuron(states[k]), atol=1e-4)
     assert float(plane.off_plane.max()) > 0  # the middle leaves the plane ...

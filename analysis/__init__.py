@@ -7,9 +7,18 @@ Installed as ``et_ode.analysis``. Typical use::
     point = find_fixed_point(field, solution.x)
     print(fixed_point_stability(field, point.x))
 
-or everything at once, written to a folder: ``analyze(model, x0, out="runs/analyze")``.
+Critical points of any index (``census``, ``newton_critical_point``, ``saddle_from_minimum``), the saddle
+network (``saddle_network``), basins (``basin_map``, ``attractor_census``), the asymptotic exponent
+(``predicted_exponent``, ``measured_exponent``), spectra along trajectories (``hessian_along``,
+``lyapunov_spectrum``) and continuation (``continue_branch``) work on one unit-scale state ``(N, D)``.
+
+Or everything at once, written to a folder: ``analyze(model, x0, out="runs/analyze")``.
 """
 
+from .asymptotics import MeasuredRate, PredictedRate, measured_exponent, plot_asymptotics, predicted_exponent
+from .basins import AttractorCensus, BasinMap, attractor_census, basin_map, plot_basin_map, wilson_interval
+from .connections import Connection, Network, disconnectivity, plot_disconnectivity, saddle_network
+from .continuation import Bifurcation, Branch, continue_branch, plot_bifurcation_diagram
 from .convergence import (
     ConvergenceReport,
     ConvergenceTraces,
@@ -20,9 +29,30 @@ from .convergence import (
     fit_decay,
     tangent_gradient,
 )
+from .critical_points import (
+    Census,
+    CriticalPoint,
+    census,
+    deduplicate,
+    newton_critical_point,
+    point_distance,
+    saddle_from_minimum,
+)
+from .landscape import LandscapeStudy, landscape_study
 from .lyapunov import LyapunovReport, Violation, check_lyapunov, metric_spectrum
-from .plots import plot_attention, plot_convergence, plot_energy_slice, plot_film_strip, plot_trajectories
+from .plots import (
+    EnergySlice,
+    dense_trajectory,
+    energy_slice,
+    plot_attention,
+    plot_convergence,
+    plot_energy_slice,
+    plot_film_strip,
+    plot_trajectories,
+)
 from .report import add_analyze_arguments, analyze, random_model, run_analyze
+from .spectra import HessianTrace, LyapunovSpectrum, hessian_along, lyapunov_spectrum, plot_hessian_along
+from .sphere import FixedScaleField, unit_scale
 from .stability import (
     BasinProbe,
     FixedPointSearch,
@@ -47,12 +77,27 @@ from .stability import (
 )
 
 __all__ = [
+    "AttractorCensus",
+    "BasinMap",
     "BasinProbe",
+    "Bifurcation",
+    "Branch",
+    "Census",
+    "Connection",
     "ConvergenceReport",
     "ConvergenceTraces",
+    "CriticalPoint",
+    "EnergySlice",
     "FixedPointSearch",
+    "FixedScaleField",
+    "HessianTrace",
+    "LandscapeStudy",
     "LyapunovExponent",
     "LyapunovReport",
+    "LyapunovSpectrum",
+    "MeasuredRate",
+    "Network",
+    "PredictedRate",
     "RateFit",
     "SampleConvergence",
     "SampleStability",
@@ -61,31 +106,55 @@ __all__ = [
     "add_analyze_arguments",
     "analyze",
     "analyze_convergence",
+    "attractor_census",
+    "basin_map",
     "basin_probe",
+    "census",
     "check_lyapunov",
     "classify",
+    "continue_branch",
     "convergence_traces",
+    "deduplicate",
     "dense_eigenvalues",
+    "dense_trajectory",
+    "disconnectivity",
+    "energy_slice",
     "extreme_eigenvalues",
     "find_fixed_point",
     "fit_decay",
     "fixed_point_stability",
     "flow",
     "g_jacobian",
+    "hessian_along",
     "lanczos",
+    "landscape_study",
     "lyapunov_exponent",
+    "lyapunov_spectrum",
+    "measured_exponent",
     "metric_spectrum",
+    "newton_critical_point",
     "normalize_scale",
     "operator_stability",
+    "plot_asymptotics",
     "plot_attention",
+    "plot_basin_map",
+    "plot_bifurcation_diagram",
     "plot_convergence",
+    "plot_disconnectivity",
     "plot_energy_slice",
     "plot_film_strip",
+    "plot_hessian_along",
     "plot_trajectories",
+    "point_distance",
     "power_iteration",
+    "predicted_exponent",
     "random_model",
     "riemannian_hessian_matrix",
     "run_analyze",
+    "saddle_from_minimum",
+    "saddle_network",
     "tangent_basis",
     "tangent_gradient",
+    "unit_scale",
+    "wilson_interval",
 ]

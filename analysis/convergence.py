@@ -116,18 +116,26 @@ class RateFit:
     points: int
 
 
-def fit_decay(ts: Tensor, values: Tensor, *, tail: float = 0.5) -> tuple[RateFit, RateFit]:
-    """Fit ``values`` (``(T,)``, positive) over the last ``tail`` fraction of the time span, as an
-    exponential and as a power law. Returns ``(exponential, power)``; both have ``nan`` rates when fewer
-    than 3 usable points (positive values, ``t > 0``) remain.
+def fit_decay(ts: Tensor, values: Tensor, *, tail: float = 0.5, min_points: int = 5) -> tuple[RateFit, RateFit]:
+    """Fit ``values`` (``(T,)``, positive) near the end, as an exponential and as a power law.
+
+    The window is the last ``tail`` fraction of the span in **log time** (from the first positive saved time
+    to the last), the intrinsic time of the ET flow, widened to at least ``min_points`` usable points (positive
+    values, ``t > 0``): a linear-time window would keep only the last two points of a log-spaced grid.
+    Returns ``(exponential, power)``; both have ``nan`` rates when fewer than 3 usable points exist.
     """
     if not 0 < tail <= 1:
         raise ValueError(f"tail must be in (0, 1], got {tail!r}")
     t = ts.detach().to(torch.float64).cpu()
     v = values.detach().to(torch.float64).cpu()
-    start = float(t[-1]) - tail * float(t[-1] - t[0])
-    keep = (t >= start) & (t > 0) & (v > 0) & torch.isfinite(v)
-    t, logv = t[keep], v[keep].log()
+    usable = (t > 0) & (v > 0) & torch.isfinite(v)
+    t, logv = t[usable], v[usable].log()
+    if len(t):
+        log_t = t.log()
+        start = float(log_t[-1]) - tail * float(log_t[-1] - log_t[0])
+        keep = log_t >= start
+        keep[-min(min_points, len(t)):] = True
+        t, logv = t[keep], logv[keep]
     fits = []
     for model, abscissa in (("exponential", t), ("power", t.log() if len(t) else t)):
         if len(t) < 3 or float(abscissa.max() - abscissa.min()) <= 0:
@@ -218,8 +226,8 @@ def analyze_convergence(solution: Solution, field: ETField, *, tol: float = 1e-3
         tol: convergence tolerance on RMS ``|dg/dt|`` (the motion of ``g``): converged from the first
             saved time after which it stays below ``tol``.
         tangent_tol: the same on RMS ``|T dE/dg|`` (distance from a critical point); default ``tol``.
-        tail: fraction of the time span, at the end, over which the decay of RMS ``|dg/dt|`` is fitted
-            (exponential and power law; ``better_fit`` is the one with the smaller log residual).
+        tail: fraction of the time span in log time, at the end, over which the decay of RMS ``|dg/dt|`` is
+            fitted (exponential and power law; ``better_fit`` is the one with the smaller log residual).
     """
     if not tol > 0:
         raise ValueError(f"tol must be positive, got {tol!r}")

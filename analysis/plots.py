@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +20,7 @@ from matplotlib.colors import LogNorm, Normalize
 from matplotlib.figure import Figure
 from torch import Tensor
 
-from et_ode import ETField, Solution
+from et_ode import ETField, Solution, solve
 
 from .convergence import convergence_traces, flat_mask, flat_states
 
@@ -96,13 +97,32 @@ def _pca(points: np.ndarray, dims: int) -> tuple[np.ndarray, np.ndarray, np.ndar
     return center, vt[:dims], variance[:dims]
 
 
+def dense_trajectory(solution: Solution, *, points: int = 200, rtol: float = 1e-8,
+                     atol: float = 1e-10) -> tuple[Tensor, Tensor]:
+    """Re-integrate ``solution``'s field (dopri5) from its first saved state on ``points`` times from ``ts[0]``,
+    log-spaced after it (the motion is fastest at the start): ``(ts (P,), xs (P, *batch, N, D))``."""
+    if not (isinstance(points, int) and points >= 3):
+        raise ValueError(f"points must be an integer >= 3, got {points!r}")
+    ts = solution.ts.detach().to(torch.float64)
+    t0, t1 = float(ts[0]), float(ts[-1])
+    offsets = torch.logspace(np.log10((t1 - t0) * 1e-4), np.log10(t1 - t0), points - 1, dtype=torch.float64)
+    grid = torch.cat([ts[:1], t0 + offsets])
+    with torch.no_grad():
+        dense = solve(solution.field, solution.xs[0].detach(), grid.to(solution.xs.dtype), rtol=rtol, atol=atol,
+                      max_steps=100_000)
+    return grid, dense.xs
+
+
 def plot_trajectories(solution: Solution, *, sample: int = 0, dims: int = 2, color_by: str = "time",
-                      path: PathLike | None = None, figsize: tuple[float, float] = (8.0, 6.5), dpi: int = 100) -> Figure:
+                      dense: int | None = None, path: PathLike | None = None, figsize: tuple[float, float] = (8.0, 6.5),
+                      dpi: int = 100) -> Figure:
     """Token trajectories of one sample projected on their first ``dims`` (2 or 3) principal components.
 
     The tokens are normalized as ``(x - mean) / std`` (the activation ``g`` up to ``gamma`` and ``delta``,
     so the drifts of ``x`` along its zero modes do not show). Each token is a line colored by time or by
     the sample's energy (``color_by``); circles mark the starts, stars the final states (at the fixed point once converged).
+    ``dense``: draw ``dense`` states re-integrated from the first saved one (:func:`dense_trajectory`, log-spaced
+    in time) instead of the saved ones, so the fast early motion is resolved rather than drawn as straight lines.
     """
     if dims not in (2, 3):
         raise ValueError(f"dims must be 2 or 3, got {dims!r}")
@@ -110,7 +130,8 @@ def plot_trajectories(solution: Solution, *, sample: int = 0, dims: int = 2, col
         raise ValueError(f"color_by must be 'time' or 'energy', got {color_by!r}")
     if not isinstance(solution, Solution) or solution.xs is None:
         raise ValueError("solution must be an et_ode.Solution with saved states (save='all' or 'steps')")
-    xs = solution.xs.detach()
+    times, xs = (solution.ts.detach(), solution.xs.detach()) if dense is None else dense_trajectory(solution,
+                                                                                                    points=dense)
     xs = xs.reshape(xs.shape[0], -1, *xs.shape[-2:])
     b = _sample_index(sample, xs.shape[1])
     tokens = _normalized_tokens(xs[:, b].to(torch.float64)).cpu().numpy()  # (T, N, D)
@@ -118,9 +139,13 @@ def plot_trajectories(solution: Solution, *, sample: int = 0, dims: int = 2, col
     center, axes, variance = _pca(tokens.reshape(-1, dim), dims)
     projected = (tokens - center) @ axes.T  # (T, N, dims)
     if color_by == "time":
-        values, label = solution.ts.detach().to(torch.float64).cpu().numpy(), "time t"
+        values, label = times.to(torch.float64).cpu().numpy(), "time t"
     else:
-        values, label = solution.energies.detach().reshape(steps, -1)[:, b].to(torch.float64).cpu().numpy(), "energy E"
+        model = solution.field.model
+        mask = flat_mask(solution.mask, tuple(solution.xs.shape[1:-2]))
+        with torch.no_grad():
+            energies = model.energy_g(model.neuron(xs[:, b]), mask[b] if mask is not None and mask.dim() == 3 else mask)
+        values, label = energies.to(torch.float64).cpu().numpy(), "energy E"
     norm = Normalize(values.min(), values.max() if values.max() > values.min() else values.min() + 1)
     if color_by == "time" and len(values) > 2 and values[1] > 0 and values[-1] / values[1] > 50:
         norm, label = LogNorm(values[1], values[-1], clip=True), "time t (log color scale)"  # early motion is fast
@@ -142,7 +167,7 @@ def plot_trajectories(solution: Solution, *, sample: int = 0, dims: int = 2, col
     start, end = projected[0], projected[-1]
     ax.scatter(*start.T, facecolors="none", edgecolors="black", s=30, label="start (t0)")
     ax.scatter(*end.T, marker="*", color="red", edgecolors="black", s=160, zorder=5,
-               label=f"final state (t = {float(solution.ts[-1]):.3g})")
+               label=f"final state (t = {float(times[-1]):.3g})")
     if dims == 2:
         ax.autoscale()
         ax.set_aspect("equal", adjustable="datalim")
@@ -170,17 +195,91 @@ def _retract(field: ETField, g_star: Tensor, offset: Tensor) -> Tensor:
     return delta + radius * u / u.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(u.dtype).tiny)
 
 
+@dataclass
+class EnergySlice:
+    """A 2-D slice of the product of spheres: ``g(a, b) = retract(g_star + a u + b v)`` (each token put back
+    on its sphere), ``u, v`` orthonormal ``(N, D)`` directions in ``g``. With a trajectory, the plane holds
+    its start and its end exactly (``u`` along ``g_start - g*``, ``v`` along the end's part orthogonal to it, or
+    the trajectory's main direction orthogonal to ``u`` when the end is at ``g*``): ``coords`` ``(T, 2)`` are
+    the trajectory's coordinates, ``off_plane`` ``(T,)`` its distance from the plane (``g`` units),
+    ``distance`` ``(T,)`` its distance from ``g*``."""
+
+    field: ETField
+    g_star: Tensor
+    u: Tensor
+    v: Tensor
+    mask: Tensor | None
+    coords: Tensor | None = None
+    off_plane: Tensor | None = None
+    distance: Tensor | None = None
+
+    def points(self, a: Tensor, b: Tensor) -> Tensor:
+        """``g(a, b)`` for coordinates of any shape ``S``: ``(*S, N, D)``."""
+        offsets = a[..., None, None] * self.u + b[..., None, None] * self.v
+        return _retract(self.field, self.g_star.expand_as(offsets), offsets)
+
+    def energy(self, a: Tensor, b: Tensor) -> Tensor:
+        """The energy on the slice at coordinates ``a, b`` (same shape ``S``): ``S``."""
+        with torch.no_grad():
+            return self.field.model.energy_g(self.points(a, b), self.mask)
+
+
+def energy_slice(field: ETField, x_fixed: Tensor, *, trajectory: Tensor | None = None, seed: int = 0) -> EnergySlice:
+    """The slice through ``x_fixed`` ``(N, D)`` (see :class:`EnergySlice`); ``trajectory``: states ``(T, N, D)``
+    whose start and end the plane holds, else random tangent directions."""
+    model = field.model
+    delta = model.neuron.delta.detach()
+    with torch.no_grad():
+        g_star = model.neuron(x_fixed.detach())
+        s = (g_star - delta) - (g_star - delta).mean(dim=-1, keepdim=True)
+        s = s / s.norm(dim=-1, keepdim=True)
+
+        def tangent(w: Tensor) -> Tensor:
+            w = w - w.mean(dim=-1, keepdim=True)
+            return w - (w * s).sum(dim=-1, keepdim=True) * s
+
+        def unit_orthogonal(w: Tensor, to: list[Tensor]) -> Tensor | None:
+            for axis in to:
+                w = w - (w * axis).sum() * axis
+            norm = w.norm()
+            return w / norm if float(norm) > 1e-9 * max(1.0, float(g_star.norm())) else None
+
+        generator = torch.Generator().manual_seed(seed)
+        random = [tangent(torch.randn(g_star.shape, generator=generator, dtype=g_star.dtype).to(g_star.device))
+                  for _ in range(3)]
+        coords = off_plane = distance = None
+        if trajectory is None:
+            u = unit_orthogonal(random[0], [])
+            v = unit_orthogonal(random[1], [u])
+        else:
+            path_g = model.neuron(trajectory.detach()) - g_star  # (T, N, D)
+            u = unit_orthogonal(path_g[0], [])
+            u = unit_orthogonal(random[0], []) if u is None else u
+            v = unit_orthogonal(path_g[-1], [u])
+            if v is None:  # the end is at g* (or on the line): the trajectory's main direction orthogonal to u
+                rest = path_g - (path_g * u).sum(dim=(-1, -2), keepdim=True) * u
+                _, _, vt = torch.linalg.svd(rest.reshape(len(rest), -1), full_matrices=False)
+                v = unit_orthogonal(vt[0].reshape(g_star.shape), [u])
+                v = unit_orthogonal(random[1], [u]) if v is None else v
+            a, b = (path_g * u).sum(dim=(-1, -2)), (path_g * v).sum(dim=(-1, -2))
+            coords = torch.stack([a, b], dim=1)
+            off_plane = (path_g - a[:, None, None] * u - b[:, None, None] * v).flatten(1).norm(dim=1)
+            distance = path_g.flatten(1).norm(dim=1)
+    return EnergySlice(field=field, g_star=g_star, u=u, v=v, mask=field.mask, coords=coords, off_plane=off_plane,
+                       distance=distance)
+
+
 def plot_energy_slice(field: ETField, x_fixed: Tensor, *, trajectories: Solution | Tensor | None = None,
                       span: float | None = None, resolution: int = 41, path: PathLike | None = None, sample: int = 0,
                       figsize: tuple[float, float] = (8.0, 6.5), dpi: int = 100, seed: int = 0) -> Figure:
     """Contours of ``E`` on a 2-D slice of the product of spheres through the fixed point ``x_fixed``.
 
-    ``x_fixed``: ``(N, D)`` or ``(B, N, D)`` (``sample`` picks one). The slice is
-    ``g(a, b) = retract(g* + a u + b v)`` with orthonormal tangent directions ``u, v`` (over all tokens):
-    the first two principal directions of the trajectory's ``g - g*`` when ``trajectories`` (a Solution or
-    states ``(T, N, D)`` / ``(T, B, N, D)``) is given, else random ones. ``span``: half-width in ``g`` units
-    (default: 1.2 times the trajectory's extent, or half a token radius). Trajectories are drawn projected
-    on ``(u, v)``.
+    ``x_fixed``: ``(N, D)`` or ``(B, N, D)`` (``sample`` picks one). The slice (:func:`energy_slice`) is
+    ``g(a, b) = retract(g* + a u + b v)``: with ``trajectories`` (a Solution or states ``(T, N, D)`` /
+    ``(T, B, N, D)``) the plane through ``g*``, the trajectory's start and its end, so the energy drawn under
+    the start and the end is the energy there; elsewhere the trajectory leaves the plane, and its largest
+    distance from it is printed on the picture. Without, random tangent directions. ``span``: half-width in
+    ``g`` units (default: 1.2 times the trajectory's extent, or half a token radius).
     """
     if not isinstance(field, ETField):
         raise TypeError(f"field must be an et_ode.ETField, got {type(field).__name__}")
@@ -193,48 +292,26 @@ def plot_energy_slice(field: ETField, x_fixed: Tensor, *, trajectories: Solution
     b = _sample_index(sample, xf.shape[0])
     model = field.model
     mask = field.mask if field.mask is None or field.mask.dim() == 2 else field.mask.reshape(-1, *field.mask.shape[-2:])[b]
+    bound = field.with_mask(mask)
+    states = None
+    if trajectories is not None:
+        states = trajectories.xs if isinstance(trajectories, Solution) else trajectories
+        shape_ok = isinstance(states, Tensor) and tuple(states.shape[-2:]) == tuple(xf.shape[-2:])
+        if not shape_ok or states.dim() not in (3, 4):
+            raise ValueError(f"trajectories must be a Solution with saved states or a tensor (T, N, D) / "
+                             f"(T, B, N, D) matching x_fixed's (N, D)={tuple(xf.shape[-2:])}")
+        states = states.detach().reshape(states.shape[0], -1, *states.shape[-2:])[:, b if states.dim() == 4 else 0]
+    plane = energy_slice(bound, xf[b], trajectory=states, seed=seed)
+    coords = None if plane.coords is None else plane.coords.cpu().numpy()
+    g_star = plane.g_star
+    if span is None:
+        radius = float((g_star - model.neuron.delta.detach()).norm(dim=-1).mean())
+        span = 1.2 * float(np.abs(coords).max()) if coords is not None and np.abs(coords).max() > 0 else radius / 2
+    grid = torch.linspace(-span, span, resolution, dtype=g_star.dtype, device=g_star.device)
+    a, c = torch.meshgrid(grid, grid, indexing="xy")
+    energies = plane.energy(a, c).to(torch.float64).cpu().numpy()
     with torch.no_grad():
-        g_star = model.neuron(xf[b])
-        s = (g_star - model.neuron.delta) - (g_star - model.neuron.delta).mean(dim=-1, keepdim=True)
-        s = s / s.norm(dim=-1, keepdim=True)
-
-        def tangent(v: Tensor) -> Tensor:
-            v = v - v.mean(dim=-1, keepdim=True)
-            return v - (v * s).sum(dim=-1, keepdim=True) * s
-
-        path_g = None
-        if trajectories is not None:
-            states = trajectories.xs if isinstance(trajectories, Solution) else trajectories
-            shape_ok = isinstance(states, Tensor) and tuple(states.shape[-2:]) == tuple(xf.shape[-2:])
-            if not shape_ok or states.dim() not in (3, 4):
-                raise ValueError(f"trajectories must be a Solution with saved states or a tensor (T, N, D) / "
-                                 f"(T, B, N, D) matching x_fixed's (N, D)={tuple(xf.shape[-2:])}")
-            states = states.detach().reshape(states.shape[0], -1, *states.shape[-2:])[:, b if states.dim() == 4 else 0]
-            path_g = model.neuron(states) - g_star  # (T, N, D)
-            directions = tangent(path_g).reshape(path_g.shape[0], -1)
-            _, _, vt = torch.linalg.svd(directions - directions.mean(dim=0), full_matrices=False)
-            basis = [tangent(vt[i].reshape(g_star.shape)) for i in range(min(2, vt.shape[0]))]
-        else:
-            generator = torch.Generator().manual_seed(seed)
-            basis = [tangent(torch.randn(g_star.shape, generator=generator, dtype=g_star.dtype).to(g_star.device))
-                     for _ in range(2)]
-        while len(basis) < 2:
-            basis.append(tangent(torch.randn(g_star.shape, dtype=g_star.dtype).to(g_star.device)))
-        u = basis[0] / basis[0].norm()
-        v = basis[1] - (basis[1] * u).sum() * u
-        v = v / v.norm()
-        coords = None
-        if path_g is not None:
-            coords = torch.stack([(path_g * u).sum(dim=(-1, -2)), (path_g * v).sum(dim=(-1, -2))], dim=1).cpu().numpy()
-        if span is None:
-            radius = float((g_star - model.neuron.delta).norm(dim=-1).mean())
-            span = 1.2 * float(np.abs(coords).max()) if coords is not None and np.abs(coords).max() > 0 else radius / 2
-        grid = torch.linspace(-span, span, resolution, dtype=g_star.dtype, device=g_star.device)
-        a, c = torch.meshgrid(grid, grid, indexing="xy")
-        offsets = a.reshape(-1, 1, 1) * u + c.reshape(-1, 1, 1) * v
-        energies = model._energy_g(_retract(field, g_star.expand_as(offsets), offsets), mask)
-        energies = energies.reshape(resolution, resolution).to(torch.float64).cpu().numpy()
-        e_star = float(model._energy_g(g_star, mask))
+        e_star = float(model.energy_g(g_star, mask))
     fig = Figure(figsize=figsize, layout="constrained")
     ax = fig.add_subplot()
     grid = grid.cpu().numpy()
@@ -242,15 +319,21 @@ def plot_energy_slice(field: ETField, x_fixed: Tensor, *, trajectories: Solution
     ax.contour(grid, grid, energies, levels=20, colors="white", linewidths=0.4, alpha=0.6)
     fig.colorbar(filled, ax=ax, label="energy E on the slice")
     if coords is not None:
-        ax.plot(coords[:, 0], coords[:, 1], color="red", linewidth=1.5, label="trajectory (projected)")
+        ax.plot(coords[:, 0], coords[:, 1], color="red", linewidth=1.5, label="trajectory (projected on the plane)")
         ax.scatter(coords[0, 0], coords[0, 1], facecolors="none", edgecolors="red", s=50, label="trajectory start")
         ax.scatter(coords[-1, 0], coords[-1, 1], marker="x", color="red", s=60, label="trajectory end")
+        worst = int(plane.off_plane.argmax())
+        ratio = float(plane.off_plane[worst] / plane.distance[worst].clamp_min(torch.finfo(g_star.dtype).tiny))
+        ax.text(0.02, 0.02, f"start and end lie in the plane; the trajectory leaves it by at most\n"
+                f"{float(plane.off_plane[worst]):.3g} in g ({100 * ratio:.0f}% of its distance from g* there)",
+                transform=ax.transAxes, fontsize="small", color="white", va="bottom",
+                bbox={"facecolor": "black", "alpha": 0.5, "linewidth": 0})
     ax.scatter([0], [0], marker="*", s=220, color="white", edgecolors="black", zorder=5,
                label=f"fixed point (E = {e_star:.4g})")
     ax.set(xlim=(-span, span), ylim=(-span, span), aspect="equal",
            xlabel="coordinate along u (units of g)", ylabel="coordinate along v (units of g)",
            title=f"Energy on a 2-D slice through the fixed point (sample {b})\n"
-                 f"u, v: {'principal directions of the trajectory' if coords is not None else 'random tangent directions'}"
+                 f"u, v: {'plane through g*, start and end' if coords is not None else 'random tangent directions'}"
                  ", tokens kept on their spheres")
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2, fontsize="small")
     return _finish(fig, path, dpi)

@@ -23,9 +23,11 @@ from tqdm.auto import tqdm
 from et_ode import METHODS, EnergyTransformer, ETField, SolveError, runs, solve
 from et_ode.solve import ADAPTIVE_METHODS
 
-from .convergence import analyze_convergence
+from .convergence import analyze_convergence, flat_mask
+from .landscape import landscape_study
 from .lyapunov import check_lyapunov
 from .plots import plot_attention, plot_convergence, plot_energy_slice, plot_trajectories
+from .spectra import hessian_along, plot_hessian_along
 from .stability import basin_probe, find_fixed_point, fixed_point_stability, lyapunov_exponent
 
 PathLike = str | os.PathLike[str]
@@ -106,7 +108,8 @@ def analyze(model: EnergyTransformer | PathLike | None = None, x0: Tensor | Path
             tau: float = 1.0, method: str = "dopri5", rtol: float = 1e-6, atol: float = 1e-8,
             step: float | None = None, steps: int | None = None, t_end: float = 30.0, points: int = 61,
             tol: float = 1e-3, fixed_point_tol: float = 1e-7, basin_radii: list[float] | None = None,
-            basin_trials: int = 3, device: str | torch.device | None = None, progress: bool = True) -> Path:
+            basin_trials: int = 3, landscape: bool = False, device: str | torch.device | None = None,
+            progress: bool = True) -> Path:
     """Solve, check and picture one model; return the folder holding ``report.md``, ``report.json`` and PNGs.
 
     Args:
@@ -122,6 +125,10 @@ def analyze(model: EnergyTransformer | PathLike | None = None, x0: Tensor | Path
         tol: convergence tolerance on RMS ``|dg/dt|`` (and on RMS ``|T dE/dg|``).
         fixed_point_tol: RMS ``|T dE/dg|`` at which the fixed-point search stops.
         basin_radii, basin_trials: the basin probe (default radii 0.01 ... 1).
+        landscape: add the landscape study of sample 0 (:func:`~et_ode.analysis.landscape.landscape_study`:
+            critical points of any index, saddle connections, basins, asymptotic rate, Lyapunov spectrum,
+            continuation) and the Hessian's spectrum along every trajectory. Dense Hessians of dimension
+            ``N (D - 2)``: meant for small models (seconds for ``N (D - 2)`` about 12, minutes for 112).
         device: where to compute (default: CUDA when available, else CPU).
         progress: show tqdm progress bars.
     """
@@ -141,7 +148,7 @@ def analyze(model: EnergyTransformer | PathLike | None = None, x0: Tensor | Path
     et_model, states = et_model.to(device), states.to(device)
     field = ETField(et_model, tau=tau)
     stages = ["solve", "convergence", "Lyapunov check", "fixed point", "stability", "Lyapunov exponent",
-              "basin probe", "pictures"]
+              "basin probe", "pictures"] + (["landscape"] if landscape else [])
     bar = tqdm(stages, desc="analyze", disable=not progress)
     timings: dict[str, float] = {}
 
@@ -167,7 +174,7 @@ def analyze(model: EnergyTransformer | PathLike | None = None, x0: Tensor | Path
     lyapunov = check_lyapunov(solution, field, progress=progress) if len(solution.ts) > 1 else None
     bar.update()
     gamma = float(et_model.neuron.gamma.detach())
-    fixed = stability = final_stability = exponent = basin = None
+    fixed = stability = final_stability = exponent = intrinsic = basin = None
     if gamma > 0:
         stage("fixed point")
         fixed = find_fixed_point(field, solution.x.detach(), tol=fixed_point_tol, progress=progress)
@@ -179,6 +186,8 @@ def analyze(model: EnergyTransformer | PathLike | None = None, x0: Tensor | Path
         stage("Lyapunov exponent")
         exponent = lyapunov_exponent(field, states, duration=float(solution.ts[-1] - solution.ts[0]) or 1.0,
                                      renormalizations=10, rtol=1e-8, atol=1e-10, progress=progress)
+        intrinsic = lyapunov_exponent(field, fixed.x, duration=20.0, renormalizations=20, restart=True, rtol=1e-8,
+                                      atol=1e-10, progress=progress)
         bar.update()
         stage("basin probe")
         basin = basin_probe(field, fixed.x, radii=basin_radii or [0.01, 0.03, 0.1, 0.3, 1.0], trials=basin_trials,
@@ -190,13 +199,28 @@ def analyze(model: EnergyTransformer | PathLike | None = None, x0: Tensor | Path
     pictures: dict[str, str] = {}
     if solution.xs is not None and len(solution.ts) > 1:
         plot_convergence(solution, field, path=folder / "convergence.png")
-        plot_trajectories(solution, path=folder / "trajectories.png")
+        plot_trajectories(solution, dense=241 if method in ADAPTIVE_METHODS else None,
+                          path=folder / "trajectories.png")
         plot_attention(field, solution, path=folder / "attention.png")
         pictures.update(convergence="convergence.png", trajectories="trajectories.png", attention="attention.png")
         if fixed is not None:
             plot_energy_slice(field, fixed.x, trajectories=solution, path=folder / "energy_slice.png")
             pictures["energy_slice"] = "energy_slice.png"
     bar.update()
+    study = trace = None
+    if landscape and gamma > 0:
+        stage("landscape")
+        if solution.xs is not None and len(solution.ts) > 1:
+            trace = hessian_along(solution, field, max_times=12)
+            plot_hessian_along(trace, path=folder / "hessian_along.png")
+            pictures["hessian_along"] = "hessian_along.png"
+        sample_field = field.with_mask(flat_mask(field.mask, tuple(states.shape[:-2]))[0]) if (
+            field.mask is not None and field.mask.dim() > 2) else field
+        study = landscape_study(sample_field, states.reshape(-1, *states.shape[-2:])[0],
+                                solution.x.detach().reshape(-1, *states.shape[-2:])[0], folder=folder,
+                                progress=progress)
+        pictures.update(study.pictures)
+        bar.update()
     bar.close()
     ends = list(timings.values())[1:] + [time.perf_counter()]
     timings = {name: end - begin for (name, begin), end in zip(timings.items(), ends, strict=True)}
@@ -223,11 +247,23 @@ def analyze(model: EnergyTransformer | PathLike | None = None, x0: Tensor | Path
                                                              "times": exponent.times, "running": exponent.running},
         "basin": None if basin is None else {"radii": basin.radii, "returned_fraction": basin.returned,
                                              "radius": basin.radius, "shrink": basin.shrink},
+        "intrinsic_lyapunov_exponent": None if intrinsic is None else {
+            "exponent": intrinsic.exponent, "late": intrinsic.late},
+        "landscape": None if study is None else study.as_dict(),
+        "hessian_along": None if trace is None else {"ts": trace.ts, "smallest": trace.smallest,
+                                                     "largest": trace.largest, "index": trace.index},
         "pictures": pictures, "timings_s": timings, "total_time_s": time.perf_counter() - started,
     }
     (folder / "report.json").write_text(json.dumps(_clean(summary), indent=2))
-    (folder / "report.md").write_text(_markdown(summary, convergence, lyapunov, stability, final_stability, exponent,
-                                                basin, fixed, distance, pictures))
+    markdown = _markdown(summary, convergence, lyapunov, stability, final_stability, exponent, basin, fixed, distance,
+                         pictures, intrinsic)
+    if trace is not None:
+        markdown += ("\n## The Hessian along the trajectories\n\nThe Riemannian Hessian's extreme eigenvalues and "
+                     "its index (negative eigenvalues) at saved states: where a trajectory passes near a saddle, the "
+                     "index is positive.\n\n![Hessian spectrum along the trajectories](hessian_along.png)\n")
+    if study is not None:
+        markdown += "\n" + study.markdown()
+    (folder / "report.md").write_text(markdown)
     return folder
 
 
@@ -242,7 +278,7 @@ def _yes(flag: bool) -> str:
 
 
 def _markdown(summary: dict, convergence, lyapunov, stability, final_stability, exponent, basin, fixed, distance,
-              pictures: dict[str, str]) -> str:
+              pictures: dict[str, str], intrinsic=None) -> str:
     solve_info, config = summary["solve"], summary["config"]
     batch = summary["initial_states"][0]
     lines = ["# ET dynamics report", "",
@@ -279,7 +315,16 @@ def _markdown(summary: dict, convergence, lyapunov, stability, final_stability, 
                      "function and the dynamics need not settle.")
     if exponent is not None:
         lines.append("- **Finite-time Lyapunov exponent** of the trajectories (growth rate of a small perturbation "
-                     "of g, per unit time): " + ", ".join(f"{v:.3g}" for v in exponent.exponent.tolist()) + ".")
+                     "of g, per unit time): " + ", ".join(f"{v:.3g}" for v in exponent.exponent.tolist()) + ". "
+                     "This measures the transient, not the attractor: along the plain flow the token scales grow "
+                     "like t, so every rate decays like 1/t and the exponent tends to 0 from either side; a small "
+                     "positive value says nearby trajectories separated for a while on the way (before the basin "
+                     "was reached), not that the attractor is unstable.")
+    if intrinsic is not None:
+        lines.append("- **Lyapunov exponent at the critical point, in intrinsic time** (the token scales held at "
+                     "sigma = 1, where the rates do not decay; over the second half of 20 time units): "
+                     + ", ".join(f"{v:.4g}" for v in intrinsic.late.tolist())
+                     + " (negative: perturbations decay; at a minimum it is -(gamma / tau) lambda_min of Hess_R).")
     if basin is not None:
         lines.append("- **Basin probe**: perturbations of g (RMS per element / gamma) return up to radius "
                      + ", ".join(f"{r:g}" for r in basin.radius) + " (per sample).")
@@ -359,6 +404,9 @@ def add_analyze_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     parser.add_argument("--points", type=int, default=61, help="saved times")
     parser.add_argument("--tol", type=float, default=1e-3, help="convergence tolerance on RMS |dg/dt|")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--landscape", action="store_true",
+                        help="add the landscape study of sample 0 (critical points, saddles, basins, asymptotic rate, "
+                             "Lyapunov spectrum, continuation) and the Hessian along the trajectories; small models")
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
     return parser
 
@@ -382,4 +430,4 @@ def _run_analyze(args: argparse.Namespace) -> Path:
                    head_dim=args.head_dim, memories=args.memories, hopfield=args.hopfield, tokens=args.tokens,
                    batch=args.batch, dtype=args.dtype, tau=args.tau, method=args.method, rtol=args.rtol,
                    atol=args.atol, step=args.step, steps=args.steps, t_end=args.t_end, points=args.points,
-                   tol=args.tol, device=args.device, progress=not args.no_progress)
+                   tol=args.tol, landscape=args.landscape, device=args.device, progress=not args.no_progress)

@@ -39,9 +39,12 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 from torch import Tensor
+from torchdiffeq import odeint
 
 from et_ode import ETField, solve
 from et_ode.manifold import radial_direction, riemannian_hessian, tangent_projection
+
+from .sphere import FixedScaleField, unit_scale
 
 Operator = Callable[[Tensor], Tensor]
 CLASSES = ("stable attractor", "saddle", "maximum", "degenerate")
@@ -553,12 +556,17 @@ def flow(field: ETField, x: Tensor, duration: float, *, segments: int = 1, resta
 @dataclass
 class LyapunovExponent:
     """Finite-time largest Lyapunov exponent per sample, ``(B,)``, and its running estimate ``(K, B)``
-    at the renormalisation times ``times`` ``(K,)`` (measured in ``g``, per unit of time of the flow)."""
+    at the renormalisation times ``times`` ``(K,)`` (measured in ``g``, per unit of time of the flow).
+
+    ``late``: the growth rate over the second half of the renormalisations only, ``(B,)``: the start's
+    transient (the random perturbation's components along faster modes) is discarded, so it approaches the
+    asymptotic exponent like ``exp(-gap T / 2)`` instead of ``1 / T``."""
 
     exponent: Tensor
     times: Tensor
     running: Tensor
     d0: float
+    late: Tensor
 
 
 def lyapunov_exponent(field: ETField, x0: Tensor, *, duration: float = 10.0, renormalizations: int = 20,
@@ -568,8 +576,15 @@ def lyapunov_exponent(field: ETField, x0: Tensor, *, duration: float = 10.0, ren
 
     The pair (reference, perturbed) is integrated together for ``duration`` in ``renormalizations`` spans;
     after each, the g-distance ``d`` is measured, ``log(d / d0)`` accumulated and the perturbation of ``x``
-    rescaled to ``d0``. Negative: nearby trajectories converge. With ``restart`` both states are rescaled
-    to ``sigma = 1`` at each span (intrinsic time, see the module docstring).
+    rescaled to ``d0``. Negative: nearby trajectories converge.
+
+    With ``restart`` the exponent is measured in intrinsic time: both states start at ``sigma = 1`` and follow
+    the :class:`~et_ode.analysis.sphere.FixedScaleField`, which keeps ``sigma = 1`` throughout (the limit of
+    rescaling continuously). At a minimum it converges to ``-(gamma / tau) lambda_min(Hess_R)``. Rescaling
+    only at the start of each span would be biased toward zero: within a span ``sigma`` grows like
+    ``1 + kappa gamma t / tau`` (``kappa = rho / r``, the outward force over the radius), which slows the decay
+    to ``-(lambda / kappa) ln(1 + kappa gamma Delta) / Delta``. Without ``restart`` the exponent is that of
+    the plain flow, whose rates decay like ``1 / t``: a finite-time exponent of the transient.
     """
     from tqdm.auto import tqdm
 
@@ -577,20 +592,27 @@ def lyapunov_exponent(field: ETField, x0: Tensor, *, duration: float = 10.0, ren
     if not (duration > 0 and d0 > 0):
         raise ValueError(f"duration and d0 must be positive, got duration={duration}, d0={d0}")
     model = field.model
+    if restart:
+        x = unit_scale(x, model.neuron.eps)
     generator = torch.Generator().manual_seed(seed)
     g = model.neuron(x).detach()
     s, _ = radial_direction(g, model.neuron.delta.detach())
     w = tangent_projection(torch.randn(x.shape, generator=generator, dtype=x.dtype).to(x.device), s)
     w = w * d0 / _expand(_dot(w, w).sqrt(), w)
     pair = torch.cat([x, x + w / _rates(field, x)])
+    fixed_scale = FixedScaleField(field)
     span = duration / renormalizations
     logs, times = [], []
     total = torch.zeros(x.shape[0], dtype=torch.float64)
     batch = x.shape[0]
     for k in tqdm(range(renormalizations), desc="Lyapunov exponent", disable=not progress, leave=False):
         if restart:
-            pair = normalize_scale(pair, model.neuron.eps)
-        pair = solve(field, pair, (0.0, span), method=method, rtol=rtol, atol=atol, save="final").x.detach()
+            pair = unit_scale(pair, model.neuron.eps)
+            grid = torch.tensor([0.0, span], dtype=pair.dtype, device=pair.device)
+            with torch.no_grad():
+                pair = odeint(fixed_scale, pair, grid, method=method, rtol=rtol, atol=atol)[-1]
+        else:
+            pair = solve(field, pair, (0.0, span), method=method, rtol=rtol, atol=atol, save="final").x.detach()
         with torch.no_grad():
             gs = model.neuron(pair)
         dist = _dot(gs[batch:] - gs[:batch], gs[batch:] - gs[:batch]).sqrt()
@@ -599,8 +621,12 @@ def lyapunov_exponent(field: ETField, x0: Tensor, *, duration: float = 10.0, ren
         times.append((k + 1) * span)
         scale = _expand(d0 / dist.clamp_min(torch.finfo(dist.dtype).tiny), pair[:batch])
         pair = torch.cat([pair[:batch], pair[:batch] + (pair[batch:] - pair[:batch]) * scale])
-    return LyapunovExponent(exponent=total / duration, times=torch.tensor(times, dtype=torch.float64),
-                            running=torch.stack(logs), d0=d0)
+    running = torch.stack(logs)
+    times_tensor = torch.tensor(times, dtype=torch.float64)
+    half = renormalizations // 2 - 1
+    before = running[half] * times_tensor[half] if half >= 0 else torch.zeros_like(total)
+    late = (total - before) / (duration - (times_tensor[half] if half >= 0 else 0.0))
+    return LyapunovExponent(exponent=total / duration, times=times_tensor, running=running, d0=d0, late=late)
 
 
 @dataclass

@@ -22,9 +22,21 @@ def test_fit_decay_recovers_exponential_and_power_law():
     exponential, power = fit_decay(t, 2.0 * t.clamp_min(1e-300) ** -1.5)
     assert power.rate == pytest.approx(1.5, rel=1e-10) and power.prefactor == pytest.approx(2.0, rel=1e-9)
     assert power.rms_log_residual < 1e-10 < exponential.rms_log_residual
-    assert power.points == 41  # the last half of the span, t >= 10
+    assert power.points == 72  # the last half of the span in log time: t >= sqrt(0.25 * 20) = 2.236
     short, _ = fit_decay(t[:2], t[:2] + 1)
     assert math.isnan(short.rate)
+
+
+def test_fit_window_is_in_log_time_on_a_log_spaced_grid():
+    """26 log-spaced times: a linear-time window keeps 2 points and both fits are NaN; the log-time one 13."""
+    t = torch.logspace(-1, 4, 26, dtype=torch.float64)
+    exponential, power = fit_decay(t, 0.8 * t**-0.56)
+    assert power.points == 13 and exponential.points == 13
+    assert power.rate == pytest.approx(0.56, rel=1e-10) and power.prefactor == pytest.approx(0.8, rel=1e-9)
+    assert math.isfinite(exponential.rate) and exponential.rms_log_residual > 1e-3
+    # a short tail still keeps min_points points
+    _, narrow = fit_decay(t, 0.8 * t**-0.56, tail=0.01)
+    assert narrow.points == 5 and narrow.rate == pytest.approx(0.56, rel=1e-10)
 
 
 def test_first_time_below():

@@ -10,12 +10,15 @@ import torch
 
 from et_ode import ETField, solve
 from et_ode.analysis.plots import (
+    dense_trajectory,
+    energy_slice,
     plot_attention,
     plot_convergence,
     plot_energy_slice,
     plot_film_strip,
     plot_trajectories,
 )
+from et_ode.analysis.stability import find_fixed_point
 
 from .conftest import random_model
 
@@ -93,3 +96,42 @@ def test_bad_inputs(solved, tmp_path: Path):
         plot_convergence(batched, field, path=tmp_path / "c.jpg")
     with pytest.raises(ValueError, match="x_fixed"):
         plot_energy_slice(field, torch.zeros(3, 4))
+
+
+def test_energy_slice_holds_the_start_and_the_end(solved):
+    """The plane passes through g*, the trajectory's start and its end: the slice's energy under the start and
+    the end is the true energy there (a plane of principal directions through g* missed 62-84% of g - g*)."""
+    field, batched, _ = solved
+    x_fixed = find_fixed_point(field, batched.x.detach(), tol=1e-8).x
+    states = batched.xs[:, 1]
+    plane = energy_slice(field, x_fixed[1], trajectory=states)
+    assert torch.allclose((plane.u * plane.v).sum(), torch.zeros((), dtype=torch.float64), atol=1e-12)
+    model = field.model
+    for k in (0, -1):
+        a, b = plane.coords[k]
+        assert float(plane.off_plane[k]) < 1e-10 * float(plane.distance[k])
+        # the retraction keeps g*'s per-token radius, which differs from the state's by O(eps / sigma^2)
+        expected = model.energy(states[k]).detach()
+        assert float(plane.energy(a, b)) == pytest.approx(float(expected), rel=1e-4)
+        assert torch.allclose(plane.points(a, b), model.neuron(states[k]), atol=1e-4)
+    assert float(plane.off_plane.max()) > 0  # the middle leaves the plane ...
+    figure = plot_energy_slice(field, x_fixed, trajectories=batched, sample=1, resolution=7)
+    texts = " ".join(t.get_text() for t in figure.axes[0].texts)
+    assert "leaves it by at most" in texts  # ... and the picture says by how much
+    assert f"{float(plane.off_plane.max()):.3g}" in texts
+
+
+def test_dense_trajectory_starts_at_t0_and_resolves_the_early_motion(solved):
+    field, batched, _ = solved
+    times, states = dense_trajectory(batched, points=60)
+    assert float(times[0]) == 0.0 and float(times[-1]) == pytest.approx(10.0) and len(times) == 60
+    assert torch.equal(states[0], batched.xs[0])
+    # an independent tight solve to the same times agrees (the dense path is the ODE's, not an interpolation)
+    reference = solve(field, batched.xs[0], times, rtol=1e-11, atol=1e-13)
+    neuron = field.model.neuron
+    assert torch.allclose(neuron(states), neuron(reference.xs.detach()), atol=1e-5)  # ReLU kinks: ~2e-6
+    # the first saved interval (0 to 0.5) holds many dense points: the early motion is no longer one chord
+    assert int((times <= float(batched.ts[1])).sum()) >= 30
+    figure = plot_trajectories(batched, dense=60)
+    segments = figure.axes[0].collections[0].get_segments()
+    assert len(segments) == 59

@@ -94,3 +94,28 @@ def test_console_script(tmp_path: Path):
         pytest.skip("et-ode has no analyze subcommand yet")
     assert result.returncode == 0, result.stderr
     check_folder(tmp_path / "cs")
+
+
+def test_landscape_report_on_a_tiny_model(tmp_path: Path):
+    """--landscape: critical points, saddle network, basins, asymptotic rate, Lyapunov spectrum, continuation and
+    the Hessian along the trajectories, with their pictures; the intrinsic exponent at the critical point equals
+    -(gamma / tau) lambda_min of the dense stability table (an independent torch.func Hessian)."""
+    folder = analyze(None, None, out=tmp_path / "l", seed=3, dim=5, heads=2, head_dim=3, memories=8,
+                     hopfield="softmax", tokens=2, batch=1, t_end=20.0, points=21, tau=0.8, landscape=True,
+                     progress=False)
+    text, data = check_folder(folder)
+    for heading in ("## The energy landscape of sample 0", "### Attractors reached from random starts",
+                    "### Asymptotic rate", "### Lyapunov spectrum at the attractor", "## The Hessian along"):
+        assert heading in text
+    assert "measures the transient" in text
+    assert {"hessian_along", "asymptotics", "bifurcation"} <= set(data["pictures"])
+    landscape = data["landscape"]
+    assert landscape["critical_points"] and all(p["rms_tangent_grad"] < 1e-9 for p in landscape["critical_points"])
+    sample = data["stability"]["samples"][0]
+    assert sample["kind"] == "stable attractor"
+    gamma = random_model(3, dim=5, heads=2, head_dim=3, memories=8, hopfield="softmax").neuron.gamma.item()
+    expected = -gamma * sample["smallest"] / 0.8
+    assert data["intrinsic_lyapunov_exponent"]["late"][0] == pytest.approx(expected, rel=1e-3)
+    spectrum = landscape["lyapunov_spectrum"]
+    assert spectrum["exponents"] == pytest.approx(spectrum["expected"], rel=1e-3)
+    assert spectrum["exponents"][0] == pytest.approx(expected, rel=1e-3)

@@ -35,6 +35,13 @@ def test_study_stability(tmp_path):
     assert list(tmp_path.glob("*.png"))
 
 
+@pytest.mark.slow
+def test_study_landscape(tmp_path):  # about a minute of CPU: the landscape study forms dense Hessians
+    out = run("study_landscape.py", "--out", str(tmp_path))
+    assert "branch point at 0.54203348" in out and "closed form a* = 0.54203348" in out
+    assert (tmp_path / "pitchfork.png").is_file() and (tmp_path / "report" / "basins.png").is_file()
+
+
 def test_train_graph_classification(shared_data, tmp_path):
     pytest.importorskip("torch_geometric")
     out = run("train_graph_classification.py", "--root", str(shared_data), "--folds", "2", "--ensemble", "2",

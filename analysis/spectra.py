@@ -1,0 +1,179 @@
+"""Spectra along trajectories: the Riemannian Hessian's extreme eigenvalues and saddle index against time,
+and the full Lyapunov spectrum by the QR method.
+
+The Hessian along a trajectory is the local curvature of ``E`` on the spheres at each saved ``g`` (a
+critical point's classification only once the trajectory has arrived); its index (the number of negative
+eigenvalues) tells when a trajectory passes near a saddle. The Lyapunov spectrum follows ``k`` orthonormal
+tangent perturbations of ``g`` and re-orthonormalises them by QR after each span (Benettin et al.); with
+``intrinsic=True`` it is measured on the :class:`~et_ode.analysis.sphere.FixedScaleField` (``sigma = 1``
+throughout), where at a critical point the exponents are exactly ``-(gamma / tau)`` times the eigenvalues of
+``Hess_R``.
+
+Shapes: states ``(N, D)`` (one sample) or ``(T, B, N, D)`` saved states; spectra ``(k,)``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from matplotlib.figure import Figure
+from torch import Tensor
+from torchdiffeq import odeint
+
+from et_ode import ETField, Solution, solve
+from et_ode.manifold import radial_direction, tangent_projection
+
+from .convergence import flat_states
+from .plots import _finish
+from .sphere import FixedScaleField, hessian_in_frame, tangent_frame, unit_scale
+
+PathLike = str | os.PathLike[str]
+
+
+@dataclass
+class HessianTrace:
+    """Per saved time ``ts`` ``(T,)`` and sample: ``smallest``, ``largest`` eigenvalue of ``Hess_R`` and the
+    ``index`` (eigenvalues below ``-zero_tol``), each ``(T, B)``; ``tangent_grad``: RMS ``|T dE/dg|`` ``(T, B)``."""
+
+    ts: Tensor
+    smallest: Tensor
+    largest: Tensor
+    index: Tensor
+    tangent_grad: Tensor
+    zero_tol: float
+
+
+def hessian_along(solution: Solution, field: ETField, *, max_times: int = 25, zero_tol: float = 1e-8) -> HessianTrace:
+    """The Riemannian Hessian's spectrum at (at most ``max_times``, evenly picked) saved states of ``solution``.
+
+    Dense: ``N (D - 2)`` Hessian-vector products per state and sample, meant for small systems.
+    """
+    if not (isinstance(max_times, int) and max_times >= 2):
+        raise ValueError(f"max_times must be an integer >= 2, got {max_times!r}")
+    xs = flat_states(solution, field)
+    picks = torch.linspace(0, xs.shape[0] - 1, min(max_times, xs.shape[0])).round().long().unique()
+    eps = field.model.neuron.eps
+    rows_small, rows_large, rows_index, rows_grad = [], [], [], []
+    for k in picks.tolist():
+        small, large, index, grad = [], [], [], []
+        for b in range(xs.shape[1]):
+            bound = field if field.mask is None or field.mask.dim() == 2 else field.with_mask(
+                field.mask.reshape(-1, *field.mask.shape[-2:])[b])
+            matrix, gradient, _ = hessian_in_frame(bound, unit_scale(xs[k, b], eps))
+            values = torch.linalg.eigvalsh(matrix)
+            small.append(values[0])
+            large.append(values[-1])
+            index.append((values < -zero_tol).sum())
+            grad.append(gradient.square().sum().sqrt() / xs[k, b].numel() ** 0.5)
+        rows_small.append(torch.stack(small))
+        rows_large.append(torch.stack(large))
+        rows_index.append(torch.stack(index))
+        rows_grad.append(torch.stack(grad))
+    return HessianTrace(ts=solution.ts.detach().to(torch.float64).cpu()[picks], smallest=torch.stack(rows_small).cpu(),
+                        largest=torch.stack(rows_large).cpu(), index=torch.stack(rows_index).cpu(),
+                        tangent_grad=torch.stack(rows_grad).cpu(), zero_tol=zero_tol)
+
+
+@dataclass
+class LyapunovSpectrum:
+    """The ``k`` largest Lyapunov exponents (descending) of one trajectory: ``exponents`` ``(k,)`` over the
+    whole ``duration``, ``late`` ``(k,)`` over its second half (the start's transient discarded), ``running``
+    ``(K, k)`` at the renormalisation ``times`` ``(K,)``; per unit time of the flow, measured in ``g``."""
+
+    exponents: Tensor
+    late: Tensor
+    times: Tensor
+    running: Tensor
+    intrinsic: bool
+    d0: float
+
+
+def lyapunov_spectrum(field: ETField, x0: Tensor, *, count: int | None = None, duration: float = 20.0,
+                      renormalizations: int = 20, d0: float = 1e-6, intrinsic: bool = True, method: str = "dopri5",
+                      rtol: float = 1e-10, atol: float = 1e-12, seed: int = 0) -> LyapunovSpectrum:
+    """The Lyapunov spectrum of the trajectory from ``x0`` ``(N, D)`` by the QR method.
+
+    ``count`` tangent perturbations of ``g`` (default: all ``N (D - 2)``) of size ``d0`` are integrated with
+    the reference state in one batch; after each of the ``renormalizations`` spans their g-differences,
+    projected on the tangent space, are QR-factorised, ``log |R_ii| / d0`` accumulated and the perturbations
+    reset to ``d0 Q``. ``intrinsic``: follow the fixed-scale flow (``sigma = 1``, see
+    :mod:`et_ode.analysis.sphere`) instead of the plain solve, whose rates decay like ``1 / t``.
+    """
+    if not (isinstance(x0, Tensor) and x0.dim() == 2 and x0.shape[-1] == field.model.dim):
+        raise ValueError(f"x0 must be one state (N, D) with D={field.model.dim}, got "
+                         f"{tuple(x0.shape) if isinstance(x0, Tensor) else type(x0).__name__}")
+    if not (duration > 0 and d0 > 0 and isinstance(renormalizations, int) and renormalizations >= 2):
+        raise ValueError(f"duration and d0 must be positive and renormalizations an integer >= 2, got "
+                         f"duration={duration}, d0={d0}, renormalizations={renormalizations}")
+    neuron = field.model.neuron
+    eps, delta = neuron.eps, neuron.delta.detach()
+    x = unit_scale(x0.detach(), eps) if intrinsic else x0.detach()
+    dimension = x.shape[0] * (x.shape[1] - 2)
+    count = dimension if count is None else count
+    if not (isinstance(count, int) and 1 <= count <= dimension):
+        raise ValueError(f"count must be an integer in [1, {dimension}], got {count!r}")
+    generator = torch.Generator().manual_seed(seed)
+    frame = tangent_frame(unit_scale(x, eps)).flatten(1)  # (n, N D)
+    mixing = torch.randn(count, dimension, generator=generator, dtype=x.dtype).to(x.device)
+    q = torch.linalg.qr((mixing @ frame).T).Q.T.reshape(count, *x.shape)  # (k, N, D) orthonormal g-directions
+    fixed_scale = FixedScaleField(field)
+    span = duration / renormalizations
+    grid = torch.tensor([0.0, span], dtype=x.dtype, device=x.device)
+    total = torch.zeros(count, dtype=torch.float64)
+    running = []
+    with torch.no_grad():
+        for _ in range(renormalizations):
+            centered = x - x.mean(dim=-1, keepdim=True)
+            sigma = centered.square().mean(dim=-1, keepdim=True).add(eps).sqrt()
+            batch = torch.cat([x[None], x + d0 * q * sigma / neuron.gamma.detach()])  # dx = sigma / gamma dg (tangent)
+            if intrinsic:
+                batch = odeint(fixed_scale, batch, grid, method=method, rtol=rtol, atol=atol)[-1]
+            else:
+                batch = solve(field, batch, (0.0, span), method=method, rtol=rtol, atol=atol, save="final").x
+            x = batch[0]
+            g = neuron(batch)
+            s, _ = radial_direction(g[0], delta)
+            differences = tangent_projection(g[1:] - g[0], s).flatten(1)  # (k, N D)
+            q_new, r = torch.linalg.qr(differences.T)
+            diagonal = r.diagonal()
+            total += (diagonal.abs() / d0).log().to(torch.float64).cpu()
+            running.append(total.clone())
+            q = (q_new * diagonal.sign()).T.reshape(count, *x.shape)
+    times = torch.arange(1, renormalizations + 1, dtype=torch.float64) * span
+    running_tensor = torch.stack(running)
+    half = renormalizations // 2 - 1
+    late = (total - running_tensor[half]) / (duration - float(times[half]))
+    order = torch.argsort(late, descending=True)
+    return LyapunovSpectrum(exponents=(total / duration)[order], late=late[order], times=times,
+                            running=(running_tensor / times[:, None])[:, order], intrinsic=intrinsic, d0=d0)
+
+
+def plot_hessian_along(trace: HessianTrace, *, path: PathLike | None = None, figsize: tuple[float, float] = (12.0, 4.5),
+                       dpi: int = 100, max_samples: int = 10) -> Figure:
+    """The Riemannian Hessian's smallest and largest eigenvalue (left) and the saddle index (right) against time
+    (log scale from the first positive saved time), one colour per sample."""
+    from matplotlib import colormaps
+
+    count = min(trace.smallest.shape[1], max_samples)
+    colors = colormaps["tab10"]
+    t = trace.ts.numpy()
+    positive = t > 0
+    fig = Figure(figsize=figsize, layout="constrained")
+    ax_values, ax_index = fig.subplots(1, 2)
+    for b in range(count):
+        ax_values.plot(t[positive], trace.smallest[positive, b].numpy(), color=colors(b), label=f"sample {b}: smallest")
+        ax_values.plot(t[positive], trace.largest[positive, b].numpy(), color=colors(b), linestyle=":",
+                       label=f"sample {b}: largest")
+        ax_index.step(t[positive], trace.index[positive, b].numpy() + 0.04 * b, where="post", color=colors(b),
+                      label=f"sample {b}")
+    ax_values.axhline(0.0, color="black", linewidth=0.8)
+    ax_values.set(xscale="log", xlabel="time t (log scale)", ylabel="eigenvalue of Hess_R",
+                  title="Curvature of E on the spheres along the trajectory\nsolid: smallest, dotted: largest eigenvalue")
+    ax_index.set(xscale="log", xlabel="time t (log scale)", ylabel="negative eigenvalues (saddle index)",
+                 title="Saddle index along the trajectory\n(0 once it is in a minimum's convex neighbourhood)")
+    for ax in (ax_values, ax_index):
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize="small")
+    return _finish(fig, path, dpi)

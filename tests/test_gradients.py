@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.func import functional_call
 
-from et_ode import ETField, solve
+from et_ode import ETField, SolveError, solve
 from tests.conftest import random_model
 
 
@@ -21,15 +21,19 @@ def relative(a, b):
     return float((a - b).norm() / b.norm())
 
 
-@pytest.mark.parametrize("hopfield, bound", [("softmax", 1e-6), ("softplus", 1e-6), ("relu", 1e-2)])
-def test_adjoint_equals_direct(hopfield, bound):
-    """ReLU memories make the field only once differentiable where an overlap crosses zero: adaptive
-    step-size control then differs between the forward and the adjoint solve, hence the looser bound."""
+@pytest.mark.parametrize("hopfield, rtol, bound", [
+    ("softmax", 1e-11, 1e-10), ("softplus", 1e-11, 1e-10), ("relu", 1e-7, 3e-3),
+    pytest.param("relu", 1e-9, 5e-4, marks=pytest.mark.slow), pytest.param("relu", 1e-11, 1e-4, marks=pytest.mark.slow)])
+def test_adjoint_equals_direct(hopfield, rtol, bound):
+    """The README's figures (dopri5; measured on this model): smooth energies 5e-12 (softmax) and 5e-11 (softplus)
+    at rtol 1e-11. ReLU memories make the field only once differentiable where an overlap crosses zero: adaptive
+    step-size control then differs between the forward and the adjoint solve: 1.3e-3 at rtol 1e-7, 2.0e-4 at
+    rtol 1e-9, 2.2e-5 at rtol 1e-11."""
     model = random_model(hopfield=hopfield, seed=1)
+    torch.manual_seed(0)
     x0 = torch.randn(2, 4, 8, dtype=torch.float64)
     target = torch.randn_like(x0)
-    tight = hopfield != "relu"  # ReLU kinks make tight tolerances expensive without making them more accurate
-    options = dict(t=(0.0, 3.0), rtol=1e-10 if tight else 1e-7, atol=1e-12 if tight else 1e-9)
+    options = dict(t=(0.0, 3.0), rtol=rtol, atol=rtol / 100)
     direct, _ = parameter_gradients(model, x0, target, **options)
     adjoint, solution = parameter_gradients(model, x0, target, grad="adjoint", **options)
     assert relative(adjoint, direct) < bound
@@ -43,7 +47,7 @@ def test_adjoint_with_seminorm_and_fixed_steps():
     direct, _ = parameter_gradients(model, x0, target, t=(0.0, 1.0), method="rk4", step=0.01)
     adjoint, _ = parameter_gradients(model, x0, target, t=(0.0, 1.0), method="rk4", step=0.01, grad="adjoint",
                                      adjoint_method="rk4")
-    assert relative(adjoint, direct) < 1e-6  # the continuous adjoint vs the discrete one, O(step^4)
+    assert relative(adjoint, direct) < 1e-7  # the continuous adjoint vs the discrete one, O(step^4): 4e-8 measured
     semi, _ = parameter_gradients(model, x0, target, t=(0.0, 1.0), rtol=1e-9, atol=1e-11, grad="adjoint",
                                   seminorm=True)
     assert relative(semi, direct) < 1e-4
@@ -88,13 +92,13 @@ def test_implicit_equals_direct_through_a_long_converged_solve():
     model = converging_model()
     x0 = torch.randn(2, 1, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     target = torch.randn_like(x0)
-    direct, long_solve = parameter_gradients(model, x0, target, t=(0.0, 1e7), rtol=1e-10, atol=1e-12,
-                                             grad="adjoint")
+    adjoint, long_solve = parameter_gradients(model, x0, target, t=(0.0, 1e7), rtol=1e-10, atol=1e-12,
+                                              grad="adjoint")  # equals direct backpropagation to 1e-10
     implicit, fixed = parameter_gradients(model, x0, target, t=(0.0, 1e9), rtol=1e-10, atol=1e-12, grad="implicit",
                                           steady_state=1e-12, implicit_tol=1e-12)
     n_params = sum(p.numel() for p in model.parameters())
     assert fixed.status.value == "steady_state"
-    assert relative(implicit[:n_params], direct[:n_params]) < 1e-4
+    assert relative(implicit[:n_params], adjoint[:n_params]) < 1e-5  # the README's figure; 5.6e-6 measured
     assert float(implicit[n_params:].abs().max()) == 0.0  # the fixed point does not depend on x0 locally
     assert 0 < fixed.stats.nfe_backward < 100  # conjugate-gradient Hessian-vector products, not a backward solve
 
@@ -102,5 +106,5 @@ def test_implicit_equals_direct_through_a_long_converged_solve():
 def test_implicit_needs_a_converged_solve():
     model = converging_model()
     x0 = torch.randn(1, 1, 8, dtype=torch.float64)
-    with pytest.raises(Exception, match="converged fixed point"):
+    with pytest.raises(SolveError, match="converged fixed point"):
         solve(ETField(model), x0, (0.0, 1.0), grad="implicit", steady_state=1e-12)

@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install test test-avx2 lint demo bench fuzz clean
+.PHONY: install test test-avx2 lint demo bench fuzz mutate clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -40,6 +40,11 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/gradients.py
 	$(BIN)/python benchmarks/graph_scale.py
 	$(BIN)/python benchmarks/ddp.py
+
+# mutation testing of the core modules (not part of `make test`; ~40 minutes on one core): see the README's "Testing"
+mutate: $(STAMP)
+	$(BIN)/python -m pip install -q -e ".[mutate]"
+	nice -n 10 $(BIN)/python tools/mutate.py $(MUTATE_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -35,3 +35,79 @@ def test_model_passes_its_settings_to_the_parts():
     assert model.attention.beta.tolist() == pytest.approx([0.7, 1.9])
     assert EnergyTransformer(6, 2, 4, 5).attention.beta.tolist() == pytest.approx([0.5, 0.5])  # 1/sqrt(Y)
     assert EnergyTransformer(6, 2, 3, 5, hopfield="softplus").hopfield.beta == 4.0
+
+
+def test_a_graph_of_one_node_is_a_valid_mask():
+    from et_ode.graph_attention import GraphMask
+
+    mask = GraphMask(torch.zeros(2, 0, dtype=torch.long), 1)
+    assert mask.num_nodes == 1 and mask.edge_index.shape == (2, 0)
+    with pytest.raises(ValueError, match="num_nodes"):
+        GraphMask(torch.zeros(2, 0, dtype=torch.long), 0)
+
+
+def test_onednn_packs_float32_where_it_is_available():
+    """float32 packing is what oneDNN does on every x86 CPU; a broken probe would silently fall back to matmul."""
+    from et_ode import fused
+
+    if not fused.onednn_available():
+        pytest.skip("this PyTorch build has no oneDNN")
+    assert fused._probe_onednn(torch.float32)
+    weight = torch.randn(6, 8)
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(fused._onednn_linear(x, weight), x @ weight.T, rtol=1e-5, atol=1e-5)
+
+
+def test_onednn_backward_of_every_weight_matches_float64():
+    """The oneDNN branch of the fused backward (float32), every weight, against the float64 reference field."""
+    import copy
+
+    from et_ode import ETField, fused
+    from tests.conftest import random_model
+
+    if not fused.supports_onednn(torch.float32, torch.device("cpu")):
+        pytest.skip("oneDNN does not pack float32 here")
+    model64 = random_model(dim=16, heads=2, head_dim=8, memories=24, hopfield="softmax", beta_hn=3.0)
+    model32 = copy.deepcopy(model64).float()
+    field = ETField(model32, backend="fused")
+    field.fused.gemm = "onednn"
+    x = torch.randn(3, 5, 16, dtype=torch.float64)
+    u = torch.randn_like(x)
+    weights32 = (model32.attention.WK, model32.attention.WQ, model32.hopfield.xi)
+    weights64 = (model64.attention.WK, model64.attention.WQ, model64.hopfield.xi)
+    got = torch.autograd.grad(field(0.0, x.float()), weights32, u.float())
+    want = torch.autograd.grad(ETField(model64, backend="reference")(0.0, x), weights64, u)
+    for a, b in zip(got, want, strict=True):
+        assert float((a.double() - b).norm() / b.norm()) < 1e-5
+
+
+def test_timing_the_gemm_back_ends_leaves_the_global_random_stream_alone():
+    from et_ode import fused
+
+    if not fused.supports_onednn(torch.float32, torch.device("cpu")):
+        pytest.skip("oneDNN does not pack float32 here")
+    torch.manual_seed(0)
+    state = torch.get_rng_state()
+    fused.choose_gemm(37, 11, 29, torch.float32, torch.device("cpu"), reps=1)
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_subclassed_energies_are_not_taken_for_the_fused_closed_form():
+    """A model whose attention is a subclass (another energy) must be evaluated by its own gradient."""
+    from et_ode import ETField
+    from et_ode.energies import EnergyAttention
+    from tests.conftest import random_model
+
+    class Doubled(EnergyAttention):
+        def energy(self, g, mask=None):
+            return 2 * super().energy(g, mask)
+
+        def grad(self, g, mask=None):
+            return 2 * super().grad(g, mask)
+
+    model = random_model()
+    doubled = random_model()
+    doubled.attention.__class__ = Doubled
+    x = torch.randn(2, 4, 8, dtype=torch.float64)
+    want = -(2 * model.attention.grad(model.neuron(x)) + model.hopfield.grad(model.neuron(x)))
+    torch.testing.assert_close(ETField(doubled)(0.0, x), want, rtol=1e-10, atol=1e-12)

@@ -111,3 +111,16 @@ def test_subclassed_energies_are_not_taken_for_the_fused_closed_form():
     x = torch.randn(2, 4, 8, dtype=torch.float64)
     want = -(2 * model.attention.grad(model.neuron(x)) + model.hopfield.grad(model.neuron(x)))
     torch.testing.assert_close(ETField(doubled)(0.0, x), want, rtol=1e-10, atol=1e-12)
+
+
+def test_conjugate_gradients_solve_n_distinct_eigenvalues_in_n_steps():
+    """CG's defining property (exact arithmetic: n steps for n distinct eigenvalues; steepest descent needs ~50 here)."""
+    from et_ode.gradients import conjugate_gradient
+
+    diagonal = torch.tensor([1.0, 2.0, 5.0, 10.0], dtype=torch.float64)
+    b = torch.tensor([[[1.0, -2.0, 0.5, 3.0]]], dtype=torch.float64)
+    w, iterations, residual = conjugate_gradient(lambda v: v * diagonal, b, tol=1e-10, max_iter=4)
+    torch.testing.assert_close(w, b / diagonal, rtol=1e-12, atol=1e-14)
+    assert float(residual.max()) < 1e-10
+    _, iterations, _ = conjugate_gradient(lambda v: v * diagonal, b, tol=1e-10, max_iter=50)
+    assert iterations == 4

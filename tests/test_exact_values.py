@@ -5,6 +5,7 @@ testing, ``make mutate``): each asserts a value against its definition, not agai
 """
 
 import math
+import platform
 
 import pytest
 import torch
@@ -50,9 +51,9 @@ def test_onednn_packs_float32_where_it_is_available():
     """float32 packing is what oneDNN does on every x86 CPU; a broken probe would silently fall back to matmul."""
     from et_ode import fused
 
-    if not fused.onednn_available():
-        pytest.skip("this PyTorch build has no oneDNN")
-    assert fused._probe_onednn(torch.float32)
+    if not (torch.backends.mkldnn.is_available() and platform.machine().lower() in ("x86_64", "amd64")):
+        pytest.skip("oneDNN is not built into this PyTorch, or this is not an x86 CPU")
+    assert fused.onednn_available() and fused._probe_onednn(torch.float32)
     weight = torch.randn(6, 8)
     x = torch.randn(4, 8)
     torch.testing.assert_close(fused._onednn_linear(x, weight), x @ weight.T, rtol=1e-5, atol=1e-5)
@@ -124,3 +125,25 @@ def test_conjugate_gradients_solve_n_distinct_eigenvalues_in_n_steps():
     assert float(residual.max()) < 1e-10
     _, iterations, _ = conjugate_gradient(lambda v: v * diagonal, b, tol=1e-10, max_iter=50)
     assert iterations == 4
+
+
+def test_error_messages_name_the_argument():
+    from et_ode import ETField
+    from et_ode.graph_attention import GraphMask
+    from tests.conftest import random_model
+
+    model = random_model()
+    with pytest.raises(ValueError, match=r"^g must have shape"):
+        model.energy_g(torch.zeros(3, 5))
+    with pytest.raises(ValueError, match=r"^g must have shape"):
+        model.grad_g(torch.zeros(3, 5))
+    with pytest.raises(ValueError, match=r"^x has 1 non-finite entries"):
+        ETField(model).dg_dt(torch.tensor([[float("nan")] + [0.0] * 7], dtype=torch.float64))
+    with pytest.raises(TypeError, match=r"^model must be an EnergyTransformer, got int"):
+        ETField(3)
+    x = torch.zeros(2, 4, 8, dtype=torch.float64)
+    with pytest.raises(TypeError, match=r"mask=GraphMask\(edge_index, num_nodes\)$"):
+        model.energy(x, torch.zeros(2, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"^mask batch shape \(3,\) does not broadcast"):
+        model.energy(x, torch.ones(3, 4, 4, dtype=torch.bool))
+    assert GraphMask(torch.tensor([[0], [1]]), 2).num_nodes == 2

@@ -147,3 +147,33 @@ def test_error_messages_name_the_argument():
     with pytest.raises(ValueError, match=r"^mask batch shape \(3,\) does not broadcast"):
         model.energy(x, torch.ones(3, 4, 4, dtype=torch.bool))
     assert GraphMask(torch.tensor([[0], [1]]), 2).num_nodes == 2
+
+
+def test_initial_weights_have_the_documented_scale():
+    """WK, WQ and xi start with standard deviation 1/sqrt(D) (the init_std default)."""
+    torch.manual_seed(0)
+    model = EnergyTransformer(64, 4, 16, 256)
+    for weight in (model.attention.WK, model.attention.WQ, model.hopfield.xi):
+        assert float(weight.std()) == pytest.approx(1 / 8, rel=0.05)
+
+
+def test_zero_inverse_temperatures_are_refused():
+    with pytest.raises(ValueError, match="beta_hn"):
+        EnergyTransformer(6, 2, 3, 5, hopfield="softmax", beta_hn=0.0)
+    with pytest.raises(ValueError, match="beta"):
+        EnergyTransformer(6, 2, 3, 5, beta=0.0)
+
+
+def test_attention_weights_are_the_softmax_over_allowed_keys():
+    """``attention(g)[h, B, C]`` = softmax over keys B of beta_h K_B . Q_C, masked pairs 0, from the SPEC."""
+    from tests.conftest import random_model
+
+    model = random_model(6, 2, 3, 5, beta=[0.7, 1.9])
+    g = torch.randn(2, 4, 6, dtype=torch.float64)
+    mask = torch.rand(2, 4, 4, generator=torch.Generator().manual_seed(0)) > 0.3
+    keys = torch.einsum("hyd,...bd->...hby", model.attention.WK, g)
+    queries = torch.einsum("hyd,...cd->...hcy", model.attention.WQ, g)
+    logits = torch.tensor([0.7, 1.9], dtype=torch.float64)[:, None, None] * keys @ queries.transpose(-1, -2)
+    allowed = (mask.transpose(-1, -2) & ~torch.eye(4, dtype=torch.bool)).unsqueeze(-3).expand(logits.shape)
+    weights = torch.softmax(logits.masked_fill(~allowed, -torch.inf), dim=-2).nan_to_num(0.0)
+    torch.testing.assert_close(model.attention.attention(g, mask), weights, rtol=1e-12, atol=1e-14)

@@ -106,7 +106,7 @@ class ETField(nn.Module):
         grad = self.grad_g(self._activation(x))
         if grad.requires_grad or self.fused is None:
             return grad / -self.tau
-        return grad.mul_(-1.0 / self.tau)  # a fresh tensor of the fused path: scaled in place
+        return grad.div_(-self.tau)  # a fresh tensor of the fused path: scaled in place, the same bits as above
 
     def _activation(self, x: Tensor) -> Tensor:
         """``g = LayerNorm(x)``; on the fused path by the one-kernel ``layer_norm`` (same formula as the neuron)."""

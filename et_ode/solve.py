@@ -22,6 +22,8 @@ from torchdiffeq import odeint, odeint_adjoint, odeint_event
 
 from ._checks import check_mask, check_normalisable, check_precision, check_tokens
 from .field import ETField, Evaluations
+from .fixed_step import applies as lean_loop_applies
+from .fixed_step import integrate as integrate_fixed_steps
 from .manifold import radial_direction, tangent_projection
 
 ADAPTIVE_METHODS = ("dopri5", "dopri8", "bosh3", "fehlberg2", "adaptive_heun")
@@ -397,7 +399,10 @@ def solve(
     try:
         with torch.no_grad() if grad == "implicit" else contextlib.nullcontext():
             stop_times = None
-            if steady_state is None:
+            if steady_state is None and grad == "direct" and lean_loop_applies(torch_method, opts):
+                xs = integrate_fixed_steps(recorder, x0, grid, torch_method, fixed_step, save_all=save == "all")
+                ts, x_final = grid, xs[-1]
+            elif steady_state is None:
                 xs = interface(recorder, x0, grid, **kwargs)
                 ts, x_final = grid, xs[-1]
             else:

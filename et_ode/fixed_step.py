@@ -1,0 +1,166 @@
+"""The lean fixed-step loop behind :func:`et_ode.solve`: the paper's scheme and the euler, midpoint and rk4 methods.
+
+torchdiffeq's fixed-grid solvers (0.2.5) wrap the field in two modules of theirs and our recorder, take the absolute
+value of the whole state at every evaluation (only to learn the time's dtype), call a step callback (our finiteness
+check: a reduction and a synchronisation per step) and copy every step into a solution tensor. Here a step is the
+field's evaluations and the update, nothing else: the same floating-point operations in the same order as
+torchdiffeq's steps (the increment ``dt * f`` rounded, then added to the state; the times in float64, handed to the
+field in the state's dtype), so the states agree with torchdiffeq's bit for bit. Without gradients the update runs
+in place in buffers allocated once; with gradients it runs out of place, so that autograd records it.
+
+Finiteness is checked once, at the end. A non-finite end replays the steps without gradients through the recorder's
+per-step check, so the failure names the same time and carries the same partial solution as torchdiffeq's path
+(a state that has become NaN or infinite stays so: ``LayerNorm`` maps it to NaN).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+METHODS = ("euler", "midpoint", "rk4")
+
+# the stage times of a step, as fractions of ``dt`` in torchdiffeq's expressions (``t0 + dt * c``)
+_ONE_THIRD, _TWO_THIRDS = 1 / 3, 2 / 3
+_STAGES = {"euler": 1, "midpoint": 2, "rk4": 4}
+
+Field = Callable[[Tensor, Tensor], Tensor]
+
+
+class StepRecorder(Protocol):
+    """What the loop needs of ``solve``'s recorder: the field, the progress it reports and the per-step check."""
+
+    field: Any  # an ETField: called as field(t, x), with an ``evaluations`` counter
+    keep_steps: bool
+    progress: Any  # steps, saved, sample_evaluations
+
+    def callback_step(self, t0: Tensor, y0: Tensor, dt: Tensor) -> None: ...
+
+
+def applies(method: str, options: dict[str, Any]) -> bool:
+    """Whether the lean loop integrates ``method`` with these torchdiffeq ``options`` (only ``step_size``; no
+    ``perturb``, ``interp`` or ``grid_constructor``, which keep torchdiffeq's own loop)."""
+    return method in METHODS and set(options) <= {"step_size"}
+
+
+def step_grid(grid: Tensor, step_size: float | None) -> Tensor:
+    """The times the solver steps on: ``grid`` itself, or steps of ``step_size`` from ``grid[0]`` ending exactly at
+    ``grid[-1]`` (torchdiffeq's construction, so the same float64 times): ``(steps + 1,)``."""
+    if step_size is None:
+        return grid
+    count = torch.ceil((grid[-1] - grid[0]) / step_size + 1).item()
+    times = torch.arange(0, count, dtype=grid.dtype, device=grid.device) * step_size + grid[0]
+    times[-1] = grid[-1]
+    return times
+
+
+def _stage_times(times: Tensor, method: str, dtype: torch.dtype) -> Tensor:
+    """The time of every evaluation, ``(steps, stages)``: computed in float64 as torchdiffeq does, then cast to the
+    state's dtype as its wrapper does before calling the field."""
+    t0, t1 = times[:-1], times[1:]
+    dt = t1 - t0
+    if method == "euler":
+        stages = [t0]
+    elif method == "midpoint":
+        stages = [t0, t0 + 0.5 * dt]
+    else:
+        stages = [t0, t0 + dt * _ONE_THIRD, t0 + dt * _TWO_THIRDS, t1]
+    return torch.stack(stages, dim=1).to(dtype)
+
+
+def _increment(method: str, field: Field, t: Tensor, dt: Tensor, y: Tensor) -> Tensor:
+    """``y1 - y0`` of one step from ``y``, with torchdiffeq's operations in torchdiffeq's order: ``t`` the stage times
+    ``(stages,)`` in the state's dtype, ``dt`` a float64 0-d tensor (a Python float would round differently in
+    bfloat16). A new tensor."""
+    if method == "euler":
+        return dt * field(t[0], y)
+    if method == "midpoint":
+        half_dt = 0.5 * dt
+        y_mid = y + field(t[0], y) * half_dt
+        return dt * field(t[1], y_mid)
+    k1 = field(t[0], y)
+    k2 = field(t[1], y + dt * k1 * _ONE_THIRD)
+    k3 = field(t[2], y + dt * (k2 - k1 * _ONE_THIRD))
+    k4 = field(t[3], y + dt * (k1 - k2 + k3))
+    return (k1 + 3 * (k2 + k3) + k4) * dt * 0.125
+
+
+def _interpolate(t0: Tensor, t1: Tensor, y0: Tensor, y1: Tensor, t: Tensor) -> Tensor:
+    """torchdiffeq's linear interpolation between the ends of a step (float64 0-d times)."""
+    if t == t0:
+        return y0
+    if t == t1:
+        return y1
+    return y0 + (t - t0) / (t1 - t0) * (y1 - y0)
+
+
+def integrate(recorder: StepRecorder, x0: Tensor, grid: Tensor, method: str, step_size: float | None,
+              save_all: bool) -> Tensor:
+    """Integrate from ``x0`` ``(*batch, N, D)`` over ``grid`` ``(T,)`` (float64) by ``method``.
+
+    Returns the states at the times ``grid``, ``(T, *batch, N, D)``, if ``save_all``, else the final state as
+    ``(1, *batch, N, D)``. Fills ``recorder.progress`` (steps, sample evaluations and, with ``keep_steps``, the
+    start of every step) as torchdiffeq's loop would, and raises the recorder's failure where it would.
+    """
+    times = step_grid(grid, step_size)
+    start_count = recorder.field.evaluations.count
+    start_samples = recorder.progress.sample_evaluations
+    out = _run(recorder, x0, grid, times, method, save_all, replay=False)
+    if not bool(torch.isfinite(out[-1]).all()):
+        recorder.field.evaluations.count = start_count
+        recorder.progress.sample_evaluations = start_samples
+        recorder.progress.saved.clear()
+        recorder.progress.steps = 0
+        with torch.no_grad():
+            _run(recorder, x0, grid, times, method, save_all, replay=True)  # raises at the first non-finite start
+    return out
+
+
+def _run(recorder: StepRecorder, x0: Tensor, grid: Tensor, times: Tensor, method: str, save_all: bool,
+         replay: bool) -> Tensor:
+    """The loop. ``replay``: call ``recorder.callback_step`` at the start of every step (torchdiffeq's per-step
+    bookkeeping and checks), else only count."""
+    field, progress, keep_steps = recorder.field, recorder.progress, recorder.keep_steps
+    steps = len(times) - 1
+    stage_times = _stage_times(times, method, x0.dtype)
+    step_sizes = times[1:] - times[:-1]
+    on_grid = times is grid  # the outputs are the steps themselves
+    step_ends, outputs = times[1:].tolist(), grid.tolist()
+    in_place = not (torch.is_grad_enabled() or replay)  # (the recorder keeps the start of the latest step)
+    samples_per_step = _STAGES[method] * x0.shape[:-2].numel()
+    saved = None  # as torchdiffeq: one tensor, every output assigned to its row (the same autograd graph)
+    if save_all:
+        saved = torch.empty((len(grid), *x0.shape), dtype=x0.dtype, device=x0.device)
+        saved[0] = x0
+    own_buffer = False  # whether y is a buffer of this loop, safe to update in place
+    y = x0
+    next_output = 1
+    for k in range(steps):
+        dt = step_sizes[k]
+        if replay:
+            recorder.callback_step(times[k], y, dt)
+            progress.sample_evaluations += samples_per_step
+        elif keep_steps:
+            progress.saved.append((float(times[k]), y.detach()))
+        dy = _increment(method, field, stage_times[k], dt, y)
+        if not in_place:
+            y1 = y + dy
+        elif on_grid and saved is not None:
+            y1 = torch.add(y, dy, out=saved[k + 1])
+        elif own_buffer and not keep_steps and not save_all:
+            y1 = y.add_(dy)
+        else:  # the first step (x0 is the caller's), or states that must outlive the step
+            y1 = y + dy
+            own_buffer = True
+        if saved is not None and not (on_grid and in_place):
+            while next_output < len(outputs) and step_ends[k] >= outputs[next_output]:
+                saved[next_output] = _interpolate(times[k], times[k + 1], y, y1, grid[next_output])
+                next_output += 1
+        y = y1
+    if not replay:
+        progress.steps = steps
+        progress.sample_evaluations += steps * samples_per_step
+    return y[None] if saved is None else saved

@@ -1,0 +1,128 @@
+"""The lean fixed-step loop (et_ode.fixed_step) against torchdiffeq's fixed-grid solvers, bit for bit.
+
+Every comparison runs the same public ``solve`` call twice: once as shipped (the lean loop) and once with the lean
+loop switched off, so that torchdiffeq's own loop integrates; states, gradients, statistics and failures must be
+identical (``torch.equal``, not close).
+"""
+
+import importlib
+
+import pytest
+import torch
+from torchdiffeq import odeint
+
+from et_ode import ETField, SolveError, Status, solve
+from tests.conftest import random_model
+
+solve_module = importlib.import_module("et_ode.solve")  # the module (et_ode.solve is the function)
+
+# (method, solve arguments): the paper's scheme on its own grid, fixed methods on the output grid and with a step
+# that does not divide the output times (outputs interpolated inside a step)
+CASES = [
+    ("et", dict(step=0.1, steps=12)),
+    ("euler", dict(t=torch.linspace(0.0, 1.0, 6, dtype=torch.float64))),
+    ("euler", dict(t=torch.linspace(0.0, 1.0, 5, dtype=torch.float64), step=0.07)),
+    ("midpoint", dict(t=torch.linspace(0.0, 1.2, 4, dtype=torch.float64), step=0.09)),
+    ("rk4", dict(t=(0.5, 1.5), step=0.15)),
+    ("rk4", dict(t=torch.linspace(0.0, 0.9, 4, dtype=torch.float64))),
+]
+
+
+def setup(dtype: torch.dtype, seed: int = 0):
+    model = random_model(hopfield="softmax", dtype=dtype, seed=seed, beta=0.7)
+    mask = torch.rand(4, 4, generator=torch.Generator().manual_seed(seed)) < 0.7
+    x0 = torch.randn(2, 4, 8, dtype=dtype, generator=torch.Generator().manual_seed(seed))
+    return model, ETField(model, tau=1.3, mask=mask), x0
+
+
+def torchdiffeq_loop(monkeypatch, *args, **kwargs):
+    """``solve`` with the lean loop switched off."""
+    with monkeypatch.context() as patch:
+        patch.setattr(solve_module, "lean_loop_applies", lambda method, options: False)
+        return solve(*args, **kwargs)
+
+
+def same_stats(a, b):
+    assert a.stats.nfe_forward == b.stats.nfe_forward and a.stats.accepted_steps == b.stats.accepted_steps
+    assert a.stats.rejected_steps == b.stats.rejected_steps == 0
+    assert a.stats.sample_evaluations == b.stats.sample_evaluations and a.stats.t_final == b.stats.t_final
+    assert a.status is b.status is Status.REACHED_END
+    assert torch.equal(a.ts, b.ts)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("method, kwargs", CASES)
+@pytest.mark.parametrize("save", ["all", "final", "steps"])
+def test_states_and_statistics_equal_torchdiffeq_bit_for_bit(monkeypatch, dtype, method, kwargs, save):
+    _, field, x0 = setup(dtype)
+    x0_copy = x0.clone()
+    for grad_enabled in (False, True):
+        with torch.set_grad_enabled(grad_enabled):
+            lean = solve(field, x0, method=method, save=save, **kwargs)
+            reference = torchdiffeq_loop(monkeypatch, field, x0, method=method, save=save, **kwargs)
+        assert torch.equal(lean.x, reference.x) and torch.equal(lean.g, reference.g)
+        assert (lean.xs is None) == (reference.xs is None) == (save == "final")
+        if save != "final":
+            assert torch.equal(lean.xs, reference.xs)
+        same_stats(lean, reference)
+    assert torch.equal(x0, x0_copy)  # the in-place updates never touch the caller's state
+
+
+@pytest.mark.parametrize("method, kwargs", CASES[:1] + CASES[2:5])
+def test_gradients_equal_torchdiffeq_bit_for_bit(monkeypatch, method, kwargs):
+    model, field, x0 = setup(torch.float64, seed=1)
+    x0 = x0.requires_grad_(True)
+    weights = torch.randn(x0.shape, dtype=x0.dtype, generator=torch.Generator().manual_seed(5))
+    inputs = (x0, *model.parameters())
+    grads = []
+    for run in (solve, lambda *a, **k: torchdiffeq_loop(monkeypatch, *a, **k)):
+        solution = run(field, x0, method=method, **kwargs)
+        loss = (solution.xs[1:].sum(dim=0) * weights).sum() + solution.g.square().sum()
+        grads.append(torch.autograd.grad(loss, inputs, allow_unused=True))
+    for lean, reference in zip(*grads, strict=True):
+        assert (lean is None) == (reference is None)
+        if lean is not None:
+            assert torch.equal(lean, reference)
+    assert grads[0][0].abs().sum() > 0 and grads[0][1].abs().sum() > 0  # gradients reach x0 and the weights
+
+
+def test_paper_scheme_equals_odeint_on_its_grid_in_bfloat16():
+    model, _, x0 = setup(torch.float64)
+    model = model.to(torch.bfloat16)
+    field, x0 = ETField(model), x0.to(torch.bfloat16)
+    solution = solve(field, x0, method="et", step=0.1, steps=5)
+    with torch.no_grad():
+        reference = odeint(field, x0, solution.ts, method="euler")
+    assert torch.equal(solution.xs, reference)
+
+
+@pytest.mark.parametrize("t, fail_time, steps", [
+    ([0.0, 1e308, 1.5e308], 1e308, 2),  # the first step overflows: found at the start of the second
+    ([0.0, 1.0, 1e308], 1e308, 2),  # the last step overflows: found at the end, the partial state is the last finite
+])
+def test_non_finite_state_fails_as_torchdiffeq_does(monkeypatch, t, fail_time, steps):
+    _, field, x0 = setup(torch.float64)
+    grid = torch.tensor(t, dtype=torch.float64)
+    errors = []
+    for run in (solve, lambda *a, **k: torchdiffeq_loop(monkeypatch, *a, **k)):
+        field.reset_nfe()
+        with pytest.raises(SolveError, match="non-finite") as info:
+            run(field, x0, grid, method="euler", save="final")
+        errors.append((info.value, field.nfe))
+    (lean, lean_nfe), (reference, reference_nfe) = errors
+    assert str(lean) == str(reference) and lean.time == reference.time == fail_time
+    assert lean_nfe == reference_nfe  # the replay that located the failure left the counter as torchdiffeq did
+    a, b = lean.solution, reference.solution
+    assert a.status is b.status is Status.FAILED
+    assert torch.equal(a.ts, b.ts) and torch.equal(a.x.isfinite(), b.x.isfinite())
+    assert torch.equal(a.x.nan_to_num(), b.x.nan_to_num())
+    assert a.stats.accepted_steps == b.stats.accepted_steps == steps
+    assert a.stats.nfe_forward == b.stats.nfe_forward and a.stats.sample_evaluations == b.stats.sample_evaluations
+
+
+def test_fixed_steps_beyond_max_steps_are_refused_before_solving():
+    _, field, x0 = setup(torch.float64)
+    with pytest.raises(SolveError, match="max_steps=10"):
+        solve(field, x0, method="et", step=0.1, steps=11, max_steps=10)
+    assert field.nfe == 0
+    assert solve(field, x0, method="et", step=0.1, steps=10, max_steps=10).stats.accepted_steps == 10

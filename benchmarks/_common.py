@@ -66,9 +66,17 @@ def initial_state(size: Size, *, dtype: torch.dtype = torch.float32, seed: int =
 STATISTICS = {"min": min, "median": statistics.median}
 
 
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
 def interleaved(candidates: dict[str, Callable[[], object]], reps: int, warmup: int = 2,
-                statistic: str = "min") -> dict[str, float]:
-    """Seconds per call of each candidate (``statistic`` over interleaved repetitions: "min" or "median")."""
+                statistic: str = "min", clock: str = "wall") -> dict[str, float]:
+    """Seconds per call of each candidate (``statistic`` over interleaved repetitions: "min" or "median").
+
+    ``clock="cpu"`` times the CPU time of the whole process (every thread, XLA's included) instead of the wall
+    clock: on a machine shared with other jobs the wall clock also counts the time the process waits for a core.
+    """
+    now = CLOCKS[clock]
     times: dict[str, list[float]] = {name: [] for name in candidates}
     for _ in range(warmup):
         for run in candidates.values():
@@ -76,9 +84,9 @@ def interleaved(candidates: dict[str, Callable[[], object]], reps: int, warmup: 
     for _ in range(reps):
         for name, run in candidates.items():
             run()  # untimed: hand-over from the previous candidate
-            start = time.perf_counter()
+            start = now()
             run()
-            times[name].append(time.perf_counter() - start)
+            times[name].append(now() - start)
     return {name: STATISTICS[statistic](values) for name, values in times.items()}
 
 
@@ -117,9 +125,10 @@ def ms(seconds: float) -> float:
 
 
 def environment() -> str:
-    """One line on the software and threads behind the numbers."""
+    """One line on the CPU (its vector extensions), the software, the threads and the machine's load."""
+    load = f", load average {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else ""
     return (f"{et_ode.runtime.cpu_description()}; torch {torch.__version__}, {torch.get_num_threads()} threads on "
-            f"{len(_cores())} cores, oneDNN {'available' if et_ode.fused.onednn_available() else 'unavailable'}")
+            f"{len(_cores())} cores, oneDNN {'available' if et_ode.fused.onednn_available() else 'unavailable'}{load}")
 
 
 def set_threads(threads: int | None) -> None:

@@ -40,6 +40,15 @@ class StepRecorder(Protocol):
     def callback_step(self, t0: Tensor, y0: Tensor, dt: Tensor) -> None: ...
 
 
+def all_finite(x: Tensor) -> bool:
+    """Whether every element of ``x`` is finite (no NaN, no inf): one pass of ``aminmax`` (NaN propagates to both,
+    an infinity to one), several times faster on CPU than ``isfinite(x).all()``, which writes a mask first."""
+    if x.numel() == 0:
+        return True
+    low, high = torch.aminmax(x.detach())
+    return bool(low.isfinite() & high.isfinite())
+
+
 def applies(method: str, options: dict[str, Any]) -> bool:
     """Whether the lean loop integrates ``method`` with these torchdiffeq ``options`` (only ``step_size``; no
     ``perturb``, ``interp`` or ``grid_constructor``, which keep torchdiffeq's own loop)."""
@@ -109,7 +118,7 @@ def integrate(recorder: StepRecorder, x0: Tensor, grid: Tensor, method: str, ste
     start_count = recorder.field.evaluations.count
     start_samples = recorder.progress.sample_evaluations
     out = _run(recorder, x0, grid, times, method, save_all, replay=False)
-    if not bool(torch.isfinite(out[-1]).all()):
+    if not all_finite(out[-1]):
         recorder.field.evaluations.count = start_count
         recorder.progress.sample_evaluations = start_samples
         recorder.progress.saved.clear()

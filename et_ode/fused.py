@@ -225,7 +225,9 @@ class FusedGrad:
     def _phi(self, h: Tensor, out: Tensor) -> None:
         """The Hopfield coefficient ``phi(h)`` written into ``out`` (same shape)."""
         hopfield = self.model.hopfield
-        if hopfield.form == "relu":
+        if hopfield.form == "relu" and out is h:
+            h.clamp_min_(0.0)  # in place: twice as fast as out= on this strided slice
+        elif hopfield.form == "relu":
             torch.clamp_min(h, 0.0, out=out)
         elif hopfield.form == "softplus":
             sh = h * hopfield.beta
@@ -275,7 +277,8 @@ class FusedGrad:
         c3 = coefficient.view(bt, n, r)
         c3[..., :hy].unflatten(-1, (heads, head_dim)).copy_(d_keys.transpose(1, 2))
         c3[..., hy:2 * hy].unflatten(-1, (heads, head_dim)).copy_(d_queries.transpose(1, 2))
-        self._phi(p[:, 2 * hy:], coefficient[:, 2 * hy:])
+        h = p[:, 2 * hy:]
+        self._phi(h, h if coefficient is p else coefficient[:, 2 * hy:])
         out = self._back_project(coefficient, weights, backend).view(*batch, n, dim)
         saved = (g2, keys, queries, attn, p, coefficient, beta_h, weights) if keep else ()
         return out, saved

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -22,6 +23,7 @@ from torchdiffeq import odeint, odeint_adjoint, odeint_event
 
 from ._checks import check_mask, check_normalisable, check_precision, check_tokens
 from .field import ETField, Evaluations
+from .fixed_step import all_finite
 from .fixed_step import applies as lean_loop_applies
 from .fixed_step import integrate as integrate_fixed_steps
 from .manifold import radial_direction, tangent_projection
@@ -185,12 +187,13 @@ class _Recorder(nn.Module):
         progress.last = (float(t0.detach()), y0.detach())
         if self.keep_steps and self.saves_each_step:
             progress.saved.append(progress.last)
+        low, high = (float(v) for v in torch.aminmax(y0.detach()))  # one pass for both checks below
         if self.saves_each_step:  # fixed steps: watch the state's growth (no step control catches a blow-up)
-            scale = float(y0.detach().abs().amax())
+            scale = max(-low, high)  # max |x|
             if progress.last_scale:
                 progress.largest_growth = max(progress.largest_growth, scale / progress.last_scale)
             progress.last_scale = scale
-        if not bool(torch.isfinite(y0).all()):
+        if not (math.isfinite(low) and math.isfinite(high)):
             raise _Failure(f"the state became non-finite (NaN or inf) by t={progress.last[0]:.6g}", progress.last[0])
         if progress.steps > self.max_steps:
             raise _Failure(f"max_steps={self.max_steps} solver steps exceeded at t={progress.last[0]:.6g}",
@@ -421,7 +424,7 @@ def solve(
                          solution=partial) from error
     wall_time = time.perf_counter() - started
     nfe_forward = evaluations.count - nfe_before
-    if not bool(torch.isfinite(x_final).all()):
+    if not all_finite(x_final):
         partial = _partial_solution(field, progress, x0, evaluations, nfe_before, wall_time)
         raise SolveError(f"solve failed ({method}): the state became non-finite (NaN or inf) by "
                          f"t={float(ts[-1]):.6g}{_advice('non-finite')}", time=float(ts[-1]), solution=partial)

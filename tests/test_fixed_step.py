@@ -12,6 +12,7 @@ import torch
 from torchdiffeq import odeint
 
 from et_ode import ETField, SolveError, Status, solve
+from et_ode.fixed_step import all_finite
 from tests.conftest import random_model
 
 solve_module = importlib.import_module("et_ode.solve")  # the module (et_ode.solve is the function)
@@ -126,3 +127,15 @@ def test_fixed_steps_beyond_max_steps_are_refused_before_solving():
         solve(field, x0, method="et", step=0.1, steps=11, max_steps=10)
     assert field.nfe == 0
     assert solve(field, x0, method="et", step=0.1, steps=10, max_steps=10).stats.accepted_steps == 10
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_all_finite_finds_every_nan_and_infinity(dtype):
+    x = torch.randn(3, 37, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(0)).to(dtype)
+    assert all_finite(x) and all_finite(x[:, ::2].transpose(0, 2)) and all_finite(x[:0])
+    for value in (float("nan"), float("inf"), -float("inf")):
+        for index in range(x.numel()):  # every position of the vectorized reduction's lanes and tail
+            bad = x.clone()
+            bad.view(-1)[index] = value
+            assert not all_finite(bad), (value, index)
+        assert not all_finite(bad.transpose(0, 2))

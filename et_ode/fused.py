@@ -198,19 +198,22 @@ class FusedGrad:
             packed = self._packed["forward"] = torch.ops.mkldnn._reorder_linear_weight(weights, x.shape[0])
         return _onednn_linear(x, packed)
 
-    def _back_project(self, y: Tensor, weights: Tensor, backend: str) -> Tensor:
-        """``-y @ W``: ``(M, R) -> (M, D)``, the sign folded into a cached copy of ``-W``."""
+    def _back_project(self, y: Tensor, weights: Tensor, backend: str, negate: bool = True) -> Tensor:
+        """``-y @ W`` (``y @ W`` with ``negate=False``): ``(M, R) -> (M, D)``, the sign folded into a cached copy of
+        ``-W`` (a product with ``-W`` is the exact negative of one with ``W``)."""
         if weights is not self._weights:  # stale weights saved by a forward pass (see _backward)
-            return (y @ weights).neg_()
+            out = y @ weights
+            return out.neg_() if negate else out
+        sign = "minus" if negate else "plus"
         if backend == "matmul":
-            minus = self._packed.get("back_matmul")
-            if minus is None:
-                minus = self._packed["back_matmul"] = -weights
-            return y @ minus
-        packed = self._packed.get("back")
+            signed = self._packed.get(f"back_matmul_{sign}")
+            if signed is None:
+                signed = self._packed[f"back_matmul_{sign}"] = -weights if negate else weights
+            return y @ signed
+        packed = self._packed.get(f"back_{sign}")
         if packed is None:
-            minus_t = (-weights.T).contiguous()
-            packed = self._packed["back"] = torch.ops.mkldnn._reorder_linear_weight(minus_t, y.shape[0])
+            signed_t = (-weights.T if negate else weights.T).contiguous()
+            packed = self._packed[f"back_{sign}"] = torch.ops.mkldnn._reorder_linear_weight(signed_t, y.shape[0])
         return _onednn_linear(y, packed)
 
     # -- the computation ------------------------------------------------------------------------
@@ -235,7 +238,8 @@ class FusedGrad:
         else:
             out.copy_(torch.softmax(h * hopfield.beta, dim=-1))
 
-    def _forward(self, g: Tensor, mask: Tensor | None, keep: bool) -> tuple[Tensor, tuple[Tensor | None, ...]]:
+    def _forward(self, g: Tensor, mask: Tensor | None, keep: bool, negate: bool = True
+                 ) -> tuple[Tensor, tuple[Tensor | None, ...]]:
         attention = self.model.attention
         heads, head_dim, dim = attention.heads, attention.head_dim, attention.dim
         hy = heads * head_dim
@@ -250,8 +254,8 @@ class FusedGrad:
         p = self._project(g2, weights, backend)  # (M, R): [K | Q | h]
         r = p.shape[1]
         p3 = p.view(bt, n, r)
-        keys = p3[..., :hy].unflatten(-1, (heads, head_dim)).transpose(1, 2).contiguous()  # (Bt, H, N, Y)
-        queries = p3[..., hy:2 * hy].unflatten(-1, (heads, head_dim)).transpose(1, 2).contiguous()
+        keys = p3[..., :hy].view(bt, n, heads, head_dim).transpose(1, 2).contiguous()  # (Bt, H, N, Y)
+        queries = p3[..., hy:2 * hy].view(bt, n, heads, head_dim).transpose(1, 2).contiguous()
         logits = torch.matmul(keys, queries.transpose(-1, -2))  # (Bt, H, B, C): key-major, softmax over keys (dim -2)
         beta_h = self._beta_h
         logits.mul_(self._beta_scalar if self._beta_scalar is not None else beta_h)
@@ -275,11 +279,11 @@ class FusedGrad:
         d_queries = torch.matmul(attn.transpose(-1, -2), keys)  # sum_B S[B, C] K[B]
         coefficient = torch.empty_like(p) if keep else p  # reuse P's memory when nothing is saved
         c3 = coefficient.view(bt, n, r)
-        c3[..., :hy].unflatten(-1, (heads, head_dim)).copy_(d_keys.transpose(1, 2))
-        c3[..., hy:2 * hy].unflatten(-1, (heads, head_dim)).copy_(d_queries.transpose(1, 2))
+        c3[..., :hy].view(bt, n, heads, head_dim).copy_(d_keys.transpose(1, 2))
+        c3[..., hy:2 * hy].view(bt, n, heads, head_dim).copy_(d_queries.transpose(1, 2))
         h = p[:, 2 * hy:]
         self._phi(h, h if coefficient is p else coefficient[:, 2 * hy:])
-        out = self._back_project(coefficient, weights, backend).view(*batch, n, dim)
+        out = self._back_project(coefficient, weights, backend, negate).view(*batch, n, dim)
         saved = (g2, keys, queries, attn, p, coefficient, beta_h, weights) if keep else ()
         return out, saved
 
@@ -298,7 +302,7 @@ class FusedGrad:
         backend = self._backend(m, weights) if weights is self._stacked() else "matmul"
 
         def per_head(t: Tensor, lo: int, hi: int) -> Tensor:
-            return t.view(bt, n, r)[..., lo:hi].unflatten(-1, (heads, head_dim)).transpose(1, 2)
+            return t.view(bt, n, r)[..., lo:hi].view(bt, n, heads, head_dim).transpose(1, 2)
 
         big_u = self._project(u2, weights, backend)  # [uK | uQ | uh], becomes dL/dP in place
         u_keys, u_queries = per_head(big_u, 0, hy).contiguous(), per_head(big_u, hy, 2 * hy).contiguous()
@@ -330,14 +334,16 @@ class FusedGrad:
                 grad_w = torch.addmm(coefficient.T @ u2, big_u.T, g2).neg_()
         return grad_g, grad_w
 
-    def __call__(self, g: Tensor, mask: Tensor | None = None) -> Tensor:
-        """``dE/dg``: ``(..., N, D) -> (..., N, D)``; differentiable w.r.t. ``g``, ``WK``, ``WQ`` and ``xi``."""
+    def __call__(self, g: Tensor, mask: Tensor | None = None, *, negate: bool = False) -> Tensor:
+        """``dE/dg`` (``-dE/dg`` with ``negate=True``, at no extra cost without gradients): ``(..., N, D) ->
+        (..., N, D)``; differentiable w.r.t. ``g``, ``WK``, ``WQ`` and ``xi``."""
         attention, hopfield = self.model.attention, self.model.hopfield
         params = (attention.WK, attention.WQ, hopfield.xi)
         if torch.is_grad_enabled() and (g.requires_grad or any(p.requires_grad for p in params)):
             # views give the weights graph nodes whose use the backward can query (see _weights_needed)
-            return _FusedGradFunction.apply(g, mask, self, *(p.view_as(p) for p in params))
-        out, _ = self._forward(g, mask, keep=False)
+            out = _FusedGradFunction.apply(g, mask, self, *(p.view_as(p) for p in params))
+            return -out if negate else out
+        out, _ = self._forward(g, mask, keep=False, negate=not negate)
         return out
 
 

@@ -129,7 +129,7 @@ def compare_size(size: Size, reps: int, statistic: str, clock: str) -> list[list
     xj, target_j = x.numpy(), target.numpy()
     t0 = torch.zeros(())
     with torch.no_grad():  # the two codes compute the same field
-        error = float((torch.from_numpy(np.asarray(jax_code["field"](xj))) - field(t0, x)).abs().max())
+        error = float((torch.from_numpy(np.array(jax_code["field"](xj))) - field(t0, x)).abs().max())
     print(f"  {size.name}: max |JAX field - et_ode field| = {error:.2e}", flush=True)
 
     def bare_loop() -> torch.Tensor:

@@ -1,7 +1,9 @@
 """One solve function for the ET dynamics, returning a :class:`Solution` with its statistics.
 
 ``solve`` wraps torchdiffeq: every torchdiffeq method, the paper's Euler scheme (``method="et"``),
-stopping at the attractor (``steady_state``), and three ways to differentiate (``grad``).
+stopping at the attractor (``steady_state``), and three ways to differentiate (``grad``). The paper's scheme and
+euler, midpoint and rk4 without a stopping test run in :mod:`et_ode.fixed_step`'s lean loop instead (the same
+arithmetic as torchdiffeq's, bit for bit, without its per-step bookkeeping).
 """
 
 from __future__ import annotations

@@ -1,16 +1,13 @@
 """The lean fixed-step loop behind :func:`et_ode.solve`: the paper's scheme and the euler, midpoint and rk4 methods.
 
 torchdiffeq's fixed-grid solvers (0.2.5) wrap the field in two modules of theirs and our recorder, take the absolute
-value of the whole state at every evaluation (only to learn the time's dtype), call a step callback (our finiteness
-check: a reduction and a synchronisation per step) and copy every step into a solution tensor. Here a step is the
-field's evaluations and the update, nothing else: the same floating-point operations in the same order as
-torchdiffeq's steps (the increment ``dt * f`` rounded, then added to the state; the times in float64, handed to the
-field in the state's dtype), so the states agree with torchdiffeq's bit for bit. Without gradients the update runs
-in place in buffers allocated once; with gradients it runs out of place, so that autograd records it.
-
-Finiteness is checked once, at the end. A non-finite end replays the steps without gradients through the recorder's
-per-step check, so the failure names the same time and carries the same partial solution as torchdiffeq's path
-(a state that has become NaN or infinite stays so: ``LayerNorm`` maps it to NaN).
+value of the whole state at every evaluation (only to learn the time's dtype) and copy every step into a solution
+tensor. Here a step is the field's evaluations, the update and the recorder's step callback (its checks of growth
+and finiteness share one ``aminmax`` pass): the same floating-point operations in the same order as torchdiffeq's
+steps (the increment ``dt * f`` rounded, then added to the state; the times in float64, handed to the field in the
+state's dtype), so states, statistics, warnings and failures agree with torchdiffeq's path bit for bit. Without
+gradients the update writes into buffers allocated once; with gradients it runs out of place, so that autograd
+records it.
 """
 
 from __future__ import annotations
@@ -111,65 +108,45 @@ def integrate(recorder: StepRecorder, x0: Tensor, grid: Tensor, method: str, ste
     """Integrate from ``x0`` ``(*batch, N, D)`` over ``grid`` ``(T,)`` (float64) by ``method``.
 
     Returns the states at the times ``grid``, ``(T, *batch, N, D)``, if ``save_all``, else the final state as
-    ``(1, *batch, N, D)``. Fills ``recorder.progress`` (steps, sample evaluations and, with ``keep_steps``, the
-    start of every step) as torchdiffeq's loop would, and raises the recorder's failure where it would.
+    ``(1, *batch, N, D)``. Calls ``recorder.callback_step`` at the start of every step, as torchdiffeq's loop does
+    (the recorder counts the step, keeps its start, watches growth and finiteness, and raises where it would), and
+    adds the step's evaluations to ``recorder.progress.sample_evaluations``.
     """
+    field, progress = recorder.field, recorder.progress
     times = step_grid(grid, step_size)
-    start_count = recorder.field.evaluations.count
-    start_samples = recorder.progress.sample_evaluations
-    out = _run(recorder, x0, grid, times, method, save_all, replay=False)
-    if not all_finite(out[-1]):
-        recorder.field.evaluations.count = start_count
-        recorder.progress.sample_evaluations = start_samples
-        recorder.progress.saved.clear()
-        recorder.progress.steps = 0
-        with torch.no_grad():
-            _run(recorder, x0, grid, times, method, save_all, replay=True)  # raises at the first non-finite start
-    return out
-
-
-def _run(recorder: StepRecorder, x0: Tensor, grid: Tensor, times: Tensor, method: str, save_all: bool,
-         replay: bool) -> Tensor:
-    """The loop. ``replay``: call ``recorder.callback_step`` at the start of every step (torchdiffeq's per-step
-    bookkeeping and checks), else only count."""
-    field, progress, keep_steps = recorder.field, recorder.progress, recorder.keep_steps
     steps = len(times) - 1
     stage_times = _stage_times(times, method, x0.dtype)
     step_sizes = times[1:] - times[:-1]
     on_grid = times is grid  # the outputs are the steps themselves
     step_ends, outputs = times[1:].tolist(), grid.tolist()
-    in_place = not (torch.is_grad_enabled() or replay)  # (the recorder keeps the start of the latest step)
     samples_per_step = _STAGES[method] * x0.shape[:-2].numel()
+    in_place = not torch.is_grad_enabled()
+    fresh = recorder.keep_steps  # every step's start is kept: a new tensor per step
     saved = None  # as torchdiffeq: one tensor, every output assigned to its row (the same autograd graph)
     if save_all:
         saved = torch.empty((len(grid), *x0.shape), dtype=x0.dtype, device=x0.device)
         saved[0] = x0
-    own_buffer = False  # whether y is a buffer of this loop, safe to update in place
+    # Without gradients the states alternate between two buffers: the recorder keeps the start of the latest step
+    # (the partial solution of a failure), so the step writes its end into the other one.
+    buffers: list[Tensor | None] = [None, None]
     y = x0
     next_output = 1
     for k in range(steps):
         dt = step_sizes[k]
-        if replay:
-            recorder.callback_step(times[k], y, dt)
-            progress.sample_evaluations += samples_per_step
-        elif keep_steps:
-            progress.saved.append((float(times[k]), y.detach()))
+        recorder.callback_step(times[k], y, dt)
+        progress.sample_evaluations += samples_per_step
         dy = _increment(method, field, stage_times[k], dt, y)
-        if not in_place:
+        if not in_place or fresh:
             y1 = y + dy
         elif on_grid and saved is not None:
             y1 = torch.add(y, dy, out=saved[k + 1])
-        elif own_buffer and not keep_steps and not save_all:
-            y1 = y.add_(dy)
-        else:  # the first step (x0 is the caller's), or states that must outlive the step
-            y1 = y + dy
-            own_buffer = True
-        if saved is not None and not (on_grid and in_place):
+        elif buffers[k % 2] is None:  # x0 is the caller's: never written to
+            y1 = buffers[k % 2] = y + dy
+        else:
+            y1 = torch.add(y, dy, out=buffers[k % 2])
+        if saved is not None and not (on_grid and in_place and not fresh):
             while next_output < len(outputs) and step_ends[k] >= outputs[next_output]:
                 saved[next_output] = _interpolate(times[k], times[k + 1], y, y1, grid[next_output])
                 next_output += 1
         y = y1
-    if not replay:
-        progress.steps = steps
-        progress.sample_evaluations += steps * samples_per_step
     return y[None] if saved is None else saved

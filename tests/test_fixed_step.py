@@ -6,6 +6,7 @@ identical (``torch.equal``, not close).
 """
 
 import importlib
+import warnings
 
 import pytest
 import torch
@@ -139,3 +140,16 @@ def test_all_finite_finds_every_nan_and_infinity(dtype):
             bad.view(-1)[index] = value
             assert not all_finite(bad), (value, index)
         assert not all_finite(bad.transpose(0, 2))
+
+
+def test_growth_warning_as_torchdiffeq_path(monkeypatch):
+    _, field, x0 = setup(torch.float64)
+    x0 = x0 * 1e-4  # a step of 5 from here grows max |x| about 10^4-fold
+    solutions = []
+    for run in (solve, lambda *a, **k: torchdiffeq_loop(monkeypatch, *a, **k)):
+        with pytest.warns(RuntimeWarning, match="grew the state"), torch.no_grad():
+            solutions.append(run(field, x0, method="et", step=5.0, steps=3, save="final"))
+    assert torch.equal(solutions[0].x, solutions[1].x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # small steps: no warning on either path
+        solve(field, x0, method="et", step=0.1, steps=3)

@@ -8,6 +8,15 @@ from torch import Tensor
 from .graph_attention import GraphMask
 
 
+def all_finite(x: Tensor) -> bool:
+    """Whether every element of ``x`` is finite (no NaN, no inf): one pass of ``aminmax`` (NaN propagates to both,
+    an infinity to one), several times faster on CPU than ``isfinite(x).all()``, which writes a mask first."""
+    if x.numel() == 0:
+        return True
+    low, high = torch.aminmax(x.detach())
+    return bool(low.isfinite() & high.isfinite())
+
+
 def check_tokens(name: str, x: object, dim: int, like: Tensor | None = None) -> Tensor:
     """``x`` must be a finite floating tensor of shape ``(..., N, dim)`` with ``N >= 1``; with ``like`` (a model
     parameter), of its dtype (TypeError) and on its device (ValueError)."""
@@ -25,7 +34,7 @@ def check_tokens(name: str, x: object, dim: int, like: Tensor | None = None) -> 
     if like is not None and x.device != like.device:
         raise ValueError(f"{name} is on {x.device} but the model is on {like.device}: move one, e.g. "
                          f"{name}.to('{like.device}')")
-    if not bool(torch.isfinite(x).all()):
+    if not all_finite(x):
         bad = int((~torch.isfinite(x)).sum())
         raise ValueError(f"{name} has {bad} non-finite entries (NaN or inf); shape {tuple(x.shape)}")
     return x

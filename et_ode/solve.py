@@ -23,9 +23,8 @@ import torch
 from torch import Tensor, nn
 from torchdiffeq import odeint, odeint_adjoint, odeint_event
 
-from ._checks import check_mask, check_normalisable, check_precision, check_tokens
+from ._checks import all_finite, check_mask, check_normalisable, check_precision, check_tokens
 from .field import ETField, Evaluations
-from .fixed_step import all_finite
 from .fixed_step import applies as lean_loop_applies
 from .fixed_step import integrate as integrate_fixed_steps
 from .manifold import radial_direction, tangent_projection

@@ -13,7 +13,7 @@ import torch
 from torchdiffeq import odeint
 
 from et_ode import ETField, SolveError, Status, solve
-from et_ode.fixed_step import all_finite
+from et_ode._checks import all_finite
 from tests.conftest import random_model
 
 solve_module = importlib.import_module("et_ode.solve")  # the module (et_ode.solve is the function)

@@ -2,6 +2,7 @@
 
 from .energies import EnergyAttention, HopfieldMemory
 from .field import ETField
+from .attractor import Attractor, AttractorError, find_attractor
 from .gradients import implicit_fixed_point
 from .graph_attention import GraphMask
 from .model import EnergyTransformer
@@ -10,6 +11,8 @@ from .solve import METHODS, Solution, SolveError, SolveStats, Status, solve
 
 __all__ = [
     "METHODS",
+    "Attractor",
+    "AttractorError",
     "ETField",
     "GraphMask",
     "EnergyAttention",
@@ -20,6 +23,7 @@ __all__ = [
     "SolveError",
     "SolveStats",
     "Status",
+    "find_attractor",
     "implicit_fixed_point",
     "solve",
 ]

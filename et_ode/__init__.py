@@ -1,8 +1,8 @@
 """et-ode: the Energy Transformer as a continuous-time dynamical system."""
 
+from .attractor import Attractor, AttractorError, find_attractor
 from .energies import EnergyAttention, HopfieldMemory
 from .field import ETField
-from .attractor import Attractor, AttractorError, find_attractor
 from .gradients import implicit_fixed_point
 from .graph_attention import GraphMask
 from .model import EnergyTransformer

@@ -6,8 +6,8 @@ tends to a critical point of ``E`` on the product of those spheres. ``find_attra
 
 1. **Flow** (which attractor): the ET's own flow (dopri5) from ``x0`` until the basin is settled, the hand-off
    criterion: RMS ``|T dE/dg| <= handoff`` per sample (``T`` the tangent projection onto the spheres). Between
-   segments each sample is rescaled by one common factor (mean ``sigma = 1``), which leaves the path of ``g``
-   unchanged (a common time change, up to O(eps)) and undoes the flow's slow-down.
+   segments each sample that has drifted outward is shrunk by one common factor (to mean ``sigma = 1``), which
+   leaves the path of ``g`` unchanged (a common time change, up to O(eps)) and undoes the flow's slow-down.
 2. **Newton** (where exactly): Riemannian Newton on the spheres: truncated (Steihaug) conjugate gradients on the
    Riemannian Hessian inside a trust region, with the ratio of actual to predicted decrease of ``E`` deciding
    each step, so it never climbs to a saddle; Riemannian gradient descent with an Armijo step as the fallback
@@ -159,6 +159,10 @@ class _Spheres:
         s, _ = radial_direction(g, self.delta)
         return apply, tangent, lambda w: tangent_projection(w, s)
 
+    def size(self, x: Tensor) -> Tensor:
+        """The length scale of a step per sample (the largest trust region): ``gamma sqrt(N D)``."""
+        return torch.full(x.shape[:1], self.gamma * math.sqrt(x[0].numel()), dtype=x.dtype, device=x.device)
+
     def retract(self, x: Tensor, step: Tensor) -> Tensor:
         """Move ``g`` by the tangent ``step`` and project back: ``xt <- xt + (sigma / gamma) step``."""
         xt = x - x.mean(dim=-1, keepdim=True)
@@ -190,6 +194,10 @@ class _Euclidean:
         field.evaluations.count += 1
         apply, gradient = euclidean_hessian(field, x)
         return apply, gradient, self.canonical
+
+    def size(self, x: Tensor) -> Tensor:
+        """The length scale of a step per sample (the largest trust region): the norm of the centred ``x``."""
+        return self.canonical(x).flatten(1).norm(dim=1).clamp_min(torch.finfo(x.dtype).eps)
 
     @staticmethod
     def retract(x: Tensor, step: Tensor) -> Tensor:
@@ -261,10 +269,10 @@ def _descend(geometry: _Spheres | _Euclidean, field: ETField, x: Tensor, *, tol:
     x = geometry.canonical(x)
     full_mask = field.mask
     per_sample_mask = isinstance(full_mask, Tensor) and full_mask.dim() == 3
-    scale = float(field.model.neuron.gamma.detach()) * math.sqrt(size)
+    scale = geometry.size(x)
     iterations = torch.zeros(batch, dtype=torch.long)
     rms = torch.full((batch,), math.inf, dtype=x.dtype)
-    radius = torch.full((batch,), 0.1 * scale, dtype=x.dtype)
+    radius = 0.1 * scale
     step = torch.full((batch,), 0.1, dtype=x.dtype)
     fallback = torch.full((batch,), method == "gradient")
     with torch.no_grad():
@@ -311,9 +319,9 @@ def _descend(geometry: _Spheres | _Euclidean, field: ETField, x: Tensor, *, tol:
         length, r = _dot(trial_step, trial_step).sqrt(), radius[active]
         good = accept & ~below & (ratio > 0.75) & (length >= 0.99 * r)
         poor = ~accept | (~below & (ratio < 0.25))
-        radius[active] = torch.where(good, (2 * r).clamp(max=scale), torch.where(poor & newton, 0.25 * length, r))
+        radius[active] = torch.where(good, torch.minimum(2 * r, scale[active]), torch.where(poor & newton, 0.25 * length, r))
         step[active] = torch.where(accept, step[active] * 1.5, step[active] * 0.5)
-        fallback[active] = fallback[active] | (radius[active] < 1e-12 * scale)
+        fallback[active] = fallback[active] | (radius[active] < 1e-12 * scale[active])
         stuck = fallback[active] & (step[active] < 1e-16)
         iterations[active] += (~done).long()
         active = active[~(done | stuck)]
@@ -324,10 +332,11 @@ def _descend(geometry: _Spheres | _Euclidean, field: ETField, x: Tensor, *, tol:
 
 
 def _mean_scale(x: Tensor) -> Tensor:
-    """Rescale each sample by one factor so that its tokens' RMS ``sigma`` is 1 (``g`` unchanged up to O(eps))."""
+    """Shrink each sample by one factor so that its tokens' RMS ``sigma`` is at most 1 (``g`` unchanged up to
+    O(eps)). Never grown: a flow heading inward, to a fixed point in ``x``, is left alone."""
     xt = x - x.mean(dim=-1, keepdim=True)
-    rms = xt.square().mean(dim=(-1, -2), keepdim=True).sqrt().clamp_min(torch.finfo(x.dtype).tiny)
-    return x / rms
+    rms = xt.square().mean(dim=(-1, -2), keepdim=True).sqrt()
+    return x / rms.clamp_min(1.0)
 
 
 def _flow(field: ETField, x: Tensor, *, handoff: float, segment: float, max_segments: int, rtol: float,
@@ -416,7 +425,7 @@ def _outward_force(field: ETField, x: Tensor) -> Tensor:
 def find_attractor(field: ETField, x0: Tensor, *, tol: float | None = None, handoff: float = 0.1,
                    flow: bool = True, method: str = "newton", max_iter: int = 200, cg_max_iter: int = 100,
                    lanczos_iterations: int = 64, zero_tol: float = 1e-6, segment: float = 20.0,
-                   max_segments: int = 50, rtol: float = 1e-4, atol: float = 1e-4, implicit_tol: float = 1e-10,
+                   max_segments: int = 50, rtol: float = 1e-4, atol: float = 1e-8, implicit_tol: float = 1e-10,
                    implicit_max_iter: int = 500, seed: int = 0) -> Attractor:
     """The attractor of the flow ``tau dx/dt = -dE/dg`` that starts at ``x0``, certified.
 

@@ -123,3 +123,52 @@ def test_newton_never_climbs_to_the_saddle_it_starts_next_to():
     for x0 in (x_saddle + nudge, x_saddle - nudge):
         found = find_attractor(field, x0, flow=False)
         assert found.kind == ("stable",) and float(found.energy) < saddle_energy - 0.1
+
+
+def convex_one_token_model(hopfield="relu"):
+    """One token, self-attention, WQ = -WK: E_ATT = sum_h |WK_h g|^2 is convex; small ReLU memories keep the sum
+    convex near g = 0, which a centred delta with |delta| < gamma sqrt(D) puts inside the ball: there x stops."""
+    generator = torch.Generator().manual_seed(0)
+    wk = torch.randn(3, 4, 8, dtype=torch.float64, generator=generator) * 0.5
+    xi = torch.randn(6, 8, dtype=torch.float64, generator=generator) * 0.1
+    delta = torch.randn(8, dtype=torch.float64, generator=generator)
+    delta = (delta - delta.mean()) / (delta - delta.mean()).norm()
+    model = et_ode.EnergyTransformer.from_tensors(wk, -wk, xi, 1.0, delta, self_attention=True, hopfield=hopfield)
+    return model, torch.randn(2, 1, 8, dtype=torch.float64, generator=generator)
+
+
+def test_the_convex_one_token_attractor_is_a_fixed_point_in_x():
+    model, x0 = convex_one_token_model()
+    found = find_attractor(ETField(model), x0)
+    assert found.geometry == ("x", "x") and found.kind == ("stable", "stable") and bool(found.certified.all())
+    assert float(found.g.detach().abs().max()) < 1e-10  # the analytic attractor: g = 0, E = 0, dE/dg = 0
+    assert float(found.energy.abs().max()) < 1e-18
+    xt = found.x - found.x.mean(dim=-1, keepdim=True)
+    assert 1e-4 < float(xt.norm(dim=-1).min())  # a finite x, off the spheres
+    for x in found.x:  # the flow's own Jacobian there: one zero mode (all-ones), the rest decay
+        jacobian = torch.func.jacrev(lambda y: ETField(model, backend="reference")(None, y))(x).reshape(8, 8)
+        rates = torch.linalg.eigvals(jacobian).real.sort().values
+        assert float(rates[-2]) < -1.0 and abs(float(rates[-1])) < 1e-8
+
+
+def test_implicit_gradient_at_a_fixed_point_in_x_equals_finite_differences():
+    """Softmax memories: their pull moves the fixed point off g = 0, where ReLU's kinks sit (E is C^1 there only)."""
+    model, x0 = convex_one_token_model("softmax")
+    weights = torch.randn(2, 1, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+
+    def loss(m):
+        found = find_attractor(ETField(m, tau=0.5), x0, tol=1e-12)
+        assert found.geometry == ("x", "x") and bool(found.certified.all())
+        return (weights * found.g).sum() + found.g.square().sum()
+
+    model.zero_grad()
+    loss(model).backward()
+    gradient = [p.grad.clone() for p in model.parameters()]
+    direction = [torch.randn(p.shape, generator=torch.Generator().manual_seed(i), dtype=p.dtype)
+                 for i, p in enumerate(model.parameters())]
+    implicit = sum(float((gr * d).sum()) for gr, d in zip(gradient, direction))
+    h = 1e-5
+    with torch.no_grad():
+        fd = (loss(perturbed(model, direction, h)) - loss(perturbed(model, direction, -h))) / (2 * h)
+    assert abs(float(fd)) > 1e-3
+    assert abs(implicit - float(fd)) <= 1e-6 * abs(float(fd)), (implicit, float(fd))

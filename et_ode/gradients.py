@@ -140,6 +140,9 @@ class _AttractorRerouting(torch.autograd.Function):
                 apply, _ = riemannian_hessian(bound, g)
                 s, _ = radial_direction(g, neuron.delta.detach())
                 rhs = tangent_projection(vi, s)
+            # a right-hand side that is rounding noise (v normal to the manifold: w = 0) is not a system to solve
+            noise = _dot(rhs, rhs).sqrt() <= 1e-12 * _dot(vi, vi).sqrt()
+            rhs = torch.where(noise, torch.zeros_like(rhs), rhs)
             w, iterations, residual = conjugate_gradient(apply, rhs, tol=ctx.tol, max_iter=ctx.max_iter)
             if bool((residual > ctx.tol).any()):
                 warnings.warn(

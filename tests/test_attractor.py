@@ -172,3 +172,18 @@ def test_implicit_gradient_at_a_fixed_point_in_x_equals_finite_differences():
         fd = (loss(perturbed(model, direction, h)) - loss(perturbed(model, direction, -h))) / (2 * h)
     assert abs(float(fd)) > 1e-3
     assert abs(implicit - float(fd)) <= 1e-6 * abs(float(fd)), (implicit, float(fd))
+
+
+def test_float32_default_tolerance_and_bad_arguments():
+    model = random_model(8, 2, 4, 12, hopfield="softmax", seed=6, dtype=torch.float32)
+    x0 = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(0))
+    found = find_attractor(ETField(model), x0)
+    assert found.tol == 1e-4 and bool(found.certified.all())
+    assert float(rms_tangent_gradient(model.double(), found.g.detach().double()).max()) < 1e-4
+    field = ETField(model)
+    for kwargs, name in ((dict(tol=0.0), "tol"), (dict(method="lbfgs"), "method"), (dict(max_iter=0), "max_iter"),
+                         (dict(handoff=float("nan")), "handoff")):
+        with pytest.raises(ValueError, match=name):
+            find_attractor(field, x0, **kwargs)
+    with pytest.raises(ValueError, match="x0"):
+        find_attractor(field, x0[..., :5])

@@ -50,8 +50,6 @@ from .field import ETField
 from .manifold import euclidean_hessian, radial_direction, riemannian_hessian, tangent_projection
 
 METHODS = ("newton", "gradient")
-KINDS = ("stable", "saddle", "degenerate")
-GEOMETRIES = ("spheres", "x")
 
 
 class AttractorError(RuntimeError):
@@ -342,15 +340,14 @@ def _mean_scale(x: Tensor) -> Tensor:
 
 
 def _flow(field: ETField, x: Tensor, *, handoff: float, segment: float, max_segments: int, rtol: float,
-          atol: float) -> tuple[Tensor, Tensor]:
+          atol: float) -> Tensor:
     """The ET's flow per sample until RMS ``|T dE/dg| <= handoff``, in segments of ``segment * tau`` between
-    common rescalings. Returns the states and whether each sample reached the hand-off."""
+    common rescalings; a sample that has not got there after ``max_segments`` segments stops where it is."""
     from .solve import solve
 
     full_mask = field.mask
     per_sample_mask = isinstance(full_mask, Tensor) and full_mask.dim() == 3
     x = x.clone()
-    reached = torch.zeros(x.shape[0], dtype=torch.bool)
     active = torch.arange(x.shape[0])
     for _ in range(max_segments):
         if not len(active):
@@ -363,9 +360,8 @@ def _flow(field: ETField, x: Tensor, *, handoff: float, segment: float, max_segm
         done = out.stats.stop_times < segment * field.tau * (1 - 1e-12)
         if out.stats.status.value == "steady_state":
             done = torch.ones_like(done)
-        reached[active[done]] = True
         active = active[~done]
-    return x, reached
+    return x
 
 
 # -- certificate ----------------------------------------------------------------------------------------------------
@@ -484,8 +480,7 @@ def find_attractor(field: ETField, x0: Tensor, *, tol: float | None = None, hand
     evaluations_before = field.evaluations.count
     with torch.no_grad():
         if flow:
-            x, _ = _flow(field, x, handoff=handoff, segment=segment, max_segments=max_segments, rtol=rtol,
-                         atol=atol)
+            x = _flow(field, x, handoff=handoff, segment=segment, max_segments=max_segments, rtol=rtol, atol=atol)
         flow_evaluations = field.evaluations.count - evaluations_before
         inward = _outward_force(field, x) <= 0
     spheres, euclidean = _Spheres(field), _Euclidean(field)

@@ -1,5 +1,6 @@
 """et-ode: the Energy Transformer as a continuous-time dynamical system."""
 
+from .attractor import Attractor, AttractorError, find_attractor
 from .energies import EnergyAttention, HopfieldMemory
 from .field import ETField
 from .gradients import implicit_fixed_point
@@ -10,6 +11,8 @@ from .solve import METHODS, Solution, SolveError, SolveStats, Status, solve
 
 __all__ = [
     "METHODS",
+    "Attractor",
+    "AttractorError",
     "ETField",
     "GraphMask",
     "EnergyAttention",
@@ -20,6 +23,7 @@ __all__ = [
     "SolveError",
     "SolveStats",
     "Status",
+    "find_attractor",
     "implicit_fixed_point",
     "solve",
 ]

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from .field import ETField
-from .manifold import radial_direction, riemannian_hessian, tangent_projection
+from .manifold import euclidean_hessian, radial_direction, riemannian_hessian, tangent_projection
 
 
 def _dot(a: Tensor, b: Tensor) -> Tensor:
@@ -98,3 +98,82 @@ def implicit_fixed_point(field: ETField, x_star: Tensor, *, tol: float = 1e-8, m
         return g
     grad_e = field.grad_g(g)
     return _ImplicitRerouting.apply(g, grad_e, field, g.detach(), tol, max_iter)
+
+
+class _AttractorRerouting(torch.autograd.Function):
+    """Identity on ``g`` forward; backward: ``v`` to ``g`` and ``-w`` (spheres) or ``-M w`` (``x``) to ``dE/dg``,
+    refusing samples that are not certified stable attractors."""
+
+    @staticmethod
+    def forward(ctx: Any, g: Tensor, grad_e: Tensor, field: ETField, x_star: Tensor, in_x: Tensor,
+                certified: Tensor, tol: float, max_iter: int) -> Tensor:
+        ctx.field, ctx.tol, ctx.max_iter = field, tol, max_iter
+        ctx.save_for_backward(x_star, in_x, certified)
+        return g.detach().clone()
+
+    @staticmethod
+    def backward(ctx: Any, v: Tensor) -> tuple[Tensor | None, ...]:
+        from .attractor import AttractorError
+
+        x_star, in_x, certified = ctx.saved_tensors
+        field = ctx.field
+        asked = v.flatten(1).abs().amax(dim=1) > 0
+        refused = torch.nonzero(asked & ~certified).flatten().tolist()
+        if refused:
+            raise AttractorError(
+                f"no implicit gradient at sample(s) {refused}: not a certified stable attractor (a saddle, a "
+                "degenerate point or a search that did not converge); see Attractor.kind and Attractor.converged")
+        w_out = torch.zeros_like(v)
+        mask = field.mask
+        for geometry in (False, True):
+            index = torch.nonzero(asked & (in_x == geometry)).flatten()
+            if not len(index):
+                continue
+            bound = field.with_mask(mask[index]) if isinstance(mask, Tensor) and mask.dim() == 3 else field
+            x, vi = x_star[index], v[index]
+            neuron = field.model.neuron
+            if geometry:
+                apply, _ = euclidean_hessian(bound, x)
+                rhs = neuron.hessian_vector(x, vi)
+            else:
+                g = neuron(x).detach()
+                apply, _ = riemannian_hessian(bound, g)
+                s, _ = radial_direction(g, neuron.delta.detach())
+                rhs = tangent_projection(vi, s)
+            # a right-hand side that is rounding noise (v normal to the manifold: w = 0) is not a system to solve
+            noise = _dot(rhs, rhs).sqrt() <= 1e-12 * _dot(vi, vi).sqrt()
+            rhs = torch.where(noise, torch.zeros_like(rhs), rhs)
+            w, iterations, residual = conjugate_gradient(apply, rhs, tol=ctx.tol, max_iter=ctx.max_iter)
+            if bool((residual > ctx.tol).any()):
+                warnings.warn(
+                    f"implicit gradient at the attractor: conjugate gradients stopped after {iterations} iterations "
+                    f"with relative residual {float(residual.max()):.3g} > tol={ctx.tol} (implicit_max_iter)",
+                    RuntimeWarning, stacklevel=2)
+            w_out[index] = neuron.hessian_vector(x, w) if geometry else w
+        return v, -w_out.detach(), None, None, None, None, None, None
+
+
+def implicit_attractor(field: ETField, x_star: Tensor, *, in_x: Tensor, certified: Tensor, tol: float = 1e-10,
+                       max_iter: int = 500) -> Tensor:
+    """``g* = LayerNorm(x*)`` whose parameter gradients come from the implicit function theorem at an attractor.
+
+    On the spheres (``in_x`` False) the condition is ``T dE/dg(g*) = 0`` and the adjoint system
+    ``Hess_R w = T v``; at a fixed point in ``x`` (``in_x`` True) it is ``M dE/dg = 0`` with ``Hess F w = M v``
+    (``F = E(LayerNorm(x))``, :func:`et_ode.manifold.euclidean_hessian`), and ``dE/dg`` receives ``-M w``.
+    Either way ``dL/dtheta = v . dLayerNorm/dtheta - w' . d/dtheta[dE/dg(LayerNorm(x*; theta); theta)]``.
+
+    Args:
+        field: the field (its mask, ``None``, ``(N, N)`` or ``(B, N, N)``, is used).
+        x_star: the attractors ``(B, N, D)``.
+        in_x, certified: per sample ``(B,)``: which geometry, and whether the point may be differentiated
+            (a gradient asked of any other sample raises :class:`et_ode.attractor.AttractorError`).
+        tol, max_iter: the conjugate-gradient solve.
+
+    Returns ``g*`` ``(B, N, D)``.
+    """
+    x_star = x_star.detach()
+    g = field.model.neuron(x_star)
+    if not torch.is_grad_enabled():
+        return g
+    grad_e = field.grad_g(g)
+    return _AttractorRerouting.apply(g, grad_e, field, x_star, in_x, certified, tol, max_iter)

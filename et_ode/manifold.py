@@ -59,3 +59,31 @@ def riemannian_hessian(field: ETField, g: Tensor) -> tuple[Callable[[Tensor], Te
         return tangent_projection(hw, s) - curvature * w
 
     return apply, tangent_projection(grad_e.detach(), s)
+
+
+def euclidean_hessian(field: ETField, x: Tensor) -> tuple[Callable[[Tensor], Tensor], Tensor]:
+    """The Hessian of ``F(x) = E(LayerNorm(x))`` on centred ``x`` as an operator, and ``dF/dx = M dE/dg``.
+
+    ``Hess F u = M H M u + d/dx[M(x) c] u`` with ``c = dE/dg`` held fixed (the third derivative of the
+    Lagrangian, by autograd of :meth:`LayerNormNeuron.hessian_vector`). Where ``x`` is a fixed point of the flow
+    (``dE/dg`` along the all-ones vector only, which every ``M`` annihilates) the second term vanishes and
+    ``Hess F = M H M``, congruent to the flow's Jacobian ``-(1/tau) H M`` on centred ``x``: the same inertia.
+    The operator is symmetric and maps centred vectors to centred vectors.
+    """
+    x = x.detach()
+    neuron = field.model.neuron
+    with torch.enable_grad():
+        point = neuron(x).detach().requires_grad_(True)
+        grad_e = field.grad_g(point)
+        state = x.clone().requires_grad_(True)
+        gradient = neuron.hessian_vector(state, grad_e.detach())
+
+    def apply(u: Tensor) -> Tensor:
+        u = u - u.mean(dim=-1, keepdim=True)
+        (h_mu,) = torch.autograd.grad(grad_e, point, neuron.hessian_vector(x, u), retain_graph=True)
+        (third,) = torch.autograd.grad(gradient, state, u, retain_graph=True)
+        field.evaluations.count += 1
+        out = neuron.hessian_vector(x, h_mu.detach()) + third.detach()
+        return out - out.mean(dim=-1, keepdim=True)
+
+    return apply, gradient.detach()

@@ -56,7 +56,9 @@ class SolveStats:
     adjoint's backward pass, or the implicit solver's Hessian-vector products), so read it after
     ``loss.backward()``. ``sample_evaluations`` adds up the batch size of every forward evaluation: with
     ``per_sample=True`` converged samples leave the batch, so it falls below ``nfe_forward * batch``.
-    ``stop_times`` (with ``steady_state``) holds the time at which each sample stopped, shape ``(*batch,)``.
+    ``stop_times`` (with ``steady_state``) holds the time at which each sample stopped, shape ``(*batch,)``;
+    ``steady_state_measure`` names the quantity the stop tested (``"dg_dt"``: RMS ``|dg/dt|``;
+    ``"tangent_gradient"``: RMS ``|T dE/dg|``), ``None`` without ``steady_state``.
     """
 
     nfe_forward: int
@@ -69,6 +71,7 @@ class SolveStats:
     nfe_at_return: int = dataclasses.field(repr=False)
     sample_evaluations: int = 0
     stop_times: Tensor | None = None
+    steady_state_measure: str | None = None
 
     @property
     def nfe_backward(self) -> int:
@@ -79,7 +82,8 @@ class SolveStats:
                 "accepted_steps": self.accepted_steps, "rejected_steps": self.rejected_steps,
                 "wall_time": self.wall_time, "t_final": self.t_final, "status": self.status.value,
                 "sample_evaluations": self.sample_evaluations,
-                "stop_times": None if self.stop_times is None else self.stop_times.tolist()}
+                "stop_times": None if self.stop_times is None else self.stop_times.tolist(),
+                "steady_state_measure": self.steady_state_measure}
 
 
 @dataclass
@@ -441,12 +445,19 @@ def solve(
         if status is not Status.STEADY_STATE:
             raise SolveError(
                 f"grad='implicit' needs a converged fixed point, but the solve reached t={float(ts[-1]):.6g} "
-                f"without RMS |dg/dt| < {steady_state}; integrate longer or loosen steady_state",
-                time=float(ts[-1]), solution=None)
-        from .gradients import implicit_fixed_point
+                f"without {_MEASURE_NAMES[steady_state_measure]} < {steady_state}; integrate longer or loosen "
+                "steady_state", time=float(ts[-1]), solution=None)
+        from .attractor import find_attractor
 
-        g_final = implicit_fixed_point(field, x_final.detach(), tol=implicit_tol, max_iter=implicit_max_iter)
-        x_final = x_final.detach()
+        # polish the end state into a certified attractor, and differentiate there (exactly)
+        attractor = find_attractor(field, x_final.detach(), flow=False, implicit_tol=implicit_tol,
+                                   implicit_max_iter=implicit_max_iter)
+        if not bool(attractor.certified.all()):
+            raise SolveError(
+                f"grad='implicit': the end state did not polish into a certified stable attractor (kinds "
+                f"{attractor.kind}, RMS gradient {attractor.gradient.flatten().tolist()}); the implicit gradient is "
+                "defined only there", time=float(ts[-1]), solution=None)
+        g_final, x_final = attractor.g, attractor.x
     else:
         g_final = field.model.neuron(x_final)
 
@@ -464,7 +475,8 @@ def solve(
                        accepted_steps=progress.accepted if adaptive else progress.steps,
                        rejected_steps=progress.rejected, wall_time=wall_time, t_final=float(ts[-1]),
                        status=status, evaluations=evaluations, nfe_at_return=evaluations.count,
-                       sample_evaluations=progress.sample_evaluations, stop_times=stop_times)
+                       sample_evaluations=progress.sample_evaluations, stop_times=stop_times,
+                       steady_state_measure=None if steady_state is None else steady_state_measure)
     return Solution(ts=ts, xs=xs, x=x_final, g=g_final, stats=stats, field=field)
 
 
@@ -501,6 +513,45 @@ _MEASURES: dict[str, Callable[[ETField, Tensor, Tensor | None], Tensor]] = {
     "dg_dt": _rms_dg_dt,
     "tangent_gradient": _rms_tangent_gradient,
 }
+_MEASURE_NAMES = {"dg_dt": "RMS |dg/dt|", "tangent_gradient": "RMS |T dE/dg|"}
+
+
+class _StopTimeParameterTerm(torch.autograd.Function):
+    """Identity on the state at a steady-state stop; its backward adds the stop test's direct dependence on the
+    parameters, which torchdiffeq's ``odeint_event`` drops (it carries the stop time's gradient through the state).
+
+    The stop time ``t*`` solves ``c(x(t*), theta) = 0``, so ``dt*/dtheta|direct = -(dc/dtheta) / (dc/dt)`` with
+    ``dc/dt = dc/dx . f + dc/dt|explicit``, and the loss sees ``t*`` through ``x(t*)``: ``dL/dt* = dL/dx . f``.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, t_event: Tensor, event_fn: Callable[[Tensor, Tensor], Tensor],
+                velocity: Callable[[Tensor], Tensor], *params: Tensor) -> Tensor:
+        ctx.event_fn, ctx.velocity = event_fn, velocity
+        ctx.save_for_backward(x.detach(), t_event.detach(), *params)
+        return x.detach().clone()
+
+    @staticmethod
+    def backward(ctx: Any, v: Tensor) -> tuple[Tensor | None, ...]:
+        x, t_event, *params = ctx.saved_tensors
+        with torch.enable_grad():
+            state = x.detach().clone().requires_grad_(True)
+            time = t_event.detach().clone().requires_grad_(True)
+            value = ctx.event_fn(time, state)
+            wrt = [state, time, *[p for p in params if p.requires_grad]]
+            grads = torch.autograd.grad(value, wrt, allow_unused=True)
+        with torch.no_grad():
+            f = ctx.velocity(x)
+        dc_dx = torch.zeros_like(x) if grads[0] is None else grads[0]
+        dc_dt = (dc_dx * f).sum() + (0.0 if grads[1] is None else grads[1])
+        dl_dt = (v * f).sum()
+        factor = torch.where(dc_dt != 0, -dl_dt / dc_dt, torch.zeros_like(dl_dt))
+        direct = iter(grads[2:])
+        param_grads = []
+        for p in params:
+            grad = next(direct) if p.requires_grad else None
+            param_grads.append(None if grad is None else factor * grad)
+        return (v, None, None, None, *param_grads)
 
 
 def _solve_to_steady_state(recorder: _Recorder, x0: Tensor, grid: Tensor, tol: float, interface: Any,
@@ -542,6 +593,10 @@ def _solve_to_steady_state(recorder: _Recorder, x0: Tensor, grid: Tensor, tol: f
             t_event, xs = odeint_event(segment, x, t_start, event_fn=event_fn, odeint_interface=interface,
                                        **segment_kwargs)
             t_start, x = t_event.detach(), xs[-1]
+            params = tuple(p for p in field.parameters() if p.requires_grad)
+            if torch.is_grad_enabled() and params:  # the stop test's own dependence on the parameters
+                x = _StopTimeParameterTerm.apply(x, t_start, event_fn, functools.partial(segment.field, None),
+                                                 *params)
             with torch.no_grad():
                 converged = measure(segment_field, x, segment.velocity(x)) < tol * (1 + 1e-6)
             if not per_sample:

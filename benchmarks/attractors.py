@@ -1,0 +1,149 @@
+"""How fast each method gets to a certified attractor (RMS |T dE/dg| < tol), and what a gradient there costs.
+
+Candidates, float64, from the same random initial states:
+
+- ``find_attractor``: the ET's flow to the hand-off, then trust-region Riemannian Newton; Lanczos certificate;
+- Riemannian gradient descent alone (``find_attractor(..., method="gradient", flow=False)``);
+- dopri5 on the ET flow, stopping on ``steady_state_measure="tangent_gradient"`` (capped in time and steps);
+- the paper's Euler loop (``method="et"``, alpha = 0.1), capped in steps.
+
+"evaluations" counts field evaluations of the whole batch (a Hessian-vector product counts as one, although it
+costs about two); the capped methods report the RMS |T dE/dg| they reached (worst sample). The second table times
+the implicit backward pass at the attractor against the adjoint's backward pass through the dopri5 solve, for the
+same loss ``sum(w * g)``. The third measures the issue's "done when" model (D=12, H=2, Y=3, K=24, softmax, 6 tokens,
+2 samples): ``find_attractor``'s evaluations against dopri5's to RMS |dg/dt| < 1e-6 at rtol 1e-9.
+
+Run: ``.venv/bin/python benchmarks/attractors.py [--quick] [--threads 1]``. Wall times are single runs (each
+candidate once) on whatever the machine carries; read the ratios with that in mind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _common  # noqa: E402
+
+import et_ode  # noqa: E402
+from et_ode.manifold import radial_direction, tangent_projection  # noqa: E402
+
+TOL = 1e-8
+
+
+def rms_tangent(field: et_ode.ETField, x: torch.Tensor) -> float:
+    """The worst sample's RMS |T dE/dg| at ``x``."""
+    with torch.no_grad():
+        g = field.model.neuron(x)
+        s, _ = radial_direction(g, field.model.neuron.delta)
+        return float(tangent_projection(field.grad_g(g), s).square().mean(dim=(-1, -2)).sqrt().max())
+
+
+def timed(function):
+    started = time.perf_counter()
+    out = function()
+    return out, time.perf_counter() - started
+
+
+def methods(size: _common.Size, *, max_steps: int, euler_steps: int, t_end: float) -> tuple[list, list]:
+    model = _common.make_model(size, hopfield="softmax", dtype=torch.float64)
+    field = et_ode.ETField(model)
+    x0 = _common.initial_state(size, dtype=torch.float64)
+    rows = []
+
+    field.reset_nfe()
+    found, seconds = timed(lambda: et_ode.find_attractor(field, x0, tol=TOL))
+    rows.append([size.name, "find_attractor (flow + Newton)", found.evaluations, f"{seconds:.2f}",
+                 f"{float(found.gradient.max()):.1e}", f"{sum(k == 'stable' for k in found.kind)}/{size.batch} stable"])
+
+    field.reset_nfe()
+    descent, seconds = timed(lambda: et_ode.find_attractor(field, x0, tol=TOL, method="gradient", flow=False,
+                                                           max_iter=20_000))
+    rows.append([size.name, "Riemannian gradient descent", descent.evaluations, f"{seconds:.2f}",
+                 f"{float(descent.gradient.max()):.1e}", f"{int(descent.iterations.max())} iterations"])
+
+    field.reset_nfe()
+    started = time.perf_counter()
+    try:
+        out = et_ode.solve(field, x0, (0.0, t_end), rtol=1e-9, atol=1e-9, steady_state=TOL, save="final",
+                           steady_state_measure="tangent_gradient", max_steps=max_steps)
+        reached, note, x_end = out.stats.t_final, str(out.status), out.x.detach()
+    except et_ode.SolveError as error:
+        reached, note, x_end = error.time, f"capped at {max_steps} steps", error.solution.x
+    seconds = time.perf_counter() - started
+    rows.append([size.name, "dopri5 on the flow (rtol 1e-9)", field.nfe, f"{seconds:.2f}",
+                 f"{rms_tangent(field, x_end):.1e}", f"{note}, t = {reached:.3g}"])
+
+    field.reset_nfe()
+    out, seconds = timed(lambda: et_ode.solve(field, x0, method="et", step=0.1, steps=euler_steps, save="final"))
+    rows.append([size.name, f"paper's Euler loop (alpha 0.1, {euler_steps} steps)", field.nfe, f"{seconds:.2f}",
+                 f"{rms_tangent(field, out.x.detach()):.1e}", "capped"])
+
+    # the gradient of the same loss: implicit at the attractor, adjoint through a solve of the same length
+    weights = torch.randn(x0.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    model.zero_grad()
+    loss = (weights * found.g).sum()
+    field.reset_nfe()
+    _, implicit_seconds = timed(loss.backward)
+    implicit_evaluations = field.nfe
+    horizon = float(reached)
+    adjoint = et_ode.solve(field, x0, (0.0, horizon), rtol=1e-9, atol=1e-9, grad="adjoint", save="final",
+                           max_steps=max_steps)
+    loss = (weights * adjoint.g).sum()
+    model.zero_grad()
+    field.reset_nfe()
+    _, adjoint_seconds = timed(loss.backward)
+    gradient_rows = [[size.name, implicit_evaluations, f"{implicit_seconds:.3f}", field.nfe, f"{adjoint_seconds:.3f}",
+                      f"{horizon:.3g}", f"{adjoint_seconds / implicit_seconds:.1f}x"]]
+    return rows, gradient_rows
+
+
+def done_when() -> list:
+    model = _common.make_model(_common.Size("issue", 6, 12, 2, 3, 24, 2), hopfield="softmax", dtype=torch.float64)
+    field = et_ode.ETField(model)
+    x0 = torch.randn(2, 6, 12, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    field.reset_nfe()
+    out, dopri_seconds = timed(lambda: et_ode.solve(field, x0, (0.0, 1e8), rtol=1e-9, atol=1e-9, steady_state=1e-6,
+                                                    save="final", max_steps=100_000))
+    dopri_evaluations = field.nfe
+    field.reset_nfe()
+    found, seconds = timed(lambda: et_ode.find_attractor(field, x0))
+    return [[found.evaluations, f"{seconds:.2f}", f"{float(found.gradient.max()):.1e}", ", ".join(found.kind),
+             dopri_evaluations, f"{dopri_seconds:.2f}", f"{rms_tangent(field, out.x.detach()):.1e}",
+             f"{found.evaluations / dopri_evaluations:.2f}"]]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="the digits size only, smaller caps")
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    _common.set_threads(args.threads)
+    sizes = [_common.DIGITS.with_batch(16)] + ([] if args.quick else [_common.MNIST.with_batch(16)])
+    rows, gradient_rows = [], []
+    for size in sizes:
+        r, g = methods(size, max_steps=1000 if args.quick else 3000, euler_steps=500 if args.quick else 2000,
+                       t_end=1e4)
+        rows += r
+        gradient_rows += g
+    print(_common.environment())
+    print(_common.table(["size", "method", "evaluations", "seconds", f"RMS |T dE/dg| reached (tol {TOL:g})", "note"],
+                        rows, "Reaching a certified attractor, float64, batch 16"))
+    print()
+    print(_common.table(["size", "implicit: HVPs", "implicit backward s", "adjoint: evaluations",
+                         "adjoint backward s", "solve length t", "adjoint / implicit"], gradient_rows,
+                        "The gradient of sum(w * g): implicit at the attractor vs the adjoint through the flow"))
+    print()
+    print(_common.table(["find_attractor evaluations", "s", "RMS |T dE/dg|", "kind", "dopri5 evaluations", "s",
+                         "dopri5's RMS |T dE/dg| at its stop", "ratio"], done_when(),
+                        "Done-when model (D=12, H=2, Y=3, K=24, softmax, 6 tokens, 2 samples): find_attractor to "
+                        "1e-8 vs dopri5 (rtol 1e-9) to RMS |dg/dt| < 1e-6"))
+
+
+if __name__ == "__main__":
+    main()

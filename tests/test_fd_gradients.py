@@ -216,10 +216,6 @@ def test_central_differences_are_converged():
 
 
 # ------------------------------------------------------------------------------------------- steady-state stop
-ISSUE_15 = ("issue 15: the gradient through a steady-state stop drops the stop test's direct dependence on the "
-            "parameters, -(dL/dt)/(dc/dt) dc/dtheta")
-
-
 def steady_pipeline(form: str) -> Pipeline:
     """Stopped where the RMS |dg/dt| falls below 3e-2 (t ~ 7), dopri5 at rtol 1e-10; the event time is bisected to
     atol, so its finite differences hold to ~1e-8."""
@@ -246,14 +242,14 @@ def check_steady_state_parameters(form: str, grad: str) -> None:
     assert_close_per_group(got, want, 1e-6, f"{form} steady state {grad}")
 
 
-@pytest.mark.xfail(strict=False, reason=ISSUE_15)
 def test_steady_state_stop_gradient_of_the_parameters():
     check_steady_state_parameters("softmax", "direct")
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason=ISSUE_15)
-@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("form", [pytest.param("relu", marks=pytest.mark.xfail(strict=False, reason=(
+    "ReLU's kinks make an adaptive stopped solve only piecewise smooth in the parameters: 1e-3, not 1e-6 "
+    "(tests/test_steady_state_gradients.py holds ReLU to 1e-3)"))), "softplus", "softmax"])
 @pytest.mark.parametrize("grad", ["direct", "adjoint"])
 def test_steady_state_stop_gradient_of_the_parameters_every_form(form, grad):
     check_steady_state_parameters(form, grad)
@@ -306,8 +302,9 @@ def test_implicit_gradient_matches_the_attractor_map_every_form(form):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason="issue 15: solve(grad='implicit') differentiates at the stopped state, "
-                   "which on several tokens is not yet the attractor")
+@pytest.mark.xfail(strict=False, reason="still off after solve(grad='implicit') began polishing with find_attractor; "
+                   "suspected, not yet checked: find_attractor certifies on the eps -> 0 limit spheres while this "
+                   "attractor map (find_fixed_point) keeps the state's own radius, O(eps) apart at eps = 1e-3")
 def test_solve_implicit_matches_finite_differences_of_the_attractor_map():
     model, mask, target, x_star, attractor_loss = attractor_setting("softmax")
     x0, _, _ = problem()

@@ -363,7 +363,7 @@ def demo_config(quick: bool = False) -> ImageRunConfig:
 
 
 DEMO_EPOCHS = 35
-DEMO_MINUTES = 3  # the whole `make demo` on a 2-core machine, AVX2 code paths forced (README, "Two commands")
+DEMO_MINUTES = 2  # the whole `make demo` on a 2-core machine, AVX2 code paths forced (README, "Two commands")
 # the demo's second look at its model: dopri5 a thousand times tighter than the training tolerance
 TIGHT_SOLVER = SolverSettings(method="dopri5", rtol=1e-6, atol=1e-8, grad="direct", max_steps=20_000)
 

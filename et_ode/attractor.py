@@ -47,6 +47,7 @@ from torch import Tensor
 
 from ._checks import check_mask, check_tokens
 from .field import ETField
+from .krylov import lanczos
 from .manifold import euclidean_hessian, radial_direction, riemannian_hessian, tangent_projection
 
 METHODS = ("newton", "gradient")
@@ -367,40 +368,6 @@ def _flow(field: ETField, x: Tensor, *, handoff: float, segment: float, max_segm
 # -- certificate ----------------------------------------------------------------------------------------------------
 
 
-def _lanczos_extremes(apply: Callable[[Tensor], Tensor], project: Callable[[Tensor], Tensor], like: Tensor, *,
-                      iterations: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
-    """Smallest and largest Ritz values per sample of a symmetric operator on the range of ``project``
-    (Lanczos with full reorthogonalisation, ``iterations`` vectors at most)."""
-    v = project(torch.randn(like.shape, generator=generator, dtype=like.dtype).to(like.device))
-    v = v / _col(_dot(v, v).sqrt().clamp_min(torch.finfo(like.dtype).tiny))
-    basis: list[Tensor] = []
-    alphas: list[Tensor] = []
-    betas: list[Tensor] = []
-    for _ in range(iterations):
-        basis.append(v)
-        w = project(apply(v))
-        alphas.append(_dot(w, v))
-        q = torch.stack(basis, dim=1).flatten(2)  # (B, j, size)
-        flat = w.flatten(1)[:, :, None]
-        for _ in range(2):
-            flat = flat - q.transpose(1, 2) @ (q @ flat)
-        w = project(flat.reshape(w.shape))
-        beta = _dot(w, w).sqrt()
-        betas.append(beta)
-        if bool((beta <= 1e-12 * alphas[-1].abs().clamp_min(1.0)).all()):
-            break
-        v = w / _col(beta.clamp_min(torch.finfo(like.dtype).tiny))
-    m = len(alphas)
-    tri = torch.diag_embed(torch.stack(alphas, dim=1))
-    if m > 1:
-        off = torch.stack(betas[:-1], dim=1)
-        # a sample whose Krylov space closed early has a zero beta there: its tridiagonal matrix decouples
-        off = torch.where(off <= 1e-12 * tri.abs().amax(dim=(1, 2))[:, None].clamp_min(1.0), torch.zeros_like(off), off)
-        tri = tri + torch.diag_embed(off, 1) + torch.diag_embed(off, -1)
-    values = torch.linalg.eigvalsh(tri)
-    return values[:, 0].detach(), values[:, -1].detach()
-
-
 def _classify(smallest: float, largest: float, zero_tol: float) -> str:
     if smallest > zero_tol:
         return "stable"
@@ -520,9 +487,10 @@ def find_attractor(field: ETField, x0: Tensor, *, tol: float | None = None, hand
         bound = field.with_mask(mask[index]) if isinstance(mask, Tensor) and mask.dim() == 3 else field
         apply, _, project = geo.hessian(bound, result_x[index])
         dimension = n * (d - 2) if kind == "spheres" else n * (d - 1)
-        low, high = _lanczos_extremes(apply, project, result_x[index], iterations=min(lanczos_iterations, dimension),
-                                      generator=generator)
-        smallest[index], largest[index] = low, high
+        start = torch.randn(result_x[index].shape, generator=generator, dtype=x.dtype).to(x.device)
+        ritz, _ = lanczos(apply, start, iterations=min(lanczos_iterations, dimension), project=project,
+                          generator=generator)
+        smallest[index], largest[index] = ritz[:, 0].detach(), ritz[:, -1].detach()
     with torch.no_grad():
         g = field.model.neuron(result_x)
         energy = _energy(field, g)

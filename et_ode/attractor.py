@@ -148,14 +148,14 @@ class _Spheres:
     def gradient(self, field: ETField, x: Tensor) -> tuple[Tensor, Tensor]:
         """``(T dE/dg, g)`` at ``x``."""
         g = field.model.neuron(x)
-        field.evaluations.count += 1
+        field.count_evaluations()
         s, _ = radial_direction(g, self.delta)
         return tangent_projection(field.grad_g(g), s), g
 
     def hessian(self, field: ETField, x: Tensor) -> tuple[Callable[[Tensor], Tensor], Tensor, Callable[[Tensor], Tensor]]:
         """``(Hess_R, T dE/dg, T)`` at ``x``."""
         g = field.model.neuron(x).detach()
-        field.evaluations.count += 1
+        field.count_evaluations()
         apply, tangent = riemannian_hessian(field, g)
         s, _ = radial_direction(g, self.delta)
         return apply, tangent, lambda w: tangent_projection(w, s)
@@ -187,12 +187,12 @@ class _Euclidean:
     def gradient(self, field: ETField, x: Tensor) -> tuple[Tensor, Tensor]:
         """``(dF/dx = M dE/dg, g)`` at ``x``."""
         g = self.neuron(x)
-        field.evaluations.count += 1
+        field.count_evaluations()
         return self.neuron.hessian_vector(x, field.grad_g(g)), g
 
     def hessian(self, field: ETField, x: Tensor) -> tuple[Callable[[Tensor], Tensor], Tensor, Callable[[Tensor], Tensor]]:
         """``(Hess F, dF/dx, centring)`` at ``x`` (:func:`et_ode.manifold.euclidean_hessian`)."""
-        field.evaluations.count += 1
+        field.count_evaluations()
         apply, gradient = euclidean_hessian(field, x)
         return apply, gradient, self.canonical
 
@@ -378,7 +378,7 @@ def _outward_force(field: ETField, x: Tensor) -> Tensor:
     """The smallest ``rho_A = -s_A . dE/dg_A`` over the tokens, per sample ``(B,)``."""
     g = field.model.neuron(x)
     s, _ = radial_direction(g, field.model.neuron.delta.detach())
-    field.evaluations.count += 1
+    field.count_evaluations()
     return -(s * field.grad_g(g)).sum(dim=-1).amin(dim=-1)
 
 
@@ -444,11 +444,11 @@ def find_attractor(field: ETField, x0: Tensor, *, tol: float | None = None, hand
     field = field.with_mask(mask)
     batch = x.shape[0]
     counters = {"energy": 0}
-    evaluations_before = field.evaluations.count
+    evaluations_before = field.nfe
     with torch.no_grad():
         if flow:
             x = _flow(field, x, handoff=handoff, segment=segment, max_segments=max_segments, rtol=rtol, atol=atol)
-        flow_evaluations = field.evaluations.count - evaluations_before
+        flow_evaluations = field.nfe - evaluations_before
         inward = _outward_force(field, x) <= 0
     spheres, euclidean = _Spheres(field), _Euclidean(field)
     geometry = ["x" if bool(b) else "spheres" for b in inward]
@@ -503,7 +503,7 @@ def find_attractor(field: ETField, x0: Tensor, *, tol: float | None = None, hand
 
     g = implicit_attractor(field, result_x, in_x=in_x, certified=converged & torch.tensor([k == "stable" for k in kinds]),
                            tol=implicit_tol, max_iter=implicit_max_iter)
-    evaluations = field.evaluations.count - evaluations_before
+    evaluations = field.nfe - evaluations_before
 
     def shaped(v: Tensor) -> Tensor:
         return v.reshape(*batch_shape, *v.shape[1:])

@@ -76,6 +76,11 @@ class ETField(nn.Module):
     def reset_nfe(self) -> None:
         self.evaluations.count = 0
 
+    def count_evaluations(self, evaluations: int = 1) -> None:
+        """Add ``evaluations`` to ``nfe``: for methods that evaluate ``dE/dg`` (or a Hessian-vector product) through
+        :meth:`grad_g` rather than ``forward``, so that ``nfe`` counts all the work done with this field."""
+        self.evaluations.count += evaluations
+
     def with_mask(self, mask: Tensor | None) -> ETField:
         """A copy of this field bound to ``mask``, sharing the model and the evaluation counter."""
         bound = copy.copy(self)

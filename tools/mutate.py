@@ -35,6 +35,8 @@ FIELD_TESTS = ["tests/test_neurons.py", "tests/test_energies.py", "tests/test_mo
                "-k", "not small_euler_steps and not solve_and_adjoint"]
 SOLVE_TESTS = ["tests/test_solve.py", "tests/test_exact_values.py",
                "tests/test_fd_gradients.py::test_steady_state_stop_gradient_of_the_initial_state",
+               "tests/test_fd_gradients.py::test_steady_state_stop_gradient_of_the_parameters",
+               "tests/test_steady_state_gradients.py",
                "tests/test_gradients.py::test_gradcheck_through_the_solve",
                "tests/test_gradients.py::test_implicit_needs_a_converged_solve",
                "-k", "not adaptive_solve_agrees and not adaptive_heun and not dopri8 and not adams "

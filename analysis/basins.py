@@ -21,7 +21,7 @@ from torch import Tensor
 
 from et_ode import ETField, solve
 
-from .critical_points import CriticalPoint, newton_critical_point, permutation_symmetric, point_distance
+from .critical_points import CriticalPoint, match_or_append, newton_critical_point, permutation_symmetric
 from .plots import EnergySlice, _finish, energy_slice
 from .sphere import tangent_gradient_at, unit_scale
 from .stability import find_fixed_point
@@ -58,12 +58,7 @@ def label(field: ETField, points: list[CriticalPoint], attractors: list[Critical
         if not point.converged:
             labels.append(-1)
             continue
-        match = [i for i, a in enumerate(attractors)
-                 if point_distance(field, a.x, point.x, permutations=permutations) < match_tol]
-        if not match:
-            attractors.append(point)
-            match = [len(attractors) - 1]
-        labels.append(match[0])
+        labels.append(match_or_append(field, attractors, point, permutations=permutations, match_tol=match_tol))
     return labels
 
 

@@ -18,7 +18,13 @@ from matplotlib.figure import Figure
 
 from et_ode import ETField, solve
 
-from .critical_points import CriticalPoint, deduplicate, newton_critical_point, permutation_symmetric, point_distance
+from .critical_points import (
+    CriticalPoint,
+    deduplicate,
+    match_or_append,
+    newton_critical_point,
+    permutation_symmetric,
+)
 from .plots import _finish
 from .stability import find_fixed_point
 
@@ -85,12 +91,7 @@ def saddle_network(field: ETField, minima: list[CriticalPoint], saddles: list[Cr
             if not (end.converged and end.index == 0):
                 ends.append(-1)
                 continue
-            match = [i for i, m in enumerate(minima)
-                     if point_distance(field, m.x, end.x, permutations=permutations) < match_tol]
-            if not match:
-                minima.append(end)
-                match = [len(minima) - 1]
-            ends.append(match[0])
+            ends.append(match_or_append(field, minima, end, permutations=permutations, match_tol=match_tol))
         barriers = tuple(saddle.energy - minima[i].energy if i >= 0 else float("nan") for i in ends)
         connections.append(Connection(saddle=k, minima=(ends[0], ends[1]), barriers=barriers))  # type: ignore[arg-type]
     return Network(minima=minima, saddles=list(saddles), connections=connections)

@@ -185,6 +185,17 @@ def point_distance(field: ETField, a: Tensor, b: Tensor, *, permutations: bool =
     return math.sqrt(float(cost[rows, cols].sum()) / ga.numel())
 
 
+def match_or_append(field: ETField, known: list[CriticalPoint], point: CriticalPoint, *, permutations: bool,
+                    match_tol: float) -> int:
+    """The index in ``known`` of the first point within ``match_tol`` of ``point`` (:func:`point_distance`),
+    appending ``point`` when there is none."""
+    for index, other in enumerate(known):
+        if point_distance(field, other.x, point.x, permutations=permutations) < match_tol:
+            return index
+    known.append(point)
+    return len(known) - 1
+
+
 def permutation_symmetric(field: ETField) -> bool:
     """Whether permuting tokens is an exact symmetry of the field's energy (true without a mask)."""
     return field.mask is None

@@ -360,7 +360,7 @@ def solve(
         raise SolveError(f"solve failed (et): steps={steps} is more than max_steps={max_steps}; raise max_steps or "
                          f"take fewer, larger steps", time=float(t[0]) if isinstance(t, (tuple, list)) and t else 0.0,
                          solution=_partial_solution(field, _Progress(), x0, field.evaluations,
-                                                    field.evaluations.count, 0.0))
+                                                    field.nfe, 0.0))
     if mask is not None:
         field = field.with_mask(check_mask(mask, x0))
     else:
@@ -387,7 +387,7 @@ def solve(
             raise SolveError(f"solve failed ({method}): {planned} fixed steps planned from t={float(grid[0]):.6g} to "
                              f"{float(grid[-1]):.6g}, more than max_steps={max_steps}", time=float(grid[0]),
                              solution=_partial_solution(field, _Progress(), x0, field.evaluations,
-                                                        field.evaluations.count, 0.0))
+                                                        field.nfe, 0.0))
     progress = _Progress()
     recorder_type = _AdaptiveRecorder if adaptive else _Recorder
     recorder = recorder_type(field, max_steps, keep_steps=save == "steps", progress=progress)

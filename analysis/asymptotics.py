@@ -57,7 +57,7 @@ def predicted_exponent(field: ETField, x_star: Tensor) -> PredictedRate:
     with torch.no_grad():
         g = neuron(x)
         s, radius = radial_direction(g, neuron.delta.detach())
-        rho = -(s * field.grad_g(g)).sum(dim=-1)  # (N,)
+        rho = -(s * field.dE_dg(g)).sum(dim=-1)  # (N,)
     if not bool((rho > 0).all()):
         raise ValueError(f"x_star has tokens with a non-positive outward force rho = {rho.tolist()}: no power law")
     kappa = rho / radius[..., 0]

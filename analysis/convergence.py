@@ -52,7 +52,7 @@ def tangent_gradient(field: ETField, x: Tensor) -> Tensor:
     with torch.no_grad():
         g = field.model.neuron(x)
         s, _ = radial_direction(g, field.model.neuron.delta)
-        return tangent_projection(field.grad_g(g), s).square().mean(dim=(-1, -2)).sqrt()
+        return tangent_projection(field.dE_dg(g), s).square().mean(dim=(-1, -2)).sqrt()
 
 
 @dataclass
@@ -81,7 +81,7 @@ def convergence_traces(solution: Solution, field: ETField) -> ConvergenceTraces:
     model = field.model
     with torch.no_grad():
         g = model.neuron(xs)
-        grad = bound.grad_g(g)
+        grad = bound.dE_dg(g)
         dx_dt = grad / -field.tau
         dg_dt = model.neuron.hessian_vector(xs, dx_dt)
         s, _ = radial_direction(g, model.neuron.delta)

@@ -159,7 +159,7 @@ def check_lyapunov(solution: Solution, field: ETField, *, energy_rtol: float | N
     with torch.no_grad():
         g = model.neuron(xs)
         energy = model._energy_g(g, mask).to(torch.float64).cpu()  # (T, B)
-        grad = bound.grad_g(g)
+        grad = bound.dE_dg(g)
         m_grad = model.neuron.hessian_vector(xs, grad)
         rate = (-(grad * m_grad).sum(dim=(-1, -2)) / field.tau).to(torch.float64).cpu()  # exact dE/dt, (T, B)
         rate_scale = ((grad * m_grad).abs().sum(dim=(-1, -2)) / field.tau).to(torch.float64).cpu()

@@ -66,7 +66,7 @@ def tangent_gradient_at(field: ETField, x: Tensor) -> Tensor:
     with torch.no_grad():
         g = neuron(x)
         s, _ = radial_direction(g, neuron.delta.detach())
-        return tangent_projection(field.grad_g(g), s)
+        return tangent_projection(field.dE_dg(g), s)
 
 
 def energy_at(field: ETField, x: Tensor) -> Tensor:

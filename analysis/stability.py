@@ -195,7 +195,7 @@ def riemannian_hessian_matrix(field: ETField, x: Tensor, *, mask: Tensor | None 
     model = field.model
     with torch.no_grad():
         g = model.neuron(x)
-        grad = field.with_mask(mask).grad_g(g)
+        grad = field.with_mask(mask).dE_dg(g)
     s, radius = radial_direction(g, model.neuron.delta.detach())
     basis = tangent_basis(g, model.neuron.delta.detach())
     d = x.shape[-1]
@@ -230,7 +230,7 @@ def g_jacobian(field: ETField, x: Tensor, *, mask: Tensor | None = None) -> tupl
         bound = _sample_field(field, mask, b)
 
         def dg_dt(xb: Tensor, bound: ETField = bound) -> Tensor:  # the closed form (torch.func-traceable)
-            return model.neuron.hessian_vector(xb, model._grad_g(model.neuron(xb), bound.mask) / -bound.tau)
+            return model.neuron.hessian_vector(xb, model._dE_dg(model.neuron(xb), bound.mask) / -bound.tau)
 
         jac = torch.func.jacrev(dg_dt)(x[b])
         size = x[b].numel()
@@ -448,7 +448,7 @@ def find_fixed_point(field: ETField, x: Tensor, *, tol: float = 1e-6, max_iter: 
     def evaluate(state: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         g = model.neuron(state)
         s, _ = radial_direction(g, delta)
-        return model._energy_g(g, field.mask), tangent_projection(field.grad_g(g), s), g
+        return model._energy_g(g, field.mask), tangent_projection(field.dE_dg(g), s), g
 
     iterations = 0
     with torch.no_grad(), tqdm(total=max_iter, desc="fixed point", disable=not progress, leave=False) as bar:

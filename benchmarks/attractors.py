@@ -41,7 +41,7 @@ def rms_tangent(field: et_ode.ETField, x: torch.Tensor) -> float:
     with torch.no_grad():
         g = field.model.neuron(x)
         s, _ = radial_direction(g, field.model.neuron.delta)
-        return float(tangent_projection(field.grad_g(g), s).square().mean(dim=(-1, -2)).sqrt().max())
+        return float(tangent_projection(field.dE_dg(g), s).square().mean(dim=(-1, -2)).sqrt().max())
 
 
 def timed(function):

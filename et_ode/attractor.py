@@ -150,7 +150,7 @@ class _Spheres:
         g = field.model.neuron(x)
         field.count_evaluations()
         s, _ = radial_direction(g, self.delta)
-        return tangent_projection(field.grad_g(g), s), g
+        return tangent_projection(field.dE_dg(g), s), g
 
     def hessian(self, field: ETField, x: Tensor) -> tuple[Callable[[Tensor], Tensor], Tensor, Callable[[Tensor], Tensor]]:
         """``(Hess_R, T dE/dg, T)`` at ``x``."""
@@ -188,7 +188,7 @@ class _Euclidean:
         """``(dF/dx = M dE/dg, g)`` at ``x``."""
         g = self.neuron(x)
         field.count_evaluations()
-        return self.neuron.hessian_vector(x, field.grad_g(g)), g
+        return self.neuron.hessian_vector(x, field.dE_dg(g)), g
 
     def hessian(self, field: ETField, x: Tensor) -> tuple[Callable[[Tensor], Tensor], Tensor, Callable[[Tensor], Tensor]]:
         """``(Hess F, dF/dx, centring)`` at ``x`` (:func:`et_ode.manifold.euclidean_hessian`)."""
@@ -379,7 +379,7 @@ def _outward_force(field: ETField, x: Tensor) -> Tensor:
     g = field.model.neuron(x)
     s, _ = radial_direction(g, field.model.neuron.delta.detach())
     field.count_evaluations()
-    return -(s * field.grad_g(g)).sum(dim=-1).amin(dim=-1)
+    return -(s * field.dE_dg(g)).sum(dim=-1).amin(dim=-1)
 
 
 # -- the public entry point ---------------------------------------------------------------------------------------

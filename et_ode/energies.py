@@ -122,7 +122,7 @@ class EnergyAttention(nn.Module):
         weights = torch.softmax(logits, dim=-2)
         return weights if has_key is None else weights * has_key
 
-    def grad(self, g: Tensor, mask: Tensor | GraphMask | None = None) -> Tensor:
+    def dE_dg(self, g: Tensor, mask: Tensor | GraphMask | None = None) -> Tensor:
         """``dE_ATT/dg`` in closed form: ``(..., N, D) -> (..., N, D)``.
 
         ``-sum_h [S_h Q_h WK_h + S_h^T K_h WQ_h]``: token D as a key, then as a query.
@@ -182,7 +182,7 @@ class HopfieldMemory(nn.Module):
             return -0.5 * r.square().sum(dim=(-1, -2))
         return -torch.logsumexp(self.beta * h, dim=-1).sum(dim=-1) / self.beta
 
-    def grad(self, g: Tensor) -> Tensor:
+    def dE_dg(self, g: Tensor) -> Tensor:
         """``dE_HN/dg`` in closed form: ``(..., N, D) -> (..., N, D)``."""
         h = g @ self.xi.T
         if self.form == "relu":

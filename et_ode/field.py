@@ -15,7 +15,7 @@ from .fused import FusedGrad
 from .model import EnergyTransformer
 from .neurons import LayerNormNeuron
 
-GRAD_MODES = ("analytic", "autograd")
+DERIVATIVES = ("analytic", "autograd")
 BACKENDS = ("auto", "fused", "reference")
 
 
@@ -27,50 +27,67 @@ class Evaluations:
 
 
 class ETField(nn.Module):
-    """``f(t, x) = -(1/tau) dE/dg(g(x))`` for a state ``x`` of shape ``(..., N, D)``.
+    """``f(t, x) = -(1/tau) dE/dg(g(x))`` for a state ``x`` of shape ``(..., N, D)``: the one owner of the dynamics.
 
     Args:
         model: the energy.
         tau: time constant, positive and finite (ValueError otherwise).
-        grad: ``"analytic"`` (closed form, the default) or ``"autograd"`` (differentiates the energy;
-            the reference, also correct under ``torch.no_grad()``).
-        mask: an attention mask bound to the field (see :class:`EnergyTransformer`).
-        backend: how ``grad="analytic"`` evaluates ``dE/dg``: ``"fused"`` (:mod:`et_ode.fused`: two large
+        derivative: how ``dE/dg`` is computed: ``"analytic"`` (closed form, the default) or ``"autograd"``
+            (differentiates the energy; the reference, also correct under ``torch.no_grad()``).
+        mask: the attention mask bound to the field (see :class:`EnergyTransformer`); a field holds its mask,
+            and :meth:`with_mask` makes a copy bound to another.
+        backend: how ``derivative="analytic"`` evaluates ``dE/dg``: ``"fused"`` (:mod:`et_ode.fused`: two large
             matrix products on the fastest GEMM back end, and a closed-form Hessian-vector product as its
             backward), ``"reference"`` (the model's own closed form, differentiated by autograd), or
             ``"auto"`` (the default: fused wherever it applies). The fused path applies to masks that are
-            ``None`` or dense boolean tensors; any other mask falls back to the model's ``_grad_g``.
+            ``None`` or dense boolean tensors; any other mask falls back to the model's closed form.
             Its backward is first-order (no double backward through the field).
 
-    The field counts its evaluations in ``nfe`` (``reset_nfe()`` zeroes it); the diagnostics ``dg_dt``,
-    ``dE_dt`` and ``rms_dg_dt`` are not counted. ``forward`` does not
-    validate its input, since solvers call it thousands of times; ``solve`` validates once.
+    Everything downstream (``solve``, the attractor finder, ``et_ode.analysis``) reads the dynamics through the
+    public methods below, never through the model's internals:
+
+    ============================  ==============================================================
+    ``forward(t, x)``             ``dx/dt``, counted in ``nfe`` (what solvers call)
+    ``velocity(x)``               ``dx/dt = -(1/tau) dE/dg``, not counted
+    ``activation(x)``             ``g = LayerNorm(x)``
+    ``energy(x)``, ``energy_g(g)``  ``E`` per sample, with the bound mask
+    ``dE_dg(g)``                  ``dE/dg`` by the chosen derivative and back end, not counted
+    ``dg_dt(x)``                  ``M dx/dt``, the motion of ``g``
+    ``tangent_gradient(x)``       ``T dE/dg``: ``dE/dg`` along the per-token spheres
+    ``rms_dg_dt``, ``rms_tangent_gradient``  their RMS per sample (the steady-state measures)
+    ``dE_dt(x)``                  the exact energy rate ``-(1/tau) sum_A dE/dg_A . M_A dE/dg_A``
+    ============================  ==============================================================
+
+    The field counts its evaluations in ``nfe`` (``reset_nfe()`` zeroes it; ``count_evaluations(n)`` adds work
+    done through :meth:`dE_dg`, such as Hessian-vector products). ``forward`` does not validate its input,
+    since solvers call it thousands of times; ``solve`` validates once, and the diagnostics validate theirs
+    unless they are handed the velocity already computed at ``x`` (the solver's hot path).
     """
 
-    def __init__(self, model: EnergyTransformer, tau: float = 1.0, grad: str = "analytic",
+    def __init__(self, model: EnergyTransformer, tau: float = 1.0, derivative: str = "analytic",
                  mask: Tensor | None = None, backend: str = "auto"):
         super().__init__()
         if not isinstance(model, EnergyTransformer):
             raise TypeError(f"model must be an EnergyTransformer, got {type(model).__name__}")
         if not (0 < float(tau) < math.inf):
             raise ValueError(f"tau must be positive and finite, got {tau!r}")
-        if grad not in GRAD_MODES:
-            raise ValueError(f"grad must be one of {GRAD_MODES}, got {grad!r}")
+        if derivative not in DERIVATIVES:
+            raise ValueError(f"derivative must be one of {DERIVATIVES}, got {derivative!r}")
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        if backend == "fused" and grad != "analytic":
-            raise ValueError(f"backend='fused' is the closed form of grad='analytic', got grad={grad!r}")
+        if backend == "fused" and derivative != "analytic":
+            raise ValueError(f"backend='fused' is the closed form of derivative='analytic', got derivative={derivative!r}")
         self.model = model
         self.tau = float(tau)
-        self.grad_mode = grad
+        self.derivative = derivative
         self.mask = mask
         self.backend = backend
-        self.fused = FusedGrad(model) if backend != "reference" and grad == "analytic" else None
+        self.fused = FusedGrad(model) if backend != "reference" and derivative == "analytic" else None
         self.evaluations = Evaluations()
 
     @property
     def nfe(self) -> int:
-        """Number of evaluations of ``forward`` since the last reset."""
+        """Number of evaluations of ``forward`` (and counted work) since the last reset."""
         return self.evaluations.count
 
     def reset_nfe(self) -> None:
@@ -78,7 +95,7 @@ class ETField(nn.Module):
 
     def count_evaluations(self, evaluations: int = 1) -> None:
         """Add ``evaluations`` to ``nfe``: for methods that evaluate ``dE/dg`` (or a Hessian-vector product) through
-        :meth:`grad_g` rather than ``forward``, so that ``nfe`` counts all the work done with this field."""
+        :meth:`dE_dg` rather than ``forward``, so that ``nfe`` counts all the work done with this field."""
         self.evaluations.count += evaluations
 
     def with_mask(self, mask: Tensor | None) -> ETField:
@@ -87,12 +104,30 @@ class ETField(nn.Module):
         bound.__dict__["mask"] = mask
         return bound
 
-    def grad_g(self, g: Tensor) -> Tensor:
-        """``dE/dg`` by the chosen mode, with the bound mask: ``(..., N, D) -> (..., N, D)``."""
-        if self.grad_mode == "analytic":
+    # -- the dynamics ------------------------------------------------------------------------------
+    def activation(self, x: Tensor) -> Tensor:
+        """``g = LayerNorm(x)``: ``(..., N, D) -> (..., N, D)``; on the fused path by the one-kernel ``layer_norm``
+        (the same formula as the neuron)."""
+        neuron = self.model.neuron
+        if self.fused is None or type(neuron) is not LayerNormNeuron:
+            return neuron(x)
+        return F.layer_norm(x, (neuron.dim,), neuron.gamma.expand(neuron.dim), neuron.delta, neuron.eps)
+
+    def energy_g(self, g: Tensor) -> Tensor:
+        """Total energy per sample as a function of ``g``, with the bound mask: ``(..., N, D) -> (...)``."""
+        return self.model._energy_g(g, self.mask)
+
+    def energy(self, x: Tensor) -> Tensor:
+        """Total energy per sample of the state ``x``, with the bound mask: ``(..., N, D) -> (...)``."""
+        return self.energy_g(self.model.neuron(x))
+
+    def dE_dg(self, g: Tensor) -> Tensor:
+        """``dE/dg`` by the chosen derivative and back end, with the bound mask: ``(..., N, D) -> (..., N, D)``.
+        Not counted in ``nfe`` (see :meth:`count_evaluations`)."""
+        if self.derivative == "analytic":
             if self.fused is not None and self.fused.supports(g, self.mask):
                 return self.fused(g, self.mask)
-            return self.model._grad_g(g, self.mask)
+            return self.model._dE_dg(g, self.mask)
         create_graph = torch.is_grad_enabled()
         with torch.enable_grad():
             if not g.requires_grad:
@@ -101,44 +136,62 @@ class ETField(nn.Module):
             (grad,) = torch.autograd.grad(energy, g, create_graph=create_graph)
         return grad
 
-    def forward(self, t: Tensor, x: Tensor) -> Tensor:
+    def forward(self, t: Tensor | None, x: Tensor) -> Tensor:
         """``dx/dt``, shape of ``x``. Counted in ``nfe``."""
         self.evaluations.count += 1
-        return self._velocity(x)
+        return self.velocity(x)
 
-    def _velocity(self, x: Tensor) -> Tensor:
-        """``dx/dt`` without counting it (for diagnostics)."""
-        g = self._activation(x)
-        if self.tau == 1.0 and self.grad_mode == "analytic" and self.fused is not None and self.fused.supports(g, self.mask):
+    def velocity(self, x: Tensor) -> Tensor:
+        """``dx/dt = -(1/tau) dE/dg`` at ``x`` (shape of ``x``), not counted in ``nfe``."""
+        g = self.activation(x)
+        if self.tau == 1.0 and self.derivative == "analytic" and self.fused is not None \
+                and self.fused.supports(g, self.mask):
             return self.fused(g, self.mask, negate=True)  # the sign folded into the weights: one pass less
-        grad = self.grad_g(g)
+        grad = self.dE_dg(g)
         if grad.requires_grad or self.fused is None:
             return grad / -self.tau
         return grad.div_(-self.tau)  # a fresh tensor of the fused path: scaled in place, the same bits as above
-
-    def _activation(self, x: Tensor) -> Tensor:
-        """``g = LayerNorm(x)``; on the fused path by the one-kernel ``layer_norm`` (same formula as the neuron)."""
-        neuron = self.model.neuron
-        if self.fused is None or type(neuron) is not LayerNormNeuron:
-            return neuron(x)
-        return F.layer_norm(x, (neuron.dim,), neuron.gamma.expand(neuron.dim), neuron.delta, neuron.eps)
 
     def _checked(self, x: Tensor) -> Tensor:
         check_tokens("x", x, self.model.dim, like=self.model.neuron.delta)
         check_mask(self.mask, x)
         return x
 
-    def dg_dt(self, x: Tensor) -> Tensor:
-        """``dg/dt = M dx/dt`` (the motion of the attractor's coordinates): shape of ``x``."""
-        self._checked(x)
-        return self.model.neuron.hessian_vector(x, self._velocity(x))
+    # -- diagnostics (not counted in ``nfe``) ------------------------------------------------------
+    def dg_dt(self, x: Tensor, velocity: Tensor | None = None) -> Tensor:
+        """``dg/dt = M dx/dt`` (the motion of the attractor's coordinates): shape of ``x``. ``velocity``: ``dx/dt``
+        at ``x`` when already computed (then ``x`` is not validated again)."""
+        if velocity is None:
+            velocity = self.velocity(self._checked(x))
+        return self.model.neuron.hessian_vector(x, velocity)
+
+    def tangent_gradient(self, x: Tensor, velocity: Tensor | None = None) -> Tensor:
+        """``T dE/dg``: ``dE/dg`` with each token's mean and radial component (along ``s_A = (g_A - delta) / r_A``)
+        removed, the gradient of ``E`` on the product of per-token spheres where the attractors lie (see
+        :mod:`et_ode.manifold`): shape of ``x``. ``velocity`` as in :meth:`dg_dt`."""
+        g = self.model.neuron(x if velocity is not None else self._checked(x))
+        grad = self.dE_dg(g) if velocity is None else velocity * -self.tau
+        u = g - self.model.neuron.delta
+        u = u - u.mean(dim=-1, keepdim=True)
+        s = u / u.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(g.dtype).tiny)
+        grad = grad - grad.mean(dim=-1, keepdim=True)
+        return grad - (grad * s).sum(dim=-1, keepdim=True) * s
+
+    def rms_dg_dt(self, x: Tensor, velocity: Tensor | None = None) -> Tensor:
+        """Root-mean-square of ``dg/dt`` over tokens and elements, per sample: ``(..., N, D) -> (...)``."""
+        return _rms(self.dg_dt(x, velocity))
+
+    def rms_tangent_gradient(self, x: Tensor, velocity: Tensor | None = None) -> Tensor:
+        """Root-mean-square of ``T dE/dg`` over tokens and elements, per sample: ``(..., N, D) -> (...)``."""
+        return _rms(self.tangent_gradient(x, velocity))
 
     def dE_dt(self, x: Tensor) -> Tensor:
         """The exact ``dE/dt = -(1/tau) sum_A (dE/dg_A)^T M_A (dE/dg_A)`` per sample, shape ``x.shape[:-2]``."""
         self._checked(x)
-        grad = self.grad_g(self.model.neuron(x))
+        grad = self.dE_dg(self.model.neuron(x))
         return -(grad * self.model.neuron.hessian_vector(x, grad)).sum(dim=(-1, -2)) / self.tau
 
-    def rms_dg_dt(self, x: Tensor) -> Tensor:
-        """Root-mean-square of ``dg/dt`` over tokens and elements, per sample, shape ``x.shape[:-2]``."""
-        return self.dg_dt(x).square().mean(dim=(-1, -2)).sqrt()
+
+def _rms(v: Tensor) -> Tensor:
+    """RMS over the last two dimensions (tokens and elements): ``(..., N, D) -> (...)``."""
+    return v.square().mean(dim=(-1, -2)).sqrt()

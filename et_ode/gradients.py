@@ -96,7 +96,7 @@ def implicit_fixed_point(field: ETField, x_star: Tensor, *, tol: float = 1e-8, m
     g = field.model.neuron(x_star.detach())
     if not torch.is_grad_enabled():
         return g
-    grad_e = field.grad_g(g)
+    grad_e = field.dE_dg(g)
     return _ImplicitRerouting.apply(g, grad_e, field, g.detach(), tol, max_iter)
 
 
@@ -175,5 +175,5 @@ def implicit_attractor(field: ETField, x_star: Tensor, *, in_x: Tensor, certifie
     g = field.model.neuron(x_star)
     if not torch.is_grad_enabled():
         return g
-    grad_e = field.grad_g(g)
+    grad_e = field.dE_dg(g)
     return _AttractorRerouting.apply(g, grad_e, field, x_star, in_x, certified, tol, max_iter)

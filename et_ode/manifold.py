@@ -49,7 +49,7 @@ def riemannian_hessian(field: ETField, g: Tensor) -> tuple[Callable[[Tensor], Te
     s, radius = radial_direction(g.detach(), field.model.neuron.delta.detach())
     with torch.enable_grad():
         point = g.detach().requires_grad_(True)
-        grad_e = field.grad_g(point)
+        grad_e = field.dE_dg(point)
     curvature = ((grad_e.detach() * s).sum(dim=-1, keepdim=True) / radius).detach()
 
     def apply(w: Tensor) -> Tensor:
@@ -74,7 +74,7 @@ def euclidean_hessian(field: ETField, x: Tensor) -> tuple[Callable[[Tensor], Ten
     neuron = field.model.neuron
     with torch.enable_grad():
         point = neuron(x).detach().requires_grad_(True)
-        grad_e = field.grad_g(point)
+        grad_e = field.dE_dg(point)
         state = x.clone().requires_grad_(True)
         gradient = neuron.hessian_vector(state, grad_e.detach())
 

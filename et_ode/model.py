@@ -108,8 +108,8 @@ class EnergyTransformer(nn.Module):
     def _energy_g(self, g: Tensor, mask: Tensor | None) -> Tensor:
         return self.attention.energy(g, mask) + self.hopfield.energy(g)
 
-    def _grad_g(self, g: Tensor, mask: Tensor | None) -> Tensor:
-        return self.attention.grad(g, mask) + self.hopfield.grad(g)
+    def _dE_dg(self, g: Tensor, mask: Tensor | None) -> Tensor:
+        return self.attention.dE_dg(g, mask) + self.hopfield.dE_dg(g)
 
     # -- public, validated ---------------------------------------------------------------------
     def activation(self, x: Tensor) -> Tensor:
@@ -132,10 +132,10 @@ class EnergyTransformer(nn.Module):
         check_tokens("g", g, self.dim, like=self.neuron.delta)
         return self._energy_g(g, check_mask(mask, g))
 
-    def grad_g(self, g: Tensor, mask: Tensor | None = None) -> Tensor:
+    def dE_dg(self, g: Tensor, mask: Tensor | None = None) -> Tensor:
         """``dE/dg`` in closed form: ``(..., N, D) -> (..., N, D)``."""
         check_tokens("g", g, self.dim, like=self.neuron.delta)
-        return self._grad_g(g, check_mask(mask, g))
+        return self._dE_dg(g, check_mask(mask, g))
 
     def extra_repr(self) -> str:
         a, h = self.attention, self.hopfield

@@ -502,7 +502,7 @@ def _rms_tangent_gradient(field: ETField, x: Tensor, velocity: Tensor | None = N
     g = field.model.neuron(x)
     if velocity is None:
         field.evaluations.count += 1
-        grad = field.grad_g(g)
+        grad = field.dE_dg(g)
     else:
         grad = velocity * -field.tau  # dx/dt = -dE/dg / tau
     s, _ = radial_direction(g, field.model.neuron.delta)

@@ -15,7 +15,7 @@ from tests.conftest import random_model
 
 def rms_tangent_gradient(model, g, mask=None):
     s, _ = radial_direction(g, model.neuron.delta.detach())
-    return tangent_projection(model.grad_g(g, mask), s).square().mean(dim=(-1, -2)).sqrt().detach()
+    return tangent_projection(model.dE_dg(g, mask), s).square().mean(dim=(-1, -2)).sqrt().detach()
 
 
 def test_certifies_a_critical_point_on_the_limit_spheres_that_the_flow_reaches():

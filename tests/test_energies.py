@@ -83,7 +83,7 @@ def test_fully_masked_sample_has_zero_attention_energy_and_no_nan():
     assert torch.equal(terms, torch.zeros(2, dtype=torch.float64))
     (grad,) = torch.autograd.grad(model.energy_g(g, mask).sum(), g)
     assert torch.isfinite(grad).all()
-    assert torch.equal(model.attention.grad(g, mask), torch.zeros_like(g))
+    assert torch.equal(model.attention.dE_dg(g, mask), torch.zeros_like(g))
 
 
 def autograd_grad(model: EnergyTransformer, g: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -101,7 +101,7 @@ def test_closed_form_gradient_matches_autograd(n, d, heads, y, k, batch, hopfiel
     generator = torch.Generator().manual_seed(seed)
     g = model.activation(torch.randn(batch, n, d, dtype=torch.float64, generator=generator))
     mask = (torch.rand(batch, n, n, generator=generator) > 0.5) if masked else None
-    closed = model.grad_g(g, mask)
+    closed = model.dE_dg(g, mask)
     reference = autograd_grad(model, g, mask)
     scale = reference.abs().max().clamp_min(1e-300)
     assert float((closed - reference).abs().max() / scale) < 1e-10
@@ -111,7 +111,7 @@ def test_gradient_batched_over_several_leading_dims():
     model = random_model()
     g = model.activation(torch.randn(2, 3, 5, 8, dtype=torch.float64))
     mask = torch.rand(3, 5, 5) > 0.3
-    torch.testing.assert_close(model.grad_g(g, mask), autograd_grad(model, g, mask), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(model.dE_dg(g, mask), autograd_grad(model, g, mask), rtol=1e-10, atol=1e-12)
     assert model.energy_g(g, mask).shape == (2, 3)
 
 
@@ -120,7 +120,7 @@ def test_float32_gradient_close_to_float64():
     model32 = copy.deepcopy(model64).float()
     x = torch.randn(2, 6, 16, dtype=torch.float64)
     g64, g32 = model64.activation(x), model32.activation(x.float())
-    torch.testing.assert_close(model32.grad_g(g32).double(), model64.grad_g(g64), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(model32.dE_dg(g32).double(), model64.dE_dg(g64), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -128,7 +128,7 @@ def test_cuda_matches_cpu():
     model = random_model()
     x = torch.randn(2, 5, 8, dtype=torch.float64)
     mask = torch.rand(5, 5) > 0.3
-    expected = model.grad_g(model.activation(x), mask)
+    expected = model.dE_dg(model.activation(x), mask)
     model_cuda = model.cuda()
-    got = model_cuda.grad_g(model_cuda.activation(x.cuda()), mask.cuda())
+    got = model_cuda.dE_dg(model_cuda.activation(x.cuda()), mask.cuda())
     torch.testing.assert_close(got.cpu(), expected, rtol=1e-10, atol=1e-12)

@@ -103,14 +103,14 @@ def test_subclassed_energies_are_not_taken_for_the_fused_closed_form():
         def energy(self, g, mask=None):
             return 2 * super().energy(g, mask)
 
-        def grad(self, g, mask=None):
-            return 2 * super().grad(g, mask)
+        def dE_dg(self, g, mask=None):
+            return 2 * super().dE_dg(g, mask)
 
     model = random_model()
     doubled = random_model()
     doubled.attention.__class__ = Doubled
     x = torch.randn(2, 4, 8, dtype=torch.float64)
-    want = -(2 * model.attention.grad(model.neuron(x)) + model.hopfield.grad(model.neuron(x)))
+    want = -(2 * model.attention.dE_dg(model.neuron(x)) + model.hopfield.dE_dg(model.neuron(x)))
     torch.testing.assert_close(ETField(doubled)(0.0, x), want, rtol=1e-10, atol=1e-12)
 
 
@@ -136,7 +136,7 @@ def test_error_messages_name_the_argument():
     with pytest.raises(ValueError, match=r"^g must have shape"):
         model.energy_g(torch.zeros(3, 5))
     with pytest.raises(ValueError, match=r"^g must have shape"):
-        model.grad_g(torch.zeros(3, 5))
+        model.dE_dg(torch.zeros(3, 5))
     with pytest.raises(ValueError, match=r"^x has 1 non-finite entries"):
         ETField(model).dg_dt(torch.tensor([[float("nan")] + [0.0] * 7], dtype=torch.float64))
     with pytest.raises(TypeError, match=r"^model must be an EnergyTransformer, got int"):

@@ -14,7 +14,7 @@ def test_analytic_field_equals_autograd_field(hopfield):
     model = random_model(hopfield=hopfield)
     mask = torch.rand(3, 6, 6) > 0.4
     x = torch.randn(3, 6, 8, dtype=torch.float64)
-    analytic, reference = ETField(model, tau=0.7, mask=mask), ETField(model, tau=0.7, grad="autograd", mask=mask)
+    analytic, reference = ETField(model, tau=0.7, mask=mask), ETField(model, tau=0.7, derivative="autograd", mask=mask)
     torch.testing.assert_close(analytic(0.0, x), reference(0.0, x), rtol=1e-10, atol=1e-12)
     with torch.no_grad():  # how odeint_adjoint calls the field
         torch.testing.assert_close(analytic(0.0, x), reference(0.0, x), rtol=1e-10, atol=1e-12)
@@ -26,7 +26,7 @@ def test_autograd_field_is_differentiable_in_parameters():
     grads = []
     for mode in ("analytic", "autograd"):
         model.zero_grad()
-        ETField(model, grad=mode)(0.0, x).square().sum().backward()
+        ETField(model, derivative=mode)(0.0, x).square().sum().backward()
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-9, atol=1e-11)
 

@@ -41,13 +41,13 @@ def test_fused_equals_reference_and_its_vjp_equals_autograd(hopfield, self_atten
     g = model.neuron(torch.randn(2, 3, 7, 10, dtype=torch.float64))
     fused = FusedGrad(model, gemm="matmul")
     assert fused.supports(g, mask)
-    reference = model._grad_g(g, mask)
+    reference = model._dE_dg(g, mask)
     assert _relative(fused(g, mask), reference) < 1e-10
 
     point = g.detach().requires_grad_(True)
     inputs = (point, model.attention.WK, model.attention.WQ, model.hopfield.xi)
     u = torch.randn_like(g)
-    expected = torch.autograd.grad(model._grad_g(point, mask), inputs, u)
+    expected = torch.autograd.grad(model._dE_dg(point, mask), inputs, u)
     got = torch.autograd.grad(fused(point, mask), inputs, u)
     for name, a, b in zip(("g", "WK", "WQ", "xi"), got, expected, strict=True):
         assert _relative(a, b) < 1e-10, name
@@ -70,7 +70,7 @@ def test_single_token_and_unbatched_input():
     fused = FusedGrad(model, gemm="matmul")
     for shape in [(1, 8), (5, 8), (2, 1, 8)]:  # one token without self-attention: only the memories act
         g = model.neuron(torch.randn(*shape, dtype=torch.float64))
-        assert _relative(fused(g), model._grad_g(g, None)) < 1e-10
+        assert _relative(fused(g), model._dE_dg(g, None)) < 1e-10
 
 
 def test_weights_changed_in_place_are_picked_up():
@@ -130,9 +130,9 @@ def test_falls_back_to_the_model_for_other_masks(monkeypatch):
         calls.append(mask)
         return torch.zeros_like(g)
 
-    monkeypatch.setattr(model, "_grad_g", recording)
+    monkeypatch.setattr(model, "_dE_dg", recording)
     edges = EdgeList()
-    out = ETField(model, backend="fused", mask=edges).grad_g(g)
+    out = ETField(model, backend="fused", mask=edges).dE_dg(g)
     assert calls == [edges] and bool((out == 0).all())
 
 
@@ -140,8 +140,8 @@ def test_bad_arguments():
     model = random_model()
     with pytest.raises(ValueError, match="backend"):
         ETField(model, backend="fast")
-    with pytest.raises(ValueError, match="grad='analytic'"):
-        ETField(model, grad="autograd", backend="fused")
+    with pytest.raises(ValueError, match="derivative='analytic'"):
+        ETField(model, derivative="autograd", backend="fused")
     with pytest.raises(ValueError, match="gemm"):
         FusedGrad(model, gemm="blas")
 
@@ -230,7 +230,7 @@ def test_backward_uses_the_weights_of_its_forward_pass():
     with torch.no_grad():
         model.hopfield.xi.mul_(2.0)  # changed between the forward and the backward pass
     (got,) = torch.autograd.grad(out, point, u)
-    (expected,) = torch.autograd.grad(reference._grad_g(point, None), point, u)
+    (expected,) = torch.autograd.grad(reference._dE_dg(point, None), point, u)
     assert _relative(got, expected) < 1e-10
 
 
@@ -255,4 +255,4 @@ def test_new_weight_tensors_are_picked_up():
         new = torch.nn.Parameter(model.hopfield.xi.detach() * scale)
         del model.hopfield.xi
         model.hopfield.xi = new
-        assert _relative(fused(g, None), model._grad_g(g, None)) < 1e-10
+        assert _relative(fused(g, None), model._dE_dg(g, None)) < 1e-10

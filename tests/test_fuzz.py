@@ -132,7 +132,7 @@ def test_model_construction(hopfield, data, flaws, beta, beta_hn, eps):
         x = torch.randn(2, 3, arguments["dim"])
         energy = model.energy(x)
         assert energy.shape == (2,) and bool(torch.isfinite(energy).all())
-        assert bool(torch.isfinite(model.grad_g(model.activation(x))).all())
+        assert bool(torch.isfinite(model.dE_dg(model.activation(x))).all())
 
 
 @FUZZ
@@ -144,18 +144,18 @@ def test_model_energy_and_gradient(x, data, hopfield):
     energy = expect(lambda: model.energy(x, mask), (ValueError, TypeError), ("x", "mask"))
     if energy is not None:
         assert energy.shape == x.shape[:-2] and bool(torch.isfinite(energy).all())
-    grad = expect(lambda: model.grad_g(x, mask), (ValueError, TypeError), ("g", "mask"))
+    grad = expect(lambda: model.dE_dg(x, mask), (ValueError, TypeError), ("g", "mask"))
     if grad is not None:
         assert grad.shape == x.shape and bool(torch.isfinite(grad).all())
 
 
 @FUZZ
 @given(x=token_tensors(), tau=st.one_of(st.floats(0.1, 3), SPECIAL),
-       grad=st.sampled_from(["analytic", "analytic", "autograd", "x"]),
+       derivative=st.sampled_from(["analytic", "analytic", "autograd", "x"]),
        backend=st.sampled_from(["auto", "auto", "fused", "reference", "gpu"]))
-def test_field(x, tau, grad, backend):
-    field = expect(lambda: ETField(small_model(), tau=tau, grad=grad, backend=backend), (ValueError, TypeError),
-                   ("tau", "grad", "backend"))
+def test_field(x, tau, derivative, backend):
+    field = expect(lambda: ETField(small_model(), tau=tau, derivative=derivative, backend=backend), (ValueError, TypeError),
+                   ("tau", "derivative", "backend"))
     if field is not None:
         velocity = expect(lambda: field.dg_dt(x), (ValueError, TypeError), ("x", "mask"))
         if velocity is not None:

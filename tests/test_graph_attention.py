@@ -29,10 +29,10 @@ def test_sparse_equals_dense(self_attention, batch):
     dense = mask.to_dense()
     att = et.attention
     torch.testing.assert_close(att.energy(g, mask), att.energy(g, dense), rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(att.grad(g, mask), att.grad(g, dense), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(att.dE_dg(g, mask), att.dE_dg(g, dense), rtol=1e-12, atol=1e-12)
     weights = att.attention(g, dense)[..., mask.edge_index[0], mask.edge_index[1]]  # (..., H, E)
     torch.testing.assert_close(att.attention(g, mask), weights, rtol=1e-12, atol=1e-12)
-    assert att.grad(g, mask)[..., 12:, :].abs().sum() == 0  # isolated nodes feel nothing from attention
+    assert att.dE_dg(g, mask)[..., 12:, :].abs().sum() == 0  # isolated nodes feel nothing from attention
 
 
 def test_closed_form_gradient_matches_autograd_and_parameter_gradients_match_dense():
@@ -40,11 +40,11 @@ def test_closed_form_gradient_matches_autograd_and_parameter_gradients_match_den
     et = model(False)
     g = et.neuron(torch.randn(2, 20, 6, dtype=torch.float64)).detach().requires_grad_(True)
     (auto,) = torch.autograd.grad(et.attention.energy(g, mask).sum(), g)
-    torch.testing.assert_close(et.attention.grad(g, mask), auto, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(et.attention.dE_dg(g, mask), auto, rtol=1e-12, atol=1e-12)
     probe = torch.randn_like(g)
     for m in (mask, mask.to_dense()):  # d/dW of <grad, probe>: the training signal through the analytic field
         et.zero_grad()
-        (et.attention.grad(g, m) * probe).sum().backward()
+        (et.attention.dE_dg(g, m) * probe).sum().backward()
         if m is mask:
             sparse_grads = [p.grad.clone() for p in (et.attention.WK, et.attention.WQ)]
     for sparse, p in zip(sparse_grads, (et.attention.WK, et.attention.WQ), strict=True):
@@ -56,7 +56,7 @@ def test_only_self_loops_contribute_nothing_unless_self_attention():
     g = model(False).neuron(torch.randn(4, 6, dtype=torch.float64))
     et = model(False)
     assert float(et.attention.energy(g, mask).detach()) == 0.0
-    assert et.attention.grad(g, mask).abs().max() == 0
+    assert et.attention.dE_dg(g, mask).abs().max() == 0
     assert et.attention.attention(g, mask).abs().max() == 0
     et_self = model(True)
     torch.testing.assert_close(et_self.attention.energy(g, mask), et_self.attention.energy(g, mask.to_dense()))

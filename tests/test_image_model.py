@@ -93,7 +93,7 @@ def test_forward_runs_the_solver_and_decodes_g():
     x = model.tokens(images, hidden)
     for _ in range(4):
         g = model.block.neuron(x)
-        x = x - 0.1 * model.block.grad_g(g)
+        x = x - 0.1 * model.block.dE_dg(g)
     assert torch.allclose(out.patches, model.decoder(model.block.neuron(x)), atol=1e-5)
 
 

@@ -124,7 +124,7 @@ def test_float64_models_hold_float64_constants_exactly(build):
     expected = _reference_energy(g, model, beta, beta_hn)
     (expected_grad,) = torch.autograd.grad(expected.sum(), g)
     with torch.no_grad():
-        energy, grad = model.energy_g(g), model.grad_g(g)
+        energy, grad = model.energy_g(g), model.dE_dg(g)
         field = ETField(model, tau=2.0)  # the default (fused) field: -tau * f = dE/dg
         fused_grad = field.fused(g, None)
     torch.testing.assert_close(energy, expected.detach(), rtol=1e-12, atol=0)

@@ -58,7 +58,7 @@ def test_paper_scheme_equals_hand_written_euler_loop_exactly():
     with torch.no_grad():
         for t0, t1 in zip(solution.ts[:-1], solution.ts[1:]):
             x = x + (t1 - t0) * field(t0, x)
-            paper = paper - alpha * model.grad_g(model.activation(paper))
+            paper = paper - alpha * model.dE_dg(model.activation(paper))
     assert torch.equal(solution.x.detach(), x)
     torch.testing.assert_close(solution.x.detach(), paper, rtol=1e-13, atol=1e-13)
     assert solution.stats.accepted_steps == steps and solution.stats.nfe_forward == steps
@@ -240,5 +240,5 @@ def test_tangent_gradient_measure_stops_on_the_energy_gradient_along_the_spheres
     assert solution.status is Status.STEADY_STATE
     g = solution.g.detach()
     s, _ = radial_direction(g, model.neuron.delta.detach())
-    tangent = tangent_projection(model.grad_g(g), s).square().mean(dim=(-1, -2)).sqrt()
+    tangent = tangent_projection(model.dE_dg(g), s).square().mean(dim=(-1, -2)).sqrt()
     assert float(tangent.max()) <= 1e-2 * (1 + 1e-6)

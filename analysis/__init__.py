@@ -50,7 +50,7 @@ from .plots import (
     plot_film_strip,
     plot_trajectories,
 )
-from .report import add_analyze_arguments, analyze, random_model, run_analyze
+from .report import analyze, random_model
 from .spectra import HessianTrace, LyapunovSpectrum, hessian_along, lyapunov_spectrum, plot_hessian_along
 from .sphere import FixedScaleField, unit_scale
 from .stability import (
@@ -103,7 +103,6 @@ __all__ = [
     "SampleStability",
     "StabilityReport",
     "Violation",
-    "add_analyze_arguments",
     "analyze",
     "analyze_convergence",
     "attractor_census",
@@ -150,7 +149,6 @@ __all__ = [
     "predicted_exponent",
     "random_model",
     "riemannian_hessian_matrix",
-    "run_analyze",
     "saddle_from_minimum",
     "saddle_network",
     "tangent_basis",

@@ -2,13 +2,11 @@
 
 ``analyze(...)`` writes into a folder: ``report.md`` (read top to bottom: did it converge, is the energy
 a Lyapunov function here, what kind of attractor), ``report.json`` (the same numbers, machine-readable)
-and the PNGs it embeds. ``add_analyze_arguments`` / ``run_analyze`` are the command-line face of it
-(the ``et-ode analyze`` subcommand).
+and the PNGs it embeds. The ``et-ode analyze`` subcommand (:mod:`et_ode.cli.analyze`) is its command-line face.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -20,7 +18,7 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from et_ode import METHODS, EnergyTransformer, ETField, SolveError, runs, solve
+from et_ode import METHODS, EnergyTransformer, ETField, SolveError, solve
 from et_ode.solve import ADAPTIVE_METHODS
 
 from .convergence import analyze_convergence, flat_mask
@@ -372,62 +370,3 @@ def _markdown(summary: dict, convergence, lyapunov, stability, final_stability, 
     lines += [f"| {name} | {seconds:.2f} |" for name, seconds in summary["timings_s"].items()]
     lines += [f"| total | {summary['total_time_s']:.2f} |", ""]
     return "\n".join(lines)
-
-
-def add_analyze_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the options of ``et-ode analyze`` to ``parser``."""
-    parser.add_argument("--model", type=Path, default=None,
-                        help="model file written by et_ode.io.save_model (default: a built-in random model)")
-    parser.add_argument("--x0", type=Path, default=None,
-                        help="torch-saved tensor of initial states (batch, N, D) (default: random)")
-    parser.add_argument("--out", type=Path, default=Path("runs/analyze"),
-                        help="output folder, new or empty (default runs/analyze)")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="replace the report in --out (a folder written by et-ode analyze)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random model and states")
-    parser.add_argument("--dim", type=int, default=16, help="random model: token size D")
-    parser.add_argument("--heads", type=int, default=2, help="random model: attention heads H")
-    parser.add_argument("--head-dim", type=int, default=8, help="random model: head dimension Y")
-    parser.add_argument("--memories", type=int, default=32, help="random model: Hopfield memories K")
-    parser.add_argument("--hopfield", choices=("relu", "softplus", "softmax"), default="relu",
-                        help="random model: Hopfield form")
-    parser.add_argument("--tokens", type=int, default=8, help="random states: tokens N per sample")
-    parser.add_argument("--batch", type=int, default=3, help="random states: number of samples")
-    parser.add_argument("--dtype", choices=tuple(DTYPES), default="float64")
-    parser.add_argument("--tau", type=float, default=1.0, help="time constant")
-    parser.add_argument("--method", choices=METHODS, default="dopri5", help="ODE method ('et': the paper's Euler)")
-    parser.add_argument("--rtol", type=float, default=1e-6)
-    parser.add_argument("--atol", type=float, default=1e-8)
-    parser.add_argument("--step", type=float, default=None, help="step of fixed-step methods (alpha for 'et')")
-    parser.add_argument("--steps", type=int, default=None, help="number of steps of method 'et'")
-    parser.add_argument("--t-end", type=float, default=30.0, help="end of the time span")
-    parser.add_argument("--points", type=int, default=61, help="saved times")
-    parser.add_argument("--tol", type=float, default=1e-3, help="convergence tolerance on RMS |dg/dt|")
-    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    parser.add_argument("--landscape", action="store_true",
-                        help="add the landscape study of sample 0 (critical points, saddles, basins, asymptotic rate, "
-                             "Lyapunov spectrum, continuation) and the Hessian along the trajectories; small models")
-    parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
-    return parser
-
-
-def run_analyze(args: argparse.Namespace) -> Path:
-    """Run :func:`analyze` from parsed ``et-ode analyze`` arguments; returns the report folder.
-
-    ``--out`` is taken with :func:`et_ode.runs.claim`: a folder holding files needs ``--overwrite``
-    (:class:`et_ode.runs.RunFolderError` otherwise, and while another process writes there).
-    """
-    if args.method not in ADAPTIVE_METHODS and args.method != "et" and args.step is None:
-        raise ValueError(f"--method {args.method} is a fixed-step method: give --step")
-    setup = {k: str(v) if isinstance(v, Path) else v for k, v in sorted(vars(args).items())
-             if isinstance(v, (str, int, float, bool, type(None), Path)) and k not in ("command", "overwrite")}
-    with runs.claim(args.out, setup, overwrite=getattr(args, "overwrite", False)):
-        return _run_analyze(args)
-
-
-def _run_analyze(args: argparse.Namespace) -> Path:
-    return analyze(args.model, args.x0, out=args.out, seed=args.seed, dim=args.dim, heads=args.heads,
-                   head_dim=args.head_dim, memories=args.memories, hopfield=args.hopfield, tokens=args.tokens,
-                   batch=args.batch, dtype=args.dtype, tau=args.tau, method=args.method, rtol=args.rtol,
-                   atol=args.atol, step=args.step, steps=args.steps, t_end=args.t_end, points=args.points,
-                   tol=args.tol, landscape=args.landscape, device=args.device, progress=not args.no_progress)

@@ -77,7 +77,7 @@ def load_model(path: str | os.PathLike[str], *, map_location: str | torch.device
     kind = describe(path)
     if kind.startswith("an et-ode state file"):
         raise ValueError(f"{path} is {kind}: a training checkpoint (model, optimizer, RNG states), not a model file. "
-                         f"Get the model with `model, run = et_ode.cli.load_trained(path)` (image runs; the "
+                         f"Get the model with `model, run = et_ode.tasks.image.load_trained(path)` (image runs; the "
                          f"EnergyTransformer is model.block; save it with save_model(model.block, 'et_block.pt')), "
                          f"or use the et_block.pt that `et-ode train image` writes beside the checkpoint")
     try:

@@ -14,7 +14,7 @@ Same as ``et-ode train graph anomaly ...``; every option of that command works h
 import argparse
 import sys
 
-from et_ode.tasks_graph import add_graph_train_arguments, run_graph_train
+from et_ode.cli.graph import add_graph_train_arguments, run_graph_train
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """Graph classification with the graph ET: stratified 10-fold cross-validation on a TU data set (MUTAG by default).
 
 Each fold trains a fresh model for a fixed number of epochs and scores it once on its test graphs; the script prints
-the per-fold and the mean +- standard deviation of the test accuracy (see ``et_ode.tasks_graph``).
+the per-fold and the mean +- standard deviation of the test accuracy (see ``et_ode.tasks.graph``).
 The defaults here are the recipe measured on MUTAG: node-degree one-hot and 8 random-walk return probabilities
 appended to the atom types (``--max-degree 4 --rw-steps 8``), 6 Euler steps of 0.2, dropout 0.2 on the encoded
 features, a GELU read-out of width 64, AdamW at 3e-3 for 100 epochs in batches of 32, and an ensemble of 5
@@ -19,7 +19,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from et_ode.tasks_graph import add_graph_train_arguments, run_graph_train
+from et_ode.cli.graph import add_graph_train_arguments, run_graph_train
 
 DEFAULT_ROOT = Path(__file__).resolve().parents[2] / "shared" / "data"
 

@@ -9,8 +9,8 @@ README's Fashion-MNIST run. Rerunning continues from the checkpoint in --out.
 import argparse
 import json
 
-from et_ode.cli import ImageRunConfig, complete, train_image
 from et_ode.models import SolverSettings
+from et_ode.tasks.image import ImageRunConfig, complete, train_image
 from et_ode.train import TrainConfig
 
 

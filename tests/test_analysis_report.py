@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from et_ode import EnergyTransformer
-from et_ode.analysis.report import add_analyze_arguments, analyze, random_model, run_analyze
+from et_ode.analysis.report import analyze, random_model
+from et_ode.cli.analyze import add_analyze_arguments, run_analyze
 
 SMALL = dict(dim=8, heads=2, head_dim=4, memories=16, tokens=5, batch=2, t_end=10.0, points=21, progress=False)
 

@@ -5,8 +5,9 @@ import json
 import pytest
 import torch
 
-from et_ode.cli import build_parser, load_trained, main
+from et_ode.cli import build_parser, main
 from et_ode.io import load_model
+from et_ode.tasks.image import load_trained
 from et_ode.train import load_checkpoint
 
 TINY = ["--train-limit", "48", "--test-limit", "24", "--dim", "8", "--heads", "2", "--head-dim", "4",

@@ -285,6 +285,8 @@ def test_cli_train_image_arguments(monkeypatch, tmp_path_factory, options, data,
     """Parse ``et-ode train image``, build its configs and model (the training itself is replaced): argparse exits
     with usage (SystemExit 2), or the options' values are refused by a ValueError naming the setting."""
     from et_ode import cli
+    from et_ode.cli import image as cli_image
+    from et_ode.tasks import image as image_task
 
     argv = ["train", "image", "--out", str(tmp_path_factory.mktemp("out") / "run"), *flags]
     for option in options:
@@ -292,10 +294,10 @@ def test_cli_train_image_arguments(monkeypatch, tmp_path_factory, options, data,
     built = {}
 
     def build_only(config, out_dir=None):
-        built["model"] = cli.build_model(config, (1, 8, 8))
+        built["model"] = image_task.build_model(config, (1, 8, 8))
         return {}
 
-    monkeypatch.setattr(cli, "train_image", build_only)
+    monkeypatch.setattr(cli_image, "train_image", build_only)
     try:
         args = cli.build_parser().parse_args(argv)
     except SystemExit as exit:
@@ -304,7 +306,7 @@ def test_cli_train_image_arguments(monkeypatch, tmp_path_factory, options, data,
     names = tuple(option.lstrip("-").replace("-", "_") for option in options) + (
         "ratio", "tau", "patch", "dim", "heads", "head_dim", "memories", "lr", "batch_size", "epochs", "warmup",
         "device", "threads", "method", "grad", "t1", "step", "steps", "steady_state", "max_steps", "visible_fraction")
-    expect(lambda: cli._train_image_from_args(args), (ValueError, TypeError), names)
+    expect(lambda: cli_image._train_image_from_args(args), (ValueError, TypeError), names)
 
 
 @pytest.mark.parametrize("argv", [["analyze", "--x0"], ["complete"], ["train"], ["train", "graph", "anomaly", "--knn"]])

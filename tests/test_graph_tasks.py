@@ -11,20 +11,11 @@ pytest.importorskip("torch_geometric")
 
 from torch_geometric.data import Data  # noqa: E402
 
-from et_ode import tasks_graph  # noqa: E402
+from et_ode.cli.graph import add_graph_train_arguments, load_anomaly_graph, parse_grid, run_graph_train  # noqa: E402
 from et_ode.data.graphs import add_laplacian_pe, inject_anomalies, read_tu  # noqa: E402
 from et_ode.models.graph import GraphET  # noqa: E402
-from et_ode.tasks_graph import (  # noqa: E402
-    add_graph_train_arguments,
-    anomaly_metrics,
-    collate_graphs,
-    cross_validate,
-    detect_anomalies,
-    expand_grid,
-    load_anomaly_graph,
-    parse_grid,
-    run_graph_train,
-)
+from et_ode.tasks import graph as graph_task  # noqa: E402
+from et_ode.tasks.graph import anomaly_metrics, collate_graphs, cross_validate, detect_anomalies, expand_grid  # noqa: E402
 from et_ode.train import TrainConfig, load_checkpoint  # noqa: E402
 
 SMALL = dict(dim=16, heads=2, head_dim=8, memories=32, steps=4, step=0.2)
@@ -50,7 +41,7 @@ def test_nested_selection_never_sees_test_graphs_and_keeps_the_best_candidate(sh
                          lr=config.lr, **meta))
         return {"test_acc": score, "test_loss": 0.0, "test_size": len(test_index)}
 
-    monkeypatch.setattr(tasks_graph, "_train_and_score", fake_run)
+    monkeypatch.setattr(graph_task, "_train_and_score", fake_run)
     config = TrainConfig(epochs=1, lr=1e-3, device="cpu", progress=False)
     result = cross_validate(graphs, {**SMALL, "pe_dim": 4}, config, folds=3, seed=0, verbose=False,
                             grid={"steps": [1, 2], "lr": [1e-3, 1e-2]}, inner_folds=2)
@@ -70,7 +61,7 @@ def test_an_ensemble_predicts_the_mean_of_its_members_probabilities(shared_data,
     train_index, test_index = np.arange(0, 188, 2), np.arange(1, 188, 2)
     kwargs = {**SMALL, "pe_dim": 4}
     config = TrainConfig(epochs=2, batch_size=32, lr=5e-3, device="cpu", progress=False)
-    result = tasks_graph._train_and_score(graphs, train_index, test_index, kwargs, config, 7, tmp_path, {}, 2)
+    result = graph_task._train_and_score(graphs, train_index, test_index, kwargs, config, 7, tmp_path, {}, 2)
     test = collate_graphs([graphs[i] for i in test_index])
     probabilities = []
     for member in range(2):
@@ -189,7 +180,7 @@ def test_cli_nested_selection_writes_inner_runs_and_resumes(shared_data, tmp_pat
     def no_training(*args, **kwargs):
         raise AssertionError("a finished run was trained again")
 
-    monkeypatch.setattr(tasks_graph, "fit", no_training)
+    monkeypatch.setattr(graph_task, "fit", no_training)
     second = run_graph_train(parser.parse_args([*argv, "--resume"]))
     assert second["accuracies"] == first["accuracies"] and second["chosen"] == first["chosen"]
 

@@ -3,7 +3,6 @@
 import pytest
 import torch
 
-from et_ode.baselines import MeanImage, NearestNeighbour
 from et_ode.models import (
     CompletionTask,
     ImageET,
@@ -15,6 +14,7 @@ from et_ode.models import (
     random_masks,
     unpatchify,
 )
+from et_ode.tasks.baselines import MeanImage, NearestNeighbour
 
 EULER = SolverSettings(method="et", step=0.1, steps=4, grad="direct")
 

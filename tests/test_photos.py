@@ -9,10 +9,11 @@ import pytest
 import torch
 from PIL import Image
 
-from et_ode.cli import _official_states, build_parser, main
+from et_ode.cli import build_parser, main
+from et_ode.cli.analyze import _official_states
 from et_ode.data import read_photo
 from et_ode.models import ImageET, SolverSettings, normalize_pixels, official_masks, unpatchify
-from et_ode.photos import complete_photos, official_tokens
+from et_ode.tasks.photos import complete_photos, official_tokens
 
 SHAPE, PATCH = (3, 32, 32), 8
 

@@ -19,10 +19,11 @@ import pytest
 import torch
 
 from et_ode import EnergyTransformer, ETField, SolveError, Status, solve
-from et_ode.cli import ImageRunConfig, build_parser, demo, main
+from et_ode.cli import build_parser, main
 from et_ode.io import FORMAT, load_model, model_config, save_model
 from et_ode.models.image import ImageET
 from et_ode.runs import LOCK_NAME, RunFolderError, claim
+from et_ode.tasks.image import ImageRunConfig, demo
 from et_ode.train import CHECKPOINT_NAME, TrainConfig, fit, load_checkpoint, save_checkpoint
 from tests.conftest import random_model
 from tests.test_train import NoisyRegression, linear, regression_data
@@ -255,7 +256,7 @@ def test_graph_demo_and_analyze_folders_are_claimed_too(tmp_path, capsys):
     assert main(["analyze", "--out", str(occupied), "--no-progress"]) == 2
     assert "is not empty" in capsys.readouterr().err
     pytest.importorskip("torch_geometric")
-    from et_ode.tasks_graph import add_graph_train_arguments, run_graph_train
+    from et_ode.cli.graph import add_graph_train_arguments, run_graph_train
 
     parser = argparse.ArgumentParser()
     add_graph_train_arguments(parser)

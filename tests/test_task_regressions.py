@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from et_ode.cli import demo_config, train_image
+from et_ode.tasks.image import demo_config, train_image
 
 
 def test_demo_pipeline_at_small_size():
@@ -39,7 +39,7 @@ def test_demo_figures_of_the_readme():
 
 def anomaly_arguments(*argv: str) -> argparse.Namespace:
     pytest.importorskip("torch_geometric")
-    from et_ode.tasks_graph import add_graph_train_arguments
+    from et_ode.cli.graph import add_graph_train_arguments
 
     parser = argparse.ArgumentParser()
     add_graph_train_arguments(parser)
@@ -50,7 +50,8 @@ def test_anomaly_detection_at_small_size():
     """The README's protocol (digits 10-NN graph, 2 cliques of 15 and 30 contextual anomalies, 60/20/20 split),
     a D=16 model trained 20 epochs: test AUC 0.885 measured on seed 0 (the README's full model: 0.942; features
     alone, logistic regression: 0.444)."""
-    from et_ode.tasks_graph import detect_anomalies, load_anomaly_graph
+    from et_ode.cli.graph import load_anomaly_graph
+    from et_ode.tasks.graph import detect_anomalies
     from et_ode.train import TrainConfig
 
     torch.manual_seed(0)
@@ -65,7 +66,7 @@ def test_anomaly_detection_at_small_size():
 @pytest.mark.slow
 def test_anomaly_figures_of_the_readme():
     """`et-ode train graph anomaly --seed 0`: ET 0.942 / 0.772, logistic regression 0.444 / 0.492 (AUC / macro-F1)."""
-    from et_ode.tasks_graph import run_graph_train
+    from et_ode.cli.graph import run_graph_train
 
     results = run_graph_train(anomaly_arguments("--seed", "0", "--device", "cpu"))
     assert results["et"]["auc"] == pytest.approx(0.942, abs=0.02)

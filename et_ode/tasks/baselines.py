@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .models.image import Completion, _check_images, patchify
+from ..models.image import Completion, _check_images, patchify
 
 
 class MeanImage(nn.Module):

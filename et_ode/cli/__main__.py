@@ -1,0 +1,5 @@
+"""``python -m et_ode.cli ...`` (e.g. under ``torchrun``): the ``et-ode`` console script."""
+
+from . import main
+
+raise SystemExit(main())

@@ -1,0 +1,110 @@
+"""``et-ode analyze``: the options of :func:`et_ode.analysis.analyze` and the tokens of photos (``--official``).
+
+``add_analyze_arguments`` / ``run_analyze`` turn the options into one :func:`et_ode.analysis.analyze` call (usable
+with any ``argparse`` parser); ``add_arguments`` / ``run`` add ``--official CKPT.npz --image A.png``, whose
+photos' tokens (:func:`et_ode.tasks.photos.official_tokens`) become the initial states.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from .. import runs
+from ..analysis.report import DTYPES, analyze
+from ..solve import ADAPTIVE_METHODS, METHODS
+from .image import add_official_arguments
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``et-ode analyze``: :func:`add_analyze_arguments` and the official checkpoint's."""
+    add_analyze_arguments(parser)
+    official = add_official_arguments(parser, masks=False)
+    official.add_argument("--image", action="append", default=None,
+                          help="with --official: an RGB photo whose tokens are the initial states (repeat for more)")
+
+
+def run(args: argparse.Namespace) -> Path:
+    """Run ``et-ode analyze``: :func:`run_analyze` on the photos' tokens with ``--official``, else as given."""
+    return run_analyze(_official_states(args))
+
+
+def add_analyze_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the options of ``et-ode analyze`` to ``parser``."""
+    parser.add_argument("--model", type=Path, default=None,
+                        help="model file written by et_ode.io.save_model (default: a built-in random model)")
+    parser.add_argument("--x0", type=Path, default=None,
+                        help="torch-saved tensor of initial states (batch, N, D) (default: random)")
+    parser.add_argument("--out", type=Path, default=Path("runs/analyze"),
+                        help="output folder, new or empty (default runs/analyze)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace the report in --out (a folder written by et-ode analyze)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random model and states")
+    parser.add_argument("--dim", type=int, default=16, help="random model: token size D")
+    parser.add_argument("--heads", type=int, default=2, help="random model: attention heads H")
+    parser.add_argument("--head-dim", type=int, default=8, help="random model: head dimension Y")
+    parser.add_argument("--memories", type=int, default=32, help="random model: Hopfield memories K")
+    parser.add_argument("--hopfield", choices=("relu", "softplus", "softmax"), default="relu",
+                        help="random model: Hopfield form")
+    parser.add_argument("--tokens", type=int, default=8, help="random states: tokens N per sample")
+    parser.add_argument("--batch", type=int, default=3, help="random states: number of samples")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="float64")
+    parser.add_argument("--tau", type=float, default=1.0, help="time constant")
+    parser.add_argument("--method", choices=METHODS, default="dopri5", help="ODE method ('et': the paper's Euler)")
+    parser.add_argument("--rtol", type=float, default=1e-6)
+    parser.add_argument("--atol", type=float, default=1e-8)
+    parser.add_argument("--step", type=float, default=None, help="step of fixed-step methods (alpha for 'et')")
+    parser.add_argument("--steps", type=int, default=None, help="number of steps of method 'et'")
+    parser.add_argument("--t-end", type=float, default=30.0, help="end of the time span")
+    parser.add_argument("--points", type=int, default=61, help="saved times")
+    parser.add_argument("--tol", type=float, default=1e-3, help="convergence tolerance on RMS |dg/dt|")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--landscape", action="store_true",
+                        help="add the landscape study of sample 0 (critical points, saddles, basins, asymptotic rate, "
+                             "Lyapunov spectrum, continuation) and the Hessian along the trajectories; small models")
+    parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    return parser
+
+
+def run_analyze(args: argparse.Namespace) -> Path:
+    """Run :func:`analyze` from parsed ``et-ode analyze`` arguments; returns the report folder.
+
+    ``--out`` is taken with :func:`et_ode.runs.claim`: a folder holding files needs ``--overwrite``
+    (:class:`et_ode.runs.RunFolderError` otherwise, and while another process writes there).
+    """
+    if args.method not in ADAPTIVE_METHODS and args.method != "et" and args.step is None:
+        raise ValueError(f"--method {args.method} is a fixed-step method: give --step")
+    setup = {k: str(v) if isinstance(v, Path) else v for k, v in sorted(vars(args).items())
+             if isinstance(v, (str, int, float, bool, type(None), Path)) and k not in ("command", "overwrite")}
+    with runs.claim(args.out, setup, overwrite=getattr(args, "overwrite", False)):
+        return _run_analyze(args)
+
+
+def _run_analyze(args: argparse.Namespace) -> Path:
+    return analyze(args.model, args.x0, out=args.out, seed=args.seed, dim=args.dim, heads=args.heads,
+                   head_dim=args.head_dim, memories=args.memories, hopfield=args.hopfield, tokens=args.tokens,
+                   batch=args.batch, dtype=args.dtype, tau=args.tau, method=args.method, rtol=args.rtol,
+                   atol=args.atol, step=args.step, steps=args.steps, t_end=args.t_end, points=args.points,
+                   tol=args.tol, landscape=args.landscape, device=args.device, progress=not args.no_progress)
+
+
+def _official_states(args: argparse.Namespace) -> argparse.Namespace:
+    """With ``--official``: the checkpoint's ET block as ``--model`` and the tokens of the photos as ``--x0``."""
+    if args.official is None:
+        if args.image:
+            raise ValueError("--image needs --official CKPT.npz (the photos' tokens are its initial states)")
+        return args
+    if args.model is not None or args.x0 is not None:
+        raise ValueError("--official replaces --model and --x0; give one or the other")
+    if not args.image:
+        raise ValueError("--official needs at least one --image (the photos whose tokens are analysed)")
+    from ..tasks.photos import official_tokens
+
+    model, _, images, hidden = official_tokens(args.official, args.image, image_shape=tuple(args.image_shape),
+                                               patch=args.patch, masked=args.masked, seed=args.mask_seed,
+                                               dtype=getattr(torch, args.dtype))
+    with torch.no_grad():
+        states = model.tokens(images, hidden)
+    return argparse.Namespace(**{**vars(args), "model": model.block, "x0": states, "tau": model.tau})

@@ -1,0 +1,171 @@
+"""``et-ode train graph``: the options of the graph tasks and their translation into :mod:`et_ode.tasks.graph` calls.
+
+``classify`` runs :func:`et_ode.tasks.graph.cross_validate` on a TU data set; ``anomaly`` runs
+:func:`et_ode.tasks.graph.detect_anomalies` on one graph (the digits k-NN graph, MUTAG joined, or the user's files).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from typing import Any
+
+from .. import runs
+from ..models.graph import POOLS
+from ..tasks.graph import cross_validate, detect_anomalies
+from ..train import TrainConfig
+
+
+def add_graph_train_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``et-ode train graph``: ``classify`` (cross-validation) or ``anomaly`` (node scoring)."""
+    parser.add_argument("graph_task", metavar="TASK", choices=("classify", "anomaly"),
+                        help="classify: graph classification with cross-validation; anomaly: node anomaly detection")
+    data = parser.add_argument_group("data")
+    data.add_argument("--root", default=None, help="folder holding NAME/raw/ in TU format (classify; mutag source)")
+    data.add_argument("--name", default="MUTAG", help="TU data set name, the files' prefix (default MUTAG)")
+    data.add_argument("--graph", choices=("digits", "mutag", "files"), default="digits",
+                      help="anomaly: digits k-NN graph, MUTAG molecules joined (--root), or your files")
+    data.add_argument("--edges", help="anomaly, --graph files: edge list (two 0-based node ids per line)")
+    data.add_argument("--features", help="anomaly, --graph files: node features (one row per node)")
+    data.add_argument("--labels", help="anomaly, --graph files: node labels 0/1 (else anomalies are injected)")
+    data.add_argument("--knn", type=int, default=10, help="neighbours of the digits graph")
+    data.add_argument("--cliques", type=int, default=2, help="injected cliques (structural anomalies)")
+    data.add_argument("--clique-size", type=int, default=15)
+    data.add_argument("--contextual", type=int, default=30, help="injected contextual anomalies")
+    data.add_argument("--candidates", type=int, default=50, help="candidates per contextual anomaly")
+    data.add_argument("--max-degree", type=int, default=0,
+                      help="classify: append a one-hot of the node degree (clamped to this) to the features; 0: none")
+    data.add_argument("--rw-steps", type=int, default=0,
+                      help="classify: append random-walk return probabilities for 1..this many steps; 0: none")
+    data.add_argument("--folds", type=int, default=10, help="classify: cross-validation folds")
+    data.add_argument("--grid", action="append", default=[], metavar="OPTION=V1,V2,...",
+                      help="classify: candidate values of a model or training option (e.g. lr=1e-3,3e-3; repeat for "
+                           "more options), chosen per fold by an inner cross-validation of its training graphs")
+    data.add_argument("--inner-folds", type=int, default=3, help="classify: folds of the inner (selection) CV")
+    data.add_argument("--ensemble", type=int, default=1,
+                      help="classify: models per run, differently seeded; predictions average their probabilities")
+    model = parser.add_argument_group("model")
+    model.add_argument("--dim", type=int, default=64)
+    model.add_argument("--heads", type=int, default=4)
+    model.add_argument("--head-dim", type=int, default=16)
+    model.add_argument("--memories", type=int, default=128)
+    model.add_argument("--pe-dim", type=int, default=15, help="Laplacian eigenvectors per node")
+    model.add_argument("--hopfield", choices=("relu", "softplus", "softmax"), default="relu")
+    model.add_argument("--method", default="et", help="solve method ('et': the paper's Euler block)")
+    model.add_argument("--step", type=float, default=0.1)
+    model.add_argument("--steps", type=int, default=12)
+    model.add_argument("--t1", type=float, default=1.0, help="horizon of other methods")
+    model.add_argument("--dropout", type=float, default=0.0)
+    model.add_argument("--head-hidden", type=int, default=0, help="hidden width of the read-out (0: linear)")
+    model.add_argument("--pool", choices=POOLS, default="cls",
+                       help="classify: read out the CLS token, or it with the mean or sum of the node states")
+    train = parser.add_argument_group("training")
+    train.add_argument("--epochs", type=int, default=None, help="default: 100 (classify), 300 (anomaly)")
+    train.add_argument("--batch-size", type=int, default=32)
+    train.add_argument("--lr", type=float, default=None, help="default: 1e-3 (classify), 5e-3 (anomaly)")
+    train.add_argument("--weight-decay", type=float, default=1e-4)
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--device", default="auto")
+    train.add_argument("--out", default=None,
+                       help="output folder (checkpoints, metrics, results): new or empty, or see --resume, --overwrite")
+    train.add_argument("--no-progress", action="store_true")
+    runs.add_arguments(parser)
+
+
+def parse_grid(items: Sequence[str]) -> dict[str, list[Any]]:
+    """``["lr=1e-3,3e-3", "pool=cls,cls+sum"]`` -> ``{"lr": [0.001, 0.003], "pool": ["cls", "cls+sum"]}``: values
+    become int, float or bool where they read as one; dashes in names become underscores (CLI spelling)."""
+    def value(text: str) -> Any:
+        if text.lower() in ("true", "false"):
+            return text.lower() == "true"
+        for kind in (int, float):
+            try:
+                return kind(text)
+            except ValueError:
+                pass
+        return text
+
+    grid: dict[str, list[Any]] = {}
+    for item in items:
+        name, sep, values = item.partition("=")
+        if not sep or not name or not values:
+            raise ValueError(f"--grid expects OPTION=V1,V2,..., got {item!r}")
+        grid[name.strip().replace("-", "_")] = [value(v.strip()) for v in values.split(",")]
+    return grid
+
+
+def _model_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return dict(dim=args.dim, heads=args.heads, head_dim=args.head_dim, memories=args.memories, pe_dim=args.pe_dim,
+                hopfield=args.hopfield, method=args.method, step=args.step, steps=args.steps, t1=args.t1,
+                dropout=args.dropout, head_hidden=args.head_hidden, pool=args.pool)
+
+
+def load_anomaly_graph(args: argparse.Namespace) -> Any:
+    """The graph named by the CLI options, with labels (injected unless given) and Laplacian encodings."""
+    from ..data import graphs
+
+    if args.graph == "files":
+        if not (args.edges and args.features):
+            raise ValueError("--graph files needs --edges and --features (and optionally --labels)")
+        graph = graphs.read_node_graph(args.edges, args.features, args.labels)
+    elif args.graph == "mutag":  # encodings per molecule (the joined graph's first eigenvectors are constant per molecule)
+        if not args.root:
+            raise ValueError("--graph mutag needs --root, the folder holding MUTAG/raw/")
+        graph = graphs.join_graphs(graphs.read_tu(args.root, args.name, pe_dim=args.pe_dim or None))
+    else:
+        graph = graphs.digits_knn_graph(args.knn)
+    if getattr(graph, "y", None) is None or args.graph != "files":
+        graph = graphs.inject_anomalies(graph, cliques=args.cliques, clique_size=args.clique_size,
+                                        contextual=args.contextual, candidates=args.candidates, seed=args.seed)
+    if args.pe_dim and args.graph != "mutag":
+        graphs.add_laplacian_pe(graph, args.pe_dim)
+    return graph
+
+
+# Options of ``et-ode train graph`` that a resume may change: how the run executes, not what it computes.
+RESUMABLE_CHANGES = ("device", "no_progress", "out", "resume", "overwrite")
+
+
+def run_graph_train(args: argparse.Namespace) -> dict[str, Any]:
+    """Run ``et-ode train graph``; prints and returns the results (also written to ``--out``).
+
+    ``--out`` is taken with :func:`et_ode.runs.claim` (its ``config.json`` holds the options): a folder holding
+    files needs ``--resume`` (same options; finished folds are read back, the unfinished one resumes) or
+    ``--overwrite``; otherwise :class:`et_ode.runs.RunFolderError`.
+    """
+    if not args.out:
+        return _run_graph_train(args)
+    setup = {k: v for k, v in sorted(vars(args).items())
+             if isinstance(v, (str, int, float, bool, list, type(None))) and k not in ("command", "task")}
+    with runs.claim(args.out, setup, resume=getattr(args, "resume", False),
+                    overwrite=getattr(args, "overwrite", False), may_change=RESUMABLE_CHANGES):
+        return _run_graph_train(args)
+
+
+def _run_graph_train(args: argparse.Namespace) -> dict[str, Any]:
+    classify = args.graph_task == "classify"
+    config = TrainConfig(epochs=args.epochs or (100 if classify else 300), batch_size=args.batch_size,
+                         lr=args.lr or (1e-3 if classify else 5e-3), weight_decay=args.weight_decay, seed=args.seed,
+                         device=args.device, out_dir=args.out, resume=bool(args.out),
+                         progress=not args.no_progress)
+    if classify:
+        if not args.root:
+            raise ValueError("et-ode train graph classify needs --root, the folder holding NAME/raw/ (TU format)")
+        from ..data.graphs import read_tu
+
+        graphs = read_tu(args.root, args.name, pe_dim=args.pe_dim or None, max_degree=args.max_degree,
+                         rw_steps=args.rw_steps)
+        results = cross_validate(graphs, _model_kwargs(args), config, folds=args.folds, seed=args.seed,
+                                 out_dir=args.out, grid=parse_grid(args.grid), inner_folds=args.inner_folds,
+                                 ensemble=args.ensemble)
+        print(f"{args.name}: {args.folds}-fold test accuracy {100 * results['mean']:.2f} +- "
+              f"{100 * results['std']:.2f} % (majority class {100 * results['majority']:.2f} %)")
+        return results
+    graph = load_anomaly_graph(args)
+    results = detect_anomalies(graph, _model_kwargs(args), config, seed=args.seed)
+    print(f"nodes {results['nodes']}, anomalies {results['anomalies']}; test AUC / macro-F1:")
+    for name in ("et", "logistic_regression", "gcn"):
+        if name in results:
+            print(f"  {name:20s} {results[name]['auc']:.4f} / {results[name]['macro_f1']:.4f}")
+    return results
+

@@ -1,0 +1,267 @@
+"""``et-ode train image``, ``et-ode complete`` and ``et-ode demo``: options in, :mod:`et_ode.tasks.image` calls out.
+
+``add_train_image``, ``add_complete`` and ``add_demo`` each add one subcommand's parser; its ``run`` default turns
+the parsed options into :class:`et_ode.tasks.image.ImageRunConfig` / :class:`et_ode.models.image.SolverSettings`
+and calls :func:`~et_ode.tasks.image.train_image`, :func:`~et_ode.tasks.image.complete` (or, with ``--official``,
+:func:`et_ode.tasks.photos.complete_photos`) or :func:`~et_ode.tasks.image.demo`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import distributed, runs
+from ..data.images import SOURCES
+from ..models.image import SolverSettings
+from ..solve import GRADIENTS, METHODS
+from ..tasks.image import DEMO_EPOCHS, DEMO_MINUTES, ImageRunConfig, complete, demo, train_image
+from ..train import TrainConfig
+
+
+def _max_threads() -> int:
+    return os.cpu_count() or 1
+
+
+def _add_solver_arguments(parser: argparse.ArgumentParser, defaults: SolverSettings) -> None:
+    group = parser.add_argument_group("dynamics (how the ET block is integrated)")
+    group.add_argument("--solver", default=defaults.method, choices=METHODS,
+                       help="ODE method; 'et' is the paper's Euler scheme (--step alpha, --steps n) "
+                            f"(default {defaults.method})")
+    group.add_argument("--t1", type=float, default=defaults.t1,
+                       help=f"time horizon from 0 (ignored by 'et': steps*step*tau) (default {defaults.t1})")
+    group.add_argument("--rtol", type=float, default=defaults.rtol, help=f"adaptive rtol (default {defaults.rtol})")
+    group.add_argument("--atol", type=float, default=defaults.atol, help=f"adaptive atol (default {defaults.atol})")
+    group.add_argument("--step", type=float, default=defaults.step,
+                       help="step size of fixed methods, alpha of 'et' (e.g. 0.1)")
+    group.add_argument("--steps", type=int, default=defaults.steps, help="number of steps of 'et' (e.g. 12)")
+    group.add_argument("--grad", default=defaults.grad, choices=GRADIENTS,
+                       help=f"how gradients pass through the solve (default {defaults.grad}; "
+                            "'implicit' needs --steady-state)")
+    group.add_argument("--adjoint-rtol", type=float, default=defaults.adjoint_rtol,
+                       help="rtol of the adjoint's backward solve (default: --rtol)")
+    group.add_argument("--adjoint-atol", type=float, default=defaults.adjoint_atol,
+                       help="atol of the adjoint's backward solve (default: --atol)")
+    group.add_argument("--seminorm", action="store_true",
+                       help="adjoint step control on the state channels only (cheaper backward solve)")
+    group.add_argument("--steady-state", type=float, default=defaults.steady_state, metavar="TOL",
+                       help="stop at the attractor: RMS |dg/dt| < TOL (t1 is then the longest time)")
+    group.add_argument("--max-steps", type=int, default=defaults.max_steps,
+                       help=f"solver step limit (default {defaults.max_steps})")
+
+
+def thread_count(text: str) -> int:
+    """argparse type of ``--threads``: an integer from 1 to the machine's CPU count."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer number of threads, got {text!r}") from None
+    if not 1 <= value <= _max_threads():
+        raise argparse.ArgumentTypeError(f"must be from 1 to {_max_threads()} (this machine's CPUs), got {value}")
+    return value
+
+
+def _solver_from(args: argparse.Namespace) -> SolverSettings:
+    return SolverSettings(method=args.solver, t1=args.t1, rtol=args.rtol, atol=args.atol, step=args.step,
+                          steps=args.steps, grad=args.grad, adjoint_rtol=args.adjoint_rtol,
+                          adjoint_atol=args.adjoint_atol, seminorm=args.seminorm,
+                          steady_state=args.steady_state, max_steps=args.max_steps)
+
+
+def add_train_image(subparsers: argparse._SubParsersAction) -> None:
+    run, train = ImageRunConfig(), TrainConfig()
+    parser = subparsers.add_parser(
+        "image", help="masked image completion", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Train an image ET on masked-patch completion; evaluate it on the test split against the "
+                    "per-position mean and nearest-neighbour baselines; write OUT/ (checkpoint.safetensors, metrics.jsonl, "
+                    "results.json, et_block.pt, tokens.pt).")
+    data = parser.add_argument_group("data (read from local files; nothing is downloaded)")
+    data.add_argument("--data", default=run.data, choices=SOURCES, help="image source")
+    data.add_argument("--data-path", default=None,
+                      help="folder of the IDX .gz files (fashion-mnist default /usr/share/datasets/fashion-mnist; "
+                           "mnist) or of the PNG images (png)")
+    data.add_argument("--train-limit", type=int, default=None, help="use only the first N training images")
+    data.add_argument("--test-limit", type=int, default=None, help="use only the first N test images")
+    data.add_argument("--val-size", type=int, default=run.val_size,
+                      help="test images evaluated after each epoch (all of them at the end); 0: all")
+    model = parser.add_argument_group("model")
+    model.add_argument("--patch", type=int, default=run.patch, help="patch side P (divides the image side)")
+    model.add_argument("--dim", type=int, default=run.dim, help="token size D")
+    model.add_argument("--heads", type=int, default=run.heads, help="attention heads H")
+    model.add_argument("--head-dim", type=int, default=run.head_dim, help="head dimension Y")
+    model.add_argument("--memories", type=int, default=None, help="Hopfield memories K (default 4 D)")
+    model.add_argument("--hopfield", default=run.hopfield, choices=("relu", "softplus", "softmax"),
+                       help="Hopfield energy form")
+    model.add_argument("--cls-token", action="store_true", help="prepend a CLS token")
+    model.add_argument("--tau", type=float, default=run.tau, help="time constant of the dynamics")
+    mask = parser.add_argument_group("masks")
+    mask.add_argument("--mask-ratio", type=float, default=run.ratio, help="fraction of patches scored, in (0, 1)")
+    mask.add_argument("--visible-fraction", type=float, default=run.visible_fraction,
+                      help="fraction of the scored patches left visible (the paper: 0.1 = 10 of 100)")
+    mask.add_argument("--mask-seed", type=int, default=run.mask_seed, help="seed of the fixed test masks")
+    _add_solver_arguments(parser, run.solver)
+    opt = parser.add_argument_group("training")
+    opt.add_argument("--epochs", type=int, default=train.epochs)
+    opt.add_argument("--batch-size", type=int, default=train.batch_size)
+    opt.add_argument("--lr", type=float, default=train.lr, help="peak AdamW learning rate")
+    opt.add_argument("--weight-decay", type=float, default=train.weight_decay)
+    opt.add_argument("--warmup", type=float, default=train.warmup, help="warm-up: fraction of steps if < 1, else steps")
+    opt.add_argument("--grad-clip", type=float, default=train.grad_clip, help="gradient-norm clip (0: none)")
+    opt.add_argument("--seed", type=int, default=train.seed)
+    opt.add_argument("--device", default=train.device, help="auto, cpu, cuda or cuda:i")
+    opt.add_argument("--threads", type=thread_count, default=None,
+                     help="torch CPU threads, 1 to this machine's CPU count (default: torch's choice)")
+    opt.add_argument("--max-train-batches", type=int, default=None, help="cap on batches per epoch")
+    opt.add_argument("--checkpoint-every", type=int, default=train.checkpoint_every,
+                     help="also checkpoint every N steps within an epoch (0: at epoch ends only)")
+    opt.add_argument("--no-progress", action="store_true", help="no tqdm bars")
+    opt.add_argument("--no-baselines", action="store_true", help="skip the mean and nearest-neighbour baselines")
+    parser.add_argument("--out", required=True, help="output folder (new or empty; see --resume, --overwrite)")
+    runs.add_arguments(parser)
+    parser.add_argument("--distributed", action="store_true",
+                        help="data-parallel training under torchrun (required: RANK, WORLD_SIZE, LOCAL_RANK, "
+                             "MASTER_ADDR, MASTER_PORT); without the flag a torchrun environment is detected. "
+                             "--batch-size is the global batch, split over the processes")
+    parser.add_argument("--dist-timeout", type=float, default=distributed.DEFAULT_TIMEOUT.total_seconds(),
+                        help="seconds a rank waits for the others (rendezvous, gradient averaging) before failing")
+    parser.set_defaults(run=_run_train_image)
+
+
+def _run_train_image(args: argparse.Namespace) -> None:
+    with distributed.session(True if args.distributed else None, device=args.device,
+                             timeout=datetime.timedelta(seconds=args.dist_timeout)):
+        _train_image_from_args(args)
+
+
+def _train_image_from_args(args: argparse.Namespace) -> None:
+    train = TrainConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, weight_decay=args.weight_decay,
+                        warmup=args.warmup, grad_clip=args.grad_clip or None, seed=args.seed, device=args.device,
+                        out_dir=args.out, resume=args.resume, overwrite=args.overwrite,
+                        max_train_batches=args.max_train_batches, checkpoint_every=args.checkpoint_every,
+                        progress=not args.no_progress)
+    config = ImageRunConfig(data=args.data, data_path=args.data_path, train_limit=args.train_limit,
+                            test_limit=args.test_limit, val_size=args.val_size, patch=args.patch, dim=args.dim,
+                            heads=args.heads, head_dim=args.head_dim, memories=args.memories, hopfield=args.hopfield,
+                            cls_token=args.cls_token, tau=args.tau, ratio=args.mask_ratio,
+                            visible_fraction=args.visible_fraction, mask_seed=args.mask_seed,
+                            solver=_solver_from(args), train=train, baselines=not args.no_baselines,
+                            threads=args.threads)
+    results = train_image(config)
+    if distributed.is_main():
+        print(json.dumps(_summary(results), indent=2))
+
+
+def _summary(results: dict[str, Any]) -> dict[str, Any]:
+    keys = ("model", "model_tight_solver", "mean_baseline", "nearest_neighbour", "improvement_over_mean",
+            "energy_descent", "train_seconds", "demo_seconds")
+    return {k: results[k] for k in keys if k in results}
+
+
+def add_complete(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "complete", help="complete a masked image with a trained model (or photos with the official checkpoint)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Hide random patches of one image, run the trained ET from the MASK tokens to the horizon, and "
+                    "write OUT/film.pt (frames over time, target, masked input), OUT/energy.csv, and, with "
+                    "et_ode.analysis installed, OUT/film_strip.png and OUT/energy.png. With --official: complete "
+                    "photos with the official release's checkpoint three ways (its 12 Euler steps, dopri5 to the same "
+                    "time, dopri5 to the steady state) and write OUT/report.md with pictures (et_ode.tasks.photos).")
+    parser.add_argument("checkpoint", nargs="?", default=None,
+                        help="OUT/checkpoint.safetensors written by `et-ode train image`")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--image", action="append", help="a PNG file of the model's image size (with --official: "
+                                                         "any RGB photo, resized and cropped; repeat for more)")
+    source.add_argument("--index", type=int, help="index of a test image of the run's data set")
+    add_official_arguments(parser, masks=True)
+    official = parser.add_argument_group("solves of `--official`")
+    official.add_argument("--rtol", type=float, default=1e-5, help="dopri5 rtol")
+    official.add_argument("--atol", type=float, default=1e-7, help="dopri5 atol")
+    official.add_argument("--steady-state", type=float, default=1e-3, metavar="TOL",
+                          help="the steady state: RMS |dg/dt| < TOL")
+    official.add_argument("--t-max", type=float, default=100.0, help="longest time of the steady-state solve")
+    official.add_argument("--overwrite", action="store_true", help="write into a non-empty --out folder")
+    official.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--out", required=True, help="output folder")
+    parser.add_argument("--mask-ratio", type=float, default=None, help="fraction of patches hidden (default: the run's)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random mask")
+    parser.add_argument("--frames", type=int, default=9, help="saved times from 0 to the horizon")
+    parser.add_argument("--t1", type=float, default=None, help="horizon (default: the run's)")
+    parser.add_argument("--solver", default=None, choices=METHODS, help="ODE method (default: the run's)")
+    parser.add_argument("--device", default="cpu", help="auto, cpu, cuda or cuda:i")
+    parser.set_defaults(run=_run_complete)
+
+
+def add_official_arguments(parser: argparse.ArgumentParser, masks: bool) -> argparse._ArgumentGroup:
+    group = parser.add_argument_group("the official release's checkpoint (et_ode.models.official)")
+    group.add_argument("--official", type=Path, default=None, metavar="CKPT.npz",
+                       help="an official-format .npz checkpoint (plain dict: Wk, Wq, Xi, Wenc, ...); use --image")
+    group.add_argument("--image-shape", type=int, nargs=3, default=(3, 224, 224), metavar=("C", "H", "W"),
+                       help="the checkpoint's image size")
+    group.add_argument("--patch", type=int, default=16, help="the checkpoint's patch side")
+    group.add_argument("--masked", type=int, default=None,
+                       help="patches hidden per photo (default: 100 of 196, scaled to the number of patches)")
+    if masks:
+        group.add_argument("--dtype", choices=("float32", "float64"), default="float32", help="model precision")
+    else:
+        group.add_argument("--mask-seed", type=int, default=0, help="seed of the masks")
+    return group
+
+
+def _run_complete(args: argparse.Namespace) -> None:
+    if args.official is not None:
+        _run_complete_official(args)
+        return
+    if args.checkpoint is None:
+        raise ValueError("give a CHECKPOINT (written by `et-ode train image`) or --official CKPT.npz")
+    if args.image is not None and len(args.image) > 1:
+        raise ValueError("a trained CHECKPOINT completes one --image at a time")
+    image = args.image[0] if args.image else None
+    summary = complete(args.checkpoint, args.out, image=image, index=args.index, frames=args.frames, t1=args.t1,
+                       method=args.solver, ratio=args.mask_ratio, seed=args.seed, device=args.device)
+    print(json.dumps({k: summary[k] for k in ("files", "masked_mse", "monotone")}, indent=2))
+
+
+def _run_complete_official(args: argparse.Namespace) -> None:
+    from ..tasks.photos import complete_photos
+
+    if args.checkpoint is not None or args.index is not None:
+        raise ValueError("--official completes photos (--image); it takes no CHECKPOINT or --index")
+    trained_only = [flag for flag, value in (("--mask-ratio", args.mask_ratio), ("--t1", args.t1),
+                                             ("--solver", args.solver)) if value is not None]
+    if trained_only:
+        raise ValueError(f"{', '.join(trained_only)} apply to trained checkpoints; with --official use --masked, "
+                         f"--steady-state, --t-max, --rtol, --atol (the three solves are fixed)")
+    try:
+        summary = complete_photos(args.official, args.image, args.out, image_shape=tuple(args.image_shape),
+                                  patch=args.patch, masked=args.masked, seed=args.seed,
+                                  dtype=getattr(torch, args.dtype), rtol=args.rtol, atol=args.atol,
+                                  steady_state=args.steady_state, t_max=args.t_max, device=args.device,
+                                  overwrite=args.overwrite, progress=not args.no_progress)
+    except FileExistsError as error:
+        raise ValueError(str(error)) from None
+    verdicts = {record["photo"]: {name: {k: entry[k] for k in ("t_final", "masked_mse", "lyapunov_descends",
+                                                                "lyapunov_follows_rate")}
+                                  for name, entry in record["solves"].items()} for record in summary["photos"]}
+    print(json.dumps({"files": summary["files"], "photos": verdicts}, indent=2))
+
+
+def add_demo(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "demo", help="train an image ET on the bundled 8x8 digits and write a report with pictures",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description=f"Train an image ET on scikit-learn's 8x8 digits (4x4 patches, half hidden; the adaptive bosh3 "
+                    f"solver with the adjoint; {DEMO_EPOCHS} epochs, about {DEMO_MINUTES} minutes on 2 CPU cores), "
+                    f"evaluate it against the mean "
+                    f"and nearest-neighbour baselines, and write OUT/report.md with completions, energy descent, the "
+                    f"attractor picture and the test MSEs.")
+    parser.add_argument("--out", default="runs/demo", help="output folder")
+    parser.add_argument("--quick", action="store_true", help="a smoke run on a few images (seconds; for tests)")
+    runs.add_arguments(parser)
+    parser.set_defaults(run=lambda args: print(json.dumps(_summary(
+        demo(args.out, quick=args.quick, resume=args.resume, overwrite=args.overwrite)), indent=2)))

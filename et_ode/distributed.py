@@ -21,7 +21,8 @@ Public API::
     session(enabled=None, *, device="auto", backend="auto", timeout=DEFAULT_TIMEOUT) -> context of torch.device
     init(env=None, *, device="auto", backend="auto", timeout=DEFAULT_TIMEOUT) -> torch.device
     shutdown() -> None
-    rank() -> int;  world_size() -> int;  is_main() -> bool;  barrier() -> None
+    rank() -> int;  world_size() -> int       # from et_ode.devices (a leaf: the models ask it, not this module)
+    is_main() -> bool;  barrier() -> None
     local_device(device) -> torch.device      # "cuda" without index -> this rank's cuda:LOCAL_RANK
     wrap(model, device, *, find_unused_parameters=True) -> nn.Module   # DDP when world_size() > 1, else model
     reduce_mean(metrics, weight=1.0) -> dict  # weighted mean of per-rank metric dicts, the same on every rank
@@ -42,6 +43,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from .devices import rank, resolve_device, world_size
 
 ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
@@ -87,8 +90,6 @@ def detect(environ: Mapping[str, str] | None = None) -> DistributedEnv | None:
 
 
 def _backend_and_device(env: DistributedEnv, device: str | torch.device, backend: str) -> tuple[str, torch.device]:
-    from .train import resolve_device  # late import: train imports this module
-
     resolved = resolve_device(device)
     if resolved.type == "cuda":
         if resolved.index is None:
@@ -155,8 +156,6 @@ def session(enabled: bool | None = None, *, device: str | torch.device = "auto",
         raise ValueError(f"distributed training was requested but {', '.join(ENV_VARS)} are not set: start it "
                          f"with torchrun --nproc_per_node=N (one machine) or --nnodes=M (several)")
     if env is None:
-        from .train import resolve_device
-
         yield resolve_device(device)
         return
     resolved = init(env, device=device, backend=backend, timeout=timeout)
@@ -165,16 +164,6 @@ def session(enabled: bool | None = None, *, device: str | torch.device = "auto",
         dist.barrier()  # every rank is done: tear the group down together (a one-sided gloo teardown can abort)
     finally:
         shutdown()
-
-
-def rank() -> int:
-    """This process's rank (0 outside a process group)."""
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def world_size() -> int:
-    """The number of processes (1 outside a process group)."""
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def is_main() -> bool:

@@ -19,12 +19,9 @@ Public API::
     History.records: list[dict]  (one per epoch: epoch, step, lr, train_<metric> means, val_<metric>, time)
     save_checkpoint(path, state: dict) -> None          # atomic; TypeError naming an entry that is not data
     load_checkpoint(path, map_location="cpu") -> dict    # ValueError naming the file: corrupt, pickle, model file
-    resolve_device(device: str) -> torch.device          # "auto" | "cpu" | "cuda" | "cuda:1"
-    seed_everything(seed: int) -> None
-    move_to(batch, device) -> batch                      # tensors, tuples, lists, dicts, objects with .to()
 
 ``train_data`` / ``val_data``: a ``torch.utils.data.Dataset`` (batched by ``fit`` with ``collate_fn``) or,
-for ``val_data`` only, any iterable of ready batches. Batches are moved to the device by :func:`move_to`.
+for ``val_data`` only, any iterable of ready batches. Batches are moved to the device by :func:`et_ode.devices.move_to`.
 
 Files written to ``config.out_dir`` (when set): ``checkpoint.safetensors`` (model, optimizer, scheduler, RNG
 states, epoch, step within the epoch, config, history, ``meta``; tensors in safetensors, the rest JSON, see
@@ -54,7 +51,6 @@ import json
 import math
 import os
 import random
-import sys
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator
@@ -68,7 +64,8 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, Sampler
 from tqdm.auto import tqdm
 
-from . import distributed, runs
+from . import devices, distributed, runs
+from .devices import move_to, resolve_device, seed_everything
 from .statefile import describe, load_state, save_state, torch_file_format
 
 CHECKPOINT_NAME = "checkpoint.safetensors"
@@ -178,45 +175,6 @@ class History:
 
 
 # ----------------------------------------------------------------------------------------------- utilities
-def resolve_device(device: str | torch.device) -> torch.device:
-    """``"auto"`` -> CUDA when available, else CPU; checks that a requested CUDA device exists."""
-    if isinstance(device, torch.device):
-        device = str(device)
-    if not isinstance(device, str):
-        raise TypeError(f"device must be a string ('auto', 'cpu', 'cuda', 'cuda:i'), got {type(device).__name__}")
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        resolved = torch.device(device)
-    except RuntimeError:
-        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:i', got {device!r}") from None
-    if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device={device!r} was requested but CUDA is not available on this machine")
-    return resolved
-
-
-def seed_everything(seed: int) -> None:
-    """Seed Python's, NumPy's and torch's (CPU and CUDA) global generators."""
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
-def move_to(batch: Any, device: torch.device) -> Any:
-    """``batch`` with every tensor on ``device`` (recursing into tuples, lists, dicts; objects with ``.to``)."""
-    if isinstance(batch, Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, dict):
-        return {k: move_to(v, device) for k, v in batch.items()}
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
-        return type(batch)(*(move_to(v, device) for v in batch))
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(move_to(v, device) for v in batch)
-    if hasattr(batch, "to") and callable(batch.to):
-        return batch.to(device)
-    return batch
-
-
 def _rng_state() -> dict[str, Any]:
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -304,14 +262,6 @@ class _EpochSampler(Sampler[int]):
         return len(self.indices()) - self.start
 
 
-def _distributed() -> tuple[int, int]:
-    """``(rank, world_size)``; ``(0, 1)`` unless a process group was initialised (which imports torch.distributed)."""
-    dist = sys.modules.get("torch.distributed")  # importing it just to ask costs seconds
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
 def _format(metrics: dict[str, float]) -> dict[str, str]:
     return {k: (f"{v:.4g}" if isinstance(v, float) else str(v)) for k, v in metrics.items()}
 
@@ -360,7 +310,7 @@ def fit(
     if len(train_data) == 0:
         raise ValueError("train_data is empty")
     device = distributed.local_device(resolve_device(config.device))
-    rank, world = _distributed()
+    rank, world = devices.rank(), devices.world_size()
     is_main = rank == 0
     if config.batch_size % world:
         raise ValueError(f"TrainConfig.batch_size={config.batch_size} is the global batch and must be divisible by "

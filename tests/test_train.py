@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from et_ode.data import load_digits
+from et_ode.devices import move_to
 from et_ode.models import CompletionTask, ImageET, SolverSettings, evaluate_completion, fixed_mask_set
 from et_ode.tasks.baselines import MeanImage
 from et_ode.train import (
@@ -17,7 +18,6 @@ from et_ode.train import (
     fit,
     load_checkpoint,
     lr_factor,
-    move_to,
     save_checkpoint,
 )
 

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .. import distributed
+from .. import devices
 from ..field import ETField
 from ..model import EnergyTransformer
 from ..solve import GRADIENTS, METHODS, Solution, solve
@@ -354,7 +354,7 @@ class CompletionTask:
     def loss(self, model: nn.Module, batch: Any) -> tuple[Tensor, dict[str, float]]:
         images = _images_of(batch)
         core = _unwrap(model)
-        rank, world = distributed.rank(), distributed.world_size()
+        rank, world = devices.rank(), devices.world_size()
         hidden, scored = random_masks(images.shape[0] * world, core.num_patches, self.ratio,
                                       visible_fraction=self.visible_fraction, device=images.device)
         hidden, scored = hidden[rank::world], scored[rank::world]

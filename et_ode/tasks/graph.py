@@ -34,8 +34,9 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from ..devices import move_to, resolve_device, seed_everything
 from ..models.graph import GraphET
-from ..train import TrainConfig, fit, move_to, resolve_device, seed_everything
+from ..train import TrainConfig, fit
 
 
 def collate_graphs(items: list) -> Any:

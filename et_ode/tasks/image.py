@@ -33,6 +33,7 @@ import torch
 
 from .. import distributed, runs, runtime
 from ..data.images import SOURCES, ImageSet, load_images, read_png
+from ..devices import resolve_device
 from ..models.image import (
     CompletionTask,
     ImageET,
@@ -43,7 +44,7 @@ from ..models.image import (
     random_masks,
     unpatchify,
 )
-from ..train import CHECKPOINT_NAME, TrainConfig, fit, load_checkpoint, resolve_device
+from ..train import CHECKPOINT_NAME, TrainConfig, fit, load_checkpoint
 from .baselines import MeanImage, NearestNeighbour
 
 

@@ -7,7 +7,7 @@ growth of that peak during the evaluations (what the field evaluation itself nee
 mask). Time is the median of ``--repeats`` evaluations after one warm-up, under ``torch.no_grad()``.
 Dense runs (a boolean ``(N, N)`` mask, through the field's default backend: the fused dense path of
 ``et_ode.fused``) are skipped where the estimated N^2 buffers exceed ``--max-dense-gib``; sparse runs pass a
-:class:`~et_ode.graph_attention.GraphMask` (the edge-list form).
+:class:`~et_ode.masks.GraphMask` (the edge-list form).
 
     python benchmarks/graph_scale.py                      # N = 1e3 .. 1e5, D=64, H=4, Y=16, K=256, 1 thread
     python benchmarks/graph_scale.py --nodes 1000 10000 --device cuda
@@ -28,7 +28,7 @@ def worker(args: argparse.Namespace) -> dict:
     import torch
 
     from et_ode import EnergyTransformer, ETField
-    from et_ode.graph_attention import GraphMask
+    from et_ode.masks import GraphMask
 
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)

@@ -4,7 +4,7 @@ from .attractor import Attractor, AttractorError, find_attractor
 from .energies import EnergyAttention, HopfieldMemory
 from .field import ETField
 from .gradients import implicit_fixed_point
-from .graph_attention import GraphMask
+from .masks import GraphMask
 from .model import EnergyTransformer
 from .neurons import LayerNormNeuron
 from .solve import METHODS, Solution, SolveError, SolveStats, Status, solve

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .graph_attention import GraphMask
+from .masks import GraphMask, Mask
 
 
 def all_finite(x: Tensor) -> bool:
@@ -40,7 +40,7 @@ def check_tokens(name: str, x: object, dim: int, like: Tensor | None = None) -> 
     return x
 
 
-def check_mask(mask: object, x: Tensor) -> Tensor | GraphMask | None:
+def check_mask(mask: object, x: Tensor) -> Mask:
     """``mask`` must be ``None``, a boolean ``(N, N)`` / ``(*batch, N, N)`` tensor broadcastable to ``x``, or a
     :class:`GraphMask` (edge list, validated on construction: long ``(2, E)``, indices in range) of ``N`` nodes
     on the device of ``x``."""
@@ -61,7 +61,7 @@ def check_mask(mask: object, x: Tensor) -> Tensor | GraphMask | None:
                         "mask=GraphMask(edge_index, num_nodes)")
     if not isinstance(mask, Tensor):
         raise TypeError("mask must be a boolean torch.Tensor of shape (N, N) or (*batch, N, N), or an "
-                        f"et_ode.graph_attention.GraphMask, got {type(mask).__name__}")
+                        f"et_ode.GraphMask (et_ode.masks), got {type(mask).__name__}")
     if mask.dtype != torch.bool:
         raise TypeError(f"mask must have dtype torch.bool (True where query C may attend to key B), got {mask.dtype}")
     if mask.dim() < 2 or tuple(mask.shape[-2:]) != (n, n):

@@ -1,8 +1,9 @@
 """Energies of the normalized tokens ``g``: each class holds one energy and its closed-form gradient.
 
 Shapes: ``g`` is ``(..., N, D)``; energies are returned per sample, shape ``(...)``; gradients
-``dE/dg`` have the shape of ``g``. Masks follow PyTorch's convention: ``mask[..., C, B]`` is True
-where query token ``C`` may attend to key token ``B``.
+``dE/dg`` have the shape of ``g``. Masks (:mod:`et_ode.masks`) follow PyTorch's convention: ``mask[..., C, B]``
+is True where query token ``C`` may attend to key token ``B``; a :class:`~et_ode.masks.GraphMask` selects the
+edge-list form of the attention energy.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor, nn
 
-from .graph_attention import GraphMask, graph_attention_weights, graph_energy, graph_energy_grad
+from .masks import GraphMask, Mask, key_query
 
 
 def _per_head(value: float | Sequence[float] | Tensor | None, heads: int, default: float, name: str) -> Tensor:
@@ -38,6 +39,15 @@ class EnergyAttention(nn.Module):
     Parameters ``WK``, ``WQ`` have the paper's layout ``(H, Y, D)``. By default a token does not
     attend to itself (``B != C``); ``self_attention=True`` includes the diagonal, as the official
     code releases do. A query token with no allowed key contributes nothing.
+
+    With a :class:`~et_ode.masks.GraphMask` (an edge list), the same energy in O(E) memory: with ``P(C)`` the
+    keys ``B`` of query ``C`` (self-loops dropped unless ``self_attention``),
+
+        E_ATT = -sum_h (1/beta_h) sum_{C: P(C) nonempty} log sum_{B in P(C)} exp(beta_h K_hB . Q_hC)
+        dE_ATT/dg_D = -sum_h [ sum_{C: D in P(C)} S_h(D, C) WK_h^T Q_hC + sum_{B in P(D)} S_h(B, D) WQ_h^T K_hB ]
+
+    where ``S_h(B, C)`` is a segment softmax of the edge logits over the incoming edges of each query ``C``;
+    memory O(N H Y + E H Y).
 
     ``beta`` (shape ``(H,)``) is a constant, not a weight: it stays float64 whatever dtype the module is
     moved to, so a float64 model holds ``1/sqrt(Y)`` exactly; it is rounded to the computation's dtype where used.
@@ -83,7 +93,7 @@ class EnergyAttention(nn.Module):
 
     def _allowed(self, n: int, mask: Tensor | None, device: torch.device) -> Tensor | None:
         """Boolean ``(..., 1, B, C)`` of allowed (key B, query C) pairs, or None when all are allowed."""
-        allowed = None if mask is None else mask.transpose(-1, -2)
+        allowed = None if mask is None else key_query(mask)
         if not self.self_attention:
             off_diagonal = ~torch.eye(n, dtype=torch.bool, device=device)
             allowed = off_diagonal if allowed is None else allowed & off_diagonal
@@ -101,35 +111,35 @@ class EnergyAttention(nn.Module):
             logits = logits.masked_fill(~allowed, -math.inf).masked_fill(~has_key, 0.0)
         return logits, k, q, has_key
 
-    def energy(self, g: Tensor, mask: Tensor | GraphMask | None = None) -> Tensor:
+    def energy(self, g: Tensor, mask: Mask = None) -> Tensor:
         """``E_ATT`` per sample: ``(..., N, D) -> (...)``. A :class:`GraphMask` uses the edge-list form."""
         if isinstance(mask, GraphMask):
-            return graph_energy(self, g, mask)
+            return self._edge_energy(g, mask)
         logits, _, _, has_key = self._logits(g, mask)
         lse = torch.logsumexp(logits, dim=-2)  # (..., H, C)
         if has_key is not None:
             lse = lse * has_key.squeeze(-2)
         return -(lse / self.beta.to(g.dtype)[:, None]).sum(dim=(-1, -2))
 
-    def attention(self, g: Tensor, mask: Tensor | GraphMask | None = None) -> Tensor:
+    def attention(self, g: Tensor, mask: Mask = None) -> Tensor:
         """Attention weights ``S[..., h, B, C]``: softmax over keys ``B`` for each query ``C``.
 
         With a :class:`GraphMask`, the weights per edge ``(..., H, E)``, aligned with ``mask.edge_index``.
         """
         if isinstance(mask, GraphMask):
-            return graph_attention_weights(self, g, mask)
+            return self._edge_attention(g, mask)
         logits, _, _, has_key = self._logits(g, mask)
         weights = torch.softmax(logits, dim=-2)
         return weights if has_key is None else weights * has_key
 
-    def dE_dg(self, g: Tensor, mask: Tensor | GraphMask | None = None) -> Tensor:
+    def dE_dg(self, g: Tensor, mask: Mask = None) -> Tensor:
         """``dE_ATT/dg`` in closed form: ``(..., N, D) -> (..., N, D)``.
 
         ``-sum_h [S_h Q_h WK_h + S_h^T K_h WQ_h]``: token D as a key, then as a query.
         A :class:`GraphMask` uses the edge-list form (segment softmax over each query's incoming edges).
         """
         if isinstance(mask, GraphMask):
-            return graph_energy_grad(self, g, mask)
+            return self._edge_dE_dg(g, mask)
         logits, k, q, has_key = self._logits(g, mask)
         weights = torch.softmax(logits, dim=-2)
         if has_key is not None:
@@ -140,6 +150,56 @@ class EnergyAttention(nn.Module):
         weight = torch.cat([self.WK, self.WQ], dim=0).reshape(-1, self.dim)
         return -(both.flatten(-3) @ weight)
 
+
+    # -- the edge-list form (a GraphMask): O(E) memory ----------------------------------------------------
+    def _edge_terms(self, g: Tensor, mask: GraphMask) -> dict[str, Tensor]:
+        """Per-node keys/queries ``(..., N, H, Y)``, their per-edge gathers ``(..., E', H, Y)`` and the segment
+        softmax ``S (..., E', H)`` with ``logsumexp (..., N, H)`` over each query's incoming edges."""
+        h, y, d, n = self.heads, self.head_dim, self.dim, mask.num_nodes
+        kept = mask.kept(self.self_attention)
+        src, dst = mask.edge_index[0, kept], mask.edge_index[1, kept]
+        weight = torch.cat([self.WK, self.WQ], dim=0).reshape(2 * h * y, d)
+        kq = (g @ weight.T).unflatten(-1, (2, h, y))  # (..., N, 2, H, Y)
+        k, q = kq[..., 0, :, :], kq[..., 1, :, :]
+        k_src, q_dst = k.index_select(-3, src), q.index_select(-3, dst)  # (..., E', H, Y)
+        logits = self.beta.to(g.dtype) * torch.linalg.vecdot(k_src, q_dst)  # (..., E', H)
+        segment = dst.reshape(-1, 1).expand(logits.shape)
+        peak = logits.new_full((*logits.shape[:-2], n, h), -torch.inf)
+        peak = peak.scatter_reduce(-2, segment, logits.detach(), reduce="amax").detach()  # a stabilizer only
+        exp = torch.exp(logits - peak.index_select(-2, dst))
+        total = logits.new_zeros(peak.shape).index_add(-2, dst, exp)  # (..., N, H)
+        weights = exp / total.index_select(-2, dst)
+        return dict(k=k, q=q, k_src=k_src, q_dst=q_dst, weights=weights, peak=peak, total=total, src=src, dst=dst,
+                    kept=kept, weight=weight)
+
+
+    def _edge_energy(self, g: Tensor, mask: GraphMask) -> Tensor:
+        """``E_ATT`` per sample on the graph: ``(..., N, D) -> (...)``."""
+        terms = self._edge_terms(g, mask)
+        has_key = torch.zeros(mask.num_nodes, dtype=torch.bool, device=g.device)
+        has_key[terms["dst"]] = True
+        lse = (terms["peak"][..., has_key, :] + torch.log(terms["total"][..., has_key, :]))  # (..., N', H)
+        return -(lse / self.beta.to(g.dtype)).sum(dim=(-1, -2))
+
+
+    def _edge_attention(self, g: Tensor, mask: GraphMask) -> Tensor:
+        """Attention weights per edge, ``(..., H, E)``, aligned with ``mask.edge_index`` (the sparse form of
+        ``S[..., h, B, C]``); excluded self-loops get weight 0."""
+        terms = self._edge_terms(g, mask)
+        weights = terms["weights"]
+        full = weights.new_zeros((*weights.shape[:-2], mask.num_edges, self.heads))
+        full = full.index_copy(-2, terms["kept"], weights)
+        return full.movedim(-1, -2)
+
+
+    def _edge_dE_dg(self, g: Tensor, mask: GraphMask) -> Tensor:
+        """``dE_ATT/dg`` on the graph in closed form: ``(..., N, D) -> (..., N, D)``."""
+        terms = self._edge_terms(g, mask)
+        s = terms["weights"].unsqueeze(-1)  # (..., E', H, 1)
+        d_keys = torch.zeros_like(terms["k"]).index_add(-3, terms["src"], s * terms["q_dst"])  # node as a key
+        d_queries = torch.zeros_like(terms["q"]).index_add(-3, terms["dst"], s * terms["k_src"])  # node as a query
+        both = torch.stack([d_keys, d_queries], dim=-3)  # (..., N, 2, H, Y)
+        return -(both.flatten(-3) @ terms["weight"])
 
 HOPFIELD_FORMS = ("relu", "softmax", "softplus")
 

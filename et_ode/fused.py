@@ -43,6 +43,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from .energies import EnergyAttention, HopfieldMemory
+from .masks import is_dense, key_query
 from .model import EnergyTransformer
 
 GEMMS = ("auto", "matmul", "onednn")
@@ -158,7 +159,7 @@ class FusedGrad:
         model = self.model
         if type(model.attention) is not EnergyAttention or type(model.hopfield) is not HopfieldMemory:
             return False
-        if mask is not None and not (type(mask) is Tensor and mask.dtype == torch.bool and mask.layout == torch.strided):
+        if mask is not None and not is_dense(mask):
             return False
         weight = model.attention.WK
         return g.dtype == weight.dtype and g.device == weight.device and g.dim() >= 2 and g.numel() > 0
@@ -223,7 +224,7 @@ class FusedGrad:
             return None
         if mask.dim() > 2:
             mask = mask.expand(*batch, n, n).reshape(-1, n, n)
-        return mask.reshape(-1, 1, n, n).transpose(-1, -2)
+        return key_query(mask.reshape(-1, 1, n, n))
 
     def _phi(self, h: Tensor, out: Tensor) -> None:
         """The Hopfield coefficient ``phi(h)`` written into ``out`` (same shape)."""

@@ -39,7 +39,7 @@ def test_model_passes_its_settings_to_the_parts():
 
 
 def test_a_graph_of_one_node_is_a_valid_mask():
-    from et_ode.graph_attention import GraphMask
+    from et_ode.masks import GraphMask
 
     mask = GraphMask(torch.zeros(2, 0, dtype=torch.long), 1)
     assert mask.num_nodes == 1 and mask.edge_index.shape == (2, 0)
@@ -129,7 +129,7 @@ def test_conjugate_gradients_solve_n_distinct_eigenvalues_in_n_steps():
 
 def test_error_messages_name_the_argument():
     from et_ode import ETField
-    from et_ode.graph_attention import GraphMask
+    from et_ode.masks import GraphMask
     from tests.conftest import random_model
 
     model = random_model()

@@ -10,6 +10,7 @@ from et_ode import ETField
 from et_ode import fused as fused_module
 from et_ode.fused import FusedGrad, choose_gemm, onednn_available
 from et_ode.manifold import riemannian_hessian
+from et_ode.masks import GraphMask
 from tests.conftest import random_model
 
 FORMS = ["relu", "softplus", "softmax"]
@@ -235,10 +236,9 @@ def test_backward_uses_the_weights_of_its_forward_pass():
 
 
 def test_graph_mask_falls_back_to_the_edge_list_form():
-    graph_attention = pytest.importorskip("et_ode.graph_attention")
     model = random_model()
     dense = _mask("shared", 6)
-    edges = graph_attention.GraphMask(dense.nonzero().T.flip(0).contiguous(), 6)  # columns (key B, query C)
+    edges = GraphMask(dense.nonzero().T.flip(0).contiguous(), 6)  # columns (key B, query C)
     x = torch.randn(2, 6, 8, dtype=torch.float64)
     field = ETField(model, mask=edges)
     assert not field.fused.supports(x, edges)

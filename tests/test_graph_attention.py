@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from et_ode import EnergyTransformer, ETField, solve
-from et_ode.graph_attention import GraphMask
+from et_ode.masks import GraphMask
 
 
 def random_graph(n: int, edges: int, isolated: int, seed: int) -> GraphMask:

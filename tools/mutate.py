@@ -45,12 +45,13 @@ ATTRACTOR_TESTS = ["tests/test_exact_values.py",
                    "tests/test_fd_gradients.py::test_implicit_gradient_matches_finite_differences_of_the_attractor_map",
                    "tests/test_gradients.py::test_implicit_equals_direct_through_a_long_converged_solve",
                    "tests/test_gradients.py::test_implicit_needs_a_converged_solve"]
-ENERGY_TESTS = ["tests/test_neurons.py", "tests/test_energies.py", "tests/test_exact_values.py",
+ENERGY_TESTS = ["tests/test_neurons.py", "tests/test_energies.py", "tests/test_graph_attention.py",
+                "tests/test_exact_values.py",
                 "tests/test_fd_gradients.py::test_field_matches_the_spec_at_non_default_settings",
                 "tests/test_fd_gradients.py::test_field_and_its_backward_match_the_spec"]
 GROUPS: dict[str, tuple[list[str], list[str]]] = {
     "energies": (["et_ode/neurons.py", "et_ode/energies.py"], ENERGY_TESTS),
-    "field": (["et_ode/model.py", "et_ode/_checks.py", "et_ode/graph_attention.py", "et_ode/field.py",
+    "field": (["et_ode/model.py", "et_ode/_checks.py", "et_ode/masks.py", "et_ode/field.py",
                "et_ode/fused.py"], FIELD_TESTS),
     "attractor": (["et_ode/manifold.py", "et_ode/gradients.py"], ATTRACTOR_TESTS),
     "solve": (["et_ode/solve.py"], SOLVE_TESTS),

@@ -4,7 +4,7 @@ Tokens: ``x0_A = W_x x_A + W_pe (s * pe_A)`` for each node ``A``, with ``pe`` th
 (:func:`et_ode.data.graphs.add_laplacian_pe`) and ``s`` a random sign per graph and eigenvector while training
 (eigenvectors are defined up to sign). For graph readout a learned CLS token per graph is linked to every node of
 its graph in both directions. Attention is restricted to the edges (plus the CLS links) with a
-:class:`~et_ode.graph_attention.GraphMask`, so memory grows with the number of edges, not nodes squared.
+:class:`~et_ode.masks.GraphMask`, so memory grows with the number of edges, not nodes squared.
 
 A batch of graphs of different sizes (a PyG ``Batch``) is one disjoint graph: the state has shape
 ``(N_total + G, D)`` (the ``N_total`` nodes of all graphs, then one CLS token per graph), and ``solve`` integrates
@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from ..field import ETField
-from ..graph_attention import GraphMask
+from ..masks import GraphMask
 from ..model import EnergyTransformer
 from ..solve import Solution, solve
 

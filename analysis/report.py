@@ -19,6 +19,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from et_ode import METHODS, EnergyTransformer, ETField, SolveError, solve
+from et_ode.io import model_config
 from et_ode.solve import ADAPTIVE_METHODS
 
 from .convergence import analyze_convergence, flat_mask
@@ -228,8 +229,9 @@ def analyze(model: EnergyTransformer | PathLike | None = None, x0: Tensor | Path
         if fixed is not None:
             distance = (et_model.neuron(solution.x.detach()) - et_model.neuron(fixed.x)).square().mean(
                 dim=(-1, -2)).sqrt().reshape(-1).tolist()
+    config = {**model_config(et_model), "dtype": str(et_model.neuron.delta.dtype).replace("torch.", "")}
     summary = {
-        "model": origin, "config": _model_config(et_model), "gamma": gamma, "tau": tau, "device": str(device),
+        "model": origin, "config": config, "gamma": gamma, "tau": tau, "device": str(device),
         "initial_states": list(states.shape),
         "solve": {"method": method, "rtol": rtol, "atol": atol, "step": step, "steps": steps, "t_end": t_end,
                   "points": points, "failure": failure, **solution.stats.as_dict()},
@@ -263,12 +265,6 @@ def analyze(model: EnergyTransformer | PathLike | None = None, x0: Tensor | Path
         markdown += "\n" + study.markdown()
     (folder / "report.md").write_text(markdown)
     return folder
-
-
-def _model_config(model: EnergyTransformer) -> dict[str, Any]:
-    a, h, n = model.attention, model.hopfield, model.neuron
-    return {"dim": model.dim, "heads": a.heads, "head_dim": a.head_dim, "memories": h.memories, "hopfield": h.form,
-            "self_attention": a.self_attention, "eps": n.eps, "dtype": str(n.delta.dtype).replace("torch.", "")}
 
 
 def _yes(flag: bool) -> str:

@@ -1,47 +1,32 @@
 """Saving and loading an :class:`EnergyTransformer` with the settings needed to rebuild it.
 
-Files are written atomically (a temporary file in the same folder, then ``os.replace``), so an
-interrupted save never leaves a truncated model behind. A model file is a ``torch.save`` archive of a dict of
-tensors, numbers and strings; :func:`load_model` reads it with ``torch.load(weights_only=True)``, PyTorch's
-data-only unpickler, which refuses any other object (so nothing in the file can run code; torch >= 2.6).
+Files are written atomically (:func:`et_ode.statefile.atomic_write`: a temporary file in the same folder, fsync,
+then ``os.replace``), so an interrupted save never leaves a truncated model behind. A model file is a
+``torch.save`` archive of a dict of tensors, numbers and strings; :func:`load_model` reads it with
+``torch.load(weights_only=True)``, PyTorch's data-only unpickler, which refuses any other object (so nothing in
+the file can run code; torch >= 2.6).
 """
 
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from .model import EnergyTransformer
-from .statefile import describe
+from .statefile import atomic_write, describe
 
 FORMAT = "et-ode/energy-transformer/1"
 
 
 def model_config(model: EnergyTransformer) -> dict[str, Any]:
-    """The constructor arguments that rebuild ``model``'s architecture."""
+    """The constructor arguments that rebuild ``model``'s architecture (JSON-friendly): ``EnergyTransformer(**it)``."""
     a, h, n = model.attention, model.hopfield, model.neuron
     return {"dim": model.dim, "heads": a.heads, "head_dim": a.head_dim, "memories": h.memories, "hopfield": h.form,
             "beta": a.beta.tolist(), "beta_hn": h.beta, "self_attention": a.self_attention, "eps": n.eps,
             "positive_gamma": n.positive_gamma}
-
-
-def atomic_save(obj: Any, path: str | os.PathLike[str]) -> Path:
-    """``torch.save`` to a temporary file beside ``path``, then rename it over ``path``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(handle, "wb") as stream:
-            torch.save(obj, stream)
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
-    return path
 
 
 def save_model(model: EnergyTransformer, path: str | os.PathLike[str], **meta: Any) -> Path:
@@ -56,7 +41,8 @@ def save_model(model: EnergyTransformer, path: str | os.PathLike[str], **meta: A
                 "`et-ode train` does)" if isinstance(block, EnergyTransformer) else "")
         raise TypeError(f"model must be an et_ode.EnergyTransformer, got {type(model).__name__}{hint}")
     state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    return atomic_save({"format": FORMAT, "config": model_config(model), "state_dict": state, "meta": meta}, path)
+    blob = {"format": FORMAT, "config": model_config(model), "state_dict": state, "meta": meta}
+    return atomic_write(path, lambda stream: torch.save(blob, stream))
 
 
 def load_model(path: str | os.PathLike[str], *, map_location: str | torch.device = "cpu"

@@ -8,7 +8,8 @@ pickle (``torch.save``), it cannot run code, whoever wrote it. Used for training
 
 Public API::
 
-    save_state(path, state, format) -> Path     # atomic: temporary file beside path, fsync, os.replace
+    atomic_write(path, write) -> Path           # write(stream) into a temporary file beside path, fsync, os.replace
+    save_state(path, state, format) -> Path     # atomic (atomic_write)
     load_state(path, format, map_location="cpu") -> dict
     describe(path) -> str                       # what a file is, for error messages (never unpickles)
 
@@ -22,9 +23,10 @@ import json
 import os
 import tempfile
 import zipfile
+from collections.abc import Callable
 from numbers import Integral
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
@@ -102,14 +104,21 @@ def save_state(path: str | os.PathLike[str], state: dict[str, Any], format: str)
     tensors: dict[str, Tensor] = {}
     skeleton = _encode(state, tensors, "state")
     blob = save_tensors(tensors, metadata={"format": format, "state": json.dumps(skeleton)})
+    return atomic_write(path, lambda stream: stream.write(blob))
+
+
+def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], object]) -> Path:
+    """Call ``write(stream)`` on a temporary file beside ``path``, flush it to the disk (fsync), then rename it
+    over ``path`` (``os.replace``): a crash or an exception mid-write leaves the previous file intact and no
+    temporary file behind. Creates the parent folder. Returns ``path``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(handle, "wb") as file:
-            file.write(blob)
-            file.flush()
-            os.fsync(file.fileno())
+        with os.fdopen(handle, "wb") as stream:
+            write(stream)
+            stream.flush()
+            os.fsync(stream.fileno())
         os.replace(temporary, path)
     except BaseException:
         with contextlib.suppress(OSError):

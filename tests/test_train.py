@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ from torch import nn
 
 from et_ode.data import load_digits
 from et_ode.devices import move_to
+from et_ode.io import load_model, save_model
 from et_ode.models import CompletionTask, ImageET, SolverSettings, evaluate_completion, fixed_mask_set
 from et_ode.tasks.baselines import MeanImage
 from et_ode.train import (
@@ -20,6 +22,7 @@ from et_ode.train import (
     lr_factor,
     save_checkpoint,
 )
+from tests.conftest import random_model
 
 EULER = SolverSettings(method="et", step=0.1, steps=3, grad="direct")
 
@@ -165,6 +168,31 @@ def test_atomic_save_keeps_the_old_file_when_writing_fails(tmp_path):
         save_checkpoint(path, {"model": Unpicklable()})
     assert torch.equal(load_checkpoint(path)["model"]["w"], torch.ones(3))
     assert [p.name for p in tmp_path.iterdir()] == ["c.pt"]  # no temporary file left behind
+
+
+def test_model_files_and_checkpoints_reach_the_disk_before_they_replace_the_old_file(tmp_path, monkeypatch):
+    """save_model and save_checkpoint share one writer: fsync of the new bytes while the old file is still in place,
+    then the rename; a write that fails leaves the old file and no temporary file."""
+    model_path, checkpoint_path = tmp_path / "m.pt", tmp_path / "c.safetensors"
+    save_model(random_model(seed=0), model_path)
+    save_checkpoint(checkpoint_path, {"model": {"w": torch.ones(3)}})
+    old = {path.name: path.read_bytes() for path in (model_path, checkpoint_path)}
+    seen, real_fsync = [], os.fsync
+
+    def fsync(descriptor: int) -> None:
+        seen.append({path.name: path.read_bytes() for path in (model_path, checkpoint_path)})
+        real_fsync(descriptor)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    save_model(random_model(seed=1), model_path)
+    save_checkpoint(checkpoint_path, {"model": {"w": torch.zeros(3)}})
+    assert seen == [old, {**old, "m.pt": model_path.read_bytes()}]  # one fsync per write, each before its rename
+    assert model_path.read_bytes() != old["m.pt"]
+    assert torch.equal(load_checkpoint(checkpoint_path)["model"]["w"], torch.zeros(3))
+    with pytest.raises(Exception, match="lambda"):  # torch.save cannot pickle a lambda: the write fails midway
+        save_model(random_model(seed=2), model_path, note=lambda: None)
+    assert load_model(model_path)[0].attention.WK.equal(random_model(seed=1).attention.WK)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.safetensors", "m.pt"]
 
 
 @pytest.mark.parametrize("field, value, message", [

@@ -20,10 +20,12 @@ from et_ode.models import (
     ImageET,
     default_masked,
     denormalize,
+    load_official,
     normalize_pixels,
     official_masks,
     official_solver,
     read_official,
+    save_official,
     unpatchify,
 )
 
@@ -50,7 +52,7 @@ def _relative(ours: torch.Tensor, reference: np.ndarray) -> float:
 def test_reproduces_the_official_pipeline(official, dtype):
     path, outputs = official
     name, tol = NAMES[dtype], TOLERANCE[dtype]
-    model = ImageET.from_official(path, SHAPE, PATCH, dtype=dtype)
+    model = load_official(path, SHAPE, PATCH, dtype=dtype)
     images = torch.from_numpy(outputs["images"]).to(dtype)  # already normalized by the release's scheme
     hidden = torch.from_numpy(outputs["masks"]).bool()
     with torch.no_grad():
@@ -80,7 +82,7 @@ def test_each_step_of_the_pipeline_matters(official):
         "no position on CLS": dict(cls_position=False),
     }
     for what, change in variants.items():
-        model = ImageET.from_official(path, SHAPE, PATCH, dtype=torch.float64)
+        model = load_official(path, SHAPE, PATCH, dtype=torch.float64)
         if "cls_position" in change:  # the same vectors, the CLS row left out
             model.cls_position = False
             model.position = torch.nn.Parameter(model.position[1:].detach().clone())
@@ -89,7 +91,7 @@ def test_each_step_of_the_pipeline_matters(official):
         with torch.no_grad():
             out = unpatchify(model(images, hidden).patches, PATCH, SHAPE)
         assert _relative(out, reference) > 1e-3, what
-    model = ImageET.from_official(path, SHAPE, PATCH, dtype=torch.float64)
+    model = load_official(path, SHAPE, PATCH, dtype=torch.float64)
     with torch.no_grad():
         model.block.attention.self_attention = False
         out = unpatchify(model(images, hidden).patches, PATCH, SHAPE)
@@ -99,7 +101,7 @@ def test_each_step_of_the_pipeline_matters(official):
 def test_float64_model_holds_exact_constants(official):
     path, _ = official
     arrays = read_official(path)
-    model = ImageET.from_official(path, SHAPE, PATCH, dtype=torch.float64)
+    model = load_official(path, SHAPE, PATCH, dtype=torch.float64)
     block = model.block
     assert block.attention.beta.dtype == torch.float64
     assert torch.equal(block.attention.beta, torch.full((3,), 1 / math.sqrt(16), dtype=torch.float64))
@@ -114,14 +116,14 @@ def test_float64_model_holds_exact_constants(official):
 def test_round_trip_is_bit_exact(official, tmp_path, dtype):
     path, _ = official
     original = read_official(path)
-    model = ImageET.from_official(path, SHAPE, PATCH, dtype=dtype)
-    written = model.to_official(tmp_path / "copy.npz")
+    model = load_official(path, SHAPE, PATCH, dtype=dtype)
+    written = save_official(model, tmp_path / "copy.npz")
     assert written == tmp_path / "copy.npz"
     again = read_official(written)
     for key in OFFICIAL_KEYS:
         assert again[key].dtype == np.float32, key
         assert np.array_equal(again[key], original[key]), key
-    reloaded = ImageET.from_official(written, SHAPE, PATCH, dtype=dtype)
+    reloaded = load_official(written, SHAPE, PATCH, dtype=dtype)
     for (name, a), (_, b) in zip(model.state_dict().items(), reloaded.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
 
@@ -131,16 +133,16 @@ def test_round_trip_of_a_fresh_model_at_another_size(tmp_path):
     torch.manual_seed(0)
     model = ImageET((2, 8, 12), 4, 16, 2, 8, 24, cls_token=True, self_attention=True, cls_position=True,
                     renormalize=True, solver=official_solver())
-    path = model.to_official(tmp_path / "fresh.npz")
-    loaded = ImageET.from_official(path, (2, 8, 12), 4)
+    path = save_official(model, tmp_path / "fresh.npz")
+    loaded = load_official(path, (2, 8, 12), 4)
     images = torch.randn(3, 2, 8, 12)
     hidden = official_masks(3, 6, 2, seed=1)
     with torch.no_grad():
         assert torch.equal(loaded.tokens(images, hidden), model.tokens(images, hidden))
         assert torch.allclose(loaded(images, hidden).patches, model(images, hidden).patches, rtol=1e-5, atol=1e-6)
     with pytest.raises(FileExistsError, match="overwrite"):
-        model.to_official(path)
-    model.to_official(path, overwrite=True)
+        save_official(model, path)
+    save_official(model, path, overwrite=True)
 
 
 def test_loading_leaves_the_global_rng_alone(official):
@@ -148,7 +150,7 @@ def test_loading_leaves_the_global_rng_alone(official):
     torch.manual_seed(3)
     expected = torch.rand(4)
     torch.manual_seed(3)
-    ImageET.from_official(path, SHAPE, PATCH)
+    load_official(path, SHAPE, PATCH)
     assert torch.equal(torch.rand(4), expected)
 
 
@@ -168,58 +170,58 @@ def _corrupt(official, tmp_path, **changes):
 def test_a_missing_key_is_named(official, tmp_path):
     target, _ = _corrupt(official, tmp_path, MASK_token=None)
     with pytest.raises(ValueError, match="MASK_token missing"):
-        ImageET.from_official(target, SHAPE, PATCH)
+        load_official(target, SHAPE, PATCH)
 
 
 def test_xi_in_our_layout_is_caught(official, tmp_path):
     arrays = read_official(official[0])
     target, _ = _corrupt(official, tmp_path, Xi=np.ascontiguousarray(arrays["Xi"].T))
     with pytest.raises(ValueError, match=r"Xi must have shape \(D, M\).*found \(192, 48\).*transposed"):
-        ImageET.from_official(target, SHAPE, PATCH)
+        load_official(target, SHAPE, PATCH)
 
 
 def test_positions_without_the_cls_row_are_caught(official, tmp_path):
     arrays = read_official(official[0])
     target, _ = _corrupt(official, tmp_path, POS_embed=arrays["POS_embed"][1:])
     with pytest.raises(ValueError, match=r"POS_embed must have shape \(17, 48\), found \(16, 48\).*CLS"):
-        ImageET.from_official(target, SHAPE, PATCH)
+        load_official(target, SHAPE, PATCH)
 
 
 def test_shapes_that_do_not_fit_the_image_or_patch(official):
     path, _ = official
     with pytest.raises(ValueError, match=r"POS_embed must have shape \(65, 48\), found \(17, 48\)"):
-        ImageET.from_official(path, (3, 64, 64), PATCH)
+        load_official(path, (3, 64, 64), PATCH)
     with pytest.raises(ValueError, match=r"Wenc must have shape .*\(768, 48\).*found \(192, 48\).*side 8"):
-        ImageET.from_official(path, SHAPE, 16)
+        load_official(path, SHAPE, 16)
     with pytest.raises(ValueError, match="patch must be a positive integer dividing"):
-        ImageET.from_official(path, SHAPE, 5)
+        load_official(path, SHAPE, 5)
     with pytest.raises(ValueError, match="dtype"):
-        ImageET.from_official(path, SHAPE, PATCH, dtype=torch.float16)
+        load_official(path, SHAPE, PATCH, dtype=torch.float16)
 
 
 def test_bad_files_are_refused_without_running_them(official, tmp_path):
     target, _ = _corrupt(official, tmp_path, LNORM_gamma=np.float32(-1.0))
     with pytest.raises(ValueError, match="LNORM_gamma must be positive"):
-        ImageET.from_official(target, SHAPE, PATCH)
+        load_official(target, SHAPE, PATCH)
     target, _ = _corrupt(official, tmp_path, Benc=np.full(48, np.nan, dtype=np.float32))
     with pytest.raises(ValueError, match="Benc holds NaN"):
-        ImageET.from_official(target, SHAPE, PATCH)
+        load_official(target, SHAPE, PATCH)
     pickled = tmp_path / "pickled.npz"
     np.savez(pickled, **{**read_official(official[0]), "Wk": np.array([{"a": 1}], dtype=object)})
     with pytest.raises(ValueError, match="pickle"):
-        ImageET.from_official(pickled, SHAPE, PATCH)
+        load_official(pickled, SHAPE, PATCH)
     text = tmp_path / "text.npz"
     text.write_text("not an archive")
     with pytest.raises(ValueError, match="text.npz"):
-        ImageET.from_official(text, SHAPE, PATCH)
+        load_official(text, SHAPE, PATCH)
     with pytest.raises(FileNotFoundError, match="nowhere.npz"):
-        ImageET.from_official(tmp_path / "nowhere.npz", SHAPE, PATCH)
+        load_official(tmp_path / "nowhere.npz", SHAPE, PATCH)
 
 
 def test_a_model_the_format_cannot_hold_is_refused(tmp_path):
     model = ImageET(SHAPE, PATCH, 16, 2, 8, cls_token=True)  # no diagonal, no CLS position, no renormalizing
     with pytest.raises(ValueError, match="cls_position=True.*renormalize=True.*self_attention=True"):
-        model.to_official(tmp_path / "no.npz")
+        save_official(model, tmp_path / "no.npz")
     assert not (tmp_path / "no.npz").exists()
     with pytest.raises(ValueError, match="cls_token=True"):
         ImageET(SHAPE, PATCH, 16, 2, 8, cls_position=True)

@@ -12,7 +12,7 @@ from PIL import Image
 from et_ode.cli import build_parser, main
 from et_ode.cli.analyze import _official_states
 from et_ode.data import read_photo
-from et_ode.models import ImageET, SolverSettings, normalize_pixels, official_masks, unpatchify
+from et_ode.models import SolverSettings, load_official, normalize_pixels, official_masks, unpatchify
 from et_ode.tasks.photos import complete_photos, official_tokens
 
 SHAPE, PATCH = (3, 32, 32), 8
@@ -69,7 +69,7 @@ def test_complete_official_cli_end_to_end(checkpoint, tmp_path, capsys):
 
     # The CLI's reconstructions are the Python path's: same photos, masks and model
     saved = torch.load(out / "completions.pt", weights_only=True)
-    model = ImageET.from_official(checkpoint, SHAPE, PATCH)
+    model = load_official(checkpoint, SHAPE, PATCH)
     pixels = torch.stack([read_photo(p, (32, 32)) for p in photos])
     images = normalize_pixels(pixels).float()
     hidden = official_masks(2, 16, 6, seed=3)

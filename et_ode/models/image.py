@@ -21,8 +21,7 @@ Public API::
         .tokens(images, hidden) -> x0 (B, N(+1), D);  .decode(g) -> (B, N, C*P*P)
         .film(images, hidden, times, solver=None, keep_visible=True) -> (frames (T,B,C,H,W), solution)
         .config() -> dict;  ImageET.from_config(dict)
-        ImageET.from_official(path, image_shape=(3, 224, 224), patch=16, dtype=torch.float32);  .to_official(path)
-            (the official release's plain-dict .npz checkpoint: :mod:`et_ode.models.official`)
+        (the official release's plain-dict .npz checkpoint: load_official / save_official, :mod:`et_ode.models.official`)
     patchify(images, patch) -> (B, N, C*P*P);  unpatchify(patches, patch, image_shape) -> (B, C, H, W)
     random_masks(batch, num_patches, ratio, *, visible_fraction=0.0, generator=None, device=None)
         -> (hidden, scored)
@@ -35,7 +34,6 @@ import dataclasses
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -243,21 +241,6 @@ class ImageET(nn.Module):
         config = dict(config)
         solver = SolverSettings(**config.pop("solver", {}))
         return cls(tuple(config.pop("image_shape")), solver=solver, **config)
-
-    @classmethod
-    def from_official(cls, path: str | Path, image_shape: Sequence[int] = (3, 224, 224), patch: int = 16, *,
-                      dtype: torch.dtype = torch.float32) -> ImageET:
-        """The model stored in the official release's ``.npz`` checkpoint, with the official dynamics as its default
-        solver (12 Euler steps of 0.1): see :func:`et_ode.models.official.load_official`."""
-        from .official import load_official
-
-        return load_official(path, image_shape, patch, dtype=dtype)
-
-    def to_official(self, path: str | Path, *, overwrite: bool = False) -> Path:
-        """Write this model in the official release's ``.npz`` layout: see :func:`et_ode.models.official.save_official`."""
-        from .official import save_official
-
-        return save_official(self, path, overwrite=overwrite)
 
     def field(self) -> ETField:
         """The vector field of the block (a fresh NFE counter)."""

@@ -21,13 +21,13 @@ Public API::
 
     with claim(out, setup, *, resume=False, overwrite=False, may_change=()) as out: ...
     with lock(out): ...
-    add_arguments(parser)   # --resume / --overwrite of a command that writes a run folder
     RunFolderError      # ValueError: the folder is a file, not empty, in use, or holds another set-up
+
+The command-line flags ``--resume`` / ``--overwrite`` are :func:`et_ode.cli.options.add_run_folder_arguments`.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import datetime
 import json
@@ -203,13 +203,3 @@ def claim(out: str | os.PathLike[str], setup: dict[str, Any], *, resume: bool = 
 def _listing(entries: list[str], limit: int = 5) -> str:
     shown = ", ".join(entries[:limit])
     return shown + (f", ... ({len(entries)} entries)" if len(entries) > limit else "")
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--resume`` and ``--overwrite`` (mutually exclusive): what to do when ``--out`` already holds a run."""
-    group = parser.add_mutually_exclusive_group()
-    group.add_argument("--resume", action="store_true",
-                       help="continue the run in OUT (its config.json must match these settings); a new or empty OUT "
-                            "starts afresh")
-    group.add_argument("--overwrite", action="store_true",
-                       help="delete the run in OUT (a folder with an et-ode config.json) and start afresh")

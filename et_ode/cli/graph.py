@@ -14,6 +14,7 @@ from .. import runs
 from ..models.graph import POOLS
 from ..tasks.graph import cross_validate, detect_anomalies
 from ..train import TrainConfig
+from .options import add_run_folder_arguments
 
 
 def add_graph_train_arguments(parser: argparse.ArgumentParser) -> None:
@@ -69,7 +70,7 @@ def add_graph_train_arguments(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--out", default=None,
                        help="output folder (checkpoints, metrics, results): new or empty, or see --resume, --overwrite")
     train.add_argument("--no-progress", action="store_true")
-    runs.add_arguments(parser)
+    add_run_folder_arguments(parser)
 
 
 def parse_grid(items: Sequence[str]) -> dict[str, list[Any]]:

@@ -17,12 +17,13 @@ from typing import Any
 
 import torch
 
-from .. import distributed, runs
+from .. import distributed
 from ..data.images import SOURCES
 from ..models.image import SolverSettings
 from ..solve import GRADIENTS, METHODS
 from ..tasks.image import DEMO_EPOCHS, DEMO_MINUTES, ImageRunConfig, complete, demo, train_image
 from ..train import TrainConfig
+from .options import add_run_folder_arguments
 
 
 def _max_threads() -> int:
@@ -123,7 +124,7 @@ def add_train_image(subparsers: argparse._SubParsersAction) -> None:
     opt.add_argument("--no-progress", action="store_true", help="no tqdm bars")
     opt.add_argument("--no-baselines", action="store_true", help="skip the mean and nearest-neighbour baselines")
     parser.add_argument("--out", required=True, help="output folder (new or empty; see --resume, --overwrite)")
-    runs.add_arguments(parser)
+    add_run_folder_arguments(parser)
     parser.add_argument("--distributed", action="store_true",
                         help="data-parallel training under torchrun (required: RANK, WORLD_SIZE, LOCAL_RANK, "
                              "MASTER_ADDR, MASTER_PORT); without the flag a torchrun environment is detected. "
@@ -262,6 +263,6 @@ def add_demo(commands: argparse._SubParsersAction) -> None:
                     f"attractor picture and the test MSEs.")
     parser.add_argument("--out", default="runs/demo", help="output folder")
     parser.add_argument("--quick", action="store_true", help="a smoke run on a few images (seconds; for tests)")
-    runs.add_arguments(parser)
+    add_run_folder_arguments(parser)
     parser.set_defaults(run=lambda args: print(json.dumps(_summary(
         demo(args.out, quick=args.quick, resume=args.resume, overwrite=args.overwrite)), indent=2)))

@@ -5,6 +5,7 @@ from .attractor import Attractor, AttractorError, find_attractor
 from .energies import EnergyAttention, HopfieldMemory
 from .field import ETField
 from .gradients import implicit_fixed_point
+from .integration import Integration
 from .masks import GraphMask
 from .model import EnergyTransformer
 from .neurons import LayerNormNeuron
@@ -21,6 +22,7 @@ __all__ = [
     "EulerET",
     "Fixed",
     "Implicit",
+    "Integration",
     "SteadyState",
     "Attractor",
     "AttractorError",

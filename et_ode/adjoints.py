@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torchdiffeq import odeint, odeint_adjoint
 
-from ._integrate import Integrated, Problem, integrate
+from ._loop import Integrated, Problem, integrate
 from .solution import SolveError, Status
 from .solvers import ADAPTIVE_METHODS, FIXED_METHODS
 from .stopping import SteadyState

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from ._checks import check_mask, check_normalisable, check_tokens
-from ._integrate import Problem, Progress
+from ._loop import Problem, Progress
 from .adjoints import Gradient, as_gradient
 from .field import ETField
 from .solution import Solution, SolveError, SolveStats, Status
@@ -80,7 +80,8 @@ def solve(
         raise ValueError(f"x0 has an empty batch: shape {tuple(x0.shape)} (*batch, N, D); give at least one sample")
     check_normalisable("x0", x0)
     check_mask(field.mask, x0)
-    solver.check(x0, stop)
+    solver.check_state(x0)
+    solver.check_stop(stop)
     gradient.check(stop)
     if stop is not None:
         stop.check(x0, save)

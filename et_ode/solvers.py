@@ -11,7 +11,7 @@ Three kinds, each naming what it needs and nothing else:
 A plain string names one where that is unambiguous (:func:`as_solver`): an adaptive method's name gives
 ``Adaptive(name)``, a fixed method's ``Fixed(name)``, ``"et"`` gives ``EulerET()``. The rules between a solver and
 the other arguments of ``solve`` are methods of the solver (:meth:`~Adaptive.time_grid` checks ``t`` and the step
-budget, :meth:`~Adaptive.check` the stopping rule and the state's precision).
+budget, :meth:`~Adaptive.check_stop` the stopping rule, :meth:`~Adaptive.check_state` the state's precision).
 """
 
 from __future__ import annotations
@@ -99,8 +99,11 @@ class Adaptive:
     def name(self) -> str:
         return self.method
 
-    def check(self, x0: Tensor, stop: object) -> None:
-        """Any stopping rule works; ``x0`` must not be half precision (ValueError naming ``x0``)."""
+    def check_stop(self, stop: object) -> None:
+        """Any stopping rule works."""
+
+    def check_state(self, x0: Tensor) -> None:
+        """``x0`` must not be half precision: the error estimate and the step size underflow (ValueError naming it)."""
         check_precision("x0", x0, self.method, adaptive=True)
 
     def time_grid(self, t: Tensor | Sequence[float] | None, tau: float, device: torch.device, max_steps: int) -> Tensor:
@@ -144,11 +147,14 @@ class Fixed:
     def name(self) -> str:
         return self.method
 
-    def check(self, x0: Tensor, stop: object) -> None:
+    def check_stop(self, stop: object) -> None:
         """A stopping rule needs a ``step_size`` (ValueError naming it)."""
         if stop is not None and self.step_size is None:
             raise ValueError(f"a stop with the fixed-step method {self.method!r} needs Fixed(step_size=...): "
                              "torchdiffeq's fixed-step event loop steps by a step size, not on the grid t")
+
+    def check_state(self, x0: Tensor) -> None:
+        """Every floating-point state works (fixed steps need no error estimate)."""
 
     def time_grid(self, t: Tensor | Sequence[float] | None, tau: float, device: torch.device, max_steps: int) -> Tensor:
         """The output times ``(T,)``, float64; :class:`SolverFailure` if the steps they take exceed ``max_steps``."""
@@ -192,8 +198,11 @@ class EulerET:
     def name(self) -> str:
         return "et"
 
-    def check(self, x0: Tensor, stop: object) -> None:
+    def check_stop(self, stop: object) -> None:
         """Every stopping rule works (steps of ``alpha * tau`` until the stop or the last step)."""
+
+    def check_state(self, x0: Tensor) -> None:
+        """Every floating-point state works."""
 
     def time_grid(self, t: Tensor | Sequence[float] | None, tau: float, device: torch.device, max_steps: int) -> Tensor:
         """``t0 + k alpha tau`` for ``k = 0 .. steps``, float64; ``t`` must be None or ``(t0,)`` (ValueError naming

@@ -106,7 +106,7 @@ def test_steady_state_stops_early_below_tolerance_with_finite_difference_gradien
     ("et", "dg_dt", 1e-2, False)])
 def test_steady_state_test_and_solver_share_evaluations_at_the_same_state(monkeypatch, method, measure, tol,
                                                                          per_sample):
-    integrate_module = importlib.import_module("et_ode._integrate")
+    integrate_module = importlib.import_module("et_ode._loop")
     _, field, x0 = setup(batch=3)
     kwargs = dict(stop=SteadyState(tol, measure=measure, per_sample=per_sample), save="final")
     kwargs.update(dict(solver=EulerET(0.1, 3000)) if method == "et" else dict(t=(0.0, 1e3), solver=method))

@@ -1,0 +1,99 @@
+"""How a model integrates its ET block: the settings objects of :func:`et_ode.solve` with a horizon, in one place.
+
+The image and graph models, the CLI and ``analyze`` hold an :class:`Integration`: the same :class:`~et_ode.Adaptive`
+/ :class:`~et_ode.Fixed` / :class:`~et_ode.EulerET` solver, :class:`~et_ode.Direct` / :class:`~et_ode.Adjoint` /
+:class:`~et_ode.Implicit` gradient and :class:`~et_ode.SteadyState` stop that ``solve`` takes, plus the horizon ``t1``
+and the step budget. :meth:`Integration.to_dict` and :meth:`Integration.from_dict` write and read it as plain data
+(for checkpoints and JSON reports).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor
+
+from .adjoints import Adjoint, Direct, Gradient, Implicit, as_gradient
+from .field import ETField
+from .solution import Solution
+from .solve import solve
+from .solvers import Adaptive, EulerET, Fixed, Solver, as_solver
+from .stopping import SteadyState
+
+_KINDS: dict[str, type] = {kind.__name__: kind for kind in (Adaptive, Fixed, EulerET, Direct, Adjoint, Implicit,
+                                                             SteadyState)}
+
+
+def settings_to_dict(settings: Solver | Gradient | SteadyState) -> dict[str, Any]:
+    """A settings object as plain data: ``{"kind": class name, **fields}``."""
+    return {"kind": type(settings).__name__, **{f.name: getattr(settings, f.name) for f in dataclasses.fields(settings)}}
+
+
+def settings_from_dict(data: Mapping[str, Any]) -> Any:
+    """The settings object that :func:`settings_to_dict` wrote (ValueError naming an unknown ``kind``)."""
+    fields = dict(data)
+    kind = fields.pop("kind", None)
+    if kind not in _KINDS:
+        raise ValueError(f"settings kind must be one of {tuple(_KINDS)}, got {kind!r}")
+    return _KINDS[kind](**fields)
+
+
+@dataclass(frozen=True)
+class Integration:
+    """The arguments of :func:`et_ode.solve` that a model fixes, and its horizon.
+
+    Args:
+        solver: a solver object or a method's name (:func:`et_ode.solvers.as_solver`).
+        gradient: a gradient strategy or its name (:func:`et_ode.adjoints.as_gradient`).
+        stop: a :class:`~et_ode.SteadyState` (``t1`` is then the longest time allowed), or None.
+        t1: the horizon, from 0, positive and finite; :class:`~et_ode.EulerET` ignores it (its horizon is
+            ``steps * alpha * tau``).
+        max_steps: the solver's step budget.
+    """
+
+    solver: Solver | str = Adaptive()
+    gradient: Gradient | str = Direct()
+    stop: SteadyState | None = None
+    t1: float = 1.0
+    max_steps: int = 10_000
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "solver", as_solver(self.solver))
+        object.__setattr__(self, "gradient", as_gradient(self.gradient))
+        if self.stop is not None and not isinstance(self.stop, SteadyState):
+            raise TypeError(f"Integration.stop must be an et_ode.SteadyState or None, got {type(self.stop).__name__}")
+        if isinstance(self.t1, bool) or not isinstance(self.t1, (int, float)) or not (0 < self.t1 < math.inf):
+            raise ValueError(f"Integration.t1 must be positive and finite, got {self.t1!r}")
+        if isinstance(self.max_steps, bool) or not isinstance(self.max_steps, int) or self.max_steps < 1:
+            raise ValueError(f"Integration.max_steps must be a positive integer, got {self.max_steps!r}")
+        self.gradient.check(self.stop)
+        self.solver.check_stop(self.stop)
+
+    def replace(self, **changes: Any) -> Integration:
+        return dataclasses.replace(self, **changes)
+
+    def solve(self, field: ETField, x0: Tensor, times: Tensor | None = None, save: str = "final") -> Solution:
+        """:func:`et_ode.solve` with these settings, on ``(0, t1)`` or the given ``times`` (from 0 to the horizon,
+        saved with ``save="all"``); :class:`~et_ode.EulerET` builds its own grid."""
+        t = None if isinstance(self.solver, EulerET) else (times if times is not None else (0.0, self.t1))
+        return solve(field, x0, t, solver=self.solver, gradient=self.gradient, stop=self.stop, save=save,
+                     max_steps=self.max_steps)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (JSON-ready): each settings object as :func:`settings_to_dict`."""
+        return {"solver": settings_to_dict(self.solver), "gradient": settings_to_dict(self.gradient),
+                "stop": None if self.stop is None else settings_to_dict(self.stop), "t1": self.t1,
+                "max_steps": self.max_steps}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Integration:
+        """The inverse of :meth:`to_dict`."""
+        fields = dict(data)
+        for name in ("solver", "gradient", "stop"):
+            if isinstance(fields.get(name), Mapping):
+                fields[name] = settings_from_dict(fields[name])
+        return cls(**fields)

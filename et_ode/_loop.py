@@ -177,7 +177,8 @@ def integrate(problem: Problem, interface: Callable[..., Any], arguments: dict[s
     recorder = (AdaptiveRecorder if problem.solver.adaptive else Recorder)(
         field, problem.max_steps, keep_steps=problem.save == "steps", progress=progress)
     method, options = arguments["method"], arguments["options"]
-    stop_times, status, saved = None, Status.REACHED_END, []
+    stop_times, status = None, Status.REACHED_END
+    saved: list[tuple[float, Tensor]] = []
     try:
         if problem.stop is None and lean and lean_loop_applies(method, options):
             xs = integrate_fixed_steps(recorder, x0, grid, method, options.get("step_size"),
@@ -325,7 +326,8 @@ def _to_steady_state(recorder: Recorder, x0: Tensor, t0: Tensor, ends: Tensor, s
                 stop_times.fill_(stop_value)
         keep = ~converged
         active, x = active[keep], (x[keep] if per_sample else x)
-    x_final = torch.stack(finals) if per_sample else finals[0]
+    stopped = [x for x in finals if x is not None]  # every sample has stopped by now
+    x_final = torch.stack(stopped) if per_sample else stopped[0]
     with torch.no_grad():
         reached = bool((stop.rms(field, x_final, recorder.velocity(x_final)) < tol * (1 + 1e-6)).all())
     status = Status.STEADY_STATE if reached and float(stop_times.max()) < float(t_last) else Status.REACHED_END

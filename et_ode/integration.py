@@ -62,16 +62,17 @@ class Integration:
     max_steps: int = 10_000
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "solver", as_solver(self.solver))
-        object.__setattr__(self, "gradient", as_gradient(self.gradient))
+        solver, gradient = as_solver(self.solver), as_gradient(self.gradient)
+        object.__setattr__(self, "solver", solver)  # a name becomes its object: fields hold objects only
+        object.__setattr__(self, "gradient", gradient)
         if self.stop is not None and not isinstance(self.stop, SteadyState):
             raise TypeError(f"Integration.stop must be an et_ode.SteadyState or None, got {type(self.stop).__name__}")
         if isinstance(self.t1, bool) or not isinstance(self.t1, (int, float)) or not (0 < self.t1 < math.inf):
             raise ValueError(f"Integration.t1 must be positive and finite, got {self.t1!r}")
         if isinstance(self.max_steps, bool) or not isinstance(self.max_steps, int) or self.max_steps < 1:
             raise ValueError(f"Integration.max_steps must be a positive integer, got {self.max_steps!r}")
-        self.gradient.check(self.stop)
-        self.solver.check_stop(self.stop)
+        gradient.check(self.stop)
+        solver.check_stop(self.stop)
 
     def replace(self, **changes: Any) -> Integration:
         return dataclasses.replace(self, **changes)
@@ -85,7 +86,7 @@ class Integration:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (JSON-ready): each settings object as :func:`settings_to_dict`."""
-        return {"solver": settings_to_dict(self.solver), "gradient": settings_to_dict(self.gradient),
+        return {"solver": settings_to_dict(as_solver(self.solver)), "gradient": settings_to_dict(as_gradient(self.gradient)),
                 "stop": None if self.stop is None else settings_to_dict(self.stop), "t1": self.t1,
                 "max_steps": self.max_steps}
 

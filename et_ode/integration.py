@@ -21,7 +21,7 @@ from .adjoints import Adjoint, Direct, Gradient, Implicit, as_gradient
 from .field import ETField
 from .solution import Solution
 from .solve import solve
-from .solvers import Adaptive, EulerET, Fixed, Solver, as_solver
+from .solvers import ADAPTIVE_METHODS, FIXED_METHODS, Adaptive, EulerET, Fixed, Solver, as_solver
 from .stopping import SteadyState
 
 _KINDS: dict[str, type] = {kind.__name__: kind for kind in (Adaptive, Fixed, EulerET, Direct, Adjoint, Implicit,
@@ -73,6 +73,34 @@ class Integration:
             raise ValueError(f"Integration.max_steps must be a positive integer, got {self.max_steps!r}")
         gradient.check(self.stop)
         solver.check_stop(self.stop)
+
+    @classmethod
+    def from_options(cls, solver: str = "dopri5", *, t1: float = 1.0, rtol: float = 1e-5, atol: float = 1e-6,
+                     step: float | None = None, steps: int | None = None, gradient: str = "direct",
+                     adjoint_rtol: float | None = None, adjoint_atol: float | None = None, seminorm: bool = False,
+                     steady_state: float | None = None, max_steps: int = 10_000) -> Integration:
+        """The settings objects from flat options, as a command line or a grid search gives them.
+
+        ``solver``: a method's name (:data:`et_ode.solvers.METHODS`); ``rtol``, ``atol`` for an adaptive one (ignored
+        by the others); ``step``: a fixed method's step size (None: on the grid) or the alpha of ``"et"``, refused by
+        an adaptive method (ValueError); ``steps``: the number of steps of ``"et"`` (``step`` and ``steps`` default to
+        :class:`~et_ode.EulerET`'s); ``gradient``: ``"direct"``, ``"adjoint"`` (with ``adjoint_rtol``,
+        ``adjoint_atol``, ``seminorm``) or ``"implicit"``; ``steady_state``: the tolerance of a
+        :class:`~et_ode.SteadyState` stop (None: none); ``t1``, ``max_steps`` as in :class:`Integration`.
+        """
+        if solver in ADAPTIVE_METHODS:
+            if step is not None:
+                raise ValueError(f"step is for fixed-step methods; {solver!r} is adaptive (use rtol/atol)")
+            solver_object: Solver = Adaptive(solver, rtol, atol)
+        elif solver == "et":
+            defaults = EulerET()
+            solver_object = EulerET(defaults.alpha if step is None else step, defaults.steps if steps is None else steps)
+        else:
+            solver_object = Fixed(solver, step) if solver in FIXED_METHODS else as_solver(solver)
+        gradient_object = (Adjoint(adjoint_rtol, adjoint_atol, seminorm=seminorm) if gradient == "adjoint"
+                           else as_gradient(gradient))
+        stop = None if steady_state is None else SteadyState(steady_state)
+        return cls(solver=solver_object, gradient=gradient_object, stop=stop, t1=t1, max_steps=max_steps)
 
     def replace(self, **changes: Any) -> Integration:
         return dataclasses.replace(self, **changes)

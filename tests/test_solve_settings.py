@@ -275,3 +275,24 @@ def test_integration_round_trips_as_plain_data_and_solves_as_solve():
     assert torch.equal(paper.solve(field, x0).x, solve(field, x0, solver=EulerET(), save="final").x)
     adaptive = Integration(t1=0.5)
     assert torch.equal(adaptive.solve(field, x0).x, solve(field, x0, (0.0, 0.5), save="final").x)
+
+
+def test_flat_options_become_the_objects():
+    """What a command line or a grid search gives: one function turns it into the settings objects."""
+    paper = Integration.from_options("et", step=0.2, steps=5)
+    assert paper == Integration(solver=EulerET(0.2, 5), gradient=Direct())
+    assert Integration.from_options("et").solver == EulerET()
+    adaptive = Integration.from_options("bosh3", t1=0.6, rtol=1e-2, atol=1e-3, gradient="adjoint", seminorm=True,
+                                        adjoint_rtol=1e-3, steady_state=1e-4, max_steps=50)
+    assert adaptive == Integration(solver=Adaptive("bosh3", 1e-2, 1e-3), gradient=Adjoint(rtol=1e-3, seminorm=True),
+                                   stop=SteadyState(1e-4), t1=0.6, max_steps=50)
+    assert Integration.from_options("rk4", step=0.05).solver == Fixed("rk4", step_size=0.05)
+    assert Integration.from_options("implicit_adams").solver == Fixed("implicit_adams")
+    with pytest.raises(ValueError, match="step is for fixed-step methods"):
+        Integration.from_options("dopri5", step=0.1)
+    with pytest.raises(ValueError, match="EulerET.alpha"):
+        Integration.from_options("et", step=-1.0)
+    with pytest.raises(ValueError, match="stop=SteadyState"):
+        Integration.from_options("dopri5", gradient="implicit")
+    with pytest.raises(ValueError, match="valid methods"):
+        Integration.from_options("rk45")

@@ -297,7 +297,7 @@ def test_cli_trains_under_torchrun_and_resumes_in_one_process(tmp_path: Path, mo
 
     out = tmp_path / "run"
     options = ["train", "image", "--data", "digits", "--train-limit", "64", "--test-limit", "16", "--val-size", "8",
-               "--batch-size", "16", "--solver", "rk4", "--step", "0.2", "--t1", "0.4", "--grad", "adjoint",
+               "--batch-size", "16", "--solver", "rk4", "--step", "0.2", "--t1", "0.4", "--gradient", "adjoint",
                "--no-baselines", "--no-progress", "--threads", "1", "--out", str(out)]
     run = torchrun("cli", out, program=["-m", "et_ode.cli", *options, "--epochs", "1", "--distributed"])
     assert run.returncode == 0, run.stdout[-4000:]

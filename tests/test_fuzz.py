@@ -290,7 +290,7 @@ TRAIN_OPTIONS = {
     "--epochs": st.sampled_from(["1", "0", "-1"]), "--batch-size": st.sampled_from(["4", "0"]),
     "--lr": st.sampled_from(["0.001", "0", "nan", "inf", "-1"]), "--warmup": st.sampled_from(["0.1", "-1"]),
     "--threads": st.sampled_from(["1", "0", "100000", "two"]), "--device": st.sampled_from(["cpu", "auto", "tpu"]),
-    "--grad": st.sampled_from(["direct", "adjoint", "implicit", "x"]),
+    "--gradient": st.sampled_from(["direct", "adjoint", "implicit", "x"]),
     "--steady-state": st.sampled_from(["0.01", "0", "-1"]), "--max-steps": st.sampled_from(["10", "0"]),
 }
 

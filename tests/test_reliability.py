@@ -29,7 +29,7 @@ from tests.conftest import random_model
 from tests.test_train import NoisyRegression, linear, regression_data
 
 TINY = ["--train-limit", "32", "--test-limit", "16", "--val-size", "8", "--dim", "8", "--heads", "2", "--head-dim",
-        "4", "--solver", "et", "--step", "0.1", "--steps", "2", "--grad", "direct", "--epochs", "2", "--batch-size",
+        "4", "--solver", "et", "--step", "0.1", "--steps", "2", "--gradient", "direct", "--epochs", "2", "--batch-size",
         "16", "--no-progress", "--threads", "1", "--no-baselines"]
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -178,7 +178,7 @@ def test_a_finished_run_is_not_overwritten_or_mixed(finished, tmp_path, capsys):
     assert main(["train", "image", *TINY, "--out", str(run)]) == 2
     assert "is not empty" in capsys.readouterr().err and snapshot(run) == before
     for change, setting in ((["--hopfield", "softmax"], "hopfield"), (["--mask-ratio", "0.3"], "ratio"),
-                            (["--solver", "rk4"], "solver.method"), (["--lr", "0.01"], "train.lr")):
+                            (["--solver", "rk4"], "integration.solver.method"), (["--lr", "0.01"], "train.lr")):
         assert main(["train", "image", *TINY, *change, "--out", str(run), "--resume"]) == 2
         err = capsys.readouterr().err
         assert "the set-up differs" in err and f"\n  {setting} " in err, err

@@ -24,8 +24,6 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from ._checks import check_precision
-
 ADAPTIVE_METHODS = ("dopri5", "dopri8", "bosh3", "fehlberg2", "adaptive_heun")
 FIXED_METHODS = ("euler", "midpoint", "rk4", "explicit_adams", "implicit_adams")
 METHODS = (*ADAPTIVE_METHODS, *FIXED_METHODS, "et")
@@ -103,8 +101,12 @@ class Adaptive:
         """Any stopping rule works."""
 
     def check_state(self, x0: Tensor) -> None:
-        """``x0`` must not be half precision: the error estimate and the step size underflow (ValueError naming it)."""
-        check_precision("x0", x0, self.method, adaptive=True)
+        """``x0`` must not be half precision: step control's error estimate and step size underflow there (ValueError
+        naming ``x0``, up front instead of an "underflow in dt" after the first step)."""
+        if x0.dtype in (torch.float16, torch.bfloat16):
+            raise ValueError(f"x0 is {x0.dtype}, too coarse for the adaptive method {self.method!r}: its error estimate "
+                             f"and step size underflow. Use float32/float64 (x0.float() and model.float()), or a "
+                             f"fixed-step solver (EulerET(...), Fixed('rk4', step_size=...))")
 
     def time_grid(self, t: Tensor | Sequence[float] | None, tau: float, device: torch.device, max_steps: int) -> Tensor:
         """The output times ``(T,)``, float64 (the step budget is checked while stepping)."""

@@ -29,7 +29,9 @@ class Status(str, Enum):
 class SolveStats:
     """Statistics of one solve.
 
-    ``nfe_backward`` counts the field evaluations made after the forward solve returned (the
+    ``nfe_forward`` counts the field evaluations (``field.nfe``) until ``solve`` returned, the stopping test's and,
+    with :class:`~et_ode.Implicit`, the polishing of the end state into an attractor included; ``wall_time`` is the
+    same span's. ``nfe_backward`` counts the field evaluations made after the forward solve returned (the
     adjoint's backward pass, or the implicit solver's Hessian-vector products), so read it after
     ``loss.backward()``. ``sample_evaluations`` adds up the batch size of every forward evaluation: with
     ``SteadyState(per_sample=True)`` converged samples leave the batch, so it falls below ``nfe_forward * batch``.

@@ -88,7 +88,7 @@ def test_grid_options_are_parsed_and_checked():
         parse_grid(["lr"])
     with pytest.raises(ValueError, match="'pe_dim' changes the data encoding"):
         expand_grid({"pe_dim": [4, 8]}, config)
-    with pytest.raises(ValueError, match="'layers' is neither a GraphET argument, a dynamics option nor a TrainConfig field"):
+    with pytest.raises(ValueError, match="'layers' is neither a GraphET argument, a dynamics option nor a TrainConfig"):
         expand_grid({"layers": [1, 2]}, config)
     with pytest.raises(ValueError, match="non-empty list"):
         expand_grid({"lr": []}, config)

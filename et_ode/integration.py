@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from torch import Tensor
 
@@ -24,6 +24,7 @@ from .solve import solve
 from .solvers import ADAPTIVE_METHODS, FIXED_METHODS, Adaptive, EulerET, Fixed, Solver, as_solver
 from .stopping import SteadyState
 
+T = TypeVar("T")
 _KINDS: dict[str, type] = {kind.__name__: kind for kind in (Adaptive, Fixed, EulerET, Direct, Adjoint, Implicit,
                                                              SteadyState)}
 
@@ -40,6 +41,15 @@ def settings_from_dict(data: Mapping[str, Any]) -> Any:
     if kind not in _KINDS:
         raise ValueError(f"settings kind must be one of {tuple(_KINDS)}, got {kind!r}")
     return _KINDS[kind](**fields)
+
+
+def _named(options: str, make: Callable[[], T]) -> T:
+    """``make()``, its ValueError or TypeError prefixed with the flat ``options`` it was built from (the names a
+    command line or a grid search knows)."""
+    try:
+        return make()
+    except (ValueError, TypeError) as error:
+        raise type(error)(f"{options}: {error}") from None
 
 
 @dataclass(frozen=True)
@@ -88,19 +98,28 @@ class Integration:
         ``adjoint_atol``, ``seminorm``) or ``"implicit"``; ``steady_state``: the tolerance of a
         :class:`~et_ode.SteadyState` stop (None: none); ``t1``, ``max_steps`` as in :class:`Integration`.
         """
+        solver_object: Solver
         if solver in ADAPTIVE_METHODS:
             if step is not None:
                 raise ValueError(f"step is for fixed-step methods; {solver!r} is adaptive (use rtol/atol)")
-            solver_object: Solver = Adaptive(solver, rtol, atol)
+            solver_object = _named(f"solver={solver!r} with rtol={rtol}, atol={atol}",
+                                   lambda: Adaptive(solver, rtol, atol))
         elif solver == "et":
-            defaults = EulerET()
-            solver_object = EulerET(defaults.alpha if step is None else step, defaults.steps if steps is None else steps)
+            alpha = EulerET.alpha if step is None else step  # (the class attributes are the defaults)
+            count = EulerET.steps if steps is None else steps
+            solver_object = _named(f"solver='et' with step={step}, steps={steps}", lambda: EulerET(alpha, count))
+        elif solver in FIXED_METHODS:
+            solver_object = _named(f"solver={solver!r} with step={step}", lambda: Fixed(solver, step))
         else:
-            solver_object = Fixed(solver, step) if solver in FIXED_METHODS else as_solver(solver)
-        gradient_object = (Adjoint(adjoint_rtol, adjoint_atol, seminorm=seminorm) if gradient == "adjoint"
-                           else as_gradient(gradient))
-        stop = None if steady_state is None else SteadyState(steady_state)
-        return cls(solver=solver_object, gradient=gradient_object, stop=stop, t1=t1, max_steps=max_steps)
+            solver_object = as_solver(solver)  # ValueError listing the methods
+        gradient_object: Gradient = as_gradient(gradient) if gradient != "adjoint" else _named(
+            f"gradient='adjoint' with adjoint_rtol={adjoint_rtol}, adjoint_atol={adjoint_atol}",
+            lambda: Adjoint(adjoint_rtol, adjoint_atol, seminorm=seminorm))
+        stop = None if steady_state is None else _named(f"steady_state={steady_state}",
+                                                        lambda: SteadyState(steady_state))
+        return _named(f"gradient={gradient!r}, steady_state={steady_state}, t1={t1}, max_steps={max_steps}",
+                      lambda: cls(solver=solver_object, gradient=gradient_object, stop=stop, t1=t1,
+                                  max_steps=max_steps))
 
     def replace(self, **changes: Any) -> Integration:
         return dataclasses.replace(self, **changes)

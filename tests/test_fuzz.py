@@ -322,7 +322,7 @@ def test_cli_train_image_arguments(monkeypatch, tmp_path_factory, options, data,
         return
     names = tuple(option.lstrip("-").replace("-", "_") for option in options) + (
         "ratio", "tau", "patch", "dim", "heads", "head_dim", "memories", "lr", "batch_size", "epochs", "warmup",
-        "device", "threads", "method", "grad", "t1", "step", "steps", "steady_state", "max_steps", "visible_fraction")
+        "device", "threads", "solver", "gradient", "t1", "step", "steps", "steady_state", "max_steps", "visible_fraction")
     expect(lambda: cli_image._train_image_from_args(args), (ValueError, TypeError), names)
 
 

@@ -24,7 +24,7 @@ import torch
 from matplotlib.figure import Figure
 from torch import Tensor
 
-from et_ode import ETField, solve
+from et_ode import Adaptive, ETField, solve
 from et_ode.manifold import radial_direction
 
 from .convergence import RateFit, fit_decay
@@ -94,7 +94,8 @@ def measured_exponent(field: ETField, x0: Tensor, *, t_end: float = 1e5, points:
     grid = torch.cat([torch.zeros(1, dtype=torch.float64), torch.logspace(-2, math.log10(t_end), points - 1,
                                                                           dtype=torch.float64)])
     with torch.no_grad():
-        solution = solve(field, x0.detach(), grid.to(x0.dtype), rtol=rtol, atol=atol, max_steps=1_000_000)
+        solution = solve(field, x0.detach(), grid.to(x0.dtype), solver=Adaptive(rtol=rtol, atol=atol),
+                         max_steps=1_000_000)
     limit = find_fixed_point(field, solution.x[None], tol=1e-9, max_iter=5000).x[0]
     point = newton_critical_point(field, limit)
     neuron = field.model.neuron

@@ -19,7 +19,7 @@ import torch
 from matplotlib.figure import Figure
 from torch import Tensor
 
-from et_ode import ETField, solve
+from et_ode import Adaptive, ETField, solve
 
 from .critical_points import CriticalPoint, match_or_append, newton_critical_point, permutation_symmetric
 from .plots import EnergySlice, _finish, energy_slice
@@ -44,7 +44,8 @@ def limits(field: ETField, starts: Tensor, *, t_end: float = 50.0, rtol: float =
            atol: float = 1e-9) -> list[CriticalPoint]:
     """The critical point each start ``(S, N, D)`` flows to: :func:`et_ode.solve` to ``t_end``, descent, Newton."""
     with torch.no_grad():
-        ends = solve(field, starts.detach(), (0.0, t_end), rtol=rtol, atol=atol, save="final", max_steps=100_000).x
+        ends = solve(field, starts.detach(), (0.0, t_end), solver=Adaptive(rtol=rtol, atol=atol), save="final",
+                     max_steps=100_000).x
     descended = find_fixed_point(field, ends, tol=1e-7, max_iter=5000).x
     return [newton_critical_point(field, x) for x in descended]
 

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from matplotlib.figure import Figure
 
-from et_ode import ETField, solve
+from et_ode import Adaptive, ETField, solve
 
 from .critical_points import (
     CriticalPoint,
@@ -69,7 +69,8 @@ def follow_down(field: ETField, saddle: CriticalPoint, *, push: float = 1e-3, t_
     gamma = field.model.neuron.gamma.detach()
     starts = torch.stack([saddle.x + sign * push * saddle.lowest_mode / gamma for sign in (1.0, -1.0)])
     with torch.no_grad():
-        ends = solve(field, starts, (0.0, t_end), rtol=rtol, atol=atol, save="final", max_steps=100_000).x
+        ends = solve(field, starts, (0.0, t_end), solver=Adaptive(rtol=rtol, atol=atol), save="final",
+                     max_steps=100_000).x
     descended = find_fixed_point(field, ends, tol=1e-7, max_iter=5000).x
     return tuple(newton_critical_point(field, x) for x in descended)  # type: ignore[return-value]
 

@@ -20,7 +20,7 @@ from matplotlib.colors import LogNorm, Normalize
 from matplotlib.figure import Figure
 from torch import Tensor
 
-from et_ode import ETField, Solution, solve
+from et_ode import Adaptive, ETField, Solution, solve
 
 from .convergence import convergence_traces, flat_mask, flat_states
 
@@ -108,8 +108,8 @@ def dense_trajectory(solution: Solution, *, points: int = 200, rtol: float = 1e-
     offsets = torch.logspace(np.log10((t1 - t0) * 1e-4), np.log10(t1 - t0), points - 1, dtype=torch.float64)
     grid = torch.cat([ts[:1], t0 + offsets])
     with torch.no_grad():
-        dense = solve(solution.field, solution.xs[0].detach(), grid.to(solution.xs.dtype), rtol=rtol, atol=atol,
-                      max_steps=100_000)
+        dense = solve(solution.field, solution.xs[0].detach(), grid.to(solution.xs.dtype),
+                      solver=Adaptive(rtol=rtol, atol=atol), max_steps=100_000)
     return grid, dense.xs
 
 

@@ -18,9 +18,10 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from et_ode import METHODS, EnergyTransformer, ETField, SolveError, solve
+from et_ode import EnergyTransformer, ETField, SolveError, solve
+from et_ode.integration import settings_to_dict
 from et_ode.io import model_config
-from et_ode.solve import ADAPTIVE_METHODS
+from et_ode.solvers import Adaptive, EulerET, Solver, as_solver
 
 from .convergence import analyze_convergence, flat_mask
 from .landscape import landscape_study
@@ -101,11 +102,20 @@ def _clean(value: Any) -> Any:
     return value
 
 
+ANALYZE_SOLVER = Adaptive(rtol=1e-6, atol=1e-8)
+
+
+def _solver_text(solver: dict[str, Any]) -> str:
+    """``dopri5 (rtol 1e-06, atol 1e-08)`` from a solver's plain data (:func:`et_ode.integration.settings_to_dict`)."""
+    settings = ", ".join(f"{name} {value:.3g}" if isinstance(value, float) else f"{name} {value}"
+                         for name, value in solver.items() if name not in ("kind", "method", "options"))
+    return f"{solver['kind']} {solver.get('method', '')}".rstrip() + (f" ({settings})" if settings else "")
+
+
 def analyze(model: EnergyTransformer | PathLike | None = None, x0: Tensor | PathLike | None = None, *,
             out: PathLike = "runs/analyze", seed: int = 0, dim: int = 16, heads: int = 2, head_dim: int = 8,
             memories: int = 32, hopfield: str = "relu", tokens: int = 8, batch: int = 3, dtype: str = "float64",
-            tau: float = 1.0, method: str = "dopri5", rtol: float = 1e-6, atol: float = 1e-8,
-            step: float | None = None, steps: int | None = None, t_end: float = 30.0, points: int = 61,
+            tau: float = 1.0, solver: Solver | str = ANALYZE_SOLVER, t_end: float = 30.0, points: int = 61,
             tol: float = 1e-3, fixed_point_tol: float = 1e-7, basin_radii: list[float] | None = None,
             basin_trials: int = 3, landscape: bool = False, device: str | torch.device | None = None,
             progress: bool = True) -> Path:
@@ -118,9 +128,10 @@ def analyze(model: EnergyTransformer | PathLike | None = None, x0: Tensor | Path
             samples of ``tokens`` tokens (seeded by ``seed``).
         out: the folder to write (created; files in it are overwritten).
         dtype: ``"float64"`` (default, for tight checks) or ``"float32"``.
-        tau, method, rtol, atol, step, steps: the solve (``method="et"`` with ``step``, ``steps``: the paper's
-            Euler scheme; other fixed-step methods need ``step``).
-        t_end, points: the time span and the number of saved times (ignored by ``method="et"``).
+        tau, solver: the solve: the field's time constant and an :class:`et_ode.Adaptive`, :class:`et_ode.Fixed` or
+            :class:`et_ode.EulerET` (the paper's scheme), or a method's name (default ``Adaptive(rtol=1e-6,
+            atol=1e-8)``).
+        t_end, points: the time span and the number of saved times (ignored by :class:`et_ode.EulerET`).
         tol: convergence tolerance on RMS ``|dg/dt|`` (and on RMS ``|T dE/dg|``).
         fixed_point_tol: RMS ``|T dE/dg|`` at which the fixed-point search stops.
         basin_radii, basin_trials: the basin probe (default radii 0.01 ... 1).
@@ -133,8 +144,7 @@ def analyze(model: EnergyTransformer | PathLike | None = None, x0: Tensor | Path
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    solver = as_solver(solver)
     if not (t_end > 0 and isinstance(points, int) and points >= 3):
         raise ValueError(f"t_end must be positive and points an integer >= 3, got t_end={t_end}, points={points}")
     started = time.perf_counter()
@@ -157,10 +167,9 @@ def analyze(model: EnergyTransformer | PathLike | None = None, x0: Tensor | Path
 
     stage("solve")
     failure = None
-    grid = None if method == "et" else torch.linspace(0.0, t_end, points, dtype=torch.float64)
+    grid = None if isinstance(solver, EulerET) else torch.linspace(0.0, t_end, points, dtype=torch.float64)
     try:
-        solution = solve(field, states, grid, method=method, rtol=rtol, atol=atol, step=step, steps=steps,
-                         max_steps=100_000)
+        solution = solve(field, states, grid, solver=solver, max_steps=100_000)
     except SolveError as error:
         if error.solution is None:
             raise
@@ -198,7 +207,7 @@ def analyze(model: EnergyTransformer | PathLike | None = None, x0: Tensor | Path
     pictures: dict[str, str] = {}
     if solution.xs is not None and len(solution.ts) > 1:
         plot_convergence(solution, field, path=folder / "convergence.png")
-        plot_trajectories(solution, dense=241 if method in ADAPTIVE_METHODS else None,
+        plot_trajectories(solution, dense=241 if solver.adaptive else None,
                           path=folder / "trajectories.png")
         plot_attention(field, solution, path=folder / "attention.png")
         pictures.update(convergence="convergence.png", trajectories="trajectories.png", attention="attention.png")
@@ -233,8 +242,8 @@ def analyze(model: EnergyTransformer | PathLike | None = None, x0: Tensor | Path
     summary = {
         "model": origin, "config": config, "gamma": gamma, "tau": tau, "device": str(device),
         "initial_states": list(states.shape),
-        "solve": {"method": method, "rtol": rtol, "atol": atol, "step": step, "steps": steps, "t_end": t_end,
-                  "points": points, "failure": failure, **solution.stats.as_dict()},
+        "solve": {"solver": settings_to_dict(solver), "t_end": t_end, "points": points, "failure": failure,
+                  **solution.stats.as_dict()},
         "convergence": convergence.as_dict() if convergence else None,
         "lyapunov": lyapunov.as_dict() if lyapunov else None,
         "fixed_point": None if fixed is None else {
@@ -279,8 +288,8 @@ def _markdown(summary: dict, convergence, lyapunov, stability, final_stability, 
              f"Model: {summary['model']}; D = {config['dim']}, H = {config['heads']}, Y = {config['head_dim']}, "
              f"K = {config['memories']} ({config['hopfield']} memories), gamma = {summary['gamma']:.4g}, "
              f"eps = {config['eps']:.2g}, {config['dtype']}. Initial states: {batch} sample(s) of "
-             f"{summary['initial_states'][1]} tokens. Solve: {solve_info['method']} (rtol {solve_info['rtol']:.1g}, "
-             f"atol {solve_info['atol']:.1g}) to t = {solve_info['t_final']:.4g}, tau = {summary['tau']:.3g}: "
+             f"{summary['initial_states'][1]} tokens. Solve: {_solver_text(solve_info['solver'])} to "
+             f"t = {solve_info['t_final']:.4g}, tau = {summary['tau']:.3g}: "
              f"{solve_info['nfe_forward']} field evaluations, {solve_info['accepted_steps']} accepted / "
              f"{solve_info['rejected_steps']} rejected steps, status {solve_info['status']}.", ""]
     if solve_info["failure"]:

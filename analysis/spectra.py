@@ -22,7 +22,7 @@ from matplotlib.figure import Figure
 from torch import Tensor
 from torchdiffeq import odeint
 
-from et_ode import ETField, Solution, solve
+from et_ode import Adaptive, ETField, Solution, solve
 from et_ode.manifold import radial_direction, tangent_projection
 
 from .convergence import flat_states
@@ -131,7 +131,7 @@ def lyapunov_spectrum(field: ETField, x0: Tensor, *, count: int | None = None, d
             if intrinsic:
                 batch = odeint(fixed_scale, batch, grid, method=method, rtol=rtol, atol=atol)[-1]
             else:
-                batch = solve(field, batch, (0.0, span), method=method, rtol=rtol, atol=atol, save="final").x
+                batch = solve(field, batch, (0.0, span), solver=Adaptive(method, rtol, atol), save="final").x
             x = batch[0]
             g = neuron(batch)
             s, _ = radial_direction(g[0], delta)

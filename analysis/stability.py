@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 from torchdiffeq import odeint
 
-from et_ode import ETField, solve
+from et_ode import Adaptive, ETField, solve
 from et_ode.krylov import lanczos
 from et_ode.manifold import radial_direction, riemannian_hessian, tangent_projection
 
@@ -488,7 +488,7 @@ def flow(field: ETField, x: Tensor, duration: float, *, segments: int = 1, resta
     for _ in range(segments):
         if restart:
             x = normalize_scale(x, field.model.neuron.eps)
-        x = solve(field, x, (0.0, duration / segments), method=method, rtol=rtol, atol=atol, save="final").x.detach()
+        x = solve(field, x, (0.0, duration / segments), solver=Adaptive(method, rtol, atol), save="final").x.detach()
     return x
 
 
@@ -551,7 +551,7 @@ def lyapunov_exponent(field: ETField, x0: Tensor, *, duration: float = 10.0, ren
             with torch.no_grad():
                 pair = odeint(fixed_scale, pair, grid, method=method, rtol=rtol, atol=atol)[-1]
         else:
-            pair = solve(field, pair, (0.0, span), method=method, rtol=rtol, atol=atol, save="final").x.detach()
+            pair = solve(field, pair, (0.0, span), solver=Adaptive(method, rtol, atol), save="final").x.detach()
         with torch.no_grad():
             gs = model.neuron(pair)
         dist = _dot(gs[batch:] - gs[:batch], gs[batch:] - gs[:batch]).sqrt()

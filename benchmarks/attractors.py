@@ -5,7 +5,7 @@ Candidates, float64, from the same random initial states:
 - ``find_attractor``: the ET's flow to the hand-off, then trust-region Riemannian Newton; Lanczos certificate;
 - Riemannian gradient descent alone (``find_attractor(..., method="gradient", flow=False)``);
 - dopri5 on the ET flow, stopping on ``steady_state_measure="tangent_gradient"`` (capped in time and steps);
-- the paper's Euler loop (``method="et"``, alpha = 0.1), capped in steps.
+- the paper's Euler loop (``EulerET``, alpha = 0.1), capped in steps.
 
 "evaluations" counts field evaluations of the whole batch (a Hessian-vector product counts as one, although it
 costs about two); the capped methods report the RMS |T dE/dg| they reached (worst sample). The second table times
@@ -70,8 +70,8 @@ def methods(size: _common.Size, *, max_steps: int, euler_steps: int, t_end: floa
     field.reset_nfe()
     started = time.perf_counter()
     try:
-        out = et_ode.solve(field, x0, (0.0, t_end), rtol=1e-9, atol=1e-9, steady_state=TOL, save="final",
-                           steady_state_measure="tangent_gradient", max_steps=max_steps)
+        out = et_ode.solve(field, x0, (0.0, t_end), solver=et_ode.Adaptive(rtol=1e-9, atol=1e-9),
+                           stop=et_ode.SteadyState(TOL, measure="tangent_gradient"), save="final", max_steps=max_steps)
         reached, note, x_end = out.stats.t_final, str(out.status), out.x.detach()
     except et_ode.SolveError as error:
         reached, note, x_end = error.time, f"capped at {max_steps} steps", error.solution.x
@@ -80,7 +80,8 @@ def methods(size: _common.Size, *, max_steps: int, euler_steps: int, t_end: floa
                  f"{rms_tangent(field, x_end):.1e}", f"{note}, t = {reached:.3g}"])
 
     field.reset_nfe()
-    out, seconds = timed(lambda: et_ode.solve(field, x0, method="et", step=0.1, steps=euler_steps, save="final"))
+    out, seconds = timed(lambda: et_ode.solve(field, x0, solver=et_ode.EulerET(0.1, euler_steps),
+                                              save="final"))
     rows.append([size.name, f"paper's Euler loop (alpha 0.1, {euler_steps} steps)", field.nfe, f"{seconds:.2f}",
                  f"{rms_tangent(field, out.x.detach()):.1e}", "capped"])
 
@@ -92,8 +93,8 @@ def methods(size: _common.Size, *, max_steps: int, euler_steps: int, t_end: floa
     _, implicit_seconds = timed(loss.backward)
     implicit_evaluations = field.nfe
     horizon = float(reached)
-    adjoint = et_ode.solve(field, x0, (0.0, horizon), rtol=1e-9, atol=1e-9, grad="adjoint", save="final",
-                           max_steps=max_steps)
+    adjoint = et_ode.solve(field, x0, (0.0, horizon), solver=et_ode.Adaptive(rtol=1e-9, atol=1e-9), gradient="adjoint",
+                           save="final", max_steps=max_steps)
     loss = (weights * adjoint.g).sum()
     model.zero_grad()
     field.reset_nfe()
@@ -108,8 +109,8 @@ def done_when() -> list:
     field = et_ode.ETField(model)
     x0 = torch.randn(2, 6, 12, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     field.reset_nfe()
-    out, dopri_seconds = timed(lambda: et_ode.solve(field, x0, (0.0, 1e8), rtol=1e-9, atol=1e-9, steady_state=1e-6,
-                                                    save="final", max_steps=100_000))
+    out, dopri_seconds = timed(lambda: et_ode.solve(field, x0, (0.0, 1e8), solver=et_ode.Adaptive(rtol=1e-9, atol=1e-9),
+                                                    stop=et_ode.SteadyState(1e-6), save="final", max_steps=100_000))
     dopri_evaluations = field.nfe
     field.reset_nfe()
     found, seconds = timed(lambda: et_ode.find_attractor(field, x0))

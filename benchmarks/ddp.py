@@ -1,7 +1,7 @@
 """Training throughput (samples per second) on 1 and 2 CPU processes with DistributedDataParallel (gloo).
 
 The problem is the demo's: masked completion of scikit-learn's 8x8 digits (2x2 patches, N=16 tokens, D=32,
-H=4, Y=8, K=128, half the patches scored), float32, the paper's scheme (``method="et"``: 12 Euler steps of 0.1,
+H=4, Y=8, K=128, half the patches scored), float32, the paper's scheme (``EulerET``: 12 Euler steps of 0.1,
 so every step does the same work), global batch 64 split over the processes. Each configuration is one
 ``torchrun`` launch of this file (``--worker``) running :func:`et_ode.train.fit` for 2 epochs of ``--steps``
 batches; the rate is measured over the second epoch (the first pays for start-up). Configurations:
@@ -31,9 +31,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import table  # noqa: E402
 
-from et_ode import distributed  # noqa: E402
+from et_ode import (  # noqa: E402
+    EulerET,
+    Integration,
+    distributed,  # noqa: E402
+)
 from et_ode.data.images import load_digits  # noqa: E402
-from et_ode.models.image import CompletionTask, ImageET, SolverSettings  # noqa: E402
+from et_ode.models.image import CompletionTask, ImageET  # noqa: E402
 from et_ode.train import TrainConfig, fit  # noqa: E402
 
 CONFIGS = ((1, 1), (1, 2), (2, 1))  # (processes, threads per process)
@@ -45,8 +49,8 @@ def worker(args: argparse.Namespace) -> None:
     with distributed.session(None, device="cpu"):
         images = load_digits("train").images
         torch.manual_seed(0)
-        solver = SolverSettings(method="et", step=0.1, steps=12, grad=args.grad)
-        model = ImageET((1, 8, 8), 2, dim=32, heads=4, head_dim=8, solver=solver)
+        integration = Integration(solver=EulerET(0.1, 12), gradient=args.grad)
+        model = ImageET((1, 8, 8), 2, dim=32, heads=4, head_dim=8, integration=integration)
         config = TrainConfig(epochs=2, batch_size=args.batch, max_train_batches=args.steps, warmup=0,
                              device="cpu", progress=False)
         history = fit(model, CompletionTask(0.5), images, config=config)
@@ -94,7 +98,7 @@ def main() -> None:
             reference = reference or rate
             rows.append([grad, processes, threads, rate, rate / reference])
             print(f"  {grad}: {processes} process(es) x {threads} thread(s): {rate:.1f} samples/s", flush=True)
-    title = (f"Training samples per second, 8x8 digits, global batch {args.batch}, 12 Euler steps (method='et'); "
+    title = (f"Training samples per second, 8x8 digits, global batch {args.batch}, 12 Euler steps (EulerET); "
              f"{os.cpu_count()} CPU cores, load average {load:.1f} at the start (other jobs share the cores); "
              f"torch {torch.__version__}, gloo")
     print(table(["grad", "processes", "threads each", "samples/s", "vs 1x1"], rows, title))

@@ -204,8 +204,8 @@ def bench_euler(size: Size, reps: int, with_jax: bool, steps: int = 12) -> list[
 
         candidates[backend] = euler
     fused_field = et_ode.ETField(model)
-    candidates["fused via et_ode.solve(method='et')"] = lambda: et_ode.solve(fused_field, x, method="et", step=ALPHA,
-                                                                          steps=steps, save="final")
+    candidates["fused via et_ode.solve(EulerET)"] = lambda: et_ode.solve(fused_field, x,
+                                                                      solver=et_ode.EulerET(ALPHA, steps), save="final")
     jfield = jax_field(model) if with_jax else None
     if jfield is not None:
         run = jax_euler(jfield, steps)

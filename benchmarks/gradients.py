@@ -5,7 +5,7 @@ step is: a forward solve of exactly ``steps`` explicit Euler steps of size 0.1 (
 (squared error of the final ``g`` to a fixed target), and ``loss.backward()`` to every parameter, by
 
 - ``direct``: backpropagation through the solver's operations (memory grows with the steps),
-- ``adjoint``: torchdiffeq's adjoint (``grad="adjoint"``: a backward solve with the same steps),
+- ``adjoint``: torchdiffeq's adjoint (``gradient="adjoint"``: a backward solve with the same steps),
 - ``implicit``: the forward without a graph, then ``et_ode.implicit_fixed_point(field, x_final)`` (conjugate
   gradients on the Riemannian Hessian; at 10 and 100 steps the state is not converged, so these gradients are
   not meaningful there: the row measures cost only).
@@ -85,10 +85,10 @@ def training_step(mode: str, steps: int, field: et_ode.ETField, x0: torch.Tensor
     start = time.perf_counter()
     if mode == "implicit":
         with torch.no_grad():
-            x_final = et_ode.solve(field, x0, t, method="euler", step=STEP, save="final").x
+            x_final = et_ode.solve(field, x0, t, solver=et_ode.Fixed("euler", STEP), save="final").x
         g_final = et_ode.implicit_fixed_point(field, x_final, max_iter=implicit_iter)
     else:
-        g_final = et_ode.solve(field, x0, t, method="euler", step=STEP, grad=mode, save="final").g
+        g_final = et_ode.solve(field, x0, t, solver=et_ode.Fixed("euler", STEP), gradient=mode, save="final").g
     loss = (g_final - target).square().mean()
     forward = time.perf_counter() - start
     nfe_forward = field.nfe

@@ -1,8 +1,8 @@
 """Cost of reaching the attractor: each solver to RMS |dg/dt| < 1e-4, from the same initial states.
 
-For every torchdiffeq method and the paper's scheme (``method="et"``: explicit Euler with alpha = 0.1, run until
+For every torchdiffeq method and the paper's scheme (``EulerET``: explicit Euler with alpha = 0.1, run until
 the same criterion), reports the field evaluations (NFE; includes the stopping test's evaluations), accepted steps,
-stopping time and wall time of ``et_ode.solve(..., steady_state=tol)``, with the fused field (the default).
+stopping time and wall time of ``et_ode.solve(..., stop=SteadyState(tol))``, with the fused field (the default).
 Then, at the 28x28 size with batch 64, a dopri5 solve to the same criterion: the fraction of its wall time spent
 inside the field, a torch.profiler table of where the time goes, and (where ``jax`` is installed) its wall time
 against a jit-compiled JAX Euler loop (the paper's scheme, alpha = 0.1, written in ``benchmarks/field.py`` from
@@ -49,20 +49,20 @@ class TimedField(et_ode.ETField):
 def run_method(model: et_ode.EnergyTransformer, x0: torch.Tensor, method: str, tol: float, t_end: float,
                step: float, rtol: float, atol: float, max_steps: int) -> list[object]:
     field = et_ode.ETField(model)
-    kwargs: dict[str, object] = dict(steady_state=tol, save="final", max_steps=max_steps)
+    kwargs: dict[str, object] = dict(stop=et_ode.SteadyState(tol), save="final", max_steps=max_steps)
     if method == "et":
-        kwargs.update(step=ALPHA, steps=int(t_end / ALPHA))
+        kwargs.update(solver=et_ode.EulerET(ALPHA, int(t_end / ALPHA)))
         label = f"et (paper: Euler, alpha={ALPHA})"
     elif method in ADAPTIVE:
-        kwargs.update(t=(0.0, t_end), rtol=rtol, atol=atol)
+        kwargs.update(t=(0.0, t_end), solver=et_ode.Adaptive(method, rtol, atol))
         label = f"{method} (rtol={rtol:g}, atol={atol:g})"
     else:
-        kwargs.update(t=(0.0, t_end), step=step)
+        kwargs.update(t=(0.0, t_end), solver=et_ode.Fixed(method, step))
         label = f"{method} (step={step:g})"
     start = time.perf_counter()
     try:
         with torch.no_grad():
-            solution = et_ode.solve(field, x0, method=method, **kwargs)
+            solution = et_ode.solve(field, x0, **kwargs)
     except et_ode.SolveError as error:
         return [label, "failed", "", "", "", time.perf_counter() - start, str(error)[:60]]
     stats = solution.stats
@@ -85,8 +85,8 @@ def method_table(size: Size, methods: list[str], args: argparse.Namespace) -> st
 
 def _steady_state_kwargs(args: argparse.Namespace) -> dict[str, object]:
     """``solve`` options of an adaptive solve to the command line's steady-state criterion."""
-    return dict(t=(0.0, args.t_end), rtol=args.rtol, atol=args.atol, steady_state=args.tol, save="final",
-                max_steps=args.max_steps)
+    return dict(t=(0.0, args.t_end), solver=et_ode.Adaptive("dopri5", args.rtol, args.atol),
+                stop=et_ode.SteadyState(args.tol), save="final", max_steps=args.max_steps)
 
 
 def profile_dopri5(size: Size, args: argparse.Namespace) -> str:
@@ -100,7 +100,7 @@ def profile_dopri5(size: Size, args: argparse.Namespace) -> str:
     kwargs = _steady_state_kwargs(args)
     with torch.no_grad():
         start = time.perf_counter()
-        solution = et_ode.solve(field, x0, method="dopri5", **kwargs)
+        solution = et_ode.solve(field, x0, **kwargs)
         wall = time.perf_counter() - start
     in_field = field.seconds
     nfe = solution.stats.nfe_forward
@@ -111,7 +111,7 @@ def profile_dopri5(size: Size, args: argparse.Namespace) -> str:
         ["fraction of wall time in the field", in_field / wall], ["ms per field evaluation", 1e3 * in_field / nfe]],
         f"dopri5 to RMS |dg/dt| < {args.tol:g}: {size.name}, batch {size.batch} (fused field, float32)")
     with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        et_ode.solve(et_ode.ETField(model), x0, method="dopri5", **kwargs)
+        et_ode.solve(et_ode.ETField(model), x0, **kwargs)
     ops = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
     return summary + "\n\ntorch.profiler, the same solve (self CPU time per op):\n" + ops
 
@@ -158,9 +158,9 @@ def versus_jax(size: Size, args: argparse.Namespace) -> str:
     field = et_ode.ETField(model)
     kwargs = _steady_state_kwargs(args)
     with torch.no_grad():
-        et_ode.solve(field, x0, method="dopri5", **{**kwargs, "t": (0.0, 1.0)})  # warm-up
+        et_ode.solve(field, x0, **{**kwargs, "t": (0.0, 1.0)})  # warm-up
         start = time.perf_counter()
-        solution = et_ode.solve(field, x0, method="dopri5", **kwargs)
+        solution = et_ode.solve(field, x0, **kwargs)
         ours = time.perf_counter() - start
     jax_result = jax_euler_to_steady_state(model, x0, args.tol, args.jax_max_steps)
     rows = [["et_ode.solve dopri5 (fused)", solution.stats.nfe_forward, solution.stats.t_final,

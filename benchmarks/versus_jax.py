@@ -8,10 +8,10 @@ is timed interleaved with its JAX counterpart in one run, so the ratios hold on 
 Per size, one table row each:
 
 - ``field``: one evaluation of ``dx/dt`` (``ETField``, no gradients) against the jit-compiled JAX field;
-- ``12-step solve``: the public ``et_ode.solve(field, x0, method="et", step=0.1, steps=12, save="final")`` against
+- ``12-step solve``: the public ``et_ode.solve(field, x0, solver=EulerET(0.1, 12), save="final")`` against
   one jit-compiled ``lax.fori_loop`` of 12 Euler steps;
 - ``solve overhead``: that solve against a bare Python loop of the same 12 field calls (``x = x + 0.1 * f(t, x)``);
-- ``training step``: the 12-step solve with gradients (``grad="direct"``), a squared error of the final ``g`` and
+- ``training step``: the 12-step solve with gradients (``gradient="direct"``), a squared error of the final ``g`` and
   ``backward()`` to every parameter, against ``jax.jit(jax.grad(loss))`` of the unrolled 12-step loop (the same
   parameters: WK, WQ, xi, delta, gamma).
 
@@ -140,7 +140,7 @@ def compare_size(size: Size, reps: int, statistic: str, clock: str) -> list[list
 
     def train_step() -> None:
         model.zero_grad(set_to_none=True)
-        solution = et_ode.solve(field, x, method="et", step=ALPHA, steps=STEPS, save="final")
+        solution = et_ode.solve(field, x, solver=et_ode.EulerET(ALPHA, STEPS), save="final")
         (solution.g - target).square().mean().backward()
 
     with torch.no_grad():
@@ -148,7 +148,7 @@ def compare_size(size: Size, reps: int, statistic: str, clock: str) -> list[list
             "field": lambda: field(t0, x),
             "jax field": lambda: jax.block_until_ready(jax_code["field"](xj)),
             "bare loop": bare_loop,
-            "solve": lambda: et_ode.solve(field, x, method="et", step=ALPHA, steps=STEPS, save="final"),
+            "solve": lambda: et_ode.solve(field, x, solver=et_ode.EulerET(ALPHA, STEPS), save="final"),
             "jax loop": lambda: jax.block_until_ready(jax_code["euler"](xj)),
         }, reps, statistic=statistic, clock=clock)
     train_times = interleaved({
@@ -166,19 +166,18 @@ def compare_size(size: Size, reps: int, statistic: str, clock: str) -> list[list
     ]
 
 
+_LOOSE, _TIGHT = et_ode.Adaptive(rtol=1e-3, atol=1e-4), et_ode.Adaptive(rtol=1e-5, atol=1e-6)
+_SPAN = (0.0, ALPHA * STEPS)
 ADJOINT_CONFIGS: dict[str, dict[str, object]] = {
-    "Euler-12, direct": dict(method="et", step=ALPHA, steps=STEPS),
-    "Euler-12, adjoint": dict(method="et", step=ALPHA, steps=STEPS, grad="adjoint"),
-    "dopri5 rtol 1e-3, direct": dict(t=(0.0, ALPHA * STEPS), rtol=1e-3, atol=1e-4),
-    "dopri5 rtol 1e-3, adjoint": dict(t=(0.0, ALPHA * STEPS), rtol=1e-3, atol=1e-4, grad="adjoint"),
-    "dopri5 rtol 1e-3, adjoint, seminorm": dict(t=(0.0, ALPHA * STEPS), rtol=1e-3, atol=1e-4, grad="adjoint",
-                                                seminorm=True),
-    "dopri5 rtol 1e-5, adjoint": dict(t=(0.0, ALPHA * STEPS), rtol=1e-5, atol=1e-6, grad="adjoint"),
-    "dopri5 rtol 1e-5, adjoint, seminorm": dict(t=(0.0, ALPHA * STEPS), rtol=1e-5, atol=1e-6, grad="adjoint",
-                                                seminorm=True),
-    "dopri5 rtol 1e-5, adjoint rtol 1e-3, seminorm": dict(t=(0.0, ALPHA * STEPS), rtol=1e-5, atol=1e-6,
-                                                          grad="adjoint", adjoint_rtol=1e-3, adjoint_atol=1e-4,
-                                                          seminorm=True),
+    "Euler-12, direct": dict(solver=et_ode.EulerET(ALPHA, STEPS)),
+    "Euler-12, adjoint": dict(solver=et_ode.EulerET(ALPHA, STEPS), gradient="adjoint"),
+    "dopri5 rtol 1e-3, direct": dict(t=_SPAN, solver=_LOOSE),
+    "dopri5 rtol 1e-3, adjoint": dict(t=_SPAN, solver=_LOOSE, gradient="adjoint"),
+    "dopri5 rtol 1e-3, adjoint, seminorm": dict(t=_SPAN, solver=_LOOSE, gradient=et_ode.Adjoint(seminorm=True)),
+    "dopri5 rtol 1e-5, adjoint": dict(t=_SPAN, solver=_TIGHT, gradient="adjoint"),
+    "dopri5 rtol 1e-5, adjoint, seminorm": dict(t=_SPAN, solver=_TIGHT, gradient=et_ode.Adjoint(seminorm=True)),
+    "dopri5 rtol 1e-5, adjoint rtol 1e-3, seminorm": dict(t=_SPAN, solver=_TIGHT,
+                                                          gradient=et_ode.Adjoint(rtol=1e-3, atol=1e-4, seminorm=True)),
 }
 
 

@@ -93,12 +93,3 @@ def check_normalisable(name: str, x: Tensor) -> Tensor:
                          f"{torch.finfo(x.dtype).max:.3g}); rescale {name} or use float64 ({name}.double() and "
                          f"model.double())")
     return x
-
-
-def check_precision(name: str, x: Tensor, method: str, adaptive: bool) -> None:
-    """Adaptive step control cannot work in half precision (the error estimate and the time underflow):
-    ValueError up front instead of an "underflow in dt" after the first step."""
-    if adaptive and x.dtype in (torch.float16, torch.bfloat16):
-        raise ValueError(f"{name} is {x.dtype}, too coarse for the adaptive method {method!r}: its error estimate "
-                         f"and step size underflow. Use float32/float64 ({name}.float() and model.float()), or a "
-                         f"fixed-step method ('et', 'euler', 'rk4' with step=...)")

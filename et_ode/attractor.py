@@ -49,6 +49,8 @@ from ._checks import check_mask, check_tokens
 from .field import ETField
 from .krylov import lanczos
 from .manifold import euclidean_hessian, radial_direction, riemannian_hessian, tangent_projection
+from .solvers import Adaptive
+from .stopping import SteadyState
 
 METHODS = ("newton", "gradient")
 
@@ -354,8 +356,8 @@ def _flow(field: ETField, x: Tensor, *, handoff: float, segment: float, max_segm
         if not len(active):
             break
         bound = field.with_mask(full_mask[active]) if per_sample_mask else field
-        out = solve(bound, _mean_scale(x[active]), (0.0, segment * field.tau), rtol=rtol, atol=atol,
-                    steady_state=handoff, steady_state_measure="tangent_gradient", per_sample=True, save="final",
+        out = solve(bound, _mean_scale(x[active]), (0.0, segment * field.tau), solver=Adaptive(rtol=rtol, atol=atol),
+                    stop=SteadyState(handoff, measure="tangent_gradient", per_sample=True), save="final",
                     max_steps=100_000)
         x[active] = out.x.detach()
         done = out.stats.stop_times < segment * field.tau * (1 - 1e-12)

@@ -187,7 +187,7 @@ def local_device(device: torch.device) -> torch.device:
 def wrap(model: nn.Module, device: torch.device, *, find_unused_parameters: bool = True) -> nn.Module:
     """``DistributedDataParallel(model)`` when several processes run, else ``model`` itself.
 
-    ``find_unused_parameters=True`` (the default) suits every gradient mode: with ``grad="implicit"`` the start
+    ``find_unused_parameters=True`` (the default) suits every gradient mode: with ``gradient=Implicit()`` the start
     ``x0`` gets no gradient (the fixed point does not depend on it), so parameters that only make ``x0`` (an
     encoder, positions) are unused and DDP must know it. With the other modes it costs one walk over the autograd
     graph per step, small next to an ODE solve, and PyTorch prints a one-time warning on each rank that no unused

@@ -78,7 +78,7 @@ class _ImplicitRerouting(torch.autograd.Function):
             warnings.warn(
                 f"implicit gradient: conjugate gradients stopped after {iterations} iterations with relative "
                 f"residual {float(residual.max()):.3g} > tol={ctx.tol}; the fixed point may not be a stable "
-                "attractor (Riemannian Hessian not positive definite) or needs more iterations (implicit_max_iter)",
+                "attractor (Riemannian Hessian not positive definite) or needs more iterations (max_iter)",
                 RuntimeWarning, stacklevel=2)
         return v, -w.detach(), None, None, None, None
 
@@ -147,7 +147,8 @@ class _AttractorRerouting(torch.autograd.Function):
             if bool((residual > ctx.tol).any()):
                 warnings.warn(
                     f"implicit gradient at the attractor: conjugate gradients stopped after {iterations} iterations "
-                    f"with relative residual {float(residual.max()):.3g} > tol={ctx.tol} (implicit_max_iter)",
+                    f"with relative residual {float(residual.max()):.3g} > tol={ctx.tol} (raise Implicit(max_iter=...) "
+                    "in solve, implicit_max_iter in find_attractor)",
                     RuntimeWarning, stacklevel=2)
             w_out[index] = neuron.hessian_vector(x, w) if geometry else w
         return v, -w_out.detach(), None, None, None, None, None, None

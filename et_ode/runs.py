@@ -127,7 +127,7 @@ def _flat(values: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def differences(saved: dict[str, Any], now: dict[str, Any], may_change: Iterable[str] = ()) -> list[tuple[str, Any, Any]]:
-    """``(setting, saved, now)`` for every dotted setting (e.g. ``"solver.method"``) that differs, except those
+    """``(setting, saved, now)`` for every dotted setting (e.g. ``"integration.solver.method"``) that differs, except those
     in ``may_change`` (or under one of them)."""
     allowed = tuple(may_change)
     a, b = _flat(json.loads(json.dumps(saved))), _flat(json.loads(json.dumps(now)))

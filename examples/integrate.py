@@ -13,7 +13,7 @@ matplotlib.use("Agg")
 import torch
 from matplotlib import pyplot as plt
 
-from et_ode import EnergyTransformer, ETField, solve
+from et_ode import Adaptive, EnergyTransformer, ETField, solve
 
 
 def main() -> None:
@@ -27,7 +27,7 @@ def main() -> None:
     field = ETField(model)
     x0 = torch.randn(4, 10, 16)  # 4 samples of 10 tokens in R^16
     with torch.no_grad():
-        solution = solve(field, x0, torch.linspace(0.0, args.t1, 101), method="dopri5", rtol=1e-6, atol=1e-7)
+        solution = solve(field, x0, torch.linspace(0.0, args.t1, 101), solver=Adaptive(rtol=1e-6, atol=1e-7))
         rms = torch.stack([field.rms_dg_dt(x) for x in solution.xs])  # (T, 4)
     print(f"NFE {solution.stats.nfe_forward}, steps {solution.stats.accepted_steps} accepted / "
           f"{solution.stats.rejected_steps} rejected, final energies {solution.energies[-1].tolist()}")

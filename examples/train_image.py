@@ -9,7 +9,7 @@ README's Fashion-MNIST run. Rerunning continues from the checkpoint in --out.
 import argparse
 import json
 
-from et_ode.models import SolverSettings
+from et_ode import EulerET, Integration
 from et_ode.tasks.image import ImageRunConfig, complete, train_image
 from et_ode.train import TrainConfig
 
@@ -22,7 +22,7 @@ def main() -> None:
 
     config = ImageRunConfig(
         data="digits", patch=4, dim=32, heads=4, head_dim=8, ratio=0.5,
-        solver=SolverSettings(method="et", step=0.1, steps=12, grad="direct"),  # the paper's 12 Euler steps
+        integration=Integration(solver=EulerET(alpha=0.1, steps=12), gradient="direct"),  # the paper's 12 Euler steps
         train=TrainConfig(epochs=args.epochs, batch_size=32, lr=2e-3, out_dir=args.out, resume=True),
     )
     results = train_image(config)

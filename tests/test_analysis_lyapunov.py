@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from et_ode import ETField, SolveError, solve
+from et_ode import ETField, EulerET, Fixed, SolveError, solve
 from et_ode.analysis.lyapunov import check_lyapunov, metric_spectrum
 
 from .conftest import random_model
@@ -31,7 +31,8 @@ def test_passes_on_rk4_steps_with_a_mask_and_dense_recheck_agrees():
     field = ETField(model)
     x0 = torch.randn(2, 5, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     mask = torch.rand(2, 5, 5, generator=torch.Generator().manual_seed(1)) < 0.7
-    solution = solve(field, x0, (0.0, 5.0), method="rk4", step=0.05, save="steps", mask=mask)
+    field = field.with_mask(mask)
+    solution = solve(field, x0, (0.0, 5.0), solver=Fixed("rk4", step_size=0.05), save="steps")
     report = check_lyapunov(solution, field, match_rtol=1e-3)  # tight: forces dense re-evaluations
     assert report.all_passed, report.table()
     assert report.dense_rechecks > 0 and report.intervals == len(solution.ts) - 1
@@ -42,7 +43,7 @@ def test_flags_euler_step_far_too_large():
     model = random_model(seed=3)
     field = ETField(model)
     x0 = torch.randn(3, 6, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    solution = solve(field, x0, method="et", step=3.0, steps=10)
+    solution = solve(field, x0, solver=EulerET(3.0, 10))
     report = check_lyapunov(solution, field)
     assert not any(report.passed)
     assert all(not ok for ok in report.follows_rate)
@@ -51,7 +52,7 @@ def test_flags_euler_step_far_too_large():
     assert first.t_start == pytest.approx(0.0) and first.t_end == pytest.approx(3.0)  # the first step is caught
     assert first.size > first.allowed
     # the same model with a small step follows the ODE
-    fine = check_lyapunov(solve(field, x0, method="et", step=0.002, steps=200), field)
+    fine = check_lyapunov(solve(field, x0, solver=EulerET(0.002, 200)), field)
     assert fine.all_passed, fine.table()
 
 

@@ -8,7 +8,7 @@ import matplotlib.image
 import pytest
 import torch
 
-from et_ode import ETField, solve
+from et_ode import Adaptive, ETField, solve
 from et_ode.analysis.plots import (
     dense_trajectory,
     energy_slice,
@@ -127,7 +127,7 @@ def test_dense_trajectory_starts_at_t0_and_resolves_the_early_motion(solved):
     assert float(times[0]) == 0.0 and float(times[-1]) == pytest.approx(10.0) and len(times) == 60
     assert torch.equal(states[0], batched.xs[0])
     # an independent tight solve to the same times agrees (the dense path is the ODE's, not an interpolation)
-    reference = solve(field, batched.xs[0], times, rtol=1e-11, atol=1e-13)
+    reference = solve(field, batched.xs[0], times, solver=Adaptive(rtol=1e-11, atol=1e-13))
     neuron = field.model.neuron
     assert torch.allclose(neuron(states), neuron(reference.xs.detach()), atol=1e-5)  # ReLU kinks: ~2e-6
     # the first saved interval (0 to 0.5) holds many dense points: the early motion is no longer one chord

@@ -69,12 +69,12 @@ def test_run_analyze_and_bad_inputs(tmp_path: Path):
     parser = add_analyze_arguments(argparse.ArgumentParser())
     args = parser.parse_args(["--out", str(tmp_path / "cli"), "--dim", "8", "--heads", "1", "--head-dim", "4",
                               "--memories", "8", "--tokens", "4", "--batch", "1", "--t-end", "5", "--points", "11",
-                              "--method", "rk4", "--step", "0.05", "--no-progress"])
+                              "--solver", "rk4", "--step", "0.05", "--no-progress"])
     folder = run_analyze(args)
     _, data = check_folder(folder)
-    assert data["solve"]["method"] == "rk4" and data["initial_states"] == [1, 4, 8]
+    assert data["solve"]["solver"]["method"] == "rk4" and data["initial_states"] == [1, 4, 8]
     with pytest.raises(ValueError, match="--step"):
-        run_analyze(parser.parse_args(["--method", "rk4", "--out", str(tmp_path / "x")]))
+        run_analyze(parser.parse_args(["--solver", "rk4", "--out", str(tmp_path / "x")]))
     with pytest.raises(ValueError, match="x0 must have shape"):
         analyze(None, torch.zeros(2, 3, 5), out=tmp_path / "bad", **{k: v for k, v in SMALL.items() if k != "dim"})
     with pytest.raises(FileNotFoundError, match="x0"):

@@ -37,7 +37,8 @@ def test_certifies_a_critical_point_on_the_limit_spheres_that_the_flow_reaches()
     # got after t = 1e4 lands on the same point
     from analysis.stability import find_fixed_point
 
-    ends = et_ode.solve(field, x0, torch.tensor([0.0, 1e2, 1e4], dtype=torch.float64), rtol=1e-9, atol=1e-9)
+    ends = et_ode.solve(field, x0, torch.tensor([0.0, 1e2, 1e4], dtype=torch.float64),
+                        solver=et_ode.Adaptive(rtol=1e-9, atol=1e-9))
     distance = (model.neuron(ends.xs[1:]) - g).flatten(2).norm(dim=-1)
     assert bool((distance[1] < distance[0]).all()) and bool((found.energy < ends.energies[-1]).all())
     descended = find_fixed_point(field, ends.xs[-1], tol=1e-10)

@@ -11,7 +11,7 @@ from et_ode.tasks.image import load_trained
 from et_ode.train import load_checkpoint
 
 TINY = ["--train-limit", "48", "--test-limit", "24", "--dim", "8", "--heads", "2", "--head-dim", "4",
-        "--solver", "et", "--step", "0.1", "--steps", "3", "--grad", "direct", "--epochs", "2", "--batch-size", "16",
+        "--solver", "et", "--step", "0.1", "--steps", "3", "--gradient", "direct", "--epochs", "2", "--batch-size", "16",
         "--no-progress", "--threads", "1"]
 
 
@@ -104,6 +104,6 @@ def test_help_is_complete(argv, capsys):
     text = capsys.readouterr().out
     assert "usage: et-ode" in text
     if argv[:2] == ["train", "image"]:
-        for option in ("--data", "--patch", "--mask-ratio", "--solver", "--rtol", "--steps", "--grad", "--epochs",
+        for option in ("--data", "--patch", "--mask-ratio", "--solver", "--rtol", "--steps", "--gradient", "--epochs",
                        "--out", "--resume", "--steady-state"):
             assert option in text

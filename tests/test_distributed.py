@@ -22,11 +22,10 @@ from typing import Any
 import pytest
 import torch
 
-from et_ode import distributed
+from et_ode import Adaptive, Fixed, Integration, SteadyState, distributed
 from et_ode.models.image import (
     CompletionTask,
     ImageET,
-    SolverSettings,
     evaluate_completion,
     masked_mse,
     patchify,
@@ -97,11 +96,12 @@ def random_mask_run() -> dict[str, torch.Tensor]:
 
 def make_model(grad: str) -> ImageET:
     if grad == "implicit":
-        solver = SolverSettings(method="dopri5", t1=200.0, rtol=1e-7, atol=1e-8, grad="implicit", steady_state=2e-3)
+        integration = Integration(solver=Adaptive(rtol=1e-7, atol=1e-8), gradient="implicit", stop=SteadyState(2e-3),
+                                  t1=200.0, max_steps=2000)
     else:
-        solver = SolverSettings(method="rk4", step=0.1, t1=0.3, grad=grad)
+        integration = Integration(solver=Fixed("rk4", step_size=0.1), gradient=grad, t1=0.3, max_steps=2000)
     torch.manual_seed(0)
-    return ImageET(IMAGE_SHAPE, PATCH, dim=8, heads=2, head_dim=4, memories=16, solver=solver).double()
+    return ImageET(IMAGE_SHAPE, PATCH, dim=8, heads=2, head_dim=4, memories=16, integration=integration).double()
 
 
 def _steps(grad: str) -> dict[str, int]:
@@ -297,7 +297,7 @@ def test_cli_trains_under_torchrun_and_resumes_in_one_process(tmp_path: Path, mo
 
     out = tmp_path / "run"
     options = ["train", "image", "--data", "digits", "--train-limit", "64", "--test-limit", "16", "--val-size", "8",
-               "--batch-size", "16", "--solver", "rk4", "--step", "0.2", "--t1", "0.4", "--grad", "adjoint",
+               "--batch-size", "16", "--solver", "rk4", "--step", "0.2", "--t1", "0.4", "--gradient", "adjoint",
                "--no-baselines", "--no-progress", "--threads", "1", "--out", str(out)]
     run = torchrun("cli", out, program=["-m", "et_ode.cli", *options, "--epochs", "1", "--distributed"])
     assert run.returncode == 0, run.stdout[-4000:]

@@ -12,21 +12,21 @@ import pytest
 import torch
 from torchdiffeq import odeint
 
-from et_ode import ETField, SolveError, Status, solve
+from et_ode import ETField, EulerET, Fixed, SolveError, Status, solve
 from et_ode._checks import all_finite
 from tests.conftest import random_model
 
-solve_module = importlib.import_module("et_ode.solve")  # the module (et_ode.solve is the function)
+integrate_module = importlib.import_module("et_ode._loop")  # where the loop is chosen
 
 # (method, solve arguments): the paper's scheme on its own grid, fixed methods on the output grid and with a step
 # that does not divide the output times (outputs interpolated inside a step)
 CASES = [
-    ("et", dict(step=0.1, steps=12)),
-    ("euler", dict(t=torch.linspace(0.0, 1.0, 6, dtype=torch.float64))),
-    ("euler", dict(t=torch.linspace(0.0, 1.0, 5, dtype=torch.float64), step=0.07)),
-    ("midpoint", dict(t=torch.linspace(0.0, 1.2, 4, dtype=torch.float64), step=0.09)),
-    ("rk4", dict(t=(0.5, 1.5), step=0.15)),
-    ("rk4", dict(t=torch.linspace(0.0, 0.9, 4, dtype=torch.float64))),
+    ("et", dict(solver=EulerET(0.1, 12))),
+    ("euler", dict(t=torch.linspace(0.0, 1.0, 6, dtype=torch.float64), solver="euler")),
+    ("euler", dict(t=torch.linspace(0.0, 1.0, 5, dtype=torch.float64), solver=Fixed("euler", step_size=0.07))),
+    ("midpoint", dict(t=torch.linspace(0.0, 1.2, 4, dtype=torch.float64), solver=Fixed("midpoint", step_size=0.09))),
+    ("rk4", dict(t=(0.5, 1.5), solver=Fixed("rk4", step_size=0.15))),
+    ("rk4", dict(t=torch.linspace(0.0, 0.9, 4, dtype=torch.float64), solver=Fixed("rk4"))),
 ]
 
 
@@ -40,7 +40,7 @@ def setup(dtype: torch.dtype, seed: int = 0):
 def torchdiffeq_loop(monkeypatch, *args, **kwargs):
     """``solve`` with the lean loop switched off."""
     with monkeypatch.context() as patch:
-        patch.setattr(solve_module, "lean_loop_applies", lambda method, options: False)
+        patch.setattr(integrate_module, "lean_loop_applies", lambda method, options: False)
         return solve(*args, **kwargs)
 
 
@@ -60,8 +60,8 @@ def test_states_and_statistics_equal_torchdiffeq_bit_for_bit(monkeypatch, dtype,
     x0_copy = x0.clone()
     for grad_enabled in (False, True):
         with torch.set_grad_enabled(grad_enabled):
-            lean = solve(field, x0, method=method, save=save, **kwargs)
-            reference = torchdiffeq_loop(monkeypatch, field, x0, method=method, save=save, **kwargs)
+            lean = solve(field, x0, save=save, **kwargs)
+            reference = torchdiffeq_loop(monkeypatch, field, x0, save=save, **kwargs)
         assert torch.equal(lean.x, reference.x) and torch.equal(lean.g, reference.g)
         assert (lean.xs is None) == (reference.xs is None) == (save == "final")
         if save != "final":
@@ -78,7 +78,7 @@ def test_gradients_equal_torchdiffeq_bit_for_bit(monkeypatch, method, kwargs):
     inputs = (x0, *model.parameters())
     grads = []
     for run in (solve, lambda *a, **k: torchdiffeq_loop(monkeypatch, *a, **k)):
-        solution = run(field, x0, method=method, **kwargs)
+        solution = run(field, x0, **kwargs)
         loss = (solution.xs[1:].sum(dim=0) * weights).sum() + solution.g.square().sum()
         grads.append(torch.autograd.grad(loss, inputs, allow_unused=True))
     for lean, reference in zip(*grads, strict=True):
@@ -92,7 +92,7 @@ def test_paper_scheme_equals_odeint_on_its_grid_in_bfloat16():
     model, _, x0 = setup(torch.float64)
     model = model.to(torch.bfloat16)
     field, x0 = ETField(model), x0.to(torch.bfloat16)
-    solution = solve(field, x0, method="et", step=0.1, steps=5)
+    solution = solve(field, x0, solver=EulerET(0.1, 5))
     with torch.no_grad():
         reference = odeint(field, x0, solution.ts, method="euler")
     assert torch.equal(solution.xs, reference)
@@ -109,7 +109,7 @@ def test_non_finite_state_fails_as_torchdiffeq_does(monkeypatch, t, fail_time, s
     for run in (solve, lambda *a, **k: torchdiffeq_loop(monkeypatch, *a, **k)):
         field.reset_nfe()
         with pytest.raises(SolveError, match="non-finite") as info:
-            run(field, x0, grid, method="euler", save="final")
+            run(field, x0, grid, solver="euler", save="final")
         errors.append((info.value, field.nfe))
     (lean, lean_nfe), (reference, reference_nfe) = errors
     assert str(lean) == str(reference) and lean.time == reference.time == fail_time
@@ -125,9 +125,9 @@ def test_non_finite_state_fails_as_torchdiffeq_does(monkeypatch, t, fail_time, s
 def test_fixed_steps_beyond_max_steps_are_refused_before_solving():
     _, field, x0 = setup(torch.float64)
     with pytest.raises(SolveError, match="max_steps=10"):
-        solve(field, x0, method="et", step=0.1, steps=11, max_steps=10)
+        solve(field, x0, solver=EulerET(0.1, 11), max_steps=10)
     assert field.nfe == 0
-    assert solve(field, x0, method="et", step=0.1, steps=10, max_steps=10).stats.accepted_steps == 10
+    assert solve(field, x0, solver=EulerET(0.1, 10), max_steps=10).stats.accepted_steps == 10
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
@@ -148,8 +148,8 @@ def test_growth_warning_as_torchdiffeq_path(monkeypatch):
     solutions = []
     for run in (solve, lambda *a, **k: torchdiffeq_loop(monkeypatch, *a, **k)):
         with pytest.warns(RuntimeWarning, match="grew the state"), torch.no_grad():
-            solutions.append(run(field, x0, method="et", step=5.0, steps=3, save="final"))
+            solutions.append(run(field, x0, solver=EulerET(5.0, 3), save="final"))
     assert torch.equal(solutions[0].x, solutions[1].x)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # small steps: no warning on either path
-        solve(field, x0, method="et", step=0.1, steps=3)
+        solve(field, x0, solver=EulerET(0.1, 3))

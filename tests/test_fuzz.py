@@ -23,8 +23,8 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from et_ode import EnergyTransformer, ETField, SolveError, Status, solve
-from et_ode.solve import ADAPTIVE_METHODS, METHODS
+from et_ode import Adaptive, EnergyTransformer, ETField, EulerET, Fixed, SolveError, Status, SteadyState, solve
+from et_ode.solvers import ADAPTIVE_METHODS, METHODS
 
 DEFAULT_EXAMPLES = 30
 LONG_EXAMPLES = 1000
@@ -163,8 +163,8 @@ def test_field(x, tau, derivative, backend):
 
 
 # ---------------------------------------------------------------------------------------------- solve
-SOLVE_NAMES = ("x0", "t", "method", "grad", "save", "rtol", "atol", "step", "steps", "max_steps", "steady_state",
-               "mask", "per_sample", "options", "implicit", "grad='implicit'")
+SOLVE_NAMES = ("x0", "t", "solver", "gradient", "save", "rtol", "atol", "step_size", "alpha", "steps", "max_steps",
+               "SteadyState.tol", "stop", "mask", "per_sample", "options", "Implicit")
 
 
 VALID_SOLVES = {  # a valid set-up per kind of method; the fuzzer perturbs some of its arguments
@@ -172,6 +172,23 @@ VALID_SOLVES = {  # a valid set-up per kind of method; the fuzzer perturbs some 
     "fixed": dict(t=(0.0, 0.5), step=0.1),
     "et": dict(t=None, step=0.1, steps=3),
 }
+
+
+def solve_with(field: ETField, x0, t, mask, *, method: str, rtol: float = 1e-5, atol: float = 1e-6,
+               step: float | None = None, steps: int | None = 12, grad: str = "direct",
+               steady_state: float | None = None, per_sample: bool = False, save: str = "all", max_steps: int = 200):
+    """``solve`` with the fuzzed flat values put into the settings objects (which validate them)."""
+    if method == "et":
+        solver = EulerET(step, steps)
+    elif method in ADAPTIVE_METHODS:
+        solver = Adaptive(method, rtol, atol)
+    elif method in METHODS:
+        solver = Fixed(method, step)
+    else:
+        solver = method  # an unknown name: solve must refuse it
+    stop = SteadyState(steady_state, per_sample=per_sample) if steady_state is not None or per_sample else None
+    return solve(field.with_mask(mask), x0, t, solver=solver, gradient=grad, stop=stop, save=save,
+                 max_steps=max_steps)
 BAD_VALUES = {
     "t": [(0.0, 1.0, 2.0), (1.0, 0.0), (0.0,), (0.0, math.nan), (0.0, math.inf), None, (0.0, 1e-300)],
     "rtol": [0.0, -1.0, math.nan, 1e-12], "atol": [0.0, math.nan, math.inf],
@@ -196,7 +213,7 @@ def test_solve(x0, data, method, perturb, backward):
     if backward and x0.is_floating_point():
         x0 = x0.detach().requires_grad_(True)
     t = arguments.pop("t")
-    solution = expect(lambda: solve(field, x0, t, mask=mask, **arguments), (ValueError, TypeError, SolveError),
+    solution = expect(lambda: solve_with(field, x0, t, mask, **arguments), (ValueError, TypeError, SolveError),
                       SOLVE_NAMES)
     if solution is None:
         return
@@ -273,7 +290,7 @@ TRAIN_OPTIONS = {
     "--epochs": st.sampled_from(["1", "0", "-1"]), "--batch-size": st.sampled_from(["4", "0"]),
     "--lr": st.sampled_from(["0.001", "0", "nan", "inf", "-1"]), "--warmup": st.sampled_from(["0.1", "-1"]),
     "--threads": st.sampled_from(["1", "0", "100000", "two"]), "--device": st.sampled_from(["cpu", "auto", "tpu"]),
-    "--grad": st.sampled_from(["direct", "adjoint", "implicit", "x"]),
+    "--gradient": st.sampled_from(["direct", "adjoint", "implicit", "x"]),
     "--steady-state": st.sampled_from(["0.01", "0", "-1"]), "--max-steps": st.sampled_from(["10", "0"]),
 }
 
@@ -305,7 +322,7 @@ def test_cli_train_image_arguments(monkeypatch, tmp_path_factory, options, data,
         return
     names = tuple(option.lstrip("-").replace("-", "_") for option in options) + (
         "ratio", "tau", "patch", "dim", "heads", "head_dim", "memories", "lr", "batch_size", "epochs", "warmup",
-        "device", "threads", "method", "grad", "t1", "step", "steps", "steady_state", "max_steps", "visible_fraction")
+        "device", "threads", "solver", "gradient", "t1", "step", "steps", "steady_state", "max_steps", "visible_fraction")
     expect(lambda: cli_image._train_image_from_args(args), (ValueError, TypeError), names)
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.func import functional_call
 
-from et_ode import ETField, SolveError, solve
+from et_ode import Adaptive, Adjoint, ETField, Fixed, Implicit, SolveError, SteadyState, solve
 from tests.conftest import random_model
 
 
@@ -33,9 +33,9 @@ def test_adjoint_equals_direct(hopfield, rtol, bound):
     torch.manual_seed(0)
     x0 = torch.randn(2, 4, 8, dtype=torch.float64)
     target = torch.randn_like(x0)
-    options = dict(t=(0.0, 3.0), rtol=rtol, atol=rtol / 100)
+    options = dict(t=(0.0, 3.0), solver=Adaptive(rtol=rtol, atol=rtol / 100))
     direct, _ = parameter_gradients(model, x0, target, **options)
-    adjoint, solution = parameter_gradients(model, x0, target, grad="adjoint", **options)
+    adjoint, solution = parameter_gradients(model, x0, target, gradient="adjoint", **options)
     assert relative(adjoint, direct) < bound
     assert solution.stats.nfe_backward > 0
 
@@ -44,23 +44,23 @@ def test_adjoint_with_seminorm_and_fixed_steps():
     model = random_model(hopfield="relu", seed=2)
     x0 = torch.randn(1, 3, 8, dtype=torch.float64)
     target = torch.randn_like(x0)
-    direct, _ = parameter_gradients(model, x0, target, t=(0.0, 1.0), method="rk4", step=0.01)
-    adjoint, _ = parameter_gradients(model, x0, target, t=(0.0, 1.0), method="rk4", step=0.01, grad="adjoint",
-                                     adjoint_method="rk4")
+    rk4 = Fixed("rk4", step_size=0.01)
+    direct, _ = parameter_gradients(model, x0, target, t=(0.0, 1.0), solver=rk4)
+    adjoint, _ = parameter_gradients(model, x0, target, t=(0.0, 1.0), solver=rk4, gradient=Adjoint(method="rk4"))
     assert relative(adjoint, direct) < 1e-7  # the continuous adjoint vs the discrete one, O(step^4): 4e-8 measured
-    semi, _ = parameter_gradients(model, x0, target, t=(0.0, 1.0), rtol=1e-9, atol=1e-11, grad="adjoint",
-                                  seminorm=True)
+    semi, _ = parameter_gradients(model, x0, target, t=(0.0, 1.0), solver=Adaptive(rtol=1e-9, atol=1e-11),
+                                  gradient=Adjoint(seminorm=True))
     assert relative(semi, direct) < 1e-4
 
 
 class Solved(torch.nn.Module):
-    def __init__(self, grad: str):
+    def __init__(self, gradient: str):
         super().__init__()
         self.model = random_model(4, 1, 2, 3, hopfield="softmax", seed=5)
-        self.grad = grad
+        self.gradient = gradient
 
     def forward(self, x0: torch.Tensor) -> torch.Tensor:
-        return solve(ETField(self.model), x0, (0.0, 0.5), method="rk4", step=0.05, grad=self.grad,
+        return solve(ETField(self.model), x0, (0.0, 0.5), solver=Fixed("rk4", step_size=0.05), gradient=self.gradient,
                      save="final").g
 
 
@@ -92,10 +92,11 @@ def test_implicit_equals_direct_through_a_long_converged_solve():
     model = converging_model()
     x0 = torch.randn(2, 1, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     target = torch.randn_like(x0)
-    adjoint, long_solve = parameter_gradients(model, x0, target, t=(0.0, 1e7), rtol=1e-10, atol=1e-12,
-                                              grad="adjoint")  # equals direct backpropagation to 1e-10
-    implicit, fixed = parameter_gradients(model, x0, target, t=(0.0, 1e9), rtol=1e-10, atol=1e-12, grad="implicit",
-                                          steady_state=1e-12, implicit_tol=1e-12)
+    tight = Adaptive(rtol=1e-10, atol=1e-12)
+    adjoint, long_solve = parameter_gradients(model, x0, target, t=(0.0, 1e7), solver=tight,
+                                              gradient="adjoint")  # equals direct backpropagation to 1e-10
+    implicit, fixed = parameter_gradients(model, x0, target, t=(0.0, 1e9), solver=tight, gradient=Implicit(tol=1e-12),
+                                          stop=SteadyState(1e-12))
     n_params = sum(p.numel() for p in model.parameters())
     assert fixed.status.value == "steady_state"
     assert relative(implicit[:n_params], adjoint[:n_params]) < 1e-5  # the README's figure; 5.6e-6 measured
@@ -107,4 +108,4 @@ def test_implicit_needs_a_converged_solve():
     model = converging_model()
     x0 = torch.randn(1, 1, 8, dtype=torch.float64)
     with pytest.raises(SolveError, match="converged fixed point"):
-        solve(ETField(model), x0, (0.0, 1.0), grad="implicit", steady_state=1e-12)
+        solve(ETField(model), x0, (0.0, 1.0), gradient="implicit", stop=SteadyState(1e-12))

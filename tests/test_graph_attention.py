@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from et_ode import EnergyTransformer, ETField, solve
+from et_ode import EnergyTransformer, ETField, Fixed, solve
 from et_ode.masks import GraphMask
 
 
@@ -71,7 +71,7 @@ def test_solve_and_adjoint_with_graph_mask_match_dense():
     for name, m in (("sparse", mask), ("dense", mask.to_dense())):
         for grad in ("direct", "adjoint"):
             et.zero_grad()
-            sol = solve(ETField(et, mask=m), x0, (0.0, 1.0), method="rk4", step=0.05, grad=grad)
+            sol = solve(ETField(et, mask=m), x0, (0.0, 1.0), solver=Fixed("rk4", step_size=0.05), gradient=grad)
             sol.g.square().sum().backward()
             results[name, grad] = (sol.g.detach(), sol.energies, et.attention.WK.grad.clone())
     reference = results["dense", "direct"]
@@ -108,4 +108,4 @@ def test_bad_edge_lists_are_rejected_with_clear_errors():
     with pytest.raises(TypeError, match="GraphMask"):
         et.energy(x, torch.tensor([[0, 1], [1, 2]]))
     with pytest.raises(ValueError, match="num_nodes=4"):
-        solve(ETField(et), x, (0.0, 1.0), mask=GraphMask(torch.tensor([[0], [1]]), 4))
+        solve(ETField(et, mask=GraphMask(torch.tensor([[0], [1]]), 4)), x, (0.0, 1.0))

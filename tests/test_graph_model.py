@@ -7,6 +7,7 @@ pytest.importorskip("torch_geometric")
 
 from torch_geometric.data import Batch, Data  # noqa: E402
 
+from et_ode import EulerET, Integration  # noqa: E402
 from et_ode.data.graphs import add_laplacian_pe  # noqa: E402
 from et_ode.models.graph import GraphET  # noqa: E402
 
@@ -24,7 +25,8 @@ def small_graph(n: int, seed: int, features: int = 3) -> Data:
 
 def model(readout: str = "graph", **kwargs) -> GraphET:
     torch.manual_seed(0)
-    return GraphET(3, 2, dim=8, heads=2, head_dim=4, memories=16, pe_dim=4, readout=readout, steps=5,
+    return GraphET(3, 2, dim=8, heads=2, head_dim=4, memories=16, pe_dim=4, readout=readout,
+                   integration=Integration(solver=EulerET(0.1, 5)),
                    **kwargs).double().eval()
 
 

@@ -13,7 +13,6 @@ from torch_geometric.data import Data  # noqa: E402
 
 from et_ode.cli.graph import add_graph_train_arguments, load_anomaly_graph, parse_grid, run_graph_train  # noqa: E402
 from et_ode.data.graphs import add_laplacian_pe, inject_anomalies, read_tu  # noqa: E402
-from et_ode.models.graph import GraphET  # noqa: E402
 from et_ode.tasks import graph as graph_task  # noqa: E402
 from et_ode.tasks.graph import anomaly_metrics, collate_graphs, cross_validate, detect_anomalies, expand_grid  # noqa: E402
 from et_ode.train import TrainConfig, load_checkpoint  # noqa: E402
@@ -65,7 +64,7 @@ def test_an_ensemble_predicts_the_mean_of_its_members_probabilities(shared_data,
     test = collate_graphs([graphs[i] for i in test_index])
     probabilities = []
     for member in range(2):
-        model = GraphET(graphs[0].x.shape[1], 2, readout="graph", **kwargs)
+        model = graph_task.graph_model(graphs[0].x.shape[1], 2, "graph", kwargs)
         model.load_state_dict(load_checkpoint(tmp_path / f"member_{member}" / "checkpoint.safetensors")["model"])
         with torch.no_grad():
             probabilities.append(torch.softmax(model.eval()(test).double(), dim=-1))
@@ -89,7 +88,7 @@ def test_grid_options_are_parsed_and_checked():
         parse_grid(["lr"])
     with pytest.raises(ValueError, match="'pe_dim' changes the data encoding"):
         expand_grid({"pe_dim": [4, 8]}, config)
-    with pytest.raises(ValueError, match="'layers' is neither a GraphET argument nor a TrainConfig field"):
+    with pytest.raises(ValueError, match="'layers' is neither a GraphET argument, a dynamics option nor a TrainConfig"):
         expand_grid({"layers": [1, 2]}, config)
     with pytest.raises(ValueError, match="non-empty list"):
         expand_grid({"lr": []}, config)

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from et_ode import EulerET
 from et_ode.models import (
     IMAGENET_MEAN,
     IMAGENET_STD,
@@ -22,8 +23,8 @@ from et_ode.models import (
     denormalize,
     load_official,
     normalize_pixels,
+    official_integration,
     official_masks,
-    official_solver,
     read_official,
     save_official,
     unpatchify,
@@ -59,7 +60,7 @@ def test_reproduces_the_official_pipeline(official, dtype):
         completion = model(images, hidden)  # the default dynamics: the official 12 Euler steps of 0.1
         reconstruction = unpatchify(completion.patches, PATCH, SHAPE)
         x0 = model.tokens(images, hidden)
-        trajectory = model.solver.solve(model.field(), x0, save="all")
+        trajectory = model.integration.solve(model.field(), x0, save="all")
     assert reconstruction.dtype == dtype
     assert _relative(reconstruction, outputs[f"out_{name}"]) < tol
     assert _relative(x0, outputs[f"tokens0_{name}"]) < tol
@@ -109,7 +110,7 @@ def test_float64_model_holds_exact_constants(official):
     assert block.neuron.eps == 1e-5
     assert torch.equal(block.hopfield.xi, torch.from_numpy(arrays["Xi"]).double().T)
     assert all(p.dtype == torch.float64 for p in model.parameters())
-    assert model.solver == official_solver() and model.solver.steps == 12 and model.solver.step == 0.1
+    assert model.integration == official_integration() and model.integration.solver == EulerET(alpha=0.1, steps=12)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -132,7 +133,7 @@ def test_round_trip_of_a_fresh_model_at_another_size(tmp_path):
     """A rectangular image, 2 channels: the layout is general, and every tensor lands where it came from."""
     torch.manual_seed(0)
     model = ImageET((2, 8, 12), 4, 16, 2, 8, 24, cls_token=True, self_attention=True, cls_position=True,
-                    renormalize=True, solver=official_solver())
+                    renormalize=True, integration=official_integration())
     path = save_official(model, tmp_path / "fresh.npz")
     loaded = load_official(path, (2, 8, 12), 4)
     images = torch.randn(3, 2, 8, 12)

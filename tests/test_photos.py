@@ -9,10 +9,11 @@ import pytest
 import torch
 from PIL import Image
 
+from et_ode import Adaptive, Integration
 from et_ode.cli import build_parser, main
 from et_ode.cli.analyze import _official_states
 from et_ode.data import read_photo
-from et_ode.models import SolverSettings, load_official, normalize_pixels, official_masks, unpatchify
+from et_ode.models import load_official, normalize_pixels, official_masks, unpatchify
 from et_ode.tasks.photos import complete_photos, official_tokens
 
 SHAPE, PATCH = (3, 32, 32), 8
@@ -77,8 +78,8 @@ def test_complete_official_cli_end_to_end(checkpoint, tmp_path, capsys):
     assert hidden.sum(dim=1).tolist() == [6, 6]
     with torch.no_grad():
         official = unpatchify(model(images, hidden).patches, PATCH, SHAPE)
-        dopri5 = SolverSettings(method="dopri5", t1=1.2, rtol=1e-5, atol=1e-7, grad="direct")
-        adaptive = torch.cat([unpatchify(model(images[k:k + 1], hidden[k:k + 1], solver=dopri5).patches, PATCH, SHAPE)
+        dopri5 = Integration(solver=Adaptive(rtol=1e-5, atol=1e-7), gradient="direct", t1=1.2, max_steps=2000)
+        adaptive = torch.cat([unpatchify(model(images[k:k + 1], hidden[k:k + 1], integration=dopri5).patches, PATCH, SHAPE)
                               for k in range(2)])  # one photo per solve: the CLI's step-size control is per photo
     # (float32 products may round differently for a batch of 1 and of 2: equal to float32 rounding, not bitwise)
     assert torch.allclose(saved["euler"], official, rtol=1e-5, atol=1e-5)

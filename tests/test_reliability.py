@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from et_ode import EnergyTransformer, ETField, SolveError, Status, solve
+from et_ode import Adaptive, Adjoint, EnergyTransformer, ETField, EulerET, Fixed, SolveError, Status, SteadyState, solve
 from et_ode.cli import build_parser, main
 from et_ode.io import FORMAT, load_model, model_config, save_model
 from et_ode.models.image import ImageET
@@ -29,7 +29,7 @@ from tests.conftest import random_model
 from tests.test_train import NoisyRegression, linear, regression_data
 
 TINY = ["--train-limit", "32", "--test-limit", "16", "--val-size", "8", "--dim", "8", "--heads", "2", "--head-dim",
-        "4", "--solver", "et", "--step", "0.1", "--steps", "2", "--grad", "direct", "--epochs", "2", "--batch-size",
+        "4", "--solver", "et", "--step", "0.1", "--steps", "2", "--gradient", "direct", "--epochs", "2", "--batch-size",
         "16", "--no-progress", "--threads", "1", "--no-baselines"]
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -178,7 +178,7 @@ def test_a_finished_run_is_not_overwritten_or_mixed(finished, tmp_path, capsys):
     assert main(["train", "image", *TINY, "--out", str(run)]) == 2
     assert "is not empty" in capsys.readouterr().err and snapshot(run) == before
     for change, setting in ((["--hopfield", "softmax"], "hopfield"), (["--mask-ratio", "0.3"], "ratio"),
-                            (["--solver", "rk4"], "solver.method"), (["--lr", "0.01"], "train.lr")):
+                            (["--solver", "rk4"], "integration.solver.method"), (["--lr", "0.01"], "train.lr")):
         assert main(["train", "image", *TINY, *change, "--out", str(run), "--resume"]) == 2
         err = capsys.readouterr().err
         assert "the set-up differs" in err and f"\n  {setting} " in err, err
@@ -297,12 +297,12 @@ def test_dtype_mismatch_names_x0(field64):
         solve(field64, x0.double().to("meta"), (0.0, 1.0))
 
 
-@pytest.mark.parametrize("steady_state", [None, 1e-3])
-def test_empty_batch_and_no_tokens(field64, steady_state):
+@pytest.mark.parametrize("stop", [None, SteadyState(1e-3)])
+def test_empty_batch_and_no_tokens(field64, stop):
     with pytest.raises(ValueError, match=r"x0 has an empty batch: shape \(0, 5, 8\)"):
-        solve(field64, torch.zeros(0, 5, 8, dtype=torch.float64), (0.0, 1.0), steady_state=steady_state)
+        solve(field64, torch.zeros(0, 5, 8, dtype=torch.float64), (0.0, 1.0), stop=stop)
     with pytest.raises(ValueError, match=r"x0 has no tokens: N=0"):
-        solve(field64, torch.zeros(2, 0, 8, dtype=torch.float64), (0.0, 1.0), steady_state=steady_state)
+        solve(field64, torch.zeros(2, 0, 8, dtype=torch.float64), (0.0, 1.0), stop=stop)
     with pytest.raises(ValueError, match="x has no tokens"):
         field64.model.energy(torch.zeros(2, 0, 8, dtype=torch.float64))
     field32 = ETField(EnergyTransformer(8, 2, 4, 12))  # the fused path had a ZeroDivisionError at N = 0
@@ -323,7 +323,7 @@ def test_overflowing_states_name_where_and_suggest_float64():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         with pytest.raises(SolveError, match="non-finite.*use float64.*smaller step") as caught:
-            solve(ETField(model), torch.randn(2, 5, 8), method="et", step=0.1, steps=5)
+            solve(ETField(model), torch.randn(2, 5, 8), solver=EulerET(0.1, 5))
     assert caught.value.solution is not None and caught.value.solution.status is Status.FAILED
 
 
@@ -333,12 +333,12 @@ def test_a_runaway_fixed_step_solve_warns():
     x0 = torch.randn(2, 5, 8)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
-        solve(ETField(model), x0, method="et", step=0.1, steps=12)  # healthy: no warning
+        solve(ETField(model), x0, solver=EulerET(0.1, 12))  # healthy: no warning
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.mul_(1e6)
     with pytest.warns(RuntimeWarning, match="fixed step grew the state .*-fold"):
-        solution = solve(ETField(model), x0, method="et", step=0.1, steps=12)
+        solution = solve(ETField(model), x0, solver=EulerET(0.1, 12))
     assert solution.status is Status.REACHED_END
 
 
@@ -348,25 +348,25 @@ def test_half_precision_with_an_adaptive_method_is_refused_up_front(dtype):
     x0 = torch.randn(2, 5, 8, dtype=dtype)
     with pytest.raises(ValueError, match=f"x0 is {dtype}, too coarse for the adaptive method 'dopri5'"):
         solve(ETField(model), x0, (0.0, 1.0))
-    assert torch.isfinite(solve(ETField(model), x0, method="et", step=0.1, steps=3).x).all()
+    assert torch.isfinite(solve(ETField(model), x0, solver=EulerET(0.1, 3)).x).all()
 
 
 def test_step_budgets_are_checked_before_any_work(field64):
     x0 = torch.randn(2, 5, 8, dtype=torch.float64)
     started = time.perf_counter()
     with pytest.raises(SolveError, match="steps=1000000000 is more than max_steps=100") as caught:
-        solve(field64, x0, method="et", step=0.1, steps=10**9, max_steps=100)
+        solve(field64, x0, solver=EulerET(0.1, 10**9), max_steps=100)
     assert time.perf_counter() - started < 5.0  # it built a grid of 10^9 times before
     assert caught.value.solution.status is Status.FAILED and field64.nfe == 0
     with pytest.raises(SolveError, match="1000 fixed steps planned") as caught:
-        solve(field64, x0, (0.0, 10.0), method="euler", step=0.01, max_steps=100)
+        solve(field64, x0, (0.0, 10.0), solver=Fixed("euler", step_size=0.01), max_steps=100)
     assert caught.value.solution is not None and caught.value.solution.status == "failed"  # the README's use
 
 
 def test_the_adjoint_backward_solve_has_its_own_step_budget(field64):
     x0 = torch.randn(2, 5, 8, dtype=torch.float64)
-    solution = solve(field64, x0, (0.0, 1.0), grad="adjoint", rtol=1e-2, atol=1e-2, adjoint_rtol=1e-12,
-                     adjoint_atol=1e-12, max_steps=15)
+    solution = solve(field64, x0, (0.0, 1.0), solver=Adaptive(rtol=1e-2, atol=1e-2),
+                     gradient=Adjoint(rtol=1e-12, atol=1e-12), max_steps=15)
     assert solution.stats.accepted_steps + solution.stats.rejected_steps <= 15
     with pytest.raises(SolveError, match="adjoint's backward solve failed .* more than max_steps=15"):
         solution.x.square().sum().backward()

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torchdiffeq import odeint
 
-from et_ode import METHODS, ETField, SolveError, Status, solve
+from et_ode import METHODS, Adaptive, Adjoint, ETField, EulerET, Fixed, Implicit, SolveError, Status, SteadyState, solve
 from tests.conftest import random_model
 
 
@@ -34,7 +34,7 @@ def test_adaptive_solve_agrees_with_fine_fixed_step_reference(method):
     t = (0.0, 1.5)
     reference = odeint(field, x0, torch.tensor(t, dtype=torch.float64), method="rk4", options={"step_size": 1e-3})[-1]
     rtol, atol = 1e-6, 1e-8
-    solution = solve(field, x0, t, method=method, rtol=rtol, atol=atol)
+    solution = solve(field, x0, t, solver=Adaptive(method, rtol=rtol, atol=atol))
     error = (solution.x - reference).abs().max()
     assert float(error) < 100 * (atol + rtol * float(reference.abs().max()))
 
@@ -44,16 +44,16 @@ def test_adaptive_solve_agrees_with_fine_fixed_step_reference(method):
                                           ("explicit_adams", 0.0025), ("implicit_adams", 0.02)])
 def test_fixed_step_methods_converge_to_the_reference(method, step):
     _, field, x0 = setup()
-    reference = solve(field, x0, (0.0, 1.0), method="dopri8", rtol=1e-12, atol=1e-13).x
-    coarse = (solve(field, x0, (0.0, 1.0), method=method, step=step).x - reference).abs().max()
-    fine = (solve(field, x0, (0.0, 1.0), method=method, step=step / 2).x - reference).abs().max()
+    reference = solve(field, x0, (0.0, 1.0), solver=Adaptive("dopri8", rtol=1e-12, atol=1e-13)).x
+    coarse = (solve(field, x0, (0.0, 1.0), solver=Fixed(method, step_size=step)).x - reference).abs().max()
+    fine = (solve(field, x0, (0.0, 1.0), solver=Fixed(method, step_size=step / 2)).x - reference).abs().max()
     assert float(fine) < float(coarse) < 1e-1  # converges as the step shrinks
 
 
 def test_paper_scheme_equals_hand_written_euler_loop_exactly():
     model, field, x0 = setup(hopfield="relu")
     alpha, steps = 0.1, 12
-    solution = solve(field, x0, method="et", step=alpha, steps=steps)
+    solution = solve(field, x0, solver=EulerET(alpha, steps))
     x, paper = x0.clone(), x0.clone()
     with torch.no_grad():
         for t0, t1 in zip(solution.ts[:-1], solution.ts[1:]):
@@ -70,7 +70,7 @@ def test_energy_is_non_increasing_along_adaptive_trajectories(seed, method):
     for run_seed in (seed, seed + 10):
         model, field, x0 = setup(seed=run_seed, hopfield="relu", batch=3)
         rtol = 1e-6 if method in ("dopri5", "dopri8") else 1e-5  # low orders need many steps at tight rtol
-        solution = solve(field, x0, (0.0, 5.0), method=method, rtol=rtol, atol=1e-8, save="steps")
+        solution = solve(field, x0, (0.0, 5.0), solver=Adaptive(method, rtol=rtol, atol=1e-8), save="steps")
         rises = solution.energies[1:] - solution.energies[:-1]
         assert float(rises.max()) <= rtol * float(solution.energies.abs().max())
         assert solution.xs.shape[0] == solution.stats.accepted_steps + 1
@@ -80,7 +80,7 @@ def test_steady_state_stops_early_below_tolerance_with_finite_difference_gradien
     torch.manual_seed(0)
     model, field, x0 = setup(n=1, batch=1)
     tol = 1e-3
-    solution = solve(field, x0, (0.0, 1e3), steady_state=tol, rtol=1e-10, atol=1e-12)
+    solution = solve(field, x0, (0.0, 1e3), stop=SteadyState(tol), solver=Adaptive(rtol=1e-10, atol=1e-12))
     assert solution.status is Status.STEADY_STATE
     assert solution.stats.t_final < 1e3
     assert float(solution.residual.max()) <= tol * (1 + 1e-6)
@@ -89,7 +89,8 @@ def test_steady_state_stops_early_below_tolerance_with_finite_difference_gradien
     target = torch.randn_like(x0)
 
     def loss(scale: torch.Tensor) -> torch.Tensor:
-        out = solve(field, x0 * scale, (0.0, 1e3), steady_state=tol, rtol=1e-10, atol=1e-12, save="final")
+        out = solve(field, x0 * scale, (0.0, 1e3), stop=SteadyState(tol), solver=Adaptive(rtol=1e-10, atol=1e-12),
+                    save="final")
         return ((out.g - target) ** 2).sum()
 
     scale = torch.tensor(1.0, dtype=torch.float64, requires_grad=True)
@@ -105,17 +106,17 @@ def test_steady_state_stops_early_below_tolerance_with_finite_difference_gradien
     ("et", "dg_dt", 1e-2, False)])
 def test_steady_state_test_and_solver_share_evaluations_at_the_same_state(monkeypatch, method, measure, tol,
                                                                          per_sample):
-    solve_module = importlib.import_module("et_ode.solve")  # the module (et_ode.solve is also the function)
+    integrate_module = importlib.import_module("et_ode._loop")
     _, field, x0 = setup(batch=3)
-    kwargs = dict(method=method, steady_state=tol, steady_state_measure=measure, per_sample=per_sample, save="final")
-    kwargs.update(dict(step=0.1, steps=3000) if method == "et" else dict(t=(0.0, 1e3)))
+    kwargs = dict(stop=SteadyState(tol, measure=measure, per_sample=per_sample), save="final")
+    kwargs.update(dict(solver=EulerET(0.1, 3000)) if method == "et" else dict(t=(0.0, 1e3), solver=method))
     shared = solve(field, x0, **kwargs)
 
     def always_evaluate(self, x, t=None):
         self.progress.sample_evaluations += x.shape[:-2].numel()
         return self.field(t, x)
 
-    monkeypatch.setattr(solve_module._Recorder, "velocity", always_evaluate)
+    monkeypatch.setattr(integrate_module.Recorder, "velocity", always_evaluate)
     fresh = solve(field, x0, **kwargs)
     assert shared.status is Status.STEADY_STATE and fresh.status is Status.STEADY_STATE
     torch.testing.assert_close(shared.stats.stop_times, fresh.stats.stop_times, rtol=0, atol=0)
@@ -131,7 +132,7 @@ def test_steady_state_test_and_solver_share_evaluations_at_the_same_state(monkey
 def test_steady_state_saves_grid_up_to_the_stop():
     _, field, x0 = setup(n=1, batch=1)
     t = torch.linspace(0, 1e3, 11, dtype=torch.float64)
-    solution = solve(field, x0, t, steady_state=1e-3, rtol=1e-9, atol=1e-11)
+    solution = solve(field, x0, t, stop=SteadyState(1e-3), solver=Adaptive(rtol=1e-9, atol=1e-11))
     assert solution.status is Status.STEADY_STATE
     assert solution.xs.shape[0] == len(solution.ts) and solution.ts[-1] == solution.stats.t_final
     assert bool((solution.ts[:-1] < solution.stats.t_final).all())
@@ -140,7 +141,7 @@ def test_steady_state_saves_grid_up_to_the_stop():
 
 def test_steady_state_not_reached_reports_reached_end():
     _, field, x0 = setup()
-    solution = solve(field, x0, (0.0, 0.5), steady_state=1e-12)
+    solution = solve(field, x0, (0.0, 0.5), stop=SteadyState(1e-12))
     assert solution.status is Status.REACHED_END
     assert abs(solution.stats.t_final - 0.5) < 1e-5
 
@@ -148,7 +149,7 @@ def test_steady_state_not_reached_reports_reached_end():
 def test_unknown_method_lists_the_valid_ones():
     _, field, x0 = setup()
     with pytest.raises(ValueError) as info:
-        solve(field, x0, (0.0, 1.0), method="rk45")
+        solve(field, x0, (0.0, 1.0), solver="rk45")
     for name in METHODS:
         assert name in str(info.value)
 
@@ -156,13 +157,15 @@ def test_unknown_method_lists_the_valid_ones():
 @pytest.mark.parametrize("kwargs, word", [
     (dict(t=(1.0, 0.0)), "increasing"),
     (dict(t=(0.0,)), "at least 2"),
-    (dict(t=(0.0, 1.0), grad="magic"), "grad"),
-    (dict(t=(0.0, 1.0), grad="implicit"), "steady_state"),
+    (dict(t=None), "t is required"),
+    (dict(t=(0.0, 1.0), gradient="magic"), "gradient"),
+    (dict(t=(0.0, 1.0), gradient="implicit"), "stop=SteadyState"),
+    (dict(t=(0.0, 1.0), gradient=Implicit()), "stop=SteadyState"),
     (dict(t=(0.0, 1.0), save="some"), "save"),
-    (dict(t=(0.0, 1.0), rtol=-1.0), "rtol"),
-    (dict(t=None, method="et", step=0.1), "steps"),
-    (dict(t=(0.0, 1.0), method="dopri5", step=0.1), "adaptive"),
-    (dict(t=(0.0, 1.0), method="rk4", steady_state=1e-3), "step"),
+    (dict(t=(0.0, 1.0), max_steps=0), "max_steps"),
+    (dict(t=(0.0, 1.0), solver="rk4", stop=SteadyState(1e-3)), "step_size"),
+    (dict(t=torch.tensor([0.0, 1.0]), solver=EulerET()), "t=None"),
+    (dict(t=(0.0, 1.0), stop=SteadyState(1e-3, per_sample=True)), "per_sample"),
 ])
 def test_bad_arguments_are_named(kwargs, word):
     _, field, x0 = setup()
@@ -197,7 +200,7 @@ def test_step_underflow_raises_solve_error():
 def test_non_finite_state_raises_solve_error():
     _, field, x0 = setup()
     with pytest.raises(SolveError, match="non-finite") as info:
-        solve(field, x0, torch.tensor([0.0, 1e308, 1.5e308], dtype=torch.float64), method="euler")  # x overflows
+        solve(field, x0, torch.tensor([0.0, 1e308, 1.5e308], dtype=torch.float64), solver="euler")  # x overflows
     assert info.value.solution.status is Status.FAILED
 
 
@@ -206,14 +209,14 @@ def test_per_sample_stopping_matches_solving_each_sample_alone():
     field = ETField(model)
     scales = torch.tensor([0.2, 1.0, 5.0], dtype=torch.float64)[:, None, None]
     x0 = torch.randn(3, 3, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(3)) * scales
-    tol, options = 1e-3, dict(rtol=1e-9, atol=1e-11, save="final")
-    together = solve(field, x0, (0.0, 1e4), steady_state=tol, per_sample=True, **options)
+    tol, options = 1e-3, dict(solver=Adaptive(rtol=1e-9, atol=1e-11), save="final")
+    together = solve(field, x0, (0.0, 1e4), stop=SteadyState(tol, per_sample=True), **options)
     assert together.status is Status.STEADY_STATE
     assert bool((together.residual <= tol * (1 + 1e-6)).all()) and bool((together.residual >= 0.5 * tol).all())
     stops = together.stats.stop_times
     assert len(set(stops.tolist())) == 3
     for i in range(3):
-        alone = solve(field, x0[i : i + 1], (0.0, 1e4), steady_state=tol, **options)
+        alone = solve(field, x0[i : i + 1], (0.0, 1e4), stop=SteadyState(tol), **options)
         assert abs(alone.stats.t_final - float(stops[i])) <= 1e-3 * float(stops[i])
         torch.testing.assert_close(together.x[i], alone.x[0], rtol=1e-4, atol=1e-4)
     assert together.stats.sample_evaluations < 3 * together.stats.nfe_forward
@@ -222,11 +225,12 @@ def test_per_sample_stopping_matches_solving_each_sample_alone():
 def test_per_sample_stopping_is_differentiable_with_the_adjoint():
     model = random_model(hopfield="softmax")
     x0 = torch.randn(3, 3, 8, dtype=torch.float64) * torch.tensor([0.3, 1.0, 3.0], dtype=torch.float64)[:, None, None]
-    solution = solve(ETField(model), x0, (0.0, 1e4), steady_state=1e-3, per_sample=True, save="final", grad="adjoint")
+    solution = solve(ETField(model), x0, (0.0, 1e4), stop=SteadyState(1e-3, per_sample=True), save="final",
+                     gradient=Adjoint())
     solution.g.square().sum().backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
     with pytest.raises(ValueError, match="per_sample"):
-        solve(ETField(model), x0, (0.0, 1.0), steady_state=1e-3, per_sample=True)  # save="all"
+        solve(ETField(model), x0, (0.0, 1.0), stop=SteadyState(1e-3, per_sample=True))  # save="all"
 
 
 def test_tangent_gradient_measure_stops_on_the_energy_gradient_along_the_spheres():
@@ -235,8 +239,8 @@ def test_tangent_gradient_measure_stops_on_the_energy_gradient_along_the_spheres
     model = random_model(hopfield="softmax", seed=2)
     field = ETField(model)
     x0 = torch.randn(2, 1, 8, dtype=torch.float64)
-    solution = solve(field, x0, (0.0, 1e6), steady_state=1e-2, steady_state_measure="tangent_gradient",
-                     rtol=1e-9, atol=1e-11)
+    solution = solve(field, x0, (0.0, 1e6), stop=SteadyState(1e-2, measure="tangent_gradient"),
+                     solver=Adaptive(rtol=1e-9, atol=1e-11))
     assert solution.status is Status.STEADY_STATE
     g = solution.g.detach()
     s, _ = radial_direction(g, model.neuron.delta.detach())

@@ -6,13 +6,14 @@ import copy
 import pytest
 import torch
 
-from et_ode import ETField, SolveError, solve
+from et_ode import Adaptive, Adjoint, ETField, SolveError, SteadyState, solve
 from tests.conftest import random_model
 
 
-def stopped_loss(model, x0, weights, **kwargs):
-    out = solve(ETField(model, tau=1.5), x0, (0.0, 1e4), rtol=1e-11, atol=1e-13, adjoint_rtol=1e-13,
-                adjoint_atol=1e-15, save="final", **kwargs)
+def stopped_loss(model, x0, weights, gradient="direct", **kwargs):
+    gradient = Adjoint(rtol=1e-13, atol=1e-15) if gradient == "adjoint" else gradient
+    out = solve(ETField(model, tau=1.5), x0, (0.0, 1e4), solver=Adaptive(rtol=1e-11, atol=1e-13), gradient=gradient,
+                save="final", **kwargs)
     assert out.status.value == "steady_state" and 0 < out.stats.t_final < 1e4
     return (weights * out.g).sum(), out
 
@@ -33,9 +34,9 @@ def test_gradient_through_the_stop_equals_finite_differences(hopfield, grad, mea
     model = random_model(hopfield=hopfield, seed=1, beta=0.6, eps=1e-3)
     x0 = torch.randn(2, 3, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     weights = torch.randn_like(x0)
-    options = dict(steady_state=tol, steady_state_measure=measure)
+    options = dict(stop=SteadyState(tol, measure=measure))
     model.zero_grad()
-    loss, out = stopped_loss(model, x0, weights, grad=grad, **options)
+    loss, out = stopped_loss(model, x0, weights, gradient=grad, **options)
     assert out.stats.steady_state_measure == measure
     loss.backward()
     generator = torch.Generator().manual_seed(2)
@@ -58,7 +59,6 @@ def test_error_messages_name_the_measure():
     model = random_model(hopfield="softmax")
     x0 = torch.randn(1, 3, 8, dtype=torch.float64)
     with pytest.raises(SolveError, match=r"RMS \|T dE/dg\|"):
-        solve(ETField(model), x0, (0.0, 0.1), grad="implicit", steady_state=1e-12,
-              steady_state_measure="tangent_gradient")
+        solve(ETField(model), x0, (0.0, 0.1), gradient="implicit", stop=SteadyState(1e-12, measure="tangent_gradient"))
     with pytest.raises(SolveError, match=r"RMS \|dg/dt\|"):
-        solve(ETField(model), x0, (0.0, 0.1), grad="implicit", steady_state=1e-12)
+        solve(ETField(model), x0, (0.0, 0.1), gradient="implicit", stop=SteadyState(1e-12))

@@ -8,10 +8,11 @@ import pytest
 import torch
 from torch import nn
 
+from et_ode import EulerET, Integration
 from et_ode.data import load_digits
 from et_ode.devices import move_to
 from et_ode.io import load_model, save_model
-from et_ode.models import CompletionTask, ImageET, SolverSettings, evaluate_completion, fixed_mask_set
+from et_ode.models import CompletionTask, ImageET, evaluate_completion, fixed_mask_set
 from et_ode.tasks.baselines import MeanImage
 from et_ode.train import (
     CHECKPOINT_NAME,
@@ -24,7 +25,7 @@ from et_ode.train import (
 )
 from tests.conftest import random_model
 
-EULER = SolverSettings(method="et", step=0.1, steps=3, grad="direct")
+EULER = Integration(solver=EulerET(0.1, 3), gradient="direct")
 
 
 class NoisyRegression:
@@ -234,7 +235,7 @@ def test_short_image_run_beats_the_mean_baseline():
     torch.manual_seed(0)
     train, test = load_digits("train"), load_digits("test")
     train_images = train.images[:400]
-    model = ImageET((1, 8, 8), 4, 32, 4, 8, solver=SolverSettings(method="et", step=0.1, steps=12, grad="direct"))
+    model = ImageET((1, 8, 8), 4, 32, 4, 8, integration=Integration(solver=EulerET(0.1, 12), gradient="direct"))
     val = fixed_mask_set(test.images, model.num_patches, 0.5, seed=0)
     config = TrainConfig(epochs=12, batch_size=16, lr=2e-3, warmup=0.05, seed=0, progress=False)
     history = fit(model, CompletionTask(0.5), train_images, val, config)
@@ -250,7 +251,7 @@ def test_image_run_resumes_exactly(tmp_path):
 
     def model():
         torch.manual_seed(5)
-        return ImageET((1, 8, 8), 4, 8, 2, 4, solver=EULER)
+        return ImageET((1, 8, 8), 4, 8, 2, 4, integration=EULER)
 
     def config(out):
         return TrainConfig(epochs=2, batch_size=8, lr=1e-2, checkpoint_every=4, out_dir=str(out), resume=True,

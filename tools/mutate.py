@@ -33,7 +33,7 @@ FIELD_TESTS = ["tests/test_neurons.py", "tests/test_energies.py", "tests/test_mo
                "tests/test_fd_gradients.py::test_field_and_its_backward_match_the_spec",
                "tests/test_fd_gradients.py::test_solve_follows_the_spec_dynamics_at_two_time_constants",
                "-k", "not small_euler_steps and not solve_and_adjoint"]
-SOLVE_TESTS = ["tests/test_solve.py", "tests/test_exact_values.py",
+SOLVE_TESTS = ["tests/test_solve.py", "tests/test_solve_settings.py", "tests/test_exact_values.py",
                "tests/test_fd_gradients.py::test_steady_state_stop_gradient_of_the_initial_state",
                "tests/test_fd_gradients.py::test_steady_state_stop_gradient_of_the_parameters",
                "tests/test_steady_state_gradients.py",
@@ -54,7 +54,8 @@ GROUPS: dict[str, tuple[list[str], list[str]]] = {
     "field": (["et_ode/model.py", "et_ode/_checks.py", "et_ode/masks.py", "et_ode/field.py",
                "et_ode/fused.py"], FIELD_TESTS),
     "attractor": (["et_ode/manifold.py", "et_ode/gradients.py"], ATTRACTOR_TESTS),
-    "solve": (["et_ode/solve.py"], SOLVE_TESTS),
+    "solve": (["et_ode/solve.py", "et_ode/_loop.py", "et_ode/solvers.py", "et_ode/stopping.py", "et_ode/adjoints.py"],
+              SOLVE_TESTS),
 }
 KILLED = {"killed", "timeout", "caught by type check"}
 

@@ -13,9 +13,14 @@ from pathlib import Path
 import torch
 
 from .. import runs
-from ..analysis.report import DTYPES, analyze
-from ..solve import ADAPTIVE_METHODS, METHODS
+from ..analysis.report import ANALYZE_SOLVER, DTYPES, analyze
+from ..integration import Integration
+from ..solvers import FIXED_METHODS
+from .dynamics import add_dynamics_arguments, integration_from
 from .image import add_official_arguments
+
+#: the analysis report's solve: its solver options (no gradient, no stop; the horizon is --t-end)
+DYNAMICS = Integration(solver=ANALYZE_SOLVER)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,11 +57,7 @@ def add_analyze_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     parser.add_argument("--batch", type=int, default=3, help="random states: number of samples")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="float64")
     parser.add_argument("--tau", type=float, default=1.0, help="time constant")
-    parser.add_argument("--method", choices=METHODS, default="dopri5", help="ODE method ('et': the paper's Euler)")
-    parser.add_argument("--rtol", type=float, default=1e-6)
-    parser.add_argument("--atol", type=float, default=1e-8)
-    parser.add_argument("--step", type=float, default=None, help="step of fixed-step methods (alpha for 'et')")
-    parser.add_argument("--steps", type=int, default=None, help="number of steps of method 'et'")
+    add_dynamics_arguments(parser, DYNAMICS, options=("solver", "rtol", "atol", "step", "steps"))
     parser.add_argument("--t-end", type=float, default=30.0, help="end of the time span")
     parser.add_argument("--points", type=int, default=61, help="saved times")
     parser.add_argument("--tol", type=float, default=1e-3, help="convergence tolerance on RMS |dg/dt|")
@@ -74,8 +75,8 @@ def run_analyze(args: argparse.Namespace) -> Path:
     ``--out`` is taken with :func:`et_ode.runs.claim`: a folder holding files needs ``--overwrite``
     (:class:`et_ode.runs.RunFolderError` otherwise, and while another process writes there).
     """
-    if args.method not in ADAPTIVE_METHODS and args.method != "et" and args.step is None:
-        raise ValueError(f"--method {args.method} is a fixed-step method: give --step")
+    if args.solver in FIXED_METHODS and args.step is None:
+        raise ValueError(f"--solver {args.solver} is a fixed-step method: give --step")
     setup = {k: str(v) if isinstance(v, Path) else v for k, v in sorted(vars(args).items())
              if isinstance(v, (str, int, float, bool, type(None), Path)) and k not in ("command", "overwrite")}
     with runs.claim(args.out, setup, overwrite=getattr(args, "overwrite", False)):
@@ -85,8 +86,8 @@ def run_analyze(args: argparse.Namespace) -> Path:
 def _run_analyze(args: argparse.Namespace) -> Path:
     return analyze(args.model, args.x0, out=args.out, seed=args.seed, dim=args.dim, heads=args.heads,
                    head_dim=args.head_dim, memories=args.memories, hopfield=args.hopfield, tokens=args.tokens,
-                   batch=args.batch, dtype=args.dtype, tau=args.tau, method=args.method, rtol=args.rtol,
-                   atol=args.atol, step=args.step, steps=args.steps, t_end=args.t_end, points=args.points,
+                   batch=args.batch, dtype=args.dtype, tau=args.tau,
+                   solver=integration_from(args, DYNAMICS).solver, t_end=args.t_end, points=args.points,
                    tol=args.tol, landscape=args.landscape, device=args.device, progress=not args.no_progress)
 
 

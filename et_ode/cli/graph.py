@@ -11,10 +11,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from .. import runs
-from ..models.graph import POOLS
-from ..tasks.graph import cross_validate, detect_anomalies
+from ..models.graph import PAPER_INTEGRATION, POOLS
+from ..tasks.graph import INTEGRATION_DEFAULTS, cross_validate, detect_anomalies
 from ..train import TrainConfig
+from .dynamics import add_dynamics_arguments
 from .options import add_run_folder_arguments
+
+#: the dynamics options of ``et-ode train graph`` (defaults: the task's, the paper's 12 Euler steps of 0.1)
+DYNAMICS_OPTIONS = ("solver", "t1", "rtol", "atol", "step", "steps", "gradient", "max_steps")
 
 
 def add_graph_train_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,10 +56,6 @@ def add_graph_train_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--memories", type=int, default=128)
     model.add_argument("--pe-dim", type=int, default=15, help="Laplacian eigenvectors per node")
     model.add_argument("--hopfield", choices=("relu", "softplus", "softmax"), default="relu")
-    model.add_argument("--method", default="et", help="solve method ('et': the paper's Euler block)")
-    model.add_argument("--step", type=float, default=0.1)
-    model.add_argument("--steps", type=int, default=12)
-    model.add_argument("--t1", type=float, default=1.0, help="horizon of other methods")
     model.add_argument("--dropout", type=float, default=0.0)
     model.add_argument("--head-hidden", type=int, default=0, help="hidden width of the read-out (0: linear)")
     model.add_argument("--pool", choices=POOLS, default="cls",
@@ -70,6 +70,8 @@ def add_graph_train_arguments(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--out", default=None,
                        help="output folder (checkpoints, metrics, results): new or empty, or see --resume, --overwrite")
     train.add_argument("--no-progress", action="store_true")
+    add_dynamics_arguments(parser, PAPER_INTEGRATION, options=DYNAMICS_OPTIONS)
+    parser.set_defaults(**{name: INTEGRATION_DEFAULTS[name] for name in DYNAMICS_OPTIONS})
     add_run_folder_arguments(parser)
 
 
@@ -97,8 +99,8 @@ def parse_grid(items: Sequence[str]) -> dict[str, list[Any]]:
 
 def _model_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return dict(dim=args.dim, heads=args.heads, head_dim=args.head_dim, memories=args.memories, pe_dim=args.pe_dim,
-                hopfield=args.hopfield, method=args.method, step=args.step, steps=args.steps, t1=args.t1,
-                dropout=args.dropout, head_hidden=args.head_hidden, pool=args.pool)
+                hopfield=args.hopfield, dropout=args.dropout, head_hidden=args.head_hidden, pool=args.pool,
+                **{name: getattr(args, name) for name in DYNAMICS_OPTIONS})
 
 
 def load_anomaly_graph(args: argparse.Namespace) -> Any:

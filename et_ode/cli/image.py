@@ -1,7 +1,7 @@
 """``et-ode train image``, ``et-ode complete`` and ``et-ode demo``: options in, :mod:`et_ode.tasks.image` calls out.
 
 ``add_train_image``, ``add_complete`` and ``add_demo`` each add one subcommand's parser; its ``run`` default turns
-the parsed options into :class:`et_ode.tasks.image.ImageRunConfig` / :class:`et_ode.models.image.SolverSettings`
+the parsed options into :class:`et_ode.tasks.image.ImageRunConfig` / :class:`et_ode.Integration`
 and calls :func:`~et_ode.tasks.image.train_image`, :func:`~et_ode.tasks.image.complete` (or, with ``--official``,
 :func:`et_ode.tasks.photos.complete_photos`) or :func:`~et_ode.tasks.image.demo`.
 """
@@ -19,42 +19,15 @@ import torch
 
 from .. import distributed
 from ..data.images import SOURCES
-from ..models.image import SolverSettings
-from ..solve import GRADIENTS, METHODS
+from ..solvers import METHODS
 from ..tasks.image import DEMO_EPOCHS, DEMO_MINUTES, ImageRunConfig, complete, demo, train_image
 from ..train import TrainConfig
+from .dynamics import add_dynamics_arguments, integration_from
 from .options import add_run_folder_arguments
 
 
 def _max_threads() -> int:
     return os.cpu_count() or 1
-
-
-def _add_solver_arguments(parser: argparse.ArgumentParser, defaults: SolverSettings) -> None:
-    group = parser.add_argument_group("dynamics (how the ET block is integrated)")
-    group.add_argument("--solver", default=defaults.method, choices=METHODS,
-                       help="ODE method; 'et' is the paper's Euler scheme (--step alpha, --steps n) "
-                            f"(default {defaults.method})")
-    group.add_argument("--t1", type=float, default=defaults.t1,
-                       help=f"time horizon from 0 (ignored by 'et': steps*step*tau) (default {defaults.t1})")
-    group.add_argument("--rtol", type=float, default=defaults.rtol, help=f"adaptive rtol (default {defaults.rtol})")
-    group.add_argument("--atol", type=float, default=defaults.atol, help=f"adaptive atol (default {defaults.atol})")
-    group.add_argument("--step", type=float, default=defaults.step,
-                       help="step size of fixed methods, alpha of 'et' (e.g. 0.1)")
-    group.add_argument("--steps", type=int, default=defaults.steps, help="number of steps of 'et' (e.g. 12)")
-    group.add_argument("--grad", default=defaults.grad, choices=GRADIENTS,
-                       help=f"how gradients pass through the solve (default {defaults.grad}; "
-                            "'implicit' needs --steady-state)")
-    group.add_argument("--adjoint-rtol", type=float, default=defaults.adjoint_rtol,
-                       help="rtol of the adjoint's backward solve (default: --rtol)")
-    group.add_argument("--adjoint-atol", type=float, default=defaults.adjoint_atol,
-                       help="atol of the adjoint's backward solve (default: --atol)")
-    group.add_argument("--seminorm", action="store_true",
-                       help="adjoint step control on the state channels only (cheaper backward solve)")
-    group.add_argument("--steady-state", type=float, default=defaults.steady_state, metavar="TOL",
-                       help="stop at the attractor: RMS |dg/dt| < TOL (t1 is then the longest time)")
-    group.add_argument("--max-steps", type=int, default=defaults.max_steps,
-                       help=f"solver step limit (default {defaults.max_steps})")
 
 
 def thread_count(text: str) -> int:
@@ -66,13 +39,6 @@ def thread_count(text: str) -> int:
     if not 1 <= value <= _max_threads():
         raise argparse.ArgumentTypeError(f"must be from 1 to {_max_threads()} (this machine's CPUs), got {value}")
     return value
-
-
-def _solver_from(args: argparse.Namespace) -> SolverSettings:
-    return SolverSettings(method=args.solver, t1=args.t1, rtol=args.rtol, atol=args.atol, step=args.step,
-                          steps=args.steps, grad=args.grad, adjoint_rtol=args.adjoint_rtol,
-                          adjoint_atol=args.adjoint_atol, seminorm=args.seminorm,
-                          steady_state=args.steady_state, max_steps=args.max_steps)
 
 
 def add_train_image(subparsers: argparse._SubParsersAction) -> None:
@@ -106,7 +72,7 @@ def add_train_image(subparsers: argparse._SubParsersAction) -> None:
     mask.add_argument("--visible-fraction", type=float, default=run.visible_fraction,
                       help="fraction of the scored patches left visible (the paper: 0.1 = 10 of 100)")
     mask.add_argument("--mask-seed", type=int, default=run.mask_seed, help="seed of the fixed test masks")
-    _add_solver_arguments(parser, run.solver)
+    add_dynamics_arguments(parser, run.integration)
     opt = parser.add_argument_group("training")
     opt.add_argument("--epochs", type=int, default=train.epochs)
     opt.add_argument("--batch-size", type=int, default=train.batch_size)
@@ -151,7 +117,8 @@ def _train_image_from_args(args: argparse.Namespace) -> None:
                             heads=args.heads, head_dim=args.head_dim, memories=args.memories, hopfield=args.hopfield,
                             cls_token=args.cls_token, tau=args.tau, ratio=args.mask_ratio,
                             visible_fraction=args.visible_fraction, mask_seed=args.mask_seed,
-                            solver=_solver_from(args), train=train, baselines=not args.no_baselines,
+                            integration=integration_from(args, ImageRunConfig().integration),
+                            train=train, baselines=not args.no_baselines,
                             threads=args.threads)
     results = train_image(config)
     if distributed.is_main():
@@ -224,7 +191,7 @@ def _run_complete(args: argparse.Namespace) -> None:
         raise ValueError("a trained CHECKPOINT completes one --image at a time")
     image = args.image[0] if args.image else None
     summary = complete(args.checkpoint, args.out, image=image, index=args.index, frames=args.frames, t1=args.t1,
-                       method=args.solver, ratio=args.mask_ratio, seed=args.seed, device=args.device)
+                       solver=args.solver, ratio=args.mask_ratio, seed=args.seed, device=args.device)
     print(json.dumps({k: summary[k] for k in ("files", "masked_mse", "monotone")}, indent=2))
 
 

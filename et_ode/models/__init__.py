@@ -2,9 +2,9 @@
 
 from .graph import GraphET
 from .image import (
+    DEFAULT_INTEGRATION,
     CompletionTask,
     ImageET,
-    SolverSettings,
     evaluate_completion,
     fixed_mask_set,
     masked_mse,
@@ -21,21 +21,21 @@ from .official import (
     load_official,
     normalize_pixels,
     official_arrays,
+    official_integration,
     official_masks,
     official_sizes,
-    official_solver,
     read_official,
     save_official,
 )
 
 __all__ = [
+    "DEFAULT_INTEGRATION",
     "IMAGENET_MEAN",
     "IMAGENET_STD",
     "OFFICIAL_KEYS",
     "CompletionTask",
     "GraphET",
     "ImageET",
-    "SolverSettings",
     "default_masked",
     "denormalize",
     "evaluate_completion",
@@ -46,7 +46,7 @@ __all__ = [
     "official_arrays",
     "official_masks",
     "official_sizes",
-    "official_solver",
+    "official_integration",
     "patchify",
     "random_masks",
     "read_official",

@@ -8,7 +8,7 @@ its graph in both directions. Attention is restricted to the edges (plus the CLS
 
 A batch of graphs of different sizes (a PyG ``Batch``) is one disjoint graph: the state has shape
 ``(N_total + G, D)`` (the ``N_total`` nodes of all graphs, then one CLS token per graph), and ``solve`` integrates
-the dynamics of all graphs at once (its step control and ``steady_state`` see them as one sample).
+the dynamics of all graphs at once (its step control and a steady-state stop see them as one sample).
 The output is read from the final normalized state ``g``: the CLS tokens' (``readout="graph"``, logits
 ``(G, classes)``) or every node's (``readout="node"``, logits ``(N_total, classes)``).
 """
@@ -20,13 +20,18 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..adjoints import Direct
 from ..field import ETField
+from ..integration import Integration
 from ..masks import GraphMask
 from ..model import EnergyTransformer
-from ..solve import Solution, solve
+from ..solution import Solution
+from ..solvers import EulerET
 
 READOUTS = ("graph", "node")
 POOLS = ("cls", "cls+mean", "cls+sum")
+# the paper's graph block: 12 Euler steps of 0.1, gradients straight through
+PAPER_INTEGRATION = Integration(solver=EulerET(0.1, 12), gradient=Direct())
 
 
 class GraphET(nn.Module):
@@ -39,8 +44,8 @@ class GraphET(nn.Module):
         pe_dim: Laplacian eigenvectors per node ``k`` (0: none).
         readout: ``"graph"`` (CLS tokens) or ``"node"`` (no CLS token).
         hopfield, self_attention: passed to :class:`~et_ode.EnergyTransformer`.
-        method, step, steps, t1, rtol, atol, grad: how the dynamics are solved (``method="et"``: ``steps`` Euler
-            steps of size ``step``, the paper's block; otherwise any ``solve`` method on ``(0, t1)``).
+        integration: how the dynamics are solved (:class:`et_ode.integration.Integration`; default the paper's block,
+            ``EulerET(alpha=0.1, steps=12)`` with ``Direct()`` gradients; any other solver runs on ``(0, t1)``).
         dropout: dropout on the encoded node features while training.
         tau: the field's time constant.
         head_hidden: 0 for a linear read-out of ``g``; else a hidden layer of this width (GELU) before it.
@@ -53,8 +58,7 @@ class GraphET(nn.Module):
 
     def __init__(self, in_features: int, classes: int, *, dim: int = 64, heads: int = 4, head_dim: int = 16,
                  memories: int = 128, pe_dim: int = 15, readout: str = "graph", hopfield: str = "relu",
-                 self_attention: bool = False, method: str = "et", step: float = 0.1, steps: int = 12,
-                 t1: float = 1.0, rtol: float = 1e-4, atol: float = 1e-5, grad: str = "direct", dropout: float = 0.0,
+                 self_attention: bool = False, integration: Integration = PAPER_INTEGRATION, dropout: float = 0.0,
                  tau: float = 1.0, head_hidden: int = 0, pool: str = "cls"):
         super().__init__()
         if readout not in READOUTS:
@@ -66,11 +70,13 @@ class GraphET(nn.Module):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if not (isinstance(pe_dim, int) and pe_dim >= 0):
             raise ValueError(f"pe_dim must be an integer >= 0, got {pe_dim!r}")
+        if not isinstance(integration, Integration):
+            raise TypeError(f"integration must be an et_ode.integration.Integration, got {type(integration).__name__}")
+        self.integration = integration
         self.config: dict[str, Any] = dict(
             in_features=in_features, classes=classes, dim=dim, heads=heads, head_dim=head_dim, memories=memories,
-            pe_dim=pe_dim, readout=readout, hopfield=hopfield, self_attention=self_attention, method=method,
-            step=step, steps=steps, t1=t1, rtol=rtol, atol=atol, grad=grad, dropout=dropout, tau=tau,
-            head_hidden=head_hidden, pool=pool)
+            pe_dim=pe_dim, readout=readout, hopfield=hopfield, self_attention=self_attention,
+            integration=integration.to_dict(), dropout=dropout, tau=tau, head_hidden=head_hidden, pool=pool)
         self.readout, self.pe_dim, self.pool = readout, pe_dim, pool
         self.encoder = nn.Linear(in_features, dim)
         self.pe_encoder = nn.Linear(pe_dim, dim, bias=False) if pe_dim else None
@@ -116,13 +122,7 @@ class GraphET(nn.Module):
     def forward(self, batch: Any) -> Tensor:
         """Logits ``(G, classes)`` (graph readout) or ``(N, classes)`` (node readout)."""
         x0, mask = self.tokens(batch)
-        c = self.config
-        if c["method"] == "et":
-            solution = solve(self.field, x0, method="et", step=c["step"], steps=c["steps"], mask=mask,
-                             grad=c["grad"], save="final")
-        else:
-            solution = solve(self.field, x0, (0.0, c["t1"]), method=c["method"], rtol=c["rtol"], atol=c["atol"],
-                             mask=mask, grad=c["grad"], save="final")
+        solution = self.integration.solve(self.field.with_mask(mask), x0)
         self.last_solution = solution
         if self.cls is None:
             return self.head(solution.g)

@@ -12,14 +12,12 @@ the scored patches visible (ImageNet: 100 of 196 scored, 90 hidden, 10 visible):
 
 Public API::
 
-    SolverSettings(method="dopri5", t1=1.2, rtol=1e-3, atol=1e-4, step=None, steps=None, grad="adjoint",
-                   adjoint_rtol=None, adjoint_atol=None, seminorm=False, steady_state=None, max_steps=2000,
-                   options=None)
     ImageET(image_shape, patch, dim, heads, head_dim, memories=None, *, cls_token=False, hopfield="relu",
-            self_attention=False, tau=1.0, solver=SolverSettings(), cls_position=False, renormalize=False)
-        .forward(images (B,C,H,W), hidden (B,N), solver=None) -> Completion(patches (B,N,C*P*P), solution)
+            self_attention=False, tau=1.0, integration=DEFAULT_INTEGRATION, cls_position=False, renormalize=False)
+        (DEFAULT_INTEGRATION = Integration(Adaptive(rtol=1e-3, atol=1e-4), Adjoint(), t1=1.2, max_steps=2000))
+        .forward(images (B,C,H,W), hidden (B,N), integration=None) -> Completion(patches (B,N,C*P*P), solution)
         .tokens(images, hidden) -> x0 (B, N(+1), D);  .decode(g) -> (B, N, C*P*P)
-        .film(images, hidden, times, solver=None, keep_visible=True) -> (frames (T,B,C,H,W), solution)
+        .film(images, hidden, times, integration=None, keep_visible=True) -> (frames (T,B,C,H,W), solution)
         .config() -> dict;  ImageET.from_config(dict)
         (the official release's plain-dict .npz checkpoint: load_official / save_official, :mod:`et_ode.models.official`)
     patchify(images, patch) -> (B, N, C*P*P);  unpatchify(patches, patch, image_shape) -> (B, C, H, W)
@@ -30,8 +28,6 @@ Public API::
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,63 +36,15 @@ import torch
 from torch import Tensor, nn
 
 from .. import devices
+from ..adjoints import Adjoint, Direct
 from ..field import ETField
+from ..integration import Integration
 from ..model import EnergyTransformer
-from ..solve import GRADIENTS, METHODS, Solution, solve
+from ..solution import Solution
+from ..solvers import Adaptive, EulerET
 
-
-@dataclass
-class SolverSettings:
-    """How the ET block is integrated. Passed to :func:`et_ode.solve`.
-
-    Args:
-        method: any solve method; ``"et"`` is the paper's scheme (``steps`` Euler steps of ``step`` = alpha).
-        t1: time horizon (from 0); ignored by ``"et"``, whose horizon is ``steps * step * tau``.
-        rtol, atol: tolerances of adaptive methods.
-        step: step size of fixed methods, alpha of ``"et"``.
-        steps: number of steps of ``"et"``.
-        grad: ``"direct"``, ``"adjoint"`` or ``"implicit"`` (the last needs ``steady_state``).
-        adjoint_rtol, adjoint_atol, seminorm: the adjoint's backward solve (default: the forward tolerances;
-            ``seminorm`` drops the parameter-gradient channels from the step-size control, often halving its cost).
-        steady_state: stop where RMS |dg/dt| < this (``t1`` is then the longest time allowed).
-        max_steps: solver step limit (a :class:`et_ode.SolveError` beyond it).
-        options: extra torchdiffeq options.
-    """
-
-    method: str = "dopri5"
-    t1: float = 1.2
-    rtol: float = 1e-3
-    atol: float = 1e-4
-    step: float | None = None
-    steps: int | None = None
-    grad: str = "adjoint"
-    adjoint_rtol: float | None = None
-    adjoint_atol: float | None = None
-    seminorm: bool = False
-    steady_state: float | None = None
-    max_steps: int = 2000
-    options: dict[str, Any] | None = None
-
-    def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise ValueError(f"SolverSettings.method must be one of {METHODS}, got {self.method!r}")
-        if self.grad not in GRADIENTS:
-            raise ValueError(f"SolverSettings.grad must be one of {GRADIENTS}, got {self.grad!r}")
-        if self.method == "et" and (self.step is None or self.steps is None):
-            raise ValueError("SolverSettings(method='et') needs step (alpha) and steps, e.g. step=0.1, steps=12")
-        if not (self.t1 > 0 and math.isfinite(self.t1)):
-            raise ValueError(f"SolverSettings.t1 must be positive and finite, got {self.t1!r}")
-
-    def replace(self, **changes: Any) -> SolverSettings:
-        return dataclasses.replace(self, **changes)
-
-    def solve(self, field_: ETField, x0: Tensor, times: Tensor | None = None, save: str = "final") -> Solution:
-        """Run :func:`et_ode.solve` with these settings; ``times`` (from 0 to the horizon) are saved if given."""
-        t = None if self.method == "et" else (times if times is not None else (0.0, self.t1))
-        return solve(field_, x0, t, method=self.method, rtol=self.rtol, atol=self.atol, step=self.step,
-                     steps=self.steps, grad=self.grad, adjoint_rtol=self.adjoint_rtol, adjoint_atol=self.adjoint_atol,
-                     seminorm=self.seminorm, steady_state=self.steady_state, max_steps=self.max_steps,
-                     options=self.options, save=save)
+# the image model's default integration: dopri5 at loose tolerances to t = 1.2 tau, trained with the adjoint
+DEFAULT_INTEGRATION = Integration(solver=Adaptive(rtol=1e-3, atol=1e-4), gradient=Adjoint(), t1=1.2, max_steps=2000)
 
 
 @dataclass
@@ -183,7 +131,8 @@ class ImageET(nn.Module):
         cls_token: prepend a learned CLS token (it is not decoded).
         hopfield, self_attention: passed to :class:`et_ode.EnergyTransformer`.
         tau: time constant of the dynamics.
-        solver: default :class:`SolverSettings`; ``forward(..., solver=...)`` overrides it.
+        integration: how the block is integrated (:class:`et_ode.integration.Integration`: solver, gradient, stop,
+            horizon ``t1``, step budget); ``forward(..., integration=...)`` overrides it.
         cls_position: the positional embedding has a row for the CLS token too, ``(1 + N, D)``, added after the CLS
             token is put in front (the official release's order); needs ``cls_token``. Default: ``(N, D)``, added to
             the patch tokens only.
@@ -193,7 +142,7 @@ class ImageET(nn.Module):
 
     def __init__(self, image_shape: Sequence[int], patch: int, dim: int, heads: int, head_dim: int,
                  memories: int | None = None, *, cls_token: bool = False, hopfield: str = "relu",
-                 self_attention: bool = False, tau: float = 1.0, solver: SolverSettings | None = None,
+                 self_attention: bool = False, tau: float = 1.0, integration: Integration = DEFAULT_INTEGRATION,
                  cls_position: bool = False, renormalize: bool = False):
         super().__init__()
         if len(image_shape) != 3 or not all(isinstance(s, int) and s >= 1 for s in image_shape):
@@ -211,7 +160,9 @@ class ImageET(nn.Module):
         self.patch_dim = c * patch * patch
         self.dim = dim
         self.tau = float(tau)
-        self.solver = solver or SolverSettings()
+        if not isinstance(integration, Integration):
+            raise TypeError(f"integration must be an et_ode.integration.Integration, got {type(integration).__name__}")
+        self.integration = integration
         self.cls_position = bool(cls_position)
         self.renormalize = bool(renormalize)
         self._block_args = dict(heads=heads, head_dim=head_dim, memories=memories or 4 * dim, hopfield=hopfield,
@@ -233,14 +184,14 @@ class ImageET(nn.Module):
     def config(self) -> dict[str, Any]:
         """Constructor arguments, JSON-friendly: ``ImageET.from_config(model.config())`` rebuilds it."""
         return dict(image_shape=list(self.image_shape), patch=self.patch, dim=self.dim, **self._block_args,
-                    cls_token=self.cls is not None, tau=self.tau, solver=dataclasses.asdict(self.solver),
+                    cls_token=self.cls is not None, tau=self.tau, integration=self.integration.to_dict(),
                     cls_position=self.cls_position, renormalize=self.renormalize)
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> ImageET:
         config = dict(config)
-        solver = SolverSettings(**config.pop("solver", {}))
-        return cls(tuple(config.pop("image_shape")), solver=solver, **config)
+        integration = Integration.from_dict(config.pop("integration")) if "integration" in config else DEFAULT_INTEGRATION
+        return cls(tuple(config.pop("image_shape")), integration=integration, **config)
 
     def field(self) -> ETField:
         """The vector field of the block (a fresh NFE counter)."""
@@ -278,26 +229,27 @@ class ImageET(nn.Module):
             g = self.block.neuron(g)
         return self.decoder(g)
 
-    def forward(self, images: Tensor, hidden: Tensor, solver: SolverSettings | None = None) -> Completion:
+    def forward(self, images: Tensor, hidden: Tensor, integration: Integration | None = None) -> Completion:
         """Complete ``images (B, C, H, W)`` whose patches ``hidden (B, N)`` are masked."""
         x0 = self.tokens(images, hidden)
-        solution = (solver or self.solver).solve(self.field(), x0)
+        solution = (integration or self.integration).solve(self.field(), x0)
         return Completion(self.decode(solution.g), solution)
 
     def film(self, images: Tensor, hidden: Tensor, times: Tensor | Sequence[float] | None = None,
-             solver: SolverSettings | None = None, keep_visible: bool = True) -> tuple[Tensor, Solution]:
+             integration: Integration | None = None, keep_visible: bool = True) -> tuple[Tensor, Solution]:
         """The completion over time: images ``(T, B, C, H, W)`` decoded at the saved times, and the solution.
 
-        ``times``: from 0 to the horizon (default 9 equal steps to ``solver.t1``); the ``"et"`` method saves
-        every step instead. ``keep_visible``: show the input in the visible patches (the decoder is trained on
-        the hidden ones only); False shows the decoding of every token.
+        ``times``: from 0 to the horizon (default 9 equal steps to ``integration.t1``); :class:`et_ode.EulerET`
+        saves every step instead. The solve runs without a stop and without gradients. ``keep_visible``: show the
+        input in the visible patches (the decoder is trained on the hidden ones only); False shows the decoding of
+        every token.
         """
-        solver = solver or self.solver
-        if times is None and solver.method != "et":
-            times = torch.linspace(0.0, solver.t1, 9)
+        integration = integration or self.integration
+        if times is None and not isinstance(integration.solver, EulerET):
+            times = torch.linspace(0.0, integration.t1, 9)
         times = None if times is None else torch.as_tensor(times, dtype=torch.float64)
         with torch.no_grad():
-            solution = solver.replace(grad="direct", steady_state=None).solve(
+            solution = integration.replace(gradient=Direct(), stop=None).solve(
                 self.field(), self.tokens(images, hidden), times, save="all")
             frames = self.decode(self.block.neuron(solution.xs))  # (T, B, N, C P P)
             if keep_visible:
@@ -352,7 +304,7 @@ class CompletionTask:
         return evaluate_completion(model, batches)
 
 
-def evaluate_completion(model: nn.Module, batches: Iterable[Any], solver: SolverSettings | None = None
+def evaluate_completion(model: nn.Module, batches: Iterable[Any], integration: Integration | None = None
                         ) -> dict[str, float]:
     """Masked-patch MSE over all scored pixels of ``batches`` of ``(images, hidden, scored)``.
 
@@ -364,7 +316,7 @@ def evaluate_completion(model: nn.Module, batches: Iterable[Any], solver: Solver
     nfe, energy, residual, seconds, t_final, solves = 0.0, 0.0, 0.0, 0.0, 0.0, 0
     patch = _unwrap(model).patch
     for images, hidden, scored in batches:
-        out = model(images, hidden) if solver is None else model(images, hidden, solver=solver)
+        out = model(images, hidden) if integration is None else model(images, hidden, integration=integration)
         weight = scored.to(out.patches.dtype)[..., None]
         squared += float(((out.patches - patchify(images, patch)).square() * weight).sum())
         count += float(weight.sum()) * out.patches.shape[-1]

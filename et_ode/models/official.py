@@ -19,7 +19,7 @@ Euler steps ``x <- x - 0.1 dE/dg``, ``g = LayerNorm(x)``, with energy attention 
 release normalizes once after the steps and once more inside its ``decode``); unpatchify. :func:`load_official`
 builds the :class:`ImageET` that does exactly this (``cls_position=True``, ``renormalize=True``, the official
 solver as its default), so that ``unpatchify(model(images, hidden).patches, patch, image_shape)`` is the release's
-output; any other solver, horizon or steady state is a :class:`SolverSettings` away.
+output; any other solver, horizon or steady state is an :class:`et_ode.integration.Integration` away.
 
 Photos are normalized as the release does: pixel values ``0..255`` minus ``255 * mean``, divided by ``255 * std``
 (ImageNet's mean and standard deviation per channel), see :func:`normalize_pixels`. Its masks hide a given
@@ -28,7 +28,7 @@ number of patches (100 of 196) drawn at random: :func:`official_masks`.
 Public API::
 
     OFFICIAL_KEYS, IMAGENET_MEAN, IMAGENET_STD, OFFICIAL_MASKED (100), OFFICIAL_PATCHES (196)
-    official_solver() -> SolverSettings (method "et", 12 steps of 0.1)
+    official_integration() -> Integration (EulerET(alpha=0.1, steps=12), Direct())
     read_official(path) -> dict[str, np.ndarray]          # never executes code (allow_pickle=False)
     official_sizes(arrays, image_shape, patch) -> dict     # validates every shape, names the key at fault
     load_official(path, image_shape=(3, 224, 224), patch=16, *, dtype=torch.float32) -> ImageET
@@ -49,8 +49,11 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
+from ..adjoints import Direct
+from ..integration import Integration
 from ..neurons import inverse_softplus
-from .image import ImageET, SolverSettings
+from ..solvers import EulerET
+from .image import ImageET
 
 OFFICIAL_KEYS = ("Wk", "Wq", "Xi", "Wenc", "Benc", "Wdec", "Bdec", "LNORM_gamma", "LNORM_bias", "CLS_token",
                  "MASK_token", "POS_embed")
@@ -63,9 +66,9 @@ IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
-def official_solver() -> SolverSettings:
+def official_integration() -> Integration:
     """The release's dynamics: 12 Euler steps ``x <- x - 0.1 dE/dg`` (tau = 1), gradients straight through."""
-    return SolverSettings(method="et", step=OFFICIAL_ALPHA, steps=OFFICIAL_STEPS, grad="direct")
+    return Integration(solver=EulerET(OFFICIAL_ALPHA, OFFICIAL_STEPS), gradient=Direct())
 
 
 # ----------------------------------------------------------------------------------------------- reading
@@ -182,11 +185,11 @@ def _exact_gamma_raw(gamma: float, dtype: torch.dtype) -> Tensor:
 
 def load_official(path: str | Path, image_shape: Sequence[int] = (3, 224, 224), patch: int = 16, *,
                   dtype: torch.dtype = torch.float32) -> ImageET:
-    """An :class:`ImageET` holding the weights of an official-format checkpoint, its default solver the official one.
+    """An :class:`ImageET` holding the weights of an official-format checkpoint, its default integration the official one.
 
     The model: CLS token with its own position (``cls_position``), attention including the diagonal, ``beta =
     1/sqrt(Y)`` for every head, eps = 1e-5, ReLU memories ``Xi^T``, the decoder reading ``LayerNorm(g)``
-    (``renormalize``), tau = 1, :func:`official_solver`. ``dtype``: float32 (the file's precision) or float64
+    (``renormalize``), tau = 1, :func:`official_integration`. ``dtype``: float32 (the file's precision) or float64
     (the weights converted exactly; beta and eps are then float64 values). Loading leaves the global RNG as it was.
 
     Raises:
@@ -198,7 +201,8 @@ def load_official(path: str | Path, image_shape: Sequence[int] = (3, 224, 224), 
     sizes = official_sizes(arrays, image_shape, patch)
     with torch.random.fork_rng(devices=[]):
         model = ImageET(tuple(image_shape), patch, sizes["dim"], sizes["heads"], sizes["head_dim"], sizes["memories"],
-                        cls_token=True, hopfield="relu", self_attention=True, tau=1.0, solver=official_solver(),
+                        cls_token=True, hopfield="relu", self_attention=True, tau=1.0,
+                        integration=official_integration(),
                         cls_position=True, renormalize=True)
     model = model.to(dtype)
     block = model.block

@@ -35,6 +35,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from ..devices import move_to, resolve_device, seed_everything
+from ..integration import Integration
 from ..models.graph import GraphET
 from ..train import TrainConfig, fit
 
@@ -68,26 +69,42 @@ class GraphClassificationTask:
 
 #: Options that change the data's encoding; they are fixed for a cross-validation, not selected in it.
 DATA_OPTIONS = ("pe_dim", "max_degree", "rw_steps")
+#: the flat dynamics options a model's arguments may hold (:meth:`et_ode.Integration.from_options`), and their
+#: defaults here: the paper's graph block, 12 Euler steps of 0.1 (GraphET's default); adaptive methods at rtol 1e-4
+INTEGRATION_DEFAULTS = {**{name: p.default for name, p in inspect.signature(Integration.from_options).parameters.items()},
+                        "solver": "et", "rtol": 1e-4, "atol": 1e-5}
+
+
+def graph_model(in_features: int, classes: int, readout: str, model_kwargs: Mapping[str, Any]) -> GraphET:
+    """A :class:`GraphET` from flat arguments: the dynamics options among them (``solver``, ``step``, ``steps``,
+    ``t1``, ``rtol``, ``gradient``, ...: :data:`INTEGRATION_DEFAULTS`) become its :class:`~et_ode.Integration`, so
+    that a command line or a grid search can name them one by one."""
+    dynamics = {name: value for name, value in model_kwargs.items() if name in INTEGRATION_DEFAULTS}
+    rest = {name: value for name, value in model_kwargs.items() if name not in INTEGRATION_DEFAULTS}
+    integration = Integration.from_options(**{**INTEGRATION_DEFAULTS, **dynamics})
+    return GraphET(in_features, classes, readout=readout, integration=integration, **rest)
 
 
 def expand_grid(grid: Mapping[str, Sequence[Any]] | None, config: TrainConfig) -> list[dict[str, Any]]:
     """Every combination of the ``grid``'s values, in order (the last option varying fastest): ``[{}]`` for none.
 
-    Keys are :class:`GraphET` arguments or :class:`TrainConfig` fields; a data option (``pe_dim``, ...), an
+    Keys are :class:`GraphET` arguments, dynamics options (:data:`INTEGRATION_DEFAULTS`) or :class:`TrainConfig`
+    fields; a data option (``pe_dim``, ...), an
     unknown name or an empty list of values raises ``ValueError`` naming it.
     """
     if not grid:
         return [{}]
     defaults = {name: p.default for name, p in inspect.signature(GraphET).parameters.items()
-                if name not in ("in_features", "classes", "readout")}
+                if name not in ("in_features", "classes", "readout", "integration")}
+    defaults.update(INTEGRATION_DEFAULTS)
     defaults.update({name: value for name, value in config.to_dict().items()
                      if name not in ("seed", "out_dir", "resume", "device", "progress")})
     for key, values in grid.items():
         if key in DATA_OPTIONS:
             raise ValueError(f"grid option {key!r} changes the data encoding; set it for the whole run instead")
         if key not in defaults:
-            raise ValueError(f"grid option {key!r} is neither a GraphET argument nor a TrainConfig field; choose from "
-                             f"{sorted(defaults)}")
+            raise ValueError(f"grid option {key!r} is neither a GraphET argument, a dynamics option nor a TrainConfig "
+                             f"field; choose from {sorted(defaults)}")
         if not isinstance(values, Sequence) or isinstance(values, str) or not values:
             raise ValueError(f"grid option {key!r} needs a non-empty list of values, got {values!r}")
         numeric = isinstance(defaults[key], (int, float)) and not isinstance(defaults[key], bool)
@@ -124,7 +141,7 @@ def _train_and_score(graphs: list, train_index: np.ndarray, test_index: np.ndarr
         member_seed = seed + 1000 * member
         member_dir = run_dir if run_dir is None or ensemble == 1 else run_dir / f"member_{member}"
         torch.manual_seed(member_seed)
-        model = GraphET(graphs[0].x.shape[1], max(labels) + 1, readout="graph", **model_kwargs)
+        model = graph_model(graphs[0].x.shape[1], max(labels) + 1, "graph", model_kwargs)
         run_config = TrainConfig(**{**config.to_dict(), "seed": member_seed, "resume": member_dir is not None,
                                     "out_dir": None if member_dir is None else str(member_dir)})
         fit(model, GraphClassificationTask(), [graphs[i] for i in train_index], None, run_config,
@@ -150,7 +167,8 @@ def cross_validate(graphs: list, model_kwargs: dict[str, Any], config: TrainConf
 
     Args:
         graphs: the data set, e.g. :func:`et_ode.data.graphs.read_tu`.
-        model_kwargs: :class:`GraphET` arguments other than ``in_features`` and ``classes`` (taken from the data).
+        model_kwargs: :class:`GraphET` arguments other than ``in_features`` and ``classes`` (taken from the data),
+            its dynamics as flat options (:func:`graph_model`).
         config: training settings of every run (``out_dir`` and ``seed`` are set per run).
         folds, seed: the split (``StratifiedKFold(folds, shuffle=True, random_state=seed)``); fold ``K``'s models
             are initialised with seed ``seed + K``.
@@ -360,7 +378,7 @@ def detect_anomalies(graph: Any, model_kwargs: dict[str, Any], config: TrainConf
         raise ValueError("graph.y must hold a 0/1 label per node (from inject_anomalies or a labels file)")
     masks = node_split(graph.y, split, seed=seed)
     torch.manual_seed(seed)
-    model = GraphET(graph.x.shape[1], 2, readout="node", **model_kwargs)
+    model = graph_model(graph.x.shape[1], 2, "node", model_kwargs)
     task = NodeAnomalyTask(masks, graph.y)
     config = TrainConfig(**{**config.to_dict(), "batch_size": 1, "seed": seed})
     fit(model, task, _OneGraph(graph), [graph], config, collate_fn=lambda items: items[0],

@@ -3,12 +3,12 @@ complete images over time, and the demo. Plain Python functions; ``et-ode train 
 ``et-ode demo`` (:mod:`et_ode.cli.image`) only translate options into these calls.
 
     train_image(config: ImageRunConfig, out_dir=None) -> dict   # trains, evaluates against baselines, writes out_dir
-    complete(checkpoint, out_dir, *, image=None, index=None, frames=9, t1=None, method=None, ratio=None, seed=0,
+    complete(checkpoint, out_dir, *, image=None, index=None, frames=9, t1=None, solver=None, ratio=None, seed=0,
              device="cpu") -> dict                      # film.pt, energy.csv, film_strip.png, energy.png
-    demo(out_dir="runs/demo", *, quick=False) -> dict    # digits, dopri5 + adjoint, report.md with pictures
-    compare_solvers(checkpoint, {name: SolverSettings}, *, test_limit=None, batch_size=500) -> dict
+    demo(out_dir="runs/demo", *, quick=False) -> dict    # digits, bosh3 + adjoint, report.md with pictures
+    compare_solvers(checkpoint, {name: Integration}, *, test_limit=None, batch_size=500) -> dict
     load_trained(checkpoint, device="cpu") -> (ImageET, ImageRunConfig)
-    energy_descent(model, images, hidden, solver, points=25) -> dict   # counts energy rises per test image
+    energy_descent(model, images, hidden, integration, points=25) -> dict   # counts energy rises per test image
 
 Files written by ``train_image`` in ``out_dir``: ``config.json`` (the set-up, written once the folder is accepted:
 see :func:`et_ode.runs.claim`), ``checkpoint.safetensors`` (resumable, data only, see :mod:`et_ode.train`),
@@ -32,18 +32,21 @@ from typing import Any
 import torch
 
 from .. import distributed, runs, runtime
+from ..adjoints import Adjoint, Direct
 from ..data.images import SOURCES, ImageSet, load_images, read_png
 from ..devices import resolve_device
+from ..integration import Integration
 from ..models.image import (
+    DEFAULT_INTEGRATION,
     CompletionTask,
     ImageET,
-    SolverSettings,
     evaluate_completion,
     fixed_mask_set,
     patchify,
     random_masks,
     unpatchify,
 )
+from ..solvers import ADAPTIVE_METHODS, Adaptive, EulerET, Solver, as_solver
 from ..train import CHECKPOINT_NAME, TrainConfig, fit, load_checkpoint
 from .baselines import MeanImage, NearestNeighbour
 
@@ -67,7 +70,7 @@ class ImageRunConfig:
     tau: float = 1.0
     ratio: float = 0.5
     visible_fraction: float = 0.0
-    solver: SolverSettings = field(default_factory=SolverSettings)
+    integration: Integration = DEFAULT_INTEGRATION
     train: TrainConfig = field(default_factory=TrainConfig)
     mask_seed: int = 1234
     baselines: bool = True
@@ -86,14 +89,14 @@ class ImageRunConfig:
             raise ValueError(f"data must be one of {SOURCES}, got {self.data!r}")
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return {**dataclasses.asdict(self), "integration": self.integration.to_dict()}
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> ImageRunConfig:
         values = dict(values)
-        solver = SolverSettings(**values.pop("solver"))
+        integration = Integration.from_dict(values.pop("integration"))
         train = TrainConfig(**values.pop("train"))
-        return cls(solver=solver, train=train, **values)
+        return cls(integration=integration, train=train, **values)
 
 
 # Settings of an image run that a resume may change: how it executes, not what it computes.
@@ -111,12 +114,14 @@ def build_model(config: ImageRunConfig, image_shape: Sequence[int]) -> ImageET:
     """The :class:`ImageET` of ``config`` for images of ``image_shape``, initialised from ``config.train.seed``."""
     torch.manual_seed(config.train.seed)
     return ImageET(tuple(image_shape), config.patch, config.dim, config.heads, config.head_dim, config.memories,
-                   cls_token=config.cls_token, hopfield=config.hopfield, tau=config.tau, solver=config.solver)
+                   cls_token=config.cls_token, hopfield=config.hopfield, tau=config.tau,
+                   integration=config.integration)
 
 
-def energy_descent(model: ImageET, images: torch.Tensor, hidden: torch.Tensor, solver: SolverSettings,
+def energy_descent(model: ImageET, images: torch.Tensor, hidden: torch.Tensor, integration: Integration,
                    points: int = 25, batch_size: int = 500, rtol: float = 1e-9) -> dict[str, Any]:
-    """Does the energy decrease along every inference trajectory? Saves ``points`` times from 0 to the horizon.
+    """Does the energy decrease along every inference trajectory? Saves ``points`` times from 0 to the horizon
+    (:class:`~et_ode.EulerET`: every step), integrated without a stop.
 
     An *exception* is an image whose energy rises between two saved times by more than ``rtol * |E|``
     (float32 round-off). Returns counts and the largest relative change between saved times (negative when
@@ -124,12 +129,12 @@ def energy_descent(model: ImageET, images: torch.Tensor, hidden: torch.Tensor, s
     """
     model.eval()
     exceptions, largest, total = 0, -math.inf, 0
-    times = None if solver.method == "et" else torch.linspace(0.0, solver.t1, points)
+    times = None if isinstance(integration.solver, EulerET) else torch.linspace(0.0, integration.t1, points)
+    without_stop = integration.replace(gradient=Direct(), stop=None)
     with torch.no_grad():
         for start in range(0, images.shape[0], batch_size):
             x0 = model.tokens(images[start:start + batch_size], hidden[start:start + batch_size])
-            sol = solver.replace(grad="direct", steady_state=None).solve(model.field(), x0, times,
-                                                                         save="all" if times is not None else "steps")
+            sol = without_stop.solve(model.field(), x0, times, save="all" if times is not None else "steps")
             energies = sol.energies.double()  # (T, B)
             rise = (energies[1:] - energies[:-1]) / energies[:-1].abs().clamp_min(1e-12)
             worst = rise.max(dim=0).values
@@ -137,18 +142,18 @@ def energy_descent(model: ImageET, images: torch.Tensor, hidden: torch.Tensor, s
             largest = max(largest, float(worst.max()))
             total += x0.shape[0]
     return {"images": total, "exceptions": exceptions, "largest_relative_change": largest, "saved_times": points,
-            "method": solver.method, "tolerance": rtol}
+            "method": integration.solver.name, "tolerance": rtol}
 
 
 def evaluate_model(model: torch.nn.Module, test: torch.utils.data.TensorDataset, batch_size: int = 500,
-                   solver: SolverSettings | None = None, device: torch.device | None = None) -> dict[str, float]:
+                   integration: Integration | None = None, device: torch.device | None = None) -> dict[str, float]:
     """Masked-patch MSE (and NFE, energy, time) of ``model`` on a fixed-mask test set."""
     device = device or torch.device("cpu")
     loader = torch.utils.data.DataLoader(test, batch_size=batch_size)
     model.eval()
     started = time.perf_counter()
     with torch.no_grad():
-        metrics = evaluate_completion(model, ([t.to(device) for t in b] for b in loader), solver=solver)
+        metrics = evaluate_completion(model, ([t.to(device) for t in b] for b in loader), integration=integration)
     metrics["seconds"] = time.perf_counter() - started
     return metrics
 
@@ -197,7 +202,7 @@ def _train_image(config: ImageRunConfig, out: Path | None) -> dict[str, Any]:
     results: dict[str, Any] = {"data": config.data, "train_images": len(train_set), "test_images": len(test),
                                "image_shape": list(train_set.shape), "patches": model.num_patches,
                                "ratio": config.ratio, "visible_fraction": config.visible_fraction,
-                               "solver": dataclasses.asdict(config.solver), "epochs": config.train.epochs,
+                               "integration": config.integration.to_dict(), "epochs": config.train.epochs,
                                "train_seconds": history.last("time")}
     results["model"] = evaluate_model(model, test, device=device)
     if config.baselines:
@@ -208,7 +213,7 @@ def _train_image(config: ImageRunConfig, out: Path | None) -> dict[str, Any]:
         results["improvement_over_mean"] = 1 - results["model"]["mse"] / results["mean_baseline"]["mse"]
     if config.energy_check:
         images, hidden, _ = test.tensors
-        results["energy_descent"] = energy_descent(model, images.to(device), hidden.to(device), config.solver)
+        results["energy_descent"] = energy_descent(model, images.to(device), hidden.to(device), config.integration)
     if out is not None:
         save_artifacts(model, test, out, config)
         (out / "results.json").write_text(json.dumps(results, indent=2))
@@ -216,10 +221,11 @@ def _train_image(config: ImageRunConfig, out: Path | None) -> dict[str, Any]:
 
 
 def save_artifacts(model: ImageET, test: torch.utils.data.TensorDataset, out: Path, config: ImageRunConfig) -> None:
-    """``et_block.pt`` (the ET block with ``tau`` and the solver in its meta) and ``tokens.pt`` (encoded test tokens)."""
+    """``et_block.pt`` (the ET block with ``tau`` and the integration in its meta) and ``tokens.pt`` (encoded test
+    tokens)."""
     from ..io import save_model
 
-    save_model(model.block, out / "et_block.pt", tau=model.tau, solver=dataclasses.asdict(model.solver),
+    save_model(model.block, out / "et_block.pt", tau=model.tau, integration=model.integration.to_dict(),
                source="image", data=config.data, patch=config.patch)
     images, hidden, _ = test.tensors
     count = min(config.tokens, images.shape[0])
@@ -267,14 +273,15 @@ def _masked_view(image: torch.Tensor, hidden: torch.Tensor, patch: int) -> torch
 
 
 def complete(checkpoint: str | Path, out_dir: str | Path, *, image: str | Path | None = None, index: int | None = None,
-             frames: int = 9, t1: float | None = None, method: str | None = None, ratio: float | None = None,
+             frames: int = 9, t1: float | None = None, solver: Solver | str | None = None, ratio: float | None = None,
              seed: int = 0, device: str = "cpu") -> dict[str, Any]:
     """Complete one masked image with a trained model and record the completion over time.
 
     The image is a PNG file (``image``, the model's size) or test image ``index`` of the run's data. Patches are
-    hidden at random (``ratio``, default the run's) with ``seed``. The run's solver is used, with ``t1`` and
-    ``method`` replaced when given; ``frames`` equally spaced times from 0 to ``t1`` are saved (the ``"et"``
-    method saves each of its steps). Writes to ``out_dir``: ``film.pt``
+    hidden at random (``ratio``, default the run's) with ``seed``. The run's integration is used, with ``t1`` and
+    ``solver`` replaced when given (a method's name keeps the run's tolerances where both are adaptive); ``frames``
+    equally spaced times from 0 to ``t1`` are saved (:class:`~et_ode.EulerET` saves each of its steps). Writes to
+    ``out_dir``: ``film.pt``
     (frames ``(T, C, H, W)``, times, target, masked input, hidden), ``energy.csv`` (time, energy), and when
     ``et_ode.analysis.plots`` is present ``film_strip.png`` and ``energy.png``. Returns a summary.
     """
@@ -283,11 +290,15 @@ def complete(checkpoint: str | Path, out_dir: str | Path, *, image: str | Path |
     if not (isinstance(frames, int) and frames >= 2):
         raise ValueError(f"frames must be an integer >= 2, got {frames!r}")
     model, run = load_trained(checkpoint, device)
-    changes = {k: v for k, v in (("t1", t1), ("method", method)) if v is not None}
-    if method is not None and method != "et":
-        changes.update(step=None, steps=None)
-    solver = run.solver.replace(**changes) if changes else run.solver
-    times = None if solver.method == "et" else torch.linspace(0.0, solver.t1, frames)
+    integration = run.integration
+    if t1 is not None:
+        integration = integration.replace(t1=t1)
+    if solver is not None:
+        trained = integration.solver
+        keep_tolerances = solver in ADAPTIVE_METHODS and isinstance(trained, Adaptive)
+        integration = integration.replace(
+            solver=Adaptive(solver, trained.rtol, trained.atol) if keep_tolerances else as_solver(solver))
+    times = None if isinstance(integration.solver, EulerET) else torch.linspace(0.0, integration.t1, frames)
     if image is not None:
         target = read_png(image, channels=model.image_shape[0])
         if tuple(target.shape) != model.image_shape:
@@ -302,7 +313,7 @@ def complete(checkpoint: str | Path, out_dir: str | Path, *, image: str | Path |
     hidden, _ = random_masks(1, model.num_patches, ratio, visible_fraction=run.visible_fraction,
                              generator=torch.Generator().manual_seed(seed))
     target = target.to(next(model.parameters()).device)
-    frames, solution = model.film(target[None], hidden.to(target.device), times, solver)
+    frames, solution = model.film(target[None], hidden.to(target.device), times, integration)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     masked = _masked_view(target.cpu(), hidden[0], model.patch)
@@ -330,18 +341,19 @@ def demo_config(quick: bool = False) -> ImageRunConfig:
     """The demo's run: bundled 8x8 digits, 4x4 patches, half hidden, trained through the adaptive Bogacki-Shampine
     solver (bosh3) with the adjoint (``quick``: a smoke run). Sized to finish in :data:`DEMO_MINUTES` minutes on 2
     cores with the AVX2 code paths (bosh3 needs about half of dopri5's evaluations at this tolerance)."""
-    solver = SolverSettings(method="bosh3", t1=0.6, rtol=1e-2, atol=1e-3, grad="adjoint", seminorm=True)
+    integration = Integration(solver=Adaptive("bosh3", rtol=1e-2, atol=1e-3), gradient=Adjoint(seminorm=True), t1=0.6,
+                              max_steps=2000)
     train = TrainConfig(epochs=1 if quick else DEMO_EPOCHS, batch_size=32, lr=3e-3, warmup=0.05, seed=0,
                         device="auto", eval_every=5, progress=not quick)
     return ImageRunConfig(data="digits", train_limit=64 if quick else None, test_limit=32 if quick else None,
-                          val_size=0, patch=4, dim=64, heads=4, head_dim=16, tau=1.0, ratio=0.5, solver=solver,
-                          train=train, threads=1)
+                          val_size=0, patch=4, dim=64, heads=4, head_dim=16, tau=1.0, ratio=0.5,
+                          integration=integration, train=train, threads=1)
 
 
 DEMO_EPOCHS = 35
 DEMO_MINUTES = 2  # the whole `make demo` on a 2-core machine, AVX2 code paths forced (README, "Two commands")
 # the demo's second look at its model: dopri5 a thousand times tighter than the training tolerance
-TIGHT_SOLVER = SolverSettings(method="dopri5", rtol=1e-6, atol=1e-8, grad="direct", max_steps=20_000)
+TIGHT_INTEGRATION = Integration(solver=Adaptive("dopri5", rtol=1e-6, atol=1e-8), gradient=Direct(), max_steps=20_000)
 
 
 def demo(out_dir: str | Path = "runs/demo", *, quick: bool = False, resume: bool = False,
@@ -378,7 +390,8 @@ def _demo(out: Path, config: ImageRunConfig) -> dict[str, Any]:
                           seed=config.mask_seed)
     images, hidden, _ = test.tensors
     # the same model integrated far more accurately: a continuous-time model's answer must not hinge on the solver
-    results["model_tight_solver"] = evaluate_model(model, test, solver=TIGHT_SOLVER.replace(t1=config.solver.t1))
+    results["model_tight_solver"] = evaluate_model(model, test,
+                                                   integration=TIGHT_INTEGRATION.replace(t1=config.integration.t1))
     show = min(8, len(images))
     with torch.no_grad():  # hidden patches from the predictor, visible ones from the input
         truth = patchify(images[:show], model.patch)
@@ -414,9 +427,9 @@ def _demo(out: Path, config: ImageRunConfig) -> dict[str, Any]:
     plots = _analysis_plots()
     if plots is not None:
         with torch.no_grad():
-            solution = config.solver.replace(grad="direct").solve(
-                model.field(), model.tokens(images[:show], hidden[:show]), torch.linspace(0, config.solver.t1, 25),
-                save="all")
+            solution = config.integration.replace(gradient=Direct()).solve(
+                model.field(), model.tokens(images[:show], hidden[:show]),
+                torch.linspace(0, config.integration.t1, 25), save="all")
         _close(plots.plot_convergence(solution, model.field(), path=out / "convergence.png"))
         _close(plots.plot_trajectories(solution, sample=0, path=out / "trajectories.png"))
         film = complete(out / CHECKPOINT_NAME, out / "film", index=0, seed=config.mask_seed)
@@ -436,7 +449,7 @@ def _relative(improvement: float) -> str:
 def _demo_report(results: dict[str, Any], config: ImageRunConfig, pictures: list[str]) -> str:
     model, mean, nearest = results["model"], results["mean_baseline"], results["nearest_neighbour"]
     descent = results.get("energy_descent", {})
-    s = config.solver
+    s = config.integration
     lines = [
         "# et-ode demo: masked completion of 8x8 digits with a continuous-time Energy Transformer", "",
         f"Data: scikit-learn digits, {results['train_images']} training and {results['test_images']} test images, "
@@ -444,13 +457,13 @@ def _demo_report(results: dict[str, Any], config: ImageRunConfig, pictures: list
         f"behind the MASK token.",
         f"Model: D={config.dim}, H={config.heads}, Y={config.head_dim}, K={config.memories or 4 * config.dim} "
         f"(relu Hopfield), tau={config.tau}.",
-        f"Dynamics: {s.method} from t=0 to t={s.t1} (rtol={s.rtol}, atol={s.atol}); gradients by the {s.grad} method. "
+        f"Dynamics: {s.solver} from t=0 to t={s.t1}; gradients by {s.gradient}. "
         f"Training: {config.train.epochs} epochs of AdamW (lr {config.train.lr}, warm-up then cosine), "
         f"{results['train_seconds']:.0f} s; whole demo {results.get('demo_seconds', 0):.0f} s.", "",
         "## Test masked-patch MSE (same masks, same evaluation code)", "",
         "| predictor | MSE |", "|---|---|",
-        f"| ET ({s.method}, mean NFE {model.get('nfe', 0):.0f} per batch) | {model['mse']:.4f} |",
-        f"| the same ET integrated by dopri5 at rtol {TIGHT_SOLVER.rtol:g} (mean NFE "
+        f"| ET ({s.solver.name}, mean NFE {model.get('nfe', 0):.0f} per batch) | {model['mse']:.4f} |",
+        f"| the same ET integrated by dopri5 at rtol {TIGHT_INTEGRATION.solver.rtol:g} (mean NFE "
         f"{results['model_tight_solver'].get('nfe', 0):.0f}) | {results['model_tight_solver']['mse']:.4f} |",
         f"| per-position mean of the training images | {mean['mse']:.4f} |",
         f"| nearest training image on the visible patches | {nearest['mse']:.4f} |", "",
@@ -477,11 +490,11 @@ def _demo_report(results: dict[str, Any], config: ImageRunConfig, pictures: list
 
 
 
-def compare_solvers(checkpoint: str | Path, solvers: dict[str, SolverSettings], *, test_limit: int | None = None,
+def compare_solvers(checkpoint: str | Path, integrations: dict[str, Integration], *, test_limit: int | None = None,
                     batch_size: int = 500, energy_points: int = 13, device: str = "cpu") -> dict[str, Any]:
     """Evaluate one trained model under several integrations of its dynamics, on the run's fixed test masks.
 
-    For each named :class:`SolverSettings`: masked-patch MSE, mean forward NFE per batch, solve seconds, mean
+    For each named :class:`~et_ode.Integration`: masked-patch MSE, mean forward NFE per batch, solve seconds, mean
     final time and residual, and the energy-descent check (:func:`energy_descent`; skipped for steady-state
     solves, whose horizon differs per batch).
     """
@@ -490,12 +503,12 @@ def compare_solvers(checkpoint: str | Path, solvers: dict[str, SolverSettings], 
     test = fixed_mask_set(test_set.images, model.num_patches, run.ratio, run.visible_fraction, seed=run.mask_seed)
     images, hidden, _ = test.tensors
     results: dict[str, Any] = {"checkpoint": str(checkpoint), "test_images": len(test)}
-    for name, solver in solvers.items():
-        metrics = evaluate_model(model, test, batch_size=batch_size, solver=solver,
+    for name, integration in integrations.items():
+        metrics = evaluate_model(model, test, batch_size=batch_size, integration=integration,
                                  device=next(model.parameters()).device)
-        entry: dict[str, Any] = {"solver": dataclasses.asdict(solver), **metrics}
-        if solver.steady_state is None:
-            entry["energy_descent"] = energy_descent(model, images, hidden, solver, points=energy_points,
+        entry: dict[str, Any] = {"integration": integration.to_dict(), **metrics}
+        if integration.stop is None:
+            entry["energy_descent"] = energy_descent(model, images, hidden, integration, points=energy_points,
                                                      batch_size=batch_size)
         results[name] = entry
     return results

@@ -31,9 +31,12 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from ..data.images import read_photo
-from ..models.image import ImageET, SolverSettings, patchify, unpatchify
+from ..models.image import ImageET, patchify, unpatchify
 from ..models.official import denormalize, load_official, normalize_pixels, official_masks
-from ..solve import Solution, solve
+from ..solution import Solution
+from ..solve import solve
+from ..solvers import Adaptive, EulerET
+from ..stopping import SteadyState
 
 PathLike = str | os.PathLike[str]
 SOLVES = ("euler", "dopri5", "steady_state")
@@ -71,14 +74,18 @@ def _solves(model: ImageET, x0: Tensor, *, rtol: float, atol: float, steady_stat
             ) -> dict[str, Solution]:
     """The three solves of one photo's tokens ``x0 (1, 1 + N, D)``, each keeping its states for the checks."""
     field = model.field()
-    horizon = model.solver.steps * model.solver.step * model.tau
-    adaptive = SolverSettings(method="dopri5", t1=horizon, rtol=rtol, atol=atol, grad="direct", max_steps=100_000)
+    euler = model.integration.solver
+    if not isinstance(euler, EulerET):
+        raise ValueError(f"the model must integrate with the release's EulerET scheme, got {euler!r}")
+    horizon = euler.steps * euler.alpha * model.tau
+    dopri5 = Adaptive("dopri5", rtol=rtol, atol=atol)
     with torch.no_grad():
         return {
-            "euler": model.solver.solve(field, x0, save="all"),
-            "dopri5": adaptive.solve(field, x0, torch.linspace(0.0, horizon, 25, dtype=torch.float64), save="all"),
-            "steady_state": solve(field, x0, (0.0, t_max), method="dopri5", rtol=rtol, atol=atol,
-                                  steady_state=steady_state, max_steps=100_000, save="steps"),
+            "euler": model.integration.solve(field, x0, save="all"),
+            "dopri5": solve(field, x0, torch.linspace(0.0, horizon, 25, dtype=torch.float64), solver=dopri5,
+                            max_steps=100_000),
+            "steady_state": solve(field, x0, (0.0, t_max), solver=dopri5, stop=SteadyState(steady_state),
+                                  max_steps=100_000, save="steps"),
         }
 
 

@@ -1,0 +1,119 @@
+"""What :func:`et_ode.solve` returns: the :class:`Solution` with its :class:`SolveStats`, or a :class:`SolveError`."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .field import ETField
+
+
+class Status(str, Enum):
+    """How a solve ended."""
+
+    REACHED_END = "reached_end"
+    STEADY_STATE = "steady_state"
+    FAILED = "failed"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass
+class SolveStats:
+    """Statistics of one solve.
+
+    ``nfe_forward`` counts the field evaluations (``field.nfe``) until ``solve`` returned, the stopping test's and,
+    with :class:`~et_ode.Implicit`, the polishing of the end state into an attractor included; ``wall_time`` is the
+    same span's. ``nfe_backward`` counts the field evaluations made after the forward solve returned (the
+    adjoint's backward pass, or the implicit solver's Hessian-vector products), so read it after
+    ``loss.backward()``. ``sample_evaluations`` adds up the batch size of every forward evaluation: with
+    ``SteadyState(per_sample=True)`` converged samples leave the batch, so it falls below ``nfe_forward * batch``.
+    ``stop_times`` (with a stop) holds the time at which each sample stopped, shape ``(*batch,)``;
+    ``steady_state_measure`` names the quantity the stop tested (``"dg_dt"``: RMS ``|dg/dt|``;
+    ``"tangent_gradient"``: RMS ``|T dE/dg|``), ``None`` without a stop.
+    """
+
+    nfe_forward: int
+    accepted_steps: int
+    rejected_steps: int
+    wall_time: float
+    t_final: float
+    status: Status
+    field: ETField = dataclasses.field(repr=False)  # whose public ``nfe`` counts the backward evaluations
+    nfe_at_return: int = dataclasses.field(repr=False)
+    sample_evaluations: int = 0
+    stop_times: Tensor | None = None
+    steady_state_measure: str | None = None
+
+    @property
+    def nfe_backward(self) -> int:
+        return self.field.nfe - self.nfe_at_return
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"nfe_forward": self.nfe_forward, "nfe_backward": self.nfe_backward,
+                "accepted_steps": self.accepted_steps, "rejected_steps": self.rejected_steps,
+                "wall_time": self.wall_time, "t_final": self.t_final, "status": self.status.value,
+                "sample_evaluations": self.sample_evaluations,
+                "stop_times": None if self.stop_times is None else self.stop_times.tolist(),
+                "steady_state_measure": self.steady_state_measure}
+
+
+@dataclass
+class Solution:
+    """What a solve returns.
+
+    Attributes:
+        ts: saved times, ``(T,)``.
+        xs: saved states ``(T, *batch, N, D)``, or ``None`` with ``save="final"``.
+        energies: energy per sample at the saved times, ``(T, *batch)`` (detached, computed when first read).
+        x: final state ``(*batch, N, D)``; differentiable with the gradients ``Direct`` and ``Adjoint``.
+        g: final normalized state ``LayerNorm(x)``, ``(*batch, N, D)``; differentiable with every gradient.
+        residual: RMS of ``dg/dt`` per sample at the final state, ``(*batch,)`` (detached, computed when first read).
+        stats: :class:`SolveStats`.
+        field: the field that was integrated; its mask is ``mask``.
+    """
+
+    ts: Tensor
+    xs: Tensor | None
+    x: Tensor
+    g: Tensor
+    stats: SolveStats
+    field: ETField = dataclasses.field(repr=False)
+
+    @property
+    def mask(self) -> Tensor | None:
+        return self.field.mask
+
+    @property
+    def status(self) -> Status:
+        return self.stats.status
+
+    @functools.cached_property
+    def energies(self) -> Tensor:
+        """Energy per sample at the saved times, ``(T, *batch)``, computed on first access (detached)."""
+        states = self.x.detach()[None] if self.xs is None else self.xs.detach()
+        with torch.no_grad():
+            return self.field.energy(states)
+
+    @functools.cached_property
+    def residual(self) -> Tensor:
+        """RMS of ``dg/dt`` per sample at the final state, ``(*batch,)``, computed on first access (detached)."""
+        with torch.no_grad():
+            return self.field.rms_dg_dt(self.x.detach())
+
+
+class SolveError(RuntimeError):
+    """A solve that could not finish. ``solution`` holds what was computed up to ``time`` (None where nothing
+    useful was: the adjoint's backward solve, an implicit gradient without a fixed point)."""
+
+    def __init__(self, message: str, *, time: float, solution: Solution | None):
+        super().__init__(message)
+        self.time = time
+        self.solution = solution

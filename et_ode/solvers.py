@@ -1,0 +1,241 @@
+"""The solver settings of :func:`et_ode.solve`: small frozen objects that validate themselves on construction.
+
+Three kinds, each naming what it needs and nothing else:
+
+- :class:`Adaptive` (``method``, ``rtol``, ``atol``): torchdiffeq's embedded Runge-Kutta methods with step control.
+- :class:`Fixed` (``method``, ``step_size``): torchdiffeq's fixed-step methods; without a ``step_size`` they step on
+  the output grid ``t`` itself.
+- :class:`EulerET` (``alpha``, ``steps``): the paper's scheme, ``steps`` updates ``x <- x - alpha dE/dg``, i.e.
+  Euler steps of size ``alpha * tau``; it builds its own time grid.
+
+A plain string names one where that is unambiguous (:func:`as_solver`): an adaptive method's name gives
+``Adaptive(name)``, a fixed method's ``Fixed(name)``, ``"et"`` gives ``EulerET()``. The rules between a solver and
+the other arguments of ``solve`` are methods of the solver (:meth:`~Adaptive.time_grid` checks ``t`` and the step
+budget, :meth:`~Adaptive.check_stop` the stopping rule, :meth:`~Adaptive.check_state` the state's precision).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+ADAPTIVE_METHODS = ("dopri5", "dopri8", "bosh3", "fehlberg2", "adaptive_heun")
+FIXED_METHODS = ("euler", "midpoint", "rk4", "explicit_adams", "implicit_adams")
+METHODS = (*ADAPTIVE_METHODS, *FIXED_METHODS, "et")
+# implicit_adams iterates its corrector to these tolerances; the other fixed methods ignore them
+CORRECTOR_RTOL, CORRECTOR_ATOL = 1e-5, 1e-6
+
+
+class SolverFailure(Exception):
+    """An integration that cannot go on (a step budget exceeded, a non-finite state, a step-size underflow):
+    raised by the solvers' checks and ``solve``'s step recorder; ``solve`` turns it into
+    :class:`et_ode.SolveError` with the partial solution. ``time``: where it happened; ``advice``: what to try."""
+
+    def __init__(self, message: str, time: float, advice: str = ""):
+        super().__init__(message)
+        self.time = time
+        self.advice = advice
+
+
+BUDGET_ADVICE = "raise max_steps, loosen rtol/atol, or shorten the horizon"
+
+
+def _positive(owner: str, name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value < math.inf):
+        raise ValueError(f"{owner}.{name} must be a positive finite number, got {value!r}")
+
+
+def _check_options(owner: str, options: object) -> None:
+    if options is not None and not isinstance(options, Mapping):
+        raise TypeError(f"{owner}.options must be a dict of torchdiffeq solver options or None, got "
+                        f"{type(options).__name__}")
+
+
+def output_grid(t: Tensor | Sequence[float] | None, device: torch.device) -> Tensor:
+    """``t`` as a float64 grid ``(T,)`` of at least 2 finite, strictly increasing times (ValueError naming ``t``)."""
+    if t is None:
+        raise ValueError("t is required: a 1-D tensor of output times or a pair (t0, t1)")
+    grid = torch.as_tensor(t, dtype=torch.float64).to(device).detach()
+    if grid.dim() != 1 or grid.numel() < 2:
+        raise ValueError(f"t must be a 1-D tensor of at least 2 times or a pair (t0, t1), got shape {tuple(grid.shape)}")
+    if not bool(torch.isfinite(grid).all()) or not bool((grid[1:] > grid[:-1]).all()):
+        raise ValueError(f"t must be finite and strictly increasing, got {grid.tolist()}")
+    return grid
+
+
+@dataclass(frozen=True)
+class Adaptive:
+    """An adaptive torchdiffeq method with step-size control.
+
+    Args:
+        method: one of :data:`ADAPTIVE_METHODS` (dopri5, dopri8, bosh3, fehlberg2, adaptive_heun).
+        rtol, atol: the local error tolerances, positive.
+        options: further torchdiffeq options (e.g. ``first_step``, ``max_num_steps``), or None.
+    """
+
+    method: str = "dopri5"
+    rtol: float = 1e-5
+    atol: float = 1e-6
+    options: Mapping[str, Any] | None = None
+
+    adaptive: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        if self.method not in ADAPTIVE_METHODS:
+            raise ValueError(f"Adaptive.method must be one of {ADAPTIVE_METHODS}, got {self.method!r}"
+                             + (" (a fixed-step method: use Fixed)" if self.method in METHODS else ""))
+        _positive("Adaptive", "rtol", self.rtol)
+        _positive("Adaptive", "atol", self.atol)
+        _check_options("Adaptive", self.options)
+
+    @property
+    def name(self) -> str:
+        return self.method
+
+    def check_stop(self, stop: object) -> None:
+        """Any stopping rule works."""
+
+    def check_state(self, x0: Tensor) -> None:
+        """``x0`` must not be half precision: step control's error estimate and step size underflow there (ValueError
+        naming ``x0``, up front instead of an "underflow in dt" after the first step)."""
+        if x0.dtype in (torch.float16, torch.bfloat16):
+            raise ValueError(f"x0 is {x0.dtype}, too coarse for the adaptive method {self.method!r}: its error estimate "
+                             f"and step size underflow. Use float32/float64 (x0.float() and model.float()), or a "
+                             f"fixed-step solver (EulerET(...), Fixed('rk4', step_size=...))")
+
+    def time_grid(self, t: Tensor | Sequence[float] | None, tau: float, device: torch.device, max_steps: int) -> Tensor:
+        """The output times ``(T,)``, float64 (the step budget is checked while stepping)."""
+        return output_grid(t, device)
+
+    def torchdiffeq_arguments(self, tau: float, stepping_to_event: bool) -> dict[str, Any]:
+        """``method``, ``rtol``, ``atol`` and ``options`` for torchdiffeq."""
+        return dict(method=self.method, rtol=self.rtol, atol=self.atol, options=dict(self.options or {}))
+
+
+@dataclass(frozen=True)
+class Fixed:
+    """A fixed-step torchdiffeq method.
+
+    Args:
+        method: one of :data:`FIXED_METHODS` (euler, midpoint, rk4, explicit_adams, implicit_adams).
+        step_size: the step, positive; None steps on the output grid ``t`` itself (then no stopping rule: the event
+            loop of fixed-step methods needs a step size).
+        options: further torchdiffeq options (e.g. ``perturb``, ``interp``), or None.
+    """
+
+    method: str = "rk4"
+    step_size: float | None = None
+    options: Mapping[str, Any] | None = None
+
+    adaptive: ClassVar[bool] = False
+
+    def __post_init__(self) -> None:
+        if self.method not in FIXED_METHODS:
+            raise ValueError(f"Fixed.method must be one of {FIXED_METHODS}, got {self.method!r}"
+                             + (" (an adaptive method: use Adaptive)" if self.method in ADAPTIVE_METHODS else "")
+                             + (" (the paper's scheme: use EulerET)" if self.method == "et" else ""))
+        if self.step_size is not None:
+            _positive("Fixed", "step_size", self.step_size)
+        _check_options("Fixed", self.options)
+        if self.options and "step_size" in self.options:
+            raise ValueError("Fixed.options must not hold step_size: give Fixed(step_size=...)")
+
+    @property
+    def name(self) -> str:
+        return self.method
+
+    def check_stop(self, stop: object) -> None:
+        """A stopping rule needs a ``step_size`` (ValueError naming it)."""
+        if stop is not None and self.step_size is None:
+            raise ValueError(f"a stop with the fixed-step method {self.method!r} needs Fixed(step_size=...): "
+                             "torchdiffeq's fixed-step event loop steps by a step size, not on the grid t")
+
+    def check_state(self, x0: Tensor) -> None:
+        """Every floating-point state works (fixed steps need no error estimate)."""
+
+    def time_grid(self, t: Tensor | Sequence[float] | None, tau: float, device: torch.device, max_steps: int) -> Tensor:
+        """The output times ``(T,)``, float64; :class:`SolverFailure` if the steps they take exceed ``max_steps``."""
+        grid = output_grid(t, device)
+        planned = len(grid) - 1 if self.step_size is None else int(torch.ceil((grid[-1] - grid[0]) / self.step_size))
+        if planned > max_steps:
+            raise SolverFailure(f"{planned} fixed steps planned from t={float(grid[0]):.6g} to {float(grid[-1]):.6g}, "
+                                f"more than max_steps={max_steps}", float(grid[0]), BUDGET_ADVICE)
+        return grid
+
+    def torchdiffeq_arguments(self, tau: float, stepping_to_event: bool) -> dict[str, Any]:
+        options = dict(self.options or {})
+        if self.step_size is not None:
+            options["step_size"] = float(self.step_size)
+        return dict(method=self.method, rtol=CORRECTOR_RTOL, atol=CORRECTOR_ATOL, options=options)
+
+
+@dataclass(frozen=True)
+class EulerET:
+    """The paper's scheme: ``steps`` updates ``x <- x - alpha dE/dg``, i.e. Euler steps of size ``alpha * tau``.
+
+    Args:
+        alpha: the step in units of ``tau``, positive (the paper: 0.1).
+        steps: the number of steps, a positive integer (the paper: 12); the horizon is ``steps * alpha * tau``.
+
+    The time grid is built here: give ``solve`` ``t=None`` (start at 0) or ``t=(t0,)``.
+    """
+
+    alpha: float = 0.1
+    steps: int = 12
+
+    adaptive: ClassVar[bool] = False
+    method: ClassVar[str] = "euler"  # the torchdiffeq method it is
+
+    def __post_init__(self) -> None:
+        _positive("EulerET", "alpha", self.alpha)
+        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
+            raise ValueError(f"EulerET.steps must be a positive integer, got {self.steps!r}")
+
+    @property
+    def name(self) -> str:
+        return "et"
+
+    def check_stop(self, stop: object) -> None:
+        """Every stopping rule works (steps of ``alpha * tau`` until the stop or the last step)."""
+
+    def check_state(self, x0: Tensor) -> None:
+        """Every floating-point state works."""
+
+    def time_grid(self, t: Tensor | Sequence[float] | None, tau: float, device: torch.device, max_steps: int) -> Tensor:
+        """``t0 + k alpha tau`` for ``k = 0 .. steps``, float64; ``t`` must be None or ``(t0,)`` (ValueError naming
+        it); :class:`SolverFailure` before anything is built if ``steps`` exceeds ``max_steps``."""
+        if t is not None and not isinstance(t, (tuple, list)):
+            raise ValueError("EulerET builds its grid from alpha and steps; give t=None or t=(t0,)")
+        t0 = float(t[0]) if t else 0.0
+        if self.steps > max_steps:
+            raise SolverFailure(f"steps={self.steps} is more than max_steps={max_steps}", t0,
+                                "raise max_steps or take fewer, larger steps")
+        return t0 + torch.arange(self.steps + 1, dtype=torch.float64, device=device) * (self.alpha * tau)
+
+    def torchdiffeq_arguments(self, tau: float, stepping_to_event: bool) -> dict[str, Any]:
+        """Without a stop the steps are the grid itself; the event loop of a stop needs the step size."""
+        options = dict(step_size=self.alpha * tau) if stepping_to_event else {}
+        return dict(method="euler", rtol=CORRECTOR_RTOL, atol=CORRECTOR_ATOL, options=options)
+
+
+Solver = Adaptive | Fixed | EulerET
+
+
+def as_solver(solver: Solver | str) -> Solver:
+    """A solver object from itself or a method's name (``"dopri5"`` -> ``Adaptive("dopri5")``, ``"rk4"`` ->
+    ``Fixed("rk4")`` stepping on the grid, ``"et"`` -> ``EulerET()``); ValueError listing the valid names."""
+    if isinstance(solver, (Adaptive, Fixed, EulerET)):
+        return solver
+    if solver in ADAPTIVE_METHODS:
+        return Adaptive(solver)
+    if solver in FIXED_METHODS:
+        return Fixed(solver)
+    if solver == "et":
+        return EulerET()
+    raise ValueError(f"solver must be Adaptive(...), Fixed(...), EulerET(...) or a method name; valid methods: "
+                     f"{', '.join(METHODS)}; got {solver!r}")

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from torchdiffeq import odeint
 
 from et_ode import ETField, solve
 from et_ode.analysis.convergence import analyze_convergence, convergence_traces, first_time_below, fit_decay
@@ -64,6 +65,29 @@ def test_traces_match_independent_computations():
     assert torch.allclose(traces.ones_drift, mean_shift.square().mean(-1).sqrt())
     scale = xs.std(dim=-1, unbiased=False)
     assert torch.allclose(traces.radial_drift, (scale - scale[0]).mean(-1), atol=1e-6)
+
+
+def test_traces_use_the_mask_the_solution_was_solved_with():
+    model = random_model(seed=9)
+    generator = torch.Generator().manual_seed(9)
+    x0 = torch.randn(2, 5, 8, dtype=torch.float64, generator=generator)
+    mask = torch.rand(2, 5, 5, generator=generator) < 0.6
+    mask |= torch.eye(5, dtype=torch.bool)
+    solution = solve(ETField(model, tau=0.7).with_mask(mask), x0, torch.linspace(0, 3, 7))
+    traces = convergence_traces(solution)
+    for b in range(2):  # the model's public energy with sample b's own mask, one sample at a time
+        expected = torch.stack([model.energy(x[b], mask[b]) for x in solution.xs]).detach()
+        assert torch.allclose(traces.energy[:, b], expected, rtol=1e-12, atol=1e-12)
+    # RMS dg/dt against central differences of g = LayerNorm(x) along the flow (torchdiffeq, forward and backward)
+    h = 1e-5
+    for k in (1, 4):
+        t = float(solution.ts[k])
+        ends = [odeint(solution.field, solution.xs[k], torch.tensor([t, t + step], dtype=torch.float64), rtol=1e-12,
+                       atol=1e-14)[-1] for step in (h, -h)]
+        dg_dt = (model.neuron(ends[0]) - model.neuron(ends[1])).detach() / (2 * h)
+        assert torch.allclose(traces.rms_dg_dt[k], dg_dt.square().mean(dim=(-1, -2)).sqrt(), rtol=1e-6)
+    unmasked = convergence_traces(solve(ETField(model, tau=0.7), x0, torch.linspace(0, 3, 7)))
+    assert not torch.allclose(unmasked.energy, traces.energy)
 
 
 def test_analysis_of_a_random_model():

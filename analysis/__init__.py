@@ -3,7 +3,7 @@
 Installed as ``et_ode.analysis``. Typical use::
 
     from et_ode.analysis import analyze_convergence, check_lyapunov, find_fixed_point, fixed_point_stability
-    report = check_lyapunov(solution, field)      # print(report) gives a table
+    report = check_lyapunov(solution)             # print(report) gives a table
     point = find_fixed_point(field, solution.x)
     print(fixed_point_stability(field, point.x))
 
@@ -27,7 +27,6 @@ from .convergence import (
     analyze_convergence,
     convergence_traces,
     fit_decay,
-    tangent_gradient,
 )
 from .critical_points import (
     Census,
@@ -52,7 +51,7 @@ from .plots import (
 )
 from .report import analyze, random_model
 from .spectra import HessianTrace, LyapunovSpectrum, hessian_along, lyapunov_spectrum, plot_hessian_along
-from .sphere import FixedScaleField, unit_scale
+from .sphere import FixedScaleField, tangent_basis, unit_scale
 from .stability import (
     BasinProbe,
     FixedPointSearch,
@@ -73,7 +72,6 @@ from .stability import (
     operator_stability,
     power_iteration,
     riemannian_hessian_matrix,
-    tangent_basis,
 )
 
 __all__ = [
@@ -152,7 +150,6 @@ __all__ = [
     "saddle_from_minimum",
     "saddle_network",
     "tangent_basis",
-    "tangent_gradient",
     "unit_scale",
     "wilson_interval",
 ]

@@ -23,7 +23,7 @@ from et_ode import Adaptive, ETField, solve
 
 from .critical_points import CriticalPoint, match_or_append, newton_critical_point, permutation_symmetric
 from .plots import EnergySlice, _finish, energy_slice
-from .sphere import tangent_gradient_at, unit_scale
+from .sphere import unit_scale
 from .stability import find_fixed_point
 
 PathLike = str | os.PathLike[str]
@@ -138,7 +138,8 @@ def basin_map(field: ETField, center: Tensor, through: Tensor, *, span: float | 
     starts = unit_scale((g - neuron.delta.detach()) / neuron.gamma.detach(), neuron.eps)
     known = list(attractors or [])
     labels = label(field, limits(field, starts, t_end=t_end), known, match_tol=match_tol)
-    descent = -tangent_gradient_at(field, starts)  # (R R, N, D)
+    with torch.no_grad():
+        descent = -field.tangent_gradient(starts)  # (R R, N, D)
     flow = torch.stack([(descent * plane.u).sum(dim=(-1, -2)), (descent * plane.v).sum(dim=(-1, -2))])
     return BasinMap(slice=plane, grid=grid.cpu(), labels=torch.tensor(labels).reshape(resolution, resolution),
                     attractors=known, flow=flow.reshape(2, resolution, resolution).to(torch.float64).cpu())

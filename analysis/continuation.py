@@ -29,7 +29,7 @@ from torch import Tensor
 from et_ode import EnergyTransformer, ETField
 
 from .plots import _finish
-from .sphere import energy_at, hessian_in_frame, retract, tangent_frame, tangent_gradient_at, unit_scale
+from .sphere import hessian_in_frame, retract, tangent_frame, unit_scale
 
 PathLike = str | os.PathLike[str]
 Family = Callable[[float], "ETField | EnergyTransformer"]
@@ -79,9 +79,15 @@ class Branch:
 
 
 def _parameter_derivative(family: Family, x: Tensor, mu: float, frame: Tensor, h: float) -> Tensor:
-    plus = tangent_gradient_at(_field(family, mu + h), x).flatten()
-    minus = tangent_gradient_at(_field(family, mu - h), x).flatten()
+    with torch.no_grad():
+        plus = _field(family, mu + h).tangent_gradient(x).flatten()
+        minus = _field(family, mu - h).tangent_gradient(x).flatten()
     return frame.flatten(1) @ (plus - minus) / (2 * h)
+
+
+def _energy(field_mu: ETField, x: Tensor) -> float:
+    with torch.no_grad():
+        return float(field_mu.energy(x))
 
 
 def _gamma(field_mu: ETField) -> Tensor:
@@ -156,7 +162,7 @@ def continue_branch(family: Family, x0: Tensor, mu0: float, *, mu_end: float, st
         ambient = ambient * sign
         bordered = torch.cat([jacobian, null[None]])
         determinant_sign = float(torch.linalg.slogdet(bordered).sign)
-        return ambient, float(null[-1]), torch.linalg.eigvalsh(matrix), determinant_sign, float(energy_at(field_mu, x))
+        return ambient, float(null[-1]), torch.linalg.eigvalsh(matrix), determinant_sign, _energy(field_mu, x)
 
     tangent, tangent_mu, values, det_sign, energy = describe(x, mu, None)
     points = [(mu, x, energy, values, tangent_mu, det_sign)]

@@ -21,21 +21,18 @@ import torch
 from torch import Tensor
 
 from et_ode import ETField, Solution
-from et_ode.manifold import radial_direction, tangent_projection
 
 
-def flat_states(solution: Solution, field: ETField) -> Tensor:
+def flat_states(solution: Solution) -> Tensor:
     """The saved states as ``(T, B, N, D)``; raises ValueError when the solution kept none."""
     if not isinstance(solution, Solution):
         raise TypeError(f"solution must be an et_ode.Solution, got {type(solution).__name__}")
-    if not isinstance(field, ETField):
-        raise TypeError(f"field must be an et_ode.ETField, got {type(field).__name__}")
     if solution.xs is None:
         raise ValueError("solution.xs is None: solve with save='all' or save='steps' to analyse a trajectory")
     xs = solution.xs.detach()
-    if xs.dim() < 3 or xs.shape[-1] != field.model.dim:
-        raise ValueError(f"solution.xs must have shape (T, *batch, N, D) with D={field.model.dim}, "
-                         f"got {tuple(xs.shape)}")
+    dim = solution.field.model.dim
+    if xs.dim() < 3 or xs.shape[-1] != dim:
+        raise ValueError(f"solution.xs must have shape (T, *batch, N, D) with D={dim}, got {tuple(xs.shape)}")
     return xs.reshape(xs.shape[0], -1, *xs.shape[-2:])
 
 
@@ -47,12 +44,16 @@ def flat_mask(mask: Tensor | None, batch_shape: tuple[int, ...]) -> Tensor | Non
     return mask.expand(*batch_shape, n, n).reshape(-1, n, n)
 
 
-def tangent_gradient(field: ETField, x: Tensor) -> Tensor:
-    """RMS of ``T dE/dg`` per sample (over tokens and elements): ``(..., N, D) -> (...)``."""
-    with torch.no_grad():
-        g = field.model.neuron(x)
-        s, _ = radial_direction(g, field.model.neuron.delta)
-        return tangent_projection(field.dE_dg(g), s).square().mean(dim=(-1, -2)).sqrt()
+def flat_field(solution: Solution) -> ETField:
+    """The solution's field, its mask flattened like :func:`flat_states` (for the ``(T, B, N, D)`` states)."""
+    field = solution.field
+    return field.with_mask(flat_mask(field.mask, tuple(solution.x.shape[:-2])))
+
+
+def sample_field(field: ETField, b: int) -> ETField:
+    """``field`` bound to sample ``b``'s mask when it holds one mask per sample ``(B, N, N)``, else ``field``."""
+    mask = field.mask
+    return field.with_mask(mask[b]) if isinstance(mask, Tensor) and mask.dim() == 3 else field
 
 
 @dataclass
@@ -68,37 +69,29 @@ class ConvergenceTraces:
     energy: Tensor
     rms_dg_dt: Tensor
     rms_dx_dt: Tensor
-    tangent_grad: Tensor
+    rms_tangent_gradient: Tensor
     ones_drift: Tensor
     radial_drift: Tensor
 
 
-def convergence_traces(solution: Solution, field: ETField) -> ConvergenceTraces:
-    """Energy, RMS ``|dg/dt|``, RMS ``|dx/dt|``, RMS ``|T dE/dg|`` and both drifts at every saved time."""
-    xs = flat_states(solution, field)
-    mask = flat_mask(solution.mask if solution.mask is not None else field.mask, tuple(solution.xs.shape[1:-2]))
-    bound = field.with_mask(mask)
-    model = field.model
+def convergence_traces(solution: Solution) -> ConvergenceTraces:
+    """Energy, RMS ``|dg/dt|``, RMS ``|dx/dt|``, RMS ``|T dE/dg|`` and both drifts at every saved time, from the
+    solution's field (one evaluation of ``dE/dg`` per saved state)."""
+    xs = flat_states(solution)
+    field = flat_field(solution)
     with torch.no_grad():
-        g = model.neuron(xs)
-        grad = bound.dE_dg(g)
-        dx_dt = grad / -field.tau
-        dg_dt = model.neuron.hessian_vector(xs, dx_dt)
-        s, _ = radial_direction(g, model.neuron.delta)
-        tangent = tangent_projection(grad, s)
+        velocity = field.velocity(xs)
         means = xs.mean(dim=-1)
-        scale = (xs - means[..., None]).square().mean(dim=-1).add(model.neuron.eps).sqrt()
-        energy = model._energy_g(g, mask)
-    rms = lambda v: v.square().mean(dim=(-1, -2)).sqrt()  # noqa: E731
-    return ConvergenceTraces(
-        ts=solution.ts.detach().to(torch.float64).cpu(),
-        energy=energy.cpu(),
-        rms_dg_dt=rms(dg_dt).cpu(),
-        rms_dx_dt=rms(dx_dt).cpu(),
-        tangent_grad=rms(tangent).cpu(),
-        ones_drift=(means - means[:1]).square().mean(dim=-1).sqrt().cpu(),
-        radial_drift=(scale - scale[:1]).mean(dim=-1).cpu(),
-    )
+        scale = (xs - means[..., None]).square().mean(dim=-1).add(field.model.neuron.eps).sqrt()
+        return ConvergenceTraces(
+            ts=solution.ts.detach().to(torch.float64).cpu(),
+            energy=field.energy(xs).cpu(),
+            rms_dg_dt=field.rms_dg_dt(xs, velocity).cpu(),
+            rms_dx_dt=velocity.square().mean(dim=(-1, -2)).sqrt().cpu(),
+            rms_tangent_gradient=field.rms_tangent_gradient(xs, velocity).cpu(),
+            ones_drift=(means - means[:1]).square().mean(dim=-1).sqrt().cpu(),
+            radial_drift=(scale - scale[:1]).mean(dim=-1).cpu(),
+        )
 
 
 @dataclass
@@ -171,7 +164,7 @@ class SampleConvergence:
     energy_end: float
     final_rms_dg_dt: float
     final_rms_dx_dt: float
-    final_tangent_grad: float
+    final_rms_tangent_gradient: float
     exponential: RateFit
     power: RateFit
     better_fit: str
@@ -203,7 +196,8 @@ class ConvergenceReport:
             when = lambda ok, t: f"yes, {t:.4g}" if ok else "no"  # noqa: E731
             rows.append(
                 f"| {s.sample} | {when(s.converged, s.t_converged)} | {when(s.tangent_converged, s.t_tangent_converged)}"
-                f" | {s.energy_start:.6g} -> {s.energy_end:.6g} | {s.final_rms_dg_dt:.3g} | {s.final_tangent_grad:.3g}"
+                f" | {s.energy_start:.6g} -> {s.energy_end:.6g} | {s.final_rms_dg_dt:.3g}"
+                f" | {s.final_rms_tangent_gradient:.3g}"
                 f" | {s.final_rms_dx_dt:.3g} | {s.exponential.rate:.3g} / {s.power.rate:.3g} ({s.better_fit})"
                 f" | {s.ones_drift:.3g} | {s.radial_drift:.3g} |")
         return "\n".join(rows)
@@ -216,13 +210,12 @@ class ConvergenceReport:
                 "all_converged": self.all_converged, "samples": [asdict(s) for s in self.samples]}
 
 
-def analyze_convergence(solution: Solution, field: ETField, *, tol: float = 1e-3, tangent_tol: float | None = None,
+def analyze_convergence(solution: Solution, *, tol: float = 1e-3, tangent_tol: float | None = None,
                         tail: float = 0.5) -> ConvergenceReport:
     """Whether and when each sample converged, and how fast.
 
     Args:
-        solution: a solve with saved states (``save="all"`` or ``"steps"``).
-        field: the field that was solved.
+        solution: a solve with saved states (``save="all"`` or ``"steps"``); its field (and mask) is analysed.
         tol: convergence tolerance on RMS ``|dg/dt|`` (the motion of ``g``): converged from the first
             saved time after which it stays below ``tol``.
         tangent_tol: the same on RMS ``|T dE/dg|`` (distance from a critical point); default ``tol``.
@@ -234,11 +227,11 @@ def analyze_convergence(solution: Solution, field: ETField, *, tol: float = 1e-3
     tangent_tol = tol if tangent_tol is None else tangent_tol
     if not tangent_tol > 0:
         raise ValueError(f"tangent_tol must be positive, got {tangent_tol!r}")
-    traces = convergence_traces(solution, field)
+    traces = convergence_traces(solution)
     samples = []
     for b in range(traces.energy.shape[1]):
         t_dg = first_time_below(traces.ts, traces.rms_dg_dt[:, b], tol)
-        t_tg = first_time_below(traces.ts, traces.tangent_grad[:, b], tangent_tol)
+        t_tg = first_time_below(traces.ts, traces.rms_tangent_gradient[:, b], tangent_tol)
         exponential, power = fit_decay(traces.ts, traces.rms_dg_dt[:, b], tail=tail)
         if math.isnan(exponential.rms_log_residual):
             better = "n/a"
@@ -248,7 +241,7 @@ def analyze_convergence(solution: Solution, field: ETField, *, tol: float = 1e-3
             sample=b, converged=t_dg is not None, t_converged=t_dg, tangent_converged=t_tg is not None,
             t_tangent_converged=t_tg, energy_start=float(traces.energy[0, b]), energy_end=float(traces.energy[-1, b]),
             final_rms_dg_dt=float(traces.rms_dg_dt[-1, b]), final_rms_dx_dt=float(traces.rms_dx_dt[-1, b]),
-            final_tangent_grad=float(traces.tangent_grad[-1, b]), exponential=exponential, power=power,
+            final_rms_tangent_gradient=float(traces.rms_tangent_gradient[-1, b]), exponential=exponential, power=power,
             better_fit=better, ones_drift=float(traces.ones_drift[-1, b]),
             radial_drift=float(traces.radial_drift[-1, b])))
     return ConvergenceReport(traces=traces, samples=samples, tol=tol, tangent_tol=tangent_tol, tail=tail)

@@ -27,21 +27,21 @@ from torch import Tensor
 
 from et_ode import ETField
 
-from .sphere import energy_at, hessian_in_frame, retract, unit_scale
+from .sphere import hessian_in_frame, retract, unit_scale
 
 
 @dataclass
 class CriticalPoint:
     """A critical point: the unit-scale state ``x`` ``(N, D)``, its energy, Riemannian Hessian eigenvalues
     (ascending, ``(n,)``, ``g`` units), index (negative eigenvalues beyond ``zero_tol``), RMS ``|T dE/dg|``,
-    whether the search converged (``tangent_grad <= tol``), and ``lowest_mode``: the unit eigenvector of the
+    whether the search converged (``rms_tangent_gradient <= tol``), and ``lowest_mode``: the unit eigenvector of the
     lowest eigenvalue as a ``g``-direction ``(N, D)`` (the unstable direction of an index-1 saddle)."""
 
     x: Tensor
     energy: float
     eigenvalues: Tensor
     index: int
-    tangent_grad: float
+    rms_tangent_gradient: float
     converged: bool
     iterations: int
     lowest_mode: Tensor
@@ -71,8 +71,10 @@ def _describe(field: ETField, x: Tensor, iterations: int, tol: float, zero_tol: 
     values, vectors = torch.linalg.eigh(matrix)
     rms = float(gradient.norm()) / math.sqrt(x.numel())
     scale = float(values.abs().max()) if len(values) else 1.0
-    return CriticalPoint(x=x, energy=float(energy_at(field, x)), eigenvalues=values,
-                         index=int((values < -zero_tol * max(scale, 1.0)).sum()), tangent_grad=rms,
+    with torch.no_grad():
+        energy = float(field.energy(x))
+    return CriticalPoint(x=x, energy=energy, eigenvalues=values,
+                         index=int((values < -zero_tol * max(scale, 1.0)).sum()), rms_tangent_gradient=rms,
                          converged=rms <= tol, iterations=iterations,
                          lowest_mode=(vectors[:, 0] @ frame.flatten(1)).reshape(x.shape))
 
@@ -228,7 +230,7 @@ class Census:
         for i, entry in enumerate(self.entries):
             p = entry.point
             lines.append(f"| {i} | {p.energy:.6g} | {p.kind} | {p.index} | {float(p.eigenvalues[0]):.4g} / "
-                         f"{float(p.eigenvalues[-1]):.4g} | {p.tangent_grad:.2g} | {entry.count} |")
+                         f"{float(p.eigenvalues[-1]):.4g} | {p.rms_tangent_gradient:.2g} | {entry.count} |")
         return "\n".join(lines)
 
     def __str__(self) -> str:

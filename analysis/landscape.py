@@ -95,7 +95,7 @@ class LandscapeStudy:
     def as_dict(self) -> dict:
         def point(p):
             return {"energy": p.energy, "index": p.index, "kind": p.kind, "smallest": float(p.eigenvalues[0]),
-                    "largest": float(p.eigenvalues[-1]), "rms_tangent_grad": p.tangent_grad}
+                    "largest": float(p.eigenvalues[-1]), "rms_tangent_gradient": p.rms_tangent_gradient}
 
         return {
             "critical_points": [{**point(e.point), "count": e.count} for e in self.census.entries],
@@ -126,7 +126,7 @@ def memory_scale_family(field: ETField):
         model = copy.deepcopy(field.model)
         with torch.no_grad():
             model.hopfield.xi.mul_(scale)
-        return ETField(model, tau=field.tau, mask=field.mask)
+        return ETField(model, tau=field.tau, derivative=field.derivative, mask=field.mask, backend=field.backend)
 
     return family
 

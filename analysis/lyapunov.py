@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 
 from et_ode import ETField, Solution
 
-from .convergence import flat_mask, flat_states
+from .convergence import flat_field, flat_states
 
 KINDS = ("energy rise", "dE/dt mismatch", "dE/dt > 0", "M not PSD")
 
@@ -129,20 +129,20 @@ def _simpson(values: Tensor, h: float) -> Tensor:
     return (weights[:, None] * values).sum(dim=0) * h / 3.0
 
 
-def check_lyapunov(solution: Solution, field: ETField, *, energy_rtol: float | None = None, energy_atol: float = 0.0,
+def check_lyapunov(solution: Solution, *, energy_rtol: float | None = None, energy_atol: float = 0.0,
                    match_rtol: float = 0.05, dense_points: int = 16, progress: bool = False) -> LyapunovReport:
     """Check that the energy is a Lyapunov function along ``solution`` (see the module docstring).
 
     Args:
-        solution: a solve with saved states (``save="all"`` or ``"steps"``), at least two times.
-        field: the field that was solved (its model's ``gamma`` and ``eps`` are checked).
+        solution: a solve with saved states (``save="all"`` or ``"steps"``), at least two times; its field (with
+            its mask) is checked, including its model's ``gamma`` and ``eps``.
         energy_rtol, energy_atol: an interval may raise the energy by ``energy_rtol |E| + energy_atol``
             (rounding; default ``energy_rtol`` is ``100`` machine epsilons of the states' dtype).
         match_rtol: allowed relative difference between the measured and the integrated change of energy.
         dense_points: evaluation points (even) per interval for the dense re-evaluation.
         progress: show a progress bar over the dense re-evaluations.
     """
-    xs = flat_states(solution, field)
+    xs = flat_states(solution)
     if xs.shape[0] < 2:
         raise ValueError(f"solution has {xs.shape[0]} saved time(s); the Lyapunov check needs at least 2")
     if not (isinstance(dense_points, int) and dense_points >= 2 and dense_points % 2 == 0):
@@ -151,18 +151,16 @@ def check_lyapunov(solution: Solution, field: ETField, *, energy_rtol: float | N
         raise ValueError(f"match_rtol must be positive, got {match_rtol!r}")
     finfo = torch.finfo(xs.dtype)
     energy_rtol = 100 * finfo.eps if energy_rtol is None else energy_rtol
-    mask = flat_mask(solution.mask if solution.mask is not None else field.mask, tuple(solution.xs.shape[1:-2]))
-    bound = field.with_mask(mask)
+    field = flat_field(solution)
     model = field.model
     ts = solution.ts.detach().to(torch.float64).cpu()
     steps, batch = xs.shape[0] - 1, xs.shape[1]
     with torch.no_grad():
-        g = model.neuron(xs)
-        energy = model._energy_g(g, mask).to(torch.float64).cpu()  # (T, B)
-        grad = bound.dE_dg(g)
-        m_grad = model.neuron.hessian_vector(xs, grad)
-        rate = (-(grad * m_grad).sum(dim=(-1, -2)) / field.tau).to(torch.float64).cpu()  # exact dE/dt, (T, B)
-        rate_scale = ((grad * m_grad).abs().sum(dim=(-1, -2)) / field.tau).to(torch.float64).cpu()
+        energy = field.energy(xs).to(torch.float64).cpu()  # (T, B)
+        velocity = field.velocity(xs)
+        rate = field.dE_dt(xs, velocity).to(torch.float64).cpu()  # exact dE/dt, (T, B)
+        # the rounding scale of that sum: the size of its terms dE/dg . dg/dt = -tau dx/dt . dg/dt
+        rate_scale = (field.tau * (velocity * field.dg_dt(xs, velocity)).abs().sum(dim=(-1, -2))).to(torch.float64).cpu()
     gamma, m_min = metric_spectrum(field, xs)
     violations: list[Violation] = []
     if not (gamma > 0 and model.neuron.eps > 0):
@@ -188,8 +186,8 @@ def check_lyapunov(solution: Solution, field: ETField, *, energy_rtol: float | N
     for k in tqdm(intervals, desc="dense dE/dt re-evaluation", disable=not progress or not intervals):
         grid = torch.linspace(float(ts[k]), float(ts[k + 1]), dense_points + 1, dtype=torch.float64)
         with torch.no_grad():
-            path = odeint(bound, xs[k], grid.to(xs.device), rtol=dense_rtol, atol=dense_atol, method="dopri5")
-            rates = bound.dE_dt(path).to(torch.float64).cpu()  # (points, B)
+            path = odeint(field, xs[k], grid.to(xs.device), rtol=dense_rtol, atol=dense_atol, method="dopri5")
+            rates = field.dE_dt(path).to(torch.float64).cpu()  # (points, B)
         dense = _simpson(rates, float(grid[1] - grid[0]))
         redo = ~close[k]
         integral[k, redo] = dense[redo]

@@ -21,8 +21,9 @@ from matplotlib.figure import Figure
 from torch import Tensor
 
 from et_ode import Adaptive, ETField, Solution, solve
+from et_ode.manifold import radial_direction, tangent_projection
 
-from .convergence import convergence_traces, flat_mask, flat_states
+from .convergence import convergence_traces, flat_field, flat_states, sample_field
 
 PathLike = str | os.PathLike[str]
 
@@ -50,11 +51,11 @@ def _sample_colors(count: int) -> list:
     return [cmap(i if count <= 10 else i / max(count - 1, 1)) for i in range(count)]
 
 
-def plot_convergence(solution: Solution, field: ETField, *, path: PathLike | None = None,
+def plot_convergence(solution: Solution, *, path: PathLike | None = None,
                      figsize: tuple[float, float] = (15.0, 4.5), dpi: int = 100, max_samples: int = 10) -> Figure:
     """Energy, RMS ``|dg/dt|`` and RMS ``|T dE/dg|`` (log-log), and the two zero-mode drifts of ``x``
     against time, one color per sample (at most ``max_samples`` drawn)."""
-    traces = convergence_traces(solution, field)
+    traces = convergence_traces(solution)
     count = min(traces.energy.shape[1], max_samples)
     colors = _sample_colors(count)
     t = traces.ts.numpy()
@@ -65,7 +66,7 @@ def plot_convergence(solution: Solution, field: ETField, *, path: PathLike | Non
         label = f"sample {b}"
         ax_e.plot(t, traces.energy[:, b].numpy(), color=colors[b], label=label)
         ax_r.plot(t[positive], traces.rms_dg_dt[positive, b].numpy(), color=colors[b], label=f"{label}: RMS |dg/dt|")
-        ax_r.plot(t[positive], traces.tangent_grad[positive, b].numpy(), color=colors[b], linestyle="--",
+        ax_r.plot(t[positive], traces.rms_tangent_gradient[positive, b].numpy(), color=colors[b], linestyle="--",
                   label=f"{label}: RMS |T dE/dg|")
         ax_d.plot(t, traces.ones_drift[:, b].numpy(), color=colors[b], label=f"{label}: along all-ones")
         ax_d.plot(t, traces.radial_drift[:, b].numpy(), color=colors[b], linestyle=":", label=f"{label}: radial")
@@ -141,10 +142,8 @@ def plot_trajectories(solution: Solution, *, sample: int = 0, dims: int = 2, col
     if color_by == "time":
         values, label = times.to(torch.float64).cpu().numpy(), "time t"
     else:
-        model = solution.field.model
-        mask = flat_mask(solution.mask, tuple(solution.xs.shape[1:-2]))
         with torch.no_grad():
-            energies = model.energy_g(model.neuron(xs[:, b]), mask[b] if mask is not None and mask.dim() == 3 else mask)
+            energies = sample_field(flat_field(solution), b).energy(xs[:, b])
         values, label = energies.to(torch.float64).cpu().numpy(), "energy E"
     norm = Normalize(values.min(), values.max() if values.max() > values.min() else values.min() + 1)
     if color_by == "time" and len(values) > 2 and values[1] > 0 and values[-1] / values[1] > 50:
@@ -208,7 +207,6 @@ class EnergySlice:
     g_star: Tensor
     u: Tensor
     v: Tensor
-    mask: Tensor | None
     coords: Tensor | None = None
     off_plane: Tensor | None = None
     distance: Tensor | None = None
@@ -219,9 +217,9 @@ class EnergySlice:
         return _retract(self.field, self.g_star.expand_as(offsets), offsets)
 
     def energy(self, a: Tensor, b: Tensor) -> Tensor:
-        """The energy on the slice at coordinates ``a, b`` (same shape ``S``): ``S``."""
+        """The energy on the slice at coordinates ``a, b`` (same shape ``S``), with the field's mask: ``S``."""
         with torch.no_grad():
-            return self.field.model.energy_g(self.points(a, b), self.mask)
+            return self.field.energy_g(self.points(a, b))
 
 
 def energy_slice(field: ETField, x_fixed: Tensor, *, trajectory: Tensor | None = None, seed: int = 0) -> EnergySlice:
@@ -231,12 +229,7 @@ def energy_slice(field: ETField, x_fixed: Tensor, *, trajectory: Tensor | None =
     delta = model.neuron.delta.detach()
     with torch.no_grad():
         g_star = model.neuron(x_fixed.detach())
-        s = (g_star - delta) - (g_star - delta).mean(dim=-1, keepdim=True)
-        s = s / s.norm(dim=-1, keepdim=True)
-
-        def tangent(w: Tensor) -> Tensor:
-            w = w - w.mean(dim=-1, keepdim=True)
-            return w - (w * s).sum(dim=-1, keepdim=True) * s
+        s, _ = radial_direction(g_star, delta)
 
         def unit_orthogonal(w: Tensor, to: list[Tensor]) -> Tensor | None:
             for axis in to:
@@ -245,7 +238,7 @@ def energy_slice(field: ETField, x_fixed: Tensor, *, trajectory: Tensor | None =
             return w / norm if float(norm) > 1e-9 * max(1.0, float(g_star.norm())) else None
 
         generator = torch.Generator().manual_seed(seed)
-        random = [tangent(torch.randn(g_star.shape, generator=generator, dtype=g_star.dtype).to(g_star.device))
+        random = [tangent_projection(torch.randn(g_star.shape, generator=generator, dtype=g_star.dtype).to(g_star.device), s)
                   for _ in range(3)]
         coords = off_plane = distance = None
         if trajectory is None:
@@ -265,8 +258,7 @@ def energy_slice(field: ETField, x_fixed: Tensor, *, trajectory: Tensor | None =
             coords = torch.stack([a, b], dim=1)
             off_plane = (path_g - a[:, None, None] * u - b[:, None, None] * v).flatten(1).norm(dim=1)
             distance = path_g.flatten(1).norm(dim=1)
-    return EnergySlice(field=field, g_star=g_star, u=u, v=v, mask=field.mask, coords=coords, off_plane=off_plane,
-                       distance=distance)
+    return EnergySlice(field=field, g_star=g_star, u=u, v=v, coords=coords, off_plane=off_plane, distance=distance)
 
 
 def plot_energy_slice(field: ETField, x_fixed: Tensor, *, trajectories: Solution | Tensor | None = None,
@@ -291,8 +283,7 @@ def plot_energy_slice(field: ETField, x_fixed: Tensor, *, trajectories: Solution
     xf = x_fixed.detach().reshape(-1, *x_fixed.shape[-2:])
     b = _sample_index(sample, xf.shape[0])
     model = field.model
-    mask = field.mask if field.mask is None or field.mask.dim() == 2 else field.mask.reshape(-1, *field.mask.shape[-2:])[b]
-    bound = field.with_mask(mask)
+    bound = sample_field(field, b)
     states = None
     if trajectories is not None:
         states = trajectories.xs if isinstance(trajectories, Solution) else trajectories
@@ -311,7 +302,7 @@ def plot_energy_slice(field: ETField, x_fixed: Tensor, *, trajectories: Solution
     a, c = torch.meshgrid(grid, grid, indexing="xy")
     energies = plane.energy(a, c).to(torch.float64).cpu().numpy()
     with torch.no_grad():
-        e_star = float(model.energy_g(g_star, mask))
+        e_star = float(bound.energy_g(g_star))
     fig = Figure(figsize=figsize, layout="constrained")
     ax = fig.add_subplot()
     grid = grid.cpu().numpy()
@@ -339,13 +330,14 @@ def plot_energy_slice(field: ETField, x_fixed: Tensor, *, trajectories: Solution
     return _finish(fig, path, dpi)
 
 
-def plot_attention(field: ETField, solution: Solution, *, sample: int = 0, head: int = 0,
+def plot_attention(solution: Solution, *, sample: int = 0, head: int = 0,
                    times: Sequence[float] | None = None, path: PathLike | None = None,
                    figsize: tuple[float, float] | None = None, dpi: int = 100) -> Figure:
     """Attention maps ``S[head, key B, query C]`` of one sample at a few saved times (default: 4, from
     first to last). Each requested time uses the nearest saved one. Default size: 3.6 inches per map, 4 tall."""
-    xs = flat_states(solution, field)
+    xs = flat_states(solution)
     b = _sample_index(sample, xs.shape[1])
+    field = sample_field(flat_field(solution), b)
     heads = field.model.attention.heads
     if not isinstance(head, int) or not 0 <= head < heads:
         raise ValueError(f"head must be an integer in [0, {heads}), got {head!r}")
@@ -356,10 +348,8 @@ def plot_attention(field: ETField, solution: Solution, *, sample: int = 0, head:
         indices = [int((ts - float(t)).abs().argmin()) for t in times]
         if not indices:
             raise ValueError("times must name at least one time")
-    mask = flat_mask(solution.mask if solution.mask is not None else field.mask, tuple(solution.xs.shape[1:-2]))
-    sample_mask = mask[b] if mask is not None and mask.dim() == 3 else mask
     with torch.no_grad():
-        maps = field.model.attention.attention(field.model.neuron(xs[indices, b]), sample_mask)[:, head]
+        maps = field.model.attention.attention(field.model.neuron(xs[indices, b]), field.mask)[:, head]
     maps = maps.to(torch.float64).cpu().numpy()  # (len, B, C)
     figsize = figsize or (3.6 * len(indices) + 1.2, 4.0)
     fig = Figure(figsize=figsize, layout="constrained")

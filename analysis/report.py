@@ -23,7 +23,7 @@ from et_ode.integration import settings_to_dict
 from et_ode.io import model_config
 from et_ode.solvers import Adaptive, EulerET, Solver, as_solver
 
-from .convergence import analyze_convergence, flat_mask
+from .convergence import analyze_convergence, flat_field, sample_field
 from .landscape import landscape_study
 from .lyapunov import check_lyapunov
 from .plots import plot_attention, plot_convergence, plot_energy_slice, plot_trajectories
@@ -176,10 +176,10 @@ def analyze(model: EnergyTransformer | PathLike | None = None, x0: Tensor | Path
         failure, solution = str(error), error.solution
     bar.update()
     stage("convergence")
-    convergence = analyze_convergence(solution, field, tol=tol) if len(solution.ts) > 1 else None
+    convergence = analyze_convergence(solution, tol=tol) if len(solution.ts) > 1 else None
     bar.update()
     stage("Lyapunov check")
-    lyapunov = check_lyapunov(solution, field, progress=progress) if len(solution.ts) > 1 else None
+    lyapunov = check_lyapunov(solution, progress=progress) if len(solution.ts) > 1 else None
     bar.update()
     gamma = float(et_model.neuron.gamma.detach())
     fixed = stability = final_stability = exponent = intrinsic = basin = None
@@ -206,10 +206,10 @@ def analyze(model: EnergyTransformer | PathLike | None = None, x0: Tensor | Path
     stage("pictures")
     pictures: dict[str, str] = {}
     if solution.xs is not None and len(solution.ts) > 1:
-        plot_convergence(solution, field, path=folder / "convergence.png")
+        plot_convergence(solution, path=folder / "convergence.png")
         plot_trajectories(solution, dense=241 if solver.adaptive else None,
                           path=folder / "trajectories.png")
-        plot_attention(field, solution, path=folder / "attention.png")
+        plot_attention(solution, path=folder / "attention.png")
         pictures.update(convergence="convergence.png", trajectories="trajectories.png", attention="attention.png")
         if fixed is not None:
             plot_energy_slice(field, fixed.x, trajectories=solution, path=folder / "energy_slice.png")
@@ -219,12 +219,10 @@ def analyze(model: EnergyTransformer | PathLike | None = None, x0: Tensor | Path
     if landscape and gamma > 0:
         stage("landscape")
         if solution.xs is not None and len(solution.ts) > 1:
-            trace = hessian_along(solution, field, max_times=12)
+            trace = hessian_along(solution, max_times=12)
             plot_hessian_along(trace, path=folder / "hessian_along.png")
             pictures["hessian_along"] = "hessian_along.png"
-        sample_field = field.with_mask(flat_mask(field.mask, tuple(states.shape[:-2]))[0]) if (
-            field.mask is not None and field.mask.dim() > 2) else field
-        study = landscape_study(sample_field, states.reshape(-1, *states.shape[-2:])[0],
+        study = landscape_study(sample_field(flat_field(solution), 0), states.reshape(-1, *states.shape[-2:])[0],
                                 solution.x.detach().reshape(-1, *states.shape[-2:])[0], folder=folder,
                                 progress=progress)
         pictures.update(study.pictures)
@@ -248,7 +246,8 @@ def analyze(model: EnergyTransformer | PathLike | None = None, x0: Tensor | Path
         "lyapunov": lyapunov.as_dict() if lyapunov else None,
         "fixed_point": None if fixed is None else {
             "tol": fixed_point_tol, "iterations": fixed.iterations, "converged": fixed.converged,
-            "rms_tangent_grad": fixed.tangent_grad, "energy_start": fixed.energy_start, "energy_end": fixed.energy_end,
+            "rms_tangent_gradient": fixed.rms_tangent_gradient, "energy_start": fixed.energy_start,
+            "energy_end": fixed.energy_end,
             "rms_g_distance_from_solve": distance},
         "stability": stability.as_dict() if stability else None,
         "stability_at_final_state": final_stability.as_dict() if final_stability else None,
@@ -351,7 +350,7 @@ def _markdown(summary: dict, convergence, lyapunov, stability, final_stability, 
         lines += ["## Stability", "",
                   f"A plain solve approaches its limit only like a power of t, so the critical point is found by "
                   f"Riemannian gradient descent on the spheres from each final state ({fixed.iterations} iterations, "
-                  f"RMS |T dE/dg| reached: {', '.join(f'{v:.2g}' for v in fixed.tangent_grad.tolist())}; RMS "
+                  f"RMS |T dE/dg| reached: {', '.join(f'{v:.2g}' for v in fixed.rms_tangent_gradient.tolist())}; RMS "
                   f"distance in g from the solver's final state: {', '.join(f'{v:.3g}' for v in distance)}).", "",
                   stability.table(), "",
                   "For comparison, the same spectrum at the solver's final states (not critical points: the "

@@ -25,7 +25,7 @@ from torchdiffeq import odeint
 from et_ode import Adaptive, ETField, Solution, solve
 from et_ode.manifold import radial_direction, tangent_projection
 
-from .convergence import flat_states
+from .convergence import flat_field, flat_states, sample_field
 from .plots import _finish
 from .sphere import FixedScaleField, hessian_in_frame, tangent_frame, unit_scale
 
@@ -35,45 +35,44 @@ PathLike = str | os.PathLike[str]
 @dataclass
 class HessianTrace:
     """Per saved time ``ts`` ``(T,)`` and sample: ``smallest``, ``largest`` eigenvalue of ``Hess_R`` and the
-    ``index`` (eigenvalues below ``-zero_tol``), each ``(T, B)``; ``tangent_grad``: RMS ``|T dE/dg|`` ``(T, B)``."""
+    ``index`` (eigenvalues below ``-zero_tol``), each ``(T, B)``; ``rms_tangent_gradient``: RMS ``|T dE/dg|`` ``(T, B)``."""
 
     ts: Tensor
     smallest: Tensor
     largest: Tensor
     index: Tensor
-    tangent_grad: Tensor
+    rms_tangent_gradient: Tensor
     zero_tol: float
 
 
-def hessian_along(solution: Solution, field: ETField, *, max_times: int = 25, zero_tol: float = 1e-8) -> HessianTrace:
+def hessian_along(solution: Solution, *, max_times: int = 25, zero_tol: float = 1e-8) -> HessianTrace:
     """The Riemannian Hessian's spectrum at (at most ``max_times``, evenly picked) saved states of ``solution``.
 
     Dense: ``N (D - 2)`` Hessian-vector products per state and sample, meant for small systems.
     """
     if not (isinstance(max_times, int) and max_times >= 2):
         raise ValueError(f"max_times must be an integer >= 2, got {max_times!r}")
-    xs = flat_states(solution, field)
+    xs = flat_states(solution)
+    field = flat_field(solution)
     picks = torch.linspace(0, xs.shape[0] - 1, min(max_times, xs.shape[0])).round().long().unique()
     eps = field.model.neuron.eps
-    rows_small, rows_large, rows_index, rows_grad = [], [], [], []
+    rows_small, rows_large, rows_index, rows_rms = [], [], [], []
     for k in picks.tolist():
-        small, large, index, grad = [], [], [], []
+        small, large, index, rms = [], [], [], []
         for b in range(xs.shape[1]):
-            bound = field if field.mask is None or field.mask.dim() == 2 else field.with_mask(
-                field.mask.reshape(-1, *field.mask.shape[-2:])[b])
-            matrix, gradient, _ = hessian_in_frame(bound, unit_scale(xs[k, b], eps))
+            matrix, gradient, _ = hessian_in_frame(sample_field(field, b), unit_scale(xs[k, b], eps))
             values = torch.linalg.eigvalsh(matrix)
             small.append(values[0])
             large.append(values[-1])
             index.append((values < -zero_tol).sum())
-            grad.append(gradient.square().sum().sqrt() / xs[k, b].numel() ** 0.5)
+            rms.append(gradient.square().sum().sqrt() / xs[k, b].numel() ** 0.5)
         rows_small.append(torch.stack(small))
         rows_large.append(torch.stack(large))
         rows_index.append(torch.stack(index))
-        rows_grad.append(torch.stack(grad))
+        rows_rms.append(torch.stack(rms))
     return HessianTrace(ts=solution.ts.detach().to(torch.float64).cpu()[picks], smallest=torch.stack(rows_small).cpu(),
                         largest=torch.stack(rows_large).cpu(), index=torch.stack(rows_index).cpu(),
-                        tangent_grad=torch.stack(rows_grad).cpu(), zero_tol=zero_tol)
+                        rms_tangent_gradient=torch.stack(rows_rms).cpu(), zero_tol=zero_tol)
 
 
 @dataclass

@@ -36,12 +36,6 @@ def retract(x: Tensor, step: Tensor, eps: float) -> Tensor:
     return unit_scale(x + step, eps)
 
 
-def token_frame(x: Tensor) -> Tensor:
-    """Unit radial direction ``s_A`` of every token of a centered state: ``(..., N, D)``."""
-    centered = x - x.mean(dim=-1, keepdim=True)
-    return centered / centered.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(x.dtype).tiny)
-
-
 class FixedScaleField(nn.Module):
     """``dx/dt = P_x f(t, x)``: the ET field ``f`` with each token's mean and radial component removed.
 
@@ -57,41 +51,33 @@ class FixedScaleField(nn.Module):
         self.field = field
 
     def forward(self, t: Tensor, x: Tensor) -> Tensor:
-        return tangent_projection(self.field(t, x), token_frame(x))
+        return tangent_projection(self.field(t, x), radial_direction(x, 0.0)[0])
 
 
-def tangent_gradient_at(field: ETField, x: Tensor) -> Tensor:
-    """The Riemannian gradient ``T dE/dg`` at ``g = LayerNorm(x)``: ``(..., N, D)``."""
-    neuron = field.model.neuron
-    with torch.no_grad():
-        g = neuron(x)
-        s, _ = radial_direction(g, neuron.delta.detach())
-        return tangent_projection(field.dE_dg(g), s)
+def tangent_basis(g: Tensor, delta: Tensor | float) -> Tensor:
+    """An orthonormal basis of the tangent space at ``g`` (``(B, N, D)``): ``(B, N (D-2), N, D)``.
 
-
-def energy_at(field: ETField, x: Tensor) -> Tensor:
-    """``E(LayerNorm(x))`` per sample with the field's mask: ``(..., N, D) -> (...)``."""
-    model = field.model
-    with torch.no_grad():
-        return model.energy_g(model.neuron(x), field.mask)
+    Vector ``A (D-2) + j`` lives on token ``A`` only, orthogonal to the all-ones vector and to the radial ``s_A``
+    of ``g_A - delta``.
+    """
+    batch, n, d = g.shape
+    s, _ = radial_direction(g, delta)
+    ones = torch.full((batch, n, d), d ** -0.5, dtype=g.dtype, device=g.device)
+    frame = torch.stack([ones, s], dim=-1)  # (B, N, D, 2), orthonormal columns
+    projector = torch.eye(d, dtype=g.dtype, device=g.device) - frame @ frame.transpose(-1, -2)
+    _, vectors = torch.linalg.eigh(projector)  # eigenvalues 0, 0, 1, ..., 1
+    tangent = vectors[..., 2:]  # (B, N, D, D-2)
+    basis = torch.zeros(batch, n, d - 2, n, d, dtype=g.dtype, device=g.device)
+    index = torch.arange(n, device=g.device)
+    basis[:, index, :, index, :] = tangent.permute(1, 0, 3, 2)  # (N, B, D-2, D)
+    return basis.reshape(batch, n * (d - 2), n, d)
 
 
 def tangent_frame(x: Tensor) -> Tensor:
-    """An orthonormal basis of the tangent space at the unit-scale state ``x`` ``(N, D)``: ``(N (D - 2), N, D)``.
-
-    Vector ``A (D - 2) + j`` lives on token ``A`` only, orthogonal to the all-ones vector and to ``x_A``.
-    """
-    n, d = x.shape
-    s = token_frame(x)
-    ones = torch.full((n, d), d ** -0.5, dtype=x.dtype, device=x.device)
-    frame = torch.stack([ones, s], dim=-1)  # (N, D, 2), orthonormal columns
-    projector = torch.eye(d, dtype=x.dtype, device=x.device) - frame @ frame.transpose(-1, -2)
-    _, vectors = torch.linalg.eigh(projector)  # eigenvalues 0, 0, 1, ..., 1
-    tangent = vectors[..., 2:].transpose(-1, -2)  # (N, D-2, D)
-    basis = torch.zeros(n, d - 2, n, d, dtype=x.dtype, device=x.device)
-    index = torch.arange(n, device=x.device)
-    basis[index, :, index, :] = tangent
-    return basis.reshape(n * (d - 2), n, d)
+    """An orthonormal basis of the tangent space at the unit-scale state ``x`` ``(N, D)``: ``(N (D - 2), N, D)``
+    (:func:`tangent_basis` of the centered ``x`` itself: vector ``A (D - 2) + j`` on token ``A`` only, orthogonal
+    to the all-ones vector and to ``x_A``)."""
+    return tangent_basis(x[None], 0.0)[0]
 
 
 def hessian_in_frame(field: ETField, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:

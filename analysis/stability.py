@@ -45,7 +45,8 @@ from et_ode import Adaptive, ETField, solve
 from et_ode.krylov import lanczos
 from et_ode.manifold import radial_direction, riemannian_hessian, tangent_projection
 
-from .sphere import FixedScaleField, unit_scale
+from .convergence import sample_field
+from .sphere import FixedScaleField, tangent_basis, unit_scale
 
 Operator = Callable[[Tensor], Tensor]
 CLASSES = ("stable attractor", "saddle", "maximum", "degenerate")
@@ -155,24 +156,6 @@ def classify(smallest: float, largest: float, *, zero_tol: float) -> str:
 # -- the ET's tangent space ---------------------------------------------------------------------------------------
 
 
-def tangent_basis(g: Tensor, delta: Tensor) -> Tensor:
-    """An orthonormal basis of the tangent space at ``g`` (``(B, N, D)``): ``(B, N (D-2), N, D)``.
-
-    Vector ``A (D-2) + j`` lives on token ``A`` only, orthogonal to the all-ones vector and to the radial ``s_A``.
-    """
-    batch, n, d = g.shape
-    s, _ = radial_direction(g, delta)
-    ones = torch.full((batch, n, d), d ** -0.5, dtype=g.dtype, device=g.device)
-    frame = torch.stack([ones, s], dim=-1)  # (B, N, D, 2), orthonormal columns
-    projector = torch.eye(d, dtype=g.dtype, device=g.device) - frame @ frame.transpose(-1, -2)
-    values, vectors = torch.linalg.eigh(projector)  # eigenvalues 0, 0, 1, ..., 1
-    tangent = vectors[..., 2:]  # (B, N, D, D-2)
-    basis = torch.zeros(batch, n, d - 2, n, d, dtype=g.dtype, device=g.device)
-    index = torch.arange(n, device=g.device)
-    basis[:, index, :, index, :] = tangent.permute(1, 0, 3, 2)  # (N, B, D-2, D)
-    return basis.reshape(batch, n * (d - 2), n, d)
-
-
 def _rates(field: ETField, x: Tensor) -> Tensor:
     """``gamma / sigma_A`` per token, ``(B, N, 1)``: the tangential eigenvalue of ``M``."""
     neuron = field.model.neuron
@@ -180,57 +163,51 @@ def _rates(field: ETField, x: Tensor) -> Tensor:
     return neuron.gamma.detach() / sigma
 
 
-def _sample_field(field: ETField, mask: Tensor | None, b: int) -> ETField:
-    return field.with_mask(mask[b] if mask is not None and mask.dim() == 3 else mask)
-
-
-def riemannian_hessian_matrix(field: ETField, x: Tensor, *, mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def riemannian_hessian_matrix(field: ETField, x: Tensor) -> tuple[Tensor, Tensor]:
     """The dense Riemannian Hessian of ``E`` at ``g = LayerNorm(x)`` in :func:`tangent_basis`, exact.
 
-    Built from the full Euclidean Hessian of ``E(g)`` (``torch.func.hessian``, ``(ND)^2`` entries per
-    sample): ``Q^T H Q - diag((s_A . dE/dg_A) / r_A)``. Returns ``(matrix (B, n, n), basis (B, n, N, D))``.
+    Built from the full Euclidean Hessian of ``E(g)`` (``torch.func.hessian`` of the field's ``energy_g``,
+    ``(ND)^2`` entries per sample): ``Q^T H Q - diag((s_A . dE/dg_A) / r_A)``. Returns
+    ``(matrix (B, n, n), basis (B, n, N, D))``.
     """
     x = _batched(x, field)
-    mask = field.mask if mask is None else mask
-    model = field.model
+    delta = field.model.neuron.delta.detach()
     with torch.no_grad():
-        g = model.neuron(x)
-        grad = field.with_mask(mask).dE_dg(g)
-    s, radius = radial_direction(g, model.neuron.delta.detach())
-    basis = tangent_basis(g, model.neuron.delta.detach())
+        g = field.model.neuron(x)
+        dE_dg = field.dE_dg(g)
+    s, radius = radial_direction(g, delta)
+    basis = tangent_basis(g, delta)
     d = x.shape[-1]
     matrices = []
     for b in range(x.shape[0]):
-        sample_mask = mask[b] if mask is not None and mask.dim() == 3 else mask
-        hessian = torch.func.hessian(lambda gb, m=sample_mask: model._energy_g(gb, m))(g[b].detach())
+        hessian = torch.func.hessian(sample_field(field, b).energy_g)(g[b].detach())
         size = g[b].numel()
         q = basis[b].reshape(-1, size)
-        curvature = ((grad[b] * s[b]).sum(dim=-1) / radius[b, :, 0]).repeat_interleave(d - 2)
+        curvature = ((dE_dg[b] * s[b]).sum(dim=-1) / radius[b, :, 0]).repeat_interleave(d - 2)
         matrices.append(q @ hessian.detach().reshape(size, size) @ q.T - torch.diag(curvature))
     return torch.stack(matrices), basis
 
 
-def g_jacobian(field: ETField, x: Tensor, *, mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def g_jacobian(field: ETField, x: Tensor) -> tuple[Tensor, Tensor]:
     """The exact Jacobian of the g-dynamics on the tangent space at ``x``, ``(B, n, n)``, and the basis.
 
-    ``torch.func.jacrev`` of ``x -> dg/dt = M(x) f(x)``; a tangent change ``dg`` of ``g`` is produced by
+    ``torch.func.jacrev`` of ``x -> dg/dt = M(x) f(x)`` (the field's ``dg_dt`` on its ``backend="reference"``
+    closed form, which ``torch.func`` can trace); a tangent change ``dg`` of ``g`` is produced by
     ``dx = (sigma_A / gamma) dg``, so ``J = Q^T (d(dg/dt)/dx) Q diag(sigma_A / gamma)``. Its eigenvalues are
     the local rates ``exp(lambda t)`` of the motion of ``g`` at this state (``Re lambda < 0``: decay).
     """
     x = _batched(x, field)
-    mask = field.mask if mask is None else mask
-    model = field.model
     with torch.no_grad():
-        g = model.neuron(x)
-    basis = tangent_basis(g, model.neuron.delta.detach())
+        g = field.model.neuron(x)
+    basis = tangent_basis(g, field.model.neuron.delta.detach())
     scale = (1.0 / _rates(field, x)).detach()  # (B, N, 1): sigma / gamma
     d = x.shape[-1]
     matrices = []
     for b in range(x.shape[0]):
-        bound = _sample_field(field, mask, b)
+        closed_form = ETField(field.model, field.tau, mask=sample_field(field, b).mask, backend="reference")
 
-        def dg_dt(xb: Tensor, bound: ETField = bound) -> Tensor:  # the closed form (torch.func-traceable)
-            return model.neuron.hessian_vector(xb, model._dE_dg(model.neuron(xb), bound.mask) / -bound.tau)
+        def dg_dt(xb: Tensor, closed_form: ETField = closed_form) -> Tensor:
+            return closed_form.dg_dt(xb, closed_form.velocity(xb))
 
         jac = torch.func.jacrev(dg_dt)(x[b])
         size = x[b].numel()
@@ -250,7 +227,7 @@ class SampleStability:
     ``smallest`` / ``largest``: extreme eigenvalues of ``Hess_R`` (intrinsic curvature, units of energy per
     ``g``^2). ``rate_slowest`` / ``rate_fastest``: extreme eigenvalues of the g-Jacobian at this state (per
     unit time; negative decays); ``eigenvalues``: all of ``Hess_R``'s when computed densely.
-    ``tangent_grad``: RMS ``|T dE/dg|``; ``critical`` when it is at most ``critical_tol``.
+    ``rms_tangent_gradient``: RMS ``|T dE/dg|``; ``critical`` when it is at most ``critical_tol``.
     """
 
     sample: int
@@ -260,7 +237,7 @@ class SampleStability:
     negative: int | None
     rate_slowest: float
     rate_fastest: float
-    tangent_grad: float
+    rms_tangent_gradient: float
     critical: bool
     residual: float
     eigenvalues: list[float] | None = None
@@ -284,7 +261,7 @@ class StabilityReport:
         for s in self.samples:
             negative = "?" if s.negative is None else str(s.negative)
             lines.append(f"| {s.sample} | {s.kind} | {s.smallest:.6g} | {s.largest:.6g} | {negative} | "
-                         f"{s.rate_slowest:.3g} / {s.rate_fastest:.3g} | {s.tangent_grad:.3g} | "
+                         f"{s.rate_slowest:.3g} / {s.rate_fastest:.3g} | {s.rms_tangent_gradient:.3g} | "
                          f"{'yes' if s.critical else 'no'} |")
         return "\n".join(lines)
 
@@ -332,15 +309,15 @@ def operator_stability(apply: Operator, like: Tensor, *, method: str = "auto", p
             sample=b, kind=classify(float(smallest[b]), float(largest[b]), zero_tol=float(tol[b])),
             smallest=float(smallest[b]), largest=float(largest[b]),
             negative=None if eigenvalues is None else int((eigenvalues[b] < -tol[b]).sum()),
-            rate_slowest=float(-smallest[b]), rate_fastest=float(-largest[b]), tangent_grad=math.nan, critical=True,
+            rate_slowest=float(-smallest[b]), rate_fastest=float(-largest[b]), rms_tangent_gradient=math.nan, critical=True,
             residual=float(residual[b]), eigenvalues=None if eigenvalues is None else eigenvalues[b].tolist()))
     return StabilityReport(samples=samples, method=method, dimension=dimension, zero_tol=float(tol.max()),
                            settings={"rel_tol": rel_tol, "abs_tol": abs_tol, "iterations": iterations})
 
 
-def fixed_point_stability(field: ETField, x: Tensor, *, method: str = "auto", mask: Tensor | None = None,
-                          iterations: int = 80, max_dense: int = 300, rel_tol: float = 1e-6, abs_tol: float = 1e-9,
-                          critical_tol: float = 1e-4, seed: int = 0) -> StabilityReport:
+def fixed_point_stability(field: ETField, x: Tensor, *, method: str = "auto", iterations: int = 80, max_dense: int = 300,
+                          rel_tol: float = 1e-6, abs_tol: float = 1e-9, critical_tol: float = 1e-4,
+                          seed: int = 0) -> StabilityReport:
     """Classify the state(s) ``x`` (``(B, N, D)`` or ``(N, D)``), normally a converged one.
 
     ``method``: ``"dense"`` (exact: ``torch.func`` Hessian of ``E``, and the Jacobian of the g-dynamics
@@ -352,16 +329,14 @@ def fixed_point_stability(field: ETField, x: Tensor, *, method: str = "auto", ma
     if not isinstance(field, ETField):
         raise TypeError(f"field must be an et_ode.ETField, got {type(field).__name__}")
     x = _batched(x, field)
-    mask = field.mask if mask is None else mask
-    bound = field.with_mask(mask)
     batch, n, d = x.shape
     dimension = n * (d - 2)
     method = ("dense" if dimension <= max_dense else "lanczos") if method == "auto" else method
     if method not in ("dense", "lanczos", "power"):
         raise ValueError(f"method must be 'auto', 'dense', 'lanczos' or 'power', got {method!r}")
     g = field.model.neuron(x).detach()
-    apply, tangent = riemannian_hessian(bound, g)
-    tangent_grad = tangent.square().mean(dim=(-1, -2)).sqrt()
+    apply, tangent_gradient = riemannian_hessian(field, g)
+    rms_tangent_gradient = tangent_gradient.square().mean(dim=(-1, -2)).sqrt()
     rates = _rates(field, x)
     s, _ = radial_direction(g, field.model.neuron.delta.detach())
 
@@ -370,10 +345,10 @@ def fixed_point_stability(field: ETField, x: Tensor, *, method: str = "auto", ma
 
     eigenvalues = None
     if method == "dense":
-        matrix, _ = riemannian_hessian_matrix(field, x, mask=mask)
+        matrix, _ = riemannian_hessian_matrix(field, x)
         eigenvalues = torch.linalg.eigvalsh((matrix + matrix.transpose(1, 2)) / 2)
         smallest, largest = eigenvalues[:, 0], eigenvalues[:, -1]
-        jacobian, _ = g_jacobian(field, x, mask=mask)
+        jacobian, _ = g_jacobian(field, x)
         rate_values = torch.linalg.eigvals(jacobian).real
         rate_slowest, rate_fastest = rate_values.max(dim=1).values, rate_values.min(dim=1).values
         residual = torch.zeros_like(smallest)
@@ -396,7 +371,7 @@ def fixed_point_stability(field: ETField, x: Tensor, *, method: str = "auto", ma
             smallest=float(smallest[b]), largest=float(largest[b]),
             negative=None if eigenvalues is None else int((eigenvalues[b] < -tol[b]).sum()),
             rate_slowest=float(rate_slowest[b]), rate_fastest=float(rate_fastest[b]),
-            tangent_grad=float(tangent_grad[b]), critical=bool(tangent_grad[b] <= critical_tol),
+            rms_tangent_gradient=float(rms_tangent_gradient[b]), critical=bool(rms_tangent_gradient[b] <= critical_tol),
             residual=float(residual[b]), eigenvalues=None if eigenvalues is None else eigenvalues[b].tolist()))
     return StabilityReport(samples=samples, method=method, dimension=dimension, zero_tol=float(tol.max()),
                            settings={"rel_tol": rel_tol, "abs_tol": abs_tol, "iterations": iterations,
@@ -418,7 +393,7 @@ class FixedPointSearch:
     gradient per sample at the end; the iterations used; the energy before and after per sample."""
 
     x: Tensor
-    tangent_grad: Tensor
+    rms_tangent_gradient: Tensor
     iterations: int
     converged: bool
     energy_start: Tensor
@@ -442,17 +417,14 @@ def find_fixed_point(field: ETField, x: Tensor, *, tol: float = 1e-6, max_iter: 
     if not gamma > 0:
         raise ValueError(f"find_fixed_point needs gamma > 0 (a Lyapunov energy), got gamma={gamma}")
     x = normalize_scale(x, eps)
-    delta = model.neuron.delta.detach()
     steps = torch.full((x.shape[0],), float(step), dtype=x.dtype, device=x.device)
 
-    def evaluate(state: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        g = model.neuron(state)
-        s, _ = radial_direction(g, delta)
-        return model._energy_g(g, field.mask), tangent_projection(field.dE_dg(g), s), g
+    def evaluate(state: Tensor) -> tuple[Tensor, Tensor]:
+        return field.energy(state), field.tangent_gradient(state)
 
     iterations = 0
     with torch.no_grad(), tqdm(total=max_iter, desc="fixed point", disable=not progress, leave=False) as bar:
-        energy, tangent, _ = evaluate(x)
+        energy, tangent = evaluate(x)
         energy_start = energy.clone()
         for iterations in range(1, max_iter + 1):
             norm2 = tangent.square().sum(dim=(-1, -2))
@@ -461,11 +433,11 @@ def find_fixed_point(field: ETField, x: Tensor, *, tol: float = 1e-6, max_iter: 
                 iterations -= 1
                 break
             trial = normalize_scale(x - _expand(steps, x) * tangent / gamma, eps)
-            trial_energy, trial_tangent, _ = evaluate(trial)
+            trial_energy, trial_tangent = evaluate(trial)
             trial_norm2 = trial_tangent.square().sum(dim=(-1, -2))
             flat = (trial_energy - energy).abs() <= 100 * torch.finfo(x.dtype).eps * energy.abs()
             sufficient = trial_energy <= energy - 1e-4 * steps * norm2
-            accept = (sufficient | (flat & (trial_norm2 < norm2))) & (rms >= tol)  # below rounding: |grad| decides
+            accept = (sufficient | (flat & (trial_norm2 < norm2))) & (rms >= tol)  # below rounding: |T dE/dg| decides
             keep = _expand(accept, x)
             x = torch.where(keep, trial, x)
             tangent = torch.where(keep, trial_tangent, tangent)
@@ -475,9 +447,9 @@ def find_fixed_point(field: ETField, x: Tensor, *, tol: float = 1e-6, max_iter: 
             if bool(((steps < 1e-12) | (rms < tol)).all()):
                 break  # no further progress possible in this precision
             if iterations % 50 == 0:
-                bar.set_postfix(rms_tangent_grad=f"{float(rms.max()):.2e}")
+                bar.set_postfix(rms_tangent_gradient=f"{float(rms.max()):.2e}")
     rms = tangent.square().mean(dim=(-1, -2)).sqrt()
-    return FixedPointSearch(x=x, tangent_grad=rms, iterations=iterations, converged=bool((rms < tol).all()),
+    return FixedPointSearch(x=x, rms_tangent_gradient=rms, iterations=iterations, converged=bool((rms < tol).all()),
                             energy_start=energy_start, energy_end=energy)
 
 

@@ -13,7 +13,7 @@ from torch.nn import functional as F
 from ._checks import check_mask, check_tokens
 from .fused import FusedGrad
 from .model import EnergyTransformer
-from .neurons import LayerNormNeuron
+from .neurons import LayerNormNeuron, radial_direction, tangent_projection
 
 DERIVATIVES = ("analytic", "autograd")
 BACKENDS = ("auto", "fused", "reference")
@@ -171,11 +171,8 @@ class ETField(nn.Module):
         :mod:`et_ode.manifold`): shape of ``x``. ``velocity`` as in :meth:`dg_dt`."""
         g = self.model.neuron(x if velocity is not None else self._checked(x))
         grad = self.dE_dg(g) if velocity is None else velocity * -self.tau
-        u = g - self.model.neuron.delta
-        u = u - u.mean(dim=-1, keepdim=True)
-        s = u / u.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(g.dtype).tiny)
-        grad = grad - grad.mean(dim=-1, keepdim=True)
-        return grad - (grad * s).sum(dim=-1, keepdim=True) * s
+        s, _ = radial_direction(g, self.model.neuron.delta)
+        return tangent_projection(grad, s)
 
     def rms_dg_dt(self, x: Tensor, velocity: Tensor | None = None) -> Tensor:
         """Root-mean-square of ``dg/dt`` over tokens and elements, per sample: ``(..., N, D) -> (...)``."""
@@ -185,8 +182,11 @@ class ETField(nn.Module):
         """Root-mean-square of ``T dE/dg`` over tokens and elements, per sample: ``(..., N, D) -> (...)``."""
         return _rms(self.tangent_gradient(x, velocity))
 
-    def dE_dt(self, x: Tensor) -> Tensor:
-        """The exact ``dE/dt = -(1/tau) sum_A (dE/dg_A)^T M_A (dE/dg_A)`` per sample, shape ``x.shape[:-2]``."""
+    def dE_dt(self, x: Tensor, velocity: Tensor | None = None) -> Tensor:
+        """The exact ``dE/dt = -(1/tau) sum_A (dE/dg_A)^T M_A (dE/dg_A)`` per sample, shape ``x.shape[:-2]``.
+        ``velocity`` as in :meth:`dg_dt` (then ``dE/dt = -tau sum_A dx/dt_A . M_A dx/dt_A``, no evaluation)."""
+        if velocity is not None:
+            return -self.tau * (velocity * self.dg_dt(x, velocity)).sum(dim=(-1, -2))
         self._checked(x)
         grad = self.dE_dg(self.model.neuron(x))
         return -(grad * self.model.neuron.hessian_vector(x, grad)).sum(dim=(-1, -2)) / self.tau

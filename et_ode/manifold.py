@@ -24,20 +24,9 @@ import torch
 from torch import Tensor
 
 from .field import ETField
+from .neurons import radial_direction, tangent_projection
 
-
-def radial_direction(g: Tensor, delta: Tensor) -> tuple[Tensor, Tensor]:
-    """Unit radial direction ``s_A = (g_A - delta) / r_A`` and the radius ``r_A`` (shape ``(..., N, 1)``)."""
-    u = g - delta
-    u = u - u.mean(dim=-1, keepdim=True)
-    radius = u.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(g.dtype).tiny)
-    return u / radius, radius
-
-
-def tangent_projection(v: Tensor, s: Tensor) -> Tensor:
-    """``T v``: remove each token's mean and its component along the unit radial ``s``."""
-    v = v - v.mean(dim=-1, keepdim=True)
-    return v - (v * s).sum(dim=-1, keepdim=True) * s
+__all__ = ["euclidean_hessian", "radial_direction", "riemannian_hessian", "tangent_projection"]
 
 
 def riemannian_hessian(field: ETField, g: Tensor) -> tuple[Callable[[Tensor], Tensor], Tensor]:
@@ -55,7 +44,7 @@ def riemannian_hessian(field: ETField, g: Tensor) -> tuple[Callable[[Tensor], Te
     def apply(w: Tensor) -> Tensor:
         w = tangent_projection(w, s)
         (hw,) = torch.autograd.grad(grad_e, point, w, retain_graph=True)
-        field.evaluations.count += 1
+        field.count_evaluations()
         return tangent_projection(hw, s) - curvature * w
 
     return apply, tangent_projection(grad_e.detach(), s)
@@ -82,7 +71,7 @@ def euclidean_hessian(field: ETField, x: Tensor) -> tuple[Callable[[Tensor], Ten
         u = u - u.mean(dim=-1, keepdim=True)
         (h_mu,) = torch.autograd.grad(grad_e, point, neuron.hessian_vector(x, u), retain_graph=True)
         (third,) = torch.autograd.grad(gradient, state, u, retain_graph=True)
-        field.evaluations.count += 1
+        field.count_evaluations()
         out = neuron.hessian_vector(x, h_mu.detach()) + third.detach()
         return out - out.mean(dim=-1, keepdim=True)
 

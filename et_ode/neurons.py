@@ -1,7 +1,11 @@
-"""Neurons: the LayerNorm Lagrangian whose gradient is the ET's activation.
+"""Neurons: the LayerNorm Lagrangian whose gradient is the ET's activation, and the geometry of its image.
 
 Shapes: ``x`` is ``(..., N, D)``: any leading (batch) dimensions, ``N`` tokens of ``D`` elements.
 Everything acts per token, so the cost is O(N D).
+
+Every normalized token ``g_A - delta`` has zero mean and lies (up to O(eps)) on a sphere in the centered
+subspace; :func:`radial_direction` and :func:`tangent_projection` are that sphere's geometry, the one
+definition used by the field, :mod:`et_ode.manifold` and the analysis.
 """
 
 from __future__ import annotations
@@ -11,6 +15,21 @@ import math
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
+
+
+def radial_direction(g: Tensor, delta: Tensor | float) -> tuple[Tensor, Tensor]:
+    """Unit radial direction ``s_A = (g_A - delta) / r_A`` (centered) and the radius ``r_A``: ``(..., N, D)`` ->
+    ``((..., N, D), (..., N, 1))``. ``delta = 0`` gives the direction of a centered state ``x`` itself."""
+    u = g - delta
+    u = u - u.mean(dim=-1, keepdim=True)
+    radius = u.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(g.dtype).tiny)
+    return u / radius, radius
+
+
+def tangent_projection(v: Tensor, s: Tensor) -> Tensor:
+    """``T v``: ``v`` with each token's mean and its component along the unit radial ``s`` removed: ``(..., N, D)``."""
+    v = v - v.mean(dim=-1, keepdim=True)
+    return v - (v * s).sum(dim=-1, keepdim=True) * s
 
 
 def inverse_softplus(y: float) -> float:

@@ -59,9 +59,9 @@ def main() -> None:
     field = ETField(model)
     x0 = torch.randn(args.samples, 6, 12, dtype=torch.float64, generator=torch.Generator().manual_seed(args.seed))
     solution = solve(field, x0, torch.linspace(0, 40, 81))
-    print(analyze_convergence(solution, field).table())
-    print(check_lyapunov(solution, field).table())
-    plot_convergence(solution, field, path=args.out / "convergence.png")
+    print(analyze_convergence(solution).table())
+    print(check_lyapunov(solution).table())
+    plot_convergence(solution, path=args.out / "convergence.png")
 
     print("\n== 2. the critical points reached, dense vs Lanczos ==")
     found = find_fixed_point(field, solution.x, tol=1e-9, progress=True)

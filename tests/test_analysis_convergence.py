@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from torchdiffeq import odeint
 
 from et_ode import ETField, solve
 from et_ode.analysis.convergence import analyze_convergence, convergence_traces, first_time_below, fit_decay
@@ -51,7 +52,7 @@ def test_traces_match_independent_computations():
     field = ETField(model, tau=0.5)
     x0 = torch.randn(2, 3, 5, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(7))  # batch (2, 3)
     solution = solve(field, x0, torch.linspace(0, 8, 17))
-    traces = convergence_traces(solution, field)
+    traces = convergence_traces(solution)
     assert traces.energy.shape == (17, 6)
     xs = solution.xs.reshape(17, 6, 5, 8)
     assert torch.allclose(traces.energy, solution.energies.reshape(17, 6))
@@ -59,11 +60,34 @@ def test_traces_match_independent_computations():
     dx = torch.stack([field(torch.zeros(()), x) for x in xs]).detach()
     assert torch.allclose(traces.rms_dx_dt, dx.square().mean(dim=(-1, -2)).sqrt())
     _, tangent = riemannian_hessian(field, model.neuron(xs[-1]).detach())
-    assert torch.allclose(traces.tangent_grad[-1], tangent.square().mean(dim=(-1, -2)).sqrt())
+    assert torch.allclose(traces.rms_tangent_gradient[-1], tangent.square().mean(dim=(-1, -2)).sqrt())
     mean_shift = xs.mean(-1) - xs[0].mean(-1)
     assert torch.allclose(traces.ones_drift, mean_shift.square().mean(-1).sqrt())
     scale = xs.std(dim=-1, unbiased=False)
     assert torch.allclose(traces.radial_drift, (scale - scale[0]).mean(-1), atol=1e-6)
+
+
+def test_traces_use_the_mask_the_solution_was_solved_with():
+    model = random_model(seed=9)
+    generator = torch.Generator().manual_seed(9)
+    x0 = torch.randn(2, 5, 8, dtype=torch.float64, generator=generator)
+    mask = torch.rand(2, 5, 5, generator=generator) < 0.6
+    mask |= torch.eye(5, dtype=torch.bool)
+    solution = solve(ETField(model, tau=0.7).with_mask(mask), x0, torch.linspace(0, 3, 7))
+    traces = convergence_traces(solution)
+    for b in range(2):  # the model's public energy with sample b's own mask, one sample at a time
+        expected = torch.stack([model.energy(x[b], mask[b]) for x in solution.xs]).detach()
+        assert torch.allclose(traces.energy[:, b], expected, rtol=1e-12, atol=1e-12)
+    # RMS dg/dt against central differences of g = LayerNorm(x) along the flow (torchdiffeq, forward and backward)
+    h = 1e-5
+    for k in (1, 4):
+        t = float(solution.ts[k])
+        ends = [odeint(solution.field, solution.xs[k], torch.tensor([t, t + step], dtype=torch.float64), rtol=1e-12,
+                       atol=1e-14)[-1] for step in (h, -h)]
+        dg_dt = (model.neuron(ends[0]) - model.neuron(ends[1])).detach() / (2 * h)
+        assert torch.allclose(traces.rms_dg_dt[k], dg_dt.square().mean(dim=(-1, -2)).sqrt(), rtol=1e-6)
+    unmasked = convergence_traces(solve(ETField(model, tau=0.7), x0, torch.linspace(0, 3, 7)))
+    assert not torch.allclose(unmasked.energy, traces.energy)
 
 
 def test_analysis_of_a_random_model():
@@ -71,7 +95,7 @@ def test_analysis_of_a_random_model():
     field = ETField(model)
     x0 = torch.randn(3, 6, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(8))
     solution = solve(field, x0, torch.linspace(0, 40, 81))
-    report = analyze_convergence(solution, field, tol=5e-3, tangent_tol=1e-3)
+    report = analyze_convergence(solution, tol=5e-3, tangent_tol=1e-3)
     for s in report.samples:
         assert s.energy_end < s.energy_start
         assert s.better_fit == "power"  # the motion of g slows like a power of t (sigma grows linearly)
@@ -92,8 +116,8 @@ def test_bad_inputs():
     field = ETField(model)
     x0 = torch.randn(2, 4, 8, dtype=torch.float64)
     with pytest.raises(ValueError, match="save='all'"):
-        analyze_convergence(solve(field, x0, (0.0, 1.0), save="final"), field)
+        analyze_convergence(solve(field, x0, (0.0, 1.0), save="final"))
     with pytest.raises(ValueError, match="tol"):
-        analyze_convergence(solve(field, x0, (0.0, 1.0)), field, tol=0)
+        analyze_convergence(solve(field, x0, (0.0, 1.0)), tol=0)
     with pytest.raises(ValueError, match="tail"):
         fit_decay(torch.arange(5.0), torch.ones(5), tail=0)

@@ -112,7 +112,7 @@ def test_census_matches_root_finding_in_spherical_coordinates():
         assert point.eigenvalues.numpy() == pytest.approx(np.sort(values), abs=1e-7)
         assert point.index == int((values < 0).sum())
     assert matched == len(distinct_reference) == len(ours)  # the same six points, no more, no fewer
-    assert all(point.converged and point.tangent_grad < 1e-10 for point, _ in ours)
+    assert all(point.converged and point.rms_tangent_gradient < 1e-10 for point, _ in ours)
 
 
 def test_newton_converges_to_a_saddle_next_to_it_where_descent_leaves():

@@ -45,13 +45,13 @@ def check_png(path: Path, figure, dpi: int = 100) -> None:
 def test_solution_pictures(solved, tmp_path: Path, which: str):
     field, batched, single = solved
     solution = batched if which == "batched" else single
-    figure = plot_convergence(solution, field, path=tmp_path / "c.png", figsize=(12, 4))
+    figure = plot_convergence(solution, path=tmp_path / "c.png", figsize=(12, 4))
     check_png(tmp_path / "c.png", figure)
     assert tuple(figure.get_size_inches()) == (12, 4)
     for dims, color in ((2, "time"), (3, "energy")):
         figure = plot_trajectories(solution, sample=0, dims=dims, color_by=color, path=tmp_path / f"t{dims}.png")
         check_png(tmp_path / f"t{dims}.png", figure)
-    figure = plot_attention(field, solution, times=[0.0, 5.0], path=tmp_path / "a.png", dpi=80)
+    figure = plot_attention(solution, times=[0.0, 5.0], path=tmp_path / "a.png", dpi=80)
     check_png(tmp_path / "a.png", figure, dpi=80)
     x_fixed = solution.x.detach()
     figure = plot_energy_slice(field, x_fixed, trajectories=solution, resolution=15, path=tmp_path / "s.png")
@@ -91,9 +91,9 @@ def test_bad_inputs(solved, tmp_path: Path):
     with pytest.raises(ValueError, match="channels"):
         plot_film_strip(torch.rand(3, 2, 8, 8), [0.0, 1.0, 2.0])
     with pytest.raises(ValueError, match="head"):
-        plot_attention(field, batched, head=7)
+        plot_attention(batched, head=7)
     with pytest.raises(ValueError, match="png"):
-        plot_convergence(batched, field, path=tmp_path / "c.jpg")
+        plot_convergence(batched, path=tmp_path / "c.jpg")
     with pytest.raises(ValueError, match="x_fixed"):
         plot_energy_slice(field, torch.zeros(3, 4))
 

@@ -109,7 +109,7 @@ def test_landscape_report_on_a_tiny_model(tmp_path: Path):
     assert "measures the transient" in text
     assert {"hessian_along", "asymptotics", "bifurcation"} <= set(data["pictures"])
     landscape = data["landscape"]
-    assert landscape["critical_points"] and all(p["rms_tangent_grad"] < 1e-9 for p in landscape["critical_points"])
+    assert landscape["critical_points"] and all(p["rms_tangent_gradient"] < 1e-9 for p in landscape["critical_points"])
     sample = data["stability"]["samples"][0]
     assert sample["kind"] == "stable attractor"
     gamma = random_model(3, dim=5, heads=2, head_dim=3, memories=8, hopfield="softmax").neuron.gamma.item()

@@ -65,6 +65,8 @@ def test_exact_dE_dt_matches_central_difference_along_the_flow(hopfield):
     exact = field.dE_dt(x)
     torch.testing.assert_close(exact, fd.detach(), rtol=1e-6, atol=1e-6)
     assert bool((exact <= 0).all())
+    # the diagnostics' hot path: dE/dt from the velocity already computed at x
+    torch.testing.assert_close(field.dE_dt(x, velocity.detach()), fd.detach(), rtol=1e-6, atol=1e-6)
 
 
 @settings(max_examples=15, deadline=None)

@@ -328,7 +328,7 @@ def complete(checkpoint: str | Path, out_dir: str | Path, *, image: str | Path |
     if plots is not None:
         _close(plots.plot_film_strip(frames[:, 0].cpu(), ts, target=target.cpu(), masked=masked,
                                      path=out / "film_strip.png"))
-        _close(plots.plot_convergence(solution, model.field(), path=out / "energy.png"))
+        _close(plots.plot_convergence(solution, path=out / "energy.png"))
         written += ["film_strip.png", "energy.png"]
     scored = hidden[0].to(frames.device)
     error = (patchify(frames[-1], model.patch)[0] - patchify(target[None], model.patch)[0])[scored]
@@ -430,7 +430,7 @@ def _demo(out: Path, config: ImageRunConfig) -> dict[str, Any]:
             solution = config.integration.replace(gradient=Direct()).solve(
                 model.field(), model.tokens(images[:show], hidden[:show]),
                 torch.linspace(0, config.integration.t1, 25), save="all")
-        _close(plots.plot_convergence(solution, model.field(), path=out / "convergence.png"))
+        _close(plots.plot_convergence(solution, path=out / "convergence.png"))
         _close(plots.plot_trajectories(solution, sample=0, path=out / "trajectories.png"))
         film = complete(out / CHECKPOINT_NAME, out / "film", index=0, seed=config.mask_seed)
         del film

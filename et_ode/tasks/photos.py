@@ -142,7 +142,7 @@ def complete_photos(checkpoint: PathLike, photos: Sequence[PathLike], out_dir: P
             with torch.no_grad():
                 patches = model.decode(solution.g)
             reconstructions[name].append(unpatchify(patches, model.patch, model.image_shape)[0].cpu())
-            lyapunov = check_lyapunov(solution, solution.field)
+            lyapunov = check_lyapunov(solution)
             energies = solution.energies[:, 0].double().cpu()
             error = (patches - truth)[mask].square().mean()
             record["solves"][name] = {

@@ -21,7 +21,6 @@ OWNERS = ("et_ode/model.py", "et_ode/field.py")
 MODEL_PARTS = ("et_ode/model.py", "et_ode/field.py", "et_ode/energies.py", "et_ode/neurons.py")
 SCANNED = ("et_ode", "analysis", "benchmarks", "examples")
 # being moved onto the field's API on another branch; strict: the mark must go once the module is clean
-PENDING = {"et_ode/solve.py": "solve.py reads model._energy_g and bumps the counter until issue 13 part 1 lands"}
 
 
 def _is_private(name: str) -> bool:
@@ -102,9 +101,7 @@ def test_the_scanner_finds_planted_uses():
     assert "_apply" not in model_private_names()
 
 
-@pytest.mark.parametrize("path", [
-    pytest.param(path, marks=pytest.mark.xfail(reason=PENDING[_relative(path)], strict=True))
-    if _relative(path) in PENDING else path for path in sources(*SCANNED)], ids=_relative)
+@pytest.mark.parametrize("path", sources(*SCANNED), ids=_relative)
 def test_no_module_but_model_and_field_uses_their_private_members(path):
     if _relative(path) in OWNERS:
         return

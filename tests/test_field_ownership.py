@@ -20,7 +20,6 @@ OWNERS = ("et_ode/model.py", "et_ode/field.py")
 # the classes the model is made of: their private members are the model's
 MODEL_PARTS = ("et_ode/model.py", "et_ode/field.py", "et_ode/energies.py", "et_ode/neurons.py")
 SCANNED = ("et_ode", "analysis", "benchmarks", "examples")
-# being moved onto the field's API on another branch; strict: the mark must go once the module is clean
 
 
 def _is_private(name: str) -> bool:

@@ -172,3 +172,15 @@ def test_random_walk_features_are_return_probabilities_of_matrix_powers():
     assert float(graph.x[0, 1]) == 0.0 and abs(float(graph.x[4, 2]) - 1 / 3) < 1e-6  # leaf 4 -> 0 -> 4: 1/3
     with pytest.raises(ValueError, match="rw_steps must be a positive integer"):
         add_random_walk_features(graph, 0)
+
+
+def test_laplacian_encoding_is_the_same_on_every_call_of_a_large_graph():
+    """Past PyG's sparse threshold the eigenvectors come from ARPACK, whose start vector is otherwise drawn from
+    ARPACK's per-process state: three calls in one process gave three encodings (column signs flipped)."""
+    generator = torch.Generator().manual_seed(0)
+    n = 300
+    edges = torch.randint(0, n, (2, 1500), generator=generator)
+    graph = Data(edge_index=torch.cat([edges, edges.flip(0)], dim=1), num_nodes=n)
+    encodings = [add_laplacian_pe(graph.clone(), 8).pe for _ in range(3)]
+    assert all(torch.equal(encodings[0], other) for other in encodings[1:])
+    assert not torch.equal(encodings[0], add_laplacian_pe(graph.clone(), 8, seed=1).pe)

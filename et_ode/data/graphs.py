@@ -212,8 +212,10 @@ def add_laplacian_pe(data, k: int = 15, *, seed: int = 0):
     """Set ``data.pe`` ``(n, k)``: eigenvectors of the symmetric normalized Laplacian for the ``k`` smallest
     non-trivial eigenvalues (PyG's ``AddLaplacianEigenvectorPE``), zero-padded when ``n <= k``.
 
-    The eigenvectors' signs are arbitrary; models flip them at random during training. ``seed`` fixes the
-    signs the transform draws, so the same graph always gets the same encoding.
+    The eigenvectors' signs are arbitrary; models flip them at random during training. ``seed`` fixes what the
+    transform draws: the signs, and on graphs past PyG's sparse threshold the start vector of ARPACK's Lanczos
+    iteration (``scipy.sparse.linalg.eigsh``), which otherwise comes from ARPACK's own per-process random state, so
+    that the same graph gets the same encoding on every call and in every process.
     """
     _require_pyg()
     from torch_geometric.transforms import AddLaplacianEigenvectorPE
@@ -224,10 +226,12 @@ def add_laplacian_pe(data, k: int = 15, *, seed: int = 0):
     if n <= 1:
         data.pe = torch.zeros(n, k)
         return data
-    use = min(k, n - 2) if n >= AddLaplacianEigenvectorPE.SPARSE_THRESHOLD else min(k, n - 1)
+    sparse = n >= AddLaplacianEigenvectorPE.SPARSE_THRESHOLD
+    use = min(k, n - 2) if sparse else min(k, n - 1)
+    start = dict(v0=np.random.default_rng(seed).uniform(-1.0, 1.0, n)) if sparse else {}
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        pe = AddLaplacianEigenvectorPE(use, attr_name="pe", is_undirected=True)(data.clone()).pe
+        pe = AddLaplacianEigenvectorPE(use, attr_name="pe", is_undirected=True, **start)(data.clone()).pe
     data.pe = torch.cat([pe.float(), torch.zeros(n, k - pe.shape[1])], dim=1)
     return data
 

@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install test test-avx2 lint demo bench fuzz mutate clean
+.PHONY: install test test-avx2 lint typecheck docs demo bench fuzz mutate clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -20,7 +20,15 @@ install: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
-test: $(STAMP) lint
+# mypy on et_ode/ and analysis/ (settings in pyproject.toml's [tool.mypy])
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+# the API reference, built from the docstrings into site/; --strict turns every warning into an error
+docs: $(STAMP)
+	$(BIN)/mkdocs build --strict --site-dir site
+
+test: $(STAMP) lint typecheck
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # the suite on the AVX2 code paths of oneDNN, MKL and ATen (approximates an AVX2-only CPU on an AVX-512 one)
@@ -47,4 +55,4 @@ mutate: $(STAMP)
 	nice -n 10 $(BIN)/python tools/mutate.py $(MUTATE_ARGS)
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) build site *.egg-info .pytest_cache .ruff_cache .mypy_cache

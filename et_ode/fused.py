@@ -259,6 +259,7 @@ class FusedGrad:
         queries = p3[..., hy:2 * hy].view(bt, n, heads, head_dim).transpose(1, 2).contiguous()
         logits = torch.matmul(keys, queries.transpose(-1, -2))  # (Bt, H, B, C): key-major, softmax over keys (dim -2)
         beta_h = self._beta_h
+        assert beta_h is not None  # set by self._stacked() above
         logits.mul_(self._beta_scalar if self._beta_scalar is not None else beta_h)
         if not attention.self_attention:
             logits.diagonal(dim1=-2, dim2=-1).fill_(-math.inf)

@@ -370,8 +370,8 @@ def inject_anomalies(data, *, cliques: int = 2, clique_size: int = 15, contextua
         distance = (x_old[others] - x_old[i]).norm(dim=1)
         x[i] = x_old[others[int(distance.argmax())]]
     new_edges = []
-    for group in structural.reshape(cliques, clique_size):
-        group = torch.as_tensor(group, dtype=torch.long)
+    for clique in structural.reshape(cliques, clique_size):
+        group = torch.as_tensor(clique, dtype=torch.long)
         pairs = torch.cartesian_prod(group, group).T
         new_edges.append(pairs[:, pairs[0] != pairs[1]])
     edge_index = coalesce(torch.cat([data.edge_index, *new_edges], dim=1), num_nodes=n)

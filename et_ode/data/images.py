@@ -17,6 +17,7 @@ Use :func:`load_images(name, path=None, split="train")` or the individual loader
 from __future__ import annotations
 
 import gzip
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,7 +96,7 @@ def read_idx(path: str | Path) -> np.ndarray:
         raise ValueError(f"cannot read the IDX file {path}: {error}") from None
     if len(raw) < 4 or raw[0] != 0 or raw[1] != 0:
         raise ValueError(f"{path} is not an IDX file (bad magic number {raw[:4]!r})")
-    dtypes = {0x08: np.uint8, 0x09: np.int8, 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
+    dtypes = {0x08: "u1", 0x09: "i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
     if raw[2] not in dtypes:
         raise ValueError(f"{path}: unknown IDX element type 0x{raw[2]:02x}")
     ndim = raw[3]
@@ -243,7 +244,7 @@ def load_images(name: str, path: str | Path | None = None, split: str = "train",
     raise ValueError(f"unknown image source {name!r}; valid: {', '.join(SOURCES)}")
 
 
-def read_photo(path: str | Path, size: tuple[int, int]) -> Tensor:
+def read_photo(path: str | os.PathLike[str], size: tuple[int, int]) -> Tensor:
     """An RGB photo (PNG, JPEG, ... anything Pillow reads) scaled and center-cropped to ``size = (H, W)``.
 
     The shorter side is scaled to fit (bicubic), the longer one cropped evenly on both sides. Returns the pixels

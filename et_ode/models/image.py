@@ -258,7 +258,8 @@ class ImageET(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------------- the task
-def _unwrap(model: nn.Module) -> nn.Module:
+def _unwrap(model: nn.Module) -> Any:
+    """The module inside a DDP wrapper: an :class:`ImageET` or a baseline (both have ``patch``)."""
     return getattr(model, "module", model)
 
 

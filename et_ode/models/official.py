@@ -40,6 +40,7 @@ Public API::
 from __future__ import annotations
 
 import math
+import os
 import zipfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -72,7 +73,7 @@ def official_integration() -> Integration:
 
 
 # ----------------------------------------------------------------------------------------------- reading
-def read_official(path: str | Path) -> dict[str, np.ndarray]:
+def read_official(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
     """The arrays of an official-format checkpoint, by key (keys other than :data:`OFFICIAL_KEYS` are ignored).
 
     Reads with ``numpy.load(..., allow_pickle=False)``: a file holding pickled objects is refused, never run.
@@ -183,7 +184,7 @@ def _exact_gamma_raw(gamma: float, dtype: torch.dtype) -> Tensor:
     return best
 
 
-def load_official(path: str | Path, image_shape: Sequence[int] = (3, 224, 224), patch: int = 16, *,
+def load_official(path: str | os.PathLike[str], image_shape: Sequence[int] = (3, 224, 224), patch: int = 16, *,
                   dtype: torch.dtype = torch.float32) -> ImageET:
     """An :class:`ImageET` holding the weights of an official-format checkpoint, its default integration the official one.
 
@@ -222,6 +223,7 @@ def load_official(path: str | Path, image_shape: Sequence[int] = (3, 224, 224), 
         model.encoder.bias.copy_(tensor("Benc"))
         model.decoder.weight.copy_(tensor("Wdec").T)
         model.decoder.bias.copy_(tensor("Bdec"))
+        assert model.cls is not None  # built with cls_token=True above
         model.cls.copy_(tensor("CLS_token")[None])
         model.mask_token.copy_(tensor("MASK_token"))
         model.position.copy_(tensor("POS_embed"))
@@ -256,6 +258,8 @@ def official_arrays(model: ImageET) -> dict[str, np.ndarray]:
     def array(tensor: Tensor) -> np.ndarray:
         return tensor.detach().cpu().to(torch.float32).numpy().copy()
 
+    assert model.cls is not None  # "cls_token=True" is among the checks above
+
     return {
         "Wk": array(attention.WK), "Wq": array(attention.WQ), "Xi": array(hopfield.xi.T),
         "Wenc": array(model.encoder.weight.T), "Benc": array(model.encoder.bias),
@@ -281,7 +285,8 @@ def save_official(model: ImageET, path: str | Path, *, overwrite: bool = False) 
         raise FileExistsError(f"{path} exists; pass overwrite=True to replace it")
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "wb" if overwrite else "xb") as handle:
-        np.savez(handle, **arrays)
+        # numpy's stub types savez's keyword allow_pickle: bool, which a dict of arrays cannot rule out
+        np.savez(handle, **arrays)  # type: ignore[arg-type]
     return path
 
 

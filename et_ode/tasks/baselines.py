@@ -19,6 +19,8 @@ from ..models.image import Completion, _check_images, patchify
 class MeanImage(nn.Module):
     """Per-position mean of the training images ``(n, C, H, W)``, cut into ``patch x patch`` patches."""
 
+    mean: Tensor  # (N, P2) buffer: the mean patch of each position
+
     def __init__(self, train_images: Tensor, patch: int):
         super().__init__()
         train_images = _check_images(train_images)
@@ -39,6 +41,9 @@ class NearestNeighbour(nn.Module):
         patch: patch side.
         chunk: training images compared per matrix product (bounds memory at ``B * chunk`` floats).
     """
+
+    train_patches: Tensor  # (n, N, P2) buffer
+    train_sq: Tensor  # (n, N, P2) buffer: train_patches squared
 
     def __init__(self, train_images: Tensor, patch: int, chunk: int = 8192):
         super().__init__()

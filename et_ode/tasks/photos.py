@@ -204,8 +204,9 @@ def _picture(model: ImageET, pixels: Tensor, hidden: Tensor, completed: dict[str
         axis.set_yticks([])
     early = figure.add_subplot(grid[1, : len(panels) // 2])
     late = figure.add_subplot(grid[1, len(panels) // 2:])
-    styles = {"euler": dict(marker="o", linestyle="none", color="tab:red"),
-              "dopri5": dict(color="tab:blue"), "steady_state": dict(color="tab:green", linestyle="--")}
+    styles: dict[str, dict[str, Any]] = {"euler": dict(marker="o", linestyle="none", color="tab:red"),
+                                         "dopri5": dict(color="tab:blue"),
+                                         "steady_state": dict(color="tab:green", linestyle="--")}
     for name in SOLVES:
         entry = record["solves"][name]
         times, energies = entry["times"], entry["energies"]

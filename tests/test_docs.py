@@ -20,11 +20,10 @@ pytest.importorskip("mkdocs")
 pytest.importorskip("mkdocstrings_handlers.python")
 
 REPO = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("griffe_grouped_parameters",
-                                               REPO / "tools" / "griffe_grouped_parameters.py")
+_spec = importlib.util.spec_from_file_location("griffe_docstrings", REPO / "tools" / "griffe_docstrings.py")
 assert _spec is not None and _spec.loader is not None
-grouped = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(grouped)
+docstrings = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(docstrings)
 
 
 def _build(config: Path, site: Path) -> subprocess.CompletedProcess[str]:
@@ -83,7 +82,7 @@ def test_strict_build_fails_on_a_stale_parameter(tmp_path: Path) -> None:
     (tmp_path / "docs" / "index.md").write_text("# probe\n\n::: probe\n")
     config = (REPO / "mkdocs.yml").read_text()
     config = re.sub(r"(?ms)^nav:.*?^(?=\S)", "", config)  # one page: no navigation
-    config = config.replace("tools/griffe_grouped_parameters.py", str(REPO / "tools" / "griffe_grouped_parameters.py"))
+    config = config.replace("tools/griffe_docstrings.py", str(REPO / "tools" / "griffe_docstrings.py"))
     (tmp_path / "mkdocs.yml").write_text(config)
     (tmp_path / "probe.py").write_text(textwrap.dedent(source.format(name="atool")))
     stale = _build(tmp_path / "mkdocs.yml", tmp_path / "site")
@@ -107,7 +106,7 @@ def test_grouped_entries_split_into_one_per_name() -> None:
         Returns:
             a, b: not parameters; left alone.
         """)
-    assert grouped.split_grouped(doc) == textwrap.dedent("""\
+    assert docstrings.split_grouped(doc) == textwrap.dedent("""\
         Solve.
 
         Args:
@@ -123,6 +122,11 @@ def test_grouped_entries_split_into_one_per_name() -> None:
         Returns:
             a, b: not parameters; left alone.
         """).rstrip("\n")
+
+
+def test_sphinx_roles_become_inline_code() -> None:
+    assert docstrings.plain_roles("see :func:`solve` and :class:`~et_ode.ETField`, not `x`") == (
+        "see `solve` and `et_ode.ETField`, not `x`")
 
 
 def test_docs_example_runs() -> None:

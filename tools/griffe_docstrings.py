@@ -1,10 +1,13 @@
-"""A Griffe extension for the API reference (`make docs`): one docstring entry per parameter.
+"""A Griffe extension for the API reference (`make docs`): our docstrings as the Google-style parser reads them.
 
-Our docstrings document parameters that go together in one entry (``rtol, atol: tolerances of adaptive
-methods.``). Griffe's Google-style parser reads such an entry as a single parameter named ``"rtol, atol"`` and
-warns that no such parameter exists, which the strict build turns into an error. This extension rewrites the
-docstring before it is parsed: the entry is repeated once per name, with its whole description, so every name is
-still checked against the signature (a renamed or removed parameter fails the build) and rendered with its type.
+Two habits of our docstrings are rewritten before a docstring is parsed (the source is not touched):
+
+- Parameters that go together share one entry (``rtol, atol: tolerances of adaptive methods.``). Griffe would read
+  a single parameter named ``"rtol, atol"`` and warn that no such parameter exists, which the strict build turns
+  into an error. The entry is repeated once per name, with its whole description, so every name is still checked
+  against the signature (a renamed or removed parameter fails the build) and rendered with its type.
+- Cross-references in Sphinx's roles (``:class:`ETField```, ``:func:`solve```) would show the role's text in
+  Markdown; they become inline code.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import griffe
 
 SECTIONS = {"Args:", "Arguments:", "Parameters:", "Params:", "Keyword Args:", "Keyword Arguments:",
             "Other Parameters:"}
+ROLE = re.compile(r":(?:class|func|meth|mod|attr|data|exc|obj):`~?([^`]+)`")
 GROUPED = re.compile(r"^(?P<indent>\s*)(?P<names>\*{0,2}\w+(?:,\s*\*{0,2}\w+)+)(?P<rest>(?:\s*\([^)]*\))?:.*)$")
 
 
@@ -58,9 +62,14 @@ def split_grouped(text: str) -> str:
     return "\n".join(out)
 
 
-class GroupedParameters(griffe.Extension):
-    """Splits grouped parameter entries of every docstring (see the module's doc)."""
+def plain_roles(text: str) -> str:
+    """``text`` with each Sphinx role (``:func:`solve```, ``:class:`~et_ode.ETField```) as inline code."""
+    return ROLE.sub(lambda match: f"`{match[1]}`", text)
+
+
+class Docstrings(griffe.Extension):
+    """Rewrites every docstring as the module's doc says, before Griffe parses it."""
 
     def on_instance(self, *, obj: griffe.Object, **kwargs: Any) -> None:
         if obj.docstring is not None:
-            obj.docstring.value = split_grouped(obj.docstring.value)
+            obj.docstring.value = plain_roles(split_grouped(obj.docstring.value))

@@ -31,10 +31,14 @@ from __future__ import annotations
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:  # an optional dependency (extra `graph`), imported where a function needs it
+    from torch_geometric.data import Data
 
 NORMAL, CONTEXTUAL, STRUCTURAL = 0, 1, 2
 TU_REQUIRED = ("A", "graph_indicator", "graph_labels")
@@ -208,7 +212,7 @@ def read_tu(root: str | Path, name: str, *, pe_dim: int | None = 15, max_degree:
 
 
 # ------------------------------------------------------------------------------------------------ encodings
-def add_laplacian_pe(data, k: int = 15, *, seed: int = 0):
+def add_laplacian_pe(data: Data, k: int = 15, *, seed: int = 0) -> Data:
     """Set ``data.pe`` ``(n, k)``: eigenvectors of the symmetric normalized Laplacian for the ``k`` smallest
     non-trivial eigenvalues (PyG's ``AddLaplacianEigenvectorPE``), zero-padded when ``n <= k``.
 
@@ -236,7 +240,7 @@ def add_laplacian_pe(data, k: int = 15, *, seed: int = 0):
     return data
 
 
-def add_degree_features(data, max_degree: int):
+def add_degree_features(data: Data, max_degree: int) -> Data:
     """Append a one-hot of each node's in-degree (clamped to ``max_degree``) to ``data.x``: ``F -> F + max_degree + 1``."""
     if not (isinstance(max_degree, int) and max_degree >= 1):
         raise ValueError(f"max_degree must be a positive integer, got {max_degree!r}")
@@ -245,7 +249,7 @@ def add_degree_features(data, max_degree: int):
     return data
 
 
-def add_random_walk_features(data, steps: int):
+def add_random_walk_features(data: Data, steps: int) -> Data:
     """Append each node's random-walk return probabilities ``[(P^t)_AA for t = 1..steps]`` to ``data.x``
     (``P = D^-1 A``; PyG's ``AddRandomWalkPE``): ``F -> F + steps``. Unlike eigenvectors they have no sign
     ambiguity, and they see rings (a node of a 6-ring returns at ``t = 6`` along the ring)."""
@@ -260,7 +264,7 @@ def add_random_walk_features(data, steps: int):
 
 
 # ------------------------------------------------------------------------------------------------ node graphs
-def digits_knn_graph(k: int = 10):
+def digits_knn_graph(k: int = 10) -> Data:
     """The symmetric k-nearest-neighbour graph of scikit-learn's 8x8 digits (1,797 nodes).
 
     ``x (1797, 64)``: pixels scaled to ``[0, 1]``; ``y``: the digit; an edge joins two images when one is among
@@ -279,7 +283,7 @@ def digits_knn_graph(k: int = 10):
     return Data(x=x, edge_index=edge_index, y=torch.tensor(digits.target, dtype=torch.long))
 
 
-def join_graphs(graphs: Sequence):
+def join_graphs(graphs: Sequence[Data]) -> Data:
     """Many graphs as one disjoint graph (node ids offset; ``graph_id (n,)`` names each node's graph).
 
     Per-graph attributes (``pe``) are concatenated, so encodings computed per graph stay per graph.
@@ -294,7 +298,7 @@ def join_graphs(graphs: Sequence):
     return joined
 
 
-def read_node_graph(edges: str | Path, features: str | Path, labels: str | Path | None = None):
+def read_node_graph(edges: str | Path, features: str | Path, labels: str | Path | None = None) -> Data:
     """A user's graph for node scoring.
 
     Args:
@@ -337,8 +341,8 @@ def read_node_graph(edges: str | Path, features: str | Path, labels: str | Path 
 
 
 # ------------------------------------------------------------------------------------------------ anomalies
-def inject_anomalies(data, *, cliques: int = 2, clique_size: int = 15, contextual: int = 30, candidates: int = 50,
-                     seed: int = 0):
+def inject_anomalies(data: Data, *, cliques: int = 2, clique_size: int = 15, contextual: int = 30, candidates: int = 50,
+                     seed: int = 0) -> Data:
     """A copy of ``data`` with injected anomalies (the protocol in the module docstring).
 
     Returns a ``Data`` with the new ``x`` and ``edge_index``, ``y (n,)`` long (1 anomalous) and

@@ -19,8 +19,10 @@ from __future__ import annotations
 import gzip
 import os
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -189,7 +191,7 @@ def read_png(path: str | Path, channels: int | None = None) -> Tensor:
     return torch.tensor(_as_channels(_read_png(imread, path), channels, path))
 
 
-def _read_png(imread, path: Path) -> np.ndarray:
+def _read_png(imread: Callable[[Path], Any], path: Path) -> np.ndarray:
     try:
         array = np.asarray(imread(path), dtype=np.float32)
     except Exception as error:  # PIL raises several types for damaged files
@@ -225,7 +227,7 @@ def _split(data: ImageSet, split: str, test_fraction: float, seed: int) -> Image
     return train if split == "train" else test
 
 
-def load_images(name: str, path: str | Path | None = None, split: str = "train", **kwargs) -> ImageSet:
+def load_images(name: str, path: str | Path | None = None, split: str = "train", **kwargs: Any) -> ImageSet:
     """Load the source ``name`` (one of :data:`SOURCES`); ``path`` is the folder of file-based sources."""
     if name == "digits":
         return load_digits(split, **kwargs)

@@ -129,6 +129,22 @@ def test_sphinx_roles_become_inline_code() -> None:
         "see `solve` and `et_ode.ETField`, not `x`")
 
 
+def test_every_public_module_has_a_reference_entry() -> None:
+    """Each public module (no part of its name private, packages aside) is on one of the API pages, so a module
+    added to the library is added to the reference."""
+    directives = set(re.findall(r"^::: ([\w.]+)", "\n".join(p.read_text() for p in (REPO / "docs").rglob("*.md")),
+                                flags=re.M))
+    modules = []
+    for folder in ("et_ode", "analysis"):
+        for path in (REPO / folder).rglob("*.py"):
+            parts = path.relative_to(REPO).with_suffix("").parts
+            if path.name != "__init__.py" and not any(part.startswith("_") for part in parts):
+                modules.append(".".join(parts))
+    assert len(modules) >= 40
+    missing = sorted(set(modules) - directives)
+    assert not missing, f"modules on no page of docs/api/ (add a `::: module` line): {missing}"
+
+
 def test_docs_example_runs() -> None:
     """The one example of docs/index.md runs as written."""
     blocks = re.findall(r"```python\n(.*?)```", (REPO / "docs" / "index.md").read_text(), flags=re.S)

@@ -214,7 +214,9 @@ def reduce_mean(metrics: Mapping[str, float], weight: float = 1.0) -> dict[str, 
     gathered: list[tuple[dict[str, float], float] | None] = [None] * world_size()
     dist.all_gather_object(gathered, (local, float(weight)))
     totals: dict[str, list[float]] = {}
-    for values, share in gathered:
+    for entry in gathered:
+        assert entry is not None  # all_gather_object filled every slot
+        values, share = entry
         for key, value in values.items():
             total = totals.setdefault(key, [0.0, 0.0])
             total[0] += share * value

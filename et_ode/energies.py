@@ -53,6 +53,8 @@ class EnergyAttention(nn.Module):
     moved to, so a float64 model holds ``1/sqrt(Y)`` exactly; it is rounded to the computation's dtype where used.
     """
 
+    beta: Tensor  # (H,) float64 buffer, registered in __init__
+
     def __init__(
         self,
         dim: int,

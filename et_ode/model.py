@@ -9,7 +9,7 @@ from torch import Tensor, nn
 
 from ._checks import check_mask, check_tokens
 from .energies import EnergyAttention, HopfieldMemory
-from .graph_attention import GraphMask
+from .masks import Mask
 from .neurons import LayerNormNeuron, inverse_softplus
 
 
@@ -106,10 +106,10 @@ class EnergyTransformer(nn.Module):
         return model
 
     # -- unchecked internals, used on hot paths (the vector field) -----------------------------
-    def _energy_g(self, g: Tensor, mask: Tensor | GraphMask | None) -> Tensor:
+    def _energy_g(self, g: Tensor, mask: Mask) -> Tensor:
         return self.attention.energy(g, mask) + self.hopfield.energy(g)
 
-    def _dE_dg(self, g: Tensor, mask: Tensor | GraphMask | None) -> Tensor:
+    def _dE_dg(self, g: Tensor, mask: Mask) -> Tensor:
         return self.attention.dE_dg(g, mask) + self.hopfield.dE_dg(g)
 
     # -- public, validated ---------------------------------------------------------------------
@@ -117,23 +117,23 @@ class EnergyTransformer(nn.Module):
         """``g = LayerNorm(x)``: ``(..., N, D) -> (..., N, D)``."""
         return self.neuron(check_tokens("x", x, self.dim, like=self.neuron.delta))
 
-    def energy(self, x: Tensor, mask: Tensor | GraphMask | None = None) -> Tensor:
+    def energy(self, x: Tensor, mask: Mask = None) -> Tensor:
         """Total energy per sample of the state ``x``: ``(..., N, D) -> (...)``."""
         g = self.activation(x)
         return self._energy_g(g, check_mask(mask, g))
 
-    def energy_terms(self, x: Tensor, mask: Tensor | GraphMask | None = None) -> dict[str, Tensor]:
+    def energy_terms(self, x: Tensor, mask: Mask = None) -> dict[str, Tensor]:
         """``{"attention": E_ATT, "hopfield": E_HN}``, each per sample, shape ``(...)``."""
         g = self.activation(x)
         mask = check_mask(mask, g)
         return {"attention": self.attention.energy(g, mask), "hopfield": self.hopfield.energy(g)}
 
-    def energy_g(self, g: Tensor, mask: Tensor | GraphMask | None = None) -> Tensor:
+    def energy_g(self, g: Tensor, mask: Mask = None) -> Tensor:
         """Total energy per sample as a function of ``g``: ``(..., N, D) -> (...)``."""
         check_tokens("g", g, self.dim, like=self.neuron.delta)
         return self._energy_g(g, check_mask(mask, g))
 
-    def dE_dg(self, g: Tensor, mask: Tensor | GraphMask | None = None) -> Tensor:
+    def dE_dg(self, g: Tensor, mask: Mask = None) -> Tensor:
         """``dE/dg`` in closed form: ``(..., N, D) -> (..., N, D)``."""
         check_tokens("g", g, self.dim, like=self.neuron.delta)
         return self._dE_dg(g, check_mask(mask, g))

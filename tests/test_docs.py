@@ -47,7 +47,8 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_api_reference_builds_strictly(site: Path) -> None:
     for page in ["index.html", "architecture/index.html", "api/et_ode/index.html", "api/model/index.html",
                  "api/field/index.html", "api/solve/index.html", "api/attractor/index.html",
-                 "api/analysis/index.html", "api/tasks/index.html"]:
+                 "api/analysis/index.html", "api/models/index.html", "api/tasks/index.html", "api/runs/index.html",
+                 "api/cli/index.html"]:
         assert (site / page).is_file(), page
 
 

@@ -30,14 +30,14 @@ DOC = REPO / "docs" / "architecture.md"
 # lower one, never of a higher one (docs/architecture.md explains each). "x.*" stands for the submodules of x.
 LAYERS: dict[str, tuple[str, ...]] = {
     "leaf": ("et_ode.masks", "et_ode.devices", "et_ode.runtime", "et_ode.neurons", "et_ode.krylov"),
-    "model": ("et_ode._checks", "et_ode.graph_attention", "et_ode.energies", "et_ode.model", "et_ode.fused"),
+    "model": ("et_ode._checks", "et_ode.energies", "et_ode.model", "et_ode.fused"),
     "field": ("et_ode.field", "et_ode.manifold"),
     "solve": ("et_ode.solvers", "et_ode.stopping", "et_ode.solution", "et_ode.integration", "et_ode._loop",
               "et_ode.adjoints", "et_ode.solve", "et_ode.fixed_step", "et_ode.gradients", "et_ode.attractor", "et_ode"),
     "models": ("et_ode.models", "et_ode.models.*", "et_ode.data", "et_ode.data.*"),
     "runs": ("et_ode.io", "et_ode.statefile", "et_ode.runs", "et_ode.train", "et_ode.distributed"),
     "analysis": ("et_ode.analysis", "et_ode.analysis.*"),
-    "tasks": ("et_ode.tasks", "et_ode.tasks.*", "et_ode.baselines", "et_ode.photos"),
+    "tasks": ("et_ode.tasks", "et_ode.tasks.*"),
     "cli": ("et_ode.cli", "et_ode.cli.*"),
 }
 BEGIN, END = "<!-- import graph: begin (tools/import_graph.py --write-docs) -->", "<!-- import graph: end -->"

@@ -201,16 +201,28 @@ def _node(module: str) -> str:
 
 
 def mermaid(found: Iterable[Import]) -> str:
-    """A mermaid flowchart of the imports (dotted arrows: late or type-only imports only)."""
+    """A mermaid flowchart of the imports, one box per layer of :data:`LAYERS` (dotted arrows: late or type-only
+    imports only)."""
     kinds: dict[tuple[str, str], set[str]] = {}
+    nodes: set[str] = set()
     for item in found:
         source, target = _node(item.source), _node(item.target)
+        nodes |= {source, target}
         if source != target:
             kinds.setdefault((source, target), set()).add(item.kind)
+
+    def ident(module: str) -> str:
+        return module.replace(".", "_")
+
     lines = ["```mermaid", "flowchart BT"]
+    for layer in [*LAYERS, None]:
+        members = sorted(node for node in nodes if layer_of(node) == layer)
+        if members:
+            lines.append(f"  subgraph {layer or 'unplaced'}")
+            lines += [f"    {ident(node)}[{node}]" for node in members]
+            lines.append("  end")
     for (source, target), seen in sorted(kinds.items()):
-        arrow = "-->" if "top" in seen else "-.->"
-        lines.append(f"  {source.replace('.', '_')}[{source}] {arrow} {target.replace('.', '_')}[{target}]")
+        lines.append(f"  {ident(source)} {'-->' if 'top' in seen else '-.->'} {ident(target)}")
     lines.append("```")
     return "\n".join(lines)
 

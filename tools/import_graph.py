@@ -34,7 +34,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "field": ("et_ode.field", "et_ode.manifold"),
     "solve": ("et_ode.solvers", "et_ode.stopping", "et_ode.solution", "et_ode.integration", "et_ode._loop",
               "et_ode.adjoints", "et_ode.solve", "et_ode.fixed_step", "et_ode.gradients", "et_ode.attractor", "et_ode"),
-    "models": ("et_ode.models", "et_ode.models.*", "et_ode.data", "et_ode.data.*"),
+    "models": ("et_ode.models", "et_ode.models.*", "et_ode.fill", "et_ode.data", "et_ode.data.*"),
     "runs": ("et_ode.io", "et_ode.statefile", "et_ode.runs", "et_ode.train", "et_ode.distributed"),
     "analysis": ("et_ode.analysis", "et_ode.analysis.*"),
     "tasks": ("et_ode.tasks", "et_ode.tasks.*"),

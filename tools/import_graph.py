@@ -2,10 +2,11 @@
 
 Every import of one of our modules counts: at the top of a module, inside a function (a late import, which still
 ties the two modules together), or under ``if TYPE_CHECKING:`` (a dependency of the types). Nothing is imported or
-run.
+run, so a module imported by a name computed at run time (``importlib.import_module(name)``, as the CLI wires its
+commands) is not seen.
 
     python tools/import_graph.py             # each module and the modules it imports (L: late, T: types only)
-    python tools/import_graph.py --mermaid   # the graph as a mermaid flowchart (analysis/ drawn as one node)
+    python tools/import_graph.py --mermaid   # a mermaid flowchart, one box per layer (analysis/ as one node)
     python tools/import_graph.py --cycles    # the import cycles; exit status 1 if there is one
     python tools/import_graph.py --write-docs  # refresh the graph between the markers of docs/architecture.md
 

@@ -131,6 +131,7 @@ def basin_map(field: ETField, center: Tensor, through: Tensor, *, span: float | 
     neuron = field.model.neuron
     plane = energy_slice(field, center, trajectory=through)
     if span is None:
+        assert plane.coords is not None  # energy_slice projects the trajectory it is given
         span = 1.3 * float(plane.coords.abs().max())
     grid = torch.linspace(-span, span, resolution, dtype=center.dtype, device=center.device)
     b, a = torch.meshgrid(grid, grid, indexing="ij")

@@ -146,8 +146,10 @@ def continue_branch(family: Family, x0: Tensor, mu0: float, *, mu_end: float, st
     if not ok:
         raise ValueError("x0 is not close to a critical point of family(mu0): Newton did not converge")
 
-    def describe(x: Tensor, mu: float, previous: Tensor | None) -> tuple[Tensor, float, Tensor, float, float]:
-        """(tangent as ambient g-direction, its mu component, eigenvalues, bordered determinant sign, energy)."""
+    def describe(x: Tensor, mu: float, previous: tuple[Tensor, float] | None
+                 ) -> tuple[Tensor, float, Tensor, float, float]:
+        """(tangent as ambient g-direction, its mu component, eigenvalues, bordered determinant sign, energy);
+        ``previous``: the last tangent and its mu component, which the new one must continue (None: the first)."""
         field_mu = _field(family, mu)
         matrix, _, frame = hessian_in_frame(field_mu, x)
         derivative = _parameter_derivative(family, x, mu, frame, difference)

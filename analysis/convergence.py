@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from et_ode import ETField, Solution
+from et_ode.masks import Mask
 
 
 def flat_states(solution: Solution) -> Tensor:
@@ -36,9 +37,10 @@ def flat_states(solution: Solution) -> Tensor:
     return xs.reshape(xs.shape[0], -1, *xs.shape[-2:])
 
 
-def flat_mask(mask: Tensor | None, batch_shape: tuple[int, ...]) -> Tensor | None:
-    """An ``(N, N)`` mask unchanged; a ``(*batch, N, N)`` one broadcast to ``batch_shape`` and flattened to ``(B, N, N)``."""
-    if mask is None or mask.dim() == 2:
+def flat_mask(mask: Mask, batch_shape: tuple[int, ...]) -> Mask:
+    """An ``(N, N)`` mask (or a GraphMask, shared by the batch) unchanged; a ``(*batch, N, N)`` one broadcast to
+    ``batch_shape`` and flattened to ``(B, N, N)``."""
+    if not isinstance(mask, Tensor) or mask.dim() == 2:
         return mask
     n = mask.shape[-1]
     return mask.expand(*batch_shape, n, n).reshape(-1, n, n)

@@ -13,8 +13,10 @@ from __future__ import annotations
 import copy
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -26,7 +28,7 @@ from .asymptotics import MeasuredRate, measured_exponent, plot_asymptotics
 from .basins import AttractorCensus, BasinMap, attractor_census, basin_map, plot_basin_map
 from .connections import Network, plot_disconnectivity, saddle_network
 from .continuation import Branch, continue_branch, plot_bifurcation_diagram
-from .critical_points import Census, census, deduplicate, newton_critical_point, saddle_from_minimum
+from .critical_points import Census, CriticalPoint, census, deduplicate, newton_critical_point, saddle_from_minimum
 from .spectra import LyapunovSpectrum, lyapunov_spectrum
 
 PathLike = str | os.PathLike[str]
@@ -74,7 +76,7 @@ class LandscapeStudy:
                       "log-time window) | RMS log residual |", "|---|---|---|",
                       f"| {rate.predicted.exponent:.4f} | {rate.exponent:.4f} | {rate.fit.rms_log_residual:.2g} |", "",
                       f"![|g - g*| against log t]({self.pictures['asymptotics']})", ""]
-        if self.spectrum is not None:
+        if self.spectrum is not None and self.spectrum_expected is not None:  # set together
             lines += ["### Lyapunov spectrum at the attractor", "",
                       "QR method on the fixed-scale flow (sigma held at 1: intrinsic time, no restart bias). At a "
                       "minimum the exponents are -(gamma / tau) times the Riemannian Hessian's eigenvalues:", "",
@@ -92,8 +94,8 @@ class LandscapeStudy:
             lines += ["Notes: " + " ".join(self.notes), ""]
         return "\n".join(lines)
 
-    def as_dict(self) -> dict:
-        def point(p):
+    def as_dict(self) -> dict[str, Any]:
+        def point(p: CriticalPoint) -> dict[str, Any]:
             return {"energy": p.energy, "index": p.index, "kind": p.kind, "smallest": float(p.eigenvalues[0]),
                     "largest": float(p.eigenvalues[-1]), "rms_tangent_gradient": p.rms_tangent_gradient}
 
@@ -110,7 +112,7 @@ class LandscapeStudy:
             "asymptotic_exponent": None if self.asymptotics is None else {
                 "predicted": self.asymptotics.predicted.exponent, "measured": self.asymptotics.exponent,
                 "rms_log_residual": self.asymptotics.fit.rms_log_residual},
-            "lyapunov_spectrum": None if self.spectrum is None else {
+            "lyapunov_spectrum": None if self.spectrum is None or self.spectrum_expected is None else {
                 "exponents": self.spectrum.late.tolist(), "expected": self.spectrum_expected.tolist()},
             "continuation": None if self.branch is None else {
                 "mu": self.branch.mu.tolist(), "energies": self.branch.energies.tolist(),
@@ -120,7 +122,7 @@ class LandscapeStudy:
         }
 
 
-def memory_scale_family(field: ETField):
+def memory_scale_family(field: ETField) -> Callable[[float], ETField]:
     """``s -> field`` with the Hopfield memories ``xi`` scaled by ``s`` (a one-parameter family for continuation)."""
     def family(scale: float) -> ETField:
         model = copy.deepcopy(field.model)

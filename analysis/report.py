@@ -23,12 +23,21 @@ from et_ode.integration import settings_to_dict
 from et_ode.io import model_config
 from et_ode.solvers import Adaptive, EulerET, Solver, as_solver
 
-from .convergence import analyze_convergence, flat_field, sample_field
+from .convergence import ConvergenceReport, analyze_convergence, flat_field, sample_field
 from .landscape import landscape_study
-from .lyapunov import check_lyapunov
+from .lyapunov import LyapunovReport, check_lyapunov
 from .plots import plot_attention, plot_convergence, plot_energy_slice, plot_trajectories
 from .spectra import hessian_along, plot_hessian_along
-from .stability import basin_probe, find_fixed_point, fixed_point_stability, lyapunov_exponent
+from .stability import (
+    BasinProbe,
+    FixedPointSearch,
+    LyapunovExponent,
+    StabilityReport,
+    basin_probe,
+    find_fixed_point,
+    fixed_point_stability,
+    lyapunov_exponent,
+)
 
 PathLike = str | os.PathLike[str]
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -279,8 +288,10 @@ def _yes(flag: bool) -> str:
     return "**yes**" if flag else "**no**"
 
 
-def _markdown(summary: dict, convergence, lyapunov, stability, final_stability, exponent, basin, fixed, distance,
-              pictures: dict[str, str], intrinsic=None) -> str:
+def _markdown(summary: dict, convergence: ConvergenceReport | None, lyapunov: LyapunovReport | None,
+              stability: StabilityReport | None, final_stability: StabilityReport | None,
+              exponent: LyapunovExponent | None, basin: BasinProbe | None, fixed: FixedPointSearch | None,
+              distance: list[float] | None, pictures: dict[str, str], intrinsic: LyapunovExponent | None = None) -> str:
     solve_info, config = summary["solve"], summary["config"]
     batch = summary["initial_states"][0]
     lines = ["# ET dynamics report", "",
@@ -346,7 +357,7 @@ def _markdown(summary: dict, convergence, lyapunov, stability, final_stability, 
                   "(gamma <= 0), and energy changes that do not match the integral of the exact dE/dt (trapezoid, "
                   "then a dense re-integration where the trapezoid disagrees) are listed with their times.", "",
                   lyapunov.table(), ""]
-    if stability is not None:
+    if stability is not None and final_stability is not None and fixed is not None and distance is not None:  # together
         lines += ["## Stability", "",
                   f"A plain solve approaches its limit only like a power of t, so the critical point is found by "
                   f"Riemannian gradient descent on the spheres from each final state ({fixed.iterations} iterations, "

@@ -280,7 +280,7 @@ def _to_steady_state(recorder: Recorder, x0: Tensor, t0: Tensor, ends: Tensor, s
     while len(active):
         t_end = ends[end_index]
         segment_field = field
-        if per_sample and field.mask is not None and field.mask.dim() == 3:
+        if per_sample and isinstance(field.mask, Tensor) and field.mask.dim() == 3:  # one mask per sample
             segment_field = field.with_mask(field.mask[active])
         segment = type(recorder)(segment_field, recorder.max_steps, recorder.keep_steps, recorder.progress)
         with torch.no_grad():

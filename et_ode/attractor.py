@@ -270,8 +270,7 @@ def _descend(geometry: _Spheres | _Euclidean, field: ETField, x: Tensor, *, tol:
     batch, size = x.shape[0], x[0].numel()
     rounding, tiny = torch.finfo(x.dtype).eps, torch.finfo(x.dtype).tiny
     x = geometry.canonical(x)
-    full_mask = field.mask
-    per_sample_mask = isinstance(full_mask, Tensor) and full_mask.dim() == 3
+    per_sample_mask = field.mask if isinstance(field.mask, Tensor) and field.mask.dim() == 3 else None
     scale = geometry.size(x)
     iterations = torch.zeros(batch, dtype=torch.long)
     rms = torch.full((batch,), math.inf, dtype=x.dtype)
@@ -283,7 +282,7 @@ def _descend(geometry: _Spheres | _Euclidean, field: ETField, x: Tensor, *, tol:
     counters["energy"] += 1
     active = torch.arange(batch)
     while len(active):
-        bound = field.with_mask(full_mask[active]) if per_sample_mask else field
+        bound = field.with_mask(per_sample_mask[active]) if per_sample_mask is not None else field
         xa = x[active]
         newton = ~fallback[active]
         if bool(newton.any()):
@@ -348,19 +347,20 @@ def _flow(field: ETField, x: Tensor, *, handoff: float, segment: float, max_segm
     common rescalings; a sample that has not got there after ``max_segments`` segments stops where it is."""
     from .solve import solve
 
-    full_mask = field.mask
-    per_sample_mask = isinstance(full_mask, Tensor) and full_mask.dim() == 3
+    per_sample_mask = field.mask if isinstance(field.mask, Tensor) and field.mask.dim() == 3 else None
     x = x.clone()
     active = torch.arange(x.shape[0])
     for _ in range(max_segments):
         if not len(active):
             break
-        bound = field.with_mask(full_mask[active]) if per_sample_mask else field
+        bound = field.with_mask(per_sample_mask[active]) if per_sample_mask is not None else field
         out = solve(bound, _mean_scale(x[active]), (0.0, segment * field.tau), solver=Adaptive(rtol=rtol, atol=atol),
                     stop=SteadyState(handoff, measure="tangent_gradient", per_sample=True), save="final",
                     max_steps=100_000)
         x[active] = out.x.detach()
-        done = out.stats.stop_times < segment * field.tau * (1 - 1e-12)
+        stop_times = out.stats.stop_times
+        assert stop_times is not None  # a per-sample stop records each sample's stop time
+        done = stop_times < segment * field.tau * (1 - 1e-12)
         if out.stats.status.value == "steady_state":
             done = torch.ones_like(done)
         active = active[~done]

@@ -12,6 +12,7 @@ from torch.nn import functional as F
 
 from ._checks import check_mask, check_tokens
 from .fused import FusedGrad
+from .masks import GraphMask, Mask
 from .model import EnergyTransformer
 from .neurons import LayerNormNeuron, radial_direction, tangent_projection
 
@@ -65,7 +66,7 @@ class ETField(nn.Module):
     """
 
     def __init__(self, model: EnergyTransformer, tau: float = 1.0, derivative: str = "analytic",
-                 mask: Tensor | None = None, backend: str = "auto"):
+                 mask: Mask = None, backend: str = "auto"):
         super().__init__()
         if not isinstance(model, EnergyTransformer):
             raise TypeError(f"model must be an EnergyTransformer, got {type(model).__name__}")
@@ -98,7 +99,7 @@ class ETField(nn.Module):
         :meth:`dE_dg` rather than ``forward``, so that ``nfe`` counts all the work done with this field."""
         self.evaluations.count += evaluations
 
-    def with_mask(self, mask: Tensor | None) -> ETField:
+    def with_mask(self, mask: Mask) -> ETField:
         """A copy of this field bound to ``mask``, sharing the model and the evaluation counter."""
         bound = copy.copy(self)
         bound.__dict__["mask"] = mask
@@ -125,8 +126,9 @@ class ETField(nn.Module):
         """``dE/dg`` by the chosen derivative and back end, with the bound mask: ``(..., N, D) -> (..., N, D)``.
         Not counted in ``nfe`` (see :meth:`count_evaluations`)."""
         if self.derivative == "analytic":
-            if self.fused is not None and self.fused.supports(g, self.mask):
-                return self.fused(g, self.mask)
+            mask = self.mask
+            if self.fused is not None and not isinstance(mask, GraphMask) and self.fused.supports(g, mask):
+                return self.fused(g, mask)
             return self.model._dE_dg(g, self.mask)
         create_graph = torch.is_grad_enabled()
         with torch.enable_grad():
@@ -144,9 +146,10 @@ class ETField(nn.Module):
     def velocity(self, x: Tensor) -> Tensor:
         """``dx/dt = -(1/tau) dE/dg`` at ``x`` (shape of ``x``), not counted in ``nfe``."""
         g = self.activation(x)
+        mask = self.mask
         if self.tau == 1.0 and self.derivative == "analytic" and self.fused is not None \
-                and self.fused.supports(g, self.mask):
-            return self.fused(g, self.mask, negate=True)  # the sign folded into the weights: one pass less
+                and not isinstance(mask, GraphMask) and self.fused.supports(g, mask):
+            return self.fused(g, mask, negate=True)  # the sign folded into the weights: one pass less
         grad = self.dE_dg(g)
         if grad.requires_grad or self.fused is None:
             return grad / -self.tau

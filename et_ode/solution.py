@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from .field import ETField
+from .masks import Mask
 
 
 class Status(str, Enum):
@@ -88,7 +89,7 @@ class Solution:
     field: ETField = dataclasses.field(repr=False)
 
     @property
-    def mask(self) -> Tensor | None:
+    def mask(self) -> Mask:
         return self.field.mask
 
     @property

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torchdiffeq import odeint
 
-from et_ode import ETField, solve
+from et_ode import ETField, GraphMask, solve
 from et_ode.analysis.convergence import analyze_convergence, convergence_traces, first_time_below, fit_decay
 from et_ode.manifold import riemannian_hessian
 
@@ -121,3 +121,17 @@ def test_bad_inputs():
         analyze_convergence(solve(field, x0, (0.0, 1.0)), tol=0)
     with pytest.raises(ValueError, match="tail"):
         fit_decay(torch.arange(5.0), torch.ones(5), tail=0)
+
+
+def test_traces_of_a_solution_on_a_graph_mask():
+    """A GraphMask (one edge list shared by the batch) reaches the traces as it is: the energies are the model's
+    with that mask, and differ from the unmasked ones."""
+    model = random_model(seed=4)
+    edges = torch.tensor([[0, 1, 2, 3, 4, 0], [1, 2, 3, 4, 0, 2]])
+    mask = GraphMask(edges, 5)
+    x0 = torch.randn(2, 5, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    solution = solve(ETField(model, tau=0.7, mask=mask), x0, torch.linspace(0, 2, 5))
+    traces = convergence_traces(solution)
+    expected = torch.stack([model.energy(x, mask) for x in solution.xs]).detach()
+    assert torch.allclose(traces.energy, expected, rtol=1e-12, atol=1e-12)
+    assert not torch.allclose(traces.energy, torch.stack([model.energy(x) for x in solution.xs]).detach())

@@ -6,7 +6,20 @@ import pytest
 import torch
 from torchdiffeq import odeint
 
-from et_ode import METHODS, Adaptive, Adjoint, ETField, EulerET, Fixed, Implicit, SolveError, Status, SteadyState, solve
+from et_ode import (
+    METHODS,
+    Adaptive,
+    Adjoint,
+    ETField,
+    EulerET,
+    Fixed,
+    GraphMask,
+    Implicit,
+    SolveError,
+    Status,
+    SteadyState,
+    solve,
+)
 from tests.conftest import random_model
 
 
@@ -246,3 +259,18 @@ def test_tangent_gradient_measure_stops_on_the_energy_gradient_along_the_spheres
     s, _ = radial_direction(g, model.neuron.delta.detach())
     tangent = tangent_projection(model.dE_dg(g), s).square().mean(dim=(-1, -2)).sqrt()
     assert float(tangent.max()) <= 1e-2 * (1 + 1e-6)
+
+
+def test_per_sample_stop_on_a_graph_mask():
+    """A GraphMask (shared by the batch) with per-sample stopping: each sample stops where its own RMS dg/dt reaches
+    the tolerance, as when it is solved alone."""
+    model = random_model(seed=4)
+    field = ETField(model, mask=GraphMask(torch.tensor([[0, 1, 2, 3, 4, 0], [1, 2, 3, 4, 0, 2]]), 5))
+    x0 = torch.randn(2, 5, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    settings = dict(solver=Adaptive(rtol=1e-8, atol=1e-10), stop=SteadyState(1e-3, per_sample=True), save="final")
+    out = solve(field, x0, (0.0, 100.0), **settings)
+    assert out.stats.stop_times is not None and bool((out.stats.stop_times < 100.0).all())
+    assert torch.allclose(field.rms_dg_dt(out.x), torch.full((2,), 1e-3, dtype=torch.float64), rtol=1e-4)
+    for b in range(2):
+        alone = solve(field, x0[b:b + 1], (0.0, 100.0), **settings)
+        assert torch.allclose(alone.stats.stop_times, out.stats.stop_times[b:b + 1], rtol=1e-6)

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import argparse
 
-from ..adjoints import GRADIENTS, Adjoint
+from ..adjoints import GRADIENTS, Adjoint, as_gradient
 from ..integration import Integration
-from ..solvers import METHODS, Adaptive, EulerET, Fixed
+from ..solvers import METHODS, Adaptive, EulerET, Fixed, as_solver
 
 #: every dynamics option; a subcommand adds those it offers
 OPTIONS = ("solver", "t1", "rtol", "atol", "step", "steps", "gradient", "adjoint_rtol", "adjoint_atol", "seminorm",
@@ -19,7 +19,7 @@ OPTIONS = ("solver", "t1", "rtol", "atol", "step", "steps", "gradient", "adjoint
 def add_dynamics_arguments(parser: argparse.ArgumentParser, defaults: Integration,
                            options: tuple[str, ...] = OPTIONS) -> None:
     """Add the dynamics ``options`` to ``parser``, their defaults read from ``defaults``."""
-    solver, gradient = defaults.solver, defaults.gradient
+    solver, gradient = as_solver(defaults.solver), as_gradient(defaults.gradient)  # objects already: typed as such
     rtol = solver.rtol if isinstance(solver, Adaptive) else Adaptive().rtol
     atol = solver.atol if isinstance(solver, Adaptive) else Adaptive().atol
     step = solver.alpha if isinstance(solver, EulerET) else solver.step_size if isinstance(solver, Fixed) else None

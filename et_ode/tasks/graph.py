@@ -385,7 +385,7 @@ def detect_anomalies(graph: Any, model_kwargs: dict[str, Any], config: TrainConf
         meta={"model": model.config})
     device = resolve_device(config.device)
     with torch.no_grad():
-        results = {"et": anomaly_metrics(task.scores(model.eval(), graph.to(device)), graph.y, masks)}
+        results: dict[str, Any] = {"et": anomaly_metrics(task.scores(model.eval(), graph.to(device)), graph.y, masks)}
     if baselines:
         results["logistic_regression"] = feature_baseline(graph.cpu(), masks, seed=seed)
         results["gcn"] = gcn_baseline(graph.cpu(), masks, seed=seed, device=config.device)

@@ -12,6 +12,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -104,6 +105,8 @@ def dense_trajectory(solution: Solution, *, points: int = 200, rtol: float = 1e-
     log-spaced after it (the motion is fastest at the start): ``(ts (P,), xs (P, *batch, N, D))``."""
     if not (isinstance(points, int) and points >= 3):
         raise ValueError(f"points must be an integer >= 3, got {points!r}")
+    if solution.xs is None:
+        raise ValueError("solution must hold saved states (solve with save='all' or 'steps') to re-integrate from")
     ts = solution.ts.detach().to(torch.float64)
     t0, t1 = float(ts[0]), float(ts[-1])
     offsets = torch.logspace(np.log10((t1 - t0) * 1e-4), np.log10(t1 - t0), points - 1, dtype=torch.float64)
@@ -111,6 +114,7 @@ def dense_trajectory(solution: Solution, *, points: int = 200, rtol: float = 1e-
     with torch.no_grad():
         dense = solve(solution.field, solution.xs[0].detach(), grid.to(solution.xs.dtype),
                       solver=Adaptive(rtol=rtol, atol=atol), max_steps=100_000)
+    assert dense.xs is not None  # save="all", the default
     return grid, dense.xs
 
 
@@ -149,7 +153,7 @@ def plot_trajectories(solution: Solution, *, sample: int = 0, dims: int = 2, col
     if color_by == "time" and len(values) > 2 and values[1] > 0 and values[-1] / values[1] > 50:
         norm, label = LogNorm(values[1], values[-1], clip=True), "time t (log color scale)"  # early motion is fast
     fig = Figure(figsize=figsize, layout="constrained")
-    ax = fig.add_subplot(projection="3d" if dims == 3 else None)
+    ax: Any = fig.add_subplot(projection="3d" if dims == 3 else None)  # Axes, or Axes3D (set_zlim) for dims=3
     cmap = "viridis" if color_by == "time" else "plasma"
     segment_values = (values[1:] + values[:-1]) / 2
     for a in range(count):
@@ -160,7 +164,7 @@ def plot_trajectories(solution: Solution, *, sample: int = 0, dims: int = 2, col
 
             lines = Line3DCollection(segments, cmap=cmap, norm=norm, linewidth=1.5)
         else:
-            lines = LineCollection(segments, cmap=cmap, norm=norm, linewidth=1.5)
+            lines = LineCollection(list(segments), cmap=cmap, norm=norm, linewidth=1.5)
         lines.set_array(segment_values)
         ax.add_collection(lines)
     start, end = projected[0], projected[-1]
@@ -237,23 +241,31 @@ def energy_slice(field: ETField, x_fixed: Tensor, *, trajectory: Tensor | None =
             norm = w.norm()
             return w / norm if float(norm) > 1e-9 * max(1.0, float(g_star.norm())) else None
 
+        def random_direction(w: Tensor, to: list[Tensor]) -> Tensor:
+            direction = unit_orthogonal(w, to)
+            if direction is None:
+                raise ValueError("x_fixed has no tangent plane to slice: its tokens sit at the centre of their spheres")
+            return direction
+
         generator = torch.Generator().manual_seed(seed)
         random = [tangent_projection(torch.randn(g_star.shape, generator=generator, dtype=g_star.dtype).to(g_star.device), s)
                   for _ in range(3)]
         coords = off_plane = distance = None
         if trajectory is None:
-            u = unit_orthogonal(random[0], [])
-            v = unit_orthogonal(random[1], [u])
+            u = random_direction(random[0], [])
+            v = random_direction(random[1], [u])
         else:
             path_g = model.neuron(trajectory.detach()) - g_star  # (T, N, D)
-            u = unit_orthogonal(path_g[0], [])
-            u = unit_orthogonal(random[0], []) if u is None else u
-            v = unit_orthogonal(path_g[-1], [u])
-            if v is None:  # the end is at g* (or on the line): the trajectory's main direction orthogonal to u
+            start = unit_orthogonal(path_g[0], [])
+            u = random_direction(random[0], []) if start is None else start
+            end = unit_orthogonal(path_g[-1], [u])
+            if end is not None:
+                v = end
+            else:  # the end is at g* (or on the line): the trajectory's main direction orthogonal to u
                 rest = path_g - (path_g * u).sum(dim=(-1, -2), keepdim=True) * u
                 _, _, vt = torch.linalg.svd(rest.reshape(len(rest), -1), full_matrices=False)
-                v = unit_orthogonal(vt[0].reshape(g_star.shape), [u])
-                v = unit_orthogonal(random[1], [u]) if v is None else v
+                main = unit_orthogonal(vt[0].reshape(g_star.shape), [u])
+                v = random_direction(random[1], [u]) if main is None else main
             a, b = (path_g * u).sum(dim=(-1, -2)), (path_g * v).sum(dim=(-1, -2))
             coords = torch.stack([a, b], dim=1)
             off_plane = (path_g - a[:, None, None] * u - b[:, None, None] * v).flatten(1).norm(dim=1)
@@ -287,8 +299,7 @@ def plot_energy_slice(field: ETField, x_fixed: Tensor, *, trajectories: Solution
     states = None
     if trajectories is not None:
         states = trajectories.xs if isinstance(trajectories, Solution) else trajectories
-        shape_ok = isinstance(states, Tensor) and tuple(states.shape[-2:]) == tuple(xf.shape[-2:])
-        if not shape_ok or states.dim() not in (3, 4):
+        if not isinstance(states, Tensor) or tuple(states.shape[-2:]) != tuple(xf.shape[-2:]) or states.dim() not in (3, 4):
             raise ValueError(f"trajectories must be a Solution with saved states or a tensor (T, N, D) / "
                              f"(T, B, N, D) matching x_fixed's (N, D)={tuple(xf.shape[-2:])}")
         states = states.detach().reshape(states.shape[0], -1, *states.shape[-2:])[:, b if states.dim() == 4 else 0]
@@ -305,18 +316,19 @@ def plot_energy_slice(field: ETField, x_fixed: Tensor, *, trajectories: Solution
         e_star = float(bound.energy_g(g_star))
     fig = Figure(figsize=figsize, layout="constrained")
     ax = fig.add_subplot()
-    grid = grid.cpu().numpy()
-    filled = ax.contourf(grid, grid, energies, levels=20, cmap="viridis")
-    ax.contour(grid, grid, energies, levels=20, colors="white", linewidths=0.4, alpha=0.6)
+    axis = grid.cpu().numpy()
+    filled = ax.contourf(axis, axis, energies, levels=20, cmap="viridis")
+    ax.contour(axis, axis, energies, levels=20, colors="white", linewidths=0.4, alpha=0.6)
     fig.colorbar(filled, ax=ax, label="energy E on the slice")
-    if coords is not None:
+    off_plane, distance = plane.off_plane, plane.distance
+    if coords is not None and off_plane is not None and distance is not None:
         ax.plot(coords[:, 0], coords[:, 1], color="red", linewidth=1.5, label="trajectory (projected on the plane)")
         ax.scatter(coords[0, 0], coords[0, 1], facecolors="none", edgecolors="red", s=50, label="trajectory start")
         ax.scatter(coords[-1, 0], coords[-1, 1], marker="x", color="red", s=60, label="trajectory end")
-        worst = int(plane.off_plane.argmax())
-        ratio = float(plane.off_plane[worst] / plane.distance[worst].clamp_min(torch.finfo(g_star.dtype).tiny))
+        worst = int(off_plane.argmax())
+        ratio = float(off_plane[worst] / distance[worst].clamp_min(torch.finfo(g_star.dtype).tiny))
         ax.text(0.02, 0.02, f"start and end lie in the plane; the trajectory leaves it by at most\n"
-                f"{float(plane.off_plane[worst]):.3g} in g ({100 * ratio:.0f}% of its distance from g* there)",
+                f"{float(off_plane[worst]):.3g} in g ({100 * ratio:.0f}% of its distance from g* there)",
                 transform=ax.transAxes, fontsize="small", color="white", va="bottom",
                 bbox={"facecolor": "black", "alpha": 0.5, "linewidth": 0})
     ax.scatter([0], [0], marker="*", s=220, color="white", edgecolors="black", zorder=5,
@@ -349,16 +361,16 @@ def plot_attention(solution: Solution, *, sample: int = 0, head: int = 0,
         if not indices:
             raise ValueError("times must name at least one time")
     with torch.no_grad():
-        maps = field.model.attention.attention(field.model.neuron(xs[indices, b]), field.mask)[:, head]
-    maps = maps.to(torch.float64).cpu().numpy()  # (len, B, C)
+        weights = field.model.attention.attention(field.model.neuron(xs[indices, b]), field.mask)[:, head]
+    maps = weights.to(torch.float64).cpu().numpy()  # (len, B, C)
     figsize = figsize or (3.6 * len(indices) + 1.2, 4.0)
     fig = Figure(figsize=figsize, layout="constrained")
     axes = np.atleast_1d(fig.subplots(1, len(indices)))
-    image = None
-    for ax, k, attention in zip(axes, indices, maps, strict=True):
-        image = ax.imshow(attention, cmap="magma", vmin=0.0, vmax=1.0, interpolation="nearest")
+    images = [ax.imshow(attention, cmap="magma", vmin=0.0, vmax=1.0, interpolation="nearest") for ax, attention
+              in zip(axes, maps, strict=True)]
+    for ax, k in zip(axes, indices, strict=True):
         ax.set(title=f"t = {float(ts[k]):.4g}", xlabel="query token C", ylabel="key token B")
-    fig.colorbar(image, ax=list(axes), label="attention weight (softmax over keys B)")
+    fig.colorbar(images[0], ax=list(axes), label="attention weight (softmax over keys B)")
     fig.suptitle(f"Attention of head {head}, sample {b}: column C sums to 1")
     return _finish(fig, path, dpi)
 

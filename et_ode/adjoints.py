@@ -6,7 +6,8 @@
   own tolerances, method and an optional seminorm.
 - :class:`Implicit`: the implicit function theorem at the fixed point reached by a stop (memory and cost independent
   of the steps); the forward solve runs without gradients and its end is polished into a certified attractor
-  (:func:`et_ode.find_attractor`). Gradients flow through ``Solution.g`` only.
+  (:func:`et_ode.certify.certify`, the last phases of :func:`et_ode.find_attractor`). Gradients flow through
+  ``Solution.g`` only.
 
 A plain string names each (:func:`as_gradient`): ``"direct"``, ``"adjoint"``, ``"implicit"``. A strategy's
 :meth:`check` holds its rule with the stopping rule (``Implicit`` needs one).
@@ -22,6 +23,7 @@ import torch
 from torchdiffeq import odeint, odeint_adjoint
 
 from ._loop import Integrated, Problem, integrate
+from .certify import certify, default_tol
 from .solution import SolveError, Status
 from .solvers import ADAPTIVE_METHODS, FIXED_METHODS
 from .stopping import SteadyState
@@ -115,11 +117,10 @@ class Implicit:
             tested = problem.stop.description if problem.stop is not None else "a stop"
             raise SolveError(f"gradient=Implicit() needs a converged fixed point, but the solve reached t={t_final:.6g} "
                              f"without {tested}; integrate longer or loosen the stop's tol", time=t_final, solution=None)
-        from .attractor import find_attractor  # (the attractor finder flows with solve: imported when used)
-
         # polish the end state into a certified attractor, and differentiate there (exactly)
-        attractor = find_attractor(problem.field, result.x.detach(), flow=False, implicit_tol=self.tol,
-                                   implicit_max_iter=self.max_iter)
+        x_end = result.x.detach()
+        attractor = certify(problem.field, x_end, tol=default_tol(x_end.dtype), implicit_tol=self.tol,
+                            implicit_max_iter=self.max_iter)
         if not bool(attractor.certified.all()):
             raise SolveError(
                 f"gradient=Implicit(): the end state did not polish into a certified stable attractor (kinds "

@@ -25,6 +25,10 @@ from .field import ETField
 from .manifold import euclidean_hessian, radial_direction, riemannian_hessian, tangent_projection
 
 
+class AttractorError(RuntimeError):
+    """A gradient was asked of a point that is not a certified stable attractor (or the search failed)."""
+
+
 def _dot(a: Tensor, b: Tensor) -> Tensor:
     """Per-sample inner product over tokens and elements: ``(..., N, D) -> (..., 1, 1)``."""
     return (a * b).sum(dim=(-1, -2), keepdim=True)
@@ -113,8 +117,6 @@ class _AttractorRerouting(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, v: Tensor) -> tuple[Tensor | None, ...]:
-        from .attractor import AttractorError
-
         x_star, in_x, certified = ctx.saved_tensors
         field = ctx.field
         asked = v.flatten(1).abs().amax(dim=1) > 0
@@ -167,7 +169,7 @@ def implicit_attractor(field: ETField, x_star: Tensor, *, in_x: Tensor, certifie
         field: the field (its mask, ``None``, ``(N, N)`` or ``(B, N, N)``, is used).
         x_star: the attractors ``(B, N, D)``.
         in_x, certified: per sample ``(B,)``: which geometry, and whether the point may be differentiated
-            (a gradient asked of any other sample raises :class:`et_ode.attractor.AttractorError`).
+            (a gradient asked of any other sample raises :class:`AttractorError`).
         tol, max_iter: the conjugate-gradient solve.
 
     Returns ``g*`` ``(B, N, D)``.

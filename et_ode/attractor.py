@@ -69,19 +69,20 @@ def _flow(field: ETField, x: Tensor, *, handoff: float, segment: float, max_segm
           atol: float) -> Tensor:
     """The ET's flow per sample until RMS ``|T dE/dg| <= handoff``, in segments of ``segment * tau`` between
     common rescalings; a sample that has not got there after ``max_segments`` segments stops where it is."""
-    full_mask = field.mask
-    per_sample_mask = isinstance(full_mask, Tensor) and full_mask.dim() == 3
+    per_sample_mask = field.mask if isinstance(field.mask, Tensor) and field.mask.dim() == 3 else None
     x = x.clone()
     active = torch.arange(x.shape[0])
     for _ in range(max_segments):
         if not len(active):
             break
-        bound = field.with_mask(full_mask[active]) if per_sample_mask else field
+        bound = field.with_mask(per_sample_mask[active]) if per_sample_mask is not None else field
         out = solve(bound, _mean_scale(x[active]), (0.0, segment * field.tau), solver=Adaptive(rtol=rtol, atol=atol),
                     stop=SteadyState(handoff, measure="tangent_gradient", per_sample=True), save="final",
                     max_steps=100_000)
         x[active] = out.x.detach()
-        done = out.stats.stop_times < segment * field.tau * (1 - 1e-12)
+        stop_times = out.stats.stop_times
+        assert stop_times is not None  # a per-sample stop records each sample's stop time
+        done = stop_times < segment * field.tau * (1 - 1e-12)
         if out.stats.status.value == "steady_state":
             done = torch.ones_like(done)
         active = active[~done]

@@ -232,8 +232,7 @@ def _descend(geometry: _Spheres | _Euclidean, field: ETField, x: Tensor, *, tol:
     batch, size = x.shape[0], x[0].numel()
     rounding, tiny = torch.finfo(x.dtype).eps, torch.finfo(x.dtype).tiny
     x = geometry.canonical(x)
-    full_mask = field.mask
-    per_sample_mask = isinstance(full_mask, Tensor) and full_mask.dim() == 3
+    per_sample_mask = field.mask if isinstance(field.mask, Tensor) and field.mask.dim() == 3 else None
     scale = geometry.size(x)
     iterations = torch.zeros(batch, dtype=torch.long)
     rms = torch.full((batch,), math.inf, dtype=x.dtype)
@@ -245,7 +244,7 @@ def _descend(geometry: _Spheres | _Euclidean, field: ETField, x: Tensor, *, tol:
     counters["energy"] += 1
     active = torch.arange(batch)
     while len(active):
-        bound = field.with_mask(full_mask[active]) if per_sample_mask else field
+        bound = field.with_mask(per_sample_mask[active]) if per_sample_mask is not None else field
         xa = x[active]
         newton = ~fallback[active]
         if bool(newton.any()):

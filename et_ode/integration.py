@@ -65,8 +65,8 @@ class Integration:
         max_steps: the solver's step budget.
     """
 
-    solver: Solver | str = Adaptive()
-    gradient: Gradient | str = Direct()
+    solver: Solver = Adaptive()  # a method's name is accepted too (as_solver)
+    gradient: Gradient = Direct()  # a strategy's name is accepted too (as_gradient)
     stop: SteadyState | None = None
     t1: float = 1.0
     max_steps: int = 10_000
@@ -133,7 +133,7 @@ class Integration:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (JSON-ready): each settings object as :func:`settings_to_dict`."""
-        return {"solver": settings_to_dict(as_solver(self.solver)), "gradient": settings_to_dict(as_gradient(self.gradient)),
+        return {"solver": settings_to_dict(self.solver), "gradient": settings_to_dict(self.gradient),
                 "stop": None if self.stop is None else settings_to_dict(self.stop), "t1": self.t1,
                 "max_steps": self.max_steps}
 

@@ -46,7 +46,7 @@ from ..models.image import (
     random_masks,
     unpatchify,
 )
-from ..solvers import ADAPTIVE_METHODS, Adaptive, EulerET, Solver, as_solver
+from ..solvers import Adaptive, EulerET, Solver, as_solver
 from ..train import CHECKPOINT_NAME, TrainConfig, fit, load_checkpoint
 from .baselines import MeanImage, NearestNeighbour
 
@@ -294,10 +294,10 @@ def complete(checkpoint: str | Path, out_dir: str | Path, *, image: str | Path |
     if t1 is not None:
         integration = integration.replace(t1=t1)
     if solver is not None:
-        trained = integration.solver
-        keep_tolerances = solver in ADAPTIVE_METHODS and isinstance(trained, Adaptive)
-        integration = integration.replace(
-            solver=Adaptive(solver, trained.rtol, trained.atol) if keep_tolerances else as_solver(solver))
+        trained, chosen = integration.solver, as_solver(solver)
+        if isinstance(solver, str) and isinstance(chosen, Adaptive) and isinstance(trained, Adaptive):
+            chosen = Adaptive(solver, trained.rtol, trained.atol)  # another adaptive method at the run's tolerances
+        integration = integration.replace(solver=chosen)
     times = None if isinstance(integration.solver, EulerET) else torch.linspace(0.0, integration.t1, frames)
     if image is not None:
         target = read_png(image, channels=model.image_shape[0])
@@ -353,7 +353,8 @@ def demo_config(quick: bool = False) -> ImageRunConfig:
 DEMO_EPOCHS = 35
 DEMO_MINUTES = 2  # the whole `make demo` on a 2-core machine, AVX2 code paths forced (README, "Two commands")
 # the demo's second look at its model: dopri5 a thousand times tighter than the training tolerance
-TIGHT_INTEGRATION = Integration(solver=Adaptive("dopri5", rtol=1e-6, atol=1e-8), gradient=Direct(), max_steps=20_000)
+TIGHT_SOLVER = Adaptive("dopri5", rtol=1e-6, atol=1e-8)
+TIGHT_INTEGRATION = Integration(solver=TIGHT_SOLVER, gradient=Direct(), max_steps=20_000)
 
 
 def demo(out_dir: str | Path = "runs/demo", *, quick: bool = False, resume: bool = False,
@@ -463,7 +464,7 @@ def _demo_report(results: dict[str, Any], config: ImageRunConfig, pictures: list
         "## Test masked-patch MSE (same masks, same evaluation code)", "",
         "| predictor | MSE |", "|---|---|",
         f"| ET ({s.solver.name}, mean NFE {model.get('nfe', 0):.0f} per batch) | {model['mse']:.4f} |",
-        f"| the same ET integrated by dopri5 at rtol {TIGHT_INTEGRATION.solver.rtol:g} (mean NFE "
+        f"| the same ET integrated by dopri5 at rtol {TIGHT_SOLVER.rtol:g} (mean NFE "
         f"{results['model_tight_solver'].get('nfe', 0):.0f}) | {results['model_tight_solver']['mse']:.4f} |",
         f"| per-position mean of the training images | {mean['mse']:.4f} |",
         f"| nearest training image on the visible patches | {nearest['mse']:.4f} |", "",

@@ -188,6 +188,13 @@ class ConvergenceReport:
     def all_converged(self) -> bool:
         return all(s.converged for s in self.samples)
 
+    def __str__(self) -> str:
+        return self.table()
+
+    def as_dict(self) -> dict:
+        return {"tol": self.tol, "tangent_tol": self.tangent_tol, "tail": self.tail,
+                "all_converged": self.all_converged, "samples": [asdict(s) for s in self.samples]}
+
     def table(self) -> str:
         """A Markdown table, one row per sample."""
         rows = ["| sample | converged (RMS dg/dt < tol) at t | critical (RMS T dE/dg < tol) at t | E start -> end | "
@@ -204,12 +211,6 @@ class ConvergenceReport:
                 f" | {s.ones_drift:.3g} | {s.radial_drift:.3g} |")
         return "\n".join(rows)
 
-    def __str__(self) -> str:
-        return self.table()
-
-    def as_dict(self) -> dict:
-        return {"tol": self.tol, "tangent_tol": self.tangent_tol, "tail": self.tail,
-                "all_converged": self.all_converged, "samples": [asdict(s) for s in self.samples]}
 
 
 def analyze_convergence(solution: Solution, *, tol: float = 1e-3, tangent_tol: float | None = None,

@@ -61,6 +61,16 @@ def conjugate_gradient(apply: Any, b: Tensor, *, tol: float, max_iter: int) -> t
     return w, iterations, (rr.sqrt() / b_norm).reshape(b.shape[:-2])
 
 
+def _solve_hessian_system(apply: Any, rhs: Tensor, *, tol: float, max_iter: int, advice: str) -> Tensor:
+    """``w`` with ``apply(w) = rhs`` by conjugate gradients; a RuntimeWarning (ending in ``advice``) where the relative
+    residual of any sample stays above ``tol``."""
+    w, iterations, residual = conjugate_gradient(apply, rhs, tol=tol, max_iter=max_iter)
+    if bool((residual > tol).any()):
+        warnings.warn(f"implicit gradient: conjugate gradients stopped after {iterations} iterations with relative "
+                      f"residual {float(residual.max()):.3g} > tol={tol}; {advice}", RuntimeWarning, stacklevel=4)
+    return w
+
+
 class _ImplicitRerouting(torch.autograd.Function):
     """Identity on ``g`` in the forward pass; in the backward pass sends ``v`` to ``g`` and ``-w`` to ``dE/dg``."""
 
@@ -76,14 +86,9 @@ class _ImplicitRerouting(torch.autograd.Function):
         (g_star,) = ctx.saved_tensors
         hessian, _ = riemannian_hessian(ctx.field, g_star)
         s, _ = radial_direction(g_star, ctx.field.model.neuron.delta.detach())
-        w, iterations, residual = conjugate_gradient(hessian, tangent_projection(v, s), tol=ctx.tol,
-                                                     max_iter=ctx.max_iter)
-        if bool((residual > ctx.tol).any()):
-            warnings.warn(
-                f"implicit gradient: conjugate gradients stopped after {iterations} iterations with relative "
-                f"residual {float(residual.max()):.3g} > tol={ctx.tol}; the fixed point may not be a stable "
-                "attractor (Riemannian Hessian not positive definite) or needs more iterations (max_iter)",
-                RuntimeWarning, stacklevel=2)
+        w = _solve_hessian_system(hessian, tangent_projection(v, s), tol=ctx.tol, max_iter=ctx.max_iter,
+                                  advice="the fixed point may not be a stable attractor (Riemannian Hessian not "
+                                         "positive definite) or needs more iterations (max_iter)")
         return v, -w.detach(), None, None, None, None
 
 
@@ -145,13 +150,8 @@ class _AttractorRerouting(torch.autograd.Function):
             # a right-hand side that is rounding noise (v normal to the manifold: w = 0) is not a system to solve
             noise = _dot(rhs, rhs).sqrt() <= 1e-12 * _dot(vi, vi).sqrt()
             rhs = torch.where(noise, torch.zeros_like(rhs), rhs)
-            w, iterations, residual = conjugate_gradient(apply, rhs, tol=ctx.tol, max_iter=ctx.max_iter)
-            if bool((residual > ctx.tol).any()):
-                warnings.warn(
-                    f"implicit gradient at the attractor: conjugate gradients stopped after {iterations} iterations "
-                    f"with relative residual {float(residual.max()):.3g} > tol={ctx.tol} (raise Implicit(max_iter=...) "
-                    "in solve, implicit_max_iter in find_attractor)",
-                    RuntimeWarning, stacklevel=2)
+            w = _solve_hessian_system(apply, rhs, tol=ctx.tol, max_iter=ctx.max_iter,
+                                      advice="raise Implicit(max_iter=...) in solve, implicit_max_iter in find_attractor")
             w_out[index] = neuron.hessian_vector(x, w) if geometry else w
         return v, -w_out.detach(), None, None, None, None, None, None
 

@@ -13,10 +13,12 @@ the scored patches visible (ImageNet: 100 of 196 scored, 90 hidden, 10 visible):
 Public API::
 
     ImageET(image_shape, patch, dim, heads, head_dim, memories=None, *, cls_token=False, hopfield="relu",
-            self_attention=False, tau=1.0, integration=DEFAULT_INTEGRATION, cls_position=False, renormalize=False)
+            self_attention=False, tau=1.0, integration=DEFAULT_INTEGRATION, cls_position=False, renormalize=False,
+            fill=None)
         (DEFAULT_INTEGRATION = Integration(Adaptive(rtol=1e-3, atol=1e-4), Adjoint(), t1=1.2, max_steps=2000))
         .forward(images (B,C,H,W), hidden (B,N), integration=None) -> Completion(patches (B,N,C*P*P), solution)
         .tokens(images, hidden) -> x0 (B, N(+1), D);  .decode(g) -> (B, N, C*P*P)
+        .filled(images, hidden) -> (B,C,H,W) (the hidden patches by the classical fill; the images without one)
         .film(images, hidden, times, integration=None, keep_visible=True) -> (frames (T,B,C,H,W), solution)
         .config() -> dict;  ImageET.from_config(dict)
         (the official release's plain-dict .npz checkpoint: load_official / save_official, :mod:`et_ode.models.official`)
@@ -38,11 +40,13 @@ from torch import Tensor, nn
 from .. import devices
 from ..adjoints import Adjoint, Direct
 from ..field import ETField
+from ..fill import biharmonic_fill
 from ..integration import Integration
 from ..model import EnergyTransformer
 from ..solution import Solution
 from ..solvers import Adaptive, EulerET
 
+FILLS = (None, "biharmonic")
 # the image model's default integration: dopri5 at loose tolerances to t = 1.2 tau, trained with the adjoint
 DEFAULT_INTEGRATION = Integration(solver=Adaptive(rtol=1e-3, atol=1e-4), gradient=Adjoint(), t1=1.2, max_steps=2000)
 
@@ -138,13 +142,21 @@ class ImageET(nn.Module):
             the patch tokens only.
         renormalize: the decoder reads ``LayerNorm(g)`` instead of ``g`` (the official release applies its energy
             LayerNorm twice before the decoder: once after the dynamics, once more inside its ``decode``).
+        fill: ``None`` (default): a hidden patch starts as the MASK token and the decoder's output is the answer.
+            ``"biharmonic"``: the hidden patches are first filled by biharmonic inpainting of the visible pixels
+            (:func:`et_ode.fill.biharmonic_fill`, scikit-image's system, batched); a hidden token starts as the
+            encoded fill plus the MASK token (which marks it as hidden) plus its position, and the answer is the
+            fill plus the decoder's output, a correction computed from the final state. The decoder starts at zero,
+            so the untrained model returns the fill and training teaches the dynamics to refine it.
     """
 
     def __init__(self, image_shape: Sequence[int], patch: int, dim: int, heads: int, head_dim: int,
                  memories: int | None = None, *, cls_token: bool = False, hopfield: str = "relu",
                  self_attention: bool = False, tau: float = 1.0, integration: Integration = DEFAULT_INTEGRATION,
-                 cls_position: bool = False, renormalize: bool = False):
+                 cls_position: bool = False, renormalize: bool = False, fill: str | None = None):
         super().__init__()
+        if fill not in FILLS:
+            raise ValueError(f"fill must be one of {FILLS}, got {fill!r}")
         if len(image_shape) != 3 or not all(isinstance(s, int) and s >= 1 for s in image_shape):
             raise ValueError(f"image_shape must be (C, H, W) of positive integers, got {tuple(image_shape)}")
         c, h, w = image_shape
@@ -165,12 +177,16 @@ class ImageET(nn.Module):
         self.integration = integration
         self.cls_position = bool(cls_position)
         self.renormalize = bool(renormalize)
+        self.fill = fill
         self._block_args = dict(heads=heads, head_dim=head_dim, memories=memories or 4 * dim, hopfield=hopfield,
                                 self_attention=self_attention)
         self.block = EnergyTransformer(dim, heads, head_dim, memories or 4 * dim, hopfield=hopfield,
                                        self_attention=self_attention)
         self.encoder = nn.Linear(self.patch_dim, dim)
         self.decoder = nn.Linear(dim, self.patch_dim)
+        if fill is not None:  # start from the classical fill: the decoder's correction is zero
+            nn.init.zeros_(self.decoder.weight)
+            nn.init.zeros_(self.decoder.bias)
         # Unit-scale tokens: the LayerNorm's rate gamma/sigma sets the speed of the dynamics, and a tiny token
         # (sigma ~ 0.02) would rotate fifty times faster than the others.
         self.position = nn.Parameter(torch.randn(self.num_patches + self.cls_position, dim) * 0.5)
@@ -185,7 +201,7 @@ class ImageET(nn.Module):
         """Constructor arguments, JSON-friendly: ``ImageET.from_config(model.config())`` rebuilds it."""
         return dict(image_shape=list(self.image_shape), patch=self.patch, dim=self.dim, **self._block_args,
                     cls_token=self.cls is not None, tau=self.tau, integration=self.integration.to_dict(),
-                    cls_position=self.cls_position, renormalize=self.renormalize)
+                    cls_position=self.cls_position, renormalize=self.renormalize, fill=self.fill)
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> ImageET:
@@ -205,13 +221,28 @@ class ImageET(nn.Module):
             raise ValueError(f"hidden must have shape ({batch}, {self.num_patches}), got {tuple(hidden.shape)}")
         return hidden
 
-    def tokens(self, images: Tensor, hidden: Tensor) -> Tensor:
-        """Initial state ``x0 (B, N(+1), D)``: encoded patches, the hidden ones replaced by MASK, plus positions; CLS
-        first if used (with ``cls_position``, CLS is put in front before the positions are added, so it gets one)."""
+    def filled(self, images: Tensor, hidden: Tensor) -> Tensor:
+        """``images (B, C, H, W)`` with their ``hidden (B, N)`` patches replaced by the model's classical fill
+        (``fill``); the images themselves for ``fill=None``. Not differentiated (the fill is a fixed function)."""
         images = _check_images(images, self.image_shape)
         hidden = self._check_hidden(hidden, images.shape[0])
-        encoded = self.encoder(patchify(images, self.patch))
-        x0 = torch.where(hidden[..., None], self.mask_token.to(encoded.dtype), encoded)
+        if self.fill is None:
+            return images
+        c, h, w = self.image_shape
+        pixels = hidden.reshape(-1, h // self.patch, w // self.patch)
+        pixels = pixels.repeat_interleave(self.patch, 1).repeat_interleave(self.patch, 2)
+        return biharmonic_fill(images, pixels)
+
+    def tokens(self, images: Tensor, hidden: Tensor) -> Tensor:
+        """Initial state ``x0 (B, N(+1), D)``: encoded patches, the hidden ones replaced by MASK (with ``fill``: the
+        encoded fill plus MASK), plus positions; CLS first if used (with ``cls_position``, CLS is put in front
+        before the positions are added, so it gets one)."""
+        return self._tokens(self.filled(images, hidden), hidden)
+
+    def _tokens(self, filled: Tensor, hidden: Tensor) -> Tensor:
+        encoded = self.encoder(patchify(filled, self.patch))
+        mask = self.mask_token.to(encoded.dtype)
+        x0 = torch.where(hidden[..., None], mask if self.fill is None else encoded + mask, encoded)
         if not self.cls_position:
             x0 = x0 + self.position
         if self.cls is not None:
@@ -231,9 +262,13 @@ class ImageET(nn.Module):
 
     def forward(self, images: Tensor, hidden: Tensor, integration: Integration | None = None) -> Completion:
         """Complete ``images (B, C, H, W)`` whose patches ``hidden (B, N)`` are masked."""
-        x0 = self.tokens(images, hidden)
-        solution = (integration or self.integration).solve(self.field(), x0)
-        return Completion(self.decode(solution.g), solution)
+        filled = self.filled(images, hidden)
+        solution = (integration or self.integration).solve(self.field(), self._tokens(filled, hidden))
+        return Completion(self._answer(self.decode(solution.g), filled), solution)
+
+    def _answer(self, decoded: Tensor, filled: Tensor) -> Tensor:
+        """The patches ``(..., N, C P P)``: the decoder's output, added to the fill's patches when there is a fill."""
+        return decoded if self.fill is None else decoded + patchify(filled, self.patch)
 
     def film(self, images: Tensor, hidden: Tensor, times: Tensor | Sequence[float] | None = None,
              integration: Integration | None = None, keep_visible: bool = True) -> tuple[Tensor, Solution]:
@@ -249,9 +284,10 @@ class ImageET(nn.Module):
             times = torch.linspace(0.0, integration.t1, 9)
         times = None if times is None else torch.as_tensor(times, dtype=torch.float64)
         with torch.no_grad():
+            filled = self.filled(images, hidden)
             solution = integration.replace(gradient=Direct(), stop=None).solve(
-                self.field(), self.tokens(images, hidden), times, save="all")
-            frames = self.decode(self.block.neuron(solution.xs))  # (T, B, N, C P P)
+                self.field(), self._tokens(filled, hidden), times, save="all")
+            frames = self._answer(self.decode(self.block.neuron(solution.xs)), filled)  # (T, B, N, C P P)
             if keep_visible:
                 frames = torch.where(hidden[..., None], frames, patchify(images, self.patch))
         return unpatchify(frames, self.patch, self.image_shape).clamp(0, 1), solution

@@ -246,6 +246,7 @@ def official_arrays(model: ImageET) -> dict[str, np.ndarray]:
     problems = [name for name, ok in (
         ("cls_token=True", model.cls is not None), ("cls_position=True", model.cls_position),
         ("renormalize=True", model.renormalize), ("self_attention=True", attention.self_attention),
+        ("fill=None", model.fill is None),
         ("hopfield='relu'", hopfield.form == "relu"), ("eps=1e-5", neuron.eps == OFFICIAL_EPS),
         ("tau=1", model.tau == 1.0), ("positive gamma", neuron.positive_gamma),
         (f"beta=1/sqrt(Y)={beta:.6g} for every head", bool(torch.allclose(attention.beta.double().cpu(),

@@ -1,0 +1,161 @@
+"""Biharmonic fill: exact on cubic polynomials, equal to scikit-image's inpaint_biharmonic, argument errors."""
+
+import numpy as np
+import pytest
+import torch
+
+from et_ode.fill import biharmonic_fill, biharmonic_matrix
+
+
+def _cubic(h: int, w: int) -> torch.Tensor:
+    y, x = torch.meshgrid(torch.linspace(0, 1, h, dtype=torch.float64), torch.linspace(0, 1, w, dtype=torch.float64),
+                          indexing="ij")
+    return 0.2 + 0.3 * x ** 3 - 0.2 * x * y ** 2 + 0.25 * y ** 2 + 0.1 * x * y
+
+
+def test_interior_stencil_is_the_13_point_biharmonic():
+    matrix = biharmonic_matrix(7, 9)
+    row = matrix[3 * 9 + 4].reshape(7, 9)
+    expected = torch.zeros(7, 9, dtype=torch.float64)
+    expected[3, 4] = 20
+    for dy, dx in ((0, 1), (0, -1), (1, 0), (-1, 0)):
+        expected[3 + dy, 4 + dx] = -8
+        expected[3 + 2 * dy, 4 + 2 * dx] = 1
+    for dy, dx in ((1, 1), (1, -1), (-1, 1), (-1, -1)):
+        expected[3 + dy, 4 + dx] = 2
+    assert torch.equal(row, expected)
+
+
+def test_a_cubic_is_filled_exactly_away_from_the_border():
+    # the discrete Laplacian of a cubic is linear, so its biharmonic vanishes: the unique fill is the cubic itself
+    image = _cubic(12, 14)
+    hidden = torch.zeros(2, 12, 14, dtype=torch.bool)
+    hidden[0, 3:8, 4:9] = True
+    hidden[1, 2:10, 2:5] = True
+    hidden[1, 5:7, 8:12] = True
+    images = image.expand(2, 1, 12, 14).clone()
+    images[hidden[:, None]] = 7.0  # values under the mask are ignored
+    filled = biharmonic_fill(images, hidden)
+    assert filled.dtype == torch.float64
+    torch.testing.assert_close(filled[:, 0], image.expand(2, 12, 14), atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("shape,channels", [((16, 16), 1), ((11, 7), 3)])
+def test_equals_scikit_image(shape, channels):
+    restoration = pytest.importorskip("skimage.restoration")
+    generator = torch.Generator().manual_seed(3)
+    images = torch.rand(3, channels, *shape, generator=generator, dtype=torch.float64)
+    hidden = torch.rand(3, *shape, generator=generator) < torch.tensor([0.2, 0.5, 0.7])[:, None, None]
+    hidden[0, :4, :4] = True  # a corner block: the truncated border stencils
+    filled = biharmonic_fill(images, hidden)
+    for i in range(3):
+        expected = restoration.inpaint_biharmonic(images[i].permute(1, 2, 0).numpy(), hidden[i].numpy(),
+                                                  channel_axis=-1)
+        np.testing.assert_allclose(filled[i].permute(1, 2, 0).numpy(), expected, atol=1e-10, rtol=0)
+
+
+def test_float32_in_float32_out_and_visible_pixels_kept():
+    images = torch.rand(4, 1, 8, 8)
+    hidden = torch.rand(4, 8, 8) < 0.5
+    filled = biharmonic_fill(images, hidden)
+    assert filled.dtype == torch.float32
+    assert torch.equal(filled[~hidden[:, None].expand_as(images)], images[~hidden[:, None].expand_as(images)])
+    # clipped to the range of the visible pixels
+    assert bool((filled.amax((1, 2, 3)) <= images.masked_fill(hidden[:, None], -1).amax((1, 2, 3))).all())
+
+
+def test_errors():
+    with pytest.raises(ValueError, match="images"):
+        biharmonic_fill(torch.rand(8, 8), torch.zeros(8, 8, dtype=torch.bool))
+    with pytest.raises(ValueError, match="hidden"):
+        biharmonic_fill(torch.rand(1, 1, 8, 8), torch.zeros(1, 8, 8))
+    with pytest.raises(ValueError, match="every pixel"):
+        biharmonic_fill(torch.rand(1, 1, 4, 4), torch.ones(1, 4, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match="height"):
+        biharmonic_matrix(0, 3)
+
+
+# ----------------------------------------------------------------------------------------------- ImageET(fill=...)
+def _model(**kwargs):
+    from et_ode.models import ImageET, SolverSettings
+
+    torch.manual_seed(0)
+    return ImageET((1, 12, 12), 4, 16, 2, 8, 32, fill="biharmonic",
+                   solver=SolverSettings(method="bosh3", t1=0.5, rtol=1e-3, atol=1e-5, grad="direct"), **kwargs)
+
+
+def _batch():
+    generator = torch.Generator().manual_seed(1)
+    images = torch.rand(3, 1, 12, 12, generator=generator)
+    hidden = torch.zeros(3, 9, dtype=torch.bool)
+    hidden[0, [4]] = True
+    hidden[1, [0, 4, 8]] = True
+    hidden[2, [1, 2, 3, 5]] = True
+    return images, hidden
+
+
+def _pixel_mask(hidden):
+    return hidden.reshape(-1, 3, 3).repeat_interleave(4, 1).repeat_interleave(4, 2)
+
+
+def test_untrained_fill_model_returns_scikit_images_biharmonic_fill():
+    from et_ode.models import patchify
+
+    restoration = pytest.importorskip("skimage.restoration")
+    model = _model()
+    images, hidden = _batch()
+    out = model(images, hidden)
+    expected = torch.stack([torch.from_numpy(restoration.inpaint_biharmonic(
+        images[i, 0].double().numpy(), _pixel_mask(hidden)[i].numpy())).float()[None] for i in range(3)])
+    torch.testing.assert_close(out.patches, patchify(expected, 4), atol=1e-5, rtol=0)
+    assert out.solution.stats.nfe_forward > 0
+
+
+def test_fill_tokens_encode_the_fill_plus_mask_and_training_moves_the_answer():
+    from et_ode.models import masked_mse, patchify
+
+    model = _model()
+    images, hidden = _batch()
+    filled = biharmonic_fill(images, _pixel_mask(hidden))
+    x0 = model.tokens(images, hidden)
+    encoded = model.encoder(patchify(filled, 4))
+    expected = torch.where(hidden[..., None], encoded + model.mask_token, encoded) + model.position
+    torch.testing.assert_close(x0, expected)
+    # the visible tokens do not see the hidden pixels' true values
+    changed = images.clone()
+    changed[_pixel_mask(hidden)[:, None]] = 0.0
+    torch.testing.assert_close(model.tokens(changed, hidden), x0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    for _ in range(3):
+        loss = masked_mse(model(images, hidden).patches, patchify(images, 4), hidden)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert model.block.attention.WQ.grad is not None and model.block.attention.WQ.grad.abs().sum() > 0
+    after = masked_mse(model(images, hidden).patches, patchify(images, 4), hidden)
+    assert after.item() < masked_mse(patchify(filled, 4), patchify(images, 4), hidden).item()
+
+
+def test_fill_round_trips_through_config_and_checkpoint(tmp_path):
+    from et_ode.models import ImageET
+    from et_ode.train import load_checkpoint, save_checkpoint
+
+    model = _model()
+    with torch.no_grad():
+        model.decoder.weight.normal_()
+    save_checkpoint(tmp_path / "c.safetensors", {"model": model.state_dict(), "config": model.config()})
+    state = load_checkpoint(tmp_path / "c.safetensors")
+    again = ImageET.from_config(state["config"])
+    again.load_state_dict(state["model"])
+    assert again.fill == "biharmonic"
+    images, hidden = _batch()
+    torch.testing.assert_close(again(images, hidden).patches, model(images, hidden).patches)
+
+
+def test_fill_errors(tmp_path):
+    from et_ode.models import ImageET
+
+    with pytest.raises(ValueError, match="fill"):
+        ImageET((1, 8, 8), 4, 8, 1, 8, fill="harmonic")
+    with pytest.raises(ValueError, match="fill=None"):
+        _model().to_official(tmp_path / "m.npz")

@@ -1,5 +1,7 @@
 """Biharmonic fill: exact on cubic polynomials, equal to scikit-image's inpaint_biharmonic, argument errors."""
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -159,3 +161,26 @@ def test_fill_errors(tmp_path):
         ImageET((1, 8, 8), 4, 8, 1, 8, fill="harmonic")
     with pytest.raises(ValueError, match="fill=None"):
         _model().to_official(tmp_path / "m.npz")
+
+
+def test_train_image_fill_flag_round_trips_through_the_run(tmp_path):
+    from et_ode.cli import main
+    from et_ode.tasks.image import load_trained
+
+    tiny = ["--train-limit", "48", "--test-limit", "24", "--patch", "2", "--dim", "8", "--heads", "2", "--head-dim",
+            "4", "--solver", "bosh3", "--t1", "0.3", "--rtol", "1e-2", "--grad", "adjoint", "--epochs", "1",
+            "--batch-size", "16", "--no-progress", "--threads", "1", "--fill", "biharmonic"]
+    assert main(["train", "image", *tiny, "--out", str(tmp_path)]) == 0
+    model, run = load_trained(tmp_path / "checkpoint.safetensors")
+    assert model.fill == "biharmonic" and run.fill == "biharmonic"
+    # the reloaded model scores what the run reported: its fill came back with it (without it the score differs)
+    from et_ode.data import load_images
+    from et_ode.models import evaluate_completion, fixed_mask_set
+
+    test = fixed_mask_set(load_images("digits", None, "test").images[:24], model.num_patches, run.ratio,
+                          seed=run.mask_seed)
+    batches = [test.tensors]
+    reported = json.loads((tmp_path / "results.json").read_text())["model"]["mse"]
+    assert evaluate_completion(model, batches)["mse"] == pytest.approx(reported, rel=1e-5)
+    model.fill = None
+    assert evaluate_completion(model, batches)["mse"] != pytest.approx(reported, rel=1e-2)

@@ -66,6 +66,9 @@ def add_train_image(subparsers: argparse._SubParsersAction) -> None:
     model.add_argument("--hopfield", default=run.hopfield, choices=("relu", "softplus", "softmax"),
                        help="Hopfield energy form")
     model.add_argument("--cls-token", action="store_true", help="prepend a CLS token")
+    model.add_argument("--fill", choices=("biharmonic",), default=None,
+                       help="start the hidden patches from this classical fill (the ET learns a correction to it) "
+                            "instead of the MASK token")
     model.add_argument("--tau", type=float, default=run.tau, help="time constant of the dynamics")
     mask = parser.add_argument_group("masks")
     mask.add_argument("--mask-ratio", type=float, default=run.ratio, help="fraction of patches scored, in (0, 1)")
@@ -115,7 +118,7 @@ def _train_image_from_args(args: argparse.Namespace) -> None:
     config = ImageRunConfig(data=args.data, data_path=args.data_path, train_limit=args.train_limit,
                             test_limit=args.test_limit, val_size=args.val_size, patch=args.patch, dim=args.dim,
                             heads=args.heads, head_dim=args.head_dim, memories=args.memories, hopfield=args.hopfield,
-                            cls_token=args.cls_token, tau=args.tau, ratio=args.mask_ratio,
+                            cls_token=args.cls_token, fill=args.fill, tau=args.tau, ratio=args.mask_ratio,
                             visible_fraction=args.visible_fraction, mask_seed=args.mask_seed,
                             integration=integration_from(args, ImageRunConfig().integration),
                             train=train, baselines=not args.no_baselines,

@@ -67,6 +67,7 @@ class ImageRunConfig:
     memories: int | None = None
     hopfield: str = "relu"
     cls_token: bool = False
+    fill: str | None = None  # None: hidden patches start as MASK; "biharmonic": from the biharmonic fill (ImageET)
     tau: float = 1.0
     ratio: float = 0.5
     visible_fraction: float = 0.0
@@ -115,7 +116,7 @@ def build_model(config: ImageRunConfig, image_shape: Sequence[int]) -> ImageET:
     torch.manual_seed(config.train.seed)
     return ImageET(tuple(image_shape), config.patch, config.dim, config.heads, config.head_dim, config.memories,
                    cls_token=config.cls_token, hopfield=config.hopfield, tau=config.tau,
-                   integration=config.integration)
+                   integration=config.integration, fill=config.fill)
 
 
 def energy_descent(model: ImageET, images: torch.Tensor, hidden: torch.Tensor, integration: Integration,

@@ -1,0 +1,64 @@
+"""examples/inpaint_recipe.py (the README's completion recipe) runs end to end at a tiny size."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("skimage")
+SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "inpaint_recipe.py"
+
+
+@pytest.fixture(scope="module")
+def recipe():
+    spec = importlib.util.spec_from_file_location("inpaint_recipe", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_photo_split_is_by_photograph(recipe):
+    data = recipe.load("photos")
+    assert [data[s].shape[1:] for s in ("train", "val", "test")] == [(1, 16, 16)] * 3
+    # camera (512x512, test) gives 1,024 tiles; no photograph is in two splits
+    assert sum(1 for s in recipe.PHOTOGRAPHS.values() if s == "test") == 6
+    assert len(recipe.photo_tiles(["camera"])) == 1024
+    assert 0.0 <= float(data["test"].min()) and float(data["test"].max()) <= 1.0
+
+
+def test_knn_fill_is_the_mean_of_the_nearest_on_visible_patches(recipe):
+    generator = torch.Generator().manual_seed(0)
+    bank_images = torch.rand(30, 1, 8, 8, generator=generator)
+    images = torch.rand(2, 1, 8, 8, generator=generator)
+    hidden = torch.tensor([[True, False, False, True], [False, True, False, False]])
+    bank = recipe.patchify(bank_images, 4)
+    filled = recipe.knn_fill(bank, images, hidden, k=3, chunk=7)
+    target = recipe.patchify(images, 4)
+    for b in range(2):
+        dist = ((bank - target[b]).square().sum(-1) * (~hidden[b])).sum(-1)
+        nearest = dist.argsort()[:3]
+        expected = torch.where(hidden[b][:, None], bank[nearest].mean(0), target[b])
+        torch.testing.assert_close(recipe.patchify(filled, 4)[b], expected)
+        # leaving out the nearest one (the image itself, in training) gives the next nearest
+        alone = recipe.knn_fill(bank, images[b:b + 1], hidden[b:b + 1], exclude=nearest[:1], k=1, chunk=7)
+        expected = torch.where(hidden[b][:, None], bank[nearest[1]], target[b])
+        torch.testing.assert_close(recipe.patchify(alone, 4)[0], expected)
+
+
+def test_train_resume_and_evaluate_at_a_tiny_size(recipe, tmp_path, capsys):
+    out = tmp_path / "run"
+    common = ["train", "--data", "photos", "--out", str(out), "--limit", "40", "--dim", "8", "--heads", "2",
+              "--head-dim", "4", "--batch", "8", "--planned-steps", "4", "--print-every", "1"]
+    recipe.main([*common[:-4], "--planned-steps", "4", "--minutes", "0"])  # a zero budget: nothing trained yet
+    recipe.main(common)
+    text = capsys.readouterr().out
+    assert "resumed at step 0" in text and "step 4 " in text
+    assert json.loads(text.strip().splitlines()[-1])["steps"] == 4
+    recipe.main(["evaluate", "--out", str(out), "--split", "val"])
+    scores = json.loads((out / "evaluate_val.json").read_text())
+    assert set(scores) == {"as trained", "dopri5, rtol 0.001", "dopri5, rtol 1e-06", "12 Euler steps"}
+    assert scores["dopri5, rtol 1e-06"]["nfe_per_batch"] > scores["dopri5, rtol 0.001"]["nfe_per_batch"]
+    with pytest.raises(SystemExit, match="other settings"):
+        recipe.main([*common, "--dim", "16"])

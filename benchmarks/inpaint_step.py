@@ -19,16 +19,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import environment, interleaved, ms, set_threads, table  # noqa: E402
 
-from et_ode.models import ImageET, SolverSettings, masked_mse, patchify, random_masks  # noqa: E402
+from et_ode import Adaptive, Adjoint, Direct, EulerET, Integration  # noqa: E402
+from et_ode.models import ImageET, masked_mse, patchify, random_masks  # noqa: E402
 
 CANDIDATES = {
-    "bosh3 to t=1, rtol 1e-2, adjoint (the recipe)": SolverSettings(method="bosh3", t1=1.0, rtol=1e-2, atol=1e-3,
-                                                                    grad="adjoint"),
-    "bosh3 to t=1, rtol 1e-2, adjoint, seminorm": SolverSettings(method="bosh3", t1=1.0, rtol=1e-2, atol=1e-3,
-                                                                 grad="adjoint", seminorm=True),
-    "dopri5 to t=1, rtol 1e-3, adjoint": SolverSettings(method="dopri5", t1=1.0, rtol=1e-3, atol=1e-4,
-                                                        grad="adjoint"),
-    "12 Euler steps of 1/12, backprop (direct)": SolverSettings(method="et", step=1 / 12, steps=12, grad="direct"),
+    "bosh3 to t=1, rtol 1e-2, adjoint (the recipe)": Integration(Adaptive("bosh3", rtol=1e-2, atol=1e-3), Adjoint(),
+                                                                 t1=1.0),
+    "bosh3 to t=1, rtol 1e-2, adjoint, seminorm": Integration(Adaptive("bosh3", rtol=1e-2, atol=1e-3),
+                                                              Adjoint(seminorm=True), t1=1.0),
+    "dopri5 to t=1, rtol 1e-3, adjoint": Integration(Adaptive("dopri5", rtol=1e-3, atol=1e-4), Adjoint(), t1=1.0),
+    "12 Euler steps of 1/12, backprop (direct)": Integration(EulerET(alpha=1 / 12, steps=12), Direct()),
 }
 
 
@@ -44,9 +44,9 @@ def main() -> None:
     target = patchify(images, 4)
     last: dict[str, tuple[int, int]] = {}
 
-    def step(name: str, solver: SolverSettings):
+    def step(name: str, integration: Integration):
         torch.manual_seed(0)
-        model = ImageET((1, 16, 16), 4, 32, 4, 8, fill="biharmonic", solver=solver)
+        model = ImageET((1, 16, 16), 4, 32, 4, 8, fill="biharmonic", integration=integration)
         torch.nn.init.normal_(model.decoder.weight, std=0.1)  # a trained model's decoder is not zero
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
@@ -59,7 +59,7 @@ def main() -> None:
             last[name] = (out.solution.stats.nfe_forward, out.solution.stats.nfe_backward)
         return run
 
-    seconds = interleaved({name: step(name, solver) for name, solver in CANDIDATES.items()}, args.reps)
+    seconds = interleaved({name: step(name, integration) for name, integration in CANDIDATES.items()}, args.reps)
     euler = seconds["12 Euler steps of 1/12, backprop (direct)"]
     rows = [(name, f"{ms(s):.0f}", f"{s / euler:.2f}", last[name][0], last[name][1]) for name, s in seconds.items()]
     print(environment())

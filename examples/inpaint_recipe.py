@@ -31,8 +31,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from et_ode import Adaptive, Direct, EulerET, Integration
 from et_ode.fill import biharmonic_fill
-from et_ode.models import ImageET, SolverSettings, masked_mse, patchify, random_masks, unpatchify
+from et_ode.models import ImageET, masked_mse, patchify, random_masks, unpatchify
 from et_ode.tasks.baselines import MeanImage, NearestNeighbour
 
 PATCH = 4
@@ -140,14 +141,14 @@ def masked_patch_mse(predict, images: Tensor, hidden: Tensor, batch: int = 500) 
 
 
 def build(cfg: dict, data: dict[str, Tensor]) -> ImageET:
-    solver = SolverSettings(method=cfg["method"], t1=cfg["t1"], rtol=cfg["rtol"], atol=cfg["atol"],
-                            grad=cfg["grad"], seminorm=cfg["seminorm"])
+    integration = Integration.from_options(cfg["method"], t1=cfg["t1"], rtol=cfg["rtol"], atol=cfg["atol"],
+                                           gradient=cfg["gradient"], seminorm=cfg["seminorm"], max_steps=2000)
     torch.manual_seed(cfg["seed"])
     shape = tuple(data["train"].shape[1:])
     args = (shape, PATCH, cfg["dim"], cfg["heads"], cfg["head_dim"], cfg["memories"])
     if cfg["fill"] == "knn":
-        return KnnFillET(*args, solver=solver, bank=patchify(data["train"], PATCH))
-    return ImageET(*args, solver=solver, fill=None if cfg["fill"] == "none" else cfg["fill"])
+        return KnnFillET(*args, integration=integration, bank=patchify(data["train"], PATCH))
+    return ImageET(*args, integration=integration, fill=None if cfg["fill"] == "none" else cfg["fill"])
 
 
 def limited(data: dict[str, Tensor], limit: int) -> dict[str, Tensor]:
@@ -177,7 +178,7 @@ def baselines(args) -> None:
 def train(args) -> None:
     out = Path(args.out)
     cfg = {k: getattr(args, k) for k in ("data", "dim", "heads", "head_dim", "memories", "method", "t1", "rtol",
-                                         "atol", "grad", "seminorm", "fill", "lr", "batch", "planned_steps", "seed",
+                                         "atol", "gradient", "seminorm", "fill", "lr", "batch", "planned_steps", "seed",
                                          "augment", "limit")}
     checkpoint = out / "checkpoint.pt"
     if checkpoint.exists():
@@ -255,17 +256,17 @@ def evaluate(args) -> None:
     model.eval()
     x = data[args.split]
     h = split_masks(args.split, len(x), model.num_patches)
-    solvers = {"as trained": model.solver}
+    solvers = {"as trained": model.integration.replace(gradient=Direct())}
     for rtol in (1e-3, 1e-6):
-        solvers[f"dopri5, rtol {rtol:g}"] = SolverSettings(method="dopri5", t1=cfg["t1"], rtol=rtol, atol=rtol / 10,
-                                                           grad="direct", max_steps=100_000)
-    solvers["12 Euler steps"] = SolverSettings(method="et", step=cfg["t1"] / 12, steps=12, grad="direct")
+        solvers[f"dopri5, rtol {rtol:g}"] = Integration(Adaptive("dopri5", rtol=rtol, atol=rtol / 10), Direct(),
+                                                        t1=cfg["t1"], max_steps=100_000)
+    solvers["12 Euler steps"] = Integration(EulerET(alpha=cfg["t1"] / 12, steps=12), Direct())
     result = {}
-    for name, solver in solvers.items():
+    for name, integration in solvers.items():
         nfe: list[int] = []
 
-        def predict(a, b, solver=solver, nfe=nfe):
-            completion = model(a, b, solver=solver)
+        def predict(a, b, integration=integration, nfe=nfe):
+            completion = model(a, b, integration=integration)
             nfe.append(completion.solution.stats.nfe_forward)
             return completion.patches
         began = time.perf_counter()
@@ -294,7 +295,7 @@ def main(argv: list[str] | None = None) -> None:
     run.add_argument("--t1", type=float, default=1.0)
     run.add_argument("--rtol", type=float, default=1e-2)
     run.add_argument("--atol", type=float, default=1e-3)
-    run.add_argument("--grad", default="adjoint")
+    run.add_argument("--gradient", default="adjoint")
     run.add_argument("--seminorm", action="store_true")
     run.add_argument("--lr", type=float, default=3e-3)
     run.add_argument("--batch", type=int, default=64)

@@ -79,11 +79,12 @@ def test_errors():
 
 # ----------------------------------------------------------------------------------------------- ImageET(fill=...)
 def _model(**kwargs):
-    from et_ode.models import ImageET, SolverSettings
+    from et_ode import Adaptive, Direct, Integration
+    from et_ode.models import ImageET
 
     torch.manual_seed(0)
-    return ImageET((1, 12, 12), 4, 16, 2, 8, 32, fill="biharmonic",
-                   solver=SolverSettings(method="bosh3", t1=0.5, rtol=1e-3, atol=1e-5, grad="direct"), **kwargs)
+    integration = Integration(Adaptive("bosh3", rtol=1e-3, atol=1e-5), Direct(), t1=0.5)
+    return ImageET((1, 12, 12), 4, 16, 2, 8, 32, fill="biharmonic", integration=integration, **kwargs)
 
 
 def _batch():
@@ -156,11 +157,12 @@ def test_fill_round_trips_through_config_and_checkpoint(tmp_path):
 
 def test_fill_errors(tmp_path):
     from et_ode.models import ImageET
+    from et_ode.models.official import save_official
 
     with pytest.raises(ValueError, match="fill"):
         ImageET((1, 8, 8), 4, 8, 1, 8, fill="harmonic")
     with pytest.raises(ValueError, match="fill=None"):
-        _model().to_official(tmp_path / "m.npz")
+        save_official(_model(), tmp_path / "m.npz")
 
 
 def test_train_image_fill_flag_round_trips_through_the_run(tmp_path):
@@ -168,7 +170,7 @@ def test_train_image_fill_flag_round_trips_through_the_run(tmp_path):
     from et_ode.tasks.image import load_trained
 
     tiny = ["--train-limit", "48", "--test-limit", "24", "--patch", "2", "--dim", "8", "--heads", "2", "--head-dim",
-            "4", "--solver", "bosh3", "--t1", "0.3", "--rtol", "1e-2", "--grad", "adjoint", "--epochs", "1",
+            "4", "--solver", "bosh3", "--t1", "0.3", "--rtol", "1e-2", "--gradient", "adjoint", "--epochs", "1",
             "--batch-size", "16", "--no-progress", "--threads", "1", "--fill", "biharmonic"]
     assert main(["train", "image", *tiny, "--out", str(tmp_path)]) == 0
     model, run = load_trained(tmp_path / "checkpoint.safetensors")
@@ -181,6 +183,7 @@ def test_train_image_fill_flag_round_trips_through_the_run(tmp_path):
                           seed=run.mask_seed)
     batches = [test.tensors]
     reported = json.loads((tmp_path / "results.json").read_text())["model"]["mse"]
-    assert evaluate_completion(model, batches)["mse"] == pytest.approx(reported, rel=1e-5)
-    model.fill = None
-    assert evaluate_completion(model, batches)["mse"] != pytest.approx(reported, rel=1e-2)
+    with torch.no_grad():
+        assert evaluate_completion(model, batches)["mse"] == pytest.approx(reported, rel=1e-5)
+        model.fill = None
+        assert evaluate_completion(model, batches)["mse"] != pytest.approx(reported, rel=1e-2)

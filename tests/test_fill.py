@@ -187,3 +187,21 @@ def test_train_image_fill_flag_round_trips_through_the_run(tmp_path):
         assert evaluate_completion(model, batches)["mse"] == pytest.approx(reported, rel=1e-5)
         model.fill = None
         assert evaluate_completion(model, batches)["mse"] != pytest.approx(reported, rel=1e-2)
+
+
+def test_film_of_a_fill_model_starts_at_fill_plus_correction_and_ends_at_forward():
+    from et_ode import Direct, EulerET, Integration
+    from et_ode.models import patchify, unpatchify
+
+    model = _model(tau=0.5)
+    model.integration = Integration(EulerET(alpha=0.1, steps=4), Direct())
+    with torch.no_grad():
+        model.decoder.weight.normal_(std=0.3)
+    images, hidden = _batch()
+    frames, _ = model.film(images, hidden, keep_visible=False)
+    with torch.no_grad():
+        filled = biharmonic_fill(images, _pixel_mask(hidden))
+        first = patchify(filled, 4) + model.decode(model.block.neuron(model.tokens(images, hidden)))
+        last = model(images, hidden).patches
+    torch.testing.assert_close(frames[0], unpatchify(first, 4, (1, 12, 12)).clamp(0, 1))
+    torch.testing.assert_close(frames[-1], unpatchify(last, 4, (1, 12, 12)).clamp(0, 1))

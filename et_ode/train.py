@@ -157,25 +157,28 @@ class TrainConfig:
         positive_ints = {"epochs": self.epochs, "batch_size": self.batch_size, "eval_every": self.eval_every}
         for name, value in positive_ints.items():
             if not (isinstance(value, int) and value >= 1):
-                raise ValueError(f"TrainConfig.{name} must be a positive integer, got {value!r}")
+                raise ValueError(f"TrainConfig.{name} must be a positive integer (--{name.replace('_', '-')}), "
+                                 f"got {value!r}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise ValueError(f"TrainConfig.lr must be positive and finite, got {self.lr!r}")
+            raise ValueError(f"TrainConfig.lr must be positive and finite (--lr), got {self.lr!r}")
         if self.weight_decay < 0:
-            raise ValueError(f"TrainConfig.weight_decay must be >= 0, got {self.weight_decay!r}")
+            raise ValueError(f"TrainConfig.weight_decay must be >= 0 (--weight-decay), got {self.weight_decay!r}")
         if self.warmup < 0:
-            raise ValueError(f"TrainConfig.warmup must be >= 0 (a fraction < 1 or a number of steps), got {self.warmup!r}")
+            raise ValueError(f"TrainConfig.warmup must be >= 0 (--warmup: a fraction < 1 or a number of steps), "
+                             f"got {self.warmup!r}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"TrainConfig.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
         if self.grad_clip is not None and self.grad_clip < 0:
-            raise ValueError(f"TrainConfig.grad_clip must be None or >= 0, got {self.grad_clip!r}")
+            raise ValueError(f"TrainConfig.grad_clip must be None or >= 0 (--grad-clip), got {self.grad_clip!r}")
         if not (isinstance(self.checkpoint_every, int) and self.checkpoint_every >= 0):
-            raise ValueError(f"TrainConfig.checkpoint_every must be an integer >= 0, got {self.checkpoint_every!r}")
+            raise ValueError(f"TrainConfig.checkpoint_every must be an integer >= 0 (--checkpoint-every), "
+                             f"got {self.checkpoint_every!r}")
         if self.max_train_batches is not None and not (isinstance(self.max_train_batches, int)
                                                        and self.max_train_batches >= 1):
-            raise ValueError(f"TrainConfig.max_train_batches must be None or a positive integer, "
+            raise ValueError(f"TrainConfig.max_train_batches must be None or a positive integer (--max-train-batches), "
                              f"got {self.max_train_batches!r}")
         if self.max_time is not None and not (isinstance(self.max_time, (int, float)) and 0 < self.max_time < math.inf):
-            raise ValueError(f"TrainConfig.max_time must be None or a positive number of seconds (--max-time), "
+            raise ValueError(f"TrainConfig.max_time must be None or a positive number of seconds (--max-time, in minutes), "
                              f"got {self.max_time!r}")
         self.betas = tuple(self.betas)
         resolve_device(self.device)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from et_ode.baselines import Biharmonic, MeanImage, NearestNeighbour
+from et_ode.tasks.baselines import Biharmonic, MeanImage, NearestNeighbour
 from et_ode.models import patchify, random_masks
 
 skimage = pytest.importorskip("skimage")

@@ -29,6 +29,7 @@ Files written to ``out_dir`` (a new or empty folder; an earlier evaluation is re
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Callable
@@ -41,10 +42,10 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from .. import runs
-from ..data.images import ImageSet, load_split
+from ..data.images import ImageSet
 from ..models.image import SolverSettings, fixed_mask_set, masked_mse, patchify, unpatchify
 from .baselines import Biharmonic, MeanImage, NearestNeighbour
-from .image import ImageRunConfig, load_trained
+from .image import ImageRunConfig, load_run_split, load_trained
 
 PREDICTORS = ("et", "mean", "nearest", "biharmonic")
 TITLES = {"et": "ET (the checkpoint)", "mean": "per-position mean of the training images",
@@ -149,26 +150,27 @@ def evaluate_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, data: st
 
 
 def _plain(solver: Any) -> dict[str, Any]:
-    import dataclasses
-
     return dataclasses.asdict(solver) if dataclasses.is_dataclass(solver) else dict(vars(solver))
 
 
 def _evaluated_images(run: ImageRunConfig, source: dict[str, Any], shape: tuple[int, int, int]) -> ImageSet:
-    images = load_split(source["data"], source["data_path"], source["split"], test_path=source["test_path"],
-                        tile=run.tile, stride=run.stride, channels=shape[0] if run.data in ("png", "photos")
-                        or source["test_path"] else run.channels, validation_fraction=run.validation_fraction)
+    """The images of ``source`` (data, data_path, test_path, split), tiled like the run's and of its channels."""
+    tiled = source["data"] in ("png", "photos") or source["test_path"] is not None
+    where = dataclasses.replace(run, data=source["data"], data_path=source["data_path"], test_path=source["test_path"],
+                                channels=shape[0] if tiled else None,
+                                tile=run.tile if tiled else None, stride=run.stride if tiled else None,
+                                validation_fraction=run.validation_fraction if source["data"] == run.data else 0.0)
+    images = load_run_split(where, source["split"])
     if tuple(images.shape) != tuple(shape):
         raise ValueError(f"the evaluated images have shape {images.shape} (C, H, W); the model completes {tuple(shape)}: "
-                         f"give data of that size (--data, --data-path, --test-path; photos are cut into tiles of the "
-                         f"run's --tile {run.tile})")
+                         f"give data of that size (--data, --data-path, --test-path; PNG photos are cut into tiles of "
+                         f"the run's --tile, {run.tile})")
     return images
 
 
 def _training_images(run: ImageRunConfig) -> Tensor:
-    train = load_split(run.data, run.data_path, "train", test_path=run.test_path, tile=run.tile, stride=run.stride,
-                       channels=run.channels, validation_fraction=run.validation_fraction)
-    return train.images[:run.train_limit] if run.train_limit else train.images
+    """The run's training images (what the model learned from), for the baselines that learn."""
+    return load_run_split(run, "train", run.train_limit).images
 
 
 def _read_masks(path: str | Path, count: int, num_patches: int) -> tuple[Tensor, Tensor]:

@@ -1,0 +1,70 @@
+"""``et-ode evaluate CKPT --out DIR``: options in, :func:`et_ode.tasks.evaluation.evaluate_checkpoint` out."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from ..data.images import SOURCES
+from ..solve import METHODS
+from ..tasks.evaluation import PREDICTORS, evaluate_checkpoint
+from ..tasks.image import load_trained
+
+
+def add_evaluate(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "evaluate", help="score a trained checkpoint and the classical baselines on any data, with saved masks",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Complete the images of a split (default: the run's test split) with the trained ET, the "
+                    "per-position mean and the nearest training image (both from the run's training data) and "
+                    "biharmonic inpainting (scikit-image), on the same seeded masks; write OUT/evaluation.json, "
+                    "OUT/evaluation.md (the table), OUT/completions.npz (images, masks, completions, per-image MSE) "
+                    "and OUT/completions.png.")
+    parser.add_argument("checkpoint", help="OUT/checkpoint.safetensors written by `et-ode train image`")
+    parser.add_argument("--out", required=True, help="output folder (new or empty; see --overwrite)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an earlier evaluation in --out")
+    data = parser.add_argument_group("what is evaluated (default: the run's test split)")
+    data.add_argument("--data", default=None, choices=SOURCES, help="another source (tiled like the run's)")
+    data.add_argument("--data-path", default=None, help="its folder (see `et-ode train image --help`)")
+    data.add_argument("--test-path", default=None, metavar="DIR",
+                      help="a folder of PNG images to evaluate (tiled like the run's data)")
+    data.add_argument("--split", default="test", choices=("test", "validation"), help="the split of the data")
+    data.add_argument("--limit", type=int, default=None, help="only the first N images")
+    masks = parser.add_argument_group("masks (the run's ratio and visible fraction)")
+    masks.add_argument("--mask-seed", type=int, default=None, help="seed of the masks (default: the run's)")
+    masks.add_argument("--masks", default=None, metavar="NPZ",
+                       help="reuse the masks of an earlier evaluation's completions.npz")
+    model = parser.add_argument_group("the model's dynamics (default: the run's solver)")
+    model.add_argument("--solver", default=None, choices=METHODS, help="ODE method")
+    model.add_argument("--t1", type=float, default=None, help="horizon")
+    model.add_argument("--rtol", type=float, default=None, help="adaptive rtol")
+    model.add_argument("--atol", type=float, default=None, help="adaptive atol")
+    parser.add_argument("--predictors", default=",".join(PREDICTORS),
+                        help=f"comma-separated subset of {','.join(PREDICTORS)}")
+    parser.add_argument("--batch-size", type=int, default=250, help="images per batch")
+    parser.add_argument("--grid", type=int, default=8, help="images in completions.png (0: none)")
+    parser.add_argument("--device", default="cpu", help="auto, cpu, cuda or cuda:i")
+    parser.add_argument("--no-progress", action="store_true", help="no tqdm bars")
+    parser.set_defaults(run=_run_evaluate)
+
+
+def _run_evaluate(args: argparse.Namespace) -> None:
+    changes = {k: v for k, v in (("method", args.solver), ("t1", args.t1), ("rtol", args.rtol), ("atol", args.atol))
+               if v is not None}
+    solver = None
+    if changes:
+        _, run = load_trained(args.checkpoint)
+        if args.solver not in (None, "et"):
+            changes.update(step=None, steps=None)
+        elif args.solver == "et" and run.solver.method != "et":
+            raise ValueError("--solver et needs the run's --step and --steps: evaluate a model trained with 'et', "
+                             "or choose an adaptive --solver")
+        solver = run.solver.replace(**changes)
+    results = evaluate_checkpoint(args.checkpoint, args.out, data=args.data, data_path=args.data_path,
+                                  test_path=args.test_path, split=args.split, limit=args.limit,
+                                  mask_seed=args.mask_seed, masks=args.masks, solver=solver,
+                                  predictors=tuple(p.strip() for p in args.predictors.split(",") if p.strip()),
+                                  batch_size=args.batch_size, grid=args.grid, overwrite=args.overwrite,
+                                  device=args.device, progress=not args.no_progress)
+    print(json.dumps({"images": results["images"], "best": results["best"], "files": results["files"],
+                      "mse": {name: entry["mse"] for name, entry in results["predictors"].items()}}, indent=2))

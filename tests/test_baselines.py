@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from et_ode.tasks.baselines import Biharmonic, MeanImage, NearestNeighbour
 from et_ode.models import patchify, random_masks
+from et_ode.tasks.baselines import Biharmonic, MeanImage, NearestNeighbour
 
 skimage = pytest.importorskip("skimage")
 

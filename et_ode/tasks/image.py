@@ -106,6 +106,9 @@ class ImageRunConfig:
         for name, value in (("tile", self.tile), ("stride", self.stride)):
             if value is not None and not (isinstance(value, int) and value >= 1):
                 raise ValueError(f"{name} must be a positive integer (--{name}), got {value!r}")
+        if self.data == "photos":  # its defaults, recorded in config.json: 16x16 grey tiles
+            self.tile = 16 if self.tile is None else self.tile
+            self.channels = 1 if self.channels is None else self.channels
         if not (isinstance(self.validation_fraction, (int, float)) and 0 <= self.validation_fraction < 1):
             raise ValueError(f"validation_fraction must be in [0, 1) (--validation-fraction), "
                              f"got {self.validation_fraction!r}")

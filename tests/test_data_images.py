@@ -177,6 +177,9 @@ def test_png_tiles_of_one_photo_never_straddle_splits(tmp_path):
     assert tiled.sources == ("one",) * 6 + ("two",) * 4
     assert torch.allclose(tiled.images[4, 0], torch.tensor(pixels[8:16, 8:16], dtype=torch.float32), atol=0.01)
     assert len(load_png_folder(whole, channels=1, tile=8, stride=4)) == 3 * 5 + 4 * 3
+    # subsets keep each image's source, whatever the index
+    assert tiled.subset(torch.arange(10) >= 5).sources == ("one",) + ("two",) * 4
+    assert tiled.subset([9, 0]).sources == ("two", "one") and tiled.subset(slice(5, 7)).sources == ("one", "two")
 
 
 def test_split_by_source_errors_name_the_rule(tmp_path):

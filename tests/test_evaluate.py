@@ -168,3 +168,18 @@ def test_max_time_stops_the_run_with_a_checkpoint(folders, tmp_path):
     assert 10 <= results["train_cost"]["steps"] < 100000 * 6
     model, _ = load_trained(out / "checkpoint.safetensors")  # the checkpoint holds the stopped model
     assert model.image_shape == (1, 8, 8)
+
+
+@pytest.mark.parametrize("argv, options", [
+    (["evaluate", "--help"], ("--test-path", "--masks", "--mask-seed", "--overwrite", "--predictors", "--split")),
+    (["train", "image", "--help"], ("--test-path", "--tile", "--stride", "--channels", "--validation-fraction",
+                                    "--max-time")),
+])
+def test_help_names_the_options(argv, options, capsys):
+    from et_ode.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(argv)
+    text = capsys.readouterr().out
+    for option in options:
+        assert option in text, option

@@ -98,7 +98,8 @@ class ImageSet:
 
 def concatenate(parts: Sequence[ImageSet], name: str) -> ImageSet:
     """One :class:`ImageSet` of ``parts`` in order (sources kept when every part names them)."""
-    sources = None if any(p.sources is None for p in parts) else tuple(n for p in parts for n in p.sources)
+    named = [p.sources for p in parts if p.sources is not None]
+    sources = tuple(n for names in named for n in names) if len(named) == len(parts) else None
     return ImageSet(torch.cat([p.images for p in parts]), torch.cat([p.labels for p in parts]), name, sources)
 
 
@@ -346,7 +347,7 @@ def _read_png(imread: Callable[[Path], Any], path: Path) -> np.ndarray:
     return array
 
 
-def _as_channels(array: np.ndarray, channels: int | None, path: Path) -> np.ndarray:
+def _as_channels(array: np.ndarray, channels: int | None, path: Path | str) -> np.ndarray:
     """``(H, W)`` / ``(H, W, 3|4)`` -> ``(C, H, W)``, converted to ``channels`` when given."""
     if array.ndim == 2:
         array = array[None]

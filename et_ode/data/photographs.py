@@ -59,7 +59,7 @@ def photograph(name: str) -> np.ndarray:
         from matplotlib import cbook
         from matplotlib.image import imread
 
-        return np.asarray(imread(cbook.get_sample_data("grace_hopper.jpg")))
+        return np.asarray(imread(str(cbook.get_sample_data("grace_hopper.jpg", asfileobj=False))))
     try:
         from skimage import data
     except ImportError:

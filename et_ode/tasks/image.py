@@ -19,10 +19,11 @@ a tensor ``(batch, N, D)``, for ``et-ode analyze``), ``tokens_meta.json``.
 Data (:func:`et_ode.data.load_split`): the training, validation and test splits of ``config.data``; PNG folders and
 the ``photos`` data set are split by source image, and ``config.test_path`` gives a separate folder of test images.
 After each epoch the model is scored on the validation split when there is one (``validation_fraction > 0``, or
-the photos' fixed split), else on the first ``val_size`` test images (for watching the run only: choose settings
-on a validation split). The final scores are on the whole test split, beside the per-position mean, the nearest
-training image and, when scikit-image is installed, biharmonic inpainting. ``results.json`` also holds the cost of
-training (``train_cost``: steps, seconds per step, field evaluations per step forward and backward).
+the photos' fixed split; ``val_size`` images spread evenly over it), else on the first ``val_size`` test images
+(for watching the run only: choose settings on a validation split). The final scores are on the whole test
+split, beside the per-position mean, the nearest training image and, when scikit-image is installed, biharmonic
+inpainting. ``results.json`` also holds the cost of training (``train_cost``: steps, seconds per step, field
+evaluations per step forward and backward).
 """
 
 from __future__ import annotations
@@ -231,11 +232,15 @@ def _train_image(config: ImageRunConfig, out: Path | None) -> dict[str, Any]:
     task = CompletionTask(config.ratio, config.visible_fraction)
     test = fixed_mask_set(test_set.images, model.num_patches, config.ratio, config.visible_fraction,
                           seed=config.mask_seed)
-    watched = test if not has_validation(config) else fixed_mask_set(
-        load_run_split(config, "validation").images, model.num_patches, config.ratio, config.visible_fraction,
-        seed=config.mask_seed)
-    val = watched if not config.val_size or config.val_size >= len(watched) else torch.utils.data.Subset(
-        watched, range(config.val_size))
+    if has_validation(config):  # val_size images spread evenly over the split, so that every source is watched
+        validation = load_run_split(config, "validation")
+        if config.val_size and config.val_size < len(validation):
+            validation = validation.subset(torch.linspace(0, len(validation) - 1, config.val_size).long())
+        val = fixed_mask_set(validation.images, model.num_patches, config.ratio, config.visible_fraction,
+                             seed=config.mask_seed)
+    else:
+        val = test if not config.val_size or config.val_size >= len(test) else torch.utils.data.Subset(
+            test, range(config.val_size))
     history = fit(model, task, train_set.images, val, config.train, meta={"run": config.to_dict(),
                                                                             "model": model.config()})
     if not distributed.is_main():

@@ -171,7 +171,8 @@ def test_max_time_stops_the_run_with_a_checkpoint(folders, tmp_path):
 
 
 @pytest.mark.parametrize("argv, options", [
-    (["evaluate", "--help"], ("--test-path", "--masks", "--mask-seed", "--overwrite", "--predictors", "--split")),
+    (["evaluate", "--help"], ("--test-path", "--masks", "--mask-seed", "--overwrite", "--predictors", "--split",
+                              "--threads")),
     (["train", "image", "--help"], ("--test-path", "--tile", "--stride", "--channels", "--validation-fraction",
                                     "--max-time")),
 ])

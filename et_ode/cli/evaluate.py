@@ -5,10 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 
+import torch
+
 from ..data.images import SOURCES
 from ..solve import METHODS
 from ..tasks.evaluation import PREDICTORS, evaluate_checkpoint
 from ..tasks.image import load_trained
+from .image import thread_count
 
 
 def add_evaluate(commands: argparse._SubParsersAction) -> None:
@@ -44,11 +47,15 @@ def add_evaluate(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--batch-size", type=int, default=250, help="images per batch")
     parser.add_argument("--grid", type=int, default=8, help="images in completions.png (0: none)")
     parser.add_argument("--device", default="cpu", help="auto, cpu, cuda or cuda:i")
+    parser.add_argument("--threads", type=thread_count, default=None,
+                        help="torch CPU threads, 1 to this machine's CPU count (default: torch's choice)")
     parser.add_argument("--no-progress", action="store_true", help="no tqdm bars")
     parser.set_defaults(run=_run_evaluate)
 
 
 def _run_evaluate(args: argparse.Namespace) -> None:
+    if args.threads:
+        torch.set_num_threads(args.threads)
     changes = {k: v for k, v in (("method", args.solver), ("t1", args.t1), ("rtol", args.rtol), ("atol", args.atol))
                if v is not None}
     solver = None

@@ -184,3 +184,16 @@ def test_help_names_the_options(argv, options, capsys):
     text = capsys.readouterr().out
     for option in options:
         assert option in text, option
+
+
+def test_complete_by_index_reads_the_test_split(trained, tmp_path, capsys):
+    """`et-ode complete --index I` completes image I of the run's test split (here the --test-path tiles)."""
+    from et_ode.tasks.image import load_run_split
+
+    _, run = load_trained(trained / "checkpoint.safetensors")
+    test = load_run_split(run, "test")
+    assert main(["complete", str(trained / "checkpoint.safetensors"), "--index", "5", "--out", str(tmp_path / "c")]) == 0
+    film = torch.load(tmp_path / "c" / "film.pt")
+    assert torch.equal(film["target"], test.images[5]) and test.sources[5] == "fjord"
+    assert main(["complete", str(trained / "checkpoint.safetensors"), "--index", "8", "--out", str(tmp_path / "d")]) == 2
+    assert "--index must be in [0, 8)" in capsys.readouterr().err

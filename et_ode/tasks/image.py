@@ -341,7 +341,7 @@ def complete(checkpoint: str | Path, out_dir: str | Path, *, image: str | Path |
     if (image is None) == (index is None):
         raise ValueError("give exactly one of image (a PNG file) and index (a test image of the run's data)")
     if not (isinstance(frames, int) and frames >= 2):
-        raise ValueError(f"frames must be an integer >= 2, got {frames!r}")
+        raise ValueError(f"frames must be an integer >= 2 (--frames), got {frames!r}")
     model, run = load_trained(checkpoint, device)
     integration = run.integration
     if t1 is not None:

@@ -197,3 +197,20 @@ def test_complete_by_index_reads_the_test_split(trained, tmp_path, capsys):
     assert torch.equal(film["target"], test.images[5]) and test.sources[5] == "fjord"
     assert main(["complete", str(trained / "checkpoint.safetensors"), "--index", "8", "--out", str(tmp_path / "d")]) == 2
     assert "--index must be in [0, 8)" in capsys.readouterr().err
+
+
+def test_evaluate_with_another_solver(trained, tmp_path):
+    """--solver/--rtol integrate the trained model differently: the setup records it, the ET row reflects it."""
+    out = tmp_path / "dopri5"
+    assert main(["evaluate", str(trained / "checkpoint.safetensors"), "--solver", "dopri5", "--rtol", "1e-4",
+                 "--predictors", "et", "--grid", "0", "--no-progress", "--out", str(out)]) == 0
+    setup = json.loads((out / "config.json").read_text())
+    assert setup["solver"]["method"] == "dopri5" and setup["solver"]["rtol"] == 1e-4 and setup["solver"]["steps"] is None
+    results = json.loads((out / "evaluation.json").read_text())
+    model, run = load_trained(trained / "checkpoint.safetensors")
+    images, hidden, scored = (torch.from_numpy(np.load(out / "completions.npz")[k]) for k in ("images", "hidden", "scored"))
+    with torch.no_grad():
+        patches = model(images, hidden, solver=run.solver.replace(method="dopri5", rtol=1e-4, step=None, steps=None)).patches
+    assert results["predictors"]["et"]["mse"] == pytest.approx(float(((patches - patchify(images, 4)) ** 2)[scored].mean()),
+                                                               rel=1e-5)
+    assert results["predictors"]["et"]["nfe_per_batch"] > 3  # an adaptive solve, not the run's 3 Euler steps

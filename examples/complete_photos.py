@@ -11,7 +11,7 @@ test photograph is seen in training. Writes --out/ (the run) and --out/evaluatio
 
 import argparse
 
-from et_ode.models import SolverSettings
+from et_ode import EulerET, Integration
 from et_ode.tasks.evaluation import evaluate_checkpoint
 from et_ode.tasks.image import ImageRunConfig, train_image
 from et_ode.train import TrainConfig
@@ -30,7 +30,7 @@ def main() -> None:
     config = ImageRunConfig(
         data="photos", tile=args.tile, channels=args.channels, train_limit=args.train_limit,
         test_limit=args.test_limit, val_size=500, patch=4, dim=64, heads=4, head_dim=16, ratio=0.5,
-        solver=SolverSettings(method="et", step=0.1, steps=12, grad="direct"),  # the paper's 12 Euler steps
+        integration=Integration(solver=EulerET(0.1, 12), gradient="direct"),  # the paper's 12 Euler steps
         train=TrainConfig(epochs=1000, batch_size=64, lr=2e-3, out_dir=args.out, overwrite=True, progress=False,
                           max_time=60 * args.minutes),
         energy_check=False, threads=1)

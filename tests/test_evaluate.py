@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from et_ode import Adaptive
 from et_ode.cli import main
 from et_ode.models import fixed_mask_set, patchify
 from et_ode.tasks.image import load_trained
@@ -17,7 +18,7 @@ from et_ode.tasks.image import load_trained
 pytest.importorskip("skimage")
 
 TINY = ["--tile", "8", "--channels", "1", "--patch", "4", "--dim", "8", "--heads", "2", "--head-dim", "4",
-        "--solver", "et", "--step", "0.1", "--steps", "3", "--grad", "direct", "--batch-size", "8", "--no-progress",
+        "--solver", "et", "--step", "0.1", "--steps", "3", "--gradient", "direct", "--batch-size", "8", "--no-progress",
         "--threads", "1"]
 
 
@@ -138,7 +139,6 @@ def test_flag_named_errors(folders, trained, tmp_path, capsys):
     (one_photo / "alps.png").write_bytes((folders / "train" / "alps.png").read_bytes())
     cases = [
         (["train", "image", "--data", "png", *TINY, "--out", str(tmp_path / "a")], "--data-path"),
-        (["train", "image", "--data", "digits", "--solver", "et", "--out", str(tmp_path / "b")], "--step ALPHA"),
         (["train", "image", "--data", "digits", "--tile", "4", "--out", str(tmp_path / "c")], "--tile applies"),
         (["train", "image", "--data", "png", "--data-path", str(one_photo), *TINY, "--out", str(tmp_path / "d")],
          "1 source image(s) (alps) cannot give 1 test"),
@@ -205,12 +205,12 @@ def test_evaluate_with_another_solver(trained, tmp_path):
     assert main(["evaluate", str(trained / "checkpoint.safetensors"), "--solver", "dopri5", "--rtol", "1e-4",
                  "--predictors", "et", "--grid", "0", "--no-progress", "--out", str(out)]) == 0
     setup = json.loads((out / "config.json").read_text())
-    assert setup["solver"]["method"] == "dopri5" and setup["solver"]["rtol"] == 1e-4 and setup["solver"]["steps"] is None
+    assert setup["integration"]["solver"]["method"] == "dopri5" and setup["integration"]["solver"]["rtol"] == 1e-4
     results = json.loads((out / "evaluation.json").read_text())
     model, run = load_trained(trained / "checkpoint.safetensors")
     images, hidden, scored = (torch.from_numpy(np.load(out / "completions.npz")[k]) for k in ("images", "hidden", "scored"))
     with torch.no_grad():
-        patches = model(images, hidden, solver=run.solver.replace(method="dopri5", rtol=1e-4, step=None, steps=None)).patches
+        patches = model(images, hidden, run.integration.replace(solver=Adaptive("dopri5", 1e-4, Adaptive().atol))).patches
     assert results["predictors"]["et"]["mse"] == pytest.approx(float(((patches - patchify(images, 4)) ** 2)[scored].mean()),
                                                                rel=1e-5)
     assert results["predictors"]["et"]["nfe_per_batch"] > 3  # an adaptive solve, not the run's 3 Euler steps

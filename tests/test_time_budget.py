@@ -6,8 +6,9 @@ import pytest
 import torch
 from torch import nn
 
+from et_ode import Adaptive, Integration
 from et_ode.data import load_digits
-from et_ode.models import CompletionTask, ImageET, SolverSettings
+from et_ode.models import CompletionTask, ImageET
 from et_ode.train import CHECKPOINT_NAME, TrainConfig, fit, load_checkpoint, training_cost
 
 STEP_SECONDS = 0.01
@@ -60,12 +61,12 @@ def test_max_time_plans_the_cosine_and_stops_with_a_checkpoint(tmp_path):
         TrainConfig(max_time=0)
 
 
-@pytest.mark.parametrize("grad, backward", [("adjoint", True), ("direct", False)])
-def test_training_records_evaluations_per_step(grad, backward):
+@pytest.mark.parametrize("gradient, backward", [("adjoint", True), ("direct", False)])
+def test_training_records_evaluations_per_step(gradient, backward):
     """The adjoint's backward solve evaluates the field; backpropagating through the steps does not."""
     torch.manual_seed(0)
-    solver = SolverSettings(method="bosh3", t1=0.3, rtol=1e-2, atol=1e-3, grad=grad)
-    model = ImageET((1, 8, 8), 4, 8, 2, 4, solver=solver)
+    integration = Integration(solver=Adaptive("bosh3", rtol=1e-2, atol=1e-3), gradient=gradient, t1=0.3)
+    model = ImageET((1, 8, 8), 4, 8, 2, 4, integration=integration)
     history = fit(model, CompletionTask(0.5), load_digits("train").images[:16], None,
                   TrainConfig(epochs=1, batch_size=8, progress=False))
     record = history.records[-1]

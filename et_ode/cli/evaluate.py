@@ -8,7 +8,8 @@ import json
 import torch
 
 from ..data.images import SOURCES
-from ..solve import METHODS
+from ..integration import Integration
+from ..solvers import ADAPTIVE_METHODS, METHODS, Adaptive, as_solver
 from ..tasks.evaluation import PREDICTORS, evaluate_checkpoint
 from ..tasks.image import load_trained
 from .image import thread_count
@@ -37,7 +38,7 @@ def add_evaluate(commands: argparse._SubParsersAction) -> None:
     masks.add_argument("--mask-seed", type=int, default=None, help="seed of the masks (default: the run's)")
     masks.add_argument("--masks", default=None, metavar="NPZ",
                        help="reuse the masks of an earlier evaluation's completions.npz")
-    model = parser.add_argument_group("the model's dynamics (default: the run's solver)")
+    model = parser.add_argument_group("the model's dynamics (default: the run's integration)")
     model.add_argument("--solver", default=None, choices=METHODS, help="ODE method")
     model.add_argument("--t1", type=float, default=None, help="horizon")
     model.add_argument("--rtol", type=float, default=None, help="adaptive rtol")
@@ -53,23 +54,35 @@ def add_evaluate(commands: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=_run_evaluate)
 
 
+def integration_for(run: Integration, solver: str | None, t1: float | None, rtol: float | None,
+                    atol: float | None) -> Integration:
+    """The run's integration with ``--solver``, ``--t1``, ``--rtol``, ``--atol`` replaced where given (an adaptive
+    method keeps the run's tolerances unless new ones are given; 'et' takes EulerET's alpha 0.1 and 12 steps)."""
+    integration = run if t1 is None else run.replace(t1=t1)
+    if solver is None and rtol is None and atol is None:
+        return integration
+    trained = integration.solver
+    name = solver or trained.name
+    if name in ADAPTIVE_METHODS:
+        default = trained if isinstance(trained, Adaptive) else Adaptive()
+        return integration.replace(solver=Adaptive(name, default.rtol if rtol is None else rtol,
+                                                   default.atol if atol is None else atol))
+    if rtol is not None or atol is not None:
+        raise ValueError(f"--rtol and --atol apply to an adaptive --solver ({', '.join(ADAPTIVE_METHODS)}); the "
+                         f"model is integrated by {name}")
+    return integration.replace(solver=as_solver(name))
+
+
 def _run_evaluate(args: argparse.Namespace) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
-    changes = {k: v for k, v in (("method", args.solver), ("t1", args.t1), ("rtol", args.rtol), ("atol", args.atol))
-               if v is not None}
-    solver = None
-    if changes:
+    integration = None
+    if any(value is not None for value in (args.solver, args.t1, args.rtol, args.atol)):
         _, run = load_trained(args.checkpoint)
-        if args.solver not in (None, "et"):
-            changes.update(step=None, steps=None)
-        elif args.solver == "et" and run.solver.method != "et":
-            raise ValueError("--solver et needs the run's --step and --steps: evaluate a model trained with 'et', "
-                             "or choose an adaptive --solver")
-        solver = run.solver.replace(**changes)
+        integration = integration_for(run.integration, args.solver, args.t1, args.rtol, args.atol)
     results = evaluate_checkpoint(args.checkpoint, args.out, data=args.data, data_path=args.data_path,
                                   test_path=args.test_path, split=args.split, limit=args.limit,
-                                  mask_seed=args.mask_seed, masks=args.masks, solver=solver,
+                                  mask_seed=args.mask_seed, masks=args.masks, integration=integration,
                                   predictors=tuple(p.strip() for p in args.predictors.split(",") if p.strip()),
                                   batch_size=args.batch_size, grid=args.grid, overwrite=args.overwrite,
                                   device=args.device, progress=not args.no_progress)

@@ -4,7 +4,7 @@
 predictors complete the same images with the same masks, and each is scored by the masked-patch MSE (the mean
 squared error over the pixels of the scored patches, :func:`et_ode.models.image.masked_mse`, the training loss):
 
-* ``et``: the trained model (its own solver, or the one given);
+* ``et``: the trained model (integrated as trained, or as given);
 * ``mean``: the per-position mean of the run's training images (:class:`~et_ode.tasks.baselines.MeanImage`);
 * ``nearest``: the training image nearest on the visible patches (:class:`~et_ode.tasks.baselines.NearestNeighbour`);
 * ``biharmonic``: scikit-image's biharmonic inpainting of each image, no training
@@ -18,7 +18,7 @@ patches.
 Files written to ``out_dir`` (a new or empty folder; an earlier evaluation is replaced only with ``overwrite``, see
 :func:`et_ode.runs.claim`):
 
-* ``config.json``: what was evaluated (checkpoint, data, masks, solver);
+* ``config.json``: what was evaluated (checkpoint, data, masks, integration);
 * ``evaluation.json``: the MSE, seconds and (the model) solver statistics of each predictor;
 * ``evaluation.md``: the same as a markdown table;
 * ``completions.npz``: ``images (n, C, H, W)``, ``hidden``, ``scored`` (boolean ``(n, N)``), for each predictor
@@ -43,7 +43,8 @@ from tqdm.auto import tqdm
 
 from .. import runs
 from ..data.images import ImageSet
-from ..models.image import SolverSettings, fixed_mask_set, masked_mse, patchify, unpatchify
+from ..integration import Integration
+from ..models.image import fixed_mask_set, masked_mse, patchify, unpatchify
 from .baselines import Biharmonic, MeanImage, NearestNeighbour
 from .image import ImageRunConfig, load_run_split, load_trained
 
@@ -56,7 +57,7 @@ TITLES = {"et": "ET (the checkpoint)", "mean": "per-position mean of the trainin
 def evaluate_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, data: str | None = None,
                         data_path: str | Path | None = None, test_path: str | Path | None = None, split: str = "test",
                         limit: int | None = None, mask_seed: int | None = None, masks: str | Path | None = None,
-                        solver: SolverSettings | None = None, predictors: tuple[str, ...] = PREDICTORS,
+                        integration: Integration | None = None, predictors: tuple[str, ...] = PREDICTORS,
                         batch_size: int = 250, grid: int = 8, overwrite: bool = False, device: str = "cpu",
                         progress: bool = True) -> dict[str, Any]:
     """Score ``checkpoint`` (``OUT/checkpoint.safetensors`` of ``et-ode train image``) and the baselines on one split.
@@ -73,7 +74,8 @@ def evaluate_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, data: st
             fraction apply.
         masks: an earlier evaluation's ``completions.npz`` whose ``hidden`` and ``scored`` masks are reused
             [``--masks``]; they must be for as many images of the model's patch grid.
-        solver: how the model integrates its dynamics (default: the run's).
+        integration: how the model integrates its dynamics (default: the run's) [``--solver``, ``--t1``,
+            ``--rtol``, ``--atol``].
         predictors: a subset of :data:`PREDICTORS` [``--predictors``].
         batch_size: images per batch.
         grid: images shown in ``completions.png`` (0: no picture).
@@ -103,11 +105,12 @@ def evaluate_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, data: st
     evaluated = _evaluated_images(run, source, model.image_shape)
     if limit is not None:
         evaluated = evaluated.subset(slice(0, limit))
-    solver = solver or run.solver
+    integration = integration or run.integration
     setup = {"checkpoint": str(Path(checkpoint).resolve()), **source, "limit": limit,
              "mask_seed": run.mask_seed if mask_seed is None else mask_seed,
              "masks": str(Path(masks).resolve()) if masks is not None else None, "ratio": run.ratio,
-             "visible_fraction": run.visible_fraction, "solver": _plain(solver), "predictors": list(predictors)}
+             "visible_fraction": run.visible_fraction, "integration": integration.to_dict(),
+             "predictors": list(predictors)}
     with runs.claim(Path(out_dir), setup, overwrite=overwrite) as out:
         images = evaluated.images
         if masks is not None:
@@ -129,7 +132,8 @@ def evaluate_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, data: st
         arrays: dict[str, np.ndarray] = {"images": images.numpy(), "hidden": hidden.numpy(), "scored": scored.numpy()}
         completions: dict[str, Tensor] = {}
         for name in predictors:
-            patches, entry = _predict(name, makers[name](), images, hidden, batch_size, solver, model_device, progress)
+            patches, entry = _predict(name, makers[name](), images, hidden, batch_size, integration, model_device,
+                                      progress)
             entry["mse"] = float(masked_mse(patches, truth, scored))
             results["predictors"][name] = entry
             completion = unpatchify(torch.where(hidden[..., None], patches, truth), model.patch, model.image_shape)
@@ -147,10 +151,6 @@ def evaluate_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, data: st
             files.append("completions.png")
         results["files"] = files
     return results
-
-
-def _plain(solver: Any) -> dict[str, Any]:
-    return dataclasses.asdict(solver) if dataclasses.is_dataclass(solver) else dict(vars(solver))
 
 
 def _evaluated_images(run: ImageRunConfig, source: dict[str, Any], shape: tuple[int, int, int]) -> ImageSet:
@@ -186,7 +186,7 @@ def _read_masks(path: str | Path, count: int, num_patches: int) -> tuple[Tensor,
 
 
 def _predict(name: str, predictor: nn.Module, images: Tensor, hidden: Tensor, batch_size: int,
-             solver: SolverSettings, device: torch.device, progress: bool) -> tuple[Tensor, dict[str, Any]]:
+             integration: Integration, device: torch.device, progress: bool) -> tuple[Tensor, dict[str, Any]]:
     """``predictor``'s patches ``(n, N, C P P)`` on the CPU, and its seconds (and solver statistics)."""
     parts, entry = [], {"seconds": 0.0}
     nfe, solves = 0.0, 0
@@ -196,7 +196,7 @@ def _predict(name: str, predictor: nn.Module, images: Tensor, hidden: Tensor, ba
         for start in tqdm(range(0, images.shape[0], batch_size), desc=name, disable=not progress, leave=False):
             batch = images[start:start + batch_size].to(device)
             mask = hidden[start:start + batch_size].to(device)
-            out = predictor(batch, mask, solver=solver) if name == "et" else predictor(batch, mask)
+            out = predictor(batch, mask, integration) if name == "et" else predictor(batch, mask)
             parts.append(out.patches.float().cpu())
             if out.solution is not None:
                 nfe += out.solution.stats.nfe_forward

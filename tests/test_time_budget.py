@@ -74,3 +74,12 @@ def test_training_records_evaluations_per_step(gradient, backward):
     assert (record["train_nfe_backward"] > 0) == backward
     cost = training_cost(history)
     assert cost["nfe_forward_per_step"] == record["train_nfe"] and cost["seconds_per_step"] > 0
+
+
+def test_the_demo_report_states_the_cost_of_a_step():
+    from et_ode.tasks.image import _cost_line
+
+    line = _cost_line({"train_cost": {"steps": 1575, "seconds_per_step": 0.0612, "nfe_forward_per_step": 20.25,
+                                      "nfe_backward_per_step": 38.5}})
+    assert line == "1575 steps of 0.061 s, with 20.2 forward and 38.5 backward field evaluations per step."
+    assert _cost_line({}) == ""

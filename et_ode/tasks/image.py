@@ -496,6 +496,15 @@ def _demo(out: Path, config: ImageRunConfig) -> dict[str, Any]:
     return results
 
 
+def _cost_line(results: dict[str, Any]) -> str:
+    """One sentence on the cost of a training step (``results["train_cost"]``, :func:`et_ode.train.training_cost`)."""
+    cost = results.get("train_cost", {})
+    if "seconds_per_step" not in cost:
+        return ""
+    return (f"{cost['steps']} steps of {cost['seconds_per_step']:.3f} s, with {cost.get('nfe_forward_per_step', 0):.1f} "
+            f"forward and {cost.get('nfe_backward_per_step', 0):.1f} backward field evaluations per step.")
+
+
 def _relative(improvement: float) -> str:
     side = "below" if improvement >= 0 else "above"
     return f"The ET's test error is {abs(improvement):.1%} {side} the per-position mean baseline's."
@@ -514,7 +523,7 @@ def _demo_report(results: dict[str, Any], config: ImageRunConfig, pictures: list
         f"(relu Hopfield), tau={config.tau}.",
         f"Dynamics: {s.solver} from t=0 to t={s.t1}; gradients by {s.gradient}. "
         f"Training: {config.train.epochs} epochs of AdamW (lr {config.train.lr}, warm-up then cosine), "
-        f"{results['train_seconds']:.0f} s; whole demo {results.get('demo_seconds', 0):.0f} s.", "",
+        f"{results['train_seconds']:.0f} s; whole demo {results.get('demo_seconds', 0):.0f} s. " + _cost_line(results), "",
         "## Test masked-patch MSE (same masks, same evaluation code)", "",
         "| predictor | MSE |", "|---|---|",
         f"| ET ({s.solver.name}, mean NFE {model.get('nfe', 0):.0f} per batch) | {model['mse']:.4f} |",

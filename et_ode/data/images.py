@@ -151,8 +151,9 @@ def split_by_source(data: ImageSet, split: str, test_fraction: float = 0.2, vali
     assignment = assign_sources(data.sources, test_fraction, validation_fraction, seed)
     chosen = [i for i, source in enumerate(data.sources) if assignment[source] == split]
     if not chosen:
+        flag = "--validation-fraction" if split == "validation" else "--test-path for a test folder"
         raise ValueError(f"{data.name} has no {split} split (validation_fraction={validation_fraction}, "
-                         f"test_fraction={test_fraction})")
+                         f"test_fraction={test_fraction}): give {flag}")
     return data.subset(chosen)
 
 

@@ -99,9 +99,7 @@ def evaluate_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, data: st
     if limit is not None and not (isinstance(limit, int) and limit >= 1):
         raise ValueError(f"--limit must be a positive integer, got {limit!r}")
     model, run = load_trained(checkpoint, device)
-    source = {"data": data or run.data, "data_path": str(data_path) if data_path is not None else (
-        run.data_path if data is None else None), "test_path": str(test_path) if test_path is not None else (
-        run.test_path if data is None and data_path is None else None), "split": split}
+    source = _source(run, data, data_path, test_path, split)
     evaluated = _evaluated_images(run, source, model.image_shape)
     if limit is not None:
         evaluated = evaluated.subset(slice(0, limit))
@@ -151,6 +149,18 @@ def evaluate_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, data: st
             files.append("completions.png")
         results["files"] = files
     return results
+
+
+def _source(run: ImageRunConfig, data: str | None, data_path: str | Path | None, test_path: str | Path | None,
+            split: str) -> dict[str, Any]:
+    """What is evaluated: the given source, else the run's. Another ``data`` drops the run's folders; another
+    ``data_path`` drops the run's test folder; a ``test_path`` replaces the test split."""
+    if data is None:
+        data = run.data
+        data_path = run.data_path if data_path is None else data_path
+        test_path = run.test_path if test_path is None and data_path == run.data_path else test_path
+    return {"data": data, "data_path": None if data_path is None else str(data_path),
+            "test_path": None if test_path is None else str(test_path), "split": split}
 
 
 def _evaluated_images(run: ImageRunConfig, source: dict[str, Any], shape: tuple[int, int, int]) -> ImageSet:

@@ -228,7 +228,8 @@ def test_photographs_split_by_photograph():
     pytest.importorskip("skimage")
     from skimage import data
 
-    from et_ode.data.photographs import PHOTOGRAPHS, load_photographs
+    from et_ode.data import load_photographs
+    from et_ode.data.photographs import PHOTOGRAPHS
 
     sources = {split: set(load_photographs(split, channels=1, tile=32).sources) for split in ("train", "validation",
                                                                                                "test")}

@@ -50,6 +50,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from . import photographs
+
 FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
 IDX_FILES = {"train": ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"),
              "test": ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz")}
@@ -406,10 +408,36 @@ def load_images(name: str, path: str | Path | None = None, split: str = "train",
             raise ValueError("png needs a folder of .png images (--data-path, path=)")
         return load_png_folder(path, split=split, **kwargs)
     if name == "photos":
-        from .photographs import load_photographs
-
         return load_photographs(split, **kwargs)
     raise ValueError(f"unknown image source {name!r}; valid: {', '.join(SOURCES)}")
+
+
+def load_photographs(split: str = "train", *, channels: int = 1, tile: int = 16, stride: int | None = None
+                     ) -> ImageSet:
+    """The tiles of the bundled photographs (:mod:`et_ode.data.photographs`) of ``split`` (``"train"``,
+    ``"validation"``, ``"test"`` or ``"all"``): ``(n, channels, tile, tile)`` in ``[0, 1]``, photographs in the order
+    of :data:`~et_ode.data.photographs.PHOTOGRAPHS`, tiles row by row; ``channels=1``: all 22 in grey (BT.601),
+    ``channels=3``: the 11 colour ones. :attr:`ImageSet.sources` names each tile's photograph.
+
+    Raises:
+        ValueError: a bad ``split``, ``channels`` not 1 or 3, or a bad ``tile`` / ``stride``.
+        ImportError: scikit-image is not installed.
+    """
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    if channels not in (1, 3):
+        raise ValueError(f"channels must be 1 (grey) or 3 (RGB, the colour photographs only), got {channels!r}")
+    if not (isinstance(tile, int) and tile >= 1):
+        raise ValueError(f"tile must be a positive integer, got {tile!r}")
+    parts = []
+    for name, (assigned, colour) in photographs.PHOTOGRAPHS.items():
+        if (split != "all" and assigned != split) or (channels == 3 and not colour):
+            continue
+        pixels = _as_channels(photographs.photograph(name).astype(np.float32) / 255.0, channels, name)
+        tiles = tile_images(torch.from_numpy(pixels)[None], tile, stride)
+        parts.append(ImageSet(tiles, torch.full((tiles.shape[0],), -1, dtype=torch.int64), "photos",
+                              (name,) * tiles.shape[0]))
+    return concatenate(parts, "photos")
 
 
 def load_split(name: str, path: str | Path | None, split: str, *, test_path: str | Path | None = None,

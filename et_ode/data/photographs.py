@@ -1,4 +1,4 @@
-"""Photographs that Python packages ship, as a tiled data set split by photograph (nothing is downloaded).
+"""Photographs that Python packages ship, each assigned to one split (nothing is downloaded).
 
 22 photographs: 19 bundled with scikit-image (``skimage.data``: only files inside the installed package, none of
 the functions that fetch with pooch), 2 with scikit-learn (``load_sample_images``) and 1 with matplotlib (its
@@ -18,21 +18,17 @@ test       astronaut, coffee, grace_hopper                                      
 0.114 B``, like :func:`et_ode.data.load_png_folder`); ``channels=3`` the 11 colour ones. Photographs are kept at
 their own resolution (from 102x102, microaneurysms, to 1411x1411, retina) and cut into ``tile x tile`` tiles
 ``stride`` apart (default ``tile``). Values in ``[0, 1]``; labels ``-1``; :attr:`ImageSet.sources` names each
-tile's photograph.
+tile's photograph (the tiling is :func:`et_ode.data.load_photographs`).
 
-Public API::
+Public API (the tiles: :func:`et_ode.data.load_photographs`)::
 
     PHOTOGRAPHS: dict[str, tuple[str, bool]]     # name -> (split, colour?)
     photograph(name) -> np.ndarray (H, W) or (H, W, 3), uint8
-    load_photographs(split="train", *, channels=1, tile=16, stride=None) -> ImageSet
 """
 
 from __future__ import annotations
 
 import numpy as np
-import torch
-
-from .images import SPLITS, ImageSet, _as_channels, concatenate, tile_images
 
 # name -> (split, is it a colour photograph)
 PHOTOGRAPHS: dict[str, tuple[str, bool]] = {
@@ -68,29 +64,3 @@ def photograph(name: str) -> np.ndarray:
     if name == "motorcycle":
         return np.asarray(data.stereo_motorcycle()[0])
     return np.asarray(getattr(data, name)())
-
-
-def load_photographs(split: str = "train", *, channels: int = 1, tile: int = 16, stride: int | None = None
-                     ) -> ImageSet:
-    """The tiles of the photographs of ``split`` (``"train"``, ``"validation"``, ``"test"`` or ``"all"``):
-    ``(n, channels, tile, tile)`` in ``[0, 1]``, photographs in the order of :data:`PHOTOGRAPHS`, tiles row by row.
-
-    Raises:
-        ValueError: a bad ``split``, ``channels`` not 1 or 3, or a bad ``tile`` / ``stride``.
-        ImportError: scikit-image is not installed.
-    """
-    if split not in SPLITS:
-        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    if channels not in (1, 3):
-        raise ValueError(f"channels must be 1 (grey) or 3 (RGB, the colour photographs only), got {channels!r}")
-    if not (isinstance(tile, int) and tile >= 1):
-        raise ValueError(f"tile must be a positive integer, got {tile!r}")
-    parts = []
-    for name, (assigned, colour) in PHOTOGRAPHS.items():
-        if (split != "all" and assigned != split) or (channels == 3 and not colour):
-            continue
-        pixels = _as_channels(photograph(name).astype(np.float32) / 255.0, channels, name)
-        tiles = tile_images(torch.from_numpy(pixels)[None], tile, stride)
-        parts.append(ImageSet(tiles, torch.full((tiles.shape[0],), -1, dtype=torch.int64), "photos",
-                              (name,) * tiles.shape[0]))
-    return concatenate(parts, "photos")

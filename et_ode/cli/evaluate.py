@@ -61,7 +61,7 @@ def integration_for(run: Integration, solver: str | None, t1: float | None, rtol
     integration = run if t1 is None else run.replace(t1=t1)
     if solver is None and rtol is None and atol is None:
         return integration
-    trained = integration.solver
+    trained = as_solver(integration.solver)
     name = solver or trained.name
     if name in ADAPTIVE_METHODS:
         default = trained if isinstance(trained, Adaptive) else Adaptive()

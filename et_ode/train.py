@@ -7,16 +7,19 @@ The loop knows nothing of images or graphs. A *task* supplies the loss and the e
             # scalar loss to minimise, plus metrics to show and log (e.g. {"mse": ..., "nfe": ..., "energy": ...})
         def evaluate(self, model: nn.Module, batches: Iterable[Any]) -> dict[str, float]: ...
             # metrics on a held-out split; called under torch.no_grad() with model.eval()
+        # optional: metrics known only once the loss's backward pass has run (e.g. {"nfe_backward": ...})
+        def after_backward(self) -> dict[str, float]: ...
 
 Public API::
 
     TrainConfig(epochs=10, batch_size=64, lr=1e-3, weight_decay=1e-4, betas=(0.9, 0.999), warmup=0.05,
                 min_lr_ratio=0.0, grad_clip=1.0, seed=0, device="auto", out_dir=None, resume=False,
                 overwrite=False, eval_every=1, checkpoint_every=0, eval_batch_size=None, max_train_batches=None,
-                num_workers=0, progress=True)
+                num_workers=0, progress=True, max_time=None)
     fit(model, task, train_data, val_data=None, config=TrainConfig(), *, collate_fn=None, meta=None,
         callback=None) -> History
     History.records: list[dict]  (one per epoch: epoch, step, lr, train_<metric> means, val_<metric>, time)
+    training_cost(history) -> dict   # steps, seconds per step, evaluations per step (forward, backward)
     save_checkpoint(path, state: dict) -> None          # atomic; TypeError naming an entry that is not data
     load_checkpoint(path, map_location="cpu") -> dict    # ValueError naming the file: corrupt, pickle, model file
 
@@ -32,6 +35,20 @@ Resume (``config.resume=True`` reads ``out_dir/checkpoint.safetensors``, or give
 exactly: the order of each epoch is a fixed function of ``(seed, epoch)`` and the
 global RNG states are restored, so a resumed run ends with the same parameters as an uninterrupted one
 (bit for bit on CPU).
+
+Cost: every training step is timed (``train_step_seconds``: the loss, its backward pass and the update, data
+loading excluded) and, when the task reports them, its evaluations of the vector field (``train_nfe``: the
+forward solve; ``train_nfe_backward``: the adjoint's or implicit gradient's, from ``task.after_backward()``);
+:func:`training_cost` sums them over a run.
+
+Time budget: ``max_time`` (seconds) bounds the wall clock of the loop (training and evaluation, from the first step,
+summed over resumes; the set-up before it is not counted).
+The warm-up + cosine schedule is then planned for the steps that fit in the budget, never more than ``epochs``
+allow: after :data:`CALIBRATION_STEPS` steps from the measured seconds per step, and again at the end of every
+epoch from the seconds per step so far, evaluations included. The run ends when the planned steps are done or
+the clock reaches ``max_time``, whichever comes first, with a final evaluation and a checkpoint; the last record
+says ``"stopped": "max_time"`` (or ``"planned_steps"``). Such a run is not reproducible step for step (the plan
+depends on the machine's speed); its plan is saved, and a resume continues it.
 
 Distributed data parallel (see :mod:`et_ode.distributed`): when ``torch.distributed`` is initialised before
 ``fit``, ``batch_size`` is the global batch, split evenly over the ranks (each rank takes every ``W``-th example
@@ -70,6 +87,7 @@ from .statefile import describe, load_state, save_state, torch_file_format
 
 CHECKPOINT_NAME = "checkpoint.safetensors"
 CHECKPOINT_FORMAT = "et-ode/training-checkpoint/2"
+CALIBRATION_STEPS = 10  # steps timed before a run with max_time plans its schedule
 LEGACY_CHECKPOINT_NAME = "checkpoint.pt"  # the pickle checkpoints of et-ode before the safetensors format
 METRICS_NAME = "metrics.jsonl"
 # Fields that change the sequence of parameter updates: a resumed run must keep them.
@@ -110,6 +128,8 @@ class TrainConfig:
         max_train_batches: cap on batches per epoch (quick runs); None for the whole set.
         num_workers: DataLoader workers.
         progress: show tqdm bars.
+        max_time: wall-clock budget of the run in seconds (None: no budget); the schedule is planned to fit it
+            (see the module docstring).
     """
 
     epochs: int = 10
@@ -131,28 +151,35 @@ class TrainConfig:
     max_train_batches: int | None = None
     num_workers: int = 0
     progress: bool = True
+    max_time: float | None = None
 
     def __post_init__(self) -> None:
         positive_ints = {"epochs": self.epochs, "batch_size": self.batch_size, "eval_every": self.eval_every}
         for name, value in positive_ints.items():
             if not (isinstance(value, int) and value >= 1):
-                raise ValueError(f"TrainConfig.{name} must be a positive integer, got {value!r}")
+                raise ValueError(f"TrainConfig.{name} must be a positive integer (--{name.replace('_', '-')}), "
+                                 f"got {value!r}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise ValueError(f"TrainConfig.lr must be positive and finite, got {self.lr!r}")
+            raise ValueError(f"TrainConfig.lr must be positive and finite (--lr), got {self.lr!r}")
         if self.weight_decay < 0:
-            raise ValueError(f"TrainConfig.weight_decay must be >= 0, got {self.weight_decay!r}")
+            raise ValueError(f"TrainConfig.weight_decay must be >= 0 (--weight-decay), got {self.weight_decay!r}")
         if self.warmup < 0:
-            raise ValueError(f"TrainConfig.warmup must be >= 0 (a fraction < 1 or a number of steps), got {self.warmup!r}")
+            raise ValueError(f"TrainConfig.warmup must be >= 0 (--warmup: a fraction < 1 or a number of steps), "
+                             f"got {self.warmup!r}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"TrainConfig.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
         if self.grad_clip is not None and self.grad_clip < 0:
-            raise ValueError(f"TrainConfig.grad_clip must be None or >= 0, got {self.grad_clip!r}")
+            raise ValueError(f"TrainConfig.grad_clip must be None or >= 0 (--grad-clip), got {self.grad_clip!r}")
         if not (isinstance(self.checkpoint_every, int) and self.checkpoint_every >= 0):
-            raise ValueError(f"TrainConfig.checkpoint_every must be an integer >= 0, got {self.checkpoint_every!r}")
+            raise ValueError(f"TrainConfig.checkpoint_every must be an integer >= 0 (--checkpoint-every), "
+                             f"got {self.checkpoint_every!r}")
         if self.max_train_batches is not None and not (isinstance(self.max_train_batches, int)
                                                        and self.max_train_batches >= 1):
-            raise ValueError(f"TrainConfig.max_train_batches must be None or a positive integer, "
+            raise ValueError(f"TrainConfig.max_train_batches must be None or a positive integer (--max-train-batches), "
                              f"got {self.max_train_batches!r}")
+        if self.max_time is not None and not (isinstance(self.max_time, (int, float)) and 0 < self.max_time < math.inf):
+            raise ValueError(f"TrainConfig.max_time must be None or a positive number of seconds (--max-time, in minutes), "
+                             f"got {self.max_time!r}")
         self.betas = tuple(self.betas)
         resolve_device(self.device)
 
@@ -172,6 +199,19 @@ class History:
             if key in record:
                 return record[key]
         raise KeyError(f"{key!r} was never logged; keys: {sorted({k for r in self.records for k in r})}")
+
+
+def training_cost(history: History) -> dict[str, float]:
+    """What the training steps of ``history`` cost: ``steps``, ``seconds_per_step`` and, where logged, the field
+    evaluations per step ``nfe_forward_per_step`` and ``nfe_backward_per_step`` (means over all steps)."""
+    records = [r for r in history.records if r.get("kind") == "epoch" and r.get("batches")]
+    steps = sum(r["batches"] for r in records)
+    cost: dict[str, float] = {"steps": steps}
+    for key, name in (("train_step_seconds", "seconds_per_step"), ("train_nfe", "nfe_forward_per_step"),
+                      ("train_nfe_backward", "nfe_backward_per_step")):
+        if steps and all(key in r for r in records):
+            cost[name] = sum(r[key] * r["batches"] for r in records) / steps
+    return cost
 
 
 # ----------------------------------------------------------------------------------------------- utilities
@@ -338,11 +378,11 @@ def fit(
         if config.max_train_batches is not None:
             batches_per_epoch = min(batches_per_epoch, config.max_train_batches)
         total_steps = batches_per_epoch * config.epochs
-        warmup_steps = _warmup_steps(config, total_steps)
+        plan = {"steps": total_steps, "warmup": _warmup_steps(config, total_steps)}  # max_time re-plans "steps"
         optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=config.betas,
                                       weight_decay=config.weight_decay)
         scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: lr_factor(step, total_steps, warmup_steps, config.min_lr_ratio))
+            optimizer, lambda step: lr_factor(step, plan["steps"], plan["warmup"], config.min_lr_ratio))
         val_share: int | None = None  # examples of val_data evaluated by this rank (None: all ranks see all batches)
         if isinstance(val_data, Dataset):
             part = val_data if world == 1 else torch.utils.data.Subset(val_data, distributed.shard(len(val_data)))
@@ -379,6 +419,11 @@ def fit(
             running, count = dict(state.get("running", {})), int(state.get("count", 0))
             elapsed = float(state.get("elapsed", 0.0))
             history.records = list(state.get("history", []))
+            if config.max_time is not None and "planned_steps" in state:
+                _replan(plan, config, int(state["planned_steps"]), total_steps)
+        calibrated = config.max_time is None or (state is not None and "planned_steps" in state)
+        step_seconds = 0.0  # seconds of the steps timed in this process (calibration)
+        steps_here = 0
 
         def checkpoint() -> None:
             if out_dir is None or not is_main:
@@ -387,7 +432,8 @@ def fit(
                 "model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                 "rng": _rng_state(), "epoch": epoch, "batch": batch_in_epoch, "step": step, "running": running,
                 "count": count, "elapsed": elapsed + time.perf_counter() - started, "config": config.to_dict(),
-                "world_size": world, "history": history.records, "meta": meta or {}})
+                "world_size": world, "history": history.records, "meta": meta or {},
+                **({"planned_steps": plan["steps"]} if config.max_time is not None else {})})
 
         def log(record: dict[str, Any]) -> None:
             if out_dir is None or not is_main:
@@ -396,8 +442,23 @@ def fit(
             with open(out_dir / METRICS_NAME, "a") as file:
                 file.write(json.dumps(record) + "\n")
 
+        def clock() -> float:  # seconds of this run so far, over resumes
+            return elapsed + time.perf_counter() - started
+
+        def stop_reason() -> str | None:
+            if config.max_time is None:
+                return None
+            reason = "max_time" if clock() >= config.max_time else (
+                "planned_steps" if step >= plan["steps"] and step < total_steps else None)
+            return distributed.broadcast_object(reason)  # rank 0's clock decides for every rank
+
+        def replan(seconds_per_step: float) -> None:  # the steps that fit in the rest of the budget, rank 0's guess
+            steps = step + int((config.max_time - clock()) / max(seconds_per_step, 1e-9))
+            _replan(plan, config, int(distributed.broadcast_object(steps)), total_steps)
+
         started = time.perf_counter()
-        while epoch < config.epochs:
+        stopped = stop_reason()
+        while epoch < config.epochs and stopped is None:
             sampler.epoch, sampler.start = epoch, batch_in_epoch * local_batch
             net.train()
             bar = tqdm(total=batches_per_epoch, initial=batch_in_epoch, desc=f"epoch {epoch + 1}/{config.epochs}",
@@ -406,6 +467,7 @@ def fit(
                 if batch_in_epoch >= batches_per_epoch:
                     break
                 batch = move_to(batch, device)
+                step_started = time.perf_counter()
                 loss, metrics = task.loss(net, batch)
                 if not bool(torch.isfinite(loss)):
                     raise FloatingPointError(f"the training loss became {float(loss.detach())} at epoch {epoch + 1}, "
@@ -415,27 +477,40 @@ def fit(
                 loss.backward()
                 if config.grad_clip:
                     metrics = {**metrics, "grad_norm": float(nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip))}
+                if callable(getattr(task, "after_backward", None)):
+                    metrics = {**metrics, **task.after_backward()}
                 optimizer.step()
                 scheduler.step()
+                seconds = time.perf_counter() - step_started
                 step += 1
                 batch_in_epoch += 1
-                metrics = {"loss": float(loss.detach()), **{k: float(v) for k, v in metrics.items()}}
+                metrics = {"loss": float(loss.detach()), **{k: float(v) for k, v in metrics.items()},
+                           "step_seconds": seconds}
                 for key, value in metrics.items():
                     running[key] = running.get(key, 0.0) + value
                 count += 1
                 bar.set_postfix(_format(metrics), refresh=False)
                 bar.update(1)
+                steps_here += 1
+                if steps_here > 1:  # the first step pays one-off costs (allocation, lazy initialisation)
+                    step_seconds += seconds
+                if not calibrated and steps_here > CALIBRATION_STEPS:
+                    calibrated = True
+                    replan(step_seconds / (steps_here - 1))
+                stopped = stop_reason()
+                if stopped is not None:
+                    break
                 if config.checkpoint_every and step % config.checkpoint_every == 0 and batch_in_epoch < batches_per_epoch:
                     checkpoint()
                     means = distributed.reduce_mean({k: v / count for k, v in running.items()})
                     log({"kind": "step", "epoch": epoch + 1, "step": step, "lr": scheduler.get_last_lr()[0],
-                         "time": elapsed + time.perf_counter() - started, **{f"train_{k}": v for k, v in means.items()}})
+                         "time": clock(), **{f"train_{k}": v for k, v in means.items()}})
             bar.close()
 
             means = distributed.reduce_mean({k: v / max(count, 1) for k, v in running.items()})
-            record: dict[str, Any] = {"kind": "epoch", "epoch": epoch + 1, "step": step, "lr": scheduler.get_last_lr()[0],
-                                      **{f"train_{k}": v for k, v in means.items()}}
-            last_epoch = epoch + 1 == config.epochs
+            record: dict[str, Any] = {"kind": "epoch", "epoch": epoch + 1, "step": step, "batches": count,
+                                      "lr": scheduler.get_last_lr()[0], **{f"train_{k}": v for k, v in means.items()}}
+            last_epoch = epoch + 1 == config.epochs or stopped is not None
             if val_batches is not None and ((epoch + 1) % config.eval_every == 0 or last_epoch):
                 model.eval()
                 with torch.no_grad():
@@ -443,17 +518,29 @@ def fit(
                 if val_share is not None:
                     evaluated = distributed.reduce_mean(evaluated, weight=val_share)
                 record.update({f"val_{k}": float(v) for k, v in evaluated.items()})
-            record["time"] = elapsed + time.perf_counter() - started
+            record["time"] = clock()
+            if stopped is not None:
+                record["stopped"] = stopped
             history.records.append(record)
             log(record)
             if callback is not None and is_main:
                 callback(record)
             if config.progress and is_main:
                 tqdm.write(" ".join(f"{k}={v}" for k, v in _format(record).items() if k != "kind"))
-            epoch, batch_in_epoch, running, count = epoch + 1, 0, {}, 0
+            if batch_in_epoch >= batches_per_epoch:
+                epoch, batch_in_epoch = epoch + 1, 0
+            running, count = {}, 0
+            if config.max_time is not None and stopped is None and step:
+                replan(clock() / step)  # seconds per step so far, evaluations included
             checkpoint()
         model.eval()
         return history
+
+
+def _replan(plan: dict[str, int], config: TrainConfig, steps: int, total_steps: int) -> None:
+    """Plan the schedule for ``steps`` (at most ``total_steps``, at least 1) with the warm-up of that length."""
+    plan["steps"] = max(1, min(total_steps, steps))
+    plan["warmup"] = _warmup_steps(config, plan["steps"])
 
 
 def _check_fresh(config: TrainConfig, out_dir: Path) -> None:

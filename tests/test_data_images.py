@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from et_ode.data import (
+    assign_sources,
     load_digits,
     load_idx_folder,
     load_images,
@@ -16,6 +17,7 @@ from et_ode.data import (
     read_idx,
     read_png,
     split_holdout,
+    tile_images,
 )
 from et_ode.data.images import FASHION_MNIST_DIR
 
@@ -80,7 +82,7 @@ def test_missing_files_say_where_and_how(tmp_path):
         load_images("fashion-mnist", tmp_path, "train")
     with pytest.raises(FileNotFoundError, match="download the four MNIST .gz files"):
         load_images("mnist", tmp_path, "test")
-    with pytest.raises(ValueError, match="mnist needs path"):
+    with pytest.raises(ValueError, match=r"mnist needs a folder .*--data-path"):
         load_images("mnist")
     with pytest.raises(FileNotFoundError, match="PNG folder not found"):
         load_images("png", tmp_path / "nowhere")
@@ -131,3 +133,147 @@ def test_split_holdout_validation():
         split_holdout(data, 1.0)
     a, b = split_holdout(data.subset(slice(0, 10)), 0.3, seed=2)
     assert len(a) == 7 and len(b) == 3
+
+
+# ----------------------------------------------------------------------------------------------- split by source
+def _write_photo(path, pixels):
+    from matplotlib.image import imsave
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    imsave(path, pixels, cmap="gray", vmin=0, vmax=1)
+
+
+def test_png_tiles_of_one_photo_never_straddle_splits(tmp_path):
+    """Two naming rules (a subfolder per photo, <source>__<rest>.png) and whole photos tiled by the loader: every
+    source lands in exactly one split, and the splits partition the images."""
+    rng = np.random.default_rng(3)
+    for photo in ("alps", "beach", "city", "dune", "elm"):  # five photos, each cut into four 8x8 files
+        pixels = rng.random((16, 16))
+        for k, (r, c) in enumerate([(0, 0), (0, 8), (8, 0), (8, 8)]):
+            where = tmp_path / photo / f"{k}.png" if photo in ("alps", "beach") else tmp_path / f"{photo}__{k}.png"
+            _write_photo(where, pixels[r:r + 8, c:c + 8])
+    _write_photo(tmp_path / "fjord.png", rng.random((8, 8)))  # a source of its own
+    everything = load_png_folder(tmp_path, channels=1)
+    assert sorted(set(everything.sources)) == ["alps", "beach", "city", "dune", "elm", "fjord"]
+    assert everything.sources.count("alps") == 4 and everything.sources.count("fjord") == 1
+    splits = {name: load_png_folder(tmp_path, channels=1, split=name, test_fraction=0.34, validation_fraction=0.17,
+                                    seed=5) for name in ("train", "validation", "test")}
+    per_split = {name: set(data.sources) for name, data in splits.items()}
+    assert [len(per_split[n]) for n in ("train", "validation", "test")] == [3, 1, 2]
+    assert not (per_split["train"] & per_split["test"]) and not (per_split["train"] & per_split["validation"])
+    assert not (per_split["validation"] & per_split["test"])
+    assert sum(len(d) for d in splits.values()) == len(everything)
+    # a different seed draws a different assignment, the same seed the same one
+    assert {s: assign_sources(everything.sources, 0.34, 0.17, seed=5)[s] for s in per_split["test"]} == \
+        dict.fromkeys(per_split["test"], "test")
+    assert any(assign_sources(everything.sources, 0.34, 0.17, seed=k) != assign_sources(everything.sources, 0.34, 0.17,
+                                                                                          seed=5) for k in range(6))
+    # the tiles of one photo: the loader's tiling of the whole photo gives the same pixels as the cut files
+    whole = tmp_path / "whole"
+    pixels = rng.random((16, 24))
+    _write_photo(whole / "one.png", pixels)
+    _write_photo(whole / "two.png", rng.random((20, 17)))  # any size: the 4 right / 1 bottom pixels are dropped
+    tiled = load_png_folder(whole, channels=1, tile=8)
+    assert tiled.sources == ("one",) * 6 + ("two",) * 4
+    assert torch.allclose(tiled.images[4, 0], torch.tensor(pixels[8:16, 8:16], dtype=torch.float32), atol=0.01)
+    assert len(load_png_folder(whole, channels=1, tile=8, stride=4)) == 3 * 5 + 4 * 3
+    # subsets keep each image's source, whatever the index
+    assert tiled.subset(torch.arange(10) >= 5).sources == ("one",) + ("two",) * 4
+    assert tiled.subset([9, 0]).sources == ("two", "one") and tiled.subset(slice(5, 7)).sources == ("one", "two")
+
+
+def test_split_by_source_errors_name_the_rule(tmp_path):
+    rng = np.random.default_rng(4)
+    for k in range(3):
+        _write_photo(tmp_path / f"only__{k}.png", rng.random((8, 8)))
+    with pytest.raises(ValueError, match=r"1 source image\(s\) \(only\) cannot give 1 test .*<source>__<anything>"
+                                         r"\.png.*--test-path"):
+        load_png_folder(tmp_path, split="train")
+    assert len(load_png_folder(tmp_path, split="train", test_fraction=0)) == 3  # all for training (test elsewhere)
+    with pytest.raises(ValueError, match=r"validation_fraction must be in \[0, 1\)"):
+        assign_sources(["a", "b"], 0.5, 1.0)
+    with pytest.raises(ValueError, match="no validation split"):
+        load_png_folder(tmp_path, split="validation", test_fraction=0)
+    _write_photo(tmp_path / "big.png", rng.random((9, 8)))
+    with pytest.raises(ValueError, match=r"give a tile size \(--tile\)"):
+        load_png_folder(tmp_path)
+    with pytest.raises(ValueError, match=r"big\.png is 9x8, smaller than the tile 9x9"):
+        load_png_folder(tmp_path, tile=9)
+    with pytest.raises(ValueError, match="stride needs tile"):
+        load_png_folder(tmp_path, stride=2)
+
+
+def test_tile_images_row_by_row():
+    images = torch.arange(2 * 3 * 5 * 7, dtype=torch.float32).reshape(2, 3, 5, 7)
+    tiles = tile_images(images, 2, stride=3)  # rows at 0, 3; columns at 0, 3
+    assert tiles.shape == (2 * 2 * 2, 3, 2, 2)
+    assert torch.equal(tiles[1], images[0, :, 0:2, 3:5]) and torch.equal(tiles[6], images[1, :, 3:5, 0:2])
+    with pytest.raises(ValueError, match="larger than the images"):
+        tile_images(images, 6)
+
+
+def test_validation_split_of_exchangeable_sources():
+    train, validation, test = (load_digits(s, validation_fraction=0.1) for s in ("train", "validation", "test"))
+    assert torch.equal(test.images, load_digits("test").images)  # the test split does not move
+    assert len(validation) == round(0.1 * (1797 - len(test))) and len(train) + len(validation) + len(test) == 1797
+    key = torch.randn(64, dtype=torch.float64)
+    rows = {name: set((d.images.flatten(1).double() @ key).tolist()) for name, d in
+            (("train", train), ("validation", validation), ("test", test))}
+    assert not (rows["train"] & rows["validation"])
+    with pytest.raises(ValueError, match=r"no validation split.*--validation-fraction"):
+        load_digits("validation")
+
+
+def test_photographs_split_by_photograph():
+    pytest.importorskip("skimage")
+    from skimage import data
+
+    from et_ode.data import load_photographs
+    from et_ode.data.photographs import PHOTOGRAPHS
+
+    sources = {split: set(load_photographs(split, channels=1, tile=32).sources) for split in ("train", "validation",
+                                                                                               "test")}
+    assert sources["test"] == {"astronaut", "coffee", "grace_hopper", "camera", "coins", "brick"}
+    assert len(sources["train"]) == 12 and len(sources["validation"]) == 4
+    assert not (sources["train"] & sources["test"]) and not (sources["validation"] & (sources["train"] | sources["test"]))
+    assert set().union(*sources.values()) == set(PHOTOGRAPHS)
+    rgb = load_photographs("test", channels=3, tile=16, stride=8)
+    assert set(rgb.sources) == {"astronaut", "coffee", "grace_hopper"} and rgb.images.shape[1:] == (3, 16, 16)
+    # the first tile of the first RGB test photo is the astronaut's top-left corner, read independently
+    assert rgb.sources[0] == "astronaut"
+    expected = torch.tensor(data.astronaut()[:16, :16] / 255.0, dtype=torch.float32).permute(2, 0, 1)
+    shifted = torch.tensor(data.astronaut()[:16, 8:24] / 255.0, dtype=torch.float32).permute(2, 0, 1)  # stride 8
+    assert torch.allclose(rgb.images[0], expected) and torch.allclose(rgb.images[1], shifted)
+    assert sum(s == "astronaut" for s in rgb.sources) == 63 * 63  # (512 - 16) / 8 + 1 tiles a side
+    camera = load_photographs("test", channels=1, tile=32)
+    assert torch.allclose(camera.images[camera.sources.index("camera"), 0],
+                          torch.tensor(data.camera()[:32, :32] / 255.0, dtype=torch.float32))
+    with pytest.raises(ValueError, match="channels must be 1"):
+        load_photographs(channels=2)
+
+
+def test_load_split_with_a_test_folder_and_flag_named_errors(tmp_path):
+    from et_ode.data import load_split
+
+    rng = np.random.default_rng(6)
+    for photo in ("a", "b", "c"):
+        _write_photo(tmp_path / "train" / f"{photo}.png", rng.random((16, 16)))
+    _write_photo(tmp_path / "test" / "x" / "0.png", rng.random((16, 24)))
+    _write_photo(tmp_path / "test" / "a.png", rng.random((8, 8)))  # shares the name "a" with a training photo
+    options = dict(test_path=tmp_path / "test", tile=8, channels=1)
+    with pytest.warns(UserWarning, match=r"both have images of the sources a: .*not held out"):
+        train = load_split("png", tmp_path / "train", "train", **options)
+    assert len(train) == 3 * 4 and set(train.sources) == {"a", "b", "c"}  # every training source kept
+    test = load_split("png", tmp_path / "train", "test", **options)
+    assert test.sources == ("a",) + ("x",) * 6 and test.images.shape == (7, 1, 8, 8)
+    validation = load_split("png", tmp_path / "train", "validation", validation_fraction=0.3, **options)
+    assert set(validation.sources) < {"a", "b", "c"} - {"a"} and len(validation) == 4  # seed 0 draws b or c
+    # another source trains, the folder tests (the sizes must agree)
+    digits_test = load_split("digits", None, "test", test_path=tmp_path / "test", tile=8, channels=1)
+    assert len(digits_test) == 7 and len(load_split("digits", None, "train", test_path=tmp_path / "test")) == 1797
+    with pytest.raises(ValueError, match="--tile applies to --data png and --data photos"):
+        load_split("digits", None, "train", tile=4)
+    with pytest.raises(ValueError, match="png needs a folder of .png images \\(--data-path"):
+        load_split("png", None, "train")
+    with pytest.raises(ValueError, match="fixed validation split.*--validation-fraction"):
+        load_split("photos", None, "validation", validation_fraction=0.1)

@@ -56,3 +56,11 @@ def test_detect_graph_anomalies(tmp_path):
     out = run("detect_graph_anomalies.py", "--out", str(tmp_path), *TINY_GRAPH)
     assert "test AUC / macro-F1" in out and "gcn" in out
     assert (tmp_path / "anomaly_results.json").is_file()
+
+
+def test_complete_photos(tmp_path):
+    pytest.importorskip("skimage")
+    out = run("complete_photos.py", "--out", str(tmp_path), "--minutes", "0.03", "--train-limit", "128",
+              "--test-limit", "16")
+    assert "test masked-patch MSE on 16 tiles of held-out photographs" in out and "biharmonic" in out
+    assert (tmp_path / "evaluation" / "completions.npz").is_file()

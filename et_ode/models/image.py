@@ -322,6 +322,7 @@ class CompletionTask:
             raise ValueError(f"visible_fraction must be in [0, 1), got {visible_fraction!r}")
         self.ratio = ratio
         self.visible_fraction = visible_fraction
+        self._solution: Solution | None = None  # the last training solve, read by after_backward
 
     def loss(self, model: nn.Module, batch: Any) -> tuple[Tensor, dict[str, float]]:
         images = _images_of(batch)
@@ -335,7 +336,14 @@ class CompletionTask:
         metrics = {"mse": float(loss.detach())}
         if out.solution is not None:
             metrics.update(nfe=float(out.solution.stats.nfe_forward), energy=float(out.solution.energies[-1].mean()))
+        self._solution = out.solution
         return loss, metrics
+
+    def after_backward(self) -> dict[str, float]:
+        """``{"nfe_backward": ...}``: field evaluations of the last loss's backward pass (the adjoint's backward
+        solve or the implicit gradient's; 0 when gradients flow through the solver's steps)."""
+        solution, self._solution = self._solution, None
+        return {} if solution is None else {"nfe_backward": float(solution.stats.nfe_backward)}
 
     def evaluate(self, model: nn.Module, batches: Iterable[Any]) -> dict[str, float]:
         return evaluate_completion(model, batches)

@@ -6,6 +6,8 @@ returns a :class:`Completion` whose ``patches (B, N, C P P)`` are its guesses.
 - :class:`MeanImage`: every patch is the training set's mean at that position.
 - :class:`NearestNeighbour`: the training image closest to the test image on the visible patches
   (squared distance over visible pixels); its patches are the guesses.
+- :class:`Biharmonic`: no training; each image's hidden patches are filled by scikit-image's biharmonic
+  inpainting (``skimage.restoration.inpaint_biharmonic``) from its visible pixels (needs scikit-image).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..models.image import Completion, _check_images, patchify
+from ..models.image import Completion, _check_images, patchify, unpatchify
 
 
 class MeanImage(nn.Module):
@@ -72,3 +74,45 @@ class NearestNeighbour(nn.Module):
             best_dist = torch.where(better, value, best_dist)
             best_index = torch.where(better, index + start, best_index)
         return Completion(self.train_patches[best_index].to(images.dtype), extra={"index": best_index})
+
+
+class Biharmonic(nn.Module):
+    """Biharmonic inpainting of the hidden patches of each image (``skimage.restoration.inpaint_biharmonic``).
+
+    Every hidden pixel is filled by the smooth (biharmonic) continuation of the visible pixels around it, image by
+    image (RGB images: one solve with ``channel_axis``, the channels sharing the mask). Visible patches are returned
+    unchanged. Runs on the CPU in float64; the patches come back in the images' dtype and device.
+
+    Args:
+        image_shape: ``(C, H, W)``.
+        patch: patch side.
+    """
+
+    def __init__(self, image_shape: tuple[int, int, int], patch: int):
+        super().__init__()
+        try:
+            from skimage.restoration import inpaint_biharmonic
+        except ImportError:
+            raise ImportError("the biharmonic baseline needs scikit-image: pip install scikit-image "
+                              "(or et-ode[images])") from None
+        self._inpaint = inpaint_biharmonic
+        self.image_shape = tuple(image_shape)
+        self.patch = patch
+
+    def forward(self, images: Tensor, hidden: Tensor) -> Completion:
+        _check_images(images, self.image_shape)
+        c, h, w = self.image_shape
+        pixels = images.detach().to("cpu", torch.float64)
+        # the pixel mask of the hidden patches: (B, N) -> (B, 1, H, W)
+        mask = unpatchify(hidden.to("cpu", torch.float64)[..., None].expand(-1, -1, self.patch * self.patch),
+                          self.patch, (1, h, w))[:, 0] > 0.5
+        filled = pixels.clone()
+        for i in range(images.shape[0]):
+            if not bool(mask[i].any()):
+                continue
+            if c == 1:
+                filled[i, 0] = torch.from_numpy(self._inpaint(pixels[i, 0].numpy(), mask[i].numpy()))
+            else:
+                result = self._inpaint(pixels[i].permute(1, 2, 0).numpy(), mask[i].numpy(), channel_axis=-1)
+                filled[i] = torch.from_numpy(result).permute(2, 0, 1)
+        return Completion(patchify(filled, self.patch).to(images.device, images.dtype))

@@ -15,6 +15,15 @@ see :func:`et_ode.runs.claim`), ``checkpoint.safetensors`` (resumable, data only
 ``metrics.jsonl``, ``results.json`` (test MSE of the model and the baselines, NFE, energy checks),
 ``et_block.pt`` (the trained block, :func:`et_ode.io.save_model`), ``tokens.pt`` (encoded test token states,
 a tensor ``(batch, N, D)``, for ``et-ode analyze``), ``tokens_meta.json``.
+
+Data (:func:`et_ode.data.load_split`): the training, validation and test splits of ``config.data``; PNG folders and
+the ``photos`` data set are split by source image, and ``config.test_path`` gives a separate folder of test images.
+After each epoch the model is scored on the validation split when there is one (``validation_fraction > 0``, or
+the photos' fixed split; ``val_size`` images spread evenly over it), else on the first ``val_size`` test images
+(for watching the run only: choose settings on a validation split). The final scores are on the whole test
+split, beside the per-position mean, the nearest training image and, when scikit-image is installed, biharmonic
+inpainting. ``results.json`` also holds the cost of training (``train_cost``: steps, seconds per step, field
+evaluations per step forward and backward).
 """
 
 from __future__ import annotations
@@ -33,7 +42,7 @@ import torch
 
 from .. import distributed, runs, runtime
 from ..adjoints import Adjoint, Direct
-from ..data.images import SOURCES, ImageSet, load_images, read_png
+from ..data.images import SOURCES, ImageSet, load_split, read_png
 from ..devices import resolve_device
 from ..integration import Integration
 from ..models.image import (
@@ -47,8 +56,8 @@ from ..models.image import (
     unpatchify,
 )
 from ..solvers import Adaptive, EulerET, Solver, as_solver
-from ..train import CHECKPOINT_NAME, TrainConfig, fit, load_checkpoint
-from .baselines import MeanImage, NearestNeighbour
+from ..train import CHECKPOINT_NAME, TrainConfig, fit, load_checkpoint, training_cost
+from .baselines import Biharmonic, MeanImage, NearestNeighbour
 
 
 @dataclass
@@ -57,9 +66,14 @@ class ImageRunConfig:
 
     data: str = "digits"
     data_path: str | None = None
+    test_path: str | None = None  # a folder of PNG test images (split by source; tiled like the data)
+    tile: int | None = None  # png and photos: tiles of this side (photos: 16 when None)
+    stride: int | None = None  # png and photos: tiles this far apart (default: tile)
+    channels: int | None = None  # png and photos: 1 (grey) or 3 (RGB)
+    validation_fraction: float = 0.0  # held out of the training split for validation (by source for png)
     train_limit: int | None = None
     test_limit: int | None = None
-    val_size: int | None = 1000  # images of the test split evaluated each epoch (the full split at the end)
+    val_size: int | None = 1000  # images evaluated each epoch (the full test split at the end)
     patch: int = 2
     dim: int = 32
     heads: int = 4
@@ -81,13 +95,25 @@ class ImageRunConfig:
 
     def __post_init__(self) -> None:
         if self.threads is not None and not (isinstance(self.threads, int) and self.threads >= 1):
-            raise ValueError(f"threads must be None or a positive integer, got {self.threads!r}")
+            raise ValueError(f"threads must be None or a positive integer (--threads), got {self.threads!r}")
         if not (isinstance(self.tau, (int, float)) and 0 < self.tau < math.inf):
-            raise ValueError(f"tau must be positive and finite, got {self.tau!r}")
+            raise ValueError(f"tau must be positive and finite (--tau), got {self.tau!r}")
         if not (isinstance(self.ratio, (int, float)) and 0 < self.ratio < 1):
-            raise ValueError(f"mask ratio must be in (0, 1) (the fraction of patches scored), got {self.ratio!r}")
+            raise ValueError(f"mask ratio must be in (0, 1) (--mask-ratio: the fraction of patches scored), "
+                             f"got {self.ratio!r}")
         if self.data not in SOURCES:
-            raise ValueError(f"data must be one of {SOURCES}, got {self.data!r}")
+            raise ValueError(f"data must be one of {SOURCES} (--data), got {self.data!r}")
+        if self.channels not in (None, 1, 3):
+            raise ValueError(f"channels must be 1 or 3 (--channels), got {self.channels!r}")
+        for name, value in (("tile", self.tile), ("stride", self.stride)):
+            if value is not None and not (isinstance(value, int) and value >= 1):
+                raise ValueError(f"{name} must be a positive integer (--{name}), got {value!r}")
+        if self.data == "photos":  # its defaults, recorded in config.json: 16x16 grey tiles
+            self.tile = 16 if self.tile is None else self.tile
+            self.channels = 1 if self.channels is None else self.channels
+        if not (isinstance(self.validation_fraction, (int, float)) and 0 <= self.validation_fraction < 1):
+            raise ValueError(f"validation_fraction must be in [0, 1) (--validation-fraction), "
+                             f"got {self.validation_fraction!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "integration": self.integration.to_dict()}
@@ -103,12 +129,26 @@ class ImageRunConfig:
 # Settings of an image run that a resume may change: how it executes, not what it computes.
 RESUMABLE_CHANGES = ("threads", "baselines", "energy_check", "tokens", "train.device", "train.progress",
                      "train.num_workers", "train.out_dir", "train.resume", "train.overwrite", "train.epochs",
-                     "train.checkpoint_every", "train.eval_every", "train.eval_batch_size")
+                     "train.checkpoint_every", "train.eval_every", "train.eval_batch_size", "train.max_time")
 
 
-def _load_split(config: ImageRunConfig, split: str, limit: int | None) -> ImageSet:
-    data = load_images(config.data, config.data_path, split)
+def load_run_split(config: ImageRunConfig, split: str, limit: int | None = None) -> ImageSet:
+    """The ``split`` (``"train"``, ``"validation"``, ``"test"``) of the run's data, its first ``limit`` images."""
+    data = load_split(config.data, config.data_path, split, test_path=config.test_path, tile=config.tile,
+                      stride=config.stride, channels=config.channels, validation_fraction=config.validation_fraction)
     return data.subset(slice(0, limit)) if limit else data
+
+
+def has_validation(config: ImageRunConfig) -> bool:
+    """Does the run's data have a validation split (``validation_fraction > 0``, or the photos' fixed one)?"""
+    return config.validation_fraction > 0 or config.data == "photos"
+
+
+def biharmonic_available() -> bool:
+    """Is scikit-image (the biharmonic baseline) installed?"""
+    import importlib.util
+
+    return importlib.util.find_spec("skimage") is not None
 
 
 def build_model(config: ImageRunConfig, image_shape: Sequence[int]) -> ImageET:
@@ -187,14 +227,21 @@ def train_image(config: ImageRunConfig, out_dir: str | Path | None = None) -> di
 def _train_image(config: ImageRunConfig, out: Path | None) -> dict[str, Any]:
     if config.threads:
         torch.set_num_threads(config.threads)
-    train_set = _load_split(config, "train", config.train_limit)
-    test_set = _load_split(config, "test", config.test_limit)
+    train_set = load_run_split(config, "train", config.train_limit)
+    test_set = load_run_split(config, "test", config.test_limit)
     model = build_model(config, train_set.shape)
     task = CompletionTask(config.ratio, config.visible_fraction)
     test = fixed_mask_set(test_set.images, model.num_patches, config.ratio, config.visible_fraction,
                           seed=config.mask_seed)
-    val = test if not config.val_size or config.val_size >= len(test) else torch.utils.data.Subset(
-        test, range(config.val_size))
+    if has_validation(config):  # val_size images spread evenly over the split, so that every source is watched
+        validation = load_run_split(config, "validation")
+        if config.val_size and config.val_size < len(validation):
+            validation = validation.subset(torch.linspace(0, len(validation) - 1, config.val_size).long())
+        val = fixed_mask_set(validation.images, model.num_patches, config.ratio, config.visible_fraction,
+                             seed=config.mask_seed)
+    else:
+        val = test if not config.val_size or config.val_size >= len(test) else torch.utils.data.Subset(
+            test, range(config.val_size))
     history = fit(model, task, train_set.images, val, config.train, meta={"run": config.to_dict(),
                                                                             "model": model.config()})
     if not distributed.is_main():
@@ -204,7 +251,10 @@ def _train_image(config: ImageRunConfig, out: Path | None) -> dict[str, Any]:
                                "image_shape": list(train_set.shape), "patches": model.num_patches,
                                "ratio": config.ratio, "visible_fraction": config.visible_fraction,
                                "integration": config.integration.to_dict(), "epochs": config.train.epochs,
-                               "train_seconds": history.last("time")}
+                               "validated_on": "validation" if has_validation(config) else "test",
+                               "train_seconds": history.last("time"), "train_cost": training_cost(history)}
+    if "stopped" in history.records[-1]:
+        results["stopped"] = history.records[-1]["stopped"]
     results["model"] = evaluate_model(model, test, device=device)
     if config.baselines:
         results["mean_baseline"] = evaluate_model(MeanImage(train_set.images, config.patch).to(device), test,
@@ -212,6 +262,8 @@ def _train_image(config: ImageRunConfig, out: Path | None) -> dict[str, Any]:
         results["nearest_neighbour"] = evaluate_model(NearestNeighbour(train_set.images, config.patch).to(device),
                                                       test, batch_size=250, device=device)
         results["improvement_over_mean"] = 1 - results["model"]["mse"] / results["mean_baseline"]["mse"]
+        if biharmonic_available():
+            results["biharmonic"] = evaluate_model(Biharmonic(model.image_shape, config.patch), test)
     if config.energy_check:
         images, hidden, _ = test.tensors
         results["energy_descent"] = energy_descent(model, images.to(device), hidden.to(device), config.integration)
@@ -278,7 +330,8 @@ def complete(checkpoint: str | Path, out_dir: str | Path, *, image: str | Path |
              seed: int = 0, device: str = "cpu") -> dict[str, Any]:
     """Complete one masked image with a trained model and record the completion over time.
 
-    The image is a PNG file (``image``, the model's size) or test image ``index`` of the run's data. Patches are
+    The image is a PNG file (``image``, the model's size) or image ``index`` of the run's test split (the split
+    ``train_image`` scored, in its order: ``--test-path`` images when the run had them). Patches are
     hidden at random (``ratio``, default the run's) with ``seed``. The run's integration is used, with ``t1`` and
     ``solver`` replaced when given (a method's name keeps the run's tolerances where both are adaptive); ``frames``
     equally spaced times from 0 to ``t1`` are saved (:class:`~et_ode.EulerET` saves each of its steps). Writes to
@@ -289,7 +342,7 @@ def complete(checkpoint: str | Path, out_dir: str | Path, *, image: str | Path |
     if (image is None) == (index is None):
         raise ValueError("give exactly one of image (a PNG file) and index (a test image of the run's data)")
     if not (isinstance(frames, int) and frames >= 2):
-        raise ValueError(f"frames must be an integer >= 2, got {frames!r}")
+        raise ValueError(f"frames must be an integer >= 2 (--frames), got {frames!r}")
     model, run = load_trained(checkpoint, device)
     integration = run.integration
     if t1 is not None:
@@ -306,9 +359,10 @@ def complete(checkpoint: str | Path, out_dir: str | Path, *, image: str | Path |
             raise ValueError(f"image {image} has shape {tuple(target.shape)} (C, H, W); this model completes "
                              f"images of shape {model.image_shape}")
     else:
-        test = load_images(run.data, run.data_path, "test")
-        if not 0 <= index < len(test):
-            raise ValueError(f"index must be in [0, {len(test)}) for the {run.data} test split, got {index}")
+        test = load_run_split(run, "test")
+        if not (isinstance(index, int) and 0 <= index < len(test)):
+            raise ValueError(f"--index must be in [0, {len(test)}) for the test split of the run's data "
+                             f"({run.test_path or run.data}), got {index}")
         target = test.images[index]
     ratio = run.ratio if ratio is None else ratio
     hidden, _ = random_masks(1, model.num_patches, ratio, visible_fraction=run.visible_fraction,
@@ -387,7 +441,7 @@ def _demo(out: Path, config: ImageRunConfig) -> dict[str, Any]:
               f"This machine: {runtime.cpu_description()}.", file=sys.stderr, flush=True)
     results = train_image(config)
     model, _ = load_trained(out / CHECKPOINT_NAME)
-    test_set = _load_split(config, "test", config.test_limit)
+    test_set = load_run_split(config, "test", config.test_limit)
     test = fixed_mask_set(test_set.images, model.num_patches, config.ratio, config.visible_fraction,
                           seed=config.mask_seed)
     images, hidden, _ = test.tensors
@@ -398,7 +452,7 @@ def _demo(out: Path, config: ImageRunConfig) -> dict[str, Any]:
     with torch.no_grad():  # hidden patches from the predictor, visible ones from the input
         truth = patchify(images[:show], model.patch)
         keep = hidden[:show, :, None]
-        nearest = NearestNeighbour(_load_split(config, "train", config.train_limit).images, model.patch)
+        nearest = NearestNeighbour(load_run_split(config, "train", config.train_limit).images, model.patch)
         completed = unpatchify(torch.where(keep, model(images[:show], hidden[:show]).patches, truth), model.patch,
                                model.image_shape)
         neighbour = unpatchify(torch.where(keep, nearest(images[:show], hidden[:show]).patches, truth), model.patch,
@@ -443,6 +497,15 @@ def _demo(out: Path, config: ImageRunConfig) -> dict[str, Any]:
     return results
 
 
+def _cost_line(results: dict[str, Any]) -> str:
+    """One sentence on the cost of a training step (``results["train_cost"]``, :func:`et_ode.train.training_cost`)."""
+    cost = results.get("train_cost", {})
+    if "seconds_per_step" not in cost:
+        return ""
+    return (f"{cost['steps']} steps of {cost['seconds_per_step']:.3f} s, with {cost.get('nfe_forward_per_step', 0):.1f} "
+            f"forward and {cost.get('nfe_backward_per_step', 0):.1f} backward field evaluations per step.")
+
+
 def _relative(improvement: float) -> str:
     side = "below" if improvement >= 0 else "above"
     return f"The ET's test error is {abs(improvement):.1%} {side} the per-position mean baseline's."
@@ -461,7 +524,7 @@ def _demo_report(results: dict[str, Any], config: ImageRunConfig, pictures: list
         f"(relu Hopfield), tau={config.tau}.",
         f"Dynamics: {s.solver} from t=0 to t={s.t1}; gradients by {s.gradient}. "
         f"Training: {config.train.epochs} epochs of AdamW (lr {config.train.lr}, warm-up then cosine), "
-        f"{results['train_seconds']:.0f} s; whole demo {results.get('demo_seconds', 0):.0f} s.", "",
+        f"{results['train_seconds']:.0f} s; whole demo {results.get('demo_seconds', 0):.0f} s. " + _cost_line(results), "",
         "## Test masked-patch MSE (same masks, same evaluation code)", "",
         "| predictor | MSE |", "|---|---|",
         f"| ET ({s.solver.name}, mean NFE {model.get('nfe', 0):.0f} per batch) | {model['mse']:.4f} |",
@@ -501,7 +564,7 @@ def compare_solvers(checkpoint: str | Path, integrations: dict[str, Integration]
     solves, whose horizon differs per batch).
     """
     model, run = load_trained(checkpoint, device)
-    test_set = _load_split(run, "test", test_limit or run.test_limit)
+    test_set = load_run_split(run, "test", test_limit or run.test_limit)
     test = fixed_mask_set(test_set.images, model.num_patches, run.ratio, run.visible_fraction, seed=run.mask_seed)
     images, hidden, _ = test.tensors
     results: dict[str, Any] = {"checkpoint": str(checkpoint), "test_images": len(test)}

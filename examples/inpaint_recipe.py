@@ -27,7 +27,6 @@ import math
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -39,42 +38,14 @@ from et_ode.tasks.baselines import MeanImage, NearestNeighbour
 PATCH = 4
 SPLITS = ("train", "val", "test")
 MASK_SEEDS = {"val": 99, "test": 1234}
-PHOTOGRAPHS = {  # the split of et_ode.data.photographs
-    "rocket": "train", "hubble_deep_field": "train", "immunohistochemistry": "train", "retina": "train",
-    "motorcycle": "train", "china": "train", "moon": "train", "page": "train", "clock": "train", "grass": "train",
-    "cell": "train", "microaneurysms": "train", "chelsea": "val", "flower": "val", "text": "val", "gravel": "val",
-    "astronaut": "test", "coffee": "test", "grace_hopper": "test", "camera": "test", "coins": "test", "brick": "test",
-}
 
 
 # ----------------------------------------------------------------------------------------------- data
-def photograph(name: str) -> np.ndarray:
-    if name in ("china", "flower"):
-        from sklearn.datasets import load_sample_image
-        return np.asarray(load_sample_image(f"{name}.jpg"))
-    if name == "grace_hopper":
-        from matplotlib import cbook
-        from matplotlib.image import imread
-        return np.asarray(imread(cbook.get_sample_data("grace_hopper.jpg")))
-    from skimage import data
-    return np.asarray(data.stereo_motorcycle()[0] if name == "motorcycle" else getattr(data, name)())
-
-
-def photo_tiles(names: list[str], size: int = 16) -> Tensor:
-    """Grey ``size x size`` tiles ``(n, 1, size, size)`` in [0, 1], photograph by photograph, row by row."""
-    tiles = []
-    for name in names:
-        pixels = photograph(name).astype(np.float32)
-        if pixels.ndim == 3:
-            pixels = 0.299 * pixels[..., 0] + 0.587 * pixels[..., 1] + 0.114 * pixels[..., 2]
-        grid = torch.from_numpy(pixels / 255.0)[None, None].unfold(2, size, size).unfold(3, size, size)
-        tiles.append(grid.permute(0, 2, 3, 1, 4, 5).reshape(-1, 1, size, size).contiguous())
-    return torch.cat(tiles)
-
-
 def load(data: str) -> dict[str, Tensor]:
     if data == "photos":
-        return {split: photo_tiles([n for n, s in PHOTOGRAPHS.items() if s == split]) for split in SPLITS}
+        from et_ode.data import load_split  # the photographs' fixed split by photograph, grey 16x16 tiles
+        return {split: load_split("photos", None, "validation" if split == "val" else split, tile=16, channels=1).images
+                for split in SPLITS}
     from et_ode.data.images import load_idx_folder
     train = load_idx_folder(None, "train").images
     order = torch.randperm(len(train), generator=torch.Generator().manual_seed(0))

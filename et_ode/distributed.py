@@ -38,6 +38,7 @@ import datetime
 import os
 import socket
 from collections.abc import Iterator, Mapping
+from typing import TypeVar
 from dataclasses import dataclass
 
 import torch
@@ -224,7 +225,10 @@ def reduce_mean(metrics: Mapping[str, float], weight: float = 1.0) -> dict[str, 
     return {key: (total / share if share > 0 else float("nan")) for key, (total, share) in totals.items()}
 
 
-def broadcast_object(obj: object, src: int = 0) -> object:
+T = TypeVar("T")
+
+
+def broadcast_object(obj: T, src: int = 0) -> T:
     """Rank ``src``'s ``obj`` (any picklable object; keep tensors on the CPU) on every rank; ``obj`` in one process.
 
     Only ``src`` needs the value (e.g. the checkpoint file exists on rank 0's machine alone); the others pass None.

@@ -73,7 +73,7 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import numpy as np
 import torch
@@ -93,6 +93,14 @@ METRICS_NAME = "metrics.jsonl"
 # Fields that change the sequence of parameter updates: a resumed run must keep them.
 _TRAJECTORY_FIELDS = ("batch_size", "lr", "weight_decay", "betas", "warmup", "min_lr_ratio", "grad_clip", "seed",
                       "max_train_batches")
+
+
+class MapData(Protocol):
+    """A map-style data set: a ``Dataset``, a list of examples, or a tensor indexed along its first dimension."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int) -> Any: ...
 
 
 class Task(Protocol):
@@ -180,7 +188,8 @@ class TrainConfig:
         if self.max_time is not None and not (isinstance(self.max_time, (int, float)) and 0 < self.max_time < math.inf):
             raise ValueError(f"TrainConfig.max_time must be None or a positive number of seconds (--max-time, in minutes), "
                              f"got {self.max_time!r}")
-        self.betas = tuple(self.betas)
+        beta1, beta2 = self.betas
+        self.betas = (float(beta1), float(beta2))
         resolve_device(self.device)
 
     def to_dict(self) -> dict[str, Any]:
@@ -310,8 +319,8 @@ def _format(metrics: dict[str, float]) -> dict[str, str]:
 def fit(
     model: nn.Module,
     task: Task,
-    train_data: Dataset,
-    val_data: Dataset | Iterable[Any] | None = None,
+    train_data: MapData,
+    val_data: MapData | Iterable[Any] | None = None,
     config: TrainConfig | None = None,
     *,
     collate_fn: Callable[[list[Any]], Any] | None = None,
@@ -371,7 +380,7 @@ def fit(
         net = distributed.wrap(model, device)
 
         sampler = _EpochSampler(len(train_data), config.seed, rank, world)
-        loader = DataLoader(train_data, batch_size=local_batch, sampler=sampler, collate_fn=collate_fn,
+        loader = DataLoader(cast(Dataset, train_data), batch_size=local_batch, sampler=sampler, collate_fn=collate_fn,
                             num_workers=config.num_workers, pin_memory=device.type == "cuda",
                             generator=torch.Generator().manual_seed(config.seed))  # keeps the global RNG untouched
         batches_per_epoch = math.ceil(len(sampler.indices()) / local_batch)
@@ -385,13 +394,13 @@ def fit(
             optimizer, lambda step: lr_factor(step, plan["steps"], plan["warmup"], config.min_lr_ratio))
         val_share: int | None = None  # examples of val_data evaluated by this rank (None: all ranks see all batches)
         if isinstance(val_data, Dataset):
-            part = val_data if world == 1 else torch.utils.data.Subset(val_data, distributed.shard(len(val_data)))
-            val_share = len(part)
+            part = val_data if world == 1 else torch.utils.data.Subset(val_data, distributed.shard(len(cast(MapData, val_data))))
+            val_share = len(cast(MapData, part))
             val_batches: Iterable[Any] | None = DataLoader(part, batch_size=config.eval_batch_size or config.batch_size,
                                                            shuffle=False, collate_fn=collate_fn,
                                                            num_workers=config.num_workers)
-        else:
-            val_batches = val_data
+        else:  # ready batches (a list or any other iterable)
+            val_batches = cast("Iterable[Any] | None", val_data)
 
         history = History()
         epoch, batch_in_epoch, step = 0, 0, 0
@@ -453,7 +462,10 @@ def fit(
             return distributed.broadcast_object(reason)  # rank 0's clock decides for every rank
 
         def replan(seconds_per_step: float) -> None:  # the steps that fit in the rest of the budget, rank 0's guess
-            steps = step + int((config.max_time - clock()) / max(seconds_per_step, 1e-9))
+            budget = config.max_time
+            if budget is None:
+                return
+            steps = step + int((budget - clock()) / max(seconds_per_step, 1e-9))
             _replan(plan, config, int(distributed.broadcast_object(steps)), total_steps)
 
         started = time.perf_counter()
@@ -477,8 +489,9 @@ def fit(
                 loss.backward()
                 if config.grad_clip:
                     metrics = {**metrics, "grad_norm": float(nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip))}
-                if callable(getattr(task, "after_backward", None)):
-                    metrics = {**metrics, **task.after_backward()}
+                after_backward = getattr(task, "after_backward", None)
+                if callable(after_backward):
+                    metrics = {**metrics, **after_backward()}
                 optimizer.step()
                 scheduler.step()
                 seconds = time.perf_counter() - step_started

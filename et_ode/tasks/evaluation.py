@@ -118,9 +118,14 @@ def evaluate_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, data: st
                                             seed=setup["mask_seed"]).tensors[1:]
         train_images = _training_images(run) if {"mean", "nearest"} & set(predictors) else None
         model_device = next(model.parameters()).device
+
+        def reference() -> Tensor:  # the training images, loaded whenever "mean" or "nearest" is asked for
+            assert train_images is not None
+            return train_images
+
         makers: dict[str, Callable[[], nn.Module]] = {
-            "et": lambda: model, "mean": lambda: MeanImage(train_images, model.patch).to(model_device),
-            "nearest": lambda: NearestNeighbour(train_images, model.patch).to(model_device),
+            "et": lambda: model, "mean": lambda: MeanImage(reference(), model.patch).to(model_device),
+            "nearest": lambda: NearestNeighbour(reference(), model.patch).to(model_device),
             "biharmonic": lambda: Biharmonic(model.image_shape, model.patch)}
         truth = patchify(images, model.patch)
         results: dict[str, Any] = {"checkpoint": setup["checkpoint"], "data": source, "images": images.shape[0],
@@ -139,7 +144,8 @@ def evaluate_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, data: st
             arrays[f"completion_{name}"] = completion.numpy()
             arrays[f"mse_{name}"] = _per_image_mse(patches, truth, scored).numpy()
         results["best"] = min(results["predictors"], key=lambda n: results["predictors"][n]["mse"])
-        np.savez_compressed(out / "completions.npz", **arrays)
+        # numpy's stub types the keyword allow_pickle: bool, which a dict of arrays cannot rule out
+        np.savez_compressed(out / "completions.npz", **arrays)  # type: ignore[arg-type]
         (out / "evaluation.json").write_text(json.dumps(results, indent=2))
         (out / "evaluation.md").write_text(_table(results, setup))
         files = ["config.json", "evaluation.json", "evaluation.md", "completions.npz"]

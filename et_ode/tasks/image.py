@@ -233,6 +233,7 @@ def _train_image(config: ImageRunConfig, out: Path | None) -> dict[str, Any]:
     task = CompletionTask(config.ratio, config.visible_fraction)
     test = fixed_mask_set(test_set.images, model.num_patches, config.ratio, config.visible_fraction,
                           seed=config.mask_seed)
+    val: torch.utils.data.Dataset
     if has_validation(config):  # val_size images spread evenly over the split, so that every source is watched
         validation = load_run_split(config, "validation")
         if config.val_size and config.val_size < len(validation):
@@ -354,7 +355,7 @@ def complete(checkpoint: str | Path, out_dir: str | Path, *, image: str | Path |
         integration = integration.replace(solver=chosen)
     times = None if isinstance(integration.solver, EulerET) else torch.linspace(0.0, integration.t1, frames)
     if image is not None:
-        target = read_png(image, channels=model.image_shape[0])
+        target: torch.Tensor = read_png(image, channels=model.image_shape[0])
         if tuple(target.shape) != model.image_shape:
             raise ValueError(f"image {image} has shape {tuple(target.shape)} (C, H, W); this model completes "
                              f"images of shape {model.image_shape}")
@@ -368,12 +369,12 @@ def complete(checkpoint: str | Path, out_dir: str | Path, *, image: str | Path |
     hidden, _ = random_masks(1, model.num_patches, ratio, visible_fraction=run.visible_fraction,
                              generator=torch.Generator().manual_seed(seed))
     target = target.to(next(model.parameters()).device)
-    frames, solution = model.film(target[None], hidden.to(target.device), times, integration)
+    film, solution = model.film(target[None], hidden.to(target.device), times, integration)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     masked = _masked_view(target.cpu(), hidden[0], model.patch)
     ts = solution.ts.cpu()
-    torch.save({"frames": frames[:, 0].cpu(), "times": ts, "target": target.cpu(), "masked": masked,
+    torch.save({"frames": film[:, 0].cpu(), "times": ts, "target": target.cpu(), "masked": masked,
                 "hidden": hidden[0], "energies": solution.energies[:, 0].cpu()}, out / "film.pt")
     energies = solution.energies[:, 0].double().cpu()
     (out / "energy.csv").write_text("time,energy\n" + "".join(f"{float(t)!r},{float(e)!r}\n"
@@ -381,12 +382,12 @@ def complete(checkpoint: str | Path, out_dir: str | Path, *, image: str | Path |
     written = ["film.pt", "energy.csv"]
     plots = _analysis_plots()
     if plots is not None:
-        _close(plots.plot_film_strip(frames[:, 0].cpu(), ts, target=target.cpu(), masked=masked,
+        _close(plots.plot_film_strip(film[:, 0].cpu(), ts, target=target.cpu(), masked=masked,
                                      path=out / "film_strip.png"))
         _close(plots.plot_convergence(solution, path=out / "energy.png"))
         written += ["film_strip.png", "energy.png"]
-    scored = hidden[0].to(frames.device)
-    error = (patchify(frames[-1], model.patch)[0] - patchify(target[None], model.patch)[0])[scored]
+    scored = hidden[0].to(film.device)
+    error = (patchify(film[-1], model.patch)[0] - patchify(target[None], model.patch)[0])[scored]
     return {"files": written, "masked_mse": float(error.square().mean()), "times": ts.tolist(),
             "energies": energies.tolist(), "monotone": bool((energies[1:] <= energies[:-1]).all())}
 

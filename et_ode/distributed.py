@@ -38,8 +38,8 @@ import datetime
 import os
 import socket
 from collections.abc import Iterator, Mapping
-from typing import TypeVar
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist

@@ -394,7 +394,8 @@ def fit(
             optimizer, lambda step: lr_factor(step, plan["steps"], plan["warmup"], config.min_lr_ratio))
         val_share: int | None = None  # examples of val_data evaluated by this rank (None: all ranks see all batches)
         if isinstance(val_data, Dataset):
-            part = val_data if world == 1 else torch.utils.data.Subset(val_data, distributed.shard(len(cast(MapData, val_data))))
+            own = distributed.shard(len(cast(MapData, val_data)))
+            part = val_data if world == 1 else torch.utils.data.Subset(val_data, own)
             val_share = len(cast(MapData, part))
             val_batches: Iterable[Any] | None = DataLoader(part, batch_size=config.eval_batch_size or config.batch_size,
                                                            shuffle=False, collate_fn=collate_fn,

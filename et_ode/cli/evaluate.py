@@ -13,17 +13,21 @@ from ..solvers import ADAPTIVE_METHODS, METHODS, Adaptive, as_solver
 from ..tasks.evaluation import PREDICTORS, evaluate_checkpoint
 from ..tasks.image import load_trained
 from .image import thread_count
+from .options import add_command
+
+DESCRIPTION = (
+    "Complete the images of a split (default: the run's test split) with the trained ET, the "
+    "per-position mean and the nearest training image (both from the run's training data) and "
+    "biharmonic inpainting (scikit-image), on the same seeded masks; write OUT/evaluation.json, "
+    "OUT/evaluation.md (the table), OUT/completions.npz (images, masks, completions, per-image MSE) "
+    "and OUT/completions.png.")
 
 
 def add_evaluate(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser(
-        "evaluate", help="score a trained checkpoint and the classical baselines on any data, with saved masks",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        description="Complete the images of a split (default: the run's test split) with the trained ET, the "
-                    "per-position mean and the nearest training image (both from the run's training data) and "
-                    "biharmonic inpainting (scikit-image), on the same seeded masks; write OUT/evaluation.json, "
-                    "OUT/evaluation.md (the table), OUT/completions.npz (images, masks, completions, per-image MSE) "
-                    "and OUT/completions.png.")
+    parser = add_command(
+        commands, "evaluate",
+        summary="score a trained checkpoint and the classical baselines on any data, with saved masks",
+        description=DESCRIPTION)
     parser.add_argument("checkpoint", help="OUT/checkpoint.safetensors written by `et-ode train image`")
     parser.add_argument("--out", required=True, help="output folder (new or empty; see --overwrite)")
     parser.add_argument("--overwrite", action="store_true", help="replace an earlier evaluation in --out")

@@ -23,7 +23,7 @@ from ..solvers import METHODS
 from ..tasks.image import DEMO_EPOCHS, DEMO_MINUTES, ImageRunConfig, complete, demo, train_image
 from ..train import TrainConfig
 from .dynamics import add_dynamics_arguments, integration_from
-from .options import add_run_folder_arguments
+from .options import add_command, add_run_folder_arguments
 
 
 def _max_threads() -> int:
@@ -43,8 +43,8 @@ def thread_count(text: str) -> int:
 
 def add_train_image(subparsers: argparse._SubParsersAction) -> None:
     run, train = ImageRunConfig(), TrainConfig()
-    parser = subparsers.add_parser(
-        "image", help="masked image completion", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    parser = add_command(
+        subparsers, "image", summary="masked image completion",
         description="Train an image ET on masked-patch completion; evaluate it on the test split against the "
                     "per-position mean and nearest-neighbour baselines; write OUT/ (checkpoint.safetensors, metrics.jsonl, "
                     "results.json, et_block.pt, tokens.pt).")
@@ -160,9 +160,9 @@ def _summary(results: dict[str, Any]) -> dict[str, Any]:
 
 
 def add_complete(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser(
-        "complete", help="complete a masked image with a trained model (or photos with the official checkpoint)",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    parser = add_command(
+        commands, "complete",
+        summary="complete a masked image with a trained model (or photos with the official checkpoint)",
         description="Hide random patches of one image, run the trained ET from the MASK tokens to the horizon, and "
                     "write OUT/film.pt (frames over time, target, masked input), OUT/energy.csv, and, with "
                     "et_ode.analysis installed, OUT/film_strip.png and OUT/energy.png. With --official: complete "
@@ -250,9 +250,9 @@ def _run_complete_official(args: argparse.Namespace) -> None:
 
 
 def add_demo(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser(
-        "demo", help="train an image ET on the bundled 8x8 digits and write a report with pictures",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    parser = add_command(
+        commands, "demo",
+        summary="train an image ET on the bundled 8x8 digits and write a report with pictures",
         description=f"Train an image ET on scikit-learn's 8x8 digits (4x4 patches, half hidden; the adaptive bosh3 "
                     f"solver with the adjoint; {DEMO_EPOCHS} epochs, about {DEMO_MINUTES} minutes on 2 CPU cores), "
                     f"evaluate it against the mean "

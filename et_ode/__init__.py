@@ -1,7 +1,7 @@
 """et-ode: the Energy Transformer as a continuous-time dynamical system."""
 
 from .adjoints import Adjoint, Direct, Implicit
-from .attractor import Attractor, AttractorError, find_attractor
+from .attractor import Attractor, AttractorError, AttractorReadout, find_attractor
 from .energies import EnergyAttention, HopfieldMemory
 from .field import ETField
 from .gradients import implicit_fixed_point
@@ -26,6 +26,7 @@ __all__ = [
     "SteadyState",
     "Attractor",
     "AttractorError",
+    "AttractorReadout",
     "ETField",
     "GraphMask",
     "EnergyAttention",

@@ -39,6 +39,8 @@ Shapes: ``x0`` is ``(*batch, N, D)``; per-sample results are ``(*batch,)``.
 from __future__ import annotations
 
 import math
+import time
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -47,11 +49,12 @@ from ._checks import check_mask, check_tokens
 from .certify import METHODS, Attractor, certify, default_tol, flatten, limit_scale
 from .field import ETField
 from .gradients import AttractorError
+from .solution import Solution, SolveStats, Status
 from .solve import solve
 from .solvers import Adaptive
 from .stopping import SteadyState
 
-__all__ = ["Attractor", "AttractorError", "default_tol", "find_attractor", "limit_scale"]
+__all__ = ["Attractor", "AttractorError", "AttractorReadout", "default_tol", "find_attractor", "limit_scale"]
 
 
 # -- the flow phase -----------------------------------------------------------------------------------------------
@@ -153,3 +156,67 @@ def find_attractor(field: ETField, x0: Tensor, *, tol: float | None = None, hand
                    lanczos_iterations=lanczos_iterations, zero_tol=zero_tol, implicit_tol=implicit_tol,
                    implicit_max_iter=implicit_max_iter, seed=seed, flow_evaluations=field.nfe - evaluations_before,
                    evaluations_before=evaluations_before)
+
+
+# -- reading a model's answer at the attractor ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AttractorReadout:
+    """Read the answer at the attractor: ``Integration(attractor=AttractorReadout(...))`` (the models' forward
+    pass then returns :func:`find_attractor`'s ``g`` instead of the end of a solve).
+
+    The answer is the certified attractor of the flow from ``x0``; parameter gradients are the implicit ones at that
+    point, so a training step's memory and backward cost do not depend on how long the flow takes. ``x0`` (and so
+    the encoder, positions and MASK token that make it) gets no gradient: an attractor depends on where the flow
+    starts only through its basin. Samples that are not certified stable attractors (a saddle, a degenerate point, a
+    search that ran out of ``max_iter``) keep their value in the loss but give no gradient (``g`` detached there,
+    instead of :class:`AttractorError`); :meth:`read` counts them.
+
+    Args:
+        tol: the certificate's tolerance on RMS ``|T dE/dg|`` (None: :func:`default_tol`, 1e-4 in float32).
+        handoff: the flow phase's hand-off (:func:`find_attractor`).
+        max_iter: Newton iterations per sample.
+        implicit_tol, implicit_max_iter: the conjugate-gradient solve of the implicit backward pass (relative
+            residual; None: 1e-8 in float64, 1e-3 in float32, where the rounding of the Hessian-vector products
+            stalls conjugate gradients near 1e-4 relative and later iterations lose ground).
+    """
+
+    tol: float | None = None
+    handoff: float = 0.1
+    max_iter: int = 200
+    implicit_tol: float | None = None
+    implicit_max_iter: int = 200
+
+    def __post_init__(self) -> None:
+        for name in ("tol", "handoff", "implicit_tol"):
+            value = getattr(self, name)
+            if value is None and name != "handoff":
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value < math.inf):
+                raise ValueError(f"AttractorReadout.{name} must be a positive finite number, got {value!r}")
+        for name in ("max_iter", "implicit_max_iter"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"AttractorReadout.{name} must be a positive integer, got {value!r}")
+
+    def read(self, field: ETField, x0: Tensor) -> tuple[Solution, Attractor]:
+        """The attractor from ``x0 (*batch, N, D)`` as a one-state :class:`~et_ode.Solution` (``t_final`` is
+        infinite; ``status`` is steady state when every sample is certified, else reached-end; ``nfe_forward``
+        counts every evaluation and Hessian-vector product of the search) and the :class:`Attractor` itself."""
+        started = time.perf_counter()
+        found = find_attractor(field, x0, tol=self.tol, handoff=self.handoff, max_iter=self.max_iter,
+                               implicit_tol=self.implicit_tol or (1e-8 if x0.dtype == torch.float64 else 1e-3),
+                               implicit_max_iter=self.implicit_max_iter)
+        certified = found.certified
+        g = found.g
+        if g.requires_grad and not bool(certified.all()):
+            g = torch.where(certified[..., None, None], g, g.detach())
+        status = Status.STEADY_STATE if bool(certified.all()) else Status.REACHED_END
+        stats = SolveStats(nfe_forward=found.evaluations, accepted_steps=int(found.iterations.sum()), rejected_steps=0,
+                           wall_time=time.perf_counter() - started, t_final=math.inf, status=status, field=field,
+                           nfe_at_return=field.nfe,
+                           stop_times=torch.full(x0.shape[:-2], math.inf, dtype=torch.float64),
+                           steady_state_measure="tangent_gradient")
+        ts = torch.tensor([math.inf], dtype=torch.float64)
+        return Solution(ts=ts, xs=found.x[None], x=found.x, g=g, stats=stats, field=field), found

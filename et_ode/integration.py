@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 from torch import Tensor
 
 from .adjoints import Adjoint, Direct, Gradient, Implicit, as_gradient
+from .attractor import AttractorReadout
 from .field import ETField
 from .solution import Solution
 from .solve import solve
@@ -26,10 +27,10 @@ from .stopping import SteadyState
 
 T = TypeVar("T")
 _KINDS: dict[str, type] = {kind.__name__: kind for kind in (Adaptive, Fixed, EulerET, Direct, Adjoint, Implicit,
-                                                             SteadyState)}
+                                                             SteadyState, AttractorReadout)}
 
 
-def settings_to_dict(settings: Solver | Gradient | SteadyState) -> dict[str, Any]:
+def settings_to_dict(settings: Solver | Gradient | SteadyState | AttractorReadout) -> dict[str, Any]:
     """A settings object as plain data: ``{"kind": class name, **fields}``."""
     return {"kind": type(settings).__name__, **{f.name: getattr(settings, f.name) for f in dataclasses.fields(settings)}}
 
@@ -63,6 +64,10 @@ class Integration:
         t1: the horizon, from 0, positive and finite; :class:`~et_ode.EulerET` ignores it (its horizon is
             ``steps * alpha * tau``).
         max_steps: the solver's step budget.
+        attractor: an :class:`~et_ode.AttractorReadout`: :meth:`solve` then returns the certified attractor of the
+            flow from ``x0`` (:func:`~et_ode.find_attractor`, implicit gradients) instead of integrating; ``solver``,
+            ``gradient``, ``stop`` and ``t1`` serve only solves that save a trajectory (films, energy checks), which
+            drop it: ``replace(attractor=None)``. None (default): integrate.
     """
 
     solver: Solver = Adaptive()  # a method's name is accepted too (as_solver)
@@ -70,6 +75,7 @@ class Integration:
     stop: SteadyState | None = None
     t1: float = 1.0
     max_steps: int = 10_000
+    attractor: AttractorReadout | None = None
 
     def __post_init__(self) -> None:
         solver, gradient = as_solver(self.solver), as_gradient(self.gradient)
@@ -81,6 +87,9 @@ class Integration:
             raise ValueError(f"Integration.t1 must be positive and finite, got {self.t1!r}")
         if isinstance(self.max_steps, bool) or not isinstance(self.max_steps, int) or self.max_steps < 1:
             raise ValueError(f"Integration.max_steps must be a positive integer, got {self.max_steps!r}")
+        if self.attractor is not None and not isinstance(self.attractor, AttractorReadout):
+            raise TypeError(f"Integration.attractor must be an et_ode.AttractorReadout or None, got "
+                            f"{type(self.attractor).__name__}")
         gradient.check(self.stop)
         solver.check_stop(self.stop)
 
@@ -88,7 +97,8 @@ class Integration:
     def from_options(cls, solver: str = "dopri5", *, t1: float = 1.0, rtol: float = 1e-5, atol: float = 1e-6,
                      step: float | None = None, steps: int | None = None, gradient: str = "direct",
                      adjoint_rtol: float | None = None, adjoint_atol: float | None = None, seminorm: bool = False,
-                     steady_state: float | None = None, max_steps: int = 10_000) -> Integration:
+                     steady_state: float | None = None, max_steps: int = 10_000,
+                     attractor: bool = False) -> Integration:
         """The settings objects from flat options, as a command line or a grid search gives them.
 
         ``solver``: a method's name (:data:`et_ode.solvers.METHODS`); ``rtol``, ``atol`` for an adaptive one (ignored
@@ -96,7 +106,8 @@ class Integration:
         an adaptive method (ValueError); ``steps``: the number of steps of ``"et"`` (``step`` and ``steps`` default to
         :class:`~et_ode.EulerET`'s); ``gradient``: ``"direct"``, ``"adjoint"`` (with ``adjoint_rtol``,
         ``adjoint_atol``, ``seminorm``) or ``"implicit"``; ``steady_state``: the tolerance of a
-        :class:`~et_ode.SteadyState` stop (None: none); ``t1``, ``max_steps`` as in :class:`Integration`.
+        :class:`~et_ode.SteadyState` stop (None: none); ``t1``, ``max_steps`` as in :class:`Integration`;
+        ``attractor``: read the answer at the attractor (a default :class:`~et_ode.AttractorReadout`).
         """
         solver_object: Solver
         if solver in ADAPTIVE_METHODS:
@@ -119,14 +130,22 @@ class Integration:
                                                         lambda: SteadyState(steady_state))
         return _named(f"gradient={gradient!r}, steady_state={steady_state}, t1={t1}, max_steps={max_steps}",
                       lambda: cls(solver=solver_object, gradient=gradient_object, stop=stop, t1=t1,
-                                  max_steps=max_steps))
+                                  max_steps=max_steps, attractor=AttractorReadout() if attractor else None))
 
     def replace(self, **changes: Any) -> Integration:
         return dataclasses.replace(self, **changes)
 
     def solve(self, field: ETField, x0: Tensor, times: Tensor | None = None, save: str = "final") -> Solution:
         """:func:`et_ode.solve` with these settings, on ``(0, t1)`` or the given ``times`` (from 0 to the horizon,
-        saved with ``save="all"``); :class:`~et_ode.EulerET` builds its own grid."""
+        saved with ``save="all"``); :class:`~et_ode.EulerET` builds its own grid. With an ``attractor`` readout: the
+        attractor (:meth:`et_ode.AttractorReadout.read`), which saves no trajectory (ValueError naming ``times`` or
+        ``save`` otherwise)."""
+        if self.attractor is not None:
+            if times is not None or save != "final":
+                raise ValueError(f"an attractor readout saves only the attractor (save='final', no times; got save="
+                                 f"{save!r}{'' if times is None else ' and times'}): integrate a trajectory with "
+                                 "integration.replace(attractor=None)")
+            return self.attractor.read(field, x0)[0]
         t = None if isinstance(self.solver, EulerET) else (times if times is not None else (0.0, self.t1))
         return solve(field, x0, t, solver=self.solver, gradient=self.gradient, stop=self.stop, save=save,
                      max_steps=self.max_steps)
@@ -135,13 +154,14 @@ class Integration:
         """Plain data (JSON-ready): each settings object as :func:`settings_to_dict`."""
         return {"solver": settings_to_dict(self.solver), "gradient": settings_to_dict(self.gradient),
                 "stop": None if self.stop is None else settings_to_dict(self.stop), "t1": self.t1,
-                "max_steps": self.max_steps}
+                "max_steps": self.max_steps,
+                "attractor": None if self.attractor is None else settings_to_dict(self.attractor)}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Integration:
         """The inverse of :meth:`to_dict`."""
         fields = dict(data)
-        for name in ("solver", "gradient", "stop"):
+        for name in ("solver", "gradient", "stop", "attractor"):
             if isinstance(fields.get(name), Mapping):
                 fields[name] = settings_from_dict(fields[name])
         return cls(**fields)

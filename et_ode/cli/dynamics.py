@@ -1,6 +1,6 @@
 """The dynamics options shared by the subcommands (``--solver``, ``--t1``, ``--rtol``, ``--atol``, ``--step``,
 ``--steps``, ``--gradient``, ``--adjoint-rtol``, ``--adjoint-atol``, ``--seminorm``, ``--steady-state``,
-``--max-steps``), and the one function that turns them into the settings objects of :func:`et_ode.solve`
+``--max-steps``, ``--attractor``), and the one function that turns them into the settings objects of :func:`et_ode.solve`
 (:meth:`et_ode.Integration.from_options`)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from ..solvers import METHODS, Adaptive, EulerET, Fixed, as_solver
 
 #: every dynamics option; a subcommand adds those it offers
 OPTIONS = ("solver", "t1", "rtol", "atol", "step", "steps", "gradient", "adjoint_rtol", "adjoint_atol", "seminorm",
-           "steady_state", "max_steps")
+           "steady_state", "max_steps", "attractor")
 
 
 def add_dynamics_arguments(parser: argparse.ArgumentParser, defaults: Integration,
@@ -47,6 +47,9 @@ def add_dynamics_arguments(parser: argparse.ArgumentParser, defaults: Integratio
         "steady_state": dict(type=float, default=None if defaults.stop is None else defaults.stop.tol, metavar="TOL",
                              help="stop at the attractor: RMS |dg/dt| < TOL (t1 is then the longest time)"),
         "max_steps": dict(type=int, default=defaults.max_steps, help="solver step limit"),
+        "attractor": dict(action=argparse.BooleanOptionalAction, default=defaults.attractor is not None,
+                          help="read the answer at the certified attractor (find_attractor, implicit gradients: "
+                               "et_ode.AttractorReadout); the solver options then serve films and energy checks"),
     }
     for name in options:
         group.add_argument("--" + name.replace("_", "-"), **arguments[name])  # type: ignore[arg-type]

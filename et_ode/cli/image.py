@@ -97,6 +97,9 @@ def add_train_image(subparsers: argparse._SubParsersAction) -> None:
     opt.add_argument("--warmup", type=float, default=train.warmup, help="warm-up: fraction of steps if < 1, else steps")
     opt.add_argument("--grad-clip", type=float, default=train.grad_clip, help="gradient-norm clip (0: none)")
     opt.add_argument("--seed", type=int, default=train.seed)
+    opt.add_argument("--init", default=None, metavar="CHECKPOINT",
+                     help="start from the weights of another run's checkpoint.safetensors (same model); e.g. a "
+                          "direct phase before --attractor, which trains only the energy and the decoder")
     opt.add_argument("--device", default=train.device, help="auto, cpu, cuda or cuda:i")
     opt.add_argument("--threads", type=thread_count, default=None,
                      help="torch CPU threads, 1 to this machine's CPU count (default: torch's choice)")
@@ -141,7 +144,7 @@ def _train_image_from_args(args: argparse.Namespace) -> None:
                             visible_fraction=args.visible_fraction, mask_seed=args.mask_seed,
                             integration=integration_from(args, ImageRunConfig().integration),
                             train=train, baselines=not args.no_baselines,
-                            threads=args.threads)
+                            threads=args.threads, init=args.init)
     results = train_image(config)
     if distributed.is_main():
         print(json.dumps(_summary(results), indent=2))

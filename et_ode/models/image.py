@@ -275,7 +275,7 @@ class ImageET(nn.Module):
         """The completion over time: images ``(T, B, C, H, W)`` decoded at the saved times, and the solution.
 
         ``times``: from 0 to the horizon (default 9 equal steps to ``integration.t1``); :class:`et_ode.EulerET`
-        saves every step instead. The solve runs without a stop and without gradients. ``keep_visible``: show the
+        saves every step instead. The solve runs without a stop, an attractor readout and gradients. ``keep_visible``: show the
         input in the visible patches (the decoder is trained on the hidden ones only); False shows the decoding of
         every token.
         """
@@ -285,7 +285,7 @@ class ImageET(nn.Module):
         times = None if times is None else torch.as_tensor(times, dtype=torch.float64)
         with torch.no_grad():
             filled = self.filled(images, hidden)
-            solution = integration.replace(gradient=Direct(), stop=None).solve(
+            solution = integration.replace(gradient=Direct(), stop=None, attractor=None).solve(
                 self.field(), self._tokens(filled, hidden), times, save="all")
             frames = self._answer(self.decode(self.block.neuron(solution.xs)), filled)  # (T, B, N, C P P)
             if keep_visible:

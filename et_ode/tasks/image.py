@@ -92,6 +92,7 @@ class ImageRunConfig:
     energy_check: bool = True
     tokens: int = 16
     threads: int | None = None
+    init: str | None = None  # a train_image checkpoint whose weights start this run (same architecture)
 
     def __post_init__(self) -> None:
         if self.threads is not None and not (isinstance(self.threads, int) and self.threads >= 1):
@@ -159,6 +160,18 @@ def build_model(config: ImageRunConfig, image_shape: Sequence[int]) -> ImageET:
                    integration=config.integration, fill=config.fill)
 
 
+def initialise_from(model: ImageET, checkpoint: str | Path) -> None:
+    """Copy the weights of a ``train_image`` checkpoint into ``model`` (a warm start, e.g. the direct phase before
+    training at the attractor: :class:`~et_ode.AttractorReadout` gives the encoder, positions and MASK token no
+    gradient, so they keep these weights). ValueError naming ``init`` when the architectures differ."""
+    trained, _ = load_trained(checkpoint)
+    if trained.config() | {"integration": None} != model.config() | {"integration": None}:
+        mine, theirs = model.config(), trained.config()
+        differ = sorted(k for k in mine if k != "integration" and mine.get(k) != theirs.get(k))
+        raise ValueError(f"init: the model in {checkpoint} differs from this run's in {differ}")
+    model.load_state_dict(trained.state_dict())
+
+
 def energy_descent(model: ImageET, images: torch.Tensor, hidden: torch.Tensor, integration: Integration,
                    points: int = 25, batch_size: int = 500, rtol: float = 1e-9) -> dict[str, Any]:
     """Does the energy decrease along every inference trajectory? Saves ``points`` times from 0 to the horizon
@@ -171,7 +184,7 @@ def energy_descent(model: ImageET, images: torch.Tensor, hidden: torch.Tensor, i
     model.eval()
     exceptions, largest, total = 0, -math.inf, 0
     times = None if isinstance(integration.solver, EulerET) else torch.linspace(0.0, integration.t1, points)
-    without_stop = integration.replace(gradient=Direct(), stop=None)
+    without_stop = integration.replace(gradient=Direct(), stop=None, attractor=None)
     with torch.no_grad():
         for start in range(0, images.shape[0], batch_size):
             x0 = model.tokens(images[start:start + batch_size], hidden[start:start + batch_size])
@@ -230,6 +243,8 @@ def _train_image(config: ImageRunConfig, out: Path | None) -> dict[str, Any]:
     train_set = load_run_split(config, "train", config.train_limit)
     test_set = load_run_split(config, "test", config.test_limit)
     model = build_model(config, train_set.shape)
+    if config.init is not None:
+        initialise_from(model, config.init)
     task = CompletionTask(config.ratio, config.visible_fraction)
     test = fixed_mask_set(test_set.images, model.num_patches, config.ratio, config.visible_fraction,
                           seed=config.mask_seed)
@@ -345,7 +360,7 @@ def complete(checkpoint: str | Path, out_dir: str | Path, *, image: str | Path |
     if not (isinstance(frames, int) and frames >= 2):
         raise ValueError(f"frames must be an integer >= 2 (--frames), got {frames!r}")
     model, run = load_trained(checkpoint, device)
-    integration = run.integration
+    integration = run.integration.replace(attractor=None)  # a film follows the flow
     if t1 is not None:
         integration = integration.replace(t1=t1)
     if solver is not None:
@@ -484,7 +499,7 @@ def _demo(out: Path, config: ImageRunConfig) -> dict[str, Any]:
     plots = _analysis_plots()
     if plots is not None:
         with torch.no_grad():
-            solution = config.integration.replace(gradient=Direct()).solve(
+            solution = config.integration.replace(gradient=Direct(), attractor=None).solve(
                 model.field(), model.tokens(images[:show], hidden[:show]),
                 torch.linspace(0, config.integration.t1, 25), save="all")
         _close(plots.plot_convergence(solution, path=out / "convergence.png"))

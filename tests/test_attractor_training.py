@@ -46,7 +46,7 @@ def test_gradient_at_the_attractor_equals_finite_differences_of_the_whole_model(
         assert dict(model.named_parameters())[name].grad is None, name
     generator = torch.Generator().manual_seed(5)
     analytic, reference = 0.0, 0.0
-    for name, parameter in model.named_parameters():
+    for parameter in model.parameters():
         direction = torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype)
         grad = torch.zeros_like(parameter) if parameter.grad is None else parameter.grad
         analytic += float((grad * direction).sum())

@@ -275,9 +275,9 @@ class ImageET(nn.Module):
         """The completion over time: images ``(T, B, C, H, W)`` decoded at the saved times, and the solution.
 
         ``times``: from 0 to the horizon (default 9 equal steps to ``integration.t1``); :class:`et_ode.EulerET`
-        saves every step instead. The solve runs without a stop, an attractor readout and gradients. ``keep_visible``: show the
-        input in the visible patches (the decoder is trained on the hidden ones only); False shows the decoding of
-        every token.
+        saves every step instead. The solve runs without a stop, an attractor readout and gradients.
+        ``keep_visible``: show the input in the visible patches (the decoder is trained on the hidden ones only); False
+        shows the decoding of every token.
         """
         integration = integration or self.integration
         if times is None and not isinstance(integration.solver, EulerET):

@@ -13,7 +13,9 @@ the implicit backward pass at the attractor against the adjoint's backward pass 
 same loss ``sum(w * g)``. The third measures the issue's "done when" model (D=12, H=2, Y=3, K=24, softmax, 6 tokens,
 2 samples): ``find_attractor``'s evaluations against dopri5's to RMS |dg/dt| < 1e-6 at rtol 1e-9.
 
-Run: ``.venv/bin/python benchmarks/attractors.py [--quick] [--threads 1]``. Wall times are single runs (each
+Run: ``.venv/bin/python benchmarks/attractors.py [--quick] [--size digits|28x28|both] [--threads 1]``. ``--quick``
+lowers the caps (dopri5 1000 steps, Euler 500 steps, gradient descent 2000 iterations); ``--size 28x28`` runs the
+28x28 size (N=50, D=128, H=4, Y=32, K=512) alone and skips the done-when model. Wall times are single runs (each
 candidate once) on whatever the machine carries; read the ratios with that in mind.
 """
 
@@ -50,7 +52,8 @@ def timed(function):
     return out, time.perf_counter() - started
 
 
-def methods(size: _common.Size, *, max_steps: int, euler_steps: int, t_end: float) -> tuple[list, list]:
+def methods(size: _common.Size, *, max_steps: int, euler_steps: int, descent_iter: int, t_end: float
+            ) -> tuple[list, list]:
     model = _common.make_model(size, hopfield="softmax", dtype=torch.float64)
     field = et_ode.ETField(model)
     x0 = _common.initial_state(size, dtype=torch.float64)
@@ -63,7 +66,7 @@ def methods(size: _common.Size, *, max_steps: int, euler_steps: int, t_end: floa
 
     field.reset_nfe()
     descent, seconds = timed(lambda: et_ode.find_attractor(field, x0, tol=TOL, method="gradient", flow=False,
-                                                           max_iter=20_000))
+                                                           max_iter=descent_iter))
     rows.append([size.name, "Riemannian gradient descent", descent.evaluations, f"{seconds:.2f}",
                  f"{float(descent.gradient.max()):.1e}", f"{int(descent.iterations.max())} iterations"])
 
@@ -121,15 +124,17 @@ def done_when() -> list:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="the digits size only, smaller caps")
+    parser.add_argument("--quick", action="store_true", help="smaller caps (see the module docstring)")
+    parser.add_argument("--size", choices=("digits", "28x28", "both"), default="both")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     _common.set_threads(args.threads)
-    sizes = [_common.DIGITS.with_batch(16)] + ([] if args.quick else [_common.MNIST.with_batch(16)])
+    sizes = ([_common.DIGITS.with_batch(16)] if args.size != "28x28" else []) + \
+        ([_common.MNIST.with_batch(16)] if args.size != "digits" else [])
     rows, gradient_rows = [], []
     for size in sizes:
         r, g = methods(size, max_steps=1000 if args.quick else 3000, euler_steps=500 if args.quick else 2000,
-                       t_end=1e4)
+                       descent_iter=2000 if args.quick else 20_000, t_end=1e4)
         rows += r
         gradient_rows += g
     print(_common.environment())
@@ -139,6 +144,8 @@ def main() -> None:
     print(_common.table(["size", "implicit: HVPs", "implicit backward s", "adjoint: evaluations",
                          "adjoint backward s", "solve length t", "adjoint / implicit"], gradient_rows,
                         "The gradient of sum(w * g): implicit at the attractor vs the adjoint through the flow"))
+    if args.size == "28x28":
+        return
     print()
     print(_common.table(["find_attractor evaluations", "s", "RMS |T dE/dg|", "kind", "dopri5 evaluations", "s",
                          "dopri5's RMS |T dE/dg| at its stop", "ratio"], done_when(),

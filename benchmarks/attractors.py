@@ -46,6 +46,11 @@ def rms_tangent(field: et_ode.ETField, x: torch.Tensor) -> float:
         return float(tangent_projection(field.dE_dg(g), s).square().mean(dim=(-1, -2)).sqrt().max())
 
 
+def progress(row: list) -> None:
+    """Each row as soon as it is measured (stderr), so that a run cut short still tells where it got."""
+    print(" | ".join(map(str, row)), file=sys.stderr, flush=True)
+
+
 def timed(function):
     started = time.perf_counter()
     out = function()
@@ -63,12 +68,14 @@ def methods(size: _common.Size, *, max_steps: int, euler_steps: int, descent_ite
     found, seconds = timed(lambda: et_ode.find_attractor(field, x0, tol=TOL))
     rows.append([size.name, "find_attractor (flow + Newton)", found.evaluations, f"{seconds:.2f}",
                  f"{float(found.gradient.max()):.1e}", f"{sum(k == 'stable' for k in found.kind)}/{size.batch} stable"])
+    progress(rows[-1])
 
     field.reset_nfe()
     descent, seconds = timed(lambda: et_ode.find_attractor(field, x0, tol=TOL, method="gradient", flow=False,
                                                            max_iter=descent_iter))
     rows.append([size.name, "Riemannian gradient descent", descent.evaluations, f"{seconds:.2f}",
                  f"{float(descent.gradient.max()):.1e}", f"{int(descent.iterations.max())} iterations"])
+    progress(rows[-1])
 
     field.reset_nfe()
     started = time.perf_counter()
@@ -81,12 +88,14 @@ def methods(size: _common.Size, *, max_steps: int, euler_steps: int, descent_ite
     seconds = time.perf_counter() - started
     rows.append([size.name, "dopri5 on the flow (rtol 1e-9)", field.nfe, f"{seconds:.2f}",
                  f"{rms_tangent(field, x_end):.1e}", f"{note}, t = {reached:.3g}"])
+    progress(rows[-1])
 
     field.reset_nfe()
     out, seconds = timed(lambda: et_ode.solve(field, x0, solver=et_ode.EulerET(0.1, euler_steps),
                                               save="final"))
     rows.append([size.name, f"paper's Euler loop (alpha 0.1, {euler_steps} steps)", field.nfe, f"{seconds:.2f}",
                  f"{rms_tangent(field, out.x.detach()):.1e}", "capped"])
+    progress(rows[-1])
 
     # the gradient of the same loss: implicit at the attractor, adjoint through a solve of the same length
     weights = torch.randn(x0.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
@@ -104,6 +113,7 @@ def methods(size: _common.Size, *, max_steps: int, euler_steps: int, descent_ite
     _, adjoint_seconds = timed(loss.backward)
     gradient_rows = [[size.name, implicit_evaluations, f"{implicit_seconds:.3f}", field.nfe, f"{adjoint_seconds:.3f}",
                       f"{horizon:.3g}", f"{adjoint_seconds / implicit_seconds:.1f}x"]]
+    progress(gradient_rows[-1])
     return rows, gradient_rows
 
 

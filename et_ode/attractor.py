@@ -171,7 +171,8 @@ class AttractorReadout:
     the encoder, positions and MASK token that make it) gets no gradient: an attractor depends on where the flow
     starts only through its basin. Samples that are not certified stable attractors (a saddle, a degenerate point, a
     search that ran out of ``max_iter``) keep their value in the loss but give no gradient (``g`` detached there,
-    instead of :class:`AttractorError`); :meth:`read` counts them.
+    instead of :class:`AttractorError`); the solution's ``status`` is then reached-end, and the :class:`Attractor`
+    that :meth:`read` also returns says which (``certified``).
 
     Args:
         tol: the certificate's tolerance on RMS ``|T dE/dg|`` (None: :func:`default_tol`, 1e-4 in float32).

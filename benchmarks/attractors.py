@@ -80,8 +80,10 @@ def methods(size: _common.Size, *, max_steps: int, euler_steps: int, descent_ite
     field.reset_nfe()
     started = time.perf_counter()
     try:
-        out = et_ode.solve(field, x0, (0.0, t_end), solver=et_ode.Adaptive(rtol=1e-9, atol=1e-9),
-                           stop=et_ode.SteadyState(TOL, measure="tangent_gradient"), save="final", max_steps=max_steps)
+        with torch.no_grad():  # (no graph: a direct gradient would keep every stage of every step)
+            out = et_ode.solve(field, x0, (0.0, t_end), solver=et_ode.Adaptive(rtol=1e-9, atol=1e-9),
+                               stop=et_ode.SteadyState(TOL, measure="tangent_gradient"), save="final",
+                               max_steps=max_steps)
         reached, note, x_end = out.stats.t_final, str(out.status), out.x.detach()
     except et_ode.SolveError as error:
         reached, note, x_end = error.time, f"capped at {max_steps} steps", error.solution.x
@@ -91,8 +93,8 @@ def methods(size: _common.Size, *, max_steps: int, euler_steps: int, descent_ite
     progress(rows[-1])
 
     field.reset_nfe()
-    out, seconds = timed(lambda: et_ode.solve(field, x0, solver=et_ode.EulerET(0.1, euler_steps),
-                                              save="final"))
+    with torch.no_grad():
+        out, seconds = timed(lambda: et_ode.solve(field, x0, solver=et_ode.EulerET(0.1, euler_steps), save="final"))
     rows.append([size.name, f"paper's Euler loop (alpha 0.1, {euler_steps} steps)", field.nfe, f"{seconds:.2f}",
                  f"{rms_tangent(field, out.x.detach()):.1e}", "capped"])
     progress(rows[-1])

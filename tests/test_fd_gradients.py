@@ -302,18 +302,24 @@ def test_implicit_gradient_matches_the_attractor_map_every_form(form):
     check_implicit_at_attractor(form)
 
 
-@pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason="still off after solve(gradient=Implicit()) began polishing with find_attractor; "
-                   "suspected, not yet checked: find_attractor certifies on the eps -> 0 limit spheres while this "
-                   "attractor map (find_fixed_point) keeps the state's own radius, O(eps) apart at eps = 1e-3")
-def test_solve_implicit_matches_finite_differences_of_the_attractor_map():
-    model, mask, target, x_star, attractor_loss = attractor_setting("softmax")
+def test_solve_implicit_matches_finite_differences_of_the_stopped_and_polished_solve():
+    """``solve(..., stop=SteadyState, gradient=Implicit())`` differentiates the map the user runs: stop the flow,
+    polish the end state into a certified attractor (:func:`et_ode.find_attractor`, on the eps -> 0 limit spheres),
+    read ``g`` there. Against central differences of that same pipeline (run without gradients), every parameter
+    group: measured 6.7e-6 relative at worst (delta), 5e-7 to 2e-8 elsewhere. (The attractor map of
+    ``find_fixed_point``, which keeps the state's own radius, differs from it by O(eps): 0.4% here at eps = 1e-3.)"""
+    model, mask, target, _, _ = attractor_setting("softmax")
     x0, _, _ = problem()
     pipeline = Pipeline(model, x0, target, mask, t=(0.0, 1e6), solver=Adaptive(rtol=1e-10, atol=1e-12),
-                        stop=SteadyState(1e-9))
+                        stop=SteadyState(1e-6))
     tensors = {name: pipeline.tensors[name] for name in BLOCK}
     direction = directions(tensors)
-    want = finite_differences(attractor_loss, tensors, direction, h=1e-5)
+
+    def stopped_and_polished() -> torch.Tensor:
+        with torch.no_grad():
+            return pipeline.loss("fused", gradient=Implicit(tol=1e-12))
+
+    want = finite_differences(stopped_and_polished, tensors, direction, h=1e-4)
     got = analytic(pipeline.gradient("fused", gradient=Implicit(tol=1e-12)), direction)
     assert_close_per_group(got, want, 1e-5, "solve(gradient=Implicit())")
 

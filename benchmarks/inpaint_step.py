@@ -1,11 +1,12 @@
 """Cost of one training step of the image-completion ET: adaptive solver + adjoint against 12 Euler steps.
 
 The model of the photo-completion recipe (16x16 grey tiles, 4x4 patches, half hidden, ``fill="biharmonic"``,
-D=32, 4 heads of 8, 128 memories), a batch of 64 random tiles. Each candidate is one full step: forward solve,
+D=32, 4 heads of 8, 128 memories), a batch of 64 random tiles (``--tile 32``, ``--channels 3``, ``--batch``: the
+recipe's other tiles). Each candidate is one full step: forward solve,
 masked MSE, backward, AdamW update; timed interleaved (``_common.interleaved``, minimum over repetitions), with the
 forward and backward field evaluations of its last call.
 
-    python benchmarks/inpaint_step.py [--reps 10] [--threads 1]
+    python benchmarks/inpaint_step.py [--reps 10] [--threads 1] [--tile 16|32] [--channels 1|3] [--batch 64]
 """
 
 from __future__ import annotations
@@ -36,17 +37,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--tile", type=int, choices=(16, 32), default=16)
+    parser.add_argument("--channels", type=int, choices=(1, 3), default=1)
+    parser.add_argument("--batch", type=int, default=64)
     args = parser.parse_args()
     set_threads(args.threads)
     generator = torch.Generator().manual_seed(0)
-    images = torch.rand(64, 1, 16, 16, generator=generator)
-    hidden, _ = random_masks(64, 16, 0.5, generator=generator)
+    shape = (args.channels, args.tile, args.tile)
+    images = torch.rand(args.batch, *shape, generator=generator)
+    hidden, _ = random_masks(args.batch, (args.tile // 4) ** 2, 0.5, generator=generator)
     target = patchify(images, 4)
     last: dict[str, tuple[int, int]] = {}
 
     def step(name: str, integration: Integration):
         torch.manual_seed(0)
-        model = ImageET((1, 16, 16), 4, 32, 4, 8, fill="biharmonic", integration=integration)
+        model = ImageET(shape, 4, 32, 4, 8, fill="biharmonic", integration=integration)
         torch.nn.init.normal_(model.decoder.weight, std=0.1)  # a trained model's decoder is not zero
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
@@ -63,7 +68,8 @@ def main() -> None:
     euler = seconds["12 Euler steps of 1/12, backprop (direct)"]
     rows = [(name, f"{ms(s):.0f}", f"{s / euler:.2f}", last[name][0], last[name][1]) for name, s in seconds.items()]
     print(environment())
-    print(table(("training step (batch 64)", "ms", "x Euler-12", "NFE forward", "NFE backward"), rows))
+    print(f"{args.batch} tiles of {args.channels}x{args.tile}x{args.tile}")
+    print(table((f"training step (batch {args.batch})", "ms", "x Euler-12", "NFE forward", "NFE backward"), rows))
 
 
 if __name__ == "__main__":

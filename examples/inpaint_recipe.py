@@ -1,8 +1,9 @@
 """The completion recipe of the README: an ET that refines a classical fill, against the classical baselines.
 
 Data (nothing downloaded):
-    ``photos``: 22 photographs bundled with scikit-image, scikit-learn and matplotlib, grey (BT.601), cut into
-        16x16 tiles, split by photograph (the split of ``et_ode.data.photographs``: 12 train, 4 validation, 6 test).
+    ``photos``: 22 photographs bundled with scikit-image, scikit-learn and matplotlib, cut into ``--tile`` x
+        ``--tile`` tiles (16 or 32), grey (BT.601; ``--channels 1``, all 22) or RGB (``--channels 3``, the 11 colour
+        ones), split by photograph (the split of ``et_ode.data.photographs``: grey 12 train, 4 validation, 6 test).
     ``fashion``: Fashion-MNIST (Debian's ``dataset-fashion-mnist``); validation = 2,000 training images held out
         (seed 0), test = the 10,000 test images.
 Masks: 4x4 patches, half of them hidden, fixed per split (seed 99 validation, 1234 test).
@@ -10,13 +11,19 @@ Masks: 4x4 patches, half of them hidden, fixed per split (seed 99 validation, 12
     python examples/inpaint_recipe.py baselines --data photos
     python examples/inpaint_recipe.py train --data photos --out runs/photos --minutes 14 --planned-steps 1200
     python examples/inpaint_recipe.py evaluate --out runs/photos --split test
+    python examples/inpaint_recipe.py train --data photos --channels 3 --out runs/photos_rgb    # RGB 16x16 tiles
+    python examples/inpaint_recipe.py train --data photos --tile 32 --out runs/photos32          # grey 32x32 tiles
+    python examples/inpaint_recipe.py train --data photos --method et --steps 12 --gradient direct --out runs/euler
 
 ``train`` resumes from ``OUT/checkpoint.pt`` when it exists (same settings), stops at ``--planned-steps`` or after
 ``--minutes`` of training, whichever comes first (the cosine schedule is planned for ``--planned-steps``), and
 reports the validation MSE. ``evaluate`` scores the model as trained, with dopri5 at rtol 1e-3 and 1e-6 to the same
-horizon, and with 12 Euler steps. Fills: ``biharmonic`` (``ImageET(fill="biharmonic")``), ``none`` (the MASK token),
-``knn`` (the mean of the 10 training images nearest on the visible patches, the image itself left out in training;
-defined here, not in the library: it needs the training set at inference).
+horizon, and with 12 Euler steps, next to the model's fill alone; on the photographs it also gives each photograph's
+MSE, the model's against its fill's. ``--method et --steps S``: trained with S Euler steps of ``t1 / S`` instead of
+an adaptive solver (``--gradient direct`` backpropagates through them). Fills: ``biharmonic``
+(``ImageET(fill="biharmonic")``), ``none`` (the MASK token), ``knn`` (the mean of the 10 training images nearest on
+the visible patches, the image itself left out in training; defined here, not in the library: it needs the training
+set at inference).
 """
 
 from __future__ import annotations
@@ -41,15 +48,20 @@ MASK_SEEDS = {"val": 99, "test": 1234}
 
 
 # ----------------------------------------------------------------------------------------------- data
-def load(data: str) -> dict[str, Tensor]:
+def load(data: str, tile: int = 16, channels: int = 1) -> dict[str, Tensor]:
+    """The ``train``, ``val`` and ``test`` images ``(n, C, H, W)``; ``tile`` and ``channels`` for the photographs."""
     if data == "photos":
-        from et_ode.data import load_split  # the photographs' fixed split by photograph, grey 16x16 tiles
-        return {split: load_split("photos", None, "validation" if split == "val" else split, tile=16, channels=1).images
-                for split in SPLITS}
+        return {split: photo_split(split, tile, channels).images for split in SPLITS}
     from et_ode.data.images import load_idx_folder
     train = load_idx_folder(None, "train").images
     order = torch.randperm(len(train), generator=torch.Generator().manual_seed(0))
     return {"train": train[order[2000:]], "val": train[order[:2000]], "test": load_idx_folder(None, "test").images}
+
+
+def photo_split(split: str, tile: int, channels: int):
+    """One split of the photographs (the fixed split by photograph), with each tile's photograph in ``.sources``."""
+    from et_ode.data import load_split
+    return load_split("photos", None, "validation" if split == "val" else split, tile=tile, channels=channels)
 
 
 def split_masks(split: str, n: int, num_patches: int) -> Tensor:
@@ -100,20 +112,31 @@ class KnnFillET(ImageET):
 
 
 # ----------------------------------------------------------------------------------------------- runs
-def masked_patch_mse(predict, images: Tensor, hidden: Tensor, batch: int = 500) -> float:
-    squared = count = 0.0
+def squared_errors(predict, images: Tensor, hidden: Tensor, batch: int = 500) -> tuple[Tensor, Tensor]:
+    """Per image ``(n,)``: the sum of squared errors over the hidden pixels of ``predict(x, h)`` (patches
+    ``(B, N, C P P)``), and the number of those pixels (float64)."""
+    squared, count = [], []
     for start in range(0, len(images), batch):
         x, h = images[start:start + batch], hidden[start:start + batch]
         pred = predict(x, h)
         weight = h.to(pred.dtype)[..., None]
-        squared += float(((pred - patchify(x, PATCH)).square() * weight).sum())
-        count += float(weight.sum()) * pred.shape[-1]
-    return squared / count
+        squared.append(((pred - patchify(x, PATCH)).square() * weight).sum((1, 2)).double())
+        count.append(weight.sum((1, 2)).double() * pred.shape[-1])
+    return torch.cat(squared), torch.cat(count)
+
+
+def masked_patch_mse(predict, images: Tensor, hidden: Tensor, batch: int = 500) -> float:
+    squared, count = squared_errors(predict, images, hidden, batch)
+    return float(squared.sum() / count.sum())
 
 
 def build(cfg: dict, data: dict[str, Tensor]) -> ImageET:
+    euler = {"step": cfg["t1"] / cfg["steps"], "steps": cfg["steps"]} if cfg["method"] == "et" else {}
+    adjoint_rtol = cfg["adjoint_rtol"]
     integration = Integration.from_options(cfg["method"], t1=cfg["t1"], rtol=cfg["rtol"], atol=cfg["atol"],
-                                           gradient=cfg["gradient"], seminorm=cfg["seminorm"], max_steps=2000)
+                                           gradient=cfg["gradient"], seminorm=cfg["seminorm"], max_steps=2000,
+                                           adjoint_rtol=adjoint_rtol, adjoint_atol=adjoint_rtol and adjoint_rtol / 10,
+                                           **euler)
     torch.manual_seed(cfg["seed"])
     shape = tuple(data["train"].shape[1:])
     args = (shape, PATCH, cfg["dim"], cfg["heads"], cfg["head_dim"], cfg["memories"])
@@ -126,8 +149,12 @@ def limited(data: dict[str, Tensor], limit: int) -> dict[str, Tensor]:
     return {k: v[:limit] for k, v in data.items()} if limit else data
 
 
+# settings added after the first runs, with the values those runs had
+LATER_SETTINGS = {"tile": 16, "channels": 1, "steps": 12, "adjoint_rtol": None}
+
+
 def baselines(args) -> None:
-    data = limited(load(args.data), args.limit)
+    data = limited(load(args.data, args.tile, args.channels), args.limit)
     shape = tuple(data["train"].shape[1:])
     num_patches = (shape[1] // PATCH) * (shape[2] // PATCH)
     mean, nearest = MeanImage(data["train"], PATCH), NearestNeighbour(data["train"], PATCH)
@@ -150,15 +177,16 @@ def train(args) -> None:
     out = Path(args.out)
     cfg = {k: getattr(args, k) for k in ("data", "dim", "heads", "head_dim", "memories", "method", "t1", "rtol",
                                          "atol", "gradient", "seminorm", "fill", "lr", "batch", "planned_steps", "seed",
-                                         "augment", "limit")}
+                                         "augment", "limit", "tile", "channels", "steps",
+                                         "adjoint_rtol")}
     checkpoint = out / "checkpoint.pt"
     if checkpoint.exists():
-        saved = json.loads((out / "config.json").read_text())
+        saved = {**LATER_SETTINGS, **json.loads((out / "config.json").read_text())}
         if saved != cfg:
             raise SystemExit(f"{out} holds a run with other settings: {saved}")
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
-    data = limited(load(args.data), args.limit)
+    data = limited(load(args.data, args.tile, args.channels), args.limit)
     model = build(cfg, data)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=1e-4)
     state = {"step": 0, "elapsed": 0.0, "nfe_forward": 0, "nfe_backward": 0}
@@ -220,8 +248,8 @@ def train(args) -> None:
 
 def evaluate(args) -> None:
     out = Path(args.out)
-    cfg = json.loads((out / "config.json").read_text())
-    data = limited(load(cfg["data"]), cfg["limit"])
+    cfg = {**LATER_SETTINGS, **json.loads((out / "config.json").read_text())}
+    data = limited(load(cfg["data"], cfg["tile"], cfg["channels"]), cfg["limit"])
     model = build(cfg, data)
     model.load_state_dict(torch.load(out / "checkpoint.pt", weights_only=True)["model"])
     model.eval()
@@ -232,7 +260,13 @@ def evaluate(args) -> None:
         solvers[f"dopri5, rtol {rtol:g}"] = Integration(Adaptive("dopri5", rtol=rtol, atol=rtol / 10), Direct(),
                                                         t1=cfg["t1"], max_steps=100_000)
     solvers["12 Euler steps"] = Integration(EulerET(alpha=cfg["t1"] / 12, steps=12), Direct())
-    result = {}
+    result: dict = {}
+    began = time.perf_counter()
+    fill_squared, count = squared_errors(lambda a, b: patchify(model.filled(a, b), PATCH), x, h)
+    if cfg["fill"] != "none":  # (without a fill, filled() is the image itself)
+        result["fill alone"] = {"mse": float(fill_squared.sum() / count.sum()),
+                                "seconds": round(time.perf_counter() - began, 1)}
+        print("fill alone", result["fill alone"], flush=True)
     for name, integration in solvers.items():
         nfe: list[int] = []
 
@@ -242,9 +276,20 @@ def evaluate(args) -> None:
             return completion.patches
         began = time.perf_counter()
         with torch.no_grad():
-            mse = masked_patch_mse(predict, x, h)
-        result[name] = {"mse": mse, "nfe_per_batch": sum(nfe) / len(nfe), "seconds": round(time.perf_counter() - began, 1)}
+            squared, _ = squared_errors(predict, x, h)
+        result[name] = {"mse": float(squared.sum() / count.sum()), "nfe_per_batch": sum(nfe) / len(nfe),
+                        "seconds": round(time.perf_counter() - began, 1)}
         print(name, result[name], flush=True)
+        if name == "as trained" and cfg["data"] == "photos" and cfg["fill"] != "none":  # the model against its fill
+            sources = photo_split(args.split, cfg["tile"], cfg["channels"]).sources[:len(x)]
+            result["per photograph"] = {}
+            for source in dict.fromkeys(sources):
+                tiles = torch.tensor([s == source for s in sources])
+                model_mse = float(squared[tiles].sum() / count[tiles].sum())
+                fill_mse = float(fill_squared[tiles].sum() / count[tiles].sum())
+                result["per photograph"][source] = {"tiles": int(tiles.sum()), "mse": model_mse, "fill mse": fill_mse,
+                                                    "change %": round(100 * (model_mse / fill_mse - 1), 2)}
+            print("per photograph", json.dumps(result["per photograph"]), flush=True)
     (out / f"evaluate_{args.split}.json").write_text(json.dumps(result, indent=1))
 
 
@@ -254,6 +299,8 @@ def main(argv: list[str] | None = None) -> None:
     base = sub.add_parser("baselines")
     base.add_argument("--data", choices=("photos", "fashion"), default="photos")
     base.add_argument("--limit", type=int, default=0, help="use only the first LIMIT images of each split")
+    base.add_argument("--tile", type=int, choices=(16, 32), default=16, help="photographs: tile size")
+    base.add_argument("--channels", type=int, choices=(1, 3), default=1, help="photographs: 1 grey, 3 RGB")
     run = sub.add_parser("train")
     run.add_argument("--data", choices=("photos", "fashion"), default="photos")
     run.add_argument("--out", required=True)
@@ -262,11 +309,16 @@ def main(argv: list[str] | None = None) -> None:
     run.add_argument("--heads", type=int, default=4)
     run.add_argument("--head-dim", type=int, default=8)
     run.add_argument("--memories", type=int, default=None)
-    run.add_argument("--method", default="bosh3")
+    run.add_argument("--tile", type=int, choices=(16, 32), default=16, help="photographs: tile size")
+    run.add_argument("--channels", type=int, choices=(1, 3), default=1, help="photographs: 1 grey, 3 RGB")
+    run.add_argument("--method", default="bosh3", help="a solver's name; 'et': --steps Euler steps of t1 / steps")
+    run.add_argument("--steps", type=int, default=12, help="the number of Euler steps of --method et")
     run.add_argument("--t1", type=float, default=1.0)
     run.add_argument("--rtol", type=float, default=1e-2)
     run.add_argument("--atol", type=float, default=1e-3)
     run.add_argument("--gradient", default="adjoint")
+    run.add_argument("--adjoint-rtol", type=float, default=None,
+                     help="the adjoint's rtol (atol a tenth of it); default: the forward solve's")
     run.add_argument("--seminorm", action="store_true")
     run.add_argument("--lr", type=float, default=3e-3)
     run.add_argument("--batch", type=int, default=64)
@@ -280,6 +332,8 @@ def main(argv: list[str] | None = None) -> None:
     ev.add_argument("--out", required=True)
     ev.add_argument("--split", choices=("val", "test"), default="val")
     args = parser.parse_args(argv)
+    if getattr(args, "data", "photos") != "photos" and (args.tile, args.channels) != (16, 1):
+        parser.error("--tile and --channels are for --data photos")
     torch.set_num_threads(1)
     {"baselines": baselines, "train": train, "evaluate": evaluate}[args.command](args)
 

@@ -61,3 +61,37 @@ def test_train_resume_and_evaluate_at_a_tiny_size(recipe, tmp_path, capsys):
     assert scores["dopri5, rtol 1e-06"]["nfe_per_batch"] > scores["dopri5, rtol 0.001"]["nfe_per_batch"]
     with pytest.raises(SystemExit, match="other settings"):
         recipe.main([*common, "--dim", "16"])
+
+
+def test_rgb_and_32_pixel_tiles_euler_training_and_per_photograph_scores(recipe, tmp_path, capsys):
+    """The photographs' other tile size and RGB, trained with Euler steps, and the per-photograph breakdown."""
+    data = recipe.load("photos", 32, 3)
+    assert [data[s].shape[1:] for s in ("train", "val", "test")] == [(3, 32, 32)] * 3
+    out = tmp_path / "rgb32"
+    recipe.main(["train", "--data", "photos", "--tile", "32", "--channels", "3", "--method", "et", "--steps", "3",
+                 "--gradient", "direct", "--out", str(out), "--limit", "60", "--dim", "8", "--heads", "2",
+                 "--head-dim", "4", "--batch", "4", "--planned-steps", "2", "--print-every", "1"])
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["nfe_per_step"] == [3, 0]  # 3 Euler steps, backpropagated (no adjoint evaluations)
+    recipe.main(["evaluate", "--out", str(out), "--split", "test"])
+    scores = json.loads((out / "evaluate_test.json").read_text())
+    assert scores["as trained"]["nfe_per_batch"] == 3
+    # the fill alone is biharmonic inpainting of the hidden pixels, scored on them
+    x = data["test"][:60]
+    hidden = recipe.split_masks("test", 60, 64)
+    pixels = recipe.pixel_mask(hidden, (3, 32, 32))[:, None].expand_as(x)
+    from skimage.restoration import inpaint_biharmonic
+    reference = sum(float(((torch.from_numpy(inpaint_biharmonic(x[b].permute(1, 2, 0).double().numpy(),
+                                                                pixels[b, 0].numpy(), channel_axis=-1))
+                            .permute(2, 0, 1) - x[b]).square()[pixels[b]]).sum()) for b in range(60))
+    assert scores["fill alone"]["mse"] == pytest.approx(reference / float(pixels.sum()), rel=1e-4)
+    # each test photograph's tiles, in order; the tile-weighted mean of their MSEs is the overall one (every tile
+    # hides the same number of pixels)
+    per = scores["per photograph"]
+    sources = recipe.photo_split("test", 32, 3).sources[:60]
+    assert list(per) == list(dict.fromkeys(sources)) and sum(p["tiles"] for p in per.values()) == 60
+    for key, name in (("mse", "as trained"), ("fill mse", "fill alone")):
+        weighted = sum(p[key] * p["tiles"] for p in per.values()) / 60
+        assert weighted == pytest.approx(scores[name]["mse"], rel=1e-9)
+    with pytest.raises(SystemExit):
+        recipe.main(["baselines", "--data", "fashion", "--tile", "32"])

@@ -246,6 +246,19 @@ def train(args) -> None:
                       "nfe_per_step": [state["nfe_forward"] / steps, state["nfe_backward"] / steps]}))
 
 
+def per_source(squared: Tensor, fill_squared: Tensor, count: Tensor, sources) -> dict[str, dict]:
+    """Per source (in order of appearance): its tiles, the model's and the fill's MSE over its hidden pixels, and
+    the model's change against the fill in percent; ``squared``, ``fill_squared``, ``count``: ``(n,)`` per image."""
+    result = {}
+    for source in dict.fromkeys(sources):
+        tiles = torch.tensor([s == source for s in sources])
+        model_mse = float(squared[tiles].sum() / count[tiles].sum())
+        fill_mse = float(fill_squared[tiles].sum() / count[tiles].sum())
+        result[source] = {"tiles": int(tiles.sum()), "mse": model_mse, "fill mse": fill_mse,
+                          "change %": round(100 * (model_mse / fill_mse - 1), 2)}
+    return result
+
+
 def evaluate(args) -> None:
     out = Path(args.out)
     cfg = {**LATER_SETTINGS, **json.loads((out / "config.json").read_text())}
@@ -282,13 +295,7 @@ def evaluate(args) -> None:
         print(name, result[name], flush=True)
         if name == "as trained" and cfg["data"] == "photos" and cfg["fill"] != "none":  # the model against its fill
             sources = photo_split(args.split, cfg["tile"], cfg["channels"]).sources[:len(x)]
-            result["per photograph"] = {}
-            for source in dict.fromkeys(sources):
-                tiles = torch.tensor([s == source for s in sources])
-                model_mse = float(squared[tiles].sum() / count[tiles].sum())
-                fill_mse = float(fill_squared[tiles].sum() / count[tiles].sum())
-                result["per photograph"][source] = {"tiles": int(tiles.sum()), "mse": model_mse, "fill mse": fill_mse,
-                                                    "change %": round(100 * (model_mse / fill_mse - 1), 2)}
+            result["per photograph"] = per_source(squared, fill_squared, count, sources)
             print("per photograph", json.dumps(result["per photograph"]), flush=True)
     (out / f"evaluate_{args.split}.json").write_text(json.dumps(result, indent=1))
 

@@ -65,8 +65,8 @@ def test_train_resume_and_evaluate_at_a_tiny_size(recipe, tmp_path, capsys):
 
 def test_rgb_and_32_pixel_tiles_euler_training_and_per_photograph_scores(recipe, tmp_path, capsys):
     """The photographs' other tile size and RGB, trained with Euler steps, and the per-photograph breakdown."""
-    data = recipe.load("photos", 32, 3)
-    assert [data[s].shape[1:] for s in ("train", "val", "test")] == [(3, 32, 32)] * 3
+    test = recipe.photo_split("test", 32, 3)
+    assert test.images.shape[1:] == (3, 32, 32)
     out = tmp_path / "rgb32"
     recipe.main(["train", "--data", "photos", "--tile", "32", "--channels", "3", "--method", "et", "--steps", "3",
                  "--gradient", "direct", "--out", str(out), "--limit", "60", "--dim", "8", "--heads", "2",
@@ -77,7 +77,7 @@ def test_rgb_and_32_pixel_tiles_euler_training_and_per_photograph_scores(recipe,
     scores = json.loads((out / "evaluate_test.json").read_text())
     assert scores["as trained"]["nfe_per_batch"] == 3
     # the fill alone is biharmonic inpainting of the hidden pixels, scored on them
-    x = data["test"][:60]
+    x = test.images[:60]
     hidden = recipe.split_masks("test", 60, 64)
     pixels = recipe.pixel_mask(hidden, (3, 32, 32))[:, None].expand_as(x)
     from skimage.restoration import inpaint_biharmonic
@@ -85,13 +85,19 @@ def test_rgb_and_32_pixel_tiles_euler_training_and_per_photograph_scores(recipe,
                                                                 pixels[b, 0].numpy(), channel_axis=-1))
                             .permute(2, 0, 1) - x[b]).square()[pixels[b]]).sum()) for b in range(60))
     assert scores["fill alone"]["mse"] == pytest.approx(reference / float(pixels.sum()), rel=1e-4)
-    # each test photograph's tiles, in order; the tile-weighted mean of their MSEs is the overall one (every tile
-    # hides the same number of pixels)
-    per = scores["per photograph"]
-    sources = recipe.photo_split("test", 32, 3).sources[:60]
-    assert list(per) == list(dict.fromkeys(sources)) and sum(p["tiles"] for p in per.values()) == 60
+    # the first 60 test tiles are all of the first test photograph
+    assert list(scores["per photograph"]) == [test.sources[0]] == list(set(test.sources[:60]))
     for key, name in (("mse", "as trained"), ("fill mse", "fill alone")):
-        weighted = sum(p[key] * p["tiles"] for p in per.values()) / 60
-        assert weighted == pytest.approx(scores[name]["mse"], rel=1e-9)
+        assert scores["per photograph"][test.sources[0]][key] == pytest.approx(scores[name]["mse"], rel=1e-9)
     with pytest.raises(SystemExit):
         recipe.main(["baselines", "--data", "fashion", "--tile", "32"])
+
+
+def test_per_source_scores_pool_the_pixels_of_each_source(recipe):
+    squared = torch.tensor([1.0, 3.0, 2.0, 8.0], dtype=torch.float64)
+    fill = torch.tensor([2.0, 2.0, 1.0, 4.0], dtype=torch.float64)
+    count = torch.tensor([2.0, 2.0, 1.0, 4.0], dtype=torch.float64)
+    per = recipe.per_source(squared, fill, count, ("b", "a", "b", "a"))
+    assert list(per) == ["b", "a"]  # in order of appearance
+    assert per["b"] == {"tiles": 2, "mse": 1.0, "fill mse": 1.0, "change %": 0.0}  # (1 + 2) / (2 + 1)
+    assert per["a"] == {"tiles": 2, "mse": 11 / 6, "fill mse": 1.0, "change %": round(100 * (11 / 6 - 1), 2)}

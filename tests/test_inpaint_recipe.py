@@ -57,7 +57,8 @@ def test_train_resume_and_evaluate_at_a_tiny_size(recipe, tmp_path, capsys):
     assert json.loads(text.strip().splitlines()[-1])["steps"] == 4
     recipe.main(["evaluate", "--out", str(out), "--split", "val"])
     scores = json.loads((out / "evaluate_val.json").read_text())
-    assert set(scores) == {"as trained", "dopri5, rtol 0.001", "dopri5, rtol 1e-06", "12 Euler steps"}
+    assert set(scores) == {"as trained", "dopri5, rtol 0.001", "dopri5, rtol 1e-06", "12 Euler steps", "fill alone",
+                           "per photograph"}
     assert scores["dopri5, rtol 1e-06"]["nfe_per_batch"] > scores["dopri5, rtol 0.001"]["nfe_per_batch"]
     with pytest.raises(SystemExit, match="other settings"):
         recipe.main([*common, "--dim", "16"])

@@ -90,9 +90,9 @@ def biharmonic_fill(images: Tensor, hidden: Tensor) -> Tensor:
             continue
         rows = (counts == count).nonzero().flatten()
         index = flat_hidden[rows].nonzero()[:, 1].reshape(len(rows), count)  # (b', m) hidden pixels, ascending
-        equations = matrix[index]  # (b', m, H W)
-        system = equations.gather(2, index[:, None, :].expand(-1, count, -1))  # (b', m, m)
-        rhs = -equations @ known[rows].transpose(1, 2)  # (b', m, C)
+        system = matrix[index[:, :, None], index[:, None, :]]  # (b', m, m): the hidden pixels' couplings
+        # the visible pixels' part of each equation (``known`` is zero where hidden), at the hidden rows only
+        rhs = -(known[rows] @ matrix.T).gather(2, index[:, None, :].expand(-1, c, -1)).transpose(1, 2)  # (b', m, C)
         solution = torch.linalg.solve(system, rhs).transpose(1, 2)  # (b', C, m)
         out[rows] = out[rows].scatter(2, index[:, None, :].expand(-1, c, -1), solution)
     big = torch.finfo(torch.float64).max

@@ -27,15 +27,26 @@ costs two more large products for ``g`` and two for the weights, never a double 
 GEMM back ends on CPU: ``torch.matmul`` (MKL) or oneDNN's ``mkldnn._linear_pointwise`` on dense tensors with
 a pre-packed weight, which on this project's machines runs about twice as fast in float32. ``gemm="auto"``
 times both once per problem size and keeps the faster. CUDA and float64 use ``torch.matmul``.
+
+The per-head products (``K Q^T``, ``S Q``, ``S^T K`` and the backward's like them: thousands of small matrices)
+have the same two candidates. ATen sends a float32 batched product to oneDNN's matmul instead of MKL's batched GEMM
+only while reduced precision is allowed for it (``torch.backends.mkldnn.matmul.fp32_precision = "bf16"``); oneDNN
+then computes in float32 unless the CPU has bfloat16 matrix hardware for the shape (AMX). MKL does not recognise
+AMD processors and runs its generic code there, 2-2.8x slower than oneDNN on this project's AVX-512 machine. So the
+permission is never assumed harmless: :func:`choose_head_products` runs the three products once per shape with it,
+keeps oneDNN only where every entry is within float32 rounding of a float64 product (``k eps |A||B|``; bfloat16
+inputs miss that by a factor of hundreds) and, for ``gemm="auto"``, only where it is faster; the permission is
+granted around those products alone and restored after them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -119,6 +130,84 @@ def choose_gemm(m: int, d: int, r: int, dtype: torch.dtype, device: torch.device
     return _GEMM_CHOICE[key]
 
 
+def onednn_matmul_available() -> bool:
+    """Whether this PyTorch build can send float32 batched products to oneDNN's matmul (see :func:`onednn_matmul`)."""
+    matmul = getattr(torch.backends.mkldnn, "matmul", None)
+    return torch.backends.mkldnn.is_available() and hasattr(matmul, "fp32_precision")
+
+
+@contextlib.contextmanager
+def onednn_matmul() -> Iterator[None]:
+    """Within this block, ATen's float32 ``matmul``/``bmm`` on CPU go to oneDNN's matmul (reduced precision allowed
+    for oneDNN alone); the previous setting is restored on exit. Only for products that :func:`choose_head_products`
+    found within float32 rounding at their shape. The setting is global: a float32 product of another thread during
+    the block gets the same permission."""
+    matmul = torch.backends.mkldnn.matmul
+    previous = matmul.fp32_precision
+    matmul.fp32_precision = "bf16"
+    try:
+        yield
+    finally:
+        matmul.fp32_precision = previous
+
+
+def _head_products(keys: Tensor, queries: Tensor, attn: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The three per-head product patterns of the field and its backward: ``K Q^T``, ``S Q`` and ``S^T K`` for
+    ``keys``, ``queries`` ``(G, N, Y)`` and ``attn`` ``(G, N, N)``."""
+    return (torch.matmul(keys, queries.transpose(-1, -2)), torch.matmul(attn, queries),
+            torch.matmul(attn.transpose(-1, -2), keys))
+
+
+def _within_float_rounding(got: tuple[Tensor, ...], operands: tuple[tuple[Tensor, Tensor], ...]) -> bool:
+    """Whether every entry of each product ``a @ b`` in ``got`` is within ``k eps |a| @ |b|`` of the float64 product
+    (``k`` the inner dimension, ``eps`` of ``got``'s dtype): the worst case of float32 summation, far below the
+    error of any product that rounds its inputs to bfloat16 or tf32."""
+    for product, (a, b) in zip(got, operands, strict=True):
+        a64, b64 = a.double(), b.double()
+        bound = (a.shape[-1] * torch.finfo(product.dtype).eps) * (a64.abs() @ b64.abs())
+        if not bool(((product.double() - a64 @ b64).abs() <= bound).all()):
+            return False
+    return True
+
+
+_HEAD_ACCURATE: dict[tuple[Any, ...], bool] = {}
+_HEAD_CHOICE: dict[tuple[Any, ...], str] = {}
+
+
+def choose_head_products(groups: int, n: int, y: int, dtype: torch.dtype, device: torch.device, *, timed: bool = True,
+                         reps: int = 7) -> str:
+    """The back end of the per-head products at this shape (``groups`` = batch x heads matrices of ``n x y``):
+    ``"onednn"`` where :func:`onednn_matmul` computes all three patterns within float32 rounding (checked once per
+    shape on random data) and, if ``timed``, is faster (medians of ``reps`` interleaved runs); else ``"matmul"``.
+    Remembered for the process; float32 on CPU only (float64 never leaves MKL)."""
+    if device.type != "cpu" or dtype != torch.float32 or not onednn_matmul_available():
+        return "matmul"
+    key = (groups, n, y, dtype, str(device))
+    if key not in _HEAD_ACCURATE:
+        local = torch.Generator().manual_seed(0)  # the global random stream stays untouched
+        keys, queries = (torch.randn(groups, n, y, dtype=dtype, generator=local) for _ in range(2))
+        attn = torch.softmax(torch.randn(groups, n, n, dtype=dtype, generator=local), dim=-2)
+        with onednn_matmul():
+            got = _head_products(keys, queries, attn)
+        operands = ((keys, queries.transpose(-1, -2)), (attn, queries), (attn.transpose(-1, -2), keys))
+        _HEAD_ACCURATE[key] = _within_float_rounding(got, operands)
+        if _HEAD_ACCURATE[key]:
+            times: dict[str, list[float]] = {"matmul": [], "onednn": []}
+            for rep in range(reps + 2):
+                for name in times:
+                    start = time.perf_counter()
+                    with onednn_matmul() if name == "onednn" else contextlib.nullcontext():
+                        _head_products(keys, queries, attn)
+                    if rep >= 2:  # the first two are warm-up
+                        times[name].append(time.perf_counter() - start)
+            _HEAD_CHOICE[key] = min(times, key=lambda name: statistics.median(times[name]))
+        else:
+            _HEAD_CHOICE[key] = "matmul"
+    if not _HEAD_ACCURATE[key]:
+        return "matmul"
+    return _HEAD_CHOICE[key] if timed else "onednn"
+
+
 def _version_key(*tensors: Tensor) -> tuple[Any, ...]:
     return tuple((t.data_ptr(), t._version, t.dtype, t.device, tuple(t.shape)) for t in tensors)
 
@@ -190,6 +279,15 @@ class FusedGrad:
             return "matmul"
         return self.gemm
 
+    def _head_products(self, groups: int, n: int, like: Tensor) -> contextlib.AbstractContextManager[None]:
+        """The block in which the per-head products run: :func:`onednn_matmul` where :func:`choose_head_products`
+        picks oneDNN for ``groups`` matrices of ``n`` tokens (dtype and device of ``like``), else a no-op."""
+        if self.gemm == "matmul":
+            return contextlib.nullcontext()
+        head_dim = self.model.attention.head_dim
+        choice = choose_head_products(groups, n, head_dim, like.dtype, like.device, timed=self.gemm == "auto")
+        return onednn_matmul() if choice == "onednn" else contextlib.nullcontext()
+
     def _project(self, x: Tensor, weights: Tensor, backend: str) -> Tensor:
         """``x @ W^T``: ``(M, D) -> (M, R)``."""
         if backend == "matmul":
@@ -257,7 +355,8 @@ class FusedGrad:
         p3 = p.view(bt, n, r)
         keys = p3[..., :hy].view(bt, n, heads, head_dim).transpose(1, 2).contiguous()  # (Bt, H, N, Y)
         queries = p3[..., hy:2 * hy].view(bt, n, heads, head_dim).transpose(1, 2).contiguous()
-        logits = torch.matmul(keys, queries.transpose(-1, -2))  # (Bt, H, B, C): key-major, softmax over keys (dim -2)
+        with self._head_products(bt * heads, n, g2):
+            logits = torch.matmul(keys, queries.transpose(-1, -2))  # (Bt, H, B, C): key-major, softmax over keys
         beta_h = self._beta_h
         assert beta_h is not None  # set by self._stacked() above
         logits.mul_(self._beta_scalar if self._beta_scalar is not None else beta_h)
@@ -277,8 +376,9 @@ class FusedGrad:
         attn = torch.softmax(logits, dim=-2)  # attn[B, C] = S[B, C]
         if has_key is not None:
             attn.mul_(has_key)
-        d_keys = torch.matmul(attn, queries)  # (Bt, H, N, Y): sum_C S[B, C] Q[C]
-        d_queries = torch.matmul(attn.transpose(-1, -2), keys)  # sum_B S[B, C] K[B]
+        with self._head_products(bt * heads, n, g2):
+            d_keys = torch.matmul(attn, queries)  # (Bt, H, N, Y): sum_C S[B, C] Q[C]
+            d_queries = torch.matmul(attn.transpose(-1, -2), keys)  # sum_B S[B, C] K[B]
         coefficient = torch.empty_like(p) if keep else p  # reuse P's memory when nothing is saved
         c3 = coefficient.view(bt, n, r)
         c3[..., :hy].view(bt, n, heads, head_dim).copy_(d_keys.transpose(1, 2))
@@ -308,12 +408,14 @@ class FusedGrad:
 
         big_u = self._project(u2, weights, backend)  # [uK | uQ | uh], becomes dL/dP in place
         u_keys, u_queries = per_head(big_u, 0, hy).contiguous(), per_head(big_u, hy, 2 * hy).contiguous()
-        pm = torch.matmul(keys, u_queries.transpose(-1, -2))  # (B, C) layout, like attn
-        pm.add_(torch.matmul(u_keys, queries.transpose(-1, -2)))
+        with self._head_products(bt * heads, n, g2):
+            pm = torch.matmul(keys, u_queries.transpose(-1, -2))  # (B, C) layout, like attn
+            pm.add_(torch.matmul(u_keys, queries.transpose(-1, -2)))
         pm.mul_(attn)
         z = pm.addcmul_(attn, pm.sum(dim=-2, keepdim=True), value=-1.0).mul_(beta_h)  # Z[B, C]
-        r_keys = torch.matmul(attn, u_queries).add_(torch.matmul(z, queries))
-        r_queries = torch.matmul(attn.transpose(-1, -2), u_keys).add_(torch.matmul(z.transpose(-1, -2), keys))
+        with self._head_products(bt * heads, n, g2):
+            r_keys = torch.matmul(attn, u_queries).add_(torch.matmul(z, queries))
+            r_queries = torch.matmul(attn.transpose(-1, -2), u_keys).add_(torch.matmul(z.transpose(-1, -2), keys))
         per_head(big_u, 0, hy).copy_(r_keys)
         per_head(big_u, hy, 2 * hy).copy_(r_queries)
         uh = big_u[:, 2 * hy:]

@@ -1,0 +1,142 @@
+"""The per-head products of the fused field on oneDNN's matmul: float32-accurate wherever they are used, refused where
+they round more than float32, and the global precision setting always restored."""
+
+import contextlib
+import copy
+
+import pytest
+import torch
+
+from et_ode import ETField
+from et_ode import fused as fused_module
+from et_ode.fused import choose_head_products, onednn_matmul_available
+from tests.conftest import random_model
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def fresh_choices(monkeypatch):
+    """Forget the choices other tests made, so that each test probes anew."""
+    monkeypatch.setattr(fused_module, "_HEAD_ACCURATE", {})
+    monkeypatch.setattr(fused_module, "_HEAD_CHOICE", {})
+
+
+def _model64(**kwargs):
+    return random_model(dim=24, heads=3, head_dim=8, memories=40, beta=[0.2, 0.35, 0.6], **kwargs)
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.detach().double() - b.detach()).norm() / b.detach().norm())
+
+
+def _check_against_float64(model64, gemm: str, mask=None, tol: float = 2e-6) -> None:
+    """The float32 fused field and its VJP (state and every weight) against the float64 closed form and autograd."""
+    model32 = copy.deepcopy(model64).float()
+    x = torch.randn(5, 11, 24, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    u = torch.randn_like(x)
+    field32 = ETField(model32, mask=mask, tau=0.7, backend="fused")
+    field32.fused.gemm = gemm
+    field64 = ETField(model64, mask=mask, tau=0.7, backend="reference")
+    assert _relative(field32(0.0, x.float()), field64(0.0, x)) < tol
+    x32 = x.float().requires_grad_(True)
+    x64 = x.clone().requires_grad_(True)
+    weights32 = (x32, model32.attention.WK, model32.attention.WQ, model32.hopfield.xi)
+    weights64 = (x64, model64.attention.WK, model64.attention.WQ, model64.hopfield.xi)
+    got = torch.autograd.grad(field32(0.0, x32), weights32, u.float())
+    want = torch.autograd.grad(field64(0.0, x64), weights64, u)
+    for name, a, b in zip(("x", "WK", "WQ", "xi"), got, want, strict=True):
+        assert _relative(a, b) < 20 * tol, name
+
+
+@pytest.mark.skipif(not onednn_matmul_available(), reason="this PyTorch cannot send products to oneDNN's matmul")
+@pytest.mark.parametrize("self_attention,masked", [(False, False), (True, True)])
+def test_head_products_on_onednn_match_float64(fresh_choices, monkeypatch, self_attention, masked):
+    if choose_head_products(5 * 3, 11, 8, torch.float32, CPU, timed=False) != "onednn":
+        pytest.skip("oneDNN's matmul is not within float32 rounding on this CPU (the field keeps MKL's)")
+    real, entered = fused_module.onednn_matmul, []
+
+    def counted():
+        entered.append(True)
+        return real()
+
+    monkeypatch.setattr(fused_module, "onednn_matmul", counted)
+    mask = torch.rand(11, 11, generator=torch.Generator().manual_seed(1)) > 0.4 if masked else None
+    _check_against_float64(_model64(self_attention=self_attention), "onednn", mask)
+    assert len(entered) == 6  # forward and backward of the float32 field: two blocks each, called three times
+
+
+def test_products_rounded_to_bfloat16_are_refused(fresh_choices, monkeypatch):
+    """A CPU on which the permission makes oneDNN round to bfloat16 (AMX) must keep MKL's products: planted here by
+    rounding the operands inside the permission's block."""
+    inside, entered = [], []
+
+    @contextlib.contextmanager
+    def permission():
+        inside.append(True)
+        entered.append(True)
+        try:
+            yield
+        finally:
+            inside.pop()
+
+    exact_products = fused_module._head_products
+
+    def rounding_products(keys, queries, attn):
+        if inside:
+            keys, queries, attn = (t.bfloat16().float() for t in (keys, queries, attn))
+        return exact_products(keys, queries, attn)
+
+    monkeypatch.setattr(fused_module, "onednn_matmul_available", lambda: True)
+    monkeypatch.setattr(fused_module, "onednn_matmul", permission)
+    monkeypatch.setattr(fused_module, "_head_products", rounding_products)
+    for timed in (False, True):
+        assert choose_head_products(15, 11, 8, torch.float32, CPU, timed=timed) == "matmul"
+    entered.clear()
+    _check_against_float64(_model64(), "onednn")  # an explicit request for oneDNN falls back too
+    assert not entered
+
+
+def test_float32_rounding_bound_separates_float32_from_bfloat16_products():
+    generator = torch.Generator().manual_seed(0)
+    a, b = torch.randn(6, 30, 16, generator=generator), torch.randn(6, 16, 30, generator=generator)
+    assert fused_module._within_float_rounding((a @ b,), ((a, b),))
+    rounded = a.bfloat16().float() @ b.bfloat16().float()
+    assert not fused_module._within_float_rounding((rounded,), ((a, b),))
+    # an error of 1e-3 of the largest entry is far beyond float32 summation of 16 terms
+    assert not fused_module._within_float_rounding((a @ b + 1e-3 * (a @ b).abs().amax(),), ((a, b),))
+
+
+@pytest.mark.parametrize("gemm", ["auto", "onednn"])
+def test_fallback_where_onednn_matmul_is_missing(fresh_choices, monkeypatch, gemm):
+    monkeypatch.setattr(fused_module, "onednn_matmul_available", lambda: False)
+    assert choose_head_products(15, 11, 8, torch.float32, CPU) == "matmul"
+    _check_against_float64(_model64(), gemm)
+
+
+def test_float64_never_leaves_matmul_and_stays_bitwise(fresh_choices):
+    assert choose_head_products(15, 11, 8, torch.float64, CPU) == "matmul"
+    model = _model64(hopfield="softmax")
+    x = torch.randn(5, 11, 24, dtype=torch.float64)
+    fields = {gemm: ETField(model, backend="fused") for gemm in ("matmul", "onednn", "auto")}
+    for gemm, field in fields.items():
+        field.fused.gemm = gemm
+    values = {gemm: field(0.0, x) for gemm, field in fields.items()}
+    assert torch.equal(values["onednn"], values["matmul"]) and torch.equal(values["auto"], values["matmul"])
+
+
+@pytest.mark.skipif(not onednn_matmul_available(), reason="this PyTorch cannot send products to oneDNN's matmul")
+def test_precision_setting_restored_and_random_stream_untouched(fresh_choices):
+    setting = torch.backends.mkldnn.matmul.fp32_precision
+    torch.manual_seed(0)
+    state = torch.get_rng_state()
+    choose_head_products(15, 11, 8, torch.float32, CPU, reps=1)
+    assert torch.equal(torch.get_rng_state(), state)
+    field = ETField(copy.deepcopy(_model64()).float(), backend="fused")
+    field.fused.gemm = "onednn"
+    x = torch.randn(5, 11, 24, requires_grad=True)
+    field(0.0, x).square().sum().backward()
+    assert torch.backends.mkldnn.matmul.fp32_precision == setting
+    with pytest.raises(ZeroDivisionError), fused_module.onednn_matmul():
+        raise ZeroDivisionError  # restored after an exception too
+    assert torch.backends.mkldnn.matmul.fp32_precision == setting

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 from torchdiffeq import odeint_event
 
+from ._checks import all_finite
 from .field import ETField
 from .fixed_step import applies as lean_loop_applies
 from .fixed_step import integrate as integrate_fixed_steps
@@ -200,7 +201,7 @@ def integrate(problem: Problem, interface: Callable[..., Any], arguments: dict[s
         advice = NON_FINITE_ADVICE if isinstance(error, AssertionError) else BUDGET_ADVICE
         last_time = progress.last[0] if progress.last else float(grid[0])
         raise SolverFailure(f"torchdiffeq stopped after t={last_time:.6g}: {error}", last_time, advice) from error
-    if not bool(torch.isfinite(x_final).all()):
+    if not all_finite(x_final):
         raise SolverFailure(f"the state became non-finite (NaN or inf) by t={float(ts[-1]):.6g}", float(ts[-1]),
                             NON_FINITE_ADVICE)
     if not problem.solver.adaptive and progress.largest_growth > GROWTH_WARNING:

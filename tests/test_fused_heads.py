@@ -140,3 +140,32 @@ def test_precision_setting_restored_and_random_stream_untouched(fresh_choices):
     with pytest.raises(ZeroDivisionError), fused_module.onednn_matmul():
         raise ZeroDivisionError  # restored after an exception too
     assert torch.backends.mkldnn.matmul.fp32_precision == setting
+
+
+@pytest.mark.parametrize("n", [fused_module.QUERY_MAJOR_FROM - 1, fused_module.QUERY_MAJOR_FROM + 3])
+@pytest.mark.parametrize("hopfield,self_attention,mask_kind", [("relu", False, "batched"), ("softmax", True, "none"),
+                                                              ("softplus", False, "shared")])
+def test_both_score_layouts_equal_the_closed_form_and_autograd(n, hopfield, self_attention, mask_kind):
+    """Either side of the token count where the scores switch to query-major storage: the fused field and its VJP
+    (state and every weight) against the model's closed form and autograd in float64, with per-head betas, masks
+    (a query without keys, a key nobody attends to) and each Hopfield form."""
+    model = random_model(dim=12, heads=3, head_dim=4, memories=20, hopfield=hopfield, self_attention=self_attention,
+                         beta=[0.3, 0.5, 1.1], beta_hn=2.0)
+    generator = torch.Generator().manual_seed(7)
+    mask = None
+    if mask_kind == "shared":
+        mask = torch.rand(n, n, generator=generator) > 0.5
+    elif mask_kind == "batched":
+        mask = torch.rand(2, n, n, generator=generator) > 0.6
+        mask[1, 3] = False
+        mask[0, :, 5] = False
+    g = model.neuron(torch.randn(2, n, 12, dtype=torch.float64, generator=generator))
+    fused = fused_module.FusedGrad(model, gemm="matmul")
+    assert _relative(fused(g, mask), model._dE_dg(g, mask)) < 1e-12
+    point = g.detach().requires_grad_(True)
+    inputs = (point, model.attention.WK, model.attention.WQ, model.hopfield.xi)
+    u = torch.randn(g.shape, dtype=torch.float64, generator=generator)
+    want = torch.autograd.grad(model._dE_dg(point, mask), inputs, u)
+    got = torch.autograd.grad(fused(point, mask), inputs, u)
+    for name, a, b in zip(("g", "WK", "WQ", "xi"), got, want, strict=True):
+        assert _relative(a, b) < 1e-11, name

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import statistics
 import time
 import weakref
 from collections.abc import Callable, Iterator
@@ -108,8 +107,9 @@ _GEMM_CHOICE: dict[tuple[Any, ...], str] = {}
 
 
 def choose_gemm(m: int, d: int, r: int, dtype: torch.dtype, device: torch.device, reps: int = 7) -> str:
-    """The faster of ``"matmul"`` and ``"onednn"`` for ``(m, d) @ (d, r)`` products, timed once (medians of
-    ``reps`` interleaved runs of the projection and its transpose) and remembered for the process."""
+    """The faster of ``"matmul"`` and ``"onednn"`` for ``(m, d) @ (d, r)`` products, timed once (the fastest of
+    ``reps`` interleaved runs of the projection and its transpose: on a machine shared with other jobs the minimum
+    stays near the unloaded time, a median does not) and remembered for the process."""
     if not supports_onednn(dtype, device):
         return "matmul"
     key = (m, d, r, dtype, str(device))
@@ -129,7 +129,7 @@ def choose_gemm(m: int, d: int, r: int, dtype: torch.dtype, device: torch.device
                 run()
                 if rep >= 2:  # the first two are warm-up
                     times[name].append(time.perf_counter() - start)
-        _GEMM_CHOICE[key] = min(times, key=lambda name: statistics.median(times[name]))
+        _GEMM_CHOICE[key] = min(times, key=lambda name: min(times[name]))
     return _GEMM_CHOICE[key]
 
 
@@ -191,10 +191,10 @@ _HEAD_CHOICE: dict[tuple[Any, ...], str] = {}
 
 
 def choose_head_products(groups: int, n: int, y: int, dtype: torch.dtype, device: torch.device, *, timed: bool = True,
-                         reps: int = 7) -> str:
+                         reps: int = 9) -> str:
     """The back end of the per-head products at this shape (``groups`` = batch x heads matrices of ``n x y``):
     ``"onednn"`` where :func:`onednn_matmul` computes all three patterns within float32 rounding (checked once per
-    shape on random data) and, if ``timed``, is faster (medians of ``reps`` interleaved runs); else ``"matmul"``.
+    shape on random data) and, if ``timed``, is faster (the fastest of ``reps`` interleaved runs each); else ``"matmul"``.
     Remembered for the process; float32 on CPU only (float64 never leaves MKL)."""
     if device.type != "cpu" or dtype != torch.float32 or not onednn_matmul_available():
         return "matmul"
@@ -216,7 +216,7 @@ def choose_head_products(groups: int, n: int, y: int, dtype: torch.dtype, device
                         _head_products(keys, queries, attn)
                     if rep >= 2:  # the first two are warm-up
                         times[name].append(time.perf_counter() - start)
-            _HEAD_CHOICE[key] = min(times, key=lambda name: statistics.median(times[name]))
+            _HEAD_CHOICE[key] = min(times, key=lambda name: min(times[name]))
         else:
             _HEAD_CHOICE[key] = "matmul"
     if not _HEAD_ACCURATE[key]:

@@ -48,7 +48,7 @@ import math
 import time
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -145,7 +145,7 @@ def onednn_matmul() -> Iterator[None]:
     for oneDNN alone); the previous setting is restored on exit. Only for products that :func:`choose_head_products`
     found within float32 rounding at their shape. The setting is global: a float32 product of another thread during
     the block gets the same permission."""
-    matmul = torch.backends.mkldnn.matmul
+    matmul = cast(Any, torch.backends.mkldnn).matmul  # set at import by PyTorch; absent from its type stubs
     previous = matmul.fp32_precision
     matmul.fp32_precision = "bf16"
     try:

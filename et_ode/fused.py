@@ -13,7 +13,8 @@ products at the paper's sizes, so the evaluation runs at the speed of the machin
 (The code indexes ``S`` key-major, ``S[h, B, C]``, with the softmax over the keys' axis -2. Below
 :data:`QUERY_MAJOR_FROM` tokens it is also stored so: PyTorch's softmax over a non-last axis vectorizes across the
 queries, twice as fast on rows as short as the 8x8 digits' 17 tokens. From there on it is stored query-major, a
-transposed view of ``Q K^T``, and the softmax runs along the contiguous rows: 1.4-2x faster from 32 tokens on.)
+transposed view of ``Q K^T``, and the softmax runs along the contiguous rows: as fast at 32 tokens, up to 2x
+faster beyond, 1.4-2x from 32 on under AVX2.)
 
 Backward. For a cotangent ``u`` of ``dE/dg`` (shape ``(M, D)``), ``L = <u, dE/dg> = -<U, c>`` with
 ``U = u W^T = [uK | uQ | uh]``, and ``R_ = -dL/dP`` has the blocks
@@ -37,7 +38,7 @@ then computes in float32 unless the CPU has bfloat16 matrix hardware for the sha
 AMD processors and runs its generic code there, 2-2.8x slower than oneDNN on this project's AVX-512 machine. So the
 permission is never assumed harmless: :func:`choose_head_products` runs the three products once per shape with it,
 keeps oneDNN only where every entry is within float32 rounding of a float64 product (``k eps |A||B|``; bfloat16
-inputs miss that by a factor of hundreds) and, for ``gemm="auto"``, only where it is faster; the permission is
+inputs miss that by a factor of hundreds) and, for ``gemm="auto"``, only where it is clearly faster; the permission is
 granted around those products alone and restored after them.
 """
 

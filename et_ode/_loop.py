@@ -310,7 +310,8 @@ def _to_steady_state(recorder: Recorder, x0: Tensor, t0: Tensor, ends: Tensor, s
                 converged = stop.rms(segment_field, x, segment.velocity(x)) < tol * (1 + 1e-6)
             if not per_sample:
                 converged = converged.all().reshape(1)
-            at_end = float(t_start) >= float(t_end) * (1 - 1e-12)
+            # torchdiffeq's event search bisects to atol: a segment's end is found within atol / 2 of t_end
+            at_end = float(t_end) - float(t_start) <= float(arguments["atol"]) + 1e-12 * abs(float(t_end))
             if at_end and not bool(converged.any()) and end_index + 1 < len(ends):
                 saved.append((float(t_end), x.detach()))  # a saved time before the stop: keep it, go on to the next
                 end_index += 1

@@ -1,0 +1,115 @@
+"""Behaviour that mutation testing (``make mutate``) found unchecked: the evaluation count, failed solves' partial
+solutions and errors, the settings objects' rules. Each test states a documented promise against an independent
+reference (a closed form, a count of the model's actual evaluations, the documented message)."""
+
+import math
+
+import pytest
+import torch
+
+from et_ode import Adaptive, Adjoint, ETField, EulerET, Fixed, Implicit, SolveError, Status, SteadyState, solve
+from tests.conftest import random_model
+
+
+def _state(batch: int = 2, n: int = 4, seed: int = 0) -> torch.Tensor:
+    return torch.randn(batch, n, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(t=(0.0, 100.0), solver=Adaptive(rtol=1e-6, atol=1e-8), stop=SteadyState(1e-3)),
+    dict(t=(0.0, 1e3), solver="bosh3", stop=SteadyState(0.1, measure="tangent_gradient")),
+    dict(t=(0.0, 100.0), solver="dopri5", stop=SteadyState(1e-3, per_sample=True), save="final"),
+    dict(solver=EulerET(0.1, 400), stop=SteadyState(1e-2)),
+    dict(t=torch.linspace(0.0, 100.0, 5, dtype=torch.float64), solver="dopri5", stop=SteadyState(1e-3)),
+    dict(t=(0.0, 2.0), solver=Fixed("rk4", step_size=0.1)),
+])
+def test_nfe_counts_every_evaluation_of_the_dynamics(monkeypatch, kwargs):
+    """``stats.nfe_forward`` is the number of times the model's dynamics were evaluated during the solve, the stop
+    test's evaluations included: counted here at ``ETField.velocity``, the one place the field computes them."""
+    field = ETField(random_model(hopfield="softmax", eps=1e-3), tau=0.7)
+    calls = []
+    velocity = ETField.velocity
+
+    def counted(self, x):
+        calls.append(x.shape[:-2].numel())
+        return velocity(self, x)
+
+    monkeypatch.setattr(ETField, "velocity", counted)
+    solution = solve(field, _state(batch=3), **kwargs)
+    assert solution.stats.nfe_forward == len(calls) > 5
+    assert solution.stats.sample_evaluations == sum(calls)
+    if "stop" in kwargs:
+        assert solution.status is Status.STEADY_STATE
+
+
+def test_a_failed_solve_returns_its_last_state_with_its_layer_norm():
+    """The partial solution of a failed solve: the state at the last step's start, its activation ``g`` by the
+    LayerNorm's closed form, the failure time as its only time, and a measured wall time."""
+    model = random_model(hopfield="softmax", eps=0.05)
+    x0 = _state()
+    with pytest.raises(SolveError, match="max_steps=6") as caught:
+        solve(ETField(model), x0, (0.0, 100.0), max_steps=6)
+    partial = caught.value.solution
+    assert partial.status is Status.FAILED and 0 < caught.value.time < 100
+    assert partial.ts.tolist() == [caught.value.time] and partial.xs.shape == (1, *x0.shape)
+    x = partial.x
+    centred = x - x.mean(dim=-1, keepdim=True)
+    expected_g = float(model.neuron.gamma.detach()) * centred / torch.sqrt(centred.square().mean(-1, keepdim=True) + 0.05) \
+        + model.neuron.delta
+    torch.testing.assert_close(partial.g, expected_g, rtol=1e-12, atol=1e-12)
+    assert isinstance(partial.stats.wall_time, float) and partial.stats.wall_time > 0
+
+
+def test_a_non_finite_adjoint_state_is_a_named_solve_error():
+    """A NaN reaching the adjoint's backward solve (here from the loss) stops it with a SolveError that says so and
+    where, instead of torchdiffeq's step-size assertion."""
+    field = ETField(random_model(hopfield="softmax"))
+    solution = solve(field, _state(), (0.0, 1.0), gradient=Adjoint())
+    loss = (solution.x * torch.full_like(solution.x, math.nan)).sum()
+    with pytest.raises(SolveError, match="backward solve failed at t=1: a non-finite adjoint state") as caught:
+        loss.backward()
+    assert caught.value.time == 1.0 and caught.value.solution is None
+
+
+def test_fixed_step_budget_counts_the_whole_grid_before_any_work():
+    field = ETField(random_model(hopfield="softmax"))
+    t = torch.tensor([0.0, 0.5, 10.0], dtype=torch.float64)
+    with pytest.raises(SolveError, match=r"1000 fixed steps planned from t=0 to 10, more than max_steps=100"):
+        solve(field, _state(), t, solver=Fixed("euler", step_size=0.01), max_steps=100)
+    assert field.nfe == 0
+    with pytest.raises(SolveError, match=r"steps=200 is more than max_steps=100; raise max_steps or take fewer"):
+        solve(field, _state(), solver=EulerET(0.1, 200), max_steps=100)
+    assert field.nfe == 0
+
+
+@pytest.mark.parametrize("make, error, message", [
+    (lambda: Implicit(tol=math.inf), ValueError, "Implicit.tol must be a positive finite number"),
+    (lambda: Implicit(tol=math.nan), ValueError, "Implicit.tol must be a positive finite number"),
+    (lambda: Fixed("dopri5"), ValueError, r"Fixed.method .* \(an adaptive method: use Adaptive\)"),
+    (lambda: Fixed("euler", options=3), TypeError, "Fixed.options must be a dict"),
+])
+def test_settings_refuse_bad_values_and_say_what_to_use(make, error, message):
+    with pytest.raises(error, match=message):
+        make()
+
+
+@pytest.mark.parametrize("solver", ["dopri5", Fixed("rk4", step_size=0.05), EulerET(0.1, 400)])
+def test_a_stop_saving_the_grid_goes_on_past_each_grid_time(solver):
+    """With ``save="all"`` a stop integrates segment by segment to each time of the grid; torchdiffeq finds each
+    segment's end by bisection to ``atol`` only, and the loop must know it reached the end there (it stopped at
+    the first grid time, status ``reached_end``, at the default tolerances and with every fixed-step solver)."""
+    field = ETField(random_model(hopfield="softmax", eps=1e-3), tau=0.7)
+    x0, tol = _state(batch=3), 1e-2
+    grid = {} if isinstance(solver, EulerET) else dict(t=torch.linspace(0.0, 100.0, 101, dtype=torch.float64))
+    solution = solve(field, x0, solver=solver, stop=SteadyState(tol), save="all", **grid)
+    final = solve(field, x0, solver=solver, stop=SteadyState(tol), save="final", **grid)
+    assert solution.status is Status.STEADY_STATE and final.status is Status.STEADY_STATE
+    t_stop = solution.stats.t_final
+    assert 5 < t_stop < 50 and abs(t_stop - final.stats.t_final) <= 1e-5 * t_stop
+    times = solution.ts.tolist()
+    step = 0.07 if isinstance(solver, EulerET) else 1.0  # the grid: multiples of alpha * tau, or of 1
+    assert times[-1] == t_stop and len(times) == math.floor(t_stop / step) + 2
+    torch.testing.assert_close(solution.ts[:-1], torch.arange(len(times) - 1, dtype=torch.float64) * step)
+    with torch.no_grad():
+        rms = field.rms_dg_dt(solution.xs)  # (T, batch): the stop is the first time every sample is below tol
+    assert float(rms[-1].max()) < tol * (1 + 1e-6) and float(rms[-2].max()) > tol

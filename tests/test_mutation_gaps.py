@@ -7,7 +7,21 @@ import math
 import pytest
 import torch
 
-from et_ode import Adaptive, Adjoint, ETField, EulerET, Fixed, Implicit, SolveError, Status, SteadyState, solve
+from et_ode import (
+    Adaptive,
+    Adjoint,
+    EnergyAttention,
+    ETField,
+    EulerET,
+    Fixed,
+    GraphMask,
+    Implicit,
+    SolveError,
+    Status,
+    SteadyState,
+    solve,
+)
+from et_ode.neurons import radial_direction, tangent_projection
 from tests.conftest import random_model
 
 
@@ -113,3 +127,61 @@ def test_a_stop_saving_the_grid_goes_on_past_each_grid_time(solver):
     with torch.no_grad():
         rms = field.rms_dg_dt(solution.xs)  # (T, batch): the stop is the first time every sample is below tol
     assert float(rms[-1].max()) < tol * (1 + 1e-6) and float(rms[-2].max()) > tol
+
+
+@pytest.mark.parametrize("solver", [EulerET(0.1, 20), Adaptive()])
+def test_the_end_of_t_above_the_tolerance_is_reached_end(solver):
+    """``status`` is ``steady_state`` only where the stop test holds at the returned state: a solve that runs out
+    of time with the measure at 1.5 tol (the end found by bisection slightly before ``t1``) reports ``reached_end``."""
+    field = ETField(random_model(hopfield="softmax", eps=1e-3), tau=0.7)
+    x0 = _state()
+    t = None if isinstance(solver, EulerET) else (0.0, 1.4)
+    free = solve(field, x0, t, solver=solver, save="final")
+    with torch.no_grad():
+        tol = float(field.rms_dg_dt(free.x).max()) / 1.5
+    stopped = solve(field, x0, t, solver=solver, stop=SteadyState(tol), save="final")
+    assert stopped.status is Status.REACHED_END and abs(stopped.stats.t_final - 1.4) < 1e-5
+    with torch.no_grad():
+        assert float(field.rms_dg_dt(stopped.x).max()) > 1.4 * tol
+
+
+def test_the_sphere_geometry_per_token_against_explicit_projectors():
+    """``s_A = (g_A - delta - mean) / r_A`` and ``T = I - 11^T / D - s s^T`` per token, as explicit (D, D) matrices,
+    over two batch dimensions (so that no token's reduction can run along another axis unnoticed)."""
+    generator = torch.Generator().manual_seed(3)
+    g = torch.randn(2, 3, 4, 6, dtype=torch.float64, generator=generator)
+    v = torch.randn(2, 3, 4, 6, dtype=torch.float64, generator=generator)
+    delta = torch.randn(6, dtype=torch.float64, generator=generator)
+    s, radius = radial_direction(g, delta)
+    centre = torch.eye(6, dtype=torch.float64) - 1 / 6
+    u = (g - delta) @ centre
+    assert radius.shape == (2, 3, 4, 1)
+    torch.testing.assert_close(radius.squeeze(-1), u.norm(dim=-1), rtol=1e-14, atol=0)
+    torch.testing.assert_close(s, u / u.norm(dim=-1, keepdim=True), rtol=1e-14, atol=1e-15)
+    projectors = centre - s[..., :, None] * s[..., None, :]  # (2, 3, 4, D, D)
+    expected = (projectors @ v[..., None]).squeeze(-1)
+    torch.testing.assert_close(tangent_projection(v, s), expected, rtol=1e-13, atol=1e-14)
+
+
+def test_attention_weights_with_self_attention_and_no_mask_are_the_softmax_over_keys():
+    """``S[h, B, C] = softmax_B(beta_h K_hB . Q_hC)`` with every key allowed (the SPEC, by einsum)."""
+    attention = EnergyAttention(6, 2, 3, beta=[0.7, 1.9], self_attention=True, dtype=torch.float64)
+    g = torch.randn(2, 5, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    keys = torch.einsum("hyd,bnd->bhny", attention.WK, g)
+    queries = torch.einsum("hyd,bnd->bhny", attention.WQ, g)
+    logits = torch.tensor([0.7, 1.9], dtype=torch.float64)[:, None, None] * torch.einsum("bhky,bhqy->bhkq", keys, queries)
+    torch.testing.assert_close(attention.attention(g), torch.softmax(logits, dim=-2), rtol=1e-13, atol=1e-15)
+
+
+def test_a_float32_attention_energy_on_a_graph_stays_float32():
+    """``beta`` is held in float64 for every module dtype; a float32 module's energies are still float32 (and agree
+    with the float64 module to float32 rounding), on the dense and the edge-list forms alike."""
+    attention = EnergyAttention(6, 2, 3, beta=[0.7, 1.9], dtype=torch.float64)
+    g = torch.randn(2, 5, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    graph = GraphMask(torch.tensor([[0, 1, 2, 3, 4, 1], [1, 2, 3, 4, 0, 3]]), 5)
+    single = EnergyAttention(6, 2, 3, beta=[0.7, 1.9]).float()
+    single.load_state_dict(attention.state_dict())
+    for mask in (None, graph):
+        energy = single.energy(g.float(), mask)
+        assert energy.dtype == torch.float32
+        torch.testing.assert_close(energy.double(), attention.energy(g, mask), rtol=1e-5, atol=1e-5)

@@ -32,23 +32,23 @@ FIELD_TESTS = ["tests/test_neurons.py", "tests/test_energies.py", "tests/test_mo
                "tests/test_fd_gradients.py::test_field_matches_the_spec_at_non_default_settings",
                "tests/test_fd_gradients.py::test_field_and_its_backward_match_the_spec",
                "tests/test_fd_gradients.py::test_solve_follows_the_spec_dynamics_at_two_time_constants",
-               "-k", "not small_euler_steps and not solve_and_adjoint"]
+               "tests/test_mutation_gaps.py", "-k", "not small_euler_steps and not solve_and_adjoint"]
 SOLVE_TESTS = ["tests/test_solve.py", "tests/test_solve_settings.py", "tests/test_exact_values.py",
                "tests/test_fd_gradients.py::test_steady_state_stop_gradient_of_the_initial_state",
                "tests/test_fd_gradients.py::test_steady_state_stop_gradient_of_the_parameters",
                "tests/test_steady_state_gradients.py",
                "tests/test_gradients.py::test_gradcheck_through_the_solve",
-               "tests/test_gradients.py::test_implicit_needs_a_converged_solve",
+               "tests/test_gradients.py::test_implicit_needs_a_converged_solve", "tests/test_mutation_gaps.py",
                "-k", "not adaptive_solve_agrees and not adaptive_heun and not dopri8 and not adams "
                      "and not per_sample_stopping_matches"]
 ATTRACTOR_TESTS = ["tests/test_exact_values.py",
                    "tests/test_fd_gradients.py::test_implicit_gradient_matches_finite_differences_of_the_attractor_map",
                    "tests/test_gradients.py::test_implicit_equals_direct_through_a_long_converged_solve",
-                   "tests/test_gradients.py::test_implicit_needs_a_converged_solve"]
+                   "tests/test_gradients.py::test_implicit_needs_a_converged_solve", "tests/test_mutation_gaps.py"]
 ENERGY_TESTS = ["tests/test_neurons.py", "tests/test_energies.py", "tests/test_graph_attention.py",
                 "tests/test_exact_values.py",
                 "tests/test_fd_gradients.py::test_field_matches_the_spec_at_non_default_settings",
-                "tests/test_fd_gradients.py::test_field_and_its_backward_match_the_spec"]
+                "tests/test_fd_gradients.py::test_field_and_its_backward_match_the_spec", "tests/test_mutation_gaps.py"]
 GROUPS: dict[str, tuple[list[str], list[str]]] = {
     "energies": (["et_ode/neurons.py", "et_ode/energies.py"], ENERGY_TESTS),
     "field": (["et_ode/model.py", "et_ode/_checks.py", "et_ode/masks.py", "et_ode/field.py",

@@ -11,6 +11,7 @@ from et_ode import (
     Adaptive,
     Adjoint,
     EnergyAttention,
+    EnergyTransformer,
     ETField,
     EulerET,
     Fixed,
@@ -185,3 +186,26 @@ def test_a_float32_attention_energy_on_a_graph_stays_float32():
         energy = single.energy(g.float(), mask)
         assert energy.dtype == torch.float32
         torch.testing.assert_close(energy.double(), attention.energy(g, mask), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("hopfield", ["relu", "softmax", "softplus"])
+def test_a_model_is_built_on_the_device_it_is_given(hopfield):
+    """``device=`` puts every parameter and buffer there, and the energies, their gradients and the attention
+    weights compute there: checked on PyTorch's ``meta`` device (shapes only), which every machine has."""
+    model = EnergyTransformer(8, 2, 4, 12, hopfield=hopfield, device="meta", dtype=torch.float64)
+    assert {t.device.type for t in (*model.parameters(), *model.buffers())} == {"meta"}
+    g = torch.empty(2, 5, 8, device="meta", dtype=torch.float64)
+    for value, shape in ((model._energy_g(g, None), (2,)), (model._dE_dg(g, None), (2, 5, 8)),
+                         (model.attention.attention(g), (2, 2, 5, 5)), (model.neuron(g), (2, 5, 8))):
+        assert value.device.type == "meta" and value.shape == shape
+    grid = EulerET(0.1, 4).time_grid(None, 1.0, torch.device("meta"), 10)
+    assert grid.device.type == "meta" and grid.shape == (5,)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: EnergyAttention(6, 2, 0), "head_dim must be a positive integer, got 0"),
+    (lambda: EnergyAttention(6, 0, 3), "heads must be a positive integer, got 0"),
+])
+def test_sizes_are_refused_by_name(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()

@@ -10,6 +10,7 @@ import torch
 from et_ode import (
     Adaptive,
     Adjoint,
+    AttractorError,
     EnergyAttention,
     EnergyTransformer,
     ETField,
@@ -22,6 +23,7 @@ from et_ode import (
     SteadyState,
     solve,
 )
+from et_ode.gradients import implicit_attractor, implicit_fixed_point
 from et_ode.neurons import radial_direction, tangent_projection
 from tests.conftest import random_model
 
@@ -209,3 +211,25 @@ def test_a_model_is_built_on_the_device_it_is_given(hopfield):
 def test_sizes_are_refused_by_name(make, message):
     with pytest.raises(ValueError, match=message):
         make()
+
+
+def test_implicit_gradients_refuse_uncertified_points_and_say_what_to_raise():
+    """An implicit gradient asked of an uncertified sample is refused by name; conjugate gradients stopped by
+    ``max_iter`` warn with the setting to raise (the one of ``solve`` and of ``find_attractor``)."""
+    field = ETField(random_model(hopfield="softmax"))
+    x = _state(batch=2, n=3)
+    spheres_and_x = torch.tensor([False, True])
+    weights = _state(batch=2, n=3, seed=1)  # a loss the spheres' tangent projection does not annihilate
+    g = implicit_attractor(field, x, in_x=spheres_and_x, certified=torch.tensor([True, False]))
+    with pytest.raises(AttractorError, match=r"no implicit gradient at sample\(s\) \[1\]: not a certified stable "
+                                             r"attractor .*; see Attractor.kind and Attractor.converged"):
+        (g * weights).sum().backward()
+    g = implicit_attractor(field, x, in_x=spheres_and_x, certified=torch.tensor([True, True]), max_iter=1)
+    with pytest.warns(RuntimeWarning, match=r"stopped after 1 iterations .*; raise Implicit\(max_iter=\.\.\.\) in "
+                                            r"solve, implicit_max_iter in find_attractor"):
+        (g * weights).sum().backward()
+    g = implicit_fixed_point(field, x, max_iter=1)
+    with pytest.warns(RuntimeWarning, match=r"stopped after 1 iterations .*; the fixed point may not be a stable "
+                                            r"attractor \(Riemannian Hessian not positive definite\) or needs more "
+                                            r"iterations \(max_iter\)"):
+        (g * weights).sum().backward()

@@ -42,6 +42,9 @@ SOLVE_TESTS = ["tests/test_solve.py", "tests/test_solve_settings.py", "tests/tes
                "-k", "not adaptive_solve_agrees and not adaptive_heun and not dopri8 and not adams "
                      "and not per_sample_stopping_matches"]
 ATTRACTOR_TESTS = ["tests/test_exact_values.py",
+                   "tests/test_attractor.py::test_smallest_eigenvalue_matches_the_dense_riemannian_hessian",
+                   "tests/test_attractor.py::test_the_convex_one_token_attractor_is_a_fixed_point_in_x",
+                   "tests/test_attractor.py::test_implicit_gradient_at_a_fixed_point_in_x_equals_finite_differences",
                    "tests/test_fd_gradients.py::test_implicit_gradient_matches_finite_differences_of_the_attractor_map",
                    "tests/test_gradients.py::test_implicit_equals_direct_through_a_long_converged_solve",
                    "tests/test_gradients.py::test_implicit_needs_a_converged_solve", "tests/test_mutation_gaps.py"]

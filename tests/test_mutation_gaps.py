@@ -233,3 +233,42 @@ def test_implicit_gradients_refuse_uncertified_points_and_say_what_to_raise():
                                             r"attractor \(Riemannian Hessian not positive definite\) or needs more "
                                             r"iterations \(max_iter\)"):
         (g * weights).sum().backward()
+
+
+def test_built_from_tensors_and_graph_masks_stay_on_their_device():
+    """``EnergyTransformer.from_tensors`` takes the device of ``WK``; a graph mask's kept edges live on its device."""
+    weights = [torch.empty(shape, device="meta", dtype=torch.float64) for shape in ((2, 4, 8), (2, 4, 8), (12, 8), (8,))]
+    model = EnergyTransformer.from_tensors(weights[0], weights[1], weights[2], 1.3, weights[3])
+    assert {t.device.type for t in (*model.parameters(), *model.buffers())} == {"meta"}
+    mask = GraphMask(torch.tensor([[0, 1, 2, 2], [1, 2, 0, 2]]), 5).to("meta")
+    assert mask.kept(True).device.type == "meta" and mask.kept(True).shape == (4,)
+
+
+def test_tangent_gradient_and_energy_rate_against_explicit_formulas(monkeypatch):
+    """``T dE/dg`` (explicit per-token projectors applied to autograd's ``dE/dg``), its RMS, and the exact
+    ``dE/dt = dE/dx . dx/dt`` (autograd of the energy along the velocity), from ``x`` alone and from a velocity
+    already computed; given the velocity, neither evaluates the dynamics again."""
+    model = random_model(hopfield="softmax", eps=0.02)
+    field = ETField(model, tau=0.6)
+    x = _state(batch=2, n=4).requires_grad_(True)
+    g = model.neuron(x)
+    dE_dg, dE_dx = torch.autograd.grad(field.energy_g(g).sum(), (g, x))  # by autograd of the energy
+    x = x.detach()
+    s = g.detach() - model.neuron.delta.detach()
+    s = s - s.mean(-1, keepdim=True)
+    s = s / s.norm(dim=-1, keepdim=True)
+    projectors = torch.eye(8, dtype=torch.float64) - 1 / 8 - s[..., :, None] * s[..., None, :]
+    expected = (projectors @ dE_dg[..., None]).squeeze(-1)
+    velocity = field.velocity(x)
+    calls = []
+    evaluate = ETField.velocity
+    monkeypatch.setattr(ETField, "velocity", lambda self, x: calls.append(1) or evaluate(self, x))
+    with torch.no_grad():
+        given = (field.tangent_gradient(x, velocity), field.rms_tangent_gradient(x, velocity), field.dE_dt(x, velocity))
+        assert calls == []
+        alone = (field.tangent_gradient(x), field.rms_tangent_gradient(x), field.dE_dt(x))
+    rate = (dE_dx * velocity).sum(dim=(-1, -2))
+    for tangent, rms, dE_dt in (given, alone):
+        torch.testing.assert_close(tangent, expected, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(rms, expected.square().mean(dim=(-1, -2)).sqrt(), rtol=1e-10, atol=0)
+        torch.testing.assert_close(dE_dt, rate, rtol=1e-10, atol=1e-14)

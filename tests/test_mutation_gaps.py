@@ -272,3 +272,12 @@ def test_tangent_gradient_and_energy_rate_against_explicit_formulas(monkeypatch)
         torch.testing.assert_close(tangent, expected, rtol=1e-10, atol=1e-12)
         torch.testing.assert_close(rms, expected.square().mean(dim=(-1, -2)).sqrt(), rtol=1e-10, atol=0)
         torch.testing.assert_close(dE_dt, rate, rtol=1e-10, atol=1e-14)
+
+
+def test_a_state_too_large_for_float32_names_the_token():
+    """A float32 state whose LayerNorm variance overflows is refused, naming the first bad token (batch, N)."""
+    field = ETField(random_model(hopfield="softmax", dtype=torch.float32))
+    x0 = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(0))
+    x0[1, 2, 5] = 1e20
+    with pytest.raises(ValueError, match=r"x0 is too large for torch.float32: the LayerNorm variance of token \(1, 2\)"):
+        solve(field, x0, (0.0, 1.0))

@@ -281,3 +281,12 @@ def test_a_state_too_large_for_float32_names_the_token():
     x0[1, 2, 5] = 1e20
     with pytest.raises(ValueError, match=r"x0 is too large for torch.float32: the LayerNorm variance of token \(1, 2\)"):
         solve(field, x0, (0.0, 1.0))
+
+
+def test_a_onednn_giving_wrong_products_is_refused_by_the_probe(monkeypatch):
+    """The fused field uses oneDNN's packed GEMM only where a probe product is right: a build returning the right
+    shape with wrong values (here zeros) must make the probe fail, so that the field falls back to ``matmul``."""
+    from et_ode import fused
+
+    monkeypatch.setattr(fused, "_onednn_linear", lambda x, weight: x.new_zeros(x.shape[0], weight.shape[0]))
+    assert not fused._probe_onednn(torch.float32)

@@ -290,3 +290,36 @@ def test_a_onednn_giving_wrong_products_is_refused_by_the_probe(monkeypatch):
 
     monkeypatch.setattr(fused, "_onednn_linear", lambda x, weight: x.new_zeros(x.shape[0], weight.shape[0]))
     assert not fused._probe_onednn(torch.float32)
+
+
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan])
+def test_a_single_infinite_or_nan_entry_is_refused(value):
+    field = ETField(random_model(hopfield="softmax"))
+    x0 = _state()
+    x0[1, 2, 3] = value
+    with pytest.raises(ValueError, match=r"x0 has 1 non-finite entries \(NaN or inf\)"):
+        solve(field, x0, (0.0, 1.0))
+
+
+def test_a_state_on_another_device_is_refused_by_name():
+    """Checked on the ``meta`` device, which every machine has."""
+    field = ETField(random_model(hopfield="softmax"))
+    with pytest.raises(ValueError, match=r"x0 is on meta but the model is on cpu: move one, e.g. x0.to\('cpu'\)"):
+        solve(field, torch.empty(2, 3, 8, dtype=torch.float64, device="meta"), (0.0, 1.0))
+
+
+def test_the_reference_back_end_never_runs_the_fused_kernels(monkeypatch):
+    """``backend="reference"`` evaluates the model's closed-form ``dE/dg`` (bit for bit), at every ``tau``."""
+    from et_ode.fused import FusedGrad
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the fused kernels ran for backend='reference'")
+
+    monkeypatch.setattr(FusedGrad, "__call__", refuse)
+    model = random_model(hopfield="softmax", eps=0.02)
+    x = _state()
+    g = model.neuron(x)
+    for tau in (1.0, 0.6):
+        field = ETField(model, tau=tau, backend="reference")
+        with torch.no_grad():
+            torch.testing.assert_close(field(None, x), -model.dE_dg(g) / tau, rtol=0, atol=0)

@@ -102,7 +102,7 @@ def test_fixed_step_budget_counts_the_whole_grid_before_any_work():
 @pytest.mark.parametrize("make, error, message", [
     (lambda: Implicit(tol=math.inf), ValueError, "Implicit.tol must be a positive finite number"),
     (lambda: Implicit(tol=math.nan), ValueError, "Implicit.tol must be a positive finite number"),
-    (lambda: Fixed("dopri5"), ValueError, r"Fixed.method .* \(an adaptive method: use Adaptive\)"),
+    (lambda: Fixed("dopri5"), ValueError, r"Fixed.method .*, got 'dopri5' \(an adaptive method: use Adaptive\)$"),
     (lambda: Fixed("euler", options=3), TypeError, "Fixed.options must be a dict"),
 ])
 def test_settings_refuse_bad_values_and_say_what_to_use(make, error, message):

@@ -323,3 +323,18 @@ def test_the_reference_back_end_never_runs_the_fused_kernels(monkeypatch):
         field = ETField(model, tau=tau, backend="reference")
         with torch.no_grad():
             torch.testing.assert_close(field(None, x), -model.dE_dg(g) / tau, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("solver", [Adaptive(), Fixed("rk4", step_size=0.05)])
+def test_a_stop_on_a_grid_time_ends_the_solve_there(solver):
+    """Where the stop's crossing falls on a grid time (within the event search's tolerance, atol), the solve ends
+    there, once: the saved times stay strictly increasing and the stop is the last of them."""
+    field = ETField(random_model(hopfield="softmax", eps=1e-3), tau=0.7)
+    x0, stop = _state(batch=3), SteadyState(1e-2)
+    t_stop = solve(field, x0, (0.0, 100.0), solver=solver, stop=stop, save="final").stats.t_final
+    for shift in (-1e-7, 4e-7):
+        grid = torch.tensor([0.0, t_stop + shift, 100.0], dtype=torch.float64)
+        solution = solve(field, x0, grid, solver=solver, stop=stop, save="all")
+        assert solution.status is Status.STEADY_STATE and abs(solution.stats.t_final - t_stop) < 1e-6
+        assert len(solution.ts) == 2 and solution.ts[-1] == solution.stats.t_final
+        torch.testing.assert_close(solution.xs[-1], solution.x.detach(), rtol=0, atol=0)

@@ -338,3 +338,14 @@ def test_a_stop_on_a_grid_time_ends_the_solve_there(solver):
         assert solution.status is Status.STEADY_STATE and abs(solution.stats.t_final - t_stop) < 1e-6
         assert len(solution.ts) == 2 and solution.ts[-1] == solution.stats.t_final
         torch.testing.assert_close(solution.xs[-1], solution.x.detach(), rtol=0, atol=0)
+
+
+def test_a_torchdiffeq_failure_reports_where_it_stopped():
+    """torchdiffeq's own step cap (an option of the adaptive solver) ends the solve with a SolveError at the last
+    step reached, not at ``t0``: the time, the message and the partial solution agree."""
+    field = ETField(random_model(hopfield="softmax"))
+    with pytest.raises(SolveError, match=r"torchdiffeq stopped after t=0\.[0-9]+: max_num_steps exceeded") as caught:
+        solve(field, _state(), (0.0, 100.0), solver=Adaptive(options=dict(max_num_steps=5)))
+    failed = caught.value
+    assert 0 < failed.time < 100 and failed.solution.stats.t_final == failed.time
+    assert f"t={failed.time:.6g}:" in str(failed)

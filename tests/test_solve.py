@@ -78,7 +78,7 @@ def test_paper_scheme_equals_hand_written_euler_loop_exactly():
     assert len(solution.ts) == steps + 1
 
 
-@pytest.mark.parametrize("seed, method", enumerate(["dopri5", "dopri8", "bosh3", "fehlberg2", "adaptive_heun"]))
+@pytest.mark.parametrize("seed, method", list(enumerate(["dopri5", "dopri8", "bosh3", "fehlberg2", "adaptive_heun"])))
 def test_energy_is_non_increasing_along_adaptive_trajectories(seed, method):
     for run_seed in (seed, seed + 10):
         model, field, x0 = setup(seed=run_seed, hopfield="relu", batch=3)

@@ -12,15 +12,17 @@ scratch copies of the repository (``--work``), so their mutmut caches stay apart
 1, 2, ...): a systematic 10% sample that spreads over every function; ``--sample all`` tests every mutant.
 
 Prints, per module: mutants, killed (including timeouts), of which timeouts, survived, not covered by the selected
-tests, not yet run (the budget ran out), the score killed / (killed + survived + not covered), and the surviving
-mutants' names (``mutmut show NAME`` in the group's scratch copy prints the diff). mutmut 3.8's fork server also
-files a mutant as "timeout" when running its tests raised (exit -1), and that verdict is not always a kill: the
-README's "Testing" section gives the one checked by hand; read the timeouts column with that in mind.
+tests, not tested (errors), not yet run (the budget ran out), the score killed / (killed + survived + not covered +
+errors), and the names of the mutants not killed (``mutmut show NAME`` in the group's scratch copy prints the diff).
+mutmut 3.8's fork server files a mutant as "timeout" when pytest could not even run its tests (the worker's exit
+code 255, e.g. pytest's usage error for a test id that no longer collects); such a mutant was never tested, so it is
+counted here as an error, not a kill.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import shutil
 import subprocess
@@ -63,6 +65,7 @@ GROUPS: dict[str, tuple[list[str], list[str]]] = {
               SOLVE_TESTS),
 }
 KILLED = {"killed", "timeout", "caught by type check"}
+HARNESS_ERROR = 255  # the fork server's code for "running the tests raised": nothing was tested
 
 
 def scratch_copy(work: Path, group: str, modules: list[str], tests: list[str]) -> Path:
@@ -90,6 +93,14 @@ def results(folder: Path) -> dict[str, str]:
     return dict(re.findall(r"^\s*(\S+): (.+)$", out, flags=re.M))
 
 
+def exit_codes(folder: Path) -> dict[str, int | None]:
+    """Each mutant's recorded worker exit code, from mutmut's ``.meta`` files."""
+    codes: dict[str, int | None] = {}
+    for meta in (folder / "mutants").rglob("*.meta"):
+        codes.update(json.loads(meta.read_text())["exit_code_by_key"])
+    return codes
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--groups", default=",".join(GROUPS), help=f"comma-separated, of {', '.join(GROUPS)}")
@@ -108,8 +119,8 @@ def main() -> None:
         parser.error(f"--sample must be a digit or 'all', got {args.sample!r}")
     pattern = [] if args.sample == "all" else [f"*__mutmut_*{args.sample}"]
     deadline = time.monotonic() + 60 * args.budget_minutes
-    table = ["| module | mutants | killed | of which timeouts | survived | not covered | not run | score |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    table = ["| module | mutants | killed | of which timeouts | survived | not covered | not tested (error) | not run | "
+             "score |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     survivors: list[str] = []
     for index, group in enumerate(groups):
         modules, tests = GROUPS[group]
@@ -124,22 +135,23 @@ def main() -> None:
             except subprocess.TimeoutExpired:
                 print(f"[mutate] group {group}: budget spent; scoring the mutants run so far", flush=True)
         by_module: dict[str, Counter] = defaultdict(Counter)
+        codes = exit_codes(folder)
         for name, status in results(folder).items():
             if pattern and not name.endswith(args.sample):
                 continue
             module = re.split(r"\.x[_\u01c1]", name)[0]
-            kind = ("killed" if status in KILLED else "survived" if status == "survived" else
-                    "not covered" if status == "no tests" else "not run")
+            kind = ("error" if codes.get(name) == HARNESS_ERROR else "killed" if status in KILLED else
+                    "survived" if status == "survived" else "not covered" if status == "no tests" else "not run")
             by_module[module][kind] += 1
-            by_module[module]["timeout"] += status == "timeout"
-            if kind in ("survived", "not covered"):
-                survivors.append(f"{group}: {name} ({status})")
+            by_module[module]["timeout"] += kind == "killed" and status == "timeout"
+            if kind in ("survived", "not covered", "error"):
+                survivors.append(f"{group}: {name} ({'not tested: harness error' if kind == 'error' else status})")
         for module, counts in sorted(by_module.items()):
-            scored = counts["killed"] + counts["survived"] + counts["not covered"]
+            scored = counts["killed"] + counts["survived"] + counts["not covered"] + counts["error"]
             score = f"{100 * counts['killed'] / scored:.1f}%" if scored else "-"
-            total = sum(counts[k] for k in ("killed", "survived", "not covered", "not run"))
+            total = sum(counts[k] for k in ("killed", "survived", "not covered", "error", "not run"))
             table.append(f"| {module} | {total} | {counts['killed']} | {counts['timeout']} | {counts['survived']} | "
-                         f"{counts['not covered']} | {counts['not run']} | {score} |")
+                         f"{counts['not covered']} | {counts['error']} | {counts['not run']} | {score} |")
     summary = "\n".join(table + ["", "Surviving / not covered mutants:", *survivors])
     print(summary)
     if args.out:

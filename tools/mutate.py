@@ -33,7 +33,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 FIELD_TESTS = ["tests/test_neurons.py", "tests/test_energies.py", "tests/test_model.py", "tests/test_field.py",
-               "tests/test_fused.py", "tests/test_fused_heads.py", "tests/test_lean_checks.py", "tests/test_graph_attention.py", "tests/test_exact_values.py",
+               "tests/test_fused.py", "tests/test_fused_heads.py", "tests/test_lean_checks.py",
+               "tests/test_graph_attention.py", "tests/test_exact_values.py",
                "tests/test_fd_gradients.py::test_field_matches_the_spec_at_non_default_settings",
                "tests/test_fd_gradients.py::test_field_and_its_backward_match_the_spec",
                "tests/test_fd_gradients.py::test_solve_follows_the_spec_dynamics_at_two_time_constants",

@@ -40,6 +40,7 @@ from torch import Tensor
 from et_ode import Adaptive, Direct, EulerET, Integration
 from et_ode.fill import biharmonic_fill
 from et_ode.models import ImageET, masked_mse, patchify, random_masks, unpatchify
+from et_ode.models.image import Completion
 from et_ode.tasks.baselines import MeanImage, NearestNeighbour
 
 PATCH = 4
@@ -75,16 +76,20 @@ def pixel_mask(hidden: Tensor, image_shape) -> Tensor:
 
 
 # ----------------------------------------------------------------------------------------------- fills
-def knn_fill(bank: Tensor, images: Tensor, hidden: Tensor, exclude: Tensor | None = None, k: int = 10,
-             chunk: int = 20000) -> Tensor:
-    """``images`` with the hidden patches replaced by the mean of the ``k`` bank images (patches ``(n, N, P2)``)
-    nearest on the visible patches; ``exclude (B,)``: a bank index to leave out per image (itself, in training)."""
+def knn_neighbours(bank: Tensor, images: Tensor, hidden: Tensor, exclude: Tensor | None = None, k: int = 10,
+                   chunk: int = 20000, bank_energy: Tensor | None = None) -> Tensor:
+    """Indices ``(B, k)`` of the ``k`` bank images (patches ``(n, N, P2)``) nearest to ``images`` on their visible
+    patches (squared distance), nearest first; ``exclude (B,)``: a bank index to leave out per image (itself, in
+    training); ``bank_energy (n, N)``: ``bank.square().sum(-1)``, when the caller keeps it."""
     target = patchify(images, PATCH)
-    visible = (~hidden).to(target.dtype)[..., None].expand_as(target).flatten(1)
+    visible = (~hidden).to(target.dtype)  # (B, N)
+    query = (visible[..., None] * target).flatten(1)  # (B, N P2)
+    energy = bank.square().sum(-1) if bank_energy is None else bank_energy
     best_d = best_i = None
     for start in range(0, len(bank), chunk):
         part = bank[start:start + chunk].flatten(1)
-        dist = -2 * (visible * target.flatten(1)) @ part.T + visible @ part.square().T
+        # |v (t - b)|^2 - |v t|^2 = -2 (v t).b + sum over visible patches of |b_patch|^2
+        dist = -2 * query @ part.T + visible @ energy[start:start + chunk].T
         if exclude is not None:
             local = exclude - start
             inside = (local >= 0) & (local < len(part))
@@ -95,20 +100,117 @@ def knn_fill(bank: Tensor, images: Tensor, hidden: Tensor, exclude: Tensor | Non
             d, j = torch.cat([best_d, d], 1).topk(min(k, best_d.shape[1] + d.shape[1]), largest=False)
             i = torch.cat([best_i, i], 1).gather(1, j)
         best_d, best_i = d, i
-    guess = torch.where(hidden[..., None], bank[best_i].mean(1), target)
+    assert best_i is not None
+    return best_i
+
+
+def knn_fill(bank: Tensor, images: Tensor, hidden: Tensor, exclude: Tensor | None = None, k: int = 10,
+             chunk: int = 20000) -> Tensor:
+    """``images`` with the hidden patches replaced by the mean of the ``k`` bank images (patches ``(n, N, P2)``)
+    nearest on the visible patches; ``exclude (B,)``: a bank index to leave out per image (itself, in training)."""
+    neighbours = bank[knn_neighbours(bank, images, hidden, exclude, k, chunk)]  # (B, k, N, P2)
+    guess = torch.where(hidden[..., None], neighbours.mean(1), patchify(images, PATCH))
     return unpatchify(guess, PATCH, images.shape[1:])
 
 
+def local_logits(neighbours: Tensor, target: Tensor, hidden: Tensor, grid: tuple[int, int],
+                 temperature: float = 0.02) -> Tensor:
+    """``-e / temperature`` ``(B, k, N)``: ``e`` is each neighbour's mean squared error per pixel on the visible
+    patches of the 3x3 patch window around each patch (0 where the window has no visible patch).
+    ``neighbours (B, k, N, P2)``, ``target (B, N, P2)``, ``hidden (B, N)``, ``grid``: patches per column and row."""
+    visible = (~hidden).to(target.dtype)  # (B, N)
+    error = (neighbours - target[:, None]).square().mean(-1) * visible[:, None]  # (B, k, N)
+
+    def window_sum(values: Tensor) -> Tensor:  # (..., N) summed over each 3x3 patch window
+        summed = torch.nn.functional.conv2d(values.reshape(-1, 1, *grid), torch.ones(1, 1, 3, 3, dtype=values.dtype),
+                                            padding=1)
+        return summed.reshape(values.shape)
+
+    return -window_sum(error) / window_sum(visible)[:, None].clamp_min(1) / temperature
+
+
+def local_knn_fill(bank: Tensor, images: Tensor, hidden: Tensor, exclude: Tensor | None = None, k: int = 10,
+                   temperature: float = 0.02) -> Tensor:
+    """A classical rival of the plain mean: ``images`` with each hidden patch replaced by a blend of the ``k``
+    nearest bank images' patches, weighted by ``softmax(local_logits)`` over the neighbours (the neighbours that
+    match the visible patches around a hidden patch count more there). The 3x3 window and the temperature were
+    chosen on the validation split."""
+    neighbours = bank[knn_neighbours(bank, images, hidden, exclude, k)]  # (B, k, N, P2)
+    target = patchify(images, PATCH)
+    grid = (images.shape[2] // PATCH, images.shape[3] // PATCH)
+    weights = torch.softmax(local_logits(neighbours, target, hidden, grid, temperature), 1)[..., None]
+    guess = torch.where(hidden[..., None], (weights * neighbours).sum(1), target)
+    return unpatchify(guess, PATCH, images.shape[1:])
+
+
+ERROR_SCALE = 0.01  # a typical squared error per pixel of a neighbour's patch on Fashion-MNIST
+
+
 class KnnFillET(ImageET):
-    """``ImageET(fill="biharmonic")`` with the k-nearest-neighbour mean as its fill instead (needs ``bank``)."""
+    """``ImageET(fill=...)`` with the k-nearest-neighbour mean of ``bank`` as its fill (``weighting="mean"``) or the
+    locally weighted neighbours of :func:`local_knn_fill` (``"local"``).
 
-    def __init__(self, *args, bank: Tensor, **kwargs):
-        super().__init__(*args, fill="biharmonic", **kwargs)
+    ``context="fill"``: a token encodes its patch of the filled image (the image where visible, the neighbours'
+    mean where hidden). ``context="residual"``: it encodes, besides, the neighbours' mean and per-pixel standard
+    deviation at its position, so a visible token carries where the neighbours are wrong (image - mean) and every
+    token how much they disagree. ``context="retrieval"``: as ``"residual"``, and a visible token also carries how
+    well each of the ``k`` neighbours matches it (their squared errors on its patch, centred over the neighbours);
+    a hidden token knows nothing of the kind at the start. The answer at a hidden patch is then a blend of the
+    neighbours' patches, weighted by a softmax of logits read from the final state (``weigher``, zero at the
+    start: the plain mean), plus the decoder's correction: the dynamics must carry the visible tokens' evidence
+    about which neighbour to trust to the hidden tokens, an associative memory over retrieved candidates.
+    """
+
+    def __init__(self, *args, bank: Tensor, k: int = 10, context: str = "fill", weighting: str = "mean", **kwargs):
+        super().__init__(*args, fill=self.fill_from_bank, **kwargs)
+        if weighting not in ("mean", "local") or (weighting == "local" and context != "retrieval"):
+            raise ValueError(f"weighting must be 'mean', or 'local' with context='retrieval', got {weighting!r}")
+        self.weighting = weighting
+        if context not in ("fill", "residual", "retrieval"):
+            raise ValueError(f"context must be 'fill', 'residual' or 'retrieval', got {context!r}")
         self.bank = bank
+        self.bank_energy = bank.square().sum(-1)  # (n, N)
+        self.k = k
+        self.context = context
         self.exclude: Tensor | None = None
+        if context != "fill":
+            self.encoder = torch.nn.Linear(3 * self.patch_dim + (k if context == "retrieval" else 0), self.dim)
+        if context == "retrieval":
+            self.weigher = torch.nn.Linear(self.dim, k)
+            torch.nn.init.zeros_(self.weigher.weight)
+            torch.nn.init.zeros_(self.weigher.bias)
 
-    def filled(self, images: Tensor, hidden: Tensor) -> Tensor:
-        return knn_fill(self.bank, images, hidden, self.exclude)
+    def fill_from_bank(self, images: Tensor, hidden: Tensor) -> Tensor:
+        """The classical fill ``(B, C, H, W)`` of ``images`` whose ``hidden (B, N)`` patches are masked."""
+        if self.weighting == "local":
+            return local_knn_fill(self.bank, images, hidden, self.exclude, self.k)
+        return knn_fill(self.bank, images, hidden, self.exclude, self.k)
+
+    def forward(self, images: Tensor, hidden: Tensor, integration: Integration | None = None) -> Completion:
+        if self.context == "fill":
+            return super().forward(images, hidden, integration)
+        index = knn_neighbours(self.bank, images, hidden, self.exclude, self.k, bank_energy=self.bank_energy)
+        neighbours = self.bank[index]  # (B, k, N, P2)
+        target = patchify(images, PATCH)
+        mean = neighbours.mean(1)
+        logits = torch.zeros(neighbours.shape[:3], dtype=mean.dtype)  # (B, k, N): the plain mean
+        if self.weighting == "local":
+            logits = local_logits(neighbours, target, hidden, (self.image_shape[1] // PATCH, self.image_shape[2] // PATCH))
+        fill = torch.einsum("bkn,bknp->bnp", torch.softmax(logits, 1), neighbours)
+        patches = torch.where(hidden[..., None], fill, target)  # the filled image's patches
+        features = [patches, mean, neighbours.std(1)]
+        if self.context == "retrieval":
+            error = (neighbours - target[:, None]).square().mean(-1)  # (B, k, N)
+            error = (error - error.mean(1, keepdim=True)) * (~hidden[:, None]).to(error.dtype)
+            features.append(-error.transpose(1, 2) / ERROR_SCALE)
+        encoded = self.encoder(torch.cat(features, -1))
+        x0 = torch.where(hidden[..., None], encoded + self.mask_token, encoded) + self.position
+        solution = (integration or self.integration).solve(self.field(), x0)
+        if self.context == "retrieval":
+            weights = torch.softmax(logits + self.weigher(solution.g).transpose(1, 2), 1)  # (B, k, N)
+            blend = torch.einsum("bkn,bknp->bnp", weights, neighbours)
+            patches = torch.where(hidden[..., None], blend, patches)
+        return Completion(self.decode(solution.g) + patches, solution)
 
 
 # ----------------------------------------------------------------------------------------------- runs
@@ -141,7 +243,8 @@ def build(cfg: dict, data: dict[str, Tensor]) -> ImageET:
     shape = tuple(data["train"].shape[1:])
     args = (shape, PATCH, cfg["dim"], cfg["heads"], cfg["head_dim"], cfg["memories"])
     if cfg["fill"] == "knn":
-        return KnnFillET(*args, integration=integration, bank=patchify(data["train"], PATCH))
+        return KnnFillET(*args, integration=integration, bank=patchify(data["train"], PATCH), k=cfg["k"],
+                         context=cfg["context"], weighting=cfg["weighting"])
     return ImageET(*args, integration=integration, fill=None if cfg["fill"] == "none" else cfg["fill"])
 
 
@@ -150,7 +253,8 @@ def limited(data: dict[str, Tensor], limit: int) -> dict[str, Tensor]:
 
 
 # settings added after the first runs, with the values those runs had
-LATER_SETTINGS = {"tile": 16, "channels": 1, "steps": 12, "adjoint_rtol": None}
+LATER_SETTINGS = {"tile": 16, "channels": 1, "steps": 12, "adjoint_rtol": None, "k": 10, "context": "fill",
+                  "weighting": "mean"}
 
 
 def baselines(args) -> None:
@@ -164,6 +268,7 @@ def baselines(args) -> None:
         "nearest neighbour": lambda x, h: nearest(x, h).patches,
         "biharmonic": lambda x, h: patchify(biharmonic_fill(x, pixel_mask(h, shape)), PATCH),
         "mean of 10 nearest": lambda x, h: patchify(knn_fill(bank, x, h), PATCH),
+        "10 nearest, locally weighted": lambda x, h: patchify(local_knn_fill(bank, x, h), PATCH),
     }
     result = {"train": len(data["train"])}
     for split in ("val", "test"):
@@ -178,7 +283,7 @@ def train(args) -> None:
     cfg = {k: getattr(args, k) for k in ("data", "dim", "heads", "head_dim", "memories", "method", "t1", "rtol",
                                          "atol", "gradient", "seminorm", "fill", "lr", "batch", "planned_steps", "seed",
                                          "augment", "limit", "tile", "channels", "steps",
-                                         "adjoint_rtol")}
+                                         "adjoint_rtol", "k", "context", "weighting")}
     checkpoint = out / "checkpoint.pt"
     if checkpoint.exists():
         saved = {**LATER_SETTINGS, **json.loads((out / "config.json").read_text())}
@@ -312,6 +417,11 @@ def main(argv: list[str] | None = None) -> None:
     run.add_argument("--data", choices=("photos", "fashion"), default="photos")
     run.add_argument("--out", required=True)
     run.add_argument("--fill", choices=("biharmonic", "none", "knn"), default="biharmonic")
+    run.add_argument("--k", type=int, default=10, help="neighbours of the knn fill")
+    run.add_argument("--context", choices=("fill", "residual", "retrieval"), default="fill",
+                     help="what a token encodes with --fill knn (see KnnFillET)")
+    run.add_argument("--weighting", choices=("mean", "local"), default="mean",
+                     help="with --context retrieval: start from the plain mean or the locally weighted neighbours")
     run.add_argument("--dim", type=int, default=32)
     run.add_argument("--heads", type=int, default=4)
     run.add_argument("--head-dim", type=int, default=8)

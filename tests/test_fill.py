@@ -205,3 +205,31 @@ def test_film_of_a_fill_model_starts_at_fill_plus_correction_and_ends_at_forward
         last = model(images, hidden).patches
     torch.testing.assert_close(frames[0], unpatchify(first, 4, (1, 12, 12)).clamp(0, 1))
     torch.testing.assert_close(frames[-1], unpatchify(last, 4, (1, 12, 12)).clamp(0, 1))
+
+
+def test_a_callable_fill_is_used_like_the_biharmonic_one_and_checked():
+    from et_ode.models import ImageET, patchify
+
+    calls = []
+
+    def grey_fill(images, hidden):  # every hidden pixel at 0.25 + the image's visible mean / 2
+        calls.append((tuple(images.shape), tuple(hidden.shape)))
+        pixels = _pixel_mask(hidden)[:, None]
+        visible_mean = (images * ~pixels).sum((1, 2, 3)) / (~pixels).sum((1, 2, 3))
+        return torch.where(pixels, 0.25 + visible_mean[:, None, None, None] / 2, images)
+
+    model = ImageET((1, 12, 12), 4, 8, 2, 4, fill=grey_fill)
+    images, hidden = _batch()
+    out = model(images, hidden)
+    assert calls[-1] == ((3, 1, 12, 12), (3, 9))
+    # untrained (zero decoder): the answer is the fill, and a hidden token starts from the encoded fill plus MASK
+    torch.testing.assert_close(out.patches, patchify(grey_fill(images, hidden), 4))
+    encoded = model.encoder(patchify(grey_fill(images, hidden), 4))
+    torch.testing.assert_close(model.tokens(images, hidden),
+                               torch.where(hidden[..., None], encoded + model.mask_token, encoded) + model.position)
+    with pytest.raises(TypeError, match="fill"):
+        model.config()
+    with pytest.raises(ValueError, match="shape"):
+        ImageET((1, 12, 12), 4, 8, 2, 4, fill=lambda x, h: x[:, :, :8])(images, hidden)
+    with pytest.raises(ValueError, match="visible"):
+        ImageET((1, 12, 12), 4, 8, 2, 4, fill=lambda x, h: x * 0.5)(images, hidden)

@@ -102,3 +102,77 @@ def test_per_source_scores_pool_the_pixels_of_each_source(recipe):
     assert list(per) == ["b", "a"]  # in order of appearance
     assert per["b"] == {"tiles": 2, "mse": 1.0, "fill mse": 1.0, "change %": 0.0}  # (1 + 2) / (2 + 1)
     assert per["a"] == {"tiles": 2, "mse": 11 / 6, "fill mse": 1.0, "change %": round(100 * (11 / 6 - 1), 2)}
+
+
+def recipe_patchify(images):
+    from et_ode.models import patchify
+    return patchify(images, 4)
+
+
+def _brute_force_neighbours(bank, images, hidden, k):
+    """The k bank images nearest on the visible patches, by explicit squared distances (nearest first)."""
+    target = recipe_patchify(images)
+    dist = ((bank[None] - target[:, None]).square().sum(-1) * (~hidden)[:, None]).sum(-1)  # (B, n)
+    return dist.argsort(1)[:, :k]
+
+
+@pytest.mark.parametrize("context", ["residual", "retrieval"])
+def test_knn_et_starts_as_its_fill_and_blends_the_neighbours(recipe, context):
+    generator = torch.Generator().manual_seed(1)
+    bank_images = torch.rand(40, 1, 8, 8, generator=generator)
+    images = torch.rand(3, 1, 8, 8, generator=generator)
+    hidden = torch.tensor([[True, False, False, True], [False, True, True, False], [True, True, True, False]])
+    bank = recipe_patchify(bank_images)
+    integration = recipe.Integration.from_options("bosh3", t1=0.5, rtol=1e-3, atol=1e-5)
+    model = recipe.KnnFillET((1, 8, 8), 4, 8, 2, 4, integration=integration, bank=bank, k=3, context=context)
+    nearest = _brute_force_neighbours(bank, images, hidden, 3)
+    target = recipe_patchify(images)
+    with torch.no_grad():
+        start = model(images, hidden).patches  # zero decoder (and weigher): the plain mean of the 3 nearest
+        expected = torch.where(hidden[..., None], bank[nearest].mean(1), target)
+        torch.testing.assert_close(start, expected)
+        torch.testing.assert_close(start, recipe_patchify(recipe.knn_fill(bank, images, hidden, k=3)))
+        if context == "retrieval":  # a weigher that trusts the second-nearest neighbour only returns its patches
+            model.weigher.bias.copy_(torch.tensor([0.0, 60.0, 0.0]))
+            torch.testing.assert_close(model(images, hidden).patches,
+                                       torch.where(hidden[..., None], bank[nearest[:, 1]], target))
+            # a visible token carries each neighbour's centred squared error on its patch; a hidden one none
+            assert model.encoder.in_features == 3 * 16 + 3
+
+
+def test_knn_retrieval_trains_and_evaluates_at_a_tiny_size(recipe, tmp_path, capsys):
+    out = tmp_path / "knn"
+    recipe.main(["train", "--data", "photos", "--out", str(out), "--limit", "40", "--fill", "knn", "--k", "3",
+                 "--context", "retrieval", "--augment", "0", "--dim", "8", "--heads", "2", "--head-dim", "4",
+                 "--batch", "8", "--planned-steps", "2", "--print-every", "1"])
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["steps"] == 2
+    recipe.main(["evaluate", "--out", str(out), "--split", "val"])
+    scores = json.loads((out / "evaluate_val.json").read_text())
+    assert all(0 < s["mse"] < 1 for s in scores.values())
+
+
+def test_local_knn_fill_weights_the_neighbours_by_their_errors_around_each_hidden_patch(recipe):
+    generator = torch.Generator().manual_seed(2)
+    bank_images = torch.rand(25, 1, 12, 12, generator=generator)
+    images = torch.rand(2, 1, 12, 12, generator=generator)
+    hidden = torch.zeros(2, 9, dtype=torch.bool)
+    hidden[0, [0, 4, 5, 8]] = True
+    hidden[1, [0, 1, 3, 4]] = True  # patch 0's window (patches 0, 1, 3, 4) is all hidden: uniform weights there
+    bank = recipe_patchify(bank_images)
+    filled = recipe_patchify(recipe.local_knn_fill(bank, images, hidden, k=4, temperature=0.05))
+    nearest = _brute_force_neighbours(bank, images, hidden, 4)
+    target = recipe_patchify(images)
+    for b in range(2):
+        for p in range(9):
+            if not hidden[b, p]:
+                torch.testing.assert_close(filled[b, p], target[b, p])
+                continue
+            row, col = divmod(p, 3)
+            window = [q for q in range(9) if abs(q // 3 - row) <= 1 and abs(q % 3 - col) <= 1 and not hidden[b, q]]
+            candidates = bank[nearest[b]]  # (4, N, P2)
+            if window:  # the mean squared error per pixel over the visible pixels of the window
+                error = (candidates[:, window] - target[b, window]).square().mean((1, 2))
+            else:
+                error = torch.zeros(4)
+            weights = torch.softmax(-error / 0.05, 0)
+            torch.testing.assert_close(filled[b, p], (weights[:, None] * candidates[:, p]).sum(0))

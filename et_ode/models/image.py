@@ -19,6 +19,7 @@ Public API::
         .forward(images (B,C,H,W), hidden (B,N), integration=None) -> Completion(patches (B,N,C*P*P), solution)
         .tokens(images, hidden) -> x0 (B, N(+1), D);  .decode(g) -> (B, N, C*P*P)
         .filled(images, hidden) -> (B,C,H,W) (the hidden patches by the classical fill; the images without one)
+        (fill: None, "biharmonic" or a callable (images (B,C,H,W), hidden (B,N)) -> filled images (B,C,H,W))
         .film(images, hidden, times, integration=None, keep_visible=True) -> (frames (T,B,C,H,W), solution)
         .config() -> dict;  ImageET.from_config(dict)
         (the official release's plain-dict .npz checkpoint: load_official / save_official, :mod:`et_ode.models.official`)
@@ -30,7 +31,7 @@ Public API::
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,7 +47,8 @@ from ..model import EnergyTransformer
 from ..solution import Solution
 from ..solvers import Adaptive, EulerET
 
-FILLS = (None, "biharmonic")
+FILLS = (None, "biharmonic")  # by name; a callable (images, hidden) -> filled images is the third kind
+Fill = Callable[[Tensor, Tensor], Tensor]
 # the image model's default integration: dopri5 at loose tolerances to t = 1.2 tau, trained with the adjoint
 DEFAULT_INTEGRATION = Integration(solver=Adaptive(rtol=1e-3, atol=1e-4), gradient=Adjoint(), t1=1.2, max_steps=2000)
 
@@ -148,15 +150,19 @@ class ImageET(nn.Module):
             encoded fill plus the MASK token (which marks it as hidden) plus its position, and the answer is the
             fill plus the decoder's output, a correction computed from the final state. The decoder starts at zero,
             so the untrained model returns the fill and training teaches the dynamics to refine it.
+            A callable ``fill(images (B, C, H, W), hidden (B, N)) -> (B, C, H, W)`` is any other classical fill (a
+            nearest-neighbour mean, a learned-elsewhere inpainter), used the same way; its output must keep the
+            visible patches (checked: a ``ValueError`` naming ``fill`` otherwise). It is not differentiated, and a
+            model with one has no :meth:`config` (a function is not data): rebuild it with the same callable.
     """
 
     def __init__(self, image_shape: Sequence[int], patch: int, dim: int, heads: int, head_dim: int,
                  memories: int | None = None, *, cls_token: bool = False, hopfield: str = "relu",
                  self_attention: bool = False, tau: float = 1.0, integration: Integration = DEFAULT_INTEGRATION,
-                 cls_position: bool = False, renormalize: bool = False, fill: str | None = None):
+                 cls_position: bool = False, renormalize: bool = False, fill: str | Fill | None = None):
         super().__init__()
-        if fill not in FILLS:
-            raise ValueError(f"fill must be one of {FILLS}, got {fill!r}")
+        if not callable(fill) and fill not in FILLS:
+            raise ValueError(f"fill must be one of {FILLS} or a callable (images, hidden) -> filled images, got {fill!r}")
         if len(image_shape) != 3 or not all(isinstance(s, int) and s >= 1 for s in image_shape):
             raise ValueError(f"image_shape must be (C, H, W) of positive integers, got {tuple(image_shape)}")
         c, h, w = image_shape
@@ -198,7 +204,11 @@ class ImageET(nn.Module):
         return self.num_patches + (self.cls is not None)
 
     def config(self) -> dict[str, Any]:
-        """Constructor arguments, JSON-friendly: ``ImageET.from_config(model.config())`` rebuilds it."""
+        """Constructor arguments, JSON-friendly: ``ImageET.from_config(model.config())`` rebuilds it (a
+        ``TypeError`` for a callable ``fill``, which a config cannot hold)."""
+        if callable(self.fill):
+            raise TypeError(f"config(): fill={self.fill!r} is a callable, which a config cannot hold; build the model "
+                            "with ImageET(..., fill=...) again and load its state_dict")
         return dict(image_shape=list(self.image_shape), patch=self.patch, dim=self.dim, **self._block_args,
                     cls_token=self.cls is not None, tau=self.tau, integration=self.integration.to_dict(),
                     cls_position=self.cls_position, renormalize=self.renormalize, fill=self.fill)
@@ -228,6 +238,16 @@ class ImageET(nn.Module):
         hidden = self._check_hidden(hidden, images.shape[0])
         if self.fill is None:
             return images
+        if callable(self.fill):
+            with torch.no_grad():
+                filled = self.fill(images, hidden)
+            if not isinstance(filled, Tensor) or filled.shape != images.shape:
+                raise ValueError(f"fill must return the filled images of shape {tuple(images.shape)}, got "
+                                 f"{tuple(filled.shape) if isinstance(filled, Tensor) else type(filled).__name__}")
+            visible = ~hidden[..., None]
+            if not torch.equal(patchify(filled, self.patch) * visible, patchify(images, self.patch) * visible):
+                raise ValueError("fill must keep the visible patches of the images unchanged")
+            return filled
         c, h, w = self.image_shape
         pixels = hidden.reshape(-1, h // self.patch, w // self.patch)
         pixels = pixels.repeat_interleave(self.patch, 1).repeat_interleave(self.patch, 2)

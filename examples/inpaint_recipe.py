@@ -21,9 +21,18 @@ reports the validation MSE. ``evaluate`` scores the model as trained, with dopri
 horizon, and with 12 Euler steps, next to the model's fill alone; on the photographs it also gives each photograph's
 MSE, the model's against its fill's. ``--method et --steps S``: trained with S Euler steps of ``t1 / S`` instead of
 an adaptive solver (``--gradient direct`` backpropagates through them). Fills: ``biharmonic``
-(``ImageET(fill="biharmonic")``), ``none`` (the MASK token), ``knn`` (the mean of the 10 training images nearest on
-the visible patches, the image itself left out in training; defined here, not in the library: it needs the training
-set at inference).
+(``ImageET(fill="biharmonic")``), ``none`` (the MASK token), ``knn`` (the mean of the ``--k`` training images nearest
+on the visible patches, the image itself left out in training; ``KnnFillET``, an ``ImageET(fill=callable)``; kept
+here, not in the library: it needs the training set at inference). With ``knn``, ``--context`` says what the tokens
+see and how the answer is read (``KnnFillET``): ``retrieval`` gives each visible token the neighbours' errors on its
+patch and reads the answer at a hidden patch as a blend of the neighbours' patches weighted from the final state;
+``--weighting local`` starts that blend from ``local_knn_fill`` (the neighbours weighted by their errors around each
+hidden patch) instead of the plain mean. The README's Fashion-MNIST recipe:
+
+    python examples/inpaint_recipe.py baselines --data fashion
+    python examples/inpaint_recipe.py train --data fashion --out runs/fashion_local --fill knn --context retrieval \
+        --weighting local --augment 0 --minutes 32 --planned-steps 800
+    python examples/inpaint_recipe.py evaluate --out runs/fashion_local --split test
 """
 
 from __future__ import annotations

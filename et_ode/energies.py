@@ -204,6 +204,14 @@ class EnergyAttention(nn.Module):
         return -(both.flatten(-3) @ terms["weight"])
 
 HOPFIELD_FORMS = ("relu", "softmax", "softplus")
+# softplus(x) is computed as log(1 + e^x) up to here and as x beyond: the gap, log(1 + e^-x) < 4.3e-18, is below float64
+# rounding (PyTorch's default switch at 20 leaves 2e-9, a float64 energy and its closed-form gradient then disagree)
+SOFTPLUS_LINEAR_FROM = 40.0
+
+
+def softplus(x: Tensor) -> Tensor:
+    """``log(1 + e^x)``, elementwise, exact to the dtype's rounding (float64 included); any shape."""
+    return nn.functional.softplus(x, threshold=SOFTPLUS_LINEAR_FROM)
 
 
 class HopfieldMemory(nn.Module):
@@ -240,7 +248,7 @@ class HopfieldMemory(nn.Module):
         if self.form == "relu":
             return -0.5 * torch.relu(h).square().sum(dim=(-1, -2))
         if self.form == "softplus":
-            r = nn.functional.softplus(self.beta * h) / self.beta
+            r = softplus(self.beta * h) / self.beta
             return -0.5 * r.square().sum(dim=(-1, -2))
         return -torch.logsumexp(self.beta * h, dim=-1).sum(dim=-1) / self.beta
 
@@ -250,7 +258,7 @@ class HopfieldMemory(nn.Module):
         if self.form == "relu":
             coefficient = torch.relu(h)
         elif self.form == "softplus":
-            coefficient = nn.functional.softplus(self.beta * h) / self.beta * torch.sigmoid(self.beta * h)
+            coefficient = softplus(self.beta * h) / self.beta * torch.sigmoid(self.beta * h)
         else:
             coefficient = torch.softmax(self.beta * h, dim=-1)
         return -(coefficient @ self.xi)

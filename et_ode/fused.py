@@ -55,7 +55,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .energies import EnergyAttention, HopfieldMemory
+from .energies import EnergyAttention, HopfieldMemory, softplus
 from .masks import is_dense, key_query
 from .model import EnergyTransformer
 
@@ -360,7 +360,7 @@ class FusedGrad:
             torch.clamp_min(h, 0.0, out=out)
         elif hopfield.form == "softplus":
             sh = h * hopfield.beta
-            out.copy_(torch.nn.functional.softplus(sh).div_(hopfield.beta).mul_(torch.sigmoid(sh)))
+            out.copy_(softplus(sh).div_(hopfield.beta).mul_(torch.sigmoid(sh)))
         else:
             out.copy_(torch.softmax(h * hopfield.beta, dim=-1))
 
@@ -457,7 +457,7 @@ class FusedGrad:
         elif hopfield.form == "softplus":
             s = hopfield.beta
             sig = torch.sigmoid(h * s)
-            uh.mul_(torch.nn.functional.softplus(h * s).mul_(1 - sig).add_(sig).mul_(sig))
+            uh.mul_(softplus(h * s).mul_(1 - sig).add_(sig).mul_(sig))
         else:
             prob = coefficient[:, 2 * hy:]
             uh.sub_((prob * uh).sum(dim=-1, keepdim=True)).mul_(prob).mul_(hopfield.beta)

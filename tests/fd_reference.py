@@ -41,7 +41,9 @@ def spec_energy(g: Tensor, WK: Tensor, WQ: Tensor, xi: Tensor, *, beta: Tensor, 
     if form == "relu":
         memory = -0.5 * torch.relu(overlaps).square().sum(dim=(-1, -2))
     elif form == "softplus":
-        memory = -0.5 * (F.softplus(beta_hn * overlaps) / beta_hn).square().sum(dim=(-1, -2))
+        # log(1 + e^x) as logaddexp(x, 0): exact at every x, independent of the library's softplus
+        rectified = torch.logaddexp(beta_hn * overlaps, torch.zeros((), dtype=overlaps.dtype)) / beta_hn
+        memory = -0.5 * rectified.square().sum(dim=(-1, -2))
     else:
         memory = -(torch.logsumexp(beta_hn * overlaps, dim=-1) / beta_hn).sum(dim=-1)
     return attention + memory

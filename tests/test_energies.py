@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from et_ode import EnergyTransformer
+from et_ode import EnergyTransformer, ETField
 from tests.conftest import random_model
 
 
@@ -132,3 +132,21 @@ def test_cuda_matches_cpu():
     model_cuda = model.cuda()
     got = model_cuda.dE_dg(model_cuda.activation(x.cuda()), mask.cuda())
     torch.testing.assert_close(got.cpu(), expected, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_softplus_memory_is_exact_where_torch_switches_to_linear(dtype):
+    # s h between 20 and 40: torch's default softplus returns s h there, 2e-9 from log(1 + e^(s h)); the energy and its
+    # closed-form gradient must both follow the exact rectifier (logaddexp), or they disagree with each other
+    model = random_model(4, 1, 2, 3, seed=0, hopfield="softplus", beta_hn=30.0).to(dtype)
+    g = model.activation(torch.randn(2, 3, 4, dtype=dtype, generator=torch.Generator().manual_seed(1)))
+    h = (g @ model.hopfield.xi.T).double()
+    assert bool(((30.0 * h > 20) & (30.0 * h < 40)).any())  # the test reaches the switch
+    rectified = torch.logaddexp(30.0 * h, torch.zeros((), dtype=torch.float64)) / 30.0
+    energy = -0.5 * rectified.square().sum(dim=(-1, -2))
+    gradient = -(rectified * torch.sigmoid(30.0 * h)) @ model.hopfield.xi.double()
+    tol = 1e-14 if dtype == torch.float64 else 1e-6
+    assert torch.allclose(model.hopfield.energy(g).double(), energy, rtol=tol, atol=0)
+    assert float((model.hopfield.dE_dg(g).double() - gradient).abs().max() / gradient.abs().max()) < tol
+    field = ETField(model)
+    assert float((field.dE_dg(g).double() - model.dE_dg(g).double()).abs().max() / gradient.abs().max()) < 10 * tol

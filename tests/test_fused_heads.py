@@ -169,3 +169,35 @@ def test_both_score_layouts_equal_the_closed_form_and_autograd(n, hopfield, self
     got = torch.autograd.grad(fused(point, mask), inputs, u)
     for name, a, b in zip(("g", "WK", "WQ", "xi"), got, want, strict=True):
         assert _relative(a, b) < 1e-11, name
+
+
+def test_untimed_choice_is_onednn_exactly_where_its_products_are_float32_exact(fresh_choices):
+    """Without timing, the float32 CPU choice is oneDNN precisely where this PyTorch can route the products there and
+    they come back within float32 rounding (judged here on other data, against float64 and the worst-case bound)."""
+    matmul = getattr(torch.backends.mkldnn, "matmul", None)
+    routable = torch.backends.mkldnn.is_available() and hasattr(matmul, "fp32_precision")
+    exact = False
+    if routable:
+        generator = torch.Generator().manual_seed(7)
+        a, b = torch.randn(12, 11, 8, generator=generator), torch.randn(12, 8, 11, generator=generator)
+        previous = matmul.fp32_precision
+        matmul.fp32_precision = "bf16"
+        try:
+            product = a @ b
+        finally:
+            matmul.fp32_precision = previous
+        bound = 8 * torch.finfo(torch.float32).eps * (a.double().abs() @ b.double().abs())
+        exact = bool(((product.double() - a.double() @ b.double()).abs() <= bound).all())
+    want = "onednn" if routable and exact else "matmul"
+    assert choose_head_products(12, 11, 8, torch.float32, CPU, timed=False) == want
+
+
+def test_gemm_matmul_keeps_every_product_off_onednn(fresh_choices, monkeypatch):
+    """``gemm="matmul"`` is MKL everywhere: even where the probe would pick oneDNN, its block is never entered."""
+
+    def refuse():
+        raise AssertionError("gemm='matmul' entered oneDNN's matmul")
+
+    monkeypatch.setattr(fused_module, "choose_head_products", lambda *args, **kwargs: "onednn")
+    monkeypatch.setattr(fused_module, "onednn_matmul", refuse)
+    _check_against_float64(_model64(), "matmul")

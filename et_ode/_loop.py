@@ -198,7 +198,9 @@ def integrate(problem: Problem, interface: Callable[..., Any], arguments: dict[s
     except (AssertionError, RuntimeError) as error:
         if not _raised_by_torchdiffeq(error):
             raise
-        advice = NON_FINITE_ADVICE if isinstance(error, AssertionError) else BUDGET_ADVICE
+        # torchdiffeq asserts both a step underflow and its own step cap (``options=dict(max_num_steps=...)``)
+        capped = isinstance(error, AssertionError) and "max_num_steps" in str(error)
+        advice = NON_FINITE_ADVICE if isinstance(error, AssertionError) and not capped else BUDGET_ADVICE
         last_time = progress.last[0] if progress.last else float(grid[0])
         raise SolverFailure(f"torchdiffeq stopped after t={last_time:.6g}: {error}", last_time, advice) from error
     if not all_finite(x_final):

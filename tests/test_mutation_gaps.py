@@ -349,3 +349,74 @@ def test_a_torchdiffeq_failure_reports_where_it_stopped():
     failed = caught.value
     assert 0 < failed.time < 100 and failed.solution.stats.t_final == failed.time
     assert f"t={failed.time:.6g}:" in str(failed)
+
+
+def _midpoint_by_hand(field: ETField, x0: torch.Tensor, grid: torch.Tensor) -> list[torch.Tensor]:
+    """The explicit midpoint rule on the grid, one step per interval, written out: the states at every grid time."""
+    states = [x0]
+    for t0, t1 in zip(grid[:-1], grid[1:], strict=True):
+        h, x = t1 - t0, states[-1]
+        states.append(x + h * field(t0 + h / 2, x + h / 2 * field(t0, x)))
+    return states
+
+
+def test_a_fixed_step_solve_without_gradients_saves_every_grid_time():
+    """The lean loop (no gradients) keeps every grid state with ``save="all"`` and only the end with ``"final"``."""
+    field = ETField(random_model(hopfield="softplus"), tau=0.8)
+    x0, grid = _state(), torch.tensor([0.0, 0.1, 0.25, 0.3, 0.5], dtype=torch.float64)
+    with torch.no_grad():
+        want = _midpoint_by_hand(field, x0, grid)
+        every = solve(field, x0, grid, solver="midpoint", save="all")
+        final = solve(field, x0, grid, solver="midpoint", save="final")
+    assert every.xs.shape == (5, *x0.shape) and torch.equal(every.ts, grid)
+    for got, expected in zip(every.xs, want, strict=True):
+        assert torch.allclose(got, expected, rtol=1e-13, atol=1e-13)
+    assert final.ts.tolist() == [0.5] and torch.allclose(final.x, want[-1], rtol=1e-13, atol=1e-13)
+
+
+def test_saving_steps_with_a_fixed_step_stop_starts_at_t0_in_the_state_dtype():
+    """torchdiffeq's fixed-step event loop reports no steps: the saved steps are then the start and the stop, with
+    times in the state's dtype."""
+    field = ETField(random_model(hopfield="softmax"))
+    x0 = _state()
+    out = solve(field, x0, (0.0, 50.0), solver=Fixed("euler", step_size=0.1), stop=SteadyState(0.05), save="steps")
+    assert out.ts.dtype == torch.float64 and float(out.ts[0]) == 0.0 and torch.equal(out.xs[0], x0)
+    assert float(out.ts[-1]) == pytest.approx(out.stats.t_final) and torch.equal(out.xs[-1], out.x)
+
+
+def test_a_grid_that_goes_back_in_time_is_refused():
+    field = ETField(random_model())
+    with pytest.raises(ValueError, match="increasing"):
+        solve(field, _state(), torch.tensor([0.0, 2.0, 1.0], dtype=torch.float64), solver="rk4")
+
+
+def test_settings_errors_say_what_to_use():
+    with pytest.raises(ValueError, match=r"use Fixed\)"):
+        Adaptive("rk4")
+    field = ETField(random_model())
+    with pytest.raises(TypeError, match=r"stop must be an et_ode\.SteadyState or None, got str"):
+        solve(field, _state(), (0.0, 1.0), stop="steady")
+
+
+def test_the_default_step_budget_is_ten_thousand():
+    """``max_steps`` defaults to 10,000: a paper-scheme solve of 10,001 steps is refused before any evaluation."""
+    field = ETField(random_model())
+    with pytest.raises(SolveError, match="10001"):
+        solve(field, _state(), solver=EulerET(0.1, 10_001))
+    assert field.nfe == 0
+
+
+def test_a_torchdiffeq_step_cap_says_what_to_raise():
+    """torchdiffeq's own step cap is a budget, not an overflow: the advice is the budget's."""
+    field = ETField(random_model(hopfield="softmax"))
+    with pytest.raises(SolveError, match="raise max_steps, loosen rtol/atol, or shorten the horizon"):
+        solve(field, _state(), (0.0, 100.0), solver=Adaptive(options=dict(max_num_steps=5)))
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_the_growth_warning_points_at_the_callers_line(grad):
+    """A fixed step that multiplies the state is reported at the line that called ``solve``, lean loop or not."""
+    field = ETField(random_model())
+    with pytest.warns(RuntimeWarning, match="grew the state") as caught, torch.set_grad_enabled(grad):
+        solve(field, _state(), solver=EulerET(1e4, 3))
+    assert {record.filename for record in caught if "grew the state" in str(record.message)} == {__file__}

@@ -3,6 +3,7 @@ solutions and errors, the settings objects' rules. Each test states a documented
 reference (a closed form, a count of the model's actual evaluations, the documented message)."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -420,3 +421,21 @@ def test_the_growth_warning_points_at_the_callers_line(grad):
     with pytest.warns(RuntimeWarning, match="grew the state") as caught, torch.set_grad_enabled(grad):
         solve(field, _state(), solver=EulerET(1e4, 3))
     assert {record.filename for record in caught if "grew the state" in str(record.message)} == {__file__}
+
+
+def test_the_growth_warning_reports_the_largest_step_ratio_of_max_abs_x():
+    """The reported growth is the largest ratio of ``max |x|`` between consecutive step starts, from a hand loop of
+    the paper's update ``x <- x + alpha tau f(x)`` (here the largest entries in magnitude are negative)."""
+    field = ETField(random_model(), tau=0.5)
+    x0 = -_state().abs()
+    alpha, steps = 1e4, 3
+    states = [x0]
+    with torch.no_grad():
+        for _ in range(steps - 1):  # the steps' starts: the state after the last step is not a start
+            states.append(states[-1] + alpha * field.tau * field(0.0, states[-1]))
+    largest = [float(s.abs().max()) for s in states]
+    want = max(b / a for a, b in zip(largest[:-1], largest[1:], strict=True))
+    signed = [float(s.max()) for s in states]  # max x instead of max |x| would report another figure
+    assert f"{want:.3g}" != f"{max(b / a for a, b in zip(signed[:-1], signed[1:], strict=True)):.3g}"
+    with pytest.warns(RuntimeWarning, match=re.escape(f"grew the state {want:.3g}-fold")):
+        solve(field, x0, solver=EulerET(alpha, steps))

@@ -442,3 +442,15 @@ def test_the_growth_warning_reports_the_largest_step_ratio_of_max_abs_x():
     assert f"{want:.3g}" != f"{max(b / a for a, b in zip(signed[:-1], signed[1:], strict=True)):.3g}"
     with pytest.warns(RuntimeWarning, match=re.escape(f"grew the state {want:.3g}-fold")):
         solve(field, x0, solver=EulerET(alpha, steps))
+
+
+def test_a_stop_saving_only_the_end_ignores_the_grids_inner_times():
+    """With ``save="final"`` (or ``"steps"``) the inner times of ``t`` save nothing, so they must not cut the
+    integration into segments: the result equals the solve over ``(t0, t1)`` bit for bit."""
+    field = ETField(random_model(hopfield="softmax"))
+    x0 = _state()
+    grid = torch.tensor([0.0, 0.7, 3.0, 10.0, 100.0], dtype=torch.float64)
+    for save in ("final", "steps"):
+        whole = solve(field, x0, (0.0, 100.0), solver="dopri5", stop=SteadyState(1e-3), save=save)
+        inner = solve(field, x0, grid, solver="dopri5", stop=SteadyState(1e-3), save=save)
+        assert torch.equal(inner.x, whole.x) and torch.equal(inner.ts, whole.ts)

@@ -27,7 +27,7 @@ from et_ode import (
 from et_ode.adjoints import as_gradient
 from et_ode.integration import settings_from_dict, settings_to_dict
 from et_ode.solvers import as_solver
-from tests.conftest import random_model
+from tests.conftest import hand_rk4, random_model
 
 
 def setup(seed: int = 0, batch: int = 2, n: int = 4, dtype: torch.dtype = torch.float64):
@@ -146,19 +146,6 @@ def test_the_field_holds_the_mask_and_the_solution_reads_it():
 
 
 # ------------------------------------------------------------------------------------------- the dispatcher
-def _hand_rk4(field: ETField, x: torch.Tensor, times: torch.Tensor) -> torch.Tensor:
-    """torchdiffeq's ``rk4`` (the 3/8 rule) written out, on the float64 step times ``times``."""
-    with torch.no_grad():
-        for t0, t1 in zip(times[:-1], times[1:]):
-            dt = t1 - t0
-            k1 = field.velocity(x)
-            k2 = field.velocity(x + dt * k1 * (1 / 3))
-            k3 = field.velocity(x + dt * (k2 - k1 * (1 / 3)))
-            k4 = field.velocity(x + dt * (k1 - k2 + k3))
-            x = x + (k1 + 3 * (k2 + k3) + k4) * dt * 0.125
-    return x
-
-
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_fixed_steps_equal_a_hand_loop_bit_for_bit(dtype):
     _, field, x0 = setup(dtype=dtype)
@@ -167,12 +154,12 @@ def test_fixed_steps_equal_a_hand_loop_bit_for_bit(dtype):
         solution = solve(field, x0, (0.0, 1.0), solver=Fixed("rk4", step_size=step), save="final")
     times = torch.arange(0, math.ceil(1.0 / step) + 1, dtype=torch.float64) * step
     times[-1] = 1.0  # torchdiffeq's step grid: steps of ``step`` ending exactly at t1
-    assert torch.equal(solution.x, _hand_rk4(field, x0, times))
+    assert torch.equal(solution.x, hand_rk4(field, x0, times))
     assert solution.stats.accepted_steps == len(times) - 1 and solution.stats.nfe_forward == 4 * (len(times) - 1)
     grid = torch.linspace(0.0, 1.0, 5, dtype=torch.float64)  # a fixed method without a step steps on t
     with torch.no_grad():
         on_grid = solve(field, x0, grid, solver="rk4")
-    assert torch.equal(on_grid.x, _hand_rk4(field, x0, grid))
+    assert torch.equal(on_grid.x, hand_rk4(field, x0, grid))
     paper = solve(field, x0, solver=EulerET(alpha=0.05, steps=7))  # x <- x - alpha dE/dg, tau scales the time only
     x = x0.clone()
     with torch.no_grad():
@@ -186,7 +173,7 @@ def test_adaptive_solve_meets_its_tolerance_against_a_float64_reference():
     """dopri5 in float64 at rtol 1e-8 against a hand-written RK4 at 400 and 800 steps, Richardson-extrapolated
     (error ~1e-12 here); the same solve in float32 at rtol 1e-5 against the same reference."""
     model, field, x0 = setup(n=3)
-    coarse, fine = (_hand_rk4(field, x0, torch.linspace(0.0, 2.0, n + 1, dtype=torch.float64)) for n in (400, 800))
+    coarse, fine = (hand_rk4(field, x0, torch.linspace(0.0, 2.0, n + 1, dtype=torch.float64)) for n in (400, 800))
     reference = (16 * fine - coarse) / 15
     solution = solve(field, x0, (0.0, 2.0), solver=Adaptive(rtol=1e-8, atol=1e-10), save="final")
     error = float((solution.x.detach() - reference).abs().max())

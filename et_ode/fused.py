@@ -303,7 +303,7 @@ class FusedGrad:
             return "matmul"
         return self.gemm
 
-    def _head_products(self, groups: int, n: int, like: Tensor) -> contextlib.AbstractContextManager[None]:
+    def _head_product_block(self, groups: int, n: int, like: Tensor) -> contextlib.AbstractContextManager[None]:
         """The block in which the per-head products run: :func:`onednn_matmul` where :func:`choose_head_products`
         picks oneDNN for ``groups`` matrices of ``n`` tokens (dtype and device of ``like``), else a no-op."""
         key = (groups, n, self.gemm, like.dtype, like.device)
@@ -383,7 +383,7 @@ class FusedGrad:
         keys = p3[..., :hy].view(bt, n, heads, head_dim).transpose(1, 2).contiguous()  # (Bt, H, N, Y)
         queries = p3[..., hy:2 * hy].view(bt, n, heads, head_dim).transpose(1, 2).contiguous()
         query_major = n >= QUERY_MAJOR_FROM
-        with self._head_products(bt * heads, n, g2):
+        with self._head_product_block(bt * heads, n, g2):
             logits = _scores(keys, queries, query_major)  # (Bt, H, B, C): indexed key-major, softmax over keys
         beta_h = self._beta_h
         assert beta_h is not None  # set by self._stacked() above
@@ -407,7 +407,7 @@ class FusedGrad:
             attn = torch.softmax(logits, dim=-2)
         if has_key is not None:
             attn.mul_(has_key)
-        with self._head_products(bt * heads, n, g2):
+        with self._head_product_block(bt * heads, n, g2):
             d_keys = torch.matmul(attn, queries)  # (Bt, H, N, Y): sum_C S[B, C] Q[C]
             d_queries = torch.matmul(attn.transpose(-1, -2), keys)  # sum_B S[B, C] K[B]
         coefficient = torch.empty_like(p) if keep else p  # reuse P's memory when nothing is saved
@@ -439,13 +439,13 @@ class FusedGrad:
 
         big_u = self._project(u2, weights, backend)  # [uK | uQ | uh], becomes dL/dP in place
         u_keys, u_queries = per_head(big_u, 0, hy).contiguous(), per_head(big_u, hy, 2 * hy).contiguous()
-        with self._head_products(bt * heads, n, g2):
+        with self._head_product_block(bt * heads, n, g2):
             query_major = n >= QUERY_MAJOR_FROM
             pm = _scores(keys, u_queries, query_major)  # [B, C], stored like attn
             pm.add_(_scores(u_keys, queries, query_major))
         pm.mul_(attn)
         z = pm.addcmul_(attn, pm.sum(dim=-2, keepdim=True), value=-1.0).mul_(beta_h)  # Z[B, C]
-        with self._head_products(bt * heads, n, g2):
+        with self._head_product_block(bt * heads, n, g2):
             r_keys = torch.matmul(attn, u_queries).add_(torch.matmul(z, queries))
             r_queries = torch.matmul(attn.transpose(-1, -2), u_keys).add_(torch.matmul(z.transpose(-1, -2), keys))
         per_head(big_u, 0, hy).copy_(r_keys)

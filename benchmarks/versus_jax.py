@@ -17,13 +17,16 @@ Per size, one table row each:
 
 Then (``--adjoint-sizes``) one training step with continuous-time gradients at the digits and 28x28 sizes: the
 forward and backward evaluations and seconds of Euler-12 direct, Euler-12 adjoint and dopri5 with the adjoint at
-several tolerances, with and without the seminorm (the backward's error control ignores the parameters' adjoint).
+several tolerances, with and without the seminorm (the backward's error control ignores the parameters' adjoint),
+and the implicit gradient at the attractor (dopri5 until RMS ``dg/dt`` < 1e-4, then conjugate gradients on the
+Riemannian Hessian: its backward evaluations are Hessian-vector products).
 
     pip install jax                                       # in .venv; not a dependency of the package
-    python benchmarks/versus_jax.py --threads 1           # ~5 min on a quiet machine
-    python benchmarks/versus_jax.py --threads 2 --clock cpu --reps 10
+    python benchmarks/versus_jax.py --reps 15             # every core (the machine's default); ~8 min on 2 cores
+    python benchmarks/versus_jax.py --threads 1 --reps 15 --adjoint-sizes ""    # one core each, ~3 min
+    XLA_FLAGS=--xla_cpu_max_isa=AVX2 python benchmarks/versus_jax.py --reps 15  # XLA's code limited to AVX2
     ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2 XLA_FLAGS=--xla_cpu_max_isa=AVX2 \\
-        python benchmarks/versus_jax.py --threads 1       # both libraries on their AVX2 code paths
+        python benchmarks/versus_jax.py       # torch's libraries on AVX2 (XLA's products keep AVX-512: not an AVX2 machine)
 
 ``--clock cpu`` times the process's CPU time (all threads) instead of the wall clock: on a loaded machine the wall
 clock also counts the waits for a core, which grow with the length of the timed call.
@@ -169,6 +172,7 @@ def compare_size(size: Size, reps: int, statistic: str, clock: str) -> list[list
 
 _LOOSE, _TIGHT = et_ode.Adaptive(rtol=1e-3, atol=1e-4), et_ode.Adaptive(rtol=1e-5, atol=1e-6)
 _SPAN = (0.0, ALPHA * STEPS)
+_ATTRACTOR_HORIZON = 1e5  # far beyond the stop: every sample of these models settles by t ~ 2,000
 ADJOINT_CONFIGS: dict[str, dict[str, object]] = {
     "Euler-12, direct": dict(solver=et_ode.EulerET(ALPHA, STEPS)),
     "Euler-12, adjoint": dict(solver=et_ode.EulerET(ALPHA, STEPS), gradient="adjoint"),
@@ -179,6 +183,11 @@ ADJOINT_CONFIGS: dict[str, dict[str, object]] = {
     "dopri5 rtol 1e-5, adjoint, seminorm": dict(t=_SPAN, solver=_TIGHT, gradient=et_ode.Adjoint(seminorm=True)),
     "dopri5 rtol 1e-5, adjoint rtol 1e-3, seminorm": dict(t=_SPAN, solver=_TIGHT,
                                                           gradient=et_ode.Adjoint(rtol=1e-3, atol=1e-4, seminorm=True)),
+    # not to t = 1.2: to the attractor (RMS dg/dt < 1e-4), the gradient by the implicit function theorem there; in
+    # float32 conjugate gradients stall near a relative residual of 1e-6 (the Hessian-vector products' rounding), so
+    # they stop at 1e-4 here (the default 1e-8 is for float64: in float32 it runs its 200 iterations and warns)
+    "implicit at the attractor (dopri5 rtol 1e-3 to RMS dg/dt < 1e-4, CG to 1e-4)": dict(
+        t=(0.0, _ATTRACTOR_HORIZON), solver=_LOOSE, stop=et_ode.SteadyState(1e-4), gradient=et_ode.Implicit(tol=1e-4)),
 }
 
 
@@ -238,7 +247,8 @@ def main() -> None:
     if adjoint_rows:
         print(table(["size", "training step", "NFE forward", "NFE backward", "forward ms", "backward ms",
                      "backward / forward", "step / Euler-12 direct"], adjoint_rows,
-                    f"One training step (t from 0 to {ALPHA * STEPS:g}, squared error of the final g, all parameters; "
+                    f"One training step (t from 0 to {ALPHA * STEPS:g}, the implicit row to the attractor; squared error of "
+                    f"the final g, all parameters; "
                     f"wall clock, {args.stat} of {args.adjoint_reps} interleaved rounds)"))
 
 

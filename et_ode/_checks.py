@@ -15,13 +15,20 @@ def all_finite(x: Tensor) -> bool:
     an infinity to one), several times faster on CPU than ``isfinite(x).all()``, which writes a mask first."""
     if x.numel() == 0:
         return True
+    low, high = value_range(x)
+    return math.isfinite(low) and math.isfinite(high)
+
+
+def value_range(x: Tensor) -> tuple[float, float]:
+    """The smallest and largest entries of a non-empty ``x`` in one ``aminmax`` pass (NaN in both if any is NaN)."""
     low, high = torch.aminmax(x.detach())
-    return bool(low.isfinite() & high.isfinite())
+    return float(low), float(high)
 
 
-def check_tokens(name: str, x: object, dim: int, like: Tensor | None = None) -> Tensor:
+def check_tokens(name: str, x: object, dim: int, like: Tensor | None = None, normalisable: bool = False) -> Tensor:
     """``x`` must be a finite floating tensor of shape ``(..., N, dim)`` with ``N >= 1``; with ``like`` (a model
-    parameter), of its dtype (TypeError) and on its device (ValueError)."""
+    parameter), of its dtype (TypeError) and on its device (ValueError); with ``normalisable``, also one whose
+    LayerNorm is computable in its dtype (:func:`check_normalisable`, from the same pass over ``x``)."""
     if not isinstance(x, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of shape (..., N, {dim}), got {type(x).__name__}")
     if not x.is_floating_point():
@@ -36,9 +43,12 @@ def check_tokens(name: str, x: object, dim: int, like: Tensor | None = None) -> 
     if like is not None and x.device != like.device:
         raise ValueError(f"{name} is on {x.device} but the model is on {like.device}: move one, e.g. "
                          f"{name}.to('{like.device}')")
-    if not all_finite(x):
+    low, high = value_range(x) if x.numel() else (0.0, 0.0)
+    if not (math.isfinite(low) and math.isfinite(high)):
         bad = int((~torch.isfinite(x)).sum())
         raise ValueError(f"{name} has {bad} non-finite entries (NaN or inf); shape {tuple(x.shape)}")
+    if normalisable:
+        check_normalisable(name, x, (low, high))
     return x
 
 
@@ -81,14 +91,15 @@ def check_mask(mask: object, x: Tensor) -> Mask:
     return mask
 
 
-def check_normalisable(name: str, x: Tensor) -> Tensor:
+def check_normalisable(name: str, x: Tensor, bounds: tuple[float, float] | None = None) -> Tensor:
     """The LayerNorm of every token of ``x`` must be computable in ``x``'s dtype: its variance must not overflow
-    (float32 squares overflow past ~1.8e19). ValueError naming the first bad token and the remedy."""
+    (float32 squares overflow past ~1.8e19). ValueError naming the first bad token and the remedy. ``bounds``:
+    ``x``'s smallest and largest entries where already known."""
     if x.numel() == 0:
         return x
-    low, high = torch.aminmax(x.detach())  # one pass: below this bound no centred square, sum or mean can overflow
-    if max(-float(low), float(high)) <= math.sqrt(torch.finfo(x.dtype).max / (4 * x.shape[-1])) / 2:
-        return x
+    low, high = bounds if bounds is not None else value_range(x)
+    if max(-low, high) <= math.sqrt(torch.finfo(x.dtype).max / (4 * x.shape[-1])) / 2:
+        return x  # below this bound no centred square, sum or mean can overflow
     with torch.no_grad():
         spread = (x - x.mean(dim=-1, keepdim=True)).square().mean(dim=-1)
     bad = ~torch.isfinite(spread)

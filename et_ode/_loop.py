@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 from torchdiffeq import odeint_event
 
-from ._checks import all_finite
+from ._checks import all_finite, value_range
 from .field import ETField
 from .fixed_step import applies as lean_loop_applies
 from .fixed_step import integrate as integrate_fixed_steps
@@ -119,7 +119,7 @@ class Recorder(nn.Module):
         progress.last = (float(t0.detach()), y0.detach())
         if self.keep_steps and self.saves_each_step:
             progress.saved.append(progress.last)
-        low, high = (float(v) for v in torch.aminmax(y0.detach()))  # one pass for both checks below
+        low, high = value_range(y0)  # one pass for both checks below
         if self.saves_each_step:  # fixed steps: watch the state's growth (no step control catches a blow-up)
             scale = max(-low, high)  # max |x|
             if progress.last_scale:
@@ -220,7 +220,7 @@ def integrate(problem: Problem, interface: Callable[..., Any], arguments: dict[s
             ts, xs = _steps_saved(progress, ts, x0, x_final)
         elif problem.save == "final":
             ts, xs = ts[-1:], None
-    return Integrated(ts=ts, xs=xs, x=x_final, g=field.model.neuron(x_final), stop_times=stop_times, status=status)
+    return Integrated(ts=ts, xs=xs, x=x_final, g=field.activation(x_final), stop_times=stop_times, status=status)
 
 
 class _StopTimeParameterTerm(torch.autograd.Function):

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ._checks import check_mask, check_normalisable, check_tokens
+from ._checks import check_mask, check_tokens
 from ._loop import Problem, Progress
 from .adjoints import Gradient, as_gradient
 from .field import ETField
@@ -75,10 +75,9 @@ def solve(
         raise ValueError(f"save must be one of {SAVES}, got {save!r}")
     if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
         raise ValueError(f"max_steps must be a positive integer, got {max_steps!r}")
-    check_tokens("x0", x0, field.model.dim, like=field.model.neuron.delta)
+    check_tokens("x0", x0, field.model.dim, like=field.model.neuron.delta, normalisable=True)
     if x0.shape[:-2].numel() == 0:
         raise ValueError(f"x0 has an empty batch: shape {tuple(x0.shape)} (*batch, N, D); give at least one sample")
-    check_normalisable("x0", x0)
     check_mask(field.mask, x0)
     solver.check_state(x0)
     solver.check_stop(stop)

@@ -31,3 +31,47 @@ def test_rejects_exactly_the_states_whose_variance_overflows(dtype, dim):
 
 def test_empty_state_passes():
     assert check_normalisable("x0", torch.zeros(0, 3, 4)).shape == (0, 3, 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_check_tokens_applies_the_same_bound_from_its_own_pass(dtype, monkeypatch):
+    """``check_tokens(..., normalisable=True)`` (what ``solve`` runs on ``x0``) rejects exactly the states that
+    ``check_normalisable`` rejects, reading ``x`` once for both the finiteness and the overflow checks."""
+    from et_ode import _checks
+
+    passes = []
+    counted = _checks.value_range
+    monkeypatch.setattr(_checks, "value_range", lambda x: passes.append(1) or counted(x))
+    dim = 8
+    largest = torch.finfo(dtype).max
+    for scale in (1.0, math.sqrt(largest / (4 * dim)) / 2 * 1.1, math.sqrt(largest) * 0.9, math.sqrt(largest) * 1.1):
+        x = torch.zeros(2, 3, dim, dtype=dtype)
+        x[1, 2, 0::2], x[1, 2, 1::2] = scale, -scale
+        try:
+            check_normalisable("x0", x)
+            expected = None
+        except ValueError as error:
+            expected = str(error)
+        passes.clear()
+        if expected is None:
+            assert _checks.check_tokens("x0", x, dim, normalisable=True) is x
+        else:
+            with pytest.raises(ValueError) as raised:
+                _checks.check_tokens("x0", x, dim, normalisable=True)
+            assert str(raised.value) == expected
+        assert len(passes) == 1
+
+
+def test_solution_g_is_the_fields_activation_of_the_final_state():
+    """``Solution.g`` is ``LayerNorm(x)`` as the field computes it (one ``layer_norm`` kernel on the fused path),
+    bit for bit, and agrees with the neuron's own formula to float32 rounding."""
+    import et_ode
+
+    torch.manual_seed(0)
+    model = et_ode.EnergyTransformer(16, 2, 4, 32)
+    with torch.no_grad():
+        model.neuron.delta.normal_(0.0, 0.3)
+    field = et_ode.ETField(model)
+    solution = et_ode.solve(field, torch.randn(3, 5, 16), solver=et_ode.EulerET(0.1, 4), save="final")
+    assert torch.equal(solution.g, field.activation(solution.x))
+    torch.testing.assert_close(solution.g, model.neuron(solution.x), rtol=1e-5, atol=1e-6)

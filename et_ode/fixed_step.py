@@ -18,6 +18,8 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from .field import ETField
+
 METHODS = ("euler", "midpoint", "rk4")
 
 # the stage times of a step, as fractions of ``dt`` in torchdiffeq's expressions (``t0 + dt * c``)
@@ -68,12 +70,16 @@ def _stage_times(times: Tensor, method: str, dtype: torch.dtype) -> Tensor:
     return torch.stack(stages, dim=1).to(dtype)
 
 
-def _increment(method: str, field: Field, t: tuple[Tensor, ...], dt: Tensor, y: Tensor) -> Tensor:
+def _increment(method: str, field: Field, t: tuple[Tensor, ...], dt: Tensor, y: Tensor, scale_in_place: bool = False
+               ) -> Tensor:
     """``y1 - y0`` of one step from ``y``, with torchdiffeq's operations in torchdiffeq's order: ``t`` the stage times
     (0-d tensors, one per stage) in the state's dtype, ``dt`` a float64 0-d tensor (a Python float would round differently in
-    bfloat16). A new tensor."""
+    bfloat16). A new tensor. ``scale_in_place`` (no gradients, and a field whose every output is a new tensor): an
+    Euler step scales the field's output in place, the same bits as ``dt * f`` without allocating a state-sized
+    tensor (2% of a 28x28 step on two cores)."""
     if method == "euler":
-        return dt * field(t[0], y)
+        velocity = field(t[0], y)
+        return velocity.mul_(dt) if scale_in_place else dt * velocity
     if method == "midpoint":
         half_dt = 0.5 * dt
         y_mid = y + field(t[0], y) * half_dt
@@ -113,6 +119,7 @@ def integrate(recorder: StepRecorder, x0: Tensor, grid: Tensor, method: str, ste
     step_ends, outputs = times[1:].tolist(), grid.tolist()
     samples_per_step = _STAGES[method] * x0.shape[:-2].numel()
     in_place = not torch.is_grad_enabled()
+    scale_in_place = in_place and type(field) is ETField  # whose forward returns a new tensor (a subclass might not)
     fresh = recorder.keep_steps  # every step's start is kept: a new tensor per step
     saved = None  # as torchdiffeq: one tensor, every output assigned to its row (the same autograd graph)
     if save_all:
@@ -127,7 +134,7 @@ def integrate(recorder: StepRecorder, x0: Tensor, grid: Tensor, method: str, ste
         dt = step_sizes[k]
         recorder.callback_step(step_starts[k], y, dt)
         progress.sample_evaluations += samples_per_step
-        dy = _increment(method, field, stage_times[k], dt, y)
+        dy = _increment(method, field, stage_times[k], dt, y, scale_in_place)
         if not in_place or fresh:
             y1 = y + dy
         elif on_grid and saved is not None:

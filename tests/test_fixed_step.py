@@ -14,6 +14,7 @@ from torchdiffeq import odeint
 
 from et_ode import ETField, EulerET, Fixed, SolveError, Status, solve
 from et_ode._checks import all_finite
+from et_ode.fixed_step import step_grid
 from tests.conftest import random_model
 
 integrate_module = importlib.import_module("et_ode._loop")  # where the loop is chosen
@@ -153,3 +154,30 @@ def test_growth_warning_as_torchdiffeq_path(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # small steps: no warning on either path
         solve(field, x0, solver=EulerET(0.1, 3))
+
+
+def test_the_euler_increment_never_scales_a_subclass_output_in_place():
+    """The lean loop scales an ETField's fresh output in place; a subclass may return a tensor it keeps (here one
+    constant velocity), which must come out of the solve untouched, with the states ``x0 + k dt v``."""
+
+    class ConstantVelocity(ETField):
+        def __init__(self, model, velocity):
+            super().__init__(model)
+            self.constant = velocity
+
+        def forward(self, t, x):
+            self.count_evaluations()
+            return self.constant
+
+    model = random_model(dtype=torch.float64)
+    x0 = torch.randn(2, 4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    velocity = torch.randn_like(x0)
+    kept = velocity.clone()
+    with torch.no_grad():
+        solution = solve(ConstantVelocity(model, velocity), x0, solver=EulerET(0.1, 5), save="final")
+    assert torch.equal(velocity, kept)
+    times = step_grid(torch.tensor([0.0, 0.5], dtype=torch.float64), 0.1)  # the loop's float64 step times
+    expected = x0
+    for dt in times.diff():
+        expected = expected + dt * kept
+    assert torch.equal(solution.x, expected)

@@ -127,6 +127,51 @@ def test_conjugate_gradients_solve_n_distinct_eigenvalues_in_n_steps():
     assert iterations == 4
 
 
+def test_conjugate_gradients_return_their_best_iterate_and_its_true_residual():
+    """Where the operator is symmetric positive definite only approximately (here a skew part of 1% of its largest
+    eigenvalue; in float32, a Hessian-vector product's rounding), CG's residual falls and then grows: the solver
+    returns each sample's iterate of smallest residual, and reports the true ``|b - A w| / |b|`` of that iterate."""
+    from et_ode.gradients import conjugate_gradient
+
+    generator = torch.Generator().manual_seed(0)
+    n = 48
+    q, _ = torch.linalg.qr(torch.randn(n, n, dtype=torch.float64, generator=generator))
+    skew = torch.randn(n, n, dtype=torch.float64, generator=generator)
+    matrix = (q * torch.logspace(0, -2, n, dtype=torch.float64)) @ q.T + 0.01 * (skew - skew.T) / n ** 0.5
+    b = torch.randn(2, n, 1, dtype=torch.float64, generator=generator)
+
+    def apply(v):
+        return torch.einsum("ij,bjk->bik", matrix, v)
+
+    w, iterations, residual = conjugate_gradient(apply, b, tol=1e-12, max_iter=200)
+    true = (b - apply(w)).flatten(1).norm(dim=1) / b.flatten(1).norm(dim=1)
+    torch.testing.assert_close(residual, true, rtol=1e-12, atol=0)
+    assert iterations == 200
+    for sample in range(2):  # the textbook iteration, every iterate's true residual
+        x, r = torch.zeros(n, 1, dtype=torch.float64), b[sample].clone()
+        p, rr, history = r.clone(), float((r * r).sum()), []
+        for _ in range(200):
+            ap = matrix @ p
+            alpha = rr / float((p * ap).sum())
+            x, r = x + alpha * p, r - alpha * ap
+            rr, rr_old = float((r * r).sum()), rr
+            p = r + rr / rr_old * p
+            history.append(float((b[sample] - matrix @ x).norm() / b[sample].norm()))
+        assert float(residual[sample]) <= min(history) * (1 + 1e-9)
+        assert history[-1] > 10 * float(residual[sample])  # the last iterate, returned before, is far worse
+
+    # float32, positive definite but for one eigenvalue of -1e-5: the recurrence's residual falls below tol (7e-11:
+    # a false convergence) while the true one stays near 5e-4; the report is the true one (to float32 rounding)
+    lam = torch.logspace(0, -2, n, dtype=torch.float64)
+    lam[-1] = -1e-5
+    matrix32 = ((q * lam) @ q.T).float()
+    b32 = b[:1].float()
+    w, _, residual = conjugate_gradient(lambda v: torch.einsum("ij,bjk->bik", matrix32, v), b32, tol=1e-10, max_iter=300)
+    true = float((b32.double() - matrix32.double() @ w.double()).norm() / b32.double().norm())
+    assert true > 1e-4
+    assert float(residual) == pytest.approx(true, rel=0.05)
+
+
 def test_error_messages_name_the_argument():
     from et_ode import ETField
     from et_ode.masks import GraphMask

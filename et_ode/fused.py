@@ -196,39 +196,46 @@ _HEAD_ACCURATE: dict[tuple[Any, ...], bool] = {}
 _HEAD_CHOICE: dict[tuple[Any, ...], str] = {}
 
 
+def _head_operands(groups: int, n: int, y: int, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """Random keys, queries ``(groups, n, y)`` and attention ``(groups, n, n)`` of a shape, the same on every call
+    (the global random stream stays untouched)."""
+    local = torch.Generator().manual_seed(0)
+    keys, queries = (torch.randn(groups, n, y, dtype=dtype, generator=local) for _ in range(2))
+    return keys, queries, torch.softmax(torch.randn(groups, n, n, dtype=dtype, generator=local), dim=-2)
+
+
 def choose_head_products(groups: int, n: int, y: int, dtype: torch.dtype, device: torch.device, *, timed: bool = True,
                          reps: int = 9) -> str:
     """The back end of the per-head products at this shape (``groups`` = batch x heads matrices of ``n x y``):
     ``"onednn"`` where :func:`onednn_matmul` computes all three patterns within float32 rounding (checked once per
     shape on random data) and, if ``timed``, clearly faster (the fastest of ``reps`` interleaved runs each, below
-    :data:`HEAD_MARGIN` of MKL's); else ``"matmul"``.
+    :data:`HEAD_MARGIN` of MKL's, timed only when first asked for); else ``"matmul"``.
     Remembered for the process; float32 on CPU only (float64 never leaves MKL)."""
     if device.type != "cpu" or dtype != torch.float32 or not onednn_matmul_available():
         return "matmul"
     key = (groups, n, y, dtype, str(device))
     if key not in _HEAD_ACCURATE:
-        local = torch.Generator().manual_seed(0)  # the global random stream stays untouched
-        keys, queries = (torch.randn(groups, n, y, dtype=dtype, generator=local) for _ in range(2))
-        attn = torch.softmax(torch.randn(groups, n, n, dtype=dtype, generator=local), dim=-2)
+        keys, queries, attn = _head_operands(groups, n, y, dtype)
         with onednn_matmul():
             got = _head_products(keys, queries, attn)
         operands = ((keys, queries.transpose(-1, -2)), (attn, queries), (attn.transpose(-1, -2), keys))
         _HEAD_ACCURATE[key] = _within_float_rounding(got, operands)
-        if _HEAD_ACCURATE[key]:
-            times: dict[str, list[float]] = {"matmul": [], "onednn": []}
-            for rep in range(reps + 2):
-                for name in times:
-                    start = time.perf_counter()
-                    with onednn_matmul() if name == "onednn" else contextlib.nullcontext():
-                        _head_products(keys, queries, attn)
-                    if rep >= 2:  # the first two are warm-up
-                        times[name].append(time.perf_counter() - start)
-            _HEAD_CHOICE[key] = "onednn" if min(times["onednn"]) < HEAD_MARGIN * min(times["matmul"]) else "matmul"
-        else:
-            _HEAD_CHOICE[key] = "matmul"
     if not _HEAD_ACCURATE[key]:
         return "matmul"
-    return _HEAD_CHOICE[key] if timed else "onednn"
+    if not timed:
+        return "onednn"
+    if key not in _HEAD_CHOICE:
+        keys, queries, attn = _head_operands(groups, n, y, dtype)
+        times: dict[str, list[float]] = {"matmul": [], "onednn": []}
+        for rep in range(reps + 2):
+            for name in times:
+                start = time.perf_counter()
+                with onednn_matmul() if name == "onednn" else contextlib.nullcontext():
+                    _head_products(keys, queries, attn)
+                if rep >= 2:  # the first two are warm-up
+                    times[name].append(time.perf_counter() - start)
+        _HEAD_CHOICE[key] = "onednn" if min(times["onednn"]) < HEAD_MARGIN * min(times["matmul"]) else "matmul"
+    return _HEAD_CHOICE[key]
 
 
 def _version_key(*tensors: Tensor) -> tuple[Any, ...]:
@@ -439,8 +446,8 @@ class FusedGrad:
 
         big_u = self._project(u2, weights, backend)  # [uK | uQ | uh], becomes dL/dP in place
         u_keys, u_queries = per_head(big_u, 0, hy).contiguous(), per_head(big_u, hy, 2 * hy).contiguous()
+        query_major = n >= QUERY_MAJOR_FROM
         with self._head_product_block(bt * heads, n, g2):
-            query_major = n >= QUERY_MAJOR_FROM
             pm = _scores(keys, u_queries, query_major)  # [B, C], stored like attn
             pm.add_(_scores(u_keys, queries, query_major))
         pm.mul_(attn)

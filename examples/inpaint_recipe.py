@@ -114,10 +114,11 @@ def knn_neighbours(bank: Tensor, images: Tensor, hidden: Tensor, exclude: Tensor
 
 
 def knn_fill(bank: Tensor, images: Tensor, hidden: Tensor, exclude: Tensor | None = None, k: int = 10,
-             chunk: int = 20000) -> Tensor:
+             chunk: int = 20000, bank_energy: Tensor | None = None) -> Tensor:
     """``images`` with the hidden patches replaced by the mean of the ``k`` bank images (patches ``(n, N, P2)``)
-    nearest on the visible patches; ``exclude (B,)``: a bank index to leave out per image (itself, in training)."""
-    neighbours = bank[knn_neighbours(bank, images, hidden, exclude, k, chunk)]  # (B, k, N, P2)
+    nearest on the visible patches; ``exclude (B,)``: a bank index to leave out per image (itself, in training);
+    ``bank_energy`` as in :func:`knn_neighbours`."""
+    neighbours = bank[knn_neighbours(bank, images, hidden, exclude, k, chunk, bank_energy)]  # (B, k, N, P2)
     guess = torch.where(hidden[..., None], neighbours.mean(1), patchify(images, PATCH))
     return unpatchify(guess, PATCH, images.shape[1:])
 
@@ -139,12 +140,12 @@ def local_logits(neighbours: Tensor, target: Tensor, hidden: Tensor, grid: tuple
 
 
 def local_knn_fill(bank: Tensor, images: Tensor, hidden: Tensor, exclude: Tensor | None = None, k: int = 10,
-                   temperature: float = 0.02) -> Tensor:
+                   temperature: float = 0.02, bank_energy: Tensor | None = None) -> Tensor:
     """A classical rival of the plain mean: ``images`` with each hidden patch replaced by a blend of the ``k``
     nearest bank images' patches, weighted by ``softmax(local_logits)`` over the neighbours (the neighbours that
     match the visible patches around a hidden patch count more there). The 3x3 window and the temperature were
-    chosen on the validation split."""
-    neighbours = bank[knn_neighbours(bank, images, hidden, exclude, k)]  # (B, k, N, P2)
+    chosen on the validation split. ``bank_energy`` as in :func:`knn_neighbours`."""
+    neighbours = bank[knn_neighbours(bank, images, hidden, exclude, k, bank_energy=bank_energy)]  # (B, k, N, P2)
     target = patchify(images, PATCH)
     grid = (images.shape[2] // PATCH, images.shape[3] // PATCH)
     weights = torch.softmax(local_logits(neighbours, target, hidden, grid, temperature), 1)[..., None]
@@ -192,8 +193,8 @@ class KnnFillET(ImageET):
     def fill_from_bank(self, images: Tensor, hidden: Tensor) -> Tensor:
         """The classical fill ``(B, C, H, W)`` of ``images`` whose ``hidden (B, N)`` patches are masked."""
         if self.weighting == "local":
-            return local_knn_fill(self.bank, images, hidden, self.exclude, self.k)
-        return knn_fill(self.bank, images, hidden, self.exclude, self.k)
+            return local_knn_fill(self.bank, images, hidden, self.exclude, self.k, bank_energy=self.bank_energy)
+        return knn_fill(self.bank, images, hidden, self.exclude, self.k, bank_energy=self.bank_energy)
 
     def forward(self, images: Tensor, hidden: Tensor, integration: Integration | None = None) -> Completion:
         if self.context == "fill":
@@ -272,12 +273,14 @@ def baselines(args) -> None:
     num_patches = (shape[1] // PATCH) * (shape[2] // PATCH)
     mean, nearest = MeanImage(data["train"], PATCH), NearestNeighbour(data["train"], PATCH)
     bank = patchify(data["train"], PATCH)
+    bank_energy = bank.square().sum(-1)  # shared by the two k-NN predictors and both splits
     predictors = {
         "per-position mean": lambda x, h: mean(x, h).patches,
         "nearest neighbour": lambda x, h: nearest(x, h).patches,
         "biharmonic": lambda x, h: patchify(biharmonic_fill(x, pixel_mask(h, shape)), PATCH),
-        "mean of 10 nearest": lambda x, h: patchify(knn_fill(bank, x, h), PATCH),
-        "10 nearest, locally weighted": lambda x, h: patchify(local_knn_fill(bank, x, h), PATCH),
+        "mean of 10 nearest": lambda x, h: patchify(knn_fill(bank, x, h, bank_energy=bank_energy), PATCH),
+        "10 nearest, locally weighted": lambda x, h: patchify(local_knn_fill(bank, x, h, bank_energy=bank_energy),
+                                                              PATCH),
     }
     result = {"train": len(data["train"])}
     for split in ("val", "test"):

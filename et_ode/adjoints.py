@@ -24,6 +24,7 @@ from torchdiffeq import odeint, odeint_adjoint
 
 from ._loop import Integrated, Problem, integrate
 from .certify import certify, default_tol
+from .gradients import default_implicit_tol
 from .solution import SolveError, Status
 from .solvers import ADAPTIVE_METHODS, FIXED_METHODS
 from .stopping import SteadyState
@@ -91,16 +92,17 @@ class Implicit:
     """The implicit function theorem at the fixed point a stop reaches (:mod:`et_ode.gradients`).
 
     Args:
-        tol: relative residual of the conjugate-gradient solve of the adjoint system, positive.
+        tol: relative residual of the conjugate-gradient solve of the adjoint system, positive; None (the default):
+            :func:`~et_ode.gradients.default_implicit_tol` of the state's dtype, 1e-8 in float64 and 1e-3 in float32
+            (the rounding of float32 Hessian-vector products stalls the solve near 1e-6 to 1e-4).
         max_iter: its iteration cap, a positive integer.
     """
 
-    tol: float = 1e-8
+    tol: float | None = None
     max_iter: int = 200
 
     def __post_init__(self) -> None:
-        if isinstance(self.tol, bool) or not isinstance(self.tol, (int, float)) or not (0 < self.tol < math.inf):
-            raise ValueError(f"Implicit.tol must be a positive finite number, got {self.tol!r}")
+        _optional_positive("Implicit", "tol", self.tol)
         if isinstance(self.max_iter, bool) or not isinstance(self.max_iter, int) or self.max_iter < 1:
             raise ValueError(f"Implicit.max_iter must be a positive integer, got {self.max_iter!r}")
 
@@ -119,7 +121,8 @@ class Implicit:
                              f"without {tested}; integrate longer or loosen the stop's tol", time=t_final, solution=None)
         # polish the end state into a certified attractor, and differentiate there (exactly)
         x_end = result.x.detach()
-        attractor = certify(problem.field, x_end, tol=default_tol(x_end.dtype), implicit_tol=self.tol,
+        implicit_tol = default_implicit_tol(x_end.dtype) if self.tol is None else self.tol
+        attractor = certify(problem.field, x_end, tol=default_tol(x_end.dtype), implicit_tol=implicit_tol,
                             implicit_max_iter=self.max_iter)
         if not bool(attractor.certified.all()):
             raise SolveError(

@@ -48,7 +48,7 @@ from torch import Tensor
 from ._checks import check_mask, check_tokens
 from .certify import METHODS, Attractor, certify, default_tol, flatten, limit_scale
 from .field import ETField
-from .gradients import AttractorError
+from .gradients import AttractorError, default_implicit_tol
 from .solution import Solution, SolveStats, Status
 from .solve import solve
 from .solvers import Adaptive
@@ -179,8 +179,7 @@ class AttractorReadout:
         handoff: the flow phase's hand-off (:func:`find_attractor`).
         max_iter: Newton iterations per sample.
         implicit_tol, implicit_max_iter: the conjugate-gradient solve of the implicit backward pass (relative
-            residual; None: 1e-8 in float64, 1e-3 in float32, where the rounding of the Hessian-vector products
-            stalls conjugate gradients near 1e-4 relative and later iterations lose ground).
+            residual; None: :func:`~et_ode.gradients.default_implicit_tol`, 1e-8 in float64, 1e-3 in float32).
     """
 
     tol: float | None = None
@@ -207,7 +206,7 @@ class AttractorReadout:
         counts every evaluation and Hessian-vector product of the search) and the :class:`Attractor` itself."""
         started = time.perf_counter()
         found = find_attractor(field, x0, tol=self.tol, handoff=self.handoff, max_iter=self.max_iter,
-                               implicit_tol=self.implicit_tol or (1e-8 if x0.dtype == torch.float64 else 1e-3),
+                               implicit_tol=self.implicit_tol or default_implicit_tol(x0.dtype),
                                implicit_max_iter=self.implicit_max_iter)
         certified = found.certified
         g = found.g

@@ -75,6 +75,13 @@ def conjugate_gradient(apply: Any, b: Tensor, *, tol: float, max_iter: int) -> t
     return best_w, iterations, (best_rr.sqrt() / b_norm).reshape(b.shape[:-2])
 
 
+def default_implicit_tol(dtype: torch.dtype) -> float:
+    """The conjugate-gradient solve's default relative residual: ``1e-8`` in float64, ``1e-3`` in float32 and below,
+    where the rounding of the Hessian-vector products stalls conjugate gradients between about 1e-6 and 1e-4
+    relative (a float64 tolerance is out of reach there: the solve would run all its iterations and warn)."""
+    return 1e-8 if dtype == torch.float64 else 1e-3
+
+
 def _solve_hessian_system(apply: Any, rhs: Tensor, *, tol: float, max_iter: int, advice: str) -> Tensor:
     """``w`` with ``apply(w) = rhs`` by conjugate gradients; a RuntimeWarning (ending in ``advice``) where the relative
     residual of any sample stays above ``tol``."""
@@ -103,16 +110,20 @@ class _ImplicitRerouting(torch.autograd.Function):
         w = _solve_hessian_system(hessian, tangent_projection(v, s), tol=ctx.tol, max_iter=ctx.max_iter,
                                   advice="the fixed point may not be a stable attractor (Riemannian Hessian not "
                                          "positive definite) or needs more iterations (max_iter)")
-        return v, -w.detach(), None, None, None, None
+        # The solution is tangent: the directions the operator annihilates (radial, mean) are invisible to the
+        # residual, and in float32 conjugate gradients drift along them (a step of huge alpha where p.Ap is rounding
+        # noise): 26-84% errors in the parameter gradients after 200 float32 iterations before this projection.
+        return v, -tangent_projection(w, s).detach(), None, None, None, None
 
 
-def implicit_fixed_point(field: ETField, x_star: Tensor, *, tol: float = 1e-8, max_iter: int = 200) -> Tensor:
+def implicit_fixed_point(field: ETField, x_star: Tensor, *, tol: float | None = None, max_iter: int = 200) -> Tensor:
     """``g* = LayerNorm(x*)`` whose gradients come from the implicit function theorem.
 
     Args:
         field: the field whose fixed point ``x_star`` is (its mask is used).
         x_star: a converged state ``(*batch, N, D)`` (detached).
-        tol, max_iter: relative residual and iteration cap of the conjugate-gradient solve.
+        tol, max_iter: relative residual and iteration cap of the conjugate-gradient solve (``tol`` None:
+            :func:`default_implicit_tol` of ``x_star``'s dtype).
 
     Returns ``g*`` of shape ``(*batch, N, D)``, differentiable with respect to the model's parameters.
     """
@@ -120,6 +131,7 @@ def implicit_fixed_point(field: ETField, x_star: Tensor, *, tol: float = 1e-8, m
     if not torch.is_grad_enabled():
         return g
     grad_e = field.dE_dg(g)
+    tol = default_implicit_tol(x_star.dtype) if tol is None else tol
     return _ImplicitRerouting.apply(g, grad_e, field, g.detach(), tol, max_iter)
 
 
@@ -166,7 +178,10 @@ class _AttractorRerouting(torch.autograd.Function):
             rhs = torch.where(noise, torch.zeros_like(rhs), rhs)
             w = _solve_hessian_system(apply, rhs, tol=ctx.tol, max_iter=ctx.max_iter,
                                       advice="raise Implicit(max_iter=...) in solve, implicit_max_iter in find_attractor")
-            w_out[index] = neuron.hessian_vector(x, w) if geometry else w
+            if geometry:  # the solution is centred, as the operator's domain (see _ImplicitRerouting)
+                w_out[index] = neuron.hessian_vector(x, w - w.mean(dim=-1, keepdim=True))
+            else:
+                w_out[index] = tangent_projection(w, s)
         return v, -w_out.detach(), None, None, None, None, None, None
 
 

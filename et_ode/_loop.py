@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 from torchdiffeq import odeint_event
 
-from ._checks import all_finite, value_range
+from ._checks import value_range
 from .field import ETField
 from .fixed_step import applies as lean_loop_applies
 from .fixed_step import integrate as integrate_fixed_steps
@@ -119,18 +119,24 @@ class Recorder(nn.Module):
         progress.last = (float(t0.detach()), y0.detach())
         if self.keep_steps and self.saves_each_step:
             progress.saved.append(progress.last)
-        low, high = value_range(y0)  # one pass for both checks below
-        if self.saves_each_step:  # fixed steps: watch the state's growth (no step control catches a blow-up)
+        self.check_state(y0, progress.last[0])
+        if progress.steps > self.max_steps:
+            raise SolverFailure(f"max_steps={self.max_steps} solver steps exceeded at t={progress.last[0]:.6g}",
+                                progress.last[0], BUDGET_ADVICE)
+
+    def check_state(self, x: Tensor, t: float) -> None:
+        """One pass over a step's start (or the final state) ``x`` at time ``t``: :class:`SolverFailure` if it is not
+        finite; with fixed steps, the growth of ``max |x|`` since the previous one is recorded (no step-size control
+        catches a blow-up there)."""
+        low, high = value_range(x)
+        if self.saves_each_step:
+            progress = self.progress
             scale = max(-low, high)  # max |x|
             if progress.last_scale:
                 progress.largest_growth = max(progress.largest_growth, scale / progress.last_scale)
             progress.last_scale = scale
         if not (math.isfinite(low) and math.isfinite(high)):
-            raise SolverFailure(f"the state became non-finite (NaN or inf) by t={progress.last[0]:.6g}",
-                                progress.last[0], NON_FINITE_ADVICE)
-        if progress.steps > self.max_steps:
-            raise SolverFailure(f"max_steps={self.max_steps} solver steps exceeded at t={progress.last[0]:.6g}",
-                                progress.last[0], BUDGET_ADVICE)
+            raise SolverFailure(f"the state became non-finite (NaN or inf) by t={t:.6g}", t, NON_FINITE_ADVICE)
 
     def callback_step_adjoint(self, t0: Tensor, y0: Tensor, dt: Tensor) -> None:
         """Bounds the adjoint's backward solve by ``max_steps`` of its own; raised out of ``loss.backward()``."""
@@ -203,9 +209,7 @@ def integrate(problem: Problem, interface: Callable[..., Any], arguments: dict[s
         advice = NON_FINITE_ADVICE if isinstance(error, AssertionError) and not capped else BUDGET_ADVICE
         last_time = progress.last[0] if progress.last else float(grid[0])
         raise SolverFailure(f"torchdiffeq stopped after t={last_time:.6g}: {error}", last_time, advice) from error
-    if not all_finite(x_final):
-        raise SolverFailure(f"the state became non-finite (NaN or inf) by t={float(ts[-1]):.6g}", float(ts[-1]),
-                            NON_FINITE_ADVICE)
+    recorder.check_state(x_final, float(ts[-1]))  # finite, and the last fixed step's growth
     if not problem.solver.adaptive and progress.largest_growth > GROWTH_WARNING:
         warnings.warn(f"solve ({problem.solver.name}): one fixed step grew the state {progress.largest_growth:.3g}-fold "
                       f"(largest |x|): the step is far too large for this field (stiff, or large weights), so the "

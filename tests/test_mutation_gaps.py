@@ -5,6 +5,7 @@ reference (a closed form, a count of the model's actual evaluations, the documen
 import math
 import os
 import re
+import warnings
 
 import pytest
 import torch
@@ -417,14 +418,15 @@ def test_the_growth_warning_points_at_the_callers_line(grad):
 
 
 def test_the_growth_warning_reports_the_largest_step_ratio_of_max_abs_x():
-    """The reported growth is the largest ratio of ``max |x|`` between consecutive step starts, from a hand loop of
-    the paper's update ``x <- x + alpha tau f(x)`` (here the largest entries in magnitude are negative)."""
+    """The reported growth is the largest ratio of ``max |x|`` between consecutive states (every step's start and the
+    final state), from a hand loop of the paper's update ``x <- x + alpha tau f(x)`` (here the largest entries in
+    magnitude are negative)."""
     field = ETField(random_model(), tau=0.5)
     x0 = -_state().abs()
     alpha, steps = 1e4, 3
     states = [x0]
     with torch.no_grad():
-        for _ in range(steps - 1):  # the steps' starts: the state after the last step is not a start
+        for _ in range(steps):
             states.append(states[-1] + alpha * field.tau * field(0.0, states[-1]))
     largest = [float(s.abs().max()) for s in states]
     want = max(b / a for a, b in zip(largest[:-1], largest[1:], strict=True))
@@ -432,6 +434,22 @@ def test_the_growth_warning_reports_the_largest_step_ratio_of_max_abs_x():
     assert f"{want:.3g}" != f"{max(b / a for a, b in zip(signed[:-1], signed[1:], strict=True)):.3g}"
     with pytest.warns(RuntimeWarning, match=re.escape(f"grew the state {want:.3g}-fold")):
         solve(field, x0, solver=EulerET(alpha, steps))
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_single_runaway_step_warns(grad):
+    """The last step's growth counts too: one step has no second start to compare with, only the final state."""
+    field = ETField(random_model(), tau=0.5)
+    x0 = _state()
+    with torch.no_grad():
+        x1 = x0 + 1e4 * field.tau * field(0.0, x0)
+    want = float(x1.abs().max()) / float(x0.abs().max())
+    assert want > 1e3
+    with pytest.warns(RuntimeWarning, match=re.escape(f"grew the state {want:.3g}-fold")), torch.set_grad_enabled(grad):
+        solve(field, x0, solver=EulerET(1e4, 1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        solve(field, x0, solver=EulerET(0.1, 1))  # a healthy step: no warning
 
 
 def test_a_stop_saving_only_the_end_ignores_the_grids_inner_times():

@@ -114,9 +114,14 @@ class Recorder(nn.Module):
         return velocity
 
     def callback_step(self, t0: Tensor, y0: Tensor, dt: Tensor) -> None:
+        self.start_step(float(t0.detach()), y0)
+
+    def start_step(self, t0: float, y0: Tensor) -> None:
+        """A step starts at time ``t0`` from ``y0``: counted, its start kept (the partial solution of a failure), its
+        state checked (:meth:`check_state`); :class:`SolverFailure` past ``max_steps``."""
         progress = self.progress
         progress.steps += 1
-        progress.last = (float(t0.detach()), y0.detach())
+        progress.last = (t0, y0.detach() if y0.requires_grad else y0)
         if self.keep_steps and self.saves_each_step:
             progress.saved.append(progress.last)
         self.check_state(y0, progress.last[0])

@@ -187,6 +187,38 @@ def _scores(a: Tensor, b: Tensor, query_major: bool) -> Tensor:
     return torch.matmul(a, b.transpose(-1, -2))
 
 
+# The row sum below which the shifted softmax of _key_softmax declines: at or above it a row's largest term exceeds
+# tiny ** 0.5 / N, so every term that counts at the dtype's precision is a normal number. (exp2 is 2.4-4.4x faster
+# than exp in PyTorch's CPU kernels, on AVX-512 and AVX2, in float32 and float64; its softmax uses exp.)
+_SAFE_ROW_SUM = {dtype: torch.finfo(dtype).tiny ** 0.5 for dtype in (torch.float32, torch.float64)}
+
+
+def _key_softmax(scores: Tensor, beta: float | Tensor, query_major: bool, shifted: bool = True) -> Tensor | None:
+    """``S = softmax over keys of beta * scores`` per head, for ``scores`` laid out as :func:`_scores` (``(..., B, C)``,
+    the keys on axis -2; -inf for excluded pairs) and ``beta`` a float or ``(H, 1, 1)``. Overwrites ``scores``.
+
+    With ``shifted`` (query-major storage, a float ``beta``, float32 or float64), one shift per head's block, its
+    largest score (a fast reduction, where per-row maxima over short rows are not), then
+    ``2 ** (beta log2(e) (scores - shift))`` and each row divided by its sum. The shift changes no ratio within a
+    row; its argument's rounding, ``eps |beta (scores - shift)|``, is below the score product's own
+    (``eps Y |K| |Q|``). It can only underflow a row whose largest score lies far below its block's: that shows in the
+    row's sum, and None is returned (the scores are spent; compute them again for the exact softmax).
+    """
+    safe = _SAFE_ROW_SUM.get(scores.dtype)
+    if shifted and query_major and isinstance(beta, float) and safe is not None:
+        rows = scores.transpose(-1, -2)  # [C, B], contiguous along the keys
+        rate = beta / math.log(2)
+        shift = rows.amax(dim=(-1, -2), keepdim=True).mul_(-rate)
+        weights = torch.add(shift, rows, alpha=rate, out=rows).exp2_()  # one pass for the argument, one for exp2
+        sums = weights.sum(dim=-1, keepdim=True)
+        if not bool(sums.amin() >= safe):  # NaN fails too: the exact softmax then propagates it, as it always did
+            return None
+        return weights.div_(sums).transpose(-1, -2)
+    if query_major:  # the softmax along the stored rows
+        return torch.softmax(scores.transpose(-1, -2).mul_(beta), dim=-1).transpose(-1, -2)
+    return torch.softmax(scores.mul_(beta), dim=-2)  # contiguous along the queries: vectorised across them
+
+
 # oneDNN's per-head products are kept only where they take less than this fraction of MKL's: where the two are close
 # (the 8x8 digits' 17x16 blocks) a training step measured 8% slower with oneDNN's, a cost the three timed products
 # do not show.
@@ -371,6 +403,47 @@ class FusedGrad:
         else:
             out.copy_(torch.softmax(h * hopfield.beta, dim=-1))
 
+    def _masked(self, scores: Tensor, mask: Tensor | None, batch: tuple[int, ...]) -> Tensor | None:
+        """Writes -inf into ``scores`` ``(Bt, H, N, N)`` (laid out as :func:`_scores`) where a pair is excluded, and 0
+        into the column of a query without any key; returns those queries' indicator ``(Bt or 1, 1, 1, N)``, or
+        None if every query has a key. (-inf and 0 are left as they are by any positive beta.)"""
+        attention = self.model.attention
+        n = scores.shape[-1]
+        if not attention.self_attention:
+            scores.diagonal(dim1=-2, dim2=-1).fill_(-math.inf)
+        allowed = self._allowed(mask, batch, n)
+        has_key = None
+        if allowed is not None:
+            scores.masked_fill_(~allowed, -math.inf)
+            if not attention.self_attention:
+                allowed = allowed & ~torch.eye(n, dtype=torch.bool, device=scores.device)
+            has_key = allowed.any(dim=-2, keepdim=True)  # (Bt or 1, 1, 1, C)
+        elif not attention.self_attention and n == 1:
+            has_key = torch.zeros(1, 1, 1, 1, dtype=torch.bool, device=scores.device)
+        if has_key is not None:
+            scores.masked_fill_(~has_key, 0.0)
+        return has_key
+
+    def _attention(self, keys: Tensor, queries: Tensor, mask: Tensor | None, batch: tuple[int, ...]) -> Tensor:
+        """``S``: per head, the softmax over keys ``B`` of ``beta_h K_B . Q_C`` with the masks, indexed ``[B, C]``
+        and laid out as :func:`_scores`: ``keys``, ``queries`` ``(Bt, H, N, Y) -> (Bt, H, N, N)``."""
+        n = keys.shape[-2]
+        query_major = n >= QUERY_MAJOR_FROM
+        beta = self._beta_scalar if self._beta_scalar is not None else self._beta_h
+        assert beta is not None  # set by self._stacked()
+        attn = None
+        for shifted in (True, False):  # the exact softmax, from the scores again, only where the shifted one fails
+            with self._head_product_block(keys.shape[0] * keys.shape[1], n, keys):
+                scores = _scores(keys, queries, query_major)
+            has_key = self._masked(scores, mask, batch)
+            attn = _key_softmax(scores, beta, query_major, shifted)
+            if attn is not None:
+                break
+        assert attn is not None  # the exact softmax always answers
+        if has_key is not None:
+            attn.mul_(has_key)
+        return attn
+
     def _forward(self, g: Tensor, mask: Tensor | None, keep: bool, negate: bool = True
                  ) -> tuple[Tensor, tuple[Tensor | None, ...]]:
         attention = self.model.attention
@@ -387,42 +460,20 @@ class FusedGrad:
         p = self._project(g2, weights, backend)  # (M, R): [K | Q | h]
         r = p.shape[1]
         p3 = p.view(bt, n, r)
+        coefficient = torch.empty_like(p) if keep else p  # reuse P's memory when nothing is saved
+        # phi(h) while the product's output is still in cache: after the per-head work it cost twice as much (28x28)
+        h = p[:, 2 * hy:]
+        self._phi(h, h if coefficient is p else coefficient[:, 2 * hy:])
         keys = p3[..., :hy].view(bt, n, heads, head_dim).transpose(1, 2).contiguous()  # (Bt, H, N, Y)
         queries = p3[..., hy:2 * hy].view(bt, n, heads, head_dim).transpose(1, 2).contiguous()
-        query_major = n >= QUERY_MAJOR_FROM
-        with self._head_product_block(bt * heads, n, g2):
-            logits = _scores(keys, queries, query_major)  # (Bt, H, B, C): indexed key-major, softmax over keys
+        attn = self._attention(keys, queries, mask, batch)
         beta_h = self._beta_h
-        assert beta_h is not None  # set by self._stacked() above
-        logits.mul_(self._beta_scalar if self._beta_scalar is not None else beta_h)
-        if not attention.self_attention:
-            logits.diagonal(dim1=-2, dim2=-1).fill_(-math.inf)
-        allowed = self._allowed(mask, batch, n)
-        has_key = None
-        if allowed is not None:
-            logits.masked_fill_(~allowed, -math.inf)
-            if not attention.self_attention:
-                allowed = allowed & ~torch.eye(n, dtype=torch.bool, device=g.device)
-            has_key = allowed.any(dim=-2, keepdim=True)  # (Bt or 1, 1, 1, C)
-        elif not attention.self_attention and n == 1:
-            has_key = torch.zeros(1, 1, 1, 1, dtype=torch.bool, device=g.device)
-        if has_key is not None:
-            logits.masked_fill_(~has_key, 0.0)
-        if query_major:  # attn[B, C] = S[B, C], the softmax along the stored rows
-            attn = torch.softmax(logits.transpose(-1, -2), dim=-1).transpose(-1, -2)
-        else:
-            attn = torch.softmax(logits, dim=-2)
-        if has_key is not None:
-            attn.mul_(has_key)
         with self._head_product_block(bt * heads, n, g2):
             d_keys = torch.matmul(attn, queries)  # (Bt, H, N, Y): sum_C S[B, C] Q[C]
             d_queries = torch.matmul(attn.transpose(-1, -2), keys)  # sum_B S[B, C] K[B]
-        coefficient = torch.empty_like(p) if keep else p  # reuse P's memory when nothing is saved
         c3 = coefficient.view(bt, n, r)
         c3[..., :hy].view(bt, n, heads, head_dim).copy_(d_keys.transpose(1, 2))
         c3[..., hy:2 * hy].view(bt, n, heads, head_dim).copy_(d_queries.transpose(1, 2))
-        h = p[:, 2 * hy:]
-        self._phi(h, h if coefficient is p else coefficient[:, 2 * hy:])
         out = self._back_project(coefficient, weights, backend, negate).view(*batch, n, dim)
         saved = (g2, keys, queries, attn, p, coefficient, beta_h, weights) if keep else ()
         return out, saved

@@ -188,3 +188,22 @@ def test_the_euler_increment_never_scales_a_subclass_output_in_place():
     for dt in times.diff():
         expected = expected + dt * kept
     assert torch.equal(solution.x, expected)
+
+
+@pytest.mark.parametrize("method, kwargs", [case for case in CASES if case[0] in ("midpoint", "rk4")])
+def test_a_time_dependent_subclass_gets_torchdiffeqs_stage_times(monkeypatch, method, kwargs):
+    """The lean loop hands no times to an ETField, which never reads them, but a subclass may: a field ``(1 + t^2) f``
+    integrated by every multi-stage method gets the stage times torchdiffeq's loop computes, bit for bit (and its
+    states differ from the autonomous field's, so the times matter)."""
+
+    class TimeScaled(ETField):
+        def forward(self, t, x):
+            return super().forward(t, x) * (1 + t * t)
+
+    model, _, x0 = setup(torch.float64)
+    field = TimeScaled(model, tau=1.3)
+    lean = solve(field, x0, save="final", **kwargs)
+    reference = torchdiffeq_loop(monkeypatch, field, x0, save="final", **kwargs)
+    assert torch.equal(lean.x, reference.x)
+    autonomous = solve(ETField(model, tau=1.3), x0, save="final", **kwargs)
+    assert not torch.allclose(lean.x, autonomous.x, rtol=1e-6, atol=0)

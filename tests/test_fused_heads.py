@@ -145,12 +145,14 @@ def test_precision_setting_restored_and_random_stream_untouched(fresh_choices):
 @pytest.mark.parametrize("n", [fused_module.QUERY_MAJOR_FROM - 1, fused_module.QUERY_MAJOR_FROM + 3])
 @pytest.mark.parametrize("hopfield,self_attention,mask_kind", [("relu", False, "batched"), ("softmax", True, "none"),
                                                               ("softplus", False, "shared")])
-def test_both_score_layouts_equal_the_closed_form_and_autograd(n, hopfield, self_attention, mask_kind):
+@pytest.mark.parametrize("beta", [[0.3, 0.5, 1.1], 1.7], ids=["per-head", "scalar"])
+def test_both_score_layouts_equal_the_closed_form_and_autograd(n, hopfield, self_attention, mask_kind, beta):
     """Either side of the token count where the scores switch to query-major storage: the fused field and its VJP
-    (state and every weight) against the model's closed form and autograd in float64, with per-head betas, masks
-    (a query without keys, a key nobody attends to) and each Hopfield form."""
+    (state and every weight) against the model's closed form and autograd in float64, with per-head betas and a
+    scalar one (query-major with a scalar beta is the exp2 softmax with a shift per head's block), masks (a query
+    without keys, a key nobody attends to) and each Hopfield form."""
     model = random_model(dim=12, heads=3, head_dim=4, memories=20, hopfield=hopfield, self_attention=self_attention,
-                         beta=[0.3, 0.5, 1.1], beta_hn=2.0)
+                         beta=beta, beta_hn=2.0)
     generator = torch.Generator().manual_seed(7)
     mask = None
     if mask_kind == "shared":
@@ -169,6 +171,65 @@ def test_both_score_layouts_equal_the_closed_form_and_autograd(n, hopfield, self
     got = torch.autograd.grad(fused(point, mask), inputs, u)
     for name, a, b in zip(("g", "WK", "WQ", "xi"), got, want, strict=True):
         assert _relative(a, b) < 1e-11, name
+
+
+def _block_shift_declines(model, g: torch.Tensor) -> bool:
+    """Whether the exp2 softmax with one shift per head's block declines these query-major scores (some row's sum
+    underflows), computed here from the model's weights."""
+    with torch.no_grad():
+        keys = torch.einsum("hyd,bnd->bhny", model.attention.WK, g)
+        queries = torch.einsum("hyd,bnd->bhny", model.attention.WQ, g)
+        scores = fused_module._scores(keys, queries, query_major=True)
+    return fused_module._key_softmax(scores, float(model.attention.beta[0]), query_major=True) is None
+
+
+@pytest.mark.parametrize("dtype,beta,tol", [(torch.float64, 2000.0, 1e-12), (torch.float32, 60.0, 1e-5)])
+def test_a_row_far_below_its_blocks_largest_score_gets_the_exact_softmax(dtype, beta, tol):
+    """At a large beta one query's best score lies hundreds of nats (float64) or tens (float32) below another's in
+    the same head, so one shift for the block would underflow that query's whole row: the shifted softmax declines
+    (checked on these scores) and the field and its VJP equal the model's closed form in float64, with no NaN. At the
+    default beta the same scores take the shifted path."""
+    n = fused_module.QUERY_MAJOR_FROM + 3
+    model64 = random_model(dim=12, heads=2, head_dim=4, memories=20, beta=beta)
+    generator = torch.Generator().manual_seed(11)
+    x = torch.randn(2, n, 12, dtype=torch.float64, generator=generator)
+    model = copy.deepcopy(model64).to(dtype)
+    g = model.neuron(x.to(dtype))
+    assert _block_shift_declines(model, g)
+    assert not _block_shift_declines(random_model(dim=12, heads=2, head_dim=4, memories=20).to(dtype), g)
+    fused = fused_module.FusedGrad(model, gemm="matmul")
+    g64 = model64.neuron(x)
+    got = fused(g, None)
+    assert bool(torch.isfinite(got).all())
+    assert _relative(got.double(), model64._dE_dg(g64, None)) < tol
+    point = g.detach().requires_grad_(True)
+    u = torch.randn(g.shape, dtype=torch.float64, generator=generator)
+    (got_vjp,) = torch.autograd.grad(fused(point, None), point, u.to(dtype))
+    point64 = g64.detach().requires_grad_(True)
+    (want_vjp,) = torch.autograd.grad(model64._dE_dg(point64, None), point64, u)
+    assert _relative(got_vjp.double(), want_vjp) < 10 * tol
+
+
+def test_query_major_float32_is_within_round_off_of_float64():
+    """The exp2 softmax in float32 (query-major, scalar beta, every evaluation on the shifted path) against the
+    float64 closed form, at a non-default beta with masks: the field and its VJP."""
+    n = fused_module.QUERY_MAJOR_FROM + 8
+    model64 = random_model(dim=24, heads=4, head_dim=6, memories=48, beta=0.9)
+    model = copy.deepcopy(model64).float()
+    generator = torch.Generator().manual_seed(5)
+    mask = torch.rand(3, n, n, generator=generator) > 0.3
+    mask[2, 7] = False  # a query without keys
+    x = torch.randn(3, n, 24, dtype=torch.float64, generator=generator)
+    assert not _block_shift_declines(model, model.neuron(x.float()))
+    exact = ETField(model64, mask=mask, backend="reference")(0.0, x)
+    field = ETField(model, mask=mask, backend="fused")
+    assert _relative(field(0.0, x.float()).double(), exact) < 2e-6
+    xg = x.float().requires_grad_(True)
+    u = torch.randn(x.shape, dtype=torch.float64, generator=generator)
+    (got,) = torch.autograd.grad(field(0.0, xg), xg, u.float())
+    x64 = x.clone().requires_grad_(True)
+    (want,) = torch.autograd.grad(ETField(model64, mask=mask, backend="reference")(0.0, x64), x64, u)
+    assert _relative(got.double(), want) < 2e-5
 
 
 def test_untimed_choice_is_onednn_exactly_where_its_products_are_float32_exact(fresh_choices):

@@ -199,15 +199,16 @@ def _key_softmax(scores: Tensor, beta: float | Tensor, query_major: bool, shifte
     """``S = softmax over keys of beta * scores`` per head, for ``scores`` laid out as :func:`_scores` (``(..., B, C)``,
     the keys on axis -2; -inf for excluded pairs) and ``beta`` a float or ``(H, 1, 1)``. Overwrites ``scores``.
 
-    With ``shifted`` (query-major storage, a float ``beta``, float32 or float64), one shift per head's block, its
-    largest score (a fast reduction, where per-row maxima over short rows are not), then
-    ``2 ** (beta log2(e) (scores - shift))`` and each row divided by its sum. The shift changes no ratio within a
-    row; its argument's rounding, ``eps |beta (scores - shift)|``, is below the score product's own
-    (``eps Y |K| |Q|``). It can only underflow a row whose largest score lies far below its block's: that shows in the
-    row's sum, and None is returned (the scores are spent; compute them again for the exact softmax).
+    With ``shifted`` (on CPU, where PyTorch's softmax is bound by its slow ``exp``; query-major storage; a float
+    ``beta``; float32 or float64): one shift per head's block, its largest score (a fast reduction, where per-row
+    maxima over short rows are not), then ``2 ** (beta log2(e) (scores - shift))``, each row divided by its sum. The
+    shift changes no ratio within a row; its argument's rounding, ``eps |beta (scores - shift)|``, is below the score
+    product's own (``eps Y |K| |Q|``). It can only underflow a row whose largest score lies far below its block's:
+    that shows in the row's sum, and None is returned (the scores are spent; compute them again for the exact
+    softmax).
     """
     safe = _SAFE_ROW_SUM.get(scores.dtype)
-    if shifted and query_major and isinstance(beta, float) and safe is not None:
+    if shifted and query_major and isinstance(beta, float) and safe is not None and scores.device.type == "cpu":
         rows = scores.transpose(-1, -2)  # [C, B], contiguous along the keys
         rate = beta / math.log(2)
         shift = rows.amax(dim=(-1, -2), keepdim=True).mul_(-rate)

@@ -2,12 +2,13 @@
 
 torchdiffeq's fixed-grid solvers (0.2.5) wrap the field in two modules of theirs and our recorder, take the absolute
 value of the whole state at every evaluation (only to learn the time's dtype) and copy every step into a solution
-tensor. Here a step is the field's evaluations, the update and the recorder's step callback (its checks of growth
+tensor. Here a step is the field's evaluations, the update and the recorder's ``start_step`` (its checks of growth
 and finiteness share one ``aminmax`` pass): the same floating-point operations in the same order as torchdiffeq's
 steps (the increment ``dt * f`` rounded, then added to the state; the times in float64, handed to the field in the
 state's dtype), so states, statistics, warnings and failures agree with torchdiffeq's path bit for bit. Without
-gradients the update writes into buffers allocated once; with gradients it runs out of place, so that autograd
-records it.
+gradients the state is added into the step's increment, a new tensor of the step's own (``y + dy``'s bits: addition
+commutes), so no state is ever overwritten; with gradients the update runs out of place, so that autograd records
+it.
 """
 
 from __future__ import annotations
@@ -131,9 +132,6 @@ def integrate(recorder: StepRecorder, x0: Tensor, grid: Tensor, method: str, ste
     if save_all:
         saved = torch.empty((len(grid), *x0.shape), dtype=x0.dtype, device=x0.device)
         saved[0] = x0
-    # Without gradients the states alternate between two buffers: the recorder keeps the start of the latest step
-    # (the partial solution of a failure), so the step writes its end into the other one.
-    buffers: list[Tensor | None] = [None, None]
     y = x0
     next_output = 1
     for k in range(steps):
@@ -141,14 +139,12 @@ def integrate(recorder: StepRecorder, x0: Tensor, grid: Tensor, method: str, ste
         recorder.start_step(time_values[k], y)
         progress.sample_evaluations += samples_per_step
         dy = _increment(method, field, stage_times[k], dt, y, scale_in_place)
-        if not in_place or fresh:
+        if not in_place:
             y1 = y + dy
-        elif on_grid and saved is not None:
+        elif on_grid and saved is not None and not fresh:
             y1 = torch.add(y, dy, out=saved[k + 1])
-        elif buffers[k % 2] is None:  # x0 is the caller's: never written to
-            y1 = buffers[k % 2] = y + dy
-        else:
-            y1 = torch.add(y, dy, out=buffers[k % 2])
+        else:  # the increment is this step's own new tensor, still in cache: y + dy written into it, the same bits
+            y1 = dy.add_(y)
         if saved is not None and not (on_grid and in_place and not fresh):
             while next_output < len(outputs) and time_values[k + 1] >= outputs[next_output]:
                 saved[next_output] = _interpolate(step_starts[k], step_starts[k + 1], y, y1, grid[next_output])

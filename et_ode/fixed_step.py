@@ -108,9 +108,8 @@ def integrate(recorder: StepRecorder, x0: Tensor, grid: Tensor, method: str, ste
 
     Returns the states at the times ``grid``, ``(T, *batch, N, D)``, if ``save_all``, else the final state as
     ``(1, *batch, N, D)``. Calls ``recorder.start_step`` at the start of every step, where torchdiffeq's loop calls
-    its ``callback_step``
-    (the recorder counts the step, keeps its start, watches growth and finiteness, and raises where it would), and
-    adds the step's evaluations to ``recorder.progress.sample_evaluations``.
+    its ``callback_step`` (the recorder counts the step, keeps its start, watches growth and finiteness, and raises
+    where it would), and adds the step's evaluations to ``recorder.progress.sample_evaluations``.
     """
     field, progress = recorder.field, recorder.progress
     times = step_grid(grid, step_size)

@@ -15,6 +15,7 @@ flattened to ``B = prod(batch)`` samples (``B = 1`` without batch dimensions).
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import asdict, dataclass
 
 import torch
@@ -207,10 +208,15 @@ class ConvergenceReport:
                 f"| {s.sample} | {when(s.converged, s.t_converged)} | {when(s.tangent_converged, s.t_tangent_converged)}"
                 f" | {s.energy_start:.6g} -> {s.energy_end:.6g} | {s.final_rms_dg_dt:.3g}"
                 f" | {s.final_rms_tangent_gradient:.3g}"
-                f" | {s.final_rms_dx_dt:.3g} | {s.exponential.rate:.3g} / {s.power.rate:.3g} ({s.better_fit})"
+                f" | {s.final_rms_dx_dt:.3g} | {_decay_cell(s)}"
                 f" | {s.ones_drift:.3g} | {s.radial_drift:.3g} |")
         return "\n".join(rows)
 
+
+def _decay_cell(s: SampleConvergence) -> str:
+    if s.better_fit == "n/a":
+        return f"too few saved times to fit ({s.power.points})"
+    return f"{s.exponential.rate:.3g} / {s.power.rate:.3g} ({s.better_fit})"
 
 
 def analyze_convergence(solution: Solution, *, tol: float = 1e-3, tangent_tol: float | None = None,
@@ -238,6 +244,10 @@ def analyze_convergence(solution: Solution, *, tol: float = 1e-3, tangent_tol: f
         exponential, power = fit_decay(traces.ts, traces.rms_dg_dt[:, b], tail=tail)
         if math.isnan(exponential.rms_log_residual):
             better = "n/a"
+            if b == 0:
+                warnings.warn(f"analyze_convergence: the solution saved {len(traces.ts)} times, too few to fit the "
+                              f"decay (at least 3 with t > 0 are needed; the rates are nan): solve on a grid, e.g. "
+                              f"t=torch.linspace(0, t1, 61), or with save=\"steps\"", RuntimeWarning, stacklevel=2)
         else:
             better = "power" if power.rms_log_residual < exponential.rms_log_residual else "exponential"
         samples.append(SampleConvergence(

@@ -42,3 +42,20 @@ __all__ = [
     "solve",
 ]
 __version__ = "0.1.0"
+
+
+def _check_threads() -> None:
+    """Warn once when PyTorch's threads would oversubscribe a busy machine (:func:`et_ode.runtime.oversubscription`).
+    The ``et-ode`` command checks after applying its ``--threads`` instead."""
+    import sys
+    from pathlib import Path
+
+    from . import runtime
+
+    entry = Path(sys.argv[0]) if sys.argv and sys.argv[0] else Path()
+    if entry.name == "et-ode" or sys.argv[:1] == ["-m"] or entry.parts[-2:] == ("cli", "__main__.py"):
+        return
+    runtime.warn_if_oversubscribed()
+
+
+_check_threads()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import platform
+import warnings
 from functools import lru_cache
 
 import torch
@@ -59,3 +60,61 @@ def cpu_description() -> str:
     if forced:
         line += " (forced: " + ", ".join(f"{key}={value}" for key, value in forced.items()) + ")"
     return line
+
+
+# --- threads on a busy machine ---------------------------------------------------------------------------------
+
+#: set to ``0`` to silence :func:`warn_if_oversubscribed`
+THREAD_CHECK_VARIABLE = "ET_ODE_THREAD_CHECK"
+_warned = False
+
+
+def available_cores() -> int:
+    """The cores this process may run on (its CPU affinity; ``os.cpu_count()`` where the OS does not say)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def load_average() -> float | None:
+    """The machine's load average over the last minute (``None`` where the OS has none)."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
+def oversubscription(threads: int | None = None) -> str | None:
+    """Why PyTorch's threads would fight for this machine's cores, with the fix; ``None`` when they would not.
+
+    The cores are oversubscribed when the load average (other processes' runnable threads) plus PyTorch's
+    ``threads`` (default :func:`torch.get_num_threads`) exceed the available cores by more than half a core:
+    OpenMP's threads then spin waiting for each other at every parallel region. On a 2-core machine under a load of
+    2-6 this made small solves 18-60x slower at 2 threads than at 1. One thread, or ``OMP_WAIT_POLICY=PASSIVE``
+    (threads sleep instead of spinning), is never flagged.
+    """
+    threads = torch.get_num_threads() if threads is None else threads
+    if threads <= 1 or os.environ.get("OMP_WAIT_POLICY", "").strip().upper() == "PASSIVE":
+        return None
+    load, cores = load_average(), available_cores()
+    if load is None or load + threads <= cores + 0.5:
+        return None
+    return (f"this machine is busy (load average {load:.1f} on {cores} available core{'s' * (cores != 1)}) and "
+            f"PyTorch runs {threads} threads, which then wait on each other: computations can be many times slower "
+            f"(18-60x measured on a loaded 2-core machine). Use one thread: `--threads 1` on et-ode commands, "
+            f"`torch.set_num_threads(1)` in Python, or start Python with OMP_WAIT_POLICY=PASSIVE. "
+            f"({THREAD_CHECK_VARIABLE}=0 silences this check.)")
+
+
+def warn_if_oversubscribed(threads: int | None = None) -> str | None:
+    """Warn (a ``RuntimeWarning``, once per process) when :func:`oversubscription` finds the cores oversubscribed;
+    returns its message, or ``None``. Skipped when the environment sets ``ET_ODE_THREAD_CHECK=0``."""
+    global _warned
+    if _warned or os.environ.get(THREAD_CHECK_VARIABLE, "1").strip() == "0":
+        return None
+    message = oversubscription(threads)
+    if message is not None:
+        _warned = True
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
+    return message

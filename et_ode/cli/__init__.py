@@ -30,15 +30,17 @@ import importlib
 import sys
 from collections.abc import Callable, Sequence
 
+from .. import runtime
 from ..solve import SolveError
 from .evaluate import add_evaluate
 from .image import add_complete, add_demo, add_train_image
+from .options import HelpFormatter
 
 
 def _add_train_graph(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "graph", help="graph classification (cross-validated) or node anomaly detection",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
         description="Train a graph ET (et_ode.tasks.graph): `classify` runs k-fold cross-validation on a TU data set; "
                     "`anomaly` scores the nodes of one graph against feature and GCN baselines.")
     _wire_lazily(parser, "et-ode train graph", "et_ode.cli.graph", "add_graph_train_arguments", "run_graph_train")
@@ -67,7 +69,7 @@ TRAIN_TASKS: dict[str, Callable[[argparse._SubParsersAction], None]] = {"image":
 
 def _add_analyze(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser("analyze", help="convergence, Lyapunov and stability report of a trained ET",
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                 formatter_class=HelpFormatter,
                                  description="Study the attractors of a trained ET block (e.g. OUT/et_block.pt with "
                                              "the token states OUT/tokens.pt written by `et-ode train`), or "
                                              "the official release's checkpoint on the tokens of photos "
@@ -96,6 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    threads = getattr(args, "threads", None)
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+    runtime.warn_if_oversubscribed()
     try:
         args.run(args)
     except (ValueError, FileNotFoundError, TypeError, SolveError) as error:

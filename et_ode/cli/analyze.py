@@ -18,6 +18,7 @@ from ..integration import Integration
 from ..solvers import FIXED_METHODS
 from .dynamics import add_dynamics_arguments, integration_from
 from .image import add_official_arguments
+from .options import add_threads_argument
 
 #: the analysis report's solve: its solver options (no gradient, no stop; the horizon is --t-end)
 DYNAMICS = Integration(solver=ANALYZE_SOLVER)
@@ -43,7 +44,7 @@ def add_analyze_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     parser.add_argument("--x0", type=Path, default=None,
                         help="torch-saved tensor of initial states (batch, N, D) (default: random)")
     parser.add_argument("--out", type=Path, default=Path("runs/analyze"),
-                        help="output folder, new or empty (default runs/analyze)")
+                        help="output folder, new or empty")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace the report in --out (a folder written by et-ode analyze)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random model and states")
@@ -55,7 +56,8 @@ def add_analyze_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
                         help="random model: Hopfield form")
     parser.add_argument("--tokens", type=int, default=8, help="random states: tokens N per sample")
     parser.add_argument("--batch", type=int, default=3, help="random states: number of samples")
-    parser.add_argument("--dtype", choices=tuple(DTYPES), default="float64")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="float64",
+                        help="precision of the model and the states (float64: the landscape tools need it)")
     parser.add_argument("--tau", type=float, default=1.0, help="time constant")
     add_dynamics_arguments(parser, DYNAMICS, options=("solver", "rtol", "atol", "step", "steps"))
     parser.add_argument("--t-end", type=float, default=30.0, help="end of the time span")
@@ -66,6 +68,7 @@ def add_analyze_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
                         help="add the landscape study of sample 0 (critical points, saddles, basins, asymptotic rate, "
                              "Lyapunov spectrum, continuation) and the Hessian along the trajectories; small models")
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    add_threads_argument(parser)
     return parser
 
 

@@ -15,7 +15,7 @@ from ..models.graph import PAPER_INTEGRATION, POOLS
 from ..tasks.graph import INTEGRATION_DEFAULTS, cross_validate, detect_anomalies
 from ..train import TrainConfig
 from .dynamics import add_dynamics_arguments
-from .options import add_run_folder_arguments
+from .options import add_run_folder_arguments, add_threads_argument
 
 #: the dynamics options of ``et-ode train graph`` (defaults: the task's, the paper's 12 Euler steps of 0.1)
 DYNAMICS_OPTIONS = ("solver", "t1", "rtol", "atol", "step", "steps", "gradient", "max_steps")
@@ -70,6 +70,7 @@ def add_graph_train_arguments(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--out", default=None,
                        help="output folder (checkpoints, metrics, results): new or empty, or see --resume, --overwrite")
     train.add_argument("--no-progress", action="store_true")
+    add_threads_argument(train)
     add_dynamics_arguments(parser, PAPER_INTEGRATION, options=DYNAMICS_OPTIONS)
     parser.set_defaults(**{name: INTEGRATION_DEFAULTS[name] for name in DYNAMICS_OPTIONS})
     add_run_folder_arguments(parser)

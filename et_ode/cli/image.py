@@ -23,7 +23,7 @@ from ..solvers import METHODS
 from ..tasks.image import DEMO_EPOCHS, DEMO_MINUTES, ImageRunConfig, complete, demo, train_image
 from ..train import TrainConfig
 from .dynamics import add_dynamics_arguments, integration_from
-from .options import add_command, add_run_folder_arguments
+from .options import add_command, add_run_folder_arguments, add_threads_argument
 
 
 def _max_threads() -> int:
@@ -195,6 +195,7 @@ def add_complete(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--t1", type=float, default=None, help="horizon (default: the run's)")
     parser.add_argument("--solver", default=None, choices=METHODS, help="ODE method (default: the run's)")
     parser.add_argument("--device", default="cpu", help="auto, cpu, cuda or cuda:i")
+    add_threads_argument(parser)
     parser.set_defaults(run=_run_complete)
 
 
@@ -263,6 +264,8 @@ def add_demo(commands: argparse._SubParsersAction) -> None:
                     f"attractor picture and the test MSEs.")
     parser.add_argument("--out", default="runs/demo", help="output folder")
     parser.add_argument("--quick", action="store_true", help="a smoke run on a few images (seconds; for tests)")
+    add_threads_argument(parser)
     add_run_folder_arguments(parser)
     parser.set_defaults(run=lambda args: print(json.dumps(_summary(
-        demo(args.out, quick=args.quick, resume=args.resume, overwrite=args.overwrite)), indent=2)))
+        demo(args.out, quick=args.quick, resume=args.resume, overwrite=args.overwrite, threads=args.threads)),
+        indent=2)))

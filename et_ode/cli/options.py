@@ -3,6 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import os
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` with each option's default, once: not where the help already names its default, nor for a
+    required option, an unset default (``None``) or an off switch (``False``)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if ("default" in text or action.required or action.default in (None, False, argparse.SUPPRESS)
+                or not action.option_strings):
+            return text
+        return super()._get_help_string(action)
 
 
 def add_command(commands: argparse._SubParsersAction, name: str, *, summary: str,
@@ -10,8 +23,27 @@ def add_command(commands: argparse._SubParsersAction, name: str, *, summary: str
     """A subcommand ``name`` whose ``--help`` shows ``description`` and every option's default (``summary`` is its
     line in the parent's list of commands)."""
     parser: argparse.ArgumentParser = commands.add_parser(name, help=summary, description=description,
-                                                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                                          formatter_class=HelpFormatter)
     return parser
+
+
+def thread_count(text: str) -> int:
+    """argparse type of ``--threads``: an integer from 1 to the machine's CPU count."""
+    most = os.cpu_count() or 1
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer number of threads, got {text!r}") from None
+    if not 1 <= value <= most:
+        raise argparse.ArgumentTypeError(f"must be from 1 to {most} (this machine's CPUs), got {value}")
+    return value
+
+
+def add_threads_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """``--threads N``: PyTorch's CPU threads for the command (applied by :func:`et_ode.cli.main` before it runs)."""
+    parser.add_argument("--threads", type=thread_count, default=None,
+                        help="torch CPU threads, 1 to this machine's CPU count (default: torch's choice; on a busy "
+                             "machine use 1, see et_ode.runtime.oversubscription)")
 
 
 def add_run_folder_arguments(parser: argparse.ArgumentParser) -> None:

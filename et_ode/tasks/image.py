@@ -429,7 +429,7 @@ TIGHT_INTEGRATION = Integration(solver=TIGHT_SOLVER, gradient=Direct(), max_step
 
 
 def demo(out_dir: str | Path = "runs/demo", *, quick: bool = False, resume: bool = False,
-         overwrite: bool = False) -> dict[str, Any]:
+         overwrite: bool = False, threads: int | None = None) -> dict[str, Any]:
     """Train the demo model and write ``out_dir/report.md`` with its pictures (see :func:`demo_config`).
 
     Pictures: completions against ground truth (``completions.png``), energy descent during inference and the
@@ -441,6 +441,8 @@ def demo(out_dir: str | Path = "runs/demo", *, quick: bool = False, resume: bool
     config = demo_config(quick)
     config.train.out_dir = str(out)
     config.train.resume, config.train.overwrite = resume, overwrite
+    if threads is not None:
+        config.threads = threads
     with runs.claim(out, config.to_dict(), resume=resume, overwrite=overwrite, may_change=RESUMABLE_CHANGES):
         return _demo(out, config)
 

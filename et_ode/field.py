@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass
+import threading
 
 import torch
 from torch import Tensor, nn
@@ -20,11 +20,42 @@ DERIVATIVES = ("analytic", "autograd")
 BACKENDS = ("auto", "fused", "reference")
 
 
-@dataclass
 class Evaluations:
-    """How many times a field was evaluated. Shared by copies of the field made by ``with_mask``."""
+    """How many times a field was evaluated, per thread. Shared by copies of the field made by ``with_mask``.
 
-    count: int = 0
+    Each thread adds to a count of its own (only that thread writes it, so concurrent solves never lose or share an
+    evaluation): :meth:`made` is the calling thread's running total (it never goes down, whatever ``reset_nfe``
+    does), :meth:`made_by` another thread's, ``count`` the evaluations of all threads since the last reset.
+    """
+
+    def __init__(self) -> None:
+        self._made: dict[int, int] = {}  # thread id -> evaluations that thread made
+        self._reset_at = 0
+
+    def add(self, evaluations: int = 1) -> None:
+        """Count ``evaluations`` made by the calling thread."""
+        thread = threading.get_ident()
+        self._made[thread] = self._made.get(thread, 0) + evaluations
+
+    def made(self) -> int:
+        """Evaluations the calling thread has made, since the field was built (monotonic)."""
+        return self._made.get(threading.get_ident(), 0)
+
+    def made_by(self, thread: int) -> int:
+        """Evaluations the thread ``thread`` (a ``threading.get_ident()``) has made, since the field was built."""
+        return self._made.get(thread, 0)
+
+    def _total(self) -> int:
+        return sum(list(self._made.values()))
+
+    @property
+    def count(self) -> int:
+        """Evaluations of all threads since the last reset."""
+        return self._total() - self._reset_at
+
+    @count.setter
+    def count(self, value: int) -> None:
+        self._reset_at = self._total() - value
 
 
 class ETField(nn.Module):
@@ -88,7 +119,8 @@ class ETField(nn.Module):
 
     @property
     def nfe(self) -> int:
-        """Number of evaluations of ``forward`` (and counted work) since the last reset."""
+        """Number of evaluations of ``forward`` (and counted work) since the last reset, by all threads (a solve's own
+        count is in its ``Solution.stats``)."""
         return self.evaluations.count
 
     def reset_nfe(self) -> None:
@@ -97,7 +129,7 @@ class ETField(nn.Module):
     def count_evaluations(self, evaluations: int = 1) -> None:
         """Add ``evaluations`` to ``nfe``: for methods that evaluate ``dE/dg`` (or a Hessian-vector product) through
         :meth:`dE_dg` rather than ``forward``, so that ``nfe`` counts all the work done with this field."""
-        self.evaluations.count += evaluations
+        self.evaluations.add(evaluations)
 
     def with_mask(self, mask: Mask) -> ETField:
         """A copy of this field bound to ``mask``, sharing the model and the evaluation counter."""
@@ -140,7 +172,7 @@ class ETField(nn.Module):
 
     def forward(self, t: Tensor | None, x: Tensor) -> Tensor:
         """``dx/dt``, shape of ``x``. Counted in ``nfe``."""
-        self.evaluations.count += 1
+        self.evaluations.add()
         return self.velocity(x)
 
     def velocity(self, x: Tensor) -> Tensor:

@@ -4,16 +4,18 @@ A *run folder* (``--out``) holds one run: ``config.json`` (its set-up), the chec
 :func:`claim` takes a folder for a run, in this order, before the run writes anything:
 
 1. ``out`` must not be an existing file.
-2. The lock ``out/.et-ode.lock`` is created with ``O_CREAT | O_EXCL`` and holds the pid, host, start time and
-   command line. A lock held by a live process refuses the run, naming that process; a lock left by a dead
-   process on this host (a killed run) is taken over with a warning.
+2. The lock ``out/.et-ode.lock`` is created complete in one step (a temporary file hard-linked into place) and
+   holds the pid, host, start time and command line. A lock held by a live process refuses the run, naming that
+   process; a lock left by a dead process on this host (a killed run), an empty one or one without a valid
+   record is taken over with a warning. Once it is held, temporary files (``.*.tmp``) of killed writes are deleted.
 3. A folder with files needs ``resume=True`` or ``overwrite=True``. A resume compares the whole set-up with
    the folder's ``config.json`` and refuses any change (a table of the differences), except in the settings
    named ``may_change`` (how a run executes: device, threads, progress bars, ...). An overwrite empties the
    folder, and only a folder that holds an et-ode run (a ``config.json``).
-4. ``config.json`` is written once the run is accepted (a resume keeps the original).
+4. ``config.json`` is written once the run is accepted (a resume keeps the original); a run that fails before
+   writing anything else takes it back, leaving the folder as it found it.
 
-The lock is released when the ``with`` block ends, however it ends. Within one process the lock is
+The lock is released when the ``with`` block ends, however it ends (a full disk included). Within one process the lock is
 re-entrant, so the training loop (:func:`et_ode.train.fit`) can lock the folder its caller claimed, and a nested
 claim of a folder the process holds is accepted without the checks (the outer claim made them).
 
@@ -22,6 +24,7 @@ Public API::
     with claim(out, setup, *, resume=False, overwrite=False, may_change=()) as out: ...
     with lock(out): ...
     RunFolderError      # ValueError: the folder is a file, not empty, in use, or holds another set-up
+    RunWriteError       # RunFolderError: a full or read-only disk, naming the file (errno kept)
 
 The command-line flags ``--resume`` / ``--overwrite`` are :func:`et_ode.cli.options.add_run_folder_arguments`.
 """
@@ -46,8 +49,20 @@ _held: dict[Path, int] = {}  # folders this process has locked -> nesting depth
 
 
 class RunFolderError(ValueError):
-    """An output folder that cannot be used as asked: a file, a folder of another run, in use, or a resume
-    with a changed set-up. The message says what is there and what to do."""
+    """An output folder that cannot be used as asked: a file, a dangling link, a folder of another run, in use, or a
+    resume with a changed set-up. The message says what is there and what to do."""
+
+
+class RunWriteError(RunFolderError):
+    """A file of a run folder could not be written or created (a full or read-only disk, no permission): the
+    message names the file and the operating system's reason, ``errno`` holds its code. Nothing half-written is
+    left behind, and the folder's lock is released."""
+
+    def __init__(self, path: Path, error: OSError):
+        super().__init__(f"cannot write {path}: {error.strerror or error} (errno {error.errno}); free space or "
+                         f"choose a writable --out")
+        self.errno = error.errno
+        self.path = path
 
 
 def _alive(pid: int) -> bool:
@@ -57,21 +72,152 @@ def _alive(pid: int) -> bool:
         return False
     except PermissionError:  # another user's live process
         return True
+    except (OverflowError, ValueError, OSError):  # not a process id this system can have
+        return False
     return True
 
 
 def _check_folder(out: Path) -> None:
+    if out.is_symlink() and not out.exists():
+        raise RunFolderError(f"--out/out_dir {out} is a symbolic link to {os.readlink(out)!r}, which does not exist; "
+                             f"create its target or give another folder")
     if out.exists() and not out.is_dir():
         raise RunFolderError(f"--out/out_dir {out} is an existing file, not a folder; give a folder (new or empty, "
                              f"or a run folder with --resume / --overwrite)")
+
+
+def write_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` atomically (a temporary file beside it, fsync, ``os.replace``).
+
+    Raises:
+        RunWriteError: the disk refused (full, read-only, no permission), naming ``path``; no temporary file is left.
+    """
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(temporary, "w") as file:
+            file.write(text)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except OSError as error:
+        with contextlib.suppress(OSError):
+            temporary.unlink()
+        raise RunWriteError(path, error) from None
+
+
+def _lock_record() -> dict[str, Any]:
+    return {"pid": os.getpid(), "host": socket.gethostname(),
+            "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": " ".join(sys.argv)}
+
+
+def _create_lock(path: Path, text: str) -> bool:
+    """Create ``path`` holding ``text`` in one step (a complete temporary file hard-linked to ``path``): True, or
+    False when ``path`` exists. RunWriteError when the disk refuses."""
+    temporary = path.with_name(f"{path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
+    try:
+        handle = os.open(temporary, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        with os.fdopen(handle, "w") as file:
+            file.write(text)
+            file.flush()
+            os.fsync(file.fileno())
+        os.link(temporary, path)
+        return True
+    except FileExistsError:
+        return False
+    except OSError as error:
+        raise RunWriteError(path, error) from None
+    finally:
+        with contextlib.suppress(OSError):
+            temporary.unlink()
+
+
+def _stale(raw: bytes, host: str) -> tuple[str | None, dict[str, Any]]:
+    """Why the lock holding ``raw`` can be taken over (None: it cannot, a live or unknown process holds it), and the
+    record it holds."""
+    try:
+        other = json.loads(raw)
+    except (ValueError, RecursionError):
+        other = None
+    if not isinstance(other, dict):
+        return ("it is empty" if not raw.strip() else "it holds no lock record"), {}
+    pid = other.get("pid")
+    if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
+        return f"it names no process (pid {pid!r})", other
+    if other.get("host") == host and not _alive(pid):
+        return f"process {pid} is no longer running (started {other.get('started')})", other
+    return None, other
+
+
+def _take_over(path: Path, raw: bytes) -> bool:
+    """Move the stale lock ``path`` (read as ``raw``) aside and delete it: True, or False when ``path`` changed
+    meanwhile (another process took it first; then its lock is put back)."""
+    aside = path.with_name(f"{path.name}.{os.getpid()}.stale.tmp")
+    try:
+        os.replace(path, aside)
+    except FileNotFoundError:
+        return True  # gone already
+    try:
+        if aside.read_bytes() != raw:
+            with contextlib.suppress(OSError):
+                os.link(aside, path)
+            return False
+        return True
+    finally:
+        with contextlib.suppress(OSError):
+            aside.unlink()
+
+
+def _acquire(out: Path, path: Path) -> None:
+    record = _lock_record()
+    text = json.dumps(record)
+    for _attempt in range(5):
+        if _create_lock(path, text):
+            return
+        try:
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            continue
+        except OSError as error:
+            raise RunFolderError(f"{out}: its lock {path} cannot be read ({error.strerror}); delete it if no run "
+                                 f"uses the folder") from None
+        reason, other = _stale(raw, record["host"])
+        if reason is None:
+            raise RunFolderError(
+                f"{out} is in use by another run: process {other.get('pid')} on host {other.get('host')!r}, started "
+                f"{other.get('started')} ({other.get('command', '?')!r}). Wait for it to finish or choose another "
+                f"--out; if that process is gone, delete {path}")
+        if _take_over(path, raw):
+            warnings.warn(f"{path}: taking over the lock of process {other.get('pid')}: {reason}", stacklevel=4)
+    raise RunFolderError(f"{out}: could not take its lock {path} (other processes keep taking it); try again")
+
+
+def _clean_temporaries(out: Path) -> None:
+    """Delete the temporary files (``.*.tmp``) that killed writes left in ``out`` and its subfolders; a lock's
+    temporary file is kept while the process named in it runs."""
+    for folder, _dirs, files in os.walk(out):
+        for name in files:
+            if not (name.startswith(".") and name.endswith(".tmp")):
+                continue
+            if name.startswith(f"{LOCK_NAME}."):
+                pid = name[len(LOCK_NAME) + 1:].split(".")[0]
+                if pid.isdigit() and _alive(int(pid)):
+                    continue
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(folder, name))
 
 
 @contextlib.contextmanager
 def lock(out: str | os.PathLike[str]) -> Iterator[Path]:
     """Hold ``out/.et-ode.lock`` while the block runs (see the module docstring); re-entrant in one process.
 
+    The lock file is created complete in one step (a temporary file hard-linked into place). A lock that is empty,
+    holds no valid record, or names a process of this host that no longer runs is taken over with a warning.
+    Once held, the temporary files (``.*.tmp``) that killed writes left in ``out`` are deleted.
+
     Raises:
-        RunFolderError: ``out`` is a file, or another live process holds the lock (named in the message).
+        RunFolderError: ``out`` is a file or a dangling link, or another live process holds the lock (named).
+        RunWriteError: the folder or its lock cannot be created (full or read-only disk), naming the path.
     """
     out = Path(out)
     _check_folder(out)
@@ -83,38 +229,20 @@ def lock(out: str | os.PathLike[str]) -> Iterator[Path]:
         finally:
             _held[key] -= 1
         return
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise RunWriteError(out, error) from None
     path = out / LOCK_NAME
-    record = {"pid": os.getpid(), "host": socket.gethostname(),
-              "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "command": " ".join(sys.argv)}
-    for _attempt in range(2):
-        try:
-            handle = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            try:
-                other = json.loads(path.read_text())
-            except (OSError, ValueError):
-                other = {}
-            pid, host = other.get("pid"), other.get("host")
-            if isinstance(pid, int) and host == record["host"] and not _alive(pid):
-                warnings.warn(f"{path}: taking over the lock of process {pid}, which is no longer running "
-                              f"(started {other.get('started')})", stacklevel=3)
-                path.unlink(missing_ok=True)
-                continue
-            raise RunFolderError(
-                f"{out} is in use by another run: process {pid} on host {host!r}, started {other.get('started')} "
-                f"({other.get('command', '?')!r}). Wait for it to finish or choose another --out; if that process "
-                f"is gone, delete {path}") from None
-        with os.fdopen(handle, "w") as file:
-            file.write(json.dumps(record))
-        break
+    _acquire(out, path)
     _held[key] = 1
     try:
+        _clean_temporaries(out)
         yield out
     finally:
         del _held[key]
-        path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            path.unlink()
 
 
 def _flat(values: Any, prefix: str = "") -> dict[str, Any]:
@@ -151,11 +279,15 @@ def claim(out: str | os.PathLike[str], setup: dict[str, Any], *, resume: bool = 
           may_change: Iterable[str] = ()) -> Iterator[Path]:
     """Take ``out`` for a run whose set-up is ``setup`` (JSON-like); see the module docstring.
 
+    A run that raises before it writes anything (bad arguments, missing data) leaves ``out`` as it was: the
+    ``config.json`` written here is removed, and so is the folder if this claim created it.
+
     Raises:
-        RunFolderError: ``out`` is a file; it holds files and neither ``resume`` nor ``overwrite`` was given;
-            ``resume`` with a set-up that differs from ``out/config.json`` (a table of the differences);
-            ``overwrite`` of a folder that is not an et-ode run; another live process holds the lock.
+        RunFolderError: ``out`` is a file or a dangling link; it holds files and neither ``resume`` nor
+            ``overwrite`` was given; ``resume`` with a set-up that differs from ``out/config.json`` (a table of the
+            differences); ``overwrite`` of a folder that is not an et-ode run; another live process holds the lock.
             Nothing in ``out`` has changed when it is raised.
+        RunWriteError: a full or read-only disk, naming the file.
     """
     out = Path(out)
     if resume and overwrite:
@@ -165,39 +297,89 @@ def claim(out: str | os.PathLike[str], setup: dict[str, Any], *, resume: bool = 
         with lock(out):
             yield out
         return
-    with lock(out):
-        entries = sorted(p.name for p in out.iterdir() if p.name != LOCK_NAME)
-        config = out / CONFIG_NAME
-        if entries and resume:
-            if config.is_file():
-                try:
-                    saved = json.loads(config.read_text())
-                except ValueError as error:
-                    raise RunFolderError(f"cannot resume {out}: its {CONFIG_NAME} is not valid JSON ({error})") from None
-                rows = differences(saved, setup, may_change)
-                if rows:
-                    raise RunFolderError(
-                        f"cannot resume {out}: the set-up differs from the run's {config}:\n{_table(rows)}\n"
-                        f"Resume with the run's settings, start a new --out, or replace the run with --overwrite")
+    created, wrote = not out.exists(), False
+    try:
+        with lock(out):
+            wrote = _prepare(out, setup, resume, overwrite, may_change)
+            try:
+                yield out
+            except BaseException:
+                if wrote:
+                    _forget_setup(out)
+                raise
+    except BaseException:
+        if created:
+            with contextlib.suppress(OSError):
+                out.rmdir()  # only when empty
+        raise
+
+
+def _prepare(out: Path, setup: dict[str, Any], resume: bool, overwrite: bool, may_change: Iterable[str]) -> bool:
+    """The checks of :func:`claim` in the locked folder, then its ``config.json``: whether it was written here."""
+    entries = sorted(p.name for p in out.iterdir() if p.name != LOCK_NAME)
+    config = out / CONFIG_NAME
+    if entries and resume:
+        _check_resume(out, config, setup, may_change)
+    elif entries and overwrite:
+        if not config.is_file():
+            raise RunFolderError(f"--overwrite refused: {out} holds {_listing(entries)} but no {CONFIG_NAME}, so "
+                                 f"it is not an et-ode run folder; et-ode only empties folders it wrote")
+        for name in entries:
+            target = out / name
+            if target.is_dir() and not target.is_symlink():
+                shutil.rmtree(target)
             else:
-                warnings.warn(f"{out} has no {CONFIG_NAME} (a run from an older et-ode?): its set-up cannot be "
-                              f"compared; resuming on trust", stacklevel=3)
-        elif entries and overwrite:
-            if not config.is_file():
-                raise RunFolderError(f"--overwrite refused: {out} holds {_listing(entries)} but no {CONFIG_NAME}, so "
-                                     f"it is not an et-ode run folder; et-ode only empties folders it wrote")
-            for name in entries:
-                target = out / name
-                if target.is_dir() and not target.is_symlink():
-                    shutil.rmtree(target)
-                else:
-                    target.unlink()
-        elif entries:
-            raise RunFolderError(f"{out} is not empty ({_listing(entries)}): it holds another run. Continue it "
-                                 f"with --resume (same set-up), replace it with --overwrite, or choose a new --out")
-        if not (resume and config.is_file()):
-            config.write_text(json.dumps(setup, indent=2))
-        yield out
+                target.unlink()
+    elif entries:
+        raise RunFolderError(f"{out} is not empty ({_listing(entries)}): it holds another run. Continue it "
+                             f"with --resume (same set-up), replace it with --overwrite, or choose a new --out")
+    if resume and config.is_file():
+        return False
+    write_text(config, json.dumps(setup, indent=2))
+    return True
+
+
+def _check_resume(out: Path, config: Path, setup: dict[str, Any], may_change: Iterable[str]) -> None:
+    if config.is_symlink() or (config.exists() and not config.is_file()):
+        raise RunFolderError(f"cannot resume {out}: its {CONFIG_NAME} is not a regular file")
+    if not config.is_file():
+        warnings.warn(f"{out} has no {CONFIG_NAME} (a run from an older et-ode?): its set-up cannot be "
+                      f"compared; resuming on trust", stacklevel=5)
+        return
+    saved = read_config(config)
+    rows = differences(saved, setup, may_change)
+    if rows:
+        raise RunFolderError(
+            f"cannot resume {out}: the set-up differs from the run's {config}:\n{_table(rows)}\n"
+            f"Resume with the run's settings, start a new --out, or replace the run with --overwrite")
+
+
+MAX_CONFIG_BYTES = 16 * 2**20
+
+
+def read_config(config: Path) -> dict[str, Any]:
+    """A run's ``config.json``: a JSON object of at most ``MAX_CONFIG_BYTES`` (RunFolderError naming the file
+    otherwise: too large, not JSON, nested too deep, not an object)."""
+    try:
+        size = config.stat().st_size
+        if size > MAX_CONFIG_BYTES:
+            raise RunFolderError(f"{config} holds {size} bytes, more than a run's set-up ({MAX_CONFIG_BYTES})")
+        saved = json.loads(config.read_text())
+    except RecursionError:
+        raise RunFolderError(f"{config} is nested too deeply to be a run's set-up") from None
+    except (ValueError, OSError) as error:
+        raise RunFolderError(f"cannot resume from {config}: not a readable JSON file ({error})") from None
+    if not isinstance(saved, dict):
+        raise RunFolderError(f"{config} does not hold a run's set-up (a JSON object), got {type(saved).__name__}")
+    return saved
+
+
+def _forget_setup(out: Path) -> None:
+    """Remove the ``config.json`` a claim wrote when the run left nothing else in ``out``."""
+    entries = {p.name for p in out.iterdir()} - {LOCK_NAME, CONFIG_NAME}
+    if not entries:
+        with contextlib.suppress(OSError):
+            (out / CONFIG_NAME).unlink()
 
 
 def _listing(entries: list[str], limit: int = 5) -> str:

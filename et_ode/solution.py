@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -26,15 +27,60 @@ class Status(str, Enum):
         return self.value
 
 
+class BackwardTally:
+    """The field evaluations made by the backward passes through one solve's outputs, fixed as each pass ends.
+
+    A pass opens the tally when its gradient reaches the solution (:func:`tally_backward`), in the thread that runs
+    that part of the backward, and closes it when the whole pass has finished (the autograd engine's end-of-pass
+    callback), adding the evaluations that thread made in between. Nothing read later changes it: other solves,
+    ``reset_nfe()``, other threads. Evaluations of the same field by another solve's backward in the same pass are
+    counted by both.
+    """
+
+    def __init__(self, field: ETField):
+        self.evaluations = field.evaluations
+        self.count = 0
+        self._open: tuple[int, int] | None = None  # (thread, its evaluations when the pass reached the solution)
+        self._lock = threading.Lock()
+
+    def open(self) -> None:
+        """Called when a backward pass reaches the solution (:func:`tally_backward`): starts the count for this pass."""
+        with self._lock:
+            if self._open is not None:
+                return
+            thread = threading.get_ident()
+            self._open = (thread, self.evaluations.made_by(thread))
+        torch.autograd.Variable._execution_engine.queue_callback(self.close)  # type: ignore[attr-defined]
+
+    def close(self) -> None:
+        """The end of the pass: adds its evaluations."""
+        with self._lock:
+            if self._open is None:
+                return
+            thread, start = self._open
+            self.count += self.evaluations.made_by(thread) - start
+            self._open = None
+
+
+def tally_backward(x: Tensor | None, tally: BackwardTally) -> None:
+    """Open ``tally`` when a backward pass reaches ``x`` (a hook on ``x``); nothing when no gradient flows through
+    ``x`` or it is a leaf (no solve behind it)."""
+    if x is None or not x.requires_grad or x.grad_fn is None:
+        return
+    x.register_hook(lambda grad: tally.open())
+
+
 @dataclass
 class SolveStats:
     """Statistics of one solve.
 
-    ``nfe_forward`` counts the field evaluations (``field.nfe``) until ``solve`` returned, the stopping test's and,
-    with :class:`~et_ode.Implicit`, the polishing of the end state into an attractor included; ``wall_time`` is the
-    same span's. ``nfe_backward`` counts the field evaluations made after the forward solve returned (the
-    adjoint's backward pass, or the implicit solver's Hessian-vector products), so read it after
-    ``loss.backward()``. ``sample_evaluations`` adds up the batch size of every forward evaluation: with
+    ``nfe_forward`` counts the field evaluations until ``solve`` returned, made by the thread that called it (so
+    solves in other threads sharing the field are not counted), the stopping test's and, with
+    :class:`~et_ode.Implicit`, the polishing of the end state into an attractor included; ``wall_time`` is the
+    same span's. ``nfe_backward`` counts the field evaluations of the backward passes through the solution (the
+    adjoint's backward solve, or the implicit solver's Hessian-vector products): 0 until a backward pass through
+    ``Solution.x``, ``Solution.g`` or ``Solution.xs`` has finished, then fixed (see :class:`BackwardTally`).
+    ``sample_evaluations`` adds up the batch size of every forward evaluation: with
     ``SteadyState(per_sample=True)`` converged samples leave the batch, so it falls below ``nfe_forward * batch``.
     ``stop_times`` (with a stop) holds the time at which each sample stopped, shape ``(*batch,)``;
     ``steady_state_measure`` names the quantity the stop tested (``"dg_dt"``: RMS ``|dg/dt|``;
@@ -47,15 +93,19 @@ class SolveStats:
     wall_time: float
     t_final: float
     status: Status
-    field: ETField = dataclasses.field(repr=False)  # whose public ``nfe`` counts the backward evaluations
-    nfe_at_return: int = dataclasses.field(repr=False)
+    field: ETField = dataclasses.field(repr=False)  # the field integrated
+    nfe_at_return: int = dataclasses.field(repr=False)  # the field's ``nfe`` when the solve returned
     sample_evaluations: int = 0
     stop_times: Tensor | None = None
     steady_state_measure: str | None = None
+    backward: BackwardTally = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.backward = BackwardTally(self.field)
 
     @property
     def nfe_backward(self) -> int:
-        return self.field.nfe - self.nfe_at_return
+        return self.backward.count
 
     def as_dict(self) -> dict[str, Any]:
         return {"nfe_forward": self.nfe_forward, "nfe_backward": self.nfe_backward,
@@ -87,6 +137,11 @@ class Solution:
     g: Tensor
     stats: SolveStats
     field: ETField = dataclasses.field(repr=False)
+
+    def __post_init__(self) -> None:
+        """A backward pass that reaches ``x``, ``g`` or ``xs`` opens ``stats.backward``."""
+        for tensor in (self.x, self.g, self.xs):
+            tally_backward(tensor, self.stats.backward)
 
     @property
     def mask(self) -> Mask:

@@ -86,7 +86,7 @@ def solve(
         stop.check(x0, save)
 
     progress = Progress()
-    nfe_before = field.nfe
+    nfe_before = field.evaluations.made()  # this thread's count: solves in other threads are not this one's
     started = time.perf_counter()
     try:
         grid = solver.time_grid(t, field.tau, x0.device, max_steps)
@@ -95,7 +95,7 @@ def solve(
         partial = _partial_solution(field, progress, x0, nfe_before, time.perf_counter() - started)
         raise SolveError(f"solve failed ({solver.name}): {failure}; {failure.advice}", time=failure.time,
                          solution=partial) from failure
-    stats = SolveStats(nfe_forward=field.nfe - nfe_before,
+    stats = SolveStats(nfe_forward=field.evaluations.made() - nfe_before,
                        accepted_steps=progress.accepted if solver.adaptive else progress.steps,
                        rejected_steps=progress.rejected, wall_time=time.perf_counter() - started,
                        t_final=float(result.ts[-1]), status=result.status, field=field, nfe_at_return=field.nfe,
@@ -110,7 +110,7 @@ def _partial_solution(field: ETField, progress: Progress, x0: Tensor, nfe_before
     ts = torch.tensor([t_last], dtype=torch.float64)
     with torch.no_grad():
         g = field.model.neuron(x_last)
-    stats = SolveStats(nfe_forward=field.nfe - nfe_before, accepted_steps=progress.accepted or progress.steps,
+    stats = SolveStats(nfe_forward=field.evaluations.made() - nfe_before, accepted_steps=progress.accepted or progress.steps,
                        rejected_steps=progress.rejected, wall_time=wall_time, t_final=t_last, status=Status.FAILED,
                        field=field, nfe_at_return=field.nfe, sample_evaluations=progress.sample_evaluations)
     return Solution(ts=ts, xs=x_last[None], x=x_last, g=g, stats=stats, field=field)

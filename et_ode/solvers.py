@@ -159,8 +159,13 @@ class Fixed:
         """Every floating-point state works (fixed steps need no error estimate)."""
 
     def time_grid(self, t: Tensor | Sequence[float] | None, tau: float, device: torch.device, max_steps: int) -> Tensor:
-        """The output times ``(T,)``, float64; :class:`SolverFailure` if the steps they take exceed ``max_steps``."""
+        """The output times ``(T,)``, float64; :class:`SolverFailure` if the steps they take exceed ``max_steps``;
+        ValueError naming ``t`` if its span is below the float64 resolution of ``step_size`` (no step to take)."""
         grid = output_grid(t, device)
+        if self.step_size is not None and float((grid[-1] - grid[0]) / self.step_size) + 1.0 == 1.0:
+            raise ValueError(f"t spans {float(grid[-1] - grid[0]):.3g}, below the float64 resolution of "
+                             f"step_size={self.step_size}: its step grid would hold no step; lengthen t or "
+                             f"shorten step_size")
         planned = len(grid) - 1 if self.step_size is None else int(torch.ceil((grid[-1] - grid[0]) / self.step_size))
         if planned > max_steps:
             raise SolverFailure(f"{planned} fixed steps planned from t={float(grid[0]):.6g} to {float(grid[-1]):.6g}, "
@@ -207,11 +212,10 @@ class EulerET:
         """Every floating-point state works."""
 
     def time_grid(self, t: Tensor | Sequence[float] | None, tau: float, device: torch.device, max_steps: int) -> Tensor:
-        """``t0 + k alpha tau`` for ``k = 0 .. steps``, float64; ``t`` must be None or ``(t0,)`` (ValueError naming
-        it); :class:`SolverFailure` before anything is built if ``steps`` exceeds ``max_steps``."""
-        if t is not None and not isinstance(t, (tuple, list)):
-            raise ValueError("EulerET builds its grid from alpha and steps; give t=None or t=(t0,)")
-        t0 = float(t[0]) if t else 0.0
+        """``t0 + k alpha tau`` for ``k = 0 .. steps``, float64; ``t`` must be None or ``(t0,)`` with a finite ``t0``
+        (anything else, an end time included, is a ValueError naming ``t``); :class:`SolverFailure` before anything is
+        built if ``steps`` exceeds ``max_steps``."""
+        t0 = _euler_start(t)
         if self.steps > max_steps:
             raise SolverFailure(f"steps={self.steps} is more than max_steps={max_steps}", t0,
                                 "raise max_steps or take fewer, larger steps")
@@ -221,6 +225,20 @@ class EulerET:
         """Without a stop the steps are the grid itself; the event loop of a stop needs the step size."""
         options = dict(step_size=self.alpha * tau) if stepping_to_event else {}
         return dict(method="euler", rtol=CORRECTOR_RTOL, atol=CORRECTOR_ATOL, options=options)
+
+
+def _euler_start(t: object) -> float:
+    """The start time of an :class:`EulerET` grid: 0 for ``t=None``, ``t0`` for ``t=(t0,)`` (a finite real number);
+    ValueError naming ``t`` for anything else (an end time, a grid, a tensor)."""
+    if t is None:
+        return 0.0
+    if not isinstance(t, (tuple, list)) or len(t) != 1:
+        raise ValueError(f"EulerET builds its grid from alpha and steps (horizon steps * alpha * tau); give t=None or "
+                         f"t=(t0,), got t={t!r}; for an end time use Fixed('euler', step_size=...) with t=(t0, t1)")
+    (start,) = t
+    if isinstance(start, bool) or not isinstance(start, (int, float)) or not math.isfinite(start):
+        raise ValueError(f"t=(t0,) needs a finite real t0 with EulerET, got t={t!r}")
+    return float(start)
 
 
 Solver = Adaptive | Fixed | EulerET

@@ -1,0 +1,130 @@
+"""Run folders that survive faults: locks created complete and taken over when stale, released on every exit path
+(a full disk included), temporary files of killed writes cleaned, and runs that never started leave no trace."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import socket
+
+import pytest
+
+from et_ode import runs
+from et_ode.cli import main
+from et_ode.runs import CONFIG_NAME, LOCK_NAME, RunFolderError, RunWriteError, claim, lock
+
+
+def _full_disk(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_space(descriptor: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(runs.os, "fsync", no_space)
+
+
+@pytest.mark.parametrize("content", [b"", b"   \n", b"\x00\xff garbage", b"[1, 2]", b'{"pid": "12"}',
+                                     b'{"pid": -4, "host": "x"}', b'{"pid": true}',
+                                     json.dumps({"pid": 2**70, "host": socket.gethostname()}).encode()])
+def test_an_empty_garbage_or_impossible_lock_is_taken_over(tmp_path, content):
+    (tmp_path / LOCK_NAME).write_bytes(content)
+    with pytest.warns(UserWarning, match="taking over the lock"), lock(tmp_path):
+        record = json.loads((tmp_path / LOCK_NAME).read_text())
+        assert record["pid"] == os.getpid() and record["host"] == socket.gethostname()
+    assert not (tmp_path / LOCK_NAME).exists()
+
+
+def test_a_live_process_on_another_host_keeps_its_lock(tmp_path):
+    (tmp_path / LOCK_NAME).write_text(json.dumps({"pid": 1, "host": "elsewhere", "started": "x"}))
+    with pytest.raises(RunFolderError, match="process 1 on host 'elsewhere'"), lock(tmp_path):
+        pass
+    assert (tmp_path / LOCK_NAME).exists()
+
+
+def test_a_full_disk_while_locking_is_a_named_error_and_leaves_no_lock(tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    with monkeypatch.context() as patch:
+        _full_disk(patch)
+        with pytest.raises(RunWriteError, match=rf"{LOCK_NAME}.*No space left") as caught, lock(out):
+            pass
+    assert caught.value.errno == errno.ENOSPC and isinstance(caught.value, RunFolderError)
+    assert os.listdir(out) == []  # neither a lock nor a temporary file
+    with lock(out):  # the folder is usable once space is back
+        assert (out / LOCK_NAME).exists()
+
+
+def test_a_full_disk_while_writing_the_setup_releases_the_lock(tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    real_fsync = os.fsync
+    calls = []
+
+    def fail_second(descriptor: int) -> None:  # the lock is written, then the disk fills
+        calls.append(descriptor)
+        if len(calls) > 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_fsync(descriptor)
+
+    monkeypatch.setattr(runs.os, "fsync", fail_second)
+    with pytest.raises(RunWriteError, match=rf"{CONFIG_NAME}"), claim(out, {"a": 1}):
+        pass
+    monkeypatch.undo()
+    assert not out.exists()  # the folder it created is gone: nothing left
+    with claim(out, {"a": 1}):
+        pass
+    assert json.loads((out / CONFIG_NAME).read_text()) == {"a": 1}
+
+
+def test_temporary_files_of_killed_writes_are_cleaned_at_the_next_start(tmp_path):
+    (tmp_path / "fold0").mkdir()
+    stray = [tmp_path / ".checkpoint.safetensors.ab12.tmp", tmp_path / "fold0" / ".metrics.csv.x.tmp",
+             tmp_path / f"{LOCK_NAME}.999999999.ffff.tmp"]
+    for path in stray:
+        path.write_bytes(b"partial")
+    mine = tmp_path / f"{LOCK_NAME}.{os.getpid()}.beef.tmp"  # a lock being written by a live process
+    mine.write_bytes(b"{")
+    kept = tmp_path / "notes.tmp"
+    kept.write_text("not a temporary file of et-ode")
+    with lock(tmp_path):
+        assert not any(path.exists() for path in stray) and mine.exists() and kept.exists()
+
+
+def test_a_dangling_symlink_out_is_a_named_error(tmp_path):
+    link = tmp_path / "out"
+    link.symlink_to(tmp_path / "missing")
+    with pytest.raises(RunFolderError, match=r"symbolic link to .*missing.*does not exist"), claim(link, {}):
+        pass
+
+
+def test_a_run_that_fails_before_writing_leaves_the_folder_as_it_was(tmp_path):
+    new, empty = tmp_path / "new", tmp_path / "empty"
+    empty.mkdir()
+    for out in (new, empty):
+        with pytest.raises(ValueError, match="bad argument"), claim(out, {"a": 1}):
+            raise ValueError("bad argument")
+    assert not new.exists() and os.listdir(empty) == []
+    with pytest.raises(KeyboardInterrupt), claim(empty, {"a": 1}) as out:
+        (out / "metrics.csv").write_text("epoch\n1\n")
+        raise KeyboardInterrupt
+    assert sorted(os.listdir(empty)) == [CONFIG_NAME, "metrics.csv"]  # a started run keeps its set-up
+
+
+def test_the_corrected_command_is_accepted_after_a_refused_one(tmp_path, capsys):
+    out = tmp_path / "graph-run"
+    assert main(["train", "graph", "classify", "--root", "", "--out", str(out)]) == 2
+    assert "needs --root" in capsys.readouterr().err and not out.exists()
+
+
+@pytest.mark.parametrize("kind", ["directory", "deep", "list", "huge"])
+def test_a_resume_refuses_a_setup_file_that_is_not_a_setup(tmp_path, kind):
+    config = tmp_path / CONFIG_NAME
+    if kind == "directory":
+        config.mkdir()
+    elif kind == "deep":
+        config.write_text("[" * 100_000 + "]" * 100_000)
+    elif kind == "list":
+        config.write_text("[1, 2]")
+    else:
+        with open(config, "wb") as file:
+            file.truncate(runs.MAX_CONFIG_BYTES + 1)
+    (tmp_path / "metrics.csv").write_text("")
+    with pytest.raises(RunFolderError, match=CONFIG_NAME), claim(tmp_path, {"a": 1}, resume=True):
+        pass

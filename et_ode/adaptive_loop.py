@@ -1,0 +1,440 @@
+"""et-ode's own embedded Runge-Kutta loop (dopri5, bosh3), with step-size control per sample or shared by the batch.
+
+The state is held as ``G`` groups of ``M`` numbers, ``(G, 1, M)``: per sample (``per_sample=True``) a group is one
+sample (``G = batch``, ``M = N * D``); shared, the whole batch is one group (``G = 1``: one step size, one error norm
+over the whole state, torchdiffeq's semantics). A step forms every stage input in one fused ``baddbmm`` of the step's
+weights ``dt * a`` (per group) with the stages so far, kept in one preallocated buffer ``(G, S, M)``; without
+gradients nothing state-sized is allocated per step except the field's own outputs. Each group has its own time,
+step size, error norm ``RMS(err / (atol + rtol max(|y0|, |y1|)))`` and accept/reject; a group that reaches the end
+leaves the active batch (compaction), so later steps only evaluate the samples still running. Every operation on a
+group reads that group's numbers only, so a sample's trajectory does not depend on the batch around it wherever the
+field's own evaluation does not (see the tests for the ET field's last-bit differences across batch sizes).
+
+The controller is diffrax's PID form (Soderlind): ``factor = safety * e_n^-(p+i+d)/k * e_{n-1}^(p+2d)/k *
+e_{n-2}^-d/k`` with ``k`` the error order, clipped to ``[1, 10]`` after an accepted step and ``[0.2, safety]`` after a
+rejected one; ``(p, i, d) = (0, 1, 0)`` is torchdiffeq's I-controller. The first step is chosen per group as
+torchdiffeq and diffrax do (Hairer, Norsett and Wanner, II.4). The last step of a group ends exactly at the end of the
+span; the states at the output times inside a step come from the method's interpolant (dopri5: Shampine's quartic
+through the midpoint, as torchdiffeq; bosh3: the Hermite cubic), so saving costs no extra steps.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from .field import ETField
+from .solvers import BUDGET_ADVICE, SolverFailure
+
+SAFETY, FACTOR_MIN, FACTOR_MAX = 0.9, 0.2, 10.0
+I_CONTROLLER = (0.0, 1.0, 0.0)  # (pcoeff, icoeff, dcoeff)
+PID_COEFFICIENTS = (0.4, 0.3, 0.0)  # one of diffrax's suggestions for error estimates that do not vary smoothly
+UNDERFLOW_ADVICE = ("the dynamics overflowed or became too stiff for the solver there: use float64 (x0 and model), "
+                    "tighter rtol/atol, or smaller weights")
+
+Progress = Callable[[Tensor, Tensor], None]
+
+
+@dataclass(frozen=True)
+class Tableau:
+    """An explicit embedded pair whose last stage is evaluated at the solution (first same as last).
+
+    ``c``: the stage times ``(S,)`` as fractions of the step; ``a``: the weights of the stage inputs of stages
+    ``1 .. S-1`` (row ``i-1`` has ``i`` entries; the last row gives the solution); ``e``: the error weights ``(S,)``
+    (solution minus embedded solution); ``error_order``: the order of the embedded solution plus one; ``mid``: the
+    weights of the midpoint state of the quartic interpolant, or None for the Hermite cubic.
+    """
+
+    c: tuple[float, ...]
+    a: tuple[tuple[float, ...], ...]
+    e: tuple[float, ...]
+    error_order: int
+    mid: tuple[float, ...] | None = None
+
+    @property
+    def stages(self) -> int:
+        return len(self.c)
+
+    def matrix(self, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """``(S + 1, S)``: rows ``0 .. S-2`` the stage inputs (zero-padded), row ``S-1`` the error, row ``S`` the
+        midpoint (zeros without one); a step's weights are ``dt`` times these."""
+        s = self.stages
+        rows = [list(row) + [0.0] * (s - len(row)) for row in self.a]
+        rows += [list(self.e), list(self.mid) if self.mid is not None else [0.0] * s]
+        return torch.tensor(rows, dtype=torch.float64).to(dtype=dtype, device=device)
+
+
+DOPRI5 = Tableau(  # Dormand and Prince (1980), the 5(4) pair; the midpoint weights of Shampine (1986)
+    c=(0.0, 1 / 5, 3 / 10, 4 / 5, 8 / 9, 1.0, 1.0),
+    a=((1 / 5,),
+       (3 / 40, 9 / 40),
+       (44 / 45, -56 / 15, 32 / 9),
+       (19372 / 6561, -25360 / 2187, 64448 / 6561, -212 / 729),
+       (9017 / 3168, -355 / 33, 46732 / 5247, 49 / 176, -5103 / 18656),
+       (35 / 384, 0.0, 500 / 1113, 125 / 192, -2187 / 6784, 11 / 84)),
+    e=(35 / 384 - 5179 / 57600, 0.0, 500 / 1113 - 7571 / 16695, 125 / 192 - 393 / 640,
+       -2187 / 6784 + 92097 / 339200, 11 / 84 - 187 / 2100, -1 / 40),
+    error_order=5,
+    mid=(6025192743 / 30085553152 / 2, 0.0, 51252292925 / 65400821598 / 2, -2691868925 / 45128329728 / 2,
+         187940372067 / 1594534317056 / 2, -1776094331 / 19743644256 / 2, 11237099 / 235043384 / 2),
+)
+
+BOSH3 = Tableau(  # Bogacki and Shampine (1989), the 3(2) pair
+    c=(0.0, 1 / 2, 3 / 4, 1.0),
+    a=((1 / 2,), (0.0, 3 / 4), (2 / 9, 1 / 3, 4 / 9)),
+    e=(2 / 9 - 7 / 24, 1 / 3 - 1 / 4, 4 / 9 - 1 / 3, -1 / 8),
+    error_order=3,
+)
+
+TABLEAUX = {"dopri5": DOPRI5, "bosh3": BOSH3}
+METHODS = tuple(TABLEAUX)
+
+
+class Counter(Protocol):
+    """What the loop fills of ``solve``'s progress record."""
+
+    steps: int
+    accepted: int
+    rejected: int
+    sample_evaluations: int
+    last_dt: float | None
+    last: tuple[float, Tensor] | None
+    saved: list[tuple[float, Tensor]]
+
+
+def _per_sample_mask(field: object, groups: int) -> Tensor | None:
+    """The field's mask as one per sample ``(G, N, N)``, or None where one mask serves every sample (ValueError for
+    a mask that is not a tensor: the active batch cannot be cut out of it)."""
+    mask = getattr(field, "mask", None)
+    if mask is None:
+        return None
+    if not isinstance(mask, Tensor):
+        raise ValueError(f"step_control='per_sample' needs a dense tensor mask or None, got {type(mask).__name__}")
+    if mask.dim() <= 2 or mask.shape[:-2].numel() == 1:
+        return None
+    return mask.reshape(groups, *mask.shape[-2:])
+
+
+def _rms(x: Tensor) -> Tensor:
+    """RMS of each group: ``(G, 1, M) -> (G,)``."""
+    return torch.linalg.vector_norm(x, dim=(1, 2)) / math.sqrt(x.shape[-1])
+
+
+@dataclass
+class _Outputs:
+    """The states kept for the output grid: rows of the flat ``(T * samples)`` index and the states ``(n, 1, M)``."""
+
+    rows: list[Tensor]
+    states: list[Tensor]
+
+
+class _Loop:
+    """One integration; :func:`integrate` is its front."""
+
+    def __init__(self, field: Callable[[Tensor | None, Tensor], Tensor], x0: Tensor, grid: Tensor, tableau: Tableau,
+                 rtol: float, atol: float, per_sample: bool, pid: tuple[float, float, float], max_steps: int,
+                 progress: Counter, callback: Progress | None):
+        self.field, self.grid, self.tableau, self.rtol, self.atol = field, grid, tableau, rtol, atol
+        self.per_sample, self.pid, self.max_steps, self.progress, self.callback = (per_sample, pid, max_steps,
+                                                                                   progress, callback)
+        self.x_shape = x0.shape
+        batch = x0.shape[:-2].numel()
+        self.groups = batch if per_sample else 1
+        self.samples_per_group = 1 if per_sample else batch
+        self.event = (x0.shape[-2], x0.shape[-1]) if per_sample else tuple(x0.shape)
+        self.width = x0.numel() // self.groups
+        self.autonomous = type(field) is ETField
+        self.mask = _per_sample_mask(field, self.groups) if per_sample else None
+        self.field_now = field
+        self.matrix = tableau.matrix(x0.dtype, x0.device)
+        self.dtype, self.device = x0.dtype, x0.device
+        self.in_place = not torch.is_grad_enabled()
+        self.t_end = grid[-1]
+        self.finals = _Outputs([], [])
+        self.outputs = _Outputs([], [])
+
+    # -- evaluations -------------------------------------------------------------------------------
+    def evaluate(self, t: Tensor, y: Tensor) -> Tensor:
+        """The field at the groups ``y`` ``(G, 1, M)`` at their times ``t`` ``(G,)`` (float64): ``(G, 1, M)``. The ET
+        field is autonomous and gets no time; another field gets ``t`` per sample, or the shared 0-d time."""
+        groups = y.shape[0]
+        self.progress.sample_evaluations += groups * self.samples_per_group
+        time = None if self.autonomous else (t.to(self.dtype) if self.per_sample else t[0].to(self.dtype))
+        return self.field_now(time, y.view(groups, *self.event) if self.per_sample else y.view(self.event)).reshape(
+            groups, 1, self.width)
+
+    def first_step(self, t: Tensor, y0: Tensor, f0: Tensor) -> Tensor:
+        """torchdiffeq's and diffrax's starting step per group (one evaluation): ``(G,)`` float64."""
+        with torch.no_grad():
+            scale = self.atol + y0.abs() * self.rtol
+            d0, d1 = _rms(y0 / scale), _rms(f0 / scale)
+            h0 = torch.where((d0 < 1e-5) | (d1 < 1e-5), torch.full_like(d0, 1e-6), 0.01 * d0 / d1)
+            f1 = self.evaluate(t + h0.double(), y0 + h0[:, None, None] * f0)
+            d2 = _rms((f1 - f0) / scale) / h0
+            largest = torch.maximum(d1, d2)
+            h1 = torch.where(largest <= 1e-15, torch.clamp(h0 * 1e-3, min=1e-6),
+                             (0.01 / largest) ** (1.0 / self.tableau.error_order))
+            return torch.minimum(100 * h0, h1).double()
+
+    # -- one step of every active group ------------------------------------------------------------
+    def stages(self, t: Tensor, dt: Tensor, y0: Tensor, f0: Tensor, buffers: dict[str, Tensor] | None
+               ) -> tuple[Tensor, Tensor, Tensor]:
+        """The stages ``(G, S, M)`` and the solution ``(G, 1, M)`` of a step of ``dt`` ``(G,)`` from ``y0``, and the
+        step's weights ``(G, S + 1, S)``. Without gradients (``buffers``) the stages and stage inputs are written into
+        the buffers; with gradients every tensor is new (autograd keeps them)."""
+        s = self.tableau.stages
+        weights = dt.to(self.dtype)[:, None, None] * self.matrix
+        listed: list[Tensor] = [f0]
+        k = f0 if buffers is None else buffers["k"]  # whose first stage is ``f0``
+        y = y0
+        for i in range(1, s):
+            out = None if buffers is None else buffers["y1" if i == s - 1 else "stage"]
+            y = torch.baddbmm(y0, weights[:, i - 1:i, :i], k[:, :i], out=out)
+            f = self.evaluate(t + self.tableau.c[i] * dt, y)
+            if buffers is not None:
+                k[:, i:i + 1].copy_(f)
+            else:
+                listed.append(f)
+                k = torch.cat(listed, dim=1)
+        return k, y, weights
+
+    def error_ratio(self, k: Tensor, y0: Tensor, y1: Tensor, weights: Tensor, buffers: dict[str, Tensor] | None
+                    ) -> Tensor:
+        """``RMS(err / (atol + rtol max(|y0|, |y1|)))`` per group, ``(G,)`` float64 (no gradients)."""
+        s = self.tableau.stages
+        with torch.no_grad():
+            k, y0, y1 = k.detach(), y0.detach(), y1.detach()
+            err = torch.bmm(weights[:, s - 1:s].detach(), k, out=None if buffers is None else buffers["err"])
+            scale = torch.abs(y0, out=None if buffers is None else buffers["scale"])
+            torch.maximum(scale, torch.abs(y1, out=None if buffers is None else buffers["stage"]), out=scale)
+            err.div_(scale.mul_(self.rtol).add_(self.atol))
+            return _rms(err).double()
+
+    def control(self, ratio: Tensor, dt: Tensor, history: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Accept (``ratio <= 1``, finite) and the next step size per group; ``history`` ``(G, 2)`` holds the two
+        previous accepted inverse errors (the PID terms). Returns (accepted, next dt, next history)."""
+        p, i, d = self.pid
+        order = self.tableau.error_order
+        finite = torch.isfinite(ratio)
+        accepted = finite & (ratio <= 1)
+        inverse = torch.where(finite, 1 / ratio, torch.zeros_like(ratio))  # a non-finite error: the smallest factor
+        factor = SAFETY * inverse ** ((p + i + d) / order)
+        if p or d:
+            factor = factor * history[:, 0] ** (-(p + 2 * d) / order) * history[:, 1] ** (d / order)
+            kept = torch.where((inverse == 0) | torch.isinf(inverse), torch.ones_like(inverse), inverse)
+            history = torch.where(accepted[:, None], torch.stack([kept, history[:, 0]], dim=1), history)
+        ones = torch.ones_like(ratio)
+        factor = torch.clamp(factor, min=torch.where(accepted, ones, ones * FACTOR_MIN),
+                             max=torch.where(accepted, ones * FACTOR_MAX, ones * SAFETY))
+        return accepted, dt * factor, history
+
+    def dense(self, rows: Tensor, theta: Tensor, y0: Tensor, y1: Tensor, k: Tensor, weights: Tensor, dt: Tensor
+              ) -> Tensor:
+        """The interpolant of the step of the groups ``rows`` at the fractions ``theta`` ``(n,)``: ``(n, 1, M)``;
+        exactly ``y1`` where ``theta`` is 1."""
+        s = self.tableau.stages
+        y0, y1, k = y0[rows], y1[rows], k[rows]
+        h = dt[rows].to(self.dtype)[:, None, None]
+        x = theta.to(self.dtype)[:, None, None]
+        f0, f1 = k[:, :1], k[:, s - 1:s]
+        if self.tableau.mid is None:  # Hermite cubic
+            one = 1 - x
+            value = (1 + 2 * x) * one * one * y0 + x * one * one * h * f0 + x * x * (3 - 2 * x) * y1 \
+                - x * x * one * h * f1
+        else:  # the quartic through y0, y_mid, y1 with the slopes f0, f1
+            y_mid = torch.baddbmm(y0, weights[rows, s:s + 1], k)
+            a = 2 * h * (f1 - f0) - 8 * (y1 + y0) + 16 * y_mid
+            b = h * (5 * f0 - 3 * f1) + 18 * y0 + 14 * y1 - 32 * y_mid
+            c = h * (f1 - 4 * f0) - 11 * y0 - 5 * y1 + 16 * y_mid
+            value = y0 + x * (h * f0 + x * (c + x * (b + x * a)))
+        return torch.where(x == 1, y1, value)
+
+    def save(self, state: dict[str, Any], t1: Tensor, accepted: Tensor, y1: Tensor, k: Tensor, weights: Tensor,
+             dt: Tensor) -> None:
+        """Keep the interpolated states at the output times inside each accepted step ``(t, t1]``."""
+        grid, last = self.grid, len(self.grid) - 1
+        following = state["next_output"]
+        pending = accepted & (grid[following.clamp(max=last)] <= t1) & (following <= last)
+        while bool(pending.any()):
+            rows = torch.nonzero(pending).flatten()
+            outputs = following[rows]
+            theta = (grid[outputs] - state["t"][rows]) / dt[rows]
+            self.outputs.states.append(self.dense(rows, theta, state["y"], y1, k, weights, dt))
+            self.outputs.rows.append(outputs * self.groups + state["ids"][rows])
+            following = following + pending.long()
+            pending = accepted & (following <= last) & (grid[following.clamp(max=last)] <= t1)
+        state["next_output"] = following
+
+    # -- the loop ------------------------------------------------------------------------------------
+    def run(self, x0: Tensor, first_step: float | None, save_all: bool, keep_steps: bool) -> tuple[Tensor, Tensor | None]:
+        g = self.groups
+        y = x0.reshape(g, 1, self.width)
+        t = torch.full((g,), float(self.grid[0]), dtype=torch.float64, device=self.device)
+        f0 = self.evaluate(t, y)
+        dt = self.first_step(t, y, f0) if first_step is None else torch.full_like(t, float(first_step))
+        buffers = self._buffers(g) if self.in_place else None
+        if buffers is not None:  # the loop writes its state in place
+            y, f0 = buffers["y"].copy_(y), buffers["k"][:, :1].copy_(f0)
+        state: dict[str, Any] = dict(y=y, f0=f0, t=t, dt=dt, ids=torch.arange(g, device=self.device),
+                                     history=torch.ones((g, 2), dtype=torch.float64, device=self.device),
+                                     next_output=torch.ones(g, dtype=torch.long, device=self.device))
+        if save_all:
+            self.outputs.rows.append(state["ids"])
+            self.outputs.states.append(x0.reshape(g, 1, self.width))
+        totals = (torch.full((g,), float(self.grid[0]), dtype=torch.float64), torch.zeros(g, dtype=torch.long))
+        while len(state["t"]):
+            self._count_step(state)
+            done = self.step(state, buffers, save_all, keep_steps, totals)
+            if bool(done.any()):
+                buffers = self._compact(state, done, buffers)
+        x = self._gather(self.finals, g).view(self.x_shape)
+        xs = self._gather(self.outputs, g * len(self.grid)).view(len(self.grid), *self.x_shape) if save_all else None
+        return x, xs
+
+    def step(self, state: dict[str, Any], buffers: dict[str, Tensor] | None, save_all: bool, keep_steps: bool,
+             totals: tuple[Tensor, Tensor]) -> Tensor:
+        """One step of every active group; returns which groups reached the end ``(G,)``."""
+        t, y0, f0 = state["t"], state["y"], state["f0"]
+        remaining = self.t_end - t
+        last = state["dt"] >= remaining
+        dt = torch.where(last, remaining, state["dt"])
+        t1 = torch.where(last, self.t_end, t + dt)
+        if not bool((t1 > t).all()):
+            self._fail(state, f"underflow in the step size {float(dt.min()):.3g}", float(t.min()), UNDERFLOW_ADVICE)
+        k, y1, weights = self.stages(t, dt, y0, f0, buffers)
+        ratio = self.error_ratio(k, y0, y1, weights, buffers)
+        accepted, state["dt"], state["history"] = self.control(ratio, dt, state["history"])
+        count = int(accepted.sum())
+        self.progress.accepted += count
+        self.progress.rejected += len(t) - count
+        self.progress.last_dt = float(state["dt"].min())
+        if keep_steps and count:  # shared mode: the start of each accepted step
+            self.progress.saved.append((float(t[0]), y0.detach().reshape(self.x_shape).clone()))
+        if save_all:
+            self.save(state, t1, accepted, y1, k, weights, dt)
+        done = accepted & last
+        if bool(done.any()):
+            self.finals.rows.append(state["ids"][done])
+            self.finals.states.append(y1[done])
+        s = self.tableau.stages
+        self._advance(state, accepted, count == len(t), y1, k[:, s - 1:s], t1, buffers)
+        if self.callback is not None:
+            totals[0][state["ids"]] = state["t"].cpu()
+            totals[1][state["ids"]] += accepted.long().cpu()
+            self.callback(totals[0].clone(), totals[1].clone())
+        return done
+
+    def _advance(self, state: dict[str, Any], accepted: Tensor, every: bool, y1: Tensor, f1: Tensor, t1: Tensor,
+                 buffers: dict[str, Tensor] | None) -> None:
+        """The accepted groups move to ``t1``, ``y1``, ``f1``; the others stay."""
+        state["t"] = torch.where(accepted, t1, state["t"])
+        mask = accepted[:, None, None]
+        if buffers is None:
+            state["y"] = torch.where(mask, y1, state["y"])
+            state["f0"] = torch.where(mask, f1, state["f0"])
+            return
+        k0 = buffers["k"][:, :1]
+        if every:  # the two state buffers trade places
+            buffers["y"], buffers["y1"] = buffers["y1"], buffers["y"]
+            k0.copy_(f1)
+        else:
+            torch.where(mask, y1, buffers["y"], out=buffers["y"])
+            torch.where(mask, f1, k0, out=k0)
+        state["y"], state["f0"] = buffers["y"], k0
+
+    def _buffers(self, groups: int) -> dict[str, Tensor]:
+        def empty(*shape: int) -> Tensor:
+            return torch.empty(shape, dtype=self.dtype, device=self.device)
+
+        return dict(k=empty(groups, self.tableau.stages, self.width), y=empty(groups, 1, self.width),
+                    y1=empty(groups, 1, self.width), stage=empty(groups, 1, self.width),
+                    err=empty(groups, 1, self.width), scale=empty(groups, 1, self.width))
+
+    def _compact(self, state: dict[str, Any], done: Tensor, buffers: dict[str, Tensor] | None
+                 ) -> dict[str, Tensor] | None:
+        """The groups that reached the end leave the active batch (their state buffers shrink with them)."""
+        keep = ~done
+        for name in ("t", "dt", "ids", "history", "next_output"):
+            state[name] = state[name][keep]
+        remaining = len(state["t"])
+        if self.mask is not None and remaining:
+            self.field_now = self.field.with_mask(self.mask[state["ids"]])  # type: ignore[attr-defined]
+        if buffers is None:
+            state["y"], state["f0"] = state["y"][keep], state["f0"][keep]
+            return None
+        if not remaining:
+            return buffers
+        y, f0 = state["y"][keep], state["f0"][keep]
+        buffers = self._buffers(remaining)
+        buffers["y"].copy_(y)
+        buffers["k"][:, :1].copy_(f0)
+        state["y"], state["f0"] = buffers["y"], buffers["k"][:, :1]
+        return buffers
+
+    def _gather(self, kept: _Outputs, count: int) -> Tensor:
+        """The kept states in the order of their rows ``0 .. count-1`` (each row once): ``(count, 1, M)``."""
+        rows, states = torch.cat(kept.rows), torch.cat(kept.states)
+        order = torch.empty_like(rows)
+        order[rows] = torch.arange(len(rows), device=rows.device)
+        if len(rows) != count:
+            raise RuntimeError(f"adaptive loop: {len(rows)} states kept for {count} places")
+        return states.index_select(0, order)
+
+    def _count_step(self, state: dict[str, Any]) -> None:
+        self.progress.steps += 1
+        if self.progress.steps > self.max_steps:
+            self._fail(state, f"max_steps={self.max_steps} solver steps exceeded", float(state["t"].min()),
+                       BUDGET_ADVICE)
+
+    def _fail(self, state: dict[str, Any], message: str, time: float, advice: str) -> None:
+        """Record the latest state of every sample (the partial solution) and raise :class:`SolverFailure`."""
+        with torch.no_grad():
+            rows = [*self.finals.rows, state["ids"]]
+            states = [*self.finals.states, state["y"]]
+            x = torch.cat(states).detach()[torch.argsort(torch.cat(rows))]
+        self.progress.last = (time, x.reshape(self.x_shape).clone())
+        raise SolverFailure(f"{message} at t={time:.6g}", time, advice)
+
+
+def integrate(field: Callable[[Tensor | None, Tensor], Tensor], x0: Tensor, grid: Tensor, *, method: str = "dopri5",
+              rtol: float = 1e-5, atol: float = 1e-6, per_sample: bool = True,
+              pid: tuple[float, float, float] = I_CONTROLLER, first_step: float | None = None,
+              max_steps: int = 10_000, save_all: bool = True, progress: Counter | None = None,
+              keep_steps: bool = False, callback: Progress | None = None) -> tuple[Tensor, Tensor | None]:
+    """Integrate ``dx/dt = field(t, x)`` from ``x0`` ``(*batch, N, D)`` over the float64 ``grid`` ``(T,)``.
+
+    Args:
+        method: one of :data:`METHODS`.
+        per_sample: each sample its own step size, error norm, accept/reject and end (else one for the batch).
+        pid: the controller's ``(pcoeff, icoeff, dcoeff)``; :data:`I_CONTROLLER` by default.
+        first_step: the first step size, or None to choose it (one evaluation more).
+        save_all: return the states at every time of ``grid`` (by the interpolant), else only the final one.
+        progress: a record whose ``steps`` (batched steps), ``accepted`` and ``rejected`` (per sample steps, summed),
+            ``sample_evaluations``, ``last_dt``, ``last`` (set on failure) and ``saved`` (``keep_steps``: the start
+            of every accepted shared step) are filled.
+        callback: called after every step with each sample's time ``(B,)`` float64 and its number of accepted steps
+            ``(B,)`` int64 (CPU tensors, B the flattened batch).
+
+    Returns the final state ``(*batch, N, D)`` and, with ``save_all``, the states ``(T, *batch, N, D)``. Gradients
+    flow through the stages and the interpolant (the step sizes are constants to autograd, as in torchdiffeq and
+    diffrax). Raises :class:`~et_ode.solvers.SolverFailure` past ``max_steps`` steps or on a step-size underflow;
+    ValueError naming a bad ``method``, ``per_sample`` with ``keep_steps``, or a bad ``pid``.
+    """
+    if method not in TABLEAUX:
+        raise ValueError(f"method must be one of {METHODS} for et-ode's adaptive loop, got {method!r}")
+    if per_sample and keep_steps:
+        raise ValueError("save='steps' needs one step sequence for the batch: use step_control='shared'")
+    if len(pid) != 3 or not all(isinstance(c, (int, float)) and c >= 0 for c in pid) or sum(pid) <= 0:
+        raise ValueError(f"pid must be three non-negative coefficients (pcoeff, icoeff, dcoeff), not all zero; got {pid!r}")
+    if progress is None:
+        progress = SimpleNamespace(steps=0, accepted=0, rejected=0, sample_evaluations=0, last_dt=None, last=None,
+                                   saved=[])
+    loop = _Loop(field, x0, grid, TABLEAUX[method], rtol, atol, per_sample, pid, max_steps, progress,
+                 callback)
+    return loop.run(x0, first_step, save_all, keep_steps)

@@ -39,6 +39,21 @@ def _finish(fig: Figure, path: PathLike | None, dpi: int) -> Figure:
     return fig
 
 
+def readable_log_axis(axis: Any, *, most: int = 5) -> None:
+    """Label a log-scaled matplotlib ``axis`` (``ax.xaxis`` or ``ax.yaxis``) with at most ``most`` major ticks, in
+    scientific notation, and no labels on minor ticks (matplotlib labels those on a span under about a decade, where
+    they overlap). A span under 1.5 decades gets majors at 1, 2 and 5 times the powers of ten."""
+    from matplotlib.ticker import LogFormatterSciNotation, LogLocator, NullFormatter
+
+    axis.axes.autoscale_view()
+    low, high = sorted(axis.get_view_interval())
+    narrow = low > 0 and np.log10(high / low) < 1.5
+    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0) if narrow else (1.0,), numticks=most + 1))
+    axis.set_major_formatter(LogFormatterSciNotation(base=10, labelOnlyBase=False))
+    axis.set_minor_locator(LogLocator(base=10, subs=tuple(range(2, 10)), numticks=12))
+    axis.set_minor_formatter(NullFormatter())
+
+
 def _sample_index(sample: int, count: int) -> int:
     if not isinstance(sample, int) or not -count <= sample < count:
         raise ValueError(f"sample must be an integer index in [0, {count}), got {sample!r}")
@@ -76,6 +91,8 @@ def plot_convergence(solution: Solution, *, path: PathLike | None = None,
              xlabel="time t (log scale)", ylabel="per element (log scale)", xscale="log", yscale="log")
     ax_d.set(title="Drift of x along its zero modes since t0\nsolid: token mean (all-ones); dotted: scale sigma",
              xlabel="time t", ylabel="drift (units of x)")
+    readable_log_axis(ax_r.xaxis)
+    readable_log_axis(ax_r.yaxis)
     handles = [ax_e.get_lines()[b] for b in range(count)]
     ax_e.legend(handles=handles, fontsize="small", loc="upper right")
     for ax in (ax_e, ax_r, ax_d):
@@ -392,12 +409,13 @@ def _as_images(name: str, value: Tensor | np.ndarray, single: bool) -> np.ndarra
 
 def plot_film_strip(frames: Tensor | np.ndarray, times: Sequence[float] | Tensor, *, target: Tensor | None = None,
                     masked: Tensor | None = None, path: PathLike | None = None,
-                    figsize: tuple[float, float] | None = None, dpi: int = 100) -> Figure:
-    """A row of images: the masked input (if given), the completion at each time, the ground truth (if given).
+                    figsize: tuple[float, float] | None = None, dpi: int = 100, columns: int = 6) -> Figure:
+    """Rows of images: the masked input (if given), the completion at each time, the ground truth (if given).
 
     ``frames``: ``(T, H, W)`` grayscale or ``(T, C, H, W)`` with ``C`` 1 or 3; ``times``: ``T`` values;
     ``target`` / ``masked``: one image ``(H, W)`` or ``(C, H, W)``. All panels share one intensity scale
-    (shown by a colorbar for grayscale). Default size: 2.2 inches per panel, 2.9 tall.
+    (shown by a colorbar for grayscale). The panels wrap into rows of at most ``columns``; default size: 2.0
+    inches per panel, 2.4 per row.
     """
     images = _as_images("frames", frames, single=False)
     times = [float(t) for t in (times.tolist() if isinstance(times, Tensor) else times)]
@@ -413,9 +431,16 @@ def plot_film_strip(frames: Tensor | np.ndarray, times: Sequence[float] | Tensor
     low = min(float(p.min()) for _, p in panels)
     high = max(float(p.max()) for _, p in panels)
     high = high if high > low else low + 1.0
-    figsize = figsize or (2.2 * len(panels) + 1.0, 2.9)
+    if not (isinstance(columns, int) and columns >= 1):
+        raise ValueError(f"columns must be a positive integer, got {columns!r}")
+    cols = min(columns, len(panels))
+    rows = -(-len(panels) // cols)
+    figsize = figsize or (2.0 * cols + 1.0, 2.4 * rows + 0.5)
     fig = Figure(figsize=figsize, layout="constrained")
-    axes = np.atleast_1d(fig.subplots(1, len(panels)))
+    grid = np.atleast_1d(fig.subplots(rows, cols)).reshape(-1)
+    axes = grid[:len(panels)]
+    for spare in grid[len(panels):]:
+        spare.set_axis_off()
     image = None
     for ax, (title, picture) in zip(axes, panels, strict=True):
         color = picture.ndim == 3

@@ -46,7 +46,7 @@ from ..data.images import ImageSet
 from ..integration import Integration
 from ..models.image import fixed_mask_set, masked_mse, patchify, unpatchify
 from .baselines import Biharmonic, MeanImage, NearestNeighbour
-from .image import ImageRunConfig, load_run_split, load_trained
+from .image import ImageRunConfig, load_run_split, load_trained, masked_picture
 
 PREDICTORS = ("et", "mean", "nearest", "biharmonic")
 TITLES = {"et": "ET (the checkpoint)", "mean": "per-position mean of the training images",
@@ -247,9 +247,7 @@ def _picture(images: Tensor, hidden: Tensor, completions: dict[str, Tensor], pat
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
 
-    masked = patchify(images, patch).clone()
-    masked[hidden] = 0.5
-    rows = [("masked input", unpatchify(masked, patch, images.shape[1:]))]
+    rows = [("masked input", masked_picture(images, hidden, patch))]
     rows += [(name, completion.clamp(0, 1)) for name, completion in completions.items()] + [("truth", images)]
     count = images.shape[0]
     figure, axes = plt.subplots(len(rows), count, figsize=(1.2 * count, 1.3 * len(rows)), squeeze=False)

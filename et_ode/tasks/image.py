@@ -334,6 +334,20 @@ def _close(figure: Any) -> None:
     plt.close(figure)
 
 
+#: the colour of hidden patches in pictures of masked inputs (RGB): no grey level of an image can be mistaken for it
+MASK_COLOUR = (0.85, 0.1, 0.75)
+
+
+def masked_picture(images: torch.Tensor, hidden: torch.Tensor, patch: int) -> torch.Tensor:
+    """``images (B, C, H, W)`` as RGB pictures ``(B, 3, H, W)`` with their hidden patches (``hidden (B, N)``) painted
+    in :data:`MASK_COLOUR`, so a hidden patch stands out on grey and colour images alike."""
+    rgb = images.expand(-1, 3, -1, -1) if images.shape[1] == 1 else images
+    patches = patchify(rgb, patch).clone()
+    colour = torch.tensor(MASK_COLOUR, dtype=patches.dtype).repeat_interleave(patch * patch)
+    patches[hidden] = colour
+    return unpatchify(patches, patch, (3, *images.shape[2:]))
+
+
 def _masked_view(image: torch.Tensor, hidden: torch.Tensor, patch: int) -> torch.Tensor:
     """``image (C, H, W)`` with its hidden patches (``hidden (N,)``) greyed out at 0.5."""
     patches = patchify(image[None], patch)[0].clone()
@@ -475,7 +489,7 @@ def _demo(out: Path, config: ImageRunConfig) -> dict[str, Any]:
                                model.image_shape)
         neighbour = unpatchify(torch.where(keep, nearest(images[:show], hidden[:show]).patches, truth), model.patch,
                                model.image_shape)
-    rows = [("masked input", torch.stack([_masked_view(images[i], hidden[i], model.patch) for i in range(show)])),
+    rows = [("masked input", masked_picture(images[:show], hidden[:show], model.patch)),
             ("ET completion", completed.clamp(0, 1)), ("nearest neighbour", neighbour), ("ground truth", images[:show])]
     figure, axes = plt.subplots(len(rows), show, figsize=(1.2 * show, 1.3 * len(rows)), squeeze=False)
     for r, (name, row) in enumerate(rows):

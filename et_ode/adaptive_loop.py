@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from .field import ETField
-from .solvers import BUDGET_ADVICE, SolverFailure
+from .solvers import BUDGET_ADVICE, Adaptive, SolverFailure
 
 SAFETY, FACTOR_MIN, FACTOR_MAX = 0.9, 0.2, 10.0
 I_CONTROLLER = (0.0, 1.0, 0.0)  # (pcoeff, icoeff, dcoeff)
@@ -438,3 +438,19 @@ def integrate(field: Callable[[Tensor | None, Tensor], Tensor], x0: Tensor, grid
     loop = _Loop(field, x0, grid, TABLEAUX[method], rtol, atol, per_sample, pid, max_steps, progress,
                  callback)
     return loop.run(x0, first_step, save_all, keep_steps)
+
+
+def solve_adaptive(solver: Adaptive, field: ETField, x0: Tensor, grid: Tensor, arguments: dict[str, Any],
+                   max_steps: int, save: str, progress: Counter) -> tuple[Tensor, Tensor | None]:
+    """``solve``'s entry: integrate with the settings of ``solver`` (``loop="et_ode"``), ``save`` one of ``"all"``,
+    ``"steps"``, ``"final"``, filling ``progress``. ``arguments`` are the gradient strategy's torchdiffeq arguments:
+    an adjoint's are refused (ValueError naming the gradient)."""
+    if "adjoint_params" in arguments:
+        raise ValueError("gradient=Adjoint() needs Adaptive(loop='torchdiffeq'): et-ode's adaptive loop is "
+                         "differentiated directly (gradient='direct')")
+    options = dict(solver.options or {})
+    return integrate(field, x0, grid, method=solver.method, rtol=solver.rtol, atol=solver.atol,
+                     per_sample=solver.step_control == "per_sample",
+                     pid=PID_COEFFICIENTS if solver.controller == "pid" else I_CONTROLLER,
+                     first_step=options.get("first_step"), max_steps=max_steps, save_all=save == "all",
+                     progress=progress, keep_steps=save == "steps", callback=solver.progress)

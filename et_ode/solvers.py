@@ -17,9 +17,9 @@ budget, :meth:`~Adaptive.check_stop` the stopping rule, :meth:`~Adaptive.check_s
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import Tensor
@@ -70,20 +70,43 @@ def output_grid(t: Tensor | Sequence[float] | None, device: torch.device) -> Ten
 
 @dataclass(frozen=True)
 class Adaptive:
-    """An adaptive torchdiffeq method with step-size control.
+    """An adaptive embedded Runge-Kutta method with step-size control, run by torchdiffeq or by et-ode's own loop
+    (:mod:`et_ode.adaptive_loop`).
 
     Args:
-        method: one of :data:`ADAPTIVE_METHODS` (dopri5, dopri8, bosh3, fehlberg2, adaptive_heun).
+        method: one of :data:`ADAPTIVE_METHODS` (dopri5, dopri8, bosh3, fehlberg2, adaptive_heun); et-ode's loop
+            runs :attr:`OWN_METHODS` (dopri5, bosh3).
         rtol, atol: the local error tolerances, positive.
-        options: further torchdiffeq options (e.g. ``first_step``, ``max_num_steps``), or None.
+        options: further torchdiffeq options (e.g. ``first_step``, ``max_num_steps``), or None; et-ode's loop takes
+            ``first_step`` only.
+        loop: ``"torchdiffeq"``, ``"et_ode"`` or ``"auto"`` (the default: et-ode's loop where ``step_control``,
+            ``controller`` or ``progress`` asks for it, torchdiffeq's otherwise).
+        step_control: ``"shared"`` (one step size and error norm for the whole batch, torchdiffeq's semantics) or
+            ``"per_sample"`` (et-ode's loop: each sample its own step size, accept/reject and end, and samples that
+            are done leave the batch; ``stats.accepted_steps`` then adds up the samples' accepted steps).
+        controller: ``"i"`` (the I-controller, torchdiffeq's) or ``"pid"`` (et-ode's loop: diffrax's PID form with
+            the coefficients ``(pcoeff, icoeff, dcoeff) = (0.4, 0.3, 0)``).
+        progress: et-ode's loop calls it after every step with each sample's time ``(B,)`` and number of accepted
+            steps ``(B,)`` (CPU tensors, the batch flattened), or None.
+
+    et-ode's loop integrates to the end of ``t`` (no stop) with the gradients ``Direct`` (and ``Implicit``, which
+    needs a stop): :meth:`check_stop` and ``solve`` say so otherwise.
     """
 
     method: str = "dopri5"
     rtol: float = 1e-5
     atol: float = 1e-6
     options: Mapping[str, Any] | None = None
+    loop: Literal["auto", "torchdiffeq", "et_ode"] = "auto"
+    step_control: Literal["shared", "per_sample"] = "shared"
+    controller: Literal["i", "pid"] = "i"
+    progress: Callable[[Tensor, Tensor], None] | None = None
 
     adaptive: ClassVar[bool] = True
+    OWN_METHODS: ClassVar[tuple[str, ...]] = ("dopri5", "bosh3")
+    LOOPS: ClassVar[tuple[str, ...]] = ("auto", "torchdiffeq", "et_ode")
+    STEP_CONTROLS: ClassVar[tuple[str, ...]] = ("shared", "per_sample")
+    CONTROLLERS: ClassVar[tuple[str, ...]] = ("i", "pid")
 
     def __post_init__(self) -> None:
         if self.method not in ADAPTIVE_METHODS:
@@ -92,13 +115,39 @@ class Adaptive:
         _positive("Adaptive", "rtol", self.rtol)
         _positive("Adaptive", "atol", self.atol)
         _check_options("Adaptive", self.options)
+        for name, valid in (("loop", self.LOOPS), ("step_control", self.STEP_CONTROLS),
+                            ("controller", self.CONTROLLERS)):
+            if getattr(self, name) not in valid:
+                raise ValueError(f"Adaptive.{name} must be one of {valid}, got {getattr(self, name)!r}")
+        if self.progress is not None and not callable(self.progress):
+            raise TypeError(f"Adaptive.progress must be a callable or None, got {type(self.progress).__name__}")
+        wanted = [f"{name}={value!r}" for name, value, default in (
+            ("step_control", self.step_control, "shared"), ("controller", self.controller, "i"),
+            ("progress", self.progress, None)) if value != default]
+        if self.loop == "torchdiffeq" and wanted:
+            raise ValueError(f"Adaptive: {', '.join(wanted)} needs loop='et_ode' (or 'auto'), got loop='torchdiffeq'")
+        if self.own_loop and self.method not in self.OWN_METHODS:
+            raise ValueError(f"Adaptive.method must be one of {self.OWN_METHODS} with et-ode's loop, got "
+                             f"{self.method!r} (use loop='torchdiffeq' for it)")
+        if self.own_loop and set(self.options or {}) - {"first_step"}:
+            raise ValueError(f"Adaptive.options of et-ode's loop may hold first_step only, got {sorted(self.options or {})}")
 
     @property
     def name(self) -> str:
         return self.method
 
+    @property
+    def own_loop(self) -> bool:
+        """Whether et-ode's loop integrates (``loop="et_ode"``, or ``"auto"`` with an option only it has)."""
+        return self.loop == "et_ode" or (self.loop == "auto" and (
+            self.step_control != "shared" or self.controller != "i" or self.progress is not None))
+
     def check_stop(self, stop: object) -> None:
-        """Any stopping rule works."""
+        """Any stopping rule works with torchdiffeq's loop; et-ode's integrates to the end of ``t`` (ValueError
+        naming ``stop``)."""
+        if stop is not None and self.own_loop:
+            raise ValueError("a stop needs Adaptive(loop='torchdiffeq'): et-ode's adaptive loop integrates to the "
+                             "end of t (give stop=None)")
 
     def check_state(self, x0: Tensor) -> None:
         """``x0`` must not be half precision: step control's error estimate and step size underflow there (ValueError

@@ -11,7 +11,8 @@ A *run folder* (``--out``) holds one run: ``config.json`` (its set-up), the chec
 3. A folder with files needs ``resume=True`` or ``overwrite=True``. A resume compares the whole set-up with
    the folder's ``config.json`` and refuses any change (a table of the differences), except in the settings
    named ``may_change`` (how a run executes: device, threads, progress bars, ...). An overwrite empties the
-   folder, and only a folder that holds an et-ode run (a ``config.json``).
+   folder, and only a folder that holds an et-ode run (a ``config.json``) of the same command: one rule for every
+   command that writes a folder (train, complete, evaluate, analyze, demo), and none replaces another's run.
 4. ``config.json`` is written once the run is accepted (a resume keeps the original); a run that fails before
    writing anything else takes it back, leaving the folder as it found it.
 
@@ -45,12 +46,17 @@ from typing import Any
 
 LOCK_NAME = ".et-ode.lock"
 CONFIG_NAME = "config.json"
+COMMAND_KEY = "et_ode_command"  # in config.json: the command that wrote the folder (absent: a training run)
 _held: dict[Path, int] = {}  # folders this process has locked -> nesting depth
 
 
 class RunFolderError(ValueError):
     """An output folder that cannot be used as asked: a file, a dangling link, a folder of another run, in use, or a
     resume with a changed set-up. The message says what is there and what to do."""
+
+
+class RunFolderInUse(RunFolderError, FileExistsError):
+    """A folder that holds files (of another run, or of another command) and may not be written as asked."""
 
 
 class RunWriteError(RunFolderError):
@@ -276,16 +282,21 @@ def _table(rows: list[tuple[str, Any, Any]]) -> str:
 
 @contextlib.contextmanager
 def claim(out: str | os.PathLike[str], setup: dict[str, Any], *, resume: bool = False, overwrite: bool = False,
-          may_change: Iterable[str] = ()) -> Iterator[Path]:
+          may_change: Iterable[str] = (), command: str | None = None) -> Iterator[Path]:
     """Take ``out`` for a run whose set-up is ``setup`` (JSON-like); see the module docstring.
+
+    ``command`` names the et-ode command that writes the folder (e.g. ``"complete"``; None: a training run); it is
+    kept in ``config.json`` under ``"et_ode_command"``, and ``overwrite`` or ``resume`` accept only a folder the same
+    command wrote, so that no command replaces another's run.
 
     A run that raises before it writes anything (bad arguments, missing data) leaves ``out`` as it was: the
     ``config.json`` written here is removed, and so is the folder if this claim created it.
 
     Raises:
-        RunFolderError: ``out`` is a file or a dangling link; it holds files and neither ``resume`` nor
-            ``overwrite`` was given; ``resume`` with a set-up that differs from ``out/config.json`` (a table of the
-            differences); ``overwrite`` of a folder that is not an et-ode run; another live process holds the lock.
+        RunFolderError: ``out`` is a file or a dangling link; another live process holds the lock; a resume with
+            a set-up that differs from ``out/config.json`` (a table of the differences). Its subclass
+            :class:`RunFolderInUse` (also a FileExistsError): ``out`` holds files and neither ``resume`` nor
+            ``overwrite`` was given, or they were given for a folder that is not a run of ``command``.
             Nothing in ``out`` has changed when it is raised.
         RunWriteError: a full or read-only disk, naming the file.
     """
@@ -300,7 +311,7 @@ def claim(out: str | os.PathLike[str], setup: dict[str, Any], *, resume: bool = 
     created, wrote = not out.exists(), False
     try:
         with lock(out):
-            wrote = _prepare(out, setup, resume, overwrite, may_change)
+            wrote = _prepare(out, setup, resume, overwrite, may_change, command)
             try:
                 yield out
             except BaseException:
@@ -314,16 +325,15 @@ def claim(out: str | os.PathLike[str], setup: dict[str, Any], *, resume: bool = 
         raise
 
 
-def _prepare(out: Path, setup: dict[str, Any], resume: bool, overwrite: bool, may_change: Iterable[str]) -> bool:
+def _prepare(out: Path, setup: dict[str, Any], resume: bool, overwrite: bool, may_change: Iterable[str],
+             command: str | None) -> bool:
     """The checks of :func:`claim` in the locked folder, then its ``config.json``: whether it was written here."""
     entries = sorted(p.name for p in out.iterdir() if p.name != LOCK_NAME)
     config = out / CONFIG_NAME
     if entries and resume:
-        _check_resume(out, config, setup, may_change)
+        _check_resume(out, config, setup, may_change, command)
     elif entries and overwrite:
-        if not config.is_file():
-            raise RunFolderError(f"--overwrite refused: {out} holds {_listing(entries)} but no {CONFIG_NAME}, so "
-                                 f"it is not an et-ode run folder; et-ode only empties folders it wrote")
+        _check_owner(out, config, entries, command, "--overwrite")
         for name in entries:
             target = out / name
             if target.is_dir() and not target.is_symlink():
@@ -331,22 +341,42 @@ def _prepare(out: Path, setup: dict[str, Any], resume: bool, overwrite: bool, ma
             else:
                 target.unlink()
     elif entries:
-        raise RunFolderError(f"{out} is not empty ({_listing(entries)}): it holds another run. Continue it "
+        raise RunFolderInUse(f"{out} is not empty ({_listing(entries)}): it holds another run. Continue it "
                              f"with --resume (same set-up), replace it with --overwrite, or choose a new --out")
     if resume and config.is_file():
         return False
-    write_text(config, json.dumps(setup, indent=2))
+    record = setup if command is None else {COMMAND_KEY: command, **setup}
+    write_text(config, json.dumps(record, indent=2))
     return True
 
 
-def _check_resume(out: Path, config: Path, setup: dict[str, Any], may_change: Iterable[str]) -> None:
-    if config.is_symlink() or (config.exists() and not config.is_file()):
-        raise RunFolderError(f"cannot resume {out}: its {CONFIG_NAME} is not a regular file")
-    if not config.is_file():
+def _what(command: str | None) -> str:
+    return "a training run" if command is None else f"a run of `et-ode {command}`"
+
+
+def _check_owner(out: Path, config: Path, entries: list[str], command: str | None, flag: str) -> dict[str, Any]:
+    """The set-up in ``config`` when ``out`` is a run folder of ``command`` (RunFolderInUse otherwise). A resume
+    also accepts a set-up that names no command (a folder of an older et-ode: its set-up is compared instead)."""
+    if config.is_symlink() or not config.is_file():
+        raise RunFolderInUse(f"{flag} refused: {out} holds {_listing(entries)} but no {CONFIG_NAME}, so it is not an "
+                             f"et-ode run folder; et-ode only replaces or continues folders it wrote")
+    saved = read_config(config)
+    found = saved.get(COMMAND_KEY)
+    if found != command and not (flag == "--resume" and found is None):
+        raise RunFolderInUse(f"{flag} refused: {out} holds {_what(found if isinstance(found, str) else None)}, not "
+                             f"{_what(command)}; et-ode replaces or continues only a folder the same command wrote. "
+                             f"Choose another --out")
+    return saved
+
+
+def _check_resume(out: Path, config: Path, setup: dict[str, Any], may_change: Iterable[str],
+                  command: str | None) -> None:
+    if not config.exists() and not config.is_symlink():
         warnings.warn(f"{out} has no {CONFIG_NAME} (a run from an older et-ode?): its set-up cannot be "
                       f"compared; resuming on trust", stacklevel=5)
         return
-    saved = read_config(config)
+    saved = _check_owner(out, config, [CONFIG_NAME], command, "--resume")
+    saved.pop(COMMAND_KEY, None)
     rows = differences(saved, setup, may_change)
     if rows:
         raise RunFolderError(

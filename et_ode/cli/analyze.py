@@ -82,7 +82,7 @@ def run_analyze(args: argparse.Namespace) -> Path:
         raise ValueError(f"--solver {args.solver} is a fixed-step method: give --step")
     setup = {k: str(v) if isinstance(v, Path) else v for k, v in sorted(vars(args).items())
              if isinstance(v, (str, int, float, bool, type(None), Path)) and k not in ("command", "overwrite")}
-    with runs.claim(args.out, setup, overwrite=getattr(args, "overwrite", False)):
+    with runs.claim(args.out, setup, overwrite=getattr(args, "overwrite", False), command="analyze"):
         return _run_analyze(args)
 
 

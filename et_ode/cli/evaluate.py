@@ -13,7 +13,7 @@ from ..solvers import ADAPTIVE_METHODS, METHODS, Adaptive, as_solver
 from ..tasks.evaluation import PREDICTORS, evaluate_checkpoint
 from ..tasks.image import load_trained
 from .image import thread_count
-from .options import add_command
+from .options import add_command, count_in
 
 DESCRIPTION = (
     "Complete the images of a split (default: the run's test split) with the trained ET, the "
@@ -37,7 +37,7 @@ def add_evaluate(commands: argparse._SubParsersAction) -> None:
     data.add_argument("--test-path", default=None, metavar="DIR",
                       help="a folder of PNG images to evaluate (tiled like the run's data)")
     data.add_argument("--split", default="test", choices=("test", "validation"), help="the split of the data")
-    data.add_argument("--limit", type=int, default=None, help="only the first N images")
+    data.add_argument("--limit", type=count_in(1), default=None, help="only the first N images")
     masks = parser.add_argument_group("masks (the run's ratio and visible fraction)")
     masks.add_argument("--mask-seed", type=int, default=None, help="seed of the masks (default: the run's)")
     masks.add_argument("--masks", default=None, metavar="NPZ",
@@ -50,7 +50,7 @@ def add_evaluate(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--predictors", default=",".join(PREDICTORS),
                         help=f"comma-separated subset of {','.join(PREDICTORS)}")
     parser.add_argument("--batch-size", type=int, default=250, help="images per batch")
-    parser.add_argument("--grid", type=int, default=8, help="images in completions.png (0: none)")
+    parser.add_argument("--grid", type=count_in(0, 1000), default=8, help="images in completions.png (0: none)")
     parser.add_argument("--device", default="cpu", help="auto, cpu, cuda or cuda:i")
     parser.add_argument("--threads", type=thread_count, default=None,
                         help="torch CPU threads, 1 to this machine's CPU count (default: torch's choice)")

@@ -142,7 +142,7 @@ def run_graph_train(args: argparse.Namespace) -> dict[str, Any]:
     setup = {k: v for k, v in sorted(vars(args).items())
              if isinstance(v, (str, int, float, bool, list, type(None))) and k not in ("command", "task")}
     with runs.claim(args.out, setup, resume=getattr(args, "resume", False),
-                    overwrite=getattr(args, "overwrite", False), may_change=RESUMABLE_CHANGES):
+                    overwrite=getattr(args, "overwrite", False), may_change=RESUMABLE_CHANGES, command="train graph"):
         return _run_graph_train(args)
 
 

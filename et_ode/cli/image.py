@@ -17,13 +17,15 @@ from typing import Any
 
 import torch
 
-from .. import distributed
+from .. import distributed, runs
 from ..data.images import SOURCES
 from ..solvers import METHODS
-from ..tasks.image import DEMO_EPOCHS, DEMO_MINUTES, ImageRunConfig, complete, demo, train_image
+from ..tasks.image import DEMO_EPOCHS, DEMO_TIME, ImageRunConfig, complete, demo, train_image
 from ..train import TrainConfig
 from .dynamics import add_dynamics_arguments, integration_from
-from .options import add_command, add_run_folder_arguments, add_threads_argument
+from .options import add_command, add_run_folder_arguments, add_threads_argument, count_in
+
+MAX_FRAMES = 10_000  # saved times of `complete --frames`: each is a full state in film.pt
 
 
 def _max_threads() -> int:
@@ -65,9 +67,9 @@ def add_train_image(subparsers: argparse._SubParsersAction) -> None:
     data.add_argument("--validation-fraction", type=float, default=run.validation_fraction,
                       help="fraction of the training data (of its source images, for png) held out as the "
                            "validation split scored after each epoch (photos: a fixed split)")
-    data.add_argument("--train-limit", type=int, default=None, help="use only the first N training images")
-    data.add_argument("--test-limit", type=int, default=None, help="use only the first N test images")
-    data.add_argument("--val-size", type=int, default=run.val_size,
+    data.add_argument("--train-limit", type=count_in(1), default=None, help="use only the first N training images")
+    data.add_argument("--test-limit", type=count_in(1), default=None, help="use only the first N test images")
+    data.add_argument("--val-size", type=count_in(0), default=run.val_size,
                       help="images scored after each epoch: of the validation split, or of the test split when "
                            "there is none (all test images at the end); 0: all")
     model = parser.add_argument_group("model")
@@ -75,7 +77,7 @@ def add_train_image(subparsers: argparse._SubParsersAction) -> None:
     model.add_argument("--dim", type=int, default=run.dim, help="token size D")
     model.add_argument("--heads", type=int, default=run.heads, help="attention heads H")
     model.add_argument("--head-dim", type=int, default=run.head_dim, help="head dimension Y")
-    model.add_argument("--memories", type=int, default=None, help="Hopfield memories K (default 4 D)")
+    model.add_argument("--memories", type=count_in(1), default=None, help="Hopfield memories K (default 4 D)")
     model.add_argument("--hopfield", default=run.hopfield, choices=("relu", "softplus", "softmax"),
                        help="Hopfield energy form")
     model.add_argument("--cls-token", action="store_true", help="prepend a CLS token")
@@ -186,12 +188,13 @@ def add_complete(commands: argparse._SubParsersAction) -> None:
     official.add_argument("--steady-state", type=float, default=1e-3, metavar="TOL",
                           help="the steady state: RMS |dg/dt| < TOL")
     official.add_argument("--t-max", type=float, default=100.0, help="longest time of the steady-state solve")
-    official.add_argument("--overwrite", action="store_true", help="write into a non-empty --out folder")
+    official.add_argument("--overwrite", action="store_true",
+                          help="replace an earlier `et-ode complete` output in --out (never another command's run)")
     official.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--out", required=True, help="output folder")
     parser.add_argument("--mask-ratio", type=float, default=None, help="fraction of patches hidden (default: the run's)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random mask")
-    parser.add_argument("--frames", type=int, default=9, help="saved times from 0 to the horizon")
+    parser.add_argument("--frames", type=count_in(2, MAX_FRAMES), default=9, help="saved times from 0 to the horizon")
     parser.add_argument("--t1", type=float, default=None, help="horizon (default: the run's)")
     parser.add_argument("--solver", default=None, choices=METHODS, help="ODE method (default: the run's)")
     parser.add_argument("--device", default="cpu", help="auto, cpu, cuda or cuda:i")
@@ -224,8 +227,11 @@ def _run_complete(args: argparse.Namespace) -> None:
     if args.image is not None and len(args.image) > 1:
         raise ValueError("a trained CHECKPOINT completes one --image at a time")
     image = args.image[0] if args.image else None
-    summary = complete(args.checkpoint, args.out, image=image, index=args.index, frames=args.frames, t1=args.t1,
-                       solver=args.solver, ratio=args.mask_ratio, seed=args.seed, device=args.device)
+    setup = {k: getattr(args, k) for k in ("checkpoint", "image", "index", "frames", "t1", "solver", "mask_ratio",
+                                           "seed")}
+    with runs.claim(args.out, setup, overwrite=args.overwrite, command="complete"):
+        summary = complete(args.checkpoint, args.out, image=image, index=args.index, frames=args.frames,
+                           t1=args.t1, solver=args.solver, ratio=args.mask_ratio, seed=args.seed, device=args.device)
     print(json.dumps({k: summary[k] for k in ("files", "masked_mse", "monotone")}, indent=2))
 
 
@@ -258,10 +264,9 @@ def add_demo(commands: argparse._SubParsersAction) -> None:
         commands, "demo",
         summary="train an image ET on the bundled 8x8 digits and write a report with pictures",
         description=f"Train an image ET on scikit-learn's 8x8 digits (4x4 patches, half hidden; the adaptive bosh3 "
-                    f"solver with the adjoint; {DEMO_EPOCHS} epochs, about {DEMO_MINUTES} minutes on 2 CPU cores), "
-                    f"evaluate it against the mean "
-                    f"and nearest-neighbour baselines, and write OUT/report.md with completions, energy descent, the "
-                    f"attractor picture and the test MSEs.")
+                    f"solver with the adjoint to t = 0.6; {DEMO_EPOCHS} epochs; measured {DEMO_TIME}), evaluate "
+                    f"it against the mean and nearest-neighbour baselines, and write OUT/report.md with completions, "
+                    f"energy descent, token trajectories up to the horizon and the test MSEs.")
     parser.add_argument("--out", default="runs/demo", help="output folder")
     parser.add_argument("--quick", action="store_true", help="a smoke run on a few images (seconds; for tests)")
     add_threads_argument(parser)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -55,3 +56,21 @@ def add_run_folder_arguments(parser: argparse.ArgumentParser) -> None:
                             "starts afresh")
     group.add_argument("--overwrite", action="store_true",
                        help="delete the run in OUT (a folder with an et-ode config.json) and start afresh")
+
+
+def count_in(low: int, high: int | None = None) -> Callable[[str], int]:
+    """argparse type of a count flag: an integer from ``low`` to ``high`` (None: no upper bound); an
+    ``argparse.ArgumentTypeError`` (the usage error naming the flag) otherwise."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            bound = f"from {low} to {high}" if high is not None else f"at least {low}"
+            raise argparse.ArgumentTypeError(f"must be an integer {bound}, got {value}")
+        return value
+
+    parse.__name__ = "count"
+    return parse

@@ -109,7 +109,7 @@ def evaluate_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, data: st
              "masks": str(Path(masks).resolve()) if masks is not None else None, "ratio": run.ratio,
              "visible_fraction": run.visible_fraction, "integration": integration.to_dict(),
              "predictors": list(predictors)}
-    with runs.claim(Path(out_dir), setup, overwrite=overwrite) as out:
+    with runs.claim(Path(out_dir), setup, overwrite=overwrite, command="evaluate") as out:
         images = evaluated.images
         if masks is not None:
             hidden, scored = _read_masks(masks, images.shape[0], model.num_patches)
@@ -195,9 +195,14 @@ def _read_masks(path: str | Path, count: int, num_patches: int) -> tuple[Tensor,
             hidden, scored = torch.from_numpy(saved["hidden"]), torch.from_numpy(saved["scored"])
     except (OSError, ValueError, KeyError) as error:
         raise ValueError(f"--masks {path}: not the completions.npz of an evaluation ({error})") from None
-    if hidden.dtype != torch.bool or tuple(hidden.shape) != (count, num_patches) or hidden.shape != scored.shape:
-        raise ValueError(f"--masks {path} holds masks of shape {tuple(hidden.shape)}; these {count} images of "
-                         f"{num_patches} patches need ({count}, {num_patches})")
+    for key, mask in (("hidden", hidden), ("scored", scored)):
+        if mask.dtype != torch.bool:
+            raise ValueError(f"--masks {path}: {key!r} holds {mask.dtype} values; masks are boolean arrays")
+        if tuple(mask.shape) != (count, num_patches):
+            raise ValueError(f"--masks {path}: {key!r} has shape {tuple(mask.shape)}; these {count} images of "
+                             f"{num_patches} patches need ({count}, {num_patches})")
+    if not bool(scored.any()):
+        raise ValueError(f"--masks {path}: 'scored' marks no patch, so there is nothing to score")
     return hidden, scored
 
 

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from .. import runs
 from ..data.images import read_photo
 from ..models.image import ImageET, patchify, unpatchify
 from ..models.official import denormalize, load_official, normalize_pixels, official_masks
@@ -60,14 +61,6 @@ def official_tokens(checkpoint: PathLike, photos: Sequence[PathLike], *, image_s
     images = normalize_pixels(pixels).to(dtype)
     hidden = official_masks(len(photos), model.num_patches, masked, seed=seed)
     return model, pixels, images, hidden
-
-
-def _refuse_to_overwrite(out: Path, overwrite: bool) -> None:
-    if out.exists() and not out.is_dir():
-        raise FileExistsError(f"--out {out} is a file, not a folder")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise FileExistsError(f"the output folder {out} is not empty; choose another one or pass overwrite=True "
-                              f"(--overwrite) to write over it")
 
 
 def _solves(model: ImageET, x0: Tensor, *, rtol: float, atol: float, steady_state: float, t_max: float
@@ -115,21 +108,34 @@ def complete_photos(checkpoint: PathLike, photos: Sequence[PathLike], out_dir: P
     ``report.md``. Returns the summary of ``report.json``.
 
     Raises:
-        FileExistsError: ``out_dir`` is not empty and ``overwrite`` is False.
-        FileNotFoundError, ValueError: a missing or unreadable checkpoint or photo, bad sizes or settings.
+        et_ode.runs.RunFolderInUse (a FileExistsError and a ValueError): ``out_dir`` is not empty and
+            ``overwrite`` is False, or ``overwrite`` names a folder that is not a run of ``et-ode complete``.
+        et_ode.runs.RunFolderError: ``out_dir`` is a file, a dangling link or in use (RunWriteError: a full disk).
+        FileNotFoundError, ValueError: a missing or unreadable checkpoint or photo, bad sizes or settings. A
+            refused call leaves ``out_dir`` as it was.
     """
     if not (steady_state > 0 and t_max > 0 and rtol > 0 and atol > 0):
         raise ValueError(f"steady_state, t_max, rtol and atol must be positive, got steady_state={steady_state}, "
                          f"t_max={t_max}, rtol={rtol}, atol={atol}")
     out = Path(out_dir)
-    _refuse_to_overwrite(out, overwrite)
-    model, pixels, images, hidden = official_tokens(checkpoint, photos, image_shape=image_shape, patch=patch,
-                                                    masked=masked, seed=seed, dtype=dtype)
-    device = torch.device(device)
-    model = model.to(device)
+    setup = {"checkpoint": str(checkpoint), "photos": [str(p) for p in photos], "image_shape": list(image_shape),
+             "patch": patch, "masked": masked, "seed": seed, "dtype": str(dtype), "rtol": rtol, "atol": atol,
+             "steady_state": steady_state, "t_max": t_max}
+    with runs.claim(out, setup, overwrite=overwrite, command="complete"):
+        model, pixels, images, hidden = official_tokens(checkpoint, photos, image_shape=image_shape, patch=patch,
+                                                        masked=masked, seed=seed, dtype=dtype)
+        return _complete_photos(out, model.to(torch.device(device)), photos, pixels, images, hidden, setup,
+                                progress=progress)
+
+
+def _complete_photos(out: Path, model: ImageET, photos: Sequence[PathLike], pixels: Tensor, images: Tensor,
+                     hidden: Tensor, setup: dict[str, Any], *, progress: bool) -> dict[str, Any]:
+    """The three solves of every photo, written into the claimed folder ``out``; returns the summary."""
     from ..analysis import check_lyapunov  # downstream of the model: imported where it is used
 
-    out.mkdir(parents=True, exist_ok=True)
+    device = model.block.neuron.delta.device
+    rtol, atol, steady_state, t_max = (setup[k] for k in ("rtol", "atol", "steady_state", "t_max"))
+    checkpoint, dtype, seed = setup["checkpoint"], images.dtype, setup["seed"]
     reconstructions: dict[str, list[Tensor]] = {name: [] for name in SOLVES}
     records = []
     for k in tqdm(range(len(photos)), desc="photos", disable=not progress):

@@ -3,7 +3,12 @@
     python examples/train_image.py [--out runs/example] [--epochs 3]
 
 Uses scikit-learn's bundled 8x8 digits, so it runs anywhere; swap `data="fashion-mnist"` (and `patch=4`) for the
-README's Fashion-MNIST run. Rerunning continues from the checkpoint in --out.
+Fashion-MNIST run of the tasks guide (docs/guides/tasks.md). Rerunning continues from the checkpoint in --out.
+
+What to expect: with the defaults (D = 32, the paper's 12 Euler steps, 15 epochs; about 15 minutes on a loaded
+2-core machine) the test masked-patch MSE was 0.0672, below the per-position mean (0.0719) but above the nearest
+training image on the visible patches (0.0494): this short run does not beat the nearest neighbour. `make demo`
+(D = 64, an adaptive solver with the adjoint, 35 epochs) does: 0.0461. The script prints which side it lands on.
 """
 
 import argparse
@@ -27,6 +32,10 @@ def main() -> None:
     )
     results = train_image(config)
     print(json.dumps({k: results[k] for k in ("model", "mean_baseline", "nearest_neighbour")}, indent=2))
+    ours, nearest = results["model"]["mse"], results.get("nearest_neighbour", {}).get("mse")
+    if nearest is not None:
+        side = "below" if ours < nearest else "above"
+        print(f"test MSE {ours:.4f}: {abs(ours / nearest - 1):.1%} {side} the nearest neighbour's {nearest:.4f}")
     film = complete(f"{args.out}/checkpoint.safetensors", f"{args.out}/film", index=0)
     print("completion of test image 0 written:", film["files"], "masked MSE", round(film["masked_mse"], 4))
 

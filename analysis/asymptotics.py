@@ -6,17 +6,28 @@ tangential rate ``gamma / (tau sigma_A)`` of token ``A`` becomes ``1 / (kappa_A 
 ``r = gamma sqrt(D)``. The linearised dynamics ``dw/dt = -(1/t) K^(-1) Hess_R w``, ``K = diag(kappa_A)``, is an
 ordinary exponential approach in the intrinsic time ``log t``:
 
-    |g(t) - g*| ~ t^(-p),      p = lambda_min(K^(-1/2) Hess_R K^(-1/2)).
+    |g(t) - g*| ~ t^(-p),      p = lambda_min(K^(-1/2) Hess_R K^(-1/2)),
+    RMS |dg/dt| ~ t^(-(p + 1))  (the tangential speed is the distance times the rate 1 / (kappa t)).
+
+(The O(eps) radial motion of ``g`` adds ``~ t^(-2)`` to the distance and ``~ t^(-3)`` to the speed, below both
+power laws for ``p < 1`` and below rounding at any ``p`` once ``eps / sigma^2`` is.)
+
+The power law holds only in the asymptotic regime: once ``g`` is close enough to ``g*`` for the linearisation,
+the faster modes have died out and the token scales have forgotten the transient (``|xt_A| = rho_A t / tau``,
+which a long stay near a saddle can postpone to ``t ~ 1e20`` and beyond). Before that, the local slope
+``-d log|g - g*| / d log t`` at a fixed ``t_end`` is not an estimate of ``p``.
 
 :func:`predicted_exponent` computes ``p``; :func:`measured_exponent` solves from a start to a late time on a
-log-spaced grid, finds ``g*`` from the final state and fits the power law of ``|g - g*|``;
-:func:`plot_asymptotics` draws both against ``log t``.
+log-spaced grid, locates ``g*`` on the flow's limit spheres, detects whether (and from when) the regime is reached,
+and fits the power laws of ``|g - g*|`` and RMS ``|dg/dt|`` over that window only; :func:`plot_asymptotics`
+draws both against ``log t``.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,14 +35,12 @@ import torch
 from matplotlib.figure import Figure
 from torch import Tensor
 
-from et_ode import Adaptive, ETField, solve
+from et_ode import Adaptive, ETField, find_attractor, solve
 from et_ode.manifold import radial_direction
 
 from .convergence import RateFit, fit_decay
-from .critical_points import newton_critical_point
 from .plots import _finish
 from .sphere import hessian_in_frame, unit_scale
-from .stability import find_fixed_point
 
 PathLike = str | os.PathLike[str]
 
@@ -69,47 +78,165 @@ def predicted_exponent(field: ETField, x_star: Tensor) -> PredictedRate:
 
 @dataclass
 class MeasuredRate:
-    """A solve's approach to its limit: saved times ``ts`` ``(T,)``, RMS ``|g - g*|`` ``distance`` ``(T,)``, the
-    power-law fit over the late, log-time window, and the prediction at the limit ``g*``."""
+    """A solve's approach to its limit ``g*``.
+
+    Attributes:
+        ts: saved times ``(T,)`` (``ts[0] = 0``, then log-spaced).
+        distance: RMS ``|g - g*|`` at the saved times ``(T,)``.
+        speed: RMS ``|dg/dt|`` at the saved times ``(T,)``.
+        local_slope: ``-d log|g - g*| / d log t`` between consecutive saved times ``(T - 1,)`` (nan where a
+            distance is not above the floor or ``t = 0``).
+        scale_error: ``max_A | |xt_A| tau / (rho*_A t) - 1 |`` at the saved times ``(T,)`` (nan at ``t = 0``):
+            how far the token scales are from their asymptotic growth.
+        fit: the power law of ``distance`` over ``window`` when ``asymptotic``, else over the last ``tail`` of the
+            span in log time (a local slope, not an estimate of ``p``).
+        speed_fit: the power law of ``speed`` over the same saved times (rate ``p + 1`` in the regime).
+        predicted: the prediction at the limit ``g*``.
+        window: saved-time indices ``(first, last)`` of the asymptotic window, or None.
+        asymptotic: the regime is reached (see :func:`measured_exponent`).
+        reason: why it is or is not, in words.
+    """
 
     ts: Tensor
     distance: Tensor
+    speed: Tensor
+    local_slope: Tensor
+    scale_error: Tensor
     fit: RateFit
+    speed_fit: RateFit
     predicted: PredictedRate
+    window: tuple[int, int] | None
+    asymptotic: bool
+    reason: str
 
     @property
     def exponent(self) -> float:
+        """The fitted exponent of ``|g - g*|``: an estimate of ``p`` when ``asymptotic``, a local slope otherwise."""
         return self.fit.rate
 
 
+@dataclass(frozen=True)
+class _Tolerances:
+    slope: float
+    scale: float
+    agree: float
+    decades: float
+    floor: float
+
+
+def _tail_window(log_t: np.ndarray, slopes: np.ndarray, scale_error: np.ndarray, distance: np.ndarray,
+                 tol: _Tolerances) -> tuple[int, int, str]:
+    """The longest tail ``[first, last]`` of saved times (``last``: the last distance above the floor) over which
+    the local slopes stay within ``tol.slope`` (relative) of their median and the scales within ``tol.scale``;
+    with the reason the window could not be extended further back."""
+    above = np.nonzero(distance > tol.floor)[0]
+    last = int(above[-1]) if len(above) else 0
+    first, why = last, "no saved distance above the floor"
+    while first > 1:  # (index 0 is t = 0)
+        candidate = first - 1
+        if not distance[candidate] > tol.floor:
+            why = f"RMS |g - g*| <= {tol.floor:g} before t = {math.exp(log_t[candidate + 1]):.3g}"
+            break
+        if not scale_error[candidate] <= tol.scale:
+            why = (f"the token scales are off their asymptotic growth rho*_A t / tau by {scale_error[candidate]:.2g} "
+                   f"at t = {math.exp(log_t[candidate]):.3g}")
+            break
+        window = slopes[candidate:last]
+        median = float(np.median(window))
+        if not (median > 0 and float(np.abs(window - median).max()) <= tol.slope * median):
+            why = (f"the local slope varies ({window.min():.4g} .. {window.max():.4g}) from t = "
+                   f"{math.exp(log_t[candidate]):.3g}")
+            break
+        first = candidate
+    return first, last, why
+
+
+def _regime(ts: Tensor, distance: Tensor, speed: Tensor, scale_error: Tensor, predicted: float,
+            tol: _Tolerances, tail: float) -> tuple[RateFit, RateFit, tuple[int, int] | None, bool, str, Tensor]:
+    """The asymptotic window (if any), the fits over it (or over the last ``tail``), and the reason."""
+    log_t = ts.clamp_min(torch.finfo(torch.float64).tiny).log().numpy()
+    log_d = distance.clamp_min(torch.finfo(torch.float64).tiny).log().numpy()
+    slopes = -(log_d[1:] - log_d[:-1]) / (log_t[1:] - log_t[:-1])
+    usable = (distance[:-1] > tol.floor).numpy() & (distance[1:] > tol.floor).numpy() & (ts[:-1] > 0).numpy()
+    slopes = np.where(usable, slopes, np.nan)
+    first, last, why = _tail_window(log_t, slopes, scale_error.numpy(), distance.numpy(), tol)
+    decades = (log_t[last] - log_t[first]) / math.log(10) if last > first else 0.0
+    if decades >= tol.decades:
+        keep = slice(first, last + 1)
+        fit = fit_decay(ts[keep], distance[keep], tail=1.0)[1]
+        speed_fit = fit_decay(ts[keep], speed[keep], tail=1.0)[1]
+        window = (first, last)
+        span = f"t in [{float(ts[first]):.3g}, {float(ts[last]):.3g}]"
+        if abs(fit.rate - predicted) <= tol.agree * predicted:
+            reason = (f"reached over {span}: local slope constant within {tol.slope:g}, token scales within "
+                      f"{tol.scale:g} of rho*_A t / tau, fitted p = {fit.rate:.5g} against {predicted:.5g} predicted")
+            return fit, speed_fit, window, True, reason, torch.from_numpy(slopes)
+        reason = (f"not reached: over {span} the local slope is constant at {fit.rate:.5g}, but the prediction at "
+                  f"the limit is {predicted:.5g} (a slower transient, e.g. the next mode)")
+    else:
+        reason = (f"not reached: the tail with a constant local slope and settled token scales spans "
+                  f"{decades:.2g} decade(s) of t, fewer than {tol.decades:g} ({why})")
+    fit = fit_decay(ts, distance, tail=tail)[1]
+    speed_fit = fit_decay(ts, speed, tail=tail)[1]
+    return fit, speed_fit, None, False, reason, torch.from_numpy(slopes)
+
+
 def measured_exponent(field: ETField, x0: Tensor, *, t_end: float = 1e5, points: int = 61, tail: float = 0.3,
-                      rtol: float = 1e-10, atol: float = 1e-12) -> MeasuredRate:
-    """Solve from ``x0`` ``(N, D)`` to ``t_end`` on ``points`` log-spaced times, locate ``g*`` (descent, then
-    Newton) from the final state, and fit ``|g - g*| ~ t^(-p)`` over the last ``tail`` of the span in log time."""
+                      rtol: float = 1e-10, atol: float = 1e-12, slope_tol: float = 0.01, scale_tol: float = 0.01,
+                      agree_tol: float = 0.01, min_decades: float = 1.0, floor: float = 1e-9,
+                      strict: bool = False) -> MeasuredRate:
+    """Solve from ``x0`` ``(N, D)`` to ``t_end`` on ``points`` log-spaced times, locate ``g*`` on the flow's
+    limit spheres (:func:`et_ode.find_attractor` from the final state, no flow phase), and measure the approach.
+
+    The asymptotic regime is reached when a tail of the saved times spanning at least ``min_decades`` decades of
+    ``t`` (distances above ``floor``, the solve's accuracy) has (1) local slopes ``-d log|g - g*| / d log t``
+    within ``slope_tol`` (relative) of their median, (2) token scales within ``scale_tol`` of their asymptotic
+    growth ``|xt_A| = rho*_A t / tau``, and (3) a power-law fit within ``agree_tol`` of the exponent predicted at
+    the limit. The fits of ``|g - g*|`` and RMS ``|dg/dt|`` then use that tail only. Otherwise the result says
+    why (``asymptotic=False``, ``reason``), fits the last ``tail`` of the span in log time, and warns
+    (RuntimeWarning), or raises ValueError with ``strict=True``. Also raises ValueError for bad arguments and when
+    the limit is not a minimum on the spheres (some ``rho_A <= 0``)."""
     if not (isinstance(x0, Tensor) and x0.dim() == 2 and x0.shape[-1] == field.model.dim):
         raise ValueError(f"x0 must be one state (N, D) with D={field.model.dim}, got "
                          f"{tuple(x0.shape) if isinstance(x0, Tensor) else type(x0).__name__}")
     if not (t_end > 1 and isinstance(points, int) and points >= 5):
         raise ValueError(f"t_end must be > 1 and points an integer >= 5, got t_end={t_end}, points={points}")
+    for name, value in (("slope_tol", slope_tol), ("scale_tol", scale_tol), ("agree_tol", agree_tol),
+                        ("min_decades", min_decades), ("floor", floor)):
+        if not (isinstance(value, (int, float)) and 0 < value < math.inf):
+            raise ValueError(f"{name} must be a positive finite number, got {value!r}")
     grid = torch.cat([torch.zeros(1, dtype=torch.float64), torch.logspace(-2, math.log10(t_end), points - 1,
                                                                           dtype=torch.float64)])
     with torch.no_grad():
         solution = solve(field, x0.detach(), grid.to(x0.dtype), solver=Adaptive(rtol=rtol, atol=atol),
                          max_steps=1_000_000)
-    limit = find_fixed_point(field, solution.x[None], tol=1e-9, max_iter=5000).x[0]
-    point = newton_critical_point(field, limit)
+    limit = find_attractor(field, solution.x.detach()[None], tol=1e-12, flow=False)
+    predicted = predicted_exponent(field, limit.x[0])
     neuron = field.model.neuron
     with torch.no_grad():
-        distance = (neuron(solution.xs) - neuron(point.x)).square().mean(dim=(-1, -2)).sqrt()
-    _, power = fit_decay(grid, distance, tail=tail)
-    return MeasuredRate(ts=grid, distance=distance.to(torch.float64).cpu(), fit=power,
-                        predicted=predicted_exponent(field, point.x))
+        xs = solution.xs.detach()
+        distance = (neuron(xs) - limit.g.detach()).square().mean(dim=(-1, -2)).sqrt().to(torch.float64).cpu()
+        speed = field.rms_dg_dt(xs, field.velocity(xs)).to(torch.float64).cpu()
+        length = (xs - xs.mean(dim=-1, keepdim=True)).norm(dim=-1).to(torch.float64).cpu()  # (T, N)
+    ts = grid.cpu()
+    growth = predicted.rho.to(torch.float64).cpu() * ts[:, None] / field.tau
+    scale_error = torch.where(ts[:, None] > 0, (length / growth.clamp_min(1e-300) - 1).abs(), math.nan).amax(dim=-1)
+    tolerances = _Tolerances(slope=slope_tol, scale=scale_tol, agree=agree_tol, decades=min_decades, floor=floor)
+    fit, speed_fit, window, asymptotic, reason, slopes = _regime(ts, distance, speed, scale_error, predicted.exponent,
+                                                                 tolerances, tail)
+    if not asymptotic:
+        message = f"measured_exponent: the asymptotic regime is {reason}; the fitted exponent is not an estimate of p"
+        if strict:
+            raise ValueError(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
+    return MeasuredRate(ts=ts, distance=distance, speed=speed, local_slope=slopes, scale_error=scale_error, fit=fit,
+                        speed_fit=speed_fit, predicted=predicted, window=window, asymptotic=asymptotic, reason=reason)
 
 
 def plot_asymptotics(rates: list[MeasuredRate], *, labels: list[str] | None = None, path: PathLike | None = None,
                      figsize: tuple[float, float] = (8.0, 5.0), dpi: int = 100) -> Figure:
     """``|g - g*|`` against the intrinsic time ``log t`` (log scale: the power law is a straight line of slope
-    ``-p``), with the predicted slope drawn through the last point of each."""
+    ``-p``), with the predicted slope drawn through the last point of each and the asymptotic window shaded."""
     labels = labels or [f"trajectory {i}" for i in range(len(rates))]
     if len(labels) != len(rates):
         raise ValueError(f"labels must have one entry per rate ({len(rates)}), got {len(labels)}")
@@ -122,8 +249,12 @@ def plot_asymptotics(rates: list[MeasuredRate], *, labels: list[str] | None = No
         keep = (rate.ts > 0) & (rate.distance > 0)
         log_t = rate.ts[keep].log().numpy()
         distance = rate.distance[keep].numpy()
-        ax.plot(log_t, distance, "o", color=colors(i), markersize=3,
-                label=f"{label}: measured p = {rate.exponent:.3f}")
+        measured = f"measured p = {rate.exponent:.3f}" if rate.asymptotic else \
+            f"local slope {rate.exponent:.3f} (asymptotic regime not reached)"
+        ax.plot(log_t, distance, "o", color=colors(i), markersize=3, label=f"{label}: {measured}")
+        if rate.window is not None:
+            first, last = rate.window
+            ax.axvspan(math.log(float(rate.ts[first])), math.log(float(rate.ts[last])), color=colors(i), alpha=0.08)
         p = rate.predicted.exponent
         ax.plot(log_t, distance[-1] * np.exp(-p * (log_t - log_t[-1])), "-", color=colors(i), alpha=0.7,
                 label=f"{label}: predicted p = {p:.3f}")

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 
 from .model import EnergyTransformer
-from .statefile import atomic_write, describe
+from .models.image import check_model_size
+from .statefile import FileFormatError, atomic_write, check_file, describe
 
 FORMAT = "et-ode/energy-transformer/1"
 
@@ -53,13 +54,16 @@ def load_model(path: str | os.PathLike[str], *, map_location: str | torch.device
 
     Raises:
         FileNotFoundError: no file at ``path``.
-        ValueError: the file is truncated or corrupt, holds objects other than data (refused unread), is a
-            training checkpoint (the message says how to get the model out of it), or is not a complete et-ode
-            model file (wrong format, missing entries, weights that do not fit the settings).
+        ValueError: a training checkpoint (the message says how to get the model out of it).
+        et_ode.statefile.FileFormatError (a ValueError): the file is not a regular file or too large, truncated
+            or corrupt, holds objects other than data (refused unread), or is not a complete et-ode model file
+            (wrong format, missing entries, sizes beyond ``et_ode.models.image.MAX_PARAMETERS``, weights that do
+            not fit the settings); naming the file and the entry.
     """
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise FileNotFoundError(f"no model file at {path.resolve()} (write one with et_ode.io.save_model)")
+    check_file(path, "model file")
     kind = describe(path)
     if kind.startswith("an et-ode state file"):
         raise ValueError(f"{path} is {kind}: a training checkpoint (model, optimizer, RNG states), not a model file. "
@@ -70,20 +74,27 @@ def load_model(path: str | os.PathLike[str], *, map_location: str | torch.device
         blob = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as error:  # torch raises several types for damaged archives and refused objects
         reason = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
-        raise ValueError(f"{path} is not a readable model file (truncated or corrupt, or holding objects other than "
-                         f"tensors and numbers, refused unread by weights_only=True): {reason}") from None
+        raise FileFormatError(path, None, f"not a readable model file (truncated or corrupt, or holding objects "
+                                          f"other than tensors and numbers, refused unread by weights_only=True): "
+                                          f"{reason}") from None
     if not isinstance(blob, dict) or blob.get("format") != FORMAT:
-        raise ValueError(f"{path} is not an et-ode model file (expected format {FORMAT!r})")
+        raise FileFormatError(path, "format", f"not an et-ode model file (expected format {FORMAT!r})")
     missing = [key for key in ("config", "state_dict") if not isinstance(blob.get(key), dict)]
     if missing or not blob["state_dict"]:
-        raise ValueError(f"{path} is an incomplete et-ode model file: {missing or ['state_dict']} missing or empty")
+        key = (missing or ["state_dict"])[0]
+        raise FileFormatError(path, key, f"an incomplete et-ode model file: {missing or ['state_dict']} missing or "
+                                         f"empty")
+    config, state = blob["config"], blob["state_dict"]
     try:
-        model = EnergyTransformer(**blob["config"])
-        state = blob["state_dict"]
-        model = model.to(next(iter(state.values())).dtype)
+        check_model_size(config.get("dim"), config.get("heads"), config.get("head_dim"), config.get("memories"))
+        dtype = next(iter(state.values())).dtype
+        if not dtype.is_floating_point:
+            raise ValueError(f"the weights are {dtype}, not floating point")
+        model = EnergyTransformer(**config).to(dtype)
         model.load_state_dict(state)
-    except (TypeError, ValueError, RuntimeError, AttributeError) as error:
+    except (TypeError, ValueError, RuntimeError, AttributeError, KeyError) as error:
         first = " ".join(str(error).split())[:300] or type(error).__name__
-        raise ValueError(f"{path}: its settings and weights do not make an EnergyTransformer: {first}") from None
+        raise FileFormatError(path, "config", f"its settings and weights do not make an EnergyTransformer: "
+                                              f"{first}") from None
     meta = blob.get("meta", {})
     return model, dict(meta) if isinstance(meta, dict) else {}

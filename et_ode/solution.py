@@ -50,7 +50,7 @@ class BackwardTally:
                 return
             thread = threading.get_ident()
             self._open = (thread, self.evaluations.made_by(thread))
-        torch.autograd.Variable._execution_engine.queue_callback(self.close)  # type: ignore[attr-defined]
+        torch.autograd.Variable._execution_engine.queue_callback(self.close)
 
     def close(self) -> None:
         """The end of the pass: adds its evaluations."""

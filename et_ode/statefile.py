@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
+import stat
 import tempfile
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from numbers import Integral
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -36,6 +38,134 @@ from safetensors.torch import save as save_tensors
 from torch import Tensor
 
 _TENSOR, _NUMPY, _TUPLE, _ITEMS = "__tensor__", "__ndarray__", "__tuple__", "__items__"
+MAX_FILE_BYTES = 2**33  # 8 GiB: the largest state, model or archive file read
+MAX_ARRAY_ELEMENTS = 2**28  # elements of one array (1 GiB of float32), checked from the file's header before reading
+MAX_TOTAL_ELEMENTS = 2**29  # all the arrays of one file together
+
+
+class FileFormatError(ValueError):
+    """A file that cannot be read as what it should be: the message names the file (``path``) and, where one entry
+    is at fault, its ``key`` (None: the whole file). Raised by every et-ode file loader for damaged, hostile or
+    oversized files (sizes are checked from headers before anything is allocated)."""
+
+    def __init__(self, path: str | os.PathLike[str], key: str | None, problem: str):
+        where = f"{path}" if key is None else f"{path}, key {key!r}"
+        super().__init__(f"{where}: {problem}")
+        self.path = Path(path)
+        self.key = key
+
+
+def check_file(path: str | os.PathLike[str], what: str, max_bytes: int = MAX_FILE_BYTES) -> int:
+    """The size of the regular file ``path`` (a link is followed), checked before it is read.
+
+    Raises:
+        FileNotFoundError: nothing at ``path``.
+        FileFormatError: not a regular file (a folder, a device such as ``/dev/zero``, a pipe), or larger than
+            ``max_bytes``, naming ``path`` and calling it ``what``.
+    """
+    path = Path(path)
+    try:
+        info = path.stat()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{what} not found: {path} (looked for a file at {path.resolve()})") from None
+    except OSError as error:
+        raise FileFormatError(path, None, f"the {what} cannot be read ({error.strerror})") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise FileFormatError(path, None, f"the {what} is not a regular file (a folder, a device or a pipe)")
+    if info.st_size > max_bytes:
+        raise FileFormatError(path, None, f"the {what} holds {info.st_size} bytes, more than the {max_bytes} "
+                                          f"et-ode reads")
+    return info.st_size
+
+
+def check_elements(path: str | os.PathLike[str], key: str, shape: Sequence[int],
+                   max_elements: int = MAX_ARRAY_ELEMENTS) -> int:
+    """The element count of an array of ``shape`` declared in a file's header: FileFormatError naming ``path`` and
+    ``key`` if a dimension is not a non-negative integer or the count exceeds ``max_elements``."""
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
+        raise FileFormatError(path, key, f"its shape {list(shape)!r} is not a list of non-negative integers")
+    count = math.prod(shape)
+    if count > max_elements:
+        raise FileFormatError(path, key, f"its header declares {count} elements (shape {tuple(shape)}), more than "
+                                         f"the {max_elements} et-ode reads")
+    return count
+
+
+def read_npz(path: str | os.PathLike[str], keys: Sequence[str], *, what: str,
+             max_elements: int = MAX_ARRAY_ELEMENTS, allow_empty: bool = False) -> dict[str, np.ndarray]:
+    """The arrays ``keys`` of the ``.npz`` archive ``path``, in native byte order; never runs code.
+
+    Each member's ``.npy`` header is read first: its dtype (numbers and booleans only: no objects, so no pickle),
+    its shape (at most ``max_elements`` elements, ``MAX_TOTAL_ELEMENTS`` in all) and its size must agree with the
+    archive before the array is read, so a zip bomb or a header claiming a huge array is refused unallocated.
+
+    Raises:
+        FileNotFoundError: no file at ``path``.
+        FileFormatError: not an ``.npz`` archive, a key missing, an object (pickled) array, a header that does not
+            match its data, too many elements, or an empty array without ``allow_empty``; naming ``path`` and the key.
+    """
+    path = Path(path)
+    check_file(path, what)
+    if not zipfile.is_zipfile(path):
+        raise FileFormatError(path, None, f"the {what} is not an .npz archive (a zip of .npy arrays)")
+    try:
+        with zipfile.ZipFile(path) as archive:
+            members = {info.filename[:-4]: info for info in archive.infolist() if info.filename.endswith(".npy")}
+            missing = [key for key in keys if key not in members]
+            if missing:
+                raise FileFormatError(path, missing[0], f"key(s) {', '.join(missing)} missing (found: "
+                                                        f"{', '.join(sorted(members)) or 'no arrays'})")
+            total, arrays = 0, {}
+            for key in keys:
+                arrays[key] = _read_member(archive, members[key], path, key, max_elements, allow_empty)
+                total += arrays[key].size
+                if total > MAX_TOTAL_ELEMENTS:
+                    raise FileFormatError(path, key, f"the arrays hold more than {MAX_TOTAL_ELEMENTS} elements")
+            return arrays
+    except (OSError, EOFError, zipfile.BadZipFile, zipfile.LargeZipFile, NotImplementedError, RuntimeError) as error:
+        raise FileFormatError(path, None, f"the {what} is not a readable .npz archive: {error}") from None
+
+
+def _read_exactly(stream: BinaryIO | Any, size: int) -> bytearray | None:
+    """``size`` bytes of ``stream`` into one writable buffer (read in chunks), or None when it ends before."""
+    data = bytearray(size)
+    view, filled = memoryview(data), 0
+    while filled < size:
+        chunk = stream.read(min(size - filled, 1 << 24))
+        if not chunk:
+            return None
+        view[filled:filled + len(chunk)] = chunk
+        filled += len(chunk)
+    return data
+
+
+def _read_member(archive: zipfile.ZipFile, info: zipfile.ZipInfo, path: Path, key: str, max_elements: int,
+                 allow_empty: bool) -> np.ndarray:
+    """One ``.npy`` member, its header checked before its data is read (see :func:`read_npz`)."""
+    with archive.open(info) as stream:
+        try:
+            version = np.lib.format.read_magic(stream)
+            reader = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+            shape, fortran, dtype = reader(stream)
+        except ValueError as error:
+            raise FileFormatError(path, key, f"not a valid .npy array header: {error}") from None
+        if dtype.hasobject or dtype.kind not in "biufc":
+            raise FileFormatError(path, key, f"holds {dtype} values, not numbers: object arrays are pickles, which "
+                                             f"et-ode never loads (they can run code)")
+        count = check_elements(path, key, shape, max_elements)
+        if count == 0 and not allow_empty:
+            raise FileFormatError(path, key, f"is empty (shape {tuple(shape)})")
+        header = stream.tell()
+        if info.file_size - header != count * dtype.itemsize:
+            raise FileFormatError(path, key, f"its header declares shape {tuple(shape)} of {dtype} "
+                                             f"({count * dtype.itemsize} bytes) but it holds {info.file_size - header}")
+        data = _read_exactly(stream, count * dtype.itemsize)
+        if data is None:
+            raise FileFormatError(path, key, "its data is truncated")
+    array = np.frombuffer(data, dtype=dtype, count=count).reshape(shape, order="F" if fortran else "C")
+    native = dtype.newbyteorder("=")
+    return array if array.flags.c_contiguous and dtype == native else array.astype(native, order="C")
+
 _MARKERS = (_TENSOR, _NUMPY, _TUPLE, _ITEMS)
 _PICKLE_ADVICE = ("it is a pickle (torch.save) file; et-ode never unpickles it with weights_only=False, since a "
                   "pickle can run arbitrary code when loaded")
@@ -152,7 +282,9 @@ def describe(path: str | os.PathLike[str]) -> str:
     header = _header(raw)
     if header is not None:
         meta = header.get("__metadata__") or {}
-        if "format" in meta:
+        if not isinstance(meta, dict):
+            return "a safetensors file whose __metadata__ is not a table of strings"
+        if isinstance(meta.get("format"), str):
             return f"an et-ode state file (format {meta['format']!r})"
         return "a safetensors file without et-ode metadata"
     if zipfile.is_zipfile(path) or raw[:1] == b"\x80":
@@ -176,38 +308,66 @@ def load_state(path: str | os.PathLike[str], format: str, map_location: str | to
 
     Raises:
         FileNotFoundError: no file at ``path``.
-        ValueError: empty, truncated or corrupt; a pickle; or another format (the message says which), naming
-            ``path`` and calling it ``what``.
+        FileFormatError (a ValueError): not a regular file or too large (:func:`check_file`); empty, truncated or
+            corrupt; a pickle; a header entry that is not a tensor, declares too many elements, or a
+            ``__metadata__`` that is not a table of strings; or another format (the message says which), naming
+            ``path`` (calling it ``what``) and the key at fault.
     """
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{what} not found: {path} (looked for a file at {path.resolve()})")
+    check_file(path, what)
     raw = path.read_bytes()
     if not raw:
-        raise ValueError(f"{what} {path} is empty (0 bytes): truncated or corrupt")
+        raise FileFormatError(path, None, f"the {what} is empty (0 bytes): truncated or corrupt")
     header = _header(raw)
     if header is None:
         kind = describe(path)
         if kind.startswith("a pickle"):
-            raise ValueError(f"{what} {path} is refused: {_PICKLE_ADVICE}. et-ode {what}s are safetensors files "
-                             f"(format {format!r}); see the README's Safety section")
-        raise ValueError(f"{what} {path} ({len(raw)} bytes) is truncated or corrupt: not a safetensors file")
-    meta = header.get("__metadata__") or {}
+            raise FileFormatError(path, None, f"the {what} is refused: {_PICKLE_ADVICE}. et-ode {what}s are "
+                                              f"safetensors files (format {format!r}); see the README's Safety section")
+        raise FileFormatError(path, None, f"the {what} ({len(raw)} bytes) is truncated or corrupt: not a "
+                                          f"safetensors file")
+    meta = _metadata(header, path)
     if meta.get("format") != format:
         found = f"format {meta['format']!r}" if "format" in meta else "no et-ode format tag"
-        raise ValueError(f"{path} is not an et-ode {what} (expected format {format!r}, found {found})")
+        raise FileFormatError(path, "__metadata__", f"not an et-ode {what} (expected format {format!r}, found "
+                                                    f"{found})")
+    _check_tensor_headers(header, path)
     try:
         tensors = load_tensors(raw)
         skeleton = json.loads(meta["state"])
         state = _decode(skeleton, tensors)
     except (SafetensorError, KeyError, ValueError, TypeError, RecursionError) as error:
-        raise ValueError(f"{what} {path} ({len(raw)} bytes) is truncated or corrupt and cannot be read: "
-                         f"{type(error).__name__}: {error}") from None
+        raise FileFormatError(path, None, f"the {what} ({len(raw)} bytes) is truncated or corrupt and cannot be "
+                                          f"read: {type(error).__name__}: {error}") from None
     if not isinstance(state, dict):
-        raise ValueError(f"{what} {path} does not hold a dict (got {type(state).__name__})")
+        raise FileFormatError(path, "state", f"the {what} does not hold a dict (got {type(state).__name__})")
     if torch.device(map_location).type != "cpu":
         state = _to_device(state, torch.device(map_location))
     return state
+
+
+def _metadata(header: dict[str, Any], path: Path) -> dict[str, str]:
+    """The ``__metadata__`` table of a safetensors header: FileFormatError naming it unless strings to strings."""
+    meta = header.get("__metadata__", {})
+    if meta is None:
+        return {}
+    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+        raise FileFormatError(path, "__metadata__", f"must be a table of strings, got {type(meta).__name__}")
+    return meta
+
+
+def _check_tensor_headers(header: dict[str, Any], path: Path) -> None:
+    """Every tensor entry of a safetensors header: a dtype, a shape (element counts within the limits) and offsets."""
+    total = 0
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        if not isinstance(entry, dict) or not isinstance(entry.get("dtype"), str) \
+                or not isinstance(entry.get("shape"), list) or not isinstance(entry.get("data_offsets"), list):
+            raise FileFormatError(path, key, "not a tensor entry (dtype, shape, data_offsets)")
+        total += check_elements(path, key, entry["shape"])
+        if total > MAX_TOTAL_ELEMENTS:
+            raise FileFormatError(path, key, f"the tensors hold more than {MAX_TOTAL_ELEMENTS} elements")
 
 
 def _to_device(value: Any, device: torch.device) -> Any:

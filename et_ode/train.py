@@ -83,7 +83,7 @@ from tqdm.auto import tqdm
 
 from . import devices, distributed, runs
 from .devices import move_to, resolve_device, seed_everything
-from .statefile import describe, load_state, save_state, torch_file_format
+from .statefile import FileFormatError, describe, load_state, save_state, torch_file_format
 
 CHECKPOINT_NAME = "checkpoint.safetensors"
 CHECKPOINT_FORMAT = "et-ode/training-checkpoint/2"
@@ -255,8 +255,9 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
 
     Raises:
         FileNotFoundError: no file at ``path``.
-        ValueError: the file is empty, truncated or corrupt, a pickle (refused, never unpickled), an et-ode model
-            file (the message says how to load it), not a checkpoint, or lacks one of ``required`` keys.
+        et_ode.statefile.FileFormatError (a ValueError): the file is empty, truncated or corrupt, too large, a
+            pickle (refused, never unpickled), not a checkpoint, or lacks one of ``required`` keys (named).
+        ValueError: an et-ode model file (the message says how to load it).
     """
     path = Path(path)
     try:
@@ -270,7 +271,7 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
         raise
     missing = [key for key in required if key not in state]
     if missing:
-        raise ValueError(f"checkpoint {path} lacks the entries {missing}; it has {sorted(state)}")
+        raise FileFormatError(path, missing[0], f"the checkpoint lacks the entries {missing}; it has {sorted(state)}")
     return state
 
 

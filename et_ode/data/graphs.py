@@ -37,6 +37,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..statefile import check_file
+
 if TYPE_CHECKING:  # an optional dependency (extra `graph`), imported where a function needs it
     from torch_geometric.data import Data
 
@@ -52,31 +54,51 @@ def _require_pyg() -> None:
 
 
 # ------------------------------------------------------------------------------------------------ text files
+MAX_TEXT_BYTES = 2**28  # the largest text file read (256 MiB), checked before reading (a link to /dev/zero is refused)
+
+
+def _bounded_int(text: str) -> int:
+    """An integer that fits int64 arrays with room to spare (ValueError otherwise)."""
+    value = int(text)
+    if not -(2**62) < value < 2**62:
+        raise ValueError(f"{value} is out of range")
+    return value
+
+
 def _read_rows(path: Path, parse: Callable[[str], float | int], columns: int | None = None,
                what: str = "values") -> list[list]:
     """Rows of numbers, separated by commas and/or whitespace; blank lines and ``#`` comments are skipped.
 
     Raises ValueError naming ``path:line`` for a value that does not parse or a row of the wrong length.
     """
-    if not path.is_file():
+    if not path.exists():
         raise FileNotFoundError(f"missing file: {path}")
-    rows = []
-    with open(path) as file:
-        for number, line in enumerate(file, start=1):
+    check_file(path, "text file", MAX_TEXT_BYTES)
+    if parse is int:
+        parse = _bounded_int
+    rows: list[list] = []
+    with open(path, encoding="utf-8", errors="strict") as file:
+        lines = enumerate(file, start=1)
+        while True:
+            try:
+                number, line = next(lines)
+            except StopIteration:
+                return rows
+            except UnicodeDecodeError:
+                raise ValueError(f"{path}: not a text file (bytes that are not UTF-8)") from None
             text = line.split("#", 1)[0].replace(",", " ").split()
             if not text:
                 continue
             try:
                 row = [parse(value) for value in text]
             except ValueError:
-                raise ValueError(f"{path}:{number}: expected {what}, got {line.strip()!r}") from None
+                raise ValueError(f"{path}:{number}: expected {what}, got {line.strip()[:100]!r}") from None
             if columns is None:
                 columns = len(row)
             if len(row) != columns:
                 raise ValueError(f"{path}:{number}: expected {columns} {what} per line (as on the first line), "
-                                 f"got {len(row)}: {line.strip()!r}")
+                                 f"got {len(row)}: {line.strip()[:100]!r}")
             rows.append(row)
-    return rows
 
 
 def _line_of(path: Path, index: int) -> int:
@@ -103,7 +125,7 @@ def check_tu_files(root: str | Path, name: str) -> tuple[int, int]:
     path = {kind: folder / f"{name}_{kind}.txt" for kind in
             (*TU_REQUIRED, "node_labels", "node_attributes", "edge_labels", "edge_attributes")}
     for kind in TU_REQUIRED:
-        if not path[kind].is_file():
+        if not path[kind].exists():
             raise FileNotFoundError(f"missing file of the TU data set {name!r}: {path[kind]}")
     indicator = np.array(_read_rows(path["graph_indicator"], int, 1, "one integer graph id")).reshape(-1)
     nodes = len(indicator)
@@ -136,7 +158,7 @@ def check_tu_files(root: str | Path, name: str) -> tuple[int, int]:
                          f"(graph ids in {path['graph_indicator'].name})")
     for kind, parse, count in (("node_labels", int, nodes), ("node_attributes", float, nodes),
                                ("edge_labels", int, len(edges)), ("edge_attributes", float, len(edges))):
-        if path[kind].is_file():
+        if path[kind].exists():
             rows = _read_rows(path[kind], parse, None, "integers" if parse is int else "numbers")
             if parse is int:
                 _check_categories(path[kind], rows, kind[:-1].replace("_", " "))
@@ -171,6 +193,7 @@ def _normalised_copy(source: Path, target: Path) -> None:
     for file in source.iterdir():
         if file.suffix != ".txt":
             continue
+        check_file(file, "text file", MAX_TEXT_BYTES)
         lines = (line.split("#", 1)[0].replace(",", " ").split() for line in file.read_text().splitlines())
         (target / file.name).write_text("".join(", ".join(values) + "\n" for values in lines if values))
 

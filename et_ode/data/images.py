@@ -38,6 +38,7 @@ one) to ``"test"``, then ``round(validation_fraction * n)`` to ``"validation"``,
 from __future__ import annotations
 
 import gzip
+import math
 import os
 import struct
 import warnings
@@ -50,6 +51,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..statefile import FileFormatError, check_elements, check_file
 from . import photographs
 
 FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
@@ -190,28 +192,44 @@ def load_digits(split: str = "all", test_fraction: float = 0.2, seed: int = 0,
 
 
 def read_idx(path: str | Path) -> np.ndarray:
-    """An IDX file (optionally gzipped) as a NumPy array of its stored shape and dtype."""
+    """An IDX file (optionally gzipped) as a NumPy array of its stored shape and dtype (native byte order).
+
+    The header's shape is checked (at most ``MAX_ARRAY_ELEMENTS`` elements) before the data is read, so a
+    compressed file that expands without end is refused unread.
+
+    Raises:
+        FileNotFoundError: no file at ``path``.
+        et_ode.statefile.FileFormatError (a ValueError): not a regular IDX file, a header that does not match the
+            data (truncated, or data beyond it), or too many elements; naming the file.
+    """
     path = Path(path)
+    check_file(path, "IDX file")
     opener = gzip.open if path.suffix == ".gz" else open
     try:
         with opener(path, "rb") as file:
-            raw = file.read()
+            head = file.read(4)
+            if len(head) < 4 or head[0] != 0 or head[1] != 0:
+                raise FileFormatError(path, None, f"not an IDX file (bad magic number {head!r})")
+            shape, dtype = _idx_header(path, head, file.read(4 * head[3]))
+            expected = math.prod(shape) * dtype.itemsize
+            body = file.read(expected + 1)
     except (OSError, EOFError) as error:
-        raise ValueError(f"cannot read the IDX file {path}: {error}") from None
-    if len(raw) < 4 or raw[0] != 0 or raw[1] != 0:
-        raise ValueError(f"{path} is not an IDX file (bad magic number {raw[:4]!r})")
-    dtypes = {0x08: "u1", 0x09: "i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
-    if raw[2] not in dtypes:
-        raise ValueError(f"{path}: unknown IDX element type 0x{raw[2]:02x}")
-    ndim = raw[3]
-    shape = struct.unpack(f">{ndim}I", raw[4:4 + 4 * ndim])
-    dtype = np.dtype(dtypes[raw[2]])
-    expected = int(np.prod(shape)) * dtype.itemsize
-    body = raw[4 + 4 * ndim:]
+        raise FileFormatError(path, None, f"cannot read the IDX file: {error}") from None
     if len(body) != expected:
-        raise ValueError(f"{path}: IDX header says shape {shape} ({expected} bytes of data), file holds {len(body)}; "
-                         f"truncated or corrupt")
-    return np.frombuffer(body, dtype=dtype).reshape(shape)
+        raise FileFormatError(path, None, f"IDX header says shape {shape} ({expected} bytes of data), the file holds "
+                                          f"{'more' if len(body) > expected else len(body)}; truncated or corrupt")
+    return np.frombuffer(body, dtype=dtype).reshape(shape).astype(dtype.newbyteorder("="))
+
+
+def _idx_header(path: Path, head: bytes, dims: bytes) -> tuple[tuple[int, ...], np.dtype]:
+    dtypes = {0x08: "u1", 0x09: "i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
+    if head[2] not in dtypes:
+        raise FileFormatError(path, None, f"unknown IDX element type 0x{head[2]:02x}")
+    if len(dims) != 4 * head[3]:
+        raise FileFormatError(path, None, "the IDX header is truncated")
+    shape = struct.unpack(f">{head[3]}I", dims)
+    check_elements(path, "data", shape)
+    return shape, np.dtype(dtypes[head[2]])
 
 
 def load_idx_folder(path: str | Path | None, split: str = "train", name: str = "fashion-mnist",
@@ -335,16 +353,44 @@ def read_png(path: str | Path, channels: int | None = None) -> Tensor:
     from matplotlib.image import imread
 
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise FileNotFoundError(f"image not found: {path.resolve()}")
     return torch.tensor(_as_channels(_read_png(imread, path), channels, path))
 
 
+MAX_IMAGE_PIXELS = 2**26  # pixels of one image file (8192 x 8192), read from its header before it is decoded
+
+
+def check_image(path: Path, max_pixels: int = MAX_IMAGE_PIXELS) -> tuple[int, int]:
+    """``(width, height)`` of the image file ``path`` from its header, before anything is decoded.
+
+    Raises:
+        FileNotFoundError: no file at ``path``.
+        et_ode.statefile.FileFormatError (a ValueError): not a regular file, not an image Pillow reads, or more
+            than ``max_pixels`` pixels (a decompression bomb included), naming the file.
+    """
+    from PIL import Image
+
+    check_file(path, "image")
+    try:
+        with Image.open(path) as opened:
+            width, height = opened.size
+    except Image.DecompressionBombError as error:
+        raise FileFormatError(path, None, f"the image is too large to read: {error}") from None
+    except Exception as error:  # Pillow raises several types for damaged files
+        raise FileFormatError(path, None, f"cannot read the image: {error}") from None
+    if width * height > max_pixels:
+        raise FileFormatError(path, None, f"the image is {width}x{height} = {width * height} pixels, more than the "
+                                          f"{max_pixels} et-ode reads")
+    return width, height
+
+
 def _read_png(imread: Callable[[Path], Any], path: Path) -> np.ndarray:
+    check_image(path)
     try:
         array = np.asarray(imread(path), dtype=np.float32)
     except Exception as error:  # PIL raises several types for damaged files
-        raise ValueError(f"cannot read the image {path}: {error}") from None
+        raise FileFormatError(path, None, f"cannot read the image: {error}") from None
     if array.dtype != np.float32 or array.max(initial=0) > 1:
         array = array / 255.0
     return array
@@ -505,13 +551,14 @@ def read_photo(path: str | os.PathLike[str], size: tuple[int, int]) -> Tensor:
     if not (isinstance(height, int) and isinstance(width, int) and height >= 1 and width >= 1):
         raise ValueError(f"size must be (H, W) of positive integers, got {size!r}")
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise FileNotFoundError(f"image not found: {path.resolve()}")
+    check_image(path)
     try:
         with Image.open(path) as opened:
             photo = opened.convert("RGB")
-    except (UnidentifiedImageError, OSError) as error:
-        raise ValueError(f"cannot read the image {path}: {error}") from None
+    except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as error:
+        raise FileFormatError(path, None, f"cannot read the image: {error}") from None
     scale = max(height / photo.height, width / photo.width)
     scaled = (max(width, round(photo.width * scale)), max(height, round(photo.height * scale)))
     if scaled != photo.size:

@@ -50,6 +50,29 @@ from ..solvers import Adaptive, EulerET
 FILLS = (None, "biharmonic")  # by name; a callable (images, hidden) -> filled images is the third kind
 Fill = Callable[[Tensor, Tensor], Tensor]
 # the image model's default integration: dopri5 at loose tolerances to t = 1.2 tau, trained with the adjoint
+MAX_PARAMETERS = 2**28  # parameters of one model (1 GiB in float32): a larger description is refused unallocated
+
+
+def check_model_size(dim: object, heads: object, head_dim: object, memories: object, extra: int = 0) -> int:
+    """The parameter count of an ET block of these sizes plus ``extra``, checked before anything is allocated.
+
+    Raises:
+        ValueError: a size that is not a positive integer (``memories`` may be None: ``4 dim``), or more than
+            ``MAX_PARAMETERS`` parameters in all, naming the sizes.
+    """
+    sizes = {"dim": dim, "heads": heads, "head_dim": head_dim,
+             "memories": 4 * dim if memories is None and isinstance(dim, int) else memories}
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    d, h, y, k = (int(v) for v in sizes.values())  # type: ignore[call-overload]
+    count = 2 * h * y * d + k * d + 2 * d + h + extra
+    if count > MAX_PARAMETERS:
+        raise ValueError(f"dim={d}, heads={h}, head_dim={y}, memories={k} make {count} parameters, more than the "
+                         f"{MAX_PARAMETERS} et-ode builds")
+    return count
+
+
 DEFAULT_INTEGRATION = Integration(solver=Adaptive(rtol=1e-3, atol=1e-4), gradient=Adjoint(), t1=1.2, max_steps=2000)
 
 
@@ -127,6 +150,11 @@ def masked_mse(pred: Tensor, target: Tensor, scored: Tensor) -> Tensor:
 
 
 # ----------------------------------------------------------------------------------------------- the model
+DESCRIPTION_REQUIRED = ("image_shape", "patch", "dim", "heads", "head_dim")
+DESCRIPTION_OPTIONAL = ("memories", "hopfield", "self_attention", "cls_token", "tau", "integration", "cls_position",
+                        "renormalize", "fill")
+
+
 class ImageET(nn.Module):
     """Patch encoder, positional embedding, MASK (and CLS) token, ET block, linear decoder.
 
@@ -176,6 +204,11 @@ class ImageET(nn.Module):
         self.patch = patch
         self.num_patches = (h // patch) * (w // patch)
         self.patch_dim = c * patch * patch
+        if isinstance(dim, int) and not isinstance(dim, bool):
+            extra = (2 * self.patch_dim + self.num_patches + 3) * dim + self.patch_dim
+        else:
+            extra = 0
+        check_model_size(dim, heads, head_dim, memories, extra)
         self.dim = dim
         self.tau = float(tau)
         if not isinstance(integration, Integration):
@@ -215,9 +248,43 @@ class ImageET(nn.Module):
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> ImageET:
+        """The model :meth:`config` describes (untrained weights).
+
+        Raises:
+            ValueError: not a dict, a required setting missing, an unknown setting, or a bad value (an integration
+                that cannot be rebuilt, sizes beyond ``MAX_PARAMETERS``), naming the setting.
+        """
+        if not isinstance(config, dict):
+            raise ValueError(f"a model description must be a dict of settings, got {type(config).__name__}")
         config = dict(config)
-        integration = Integration.from_dict(config.pop("integration")) if "integration" in config else DEFAULT_INTEGRATION
-        return cls(tuple(config.pop("image_shape")), integration=integration, **config)
+        missing = [key for key in DESCRIPTION_REQUIRED if key not in config]
+        unknown = sorted(set(config) - set(DESCRIPTION_REQUIRED) - set(DESCRIPTION_OPTIONAL))
+        if missing or unknown:
+            raise ValueError(f"the model description misses {missing} / has unknown settings {unknown}")
+        if "integration" in config:
+            try:
+                integration = Integration.from_dict(config.pop("integration"))
+            except (KeyError, TypeError, AttributeError) as error:
+                raise ValueError(f"the model description's 'integration' cannot be rebuilt: "
+                                 f"{type(error).__name__}: {error}") from None
+        else:
+            integration = DEFAULT_INTEGRATION
+        image_shape = config.pop("image_shape")
+        if not isinstance(image_shape, (list, tuple)):
+            raise ValueError(f"the model description's 'image_shape' must be [C, H, W], got {image_shape!r}")
+        try:
+            return cls(tuple(image_shape), integration=integration, **config)
+        except TypeError as error:
+            raise ValueError(f"the model description holds a bad setting: {error}") from None
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """``nn.Module.load_state_dict``; weights that do not fit this model (a missing, unexpected or misshapen
+        entry) are a ValueError naming the entries instead of a RuntimeError."""
+        try:
+            return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        except (RuntimeError, TypeError, AttributeError) as error:
+            first = " ".join(str(error).split())[:600] or type(error).__name__
+            raise ValueError(f"the weights do not fit the model the file describes: {first}") from None
 
     def field(self) -> ETField:
         """The vector field of the block (a fresh NFE counter)."""

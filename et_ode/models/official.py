@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import math
 import os
-import zipfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -54,6 +53,7 @@ from ..adjoints import Direct
 from ..integration import Integration
 from ..neurons import inverse_softplus
 from ..solvers import EulerET
+from ..statefile import FileFormatError, read_npz
 from .image import ImageET
 
 OFFICIAL_KEYS = ("Wk", "Wq", "Xi", "Wenc", "Benc", "Wdec", "Bdec", "LNORM_gamma", "LNORM_bias", "CLS_token",
@@ -76,33 +76,23 @@ def official_integration() -> Integration:
 def read_official(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
     """The arrays of an official-format checkpoint, by key (keys other than :data:`OFFICIAL_KEYS` are ignored).
 
-    Reads with ``numpy.load(..., allow_pickle=False)``: a file holding pickled objects is refused, never run.
+    Reads with :func:`et_ode.statefile.read_npz`: each array's header (dtype, shape, size) is checked before its
+    data is read; a file holding pickled objects is refused, never run; big-endian arrays come back native.
 
     Raises:
         FileNotFoundError: no file at ``path``.
-        ValueError: not an ``.npz`` archive, a key missing, an array that is not floating point or not finite.
+        et_ode.statefile.FileFormatError (a ValueError): not an ``.npz`` archive, a key missing, an array that is
+            empty, too large, not floating point or not finite; naming the file and the key.
     """
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise FileNotFoundError(f"official checkpoint: no file at {path}")
-    try:
-        loaded = np.load(path, allow_pickle=False)
-        if not isinstance(loaded, np.lib.npyio.NpzFile):
-            raise ValueError("it holds a single array, not a dictionary of arrays (.npz)")
-        with loaded as archive:
-            missing = [key for key in OFFICIAL_KEYS if key not in archive.files]
-            if missing:
-                raise ValueError(f"key(s) {', '.join(missing)} missing (found: {', '.join(sorted(archive.files))})")
-            arrays = {key: archive[key] for key in OFFICIAL_KEYS}
-    except (OSError, zipfile.BadZipFile, EOFError) as error:
-        raise ValueError(f"official checkpoint {path} is not a readable .npz archive: {error}") from error
-    except ValueError as error:
-        raise ValueError(f"official checkpoint {path}: {error}") from error
+    arrays = read_npz(path, OFFICIAL_KEYS, what="official checkpoint", allow_empty=False)
     for key, array in arrays.items():
         if not np.issubdtype(array.dtype, np.floating):
-            raise ValueError(f"official checkpoint {path}: {key} must hold floating-point numbers, got {array.dtype}")
+            raise FileFormatError(path, key, f"{key} must hold floating-point numbers, got {array.dtype}")
         if not np.isfinite(array).all():
-            raise ValueError(f"official checkpoint {path}: {key} holds NaN or infinite values")
+            raise FileFormatError(path, key, f"{key} holds NaN or infinite values")
     return arrays
 
 
@@ -194,12 +184,21 @@ def load_official(path: str | os.PathLike[str], image_shape: Sequence[int] = (3,
     (the weights converted exactly; beta and eps are then float64 values). Loading leaves the global RNG as it was.
 
     Raises:
-        FileNotFoundError, ValueError: see :func:`read_official` and :func:`official_sizes`.
+        FileNotFoundError: no file at ``path``.
+        ValueError: a bad ``image_shape``, ``patch`` or ``dtype``.
+        et_ode.statefile.FileFormatError (a ValueError): see :func:`read_official`; a shape that does not fit
+            the others or ``image_shape`` and ``patch`` (:func:`official_sizes`), naming the file and the key.
     """
     if dtype not in (torch.float32, torch.float64):
         raise ValueError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
+    _check_layout(image_shape, patch)
     arrays = read_official(path)
-    sizes = official_sizes(arrays, image_shape, patch)
+    try:
+        sizes = official_sizes(arrays, image_shape, patch)
+    except ValueError as error:  # a shape of the file's: named with the file and the key
+        problem = str(error).removeprefix("official checkpoint: ")
+        key = next((k for k in OFFICIAL_KEYS if problem.startswith(f"{k} ")), None)
+        raise FileFormatError(path, key, problem) from None
     with torch.random.fork_rng(devices=[]):
         model = ImageET(tuple(image_shape), patch, sizes["dim"], sizes["heads"], sizes["head_dim"], sizes["memories"],
                         cls_token=True, hopfield="relu", self_attention=True, tau=1.0,

@@ -56,6 +56,7 @@ from ..models.image import (
     unpatchify,
 )
 from ..solvers import Adaptive, EulerET, Solver, as_solver
+from ..statefile import FileFormatError
 from ..train import CHECKPOINT_NAME, TrainConfig, fit, load_checkpoint, training_cost
 from .baselines import Biharmonic, MeanImage, NearestNeighbour
 
@@ -308,14 +309,32 @@ def save_artifacts(model: ImageET, test: torch.utils.data.TensorDataset, out: Pa
 
 
 def load_trained(checkpoint: str | Path, device: str = "cpu") -> tuple[ImageET, ImageRunConfig]:
-    """The :class:`ImageET` and run configuration stored in a ``train_image`` checkpoint."""
+    """The :class:`ImageET` and run configuration stored in a ``train_image`` checkpoint.
+
+    Raises:
+        FileNotFoundError: no file at ``checkpoint``.
+        et_ode.statefile.FileFormatError (a ValueError): an unreadable checkpoint, or one whose model description
+            (``meta.model``), run settings (``meta.run``) or weights (``model``) do not make a model; naming the file
+            and the entry.
+    """
     state = load_checkpoint(checkpoint, map_location=resolve_device(device), required=("model", "meta"))
     meta = state["meta"]
-    if "model" not in meta or "run" not in meta:
-        raise ValueError(f"{checkpoint} is not an image-completion checkpoint (its meta has {sorted(meta)})")
-    model = ImageET.from_config(meta["model"])
-    model.load_state_dict(state["model"])
-    return model.to(resolve_device(device)).eval(), ImageRunConfig.from_dict(meta["run"])
+    if not isinstance(meta, dict) or "model" not in meta or "run" not in meta:
+        raise FileFormatError(checkpoint, "meta", f"not an image-completion checkpoint (its meta has "
+                                                  f"{sorted(meta) if isinstance(meta, dict) else type(meta).__name__})")
+    try:
+        model = ImageET.from_config(meta["model"])
+    except ValueError as error:
+        raise FileFormatError(checkpoint, "meta.model", str(error)) from None
+    try:
+        run = ImageRunConfig.from_dict(meta["run"])
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        raise FileFormatError(checkpoint, "meta.run", f"{type(error).__name__}: {error}") from None
+    try:
+        model.load_state_dict(state["model"])
+    except ValueError as error:
+        raise FileFormatError(checkpoint, "model", str(error)) from None
+    return model.to(resolve_device(device)).eval(), run
 
 
 

@@ -62,7 +62,7 @@ def test_in_the_asymptotic_regime_the_distance_decays_like_t_to_the_minus_p_and_
     log_t = rate.ts[first:last + 1].log().numpy()
     ratio = (rate.speed / rate.distance)[first:last + 1].log().numpy()
     assert np.polyfit(log_t, ratio, 1)[0] == pytest.approx(-1.0, abs=0.01)
-    # the last local slopes approach p from above, the fit over the window is closer than the slope at t = 100
+    # the local slope at the end of the window is p to 2e-3
     assert abs(float(rate.local_slope[-1]) - p) < 2e-3 * p
     plot_asymptotics([rate], labels=["softmax"], path=tmp_path / "a.png")
     assert (tmp_path / "a.png").stat().st_size > 5000
@@ -82,7 +82,8 @@ def test_a_short_solve_is_reported_as_not_asymptotic():
 
 def test_a_constant_slope_that_disagrees_with_the_prediction_is_not_the_regime():
     """ReLU to t = 1e8: the local slope has been constant within 1% for over two decades, at 0.556-0.56, still
-    above p = 0.550 (the next mode, 0.653, decays away only like t^-0.10): not taken for the regime."""
+    above p = 0.550 and approaching it slowly (the next exponent, 0.653, is only 0.10 above p): not taken for the
+    regime."""
     with pytest.warns(RuntimeWarning):
         rate = long_rate("relu", 1e8, 41)
     p = rate.predicted.exponent

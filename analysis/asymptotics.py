@@ -213,6 +213,7 @@ def measured_exponent(field: ETField, x0: Tensor, *, t_end: float = 1e5, points:
     limit = find_attractor(field, solution.x.detach()[None], tol=1e-12, flow=False)
     predicted = predicted_exponent(field, limit.x[0])
     neuron = field.model.neuron
+    assert solution.xs is not None  # save="all" (the default) keeps the states at the saved times
     with torch.no_grad():
         xs = solution.xs.detach()
         distance = (neuron(xs) - limit.g.detach()).square().mean(dim=(-1, -2)).sqrt().to(torch.float64).cpu()

@@ -181,7 +181,7 @@ def long_flow_limit(weights: SpecWeights, x0: Tensor, *, tau: float = 1.0, mask:
         evaluations += int(out.nfev)
         s += float(out.t[-1])
         if len(out.t) > 2:
-            step = float(out.t[-1] - out.t[-2])
+            step = min(float(out.t[-1] - out.t[-2]), segment)
         x = torch.from_numpy(out.y[:, -1].copy()).view(shape)
         sigma_min = float(_scales(x, eps).min())
         if sigma_min >= upper * (1 - 1e-9):

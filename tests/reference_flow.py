@@ -142,7 +142,7 @@ def _measures(weights: SpecWeights, x: Tensor, mask: Tensor | None) -> dict[str,
 
 def long_flow_limit(weights: SpecWeights, x0: Tensor, *, tau: float = 1.0, mask: Tensor | None = None,
                     tol: float = 1e-11, rtol: float = 1e-10, atol: float = 1e-12, segment: float = 4.0,
-                    max_evaluations: int = 2_000_000) -> FlowLimit:
+                    max_evaluations: int = 300_000) -> FlowLimit:
     """Follow the flow ``tau dx/dt = -dE/dg`` of ``weights`` from one state ``x0`` ``(N, D)`` until the residual
     (module docstring) is below ``tol``, with DOP853 at ``rtol``/``atol`` on the time-changed flow, checked every
     ``segment`` of ``s``; ``mask`` ``(N, N)`` as in the library (True where query ``C`` may attend to key ``B``).

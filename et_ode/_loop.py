@@ -113,6 +113,11 @@ class Recorder(nn.Module):
         self._last = (x, x._version, torch.is_grad_enabled(), velocity, velocity._version)
         return velocity
 
+    def forget(self) -> None:
+        """Drop the latest evaluation: torchdiffeq's event rerouting keeps this recorder in the graph of the state it
+        returns, so a recorder holding that state would tie the graph into a cycle the garbage collector cannot see."""
+        self._last = None
+
     def callback_step(self, t0: Tensor, y0: Tensor, dt: Tensor) -> None:
         self.start_step(float(t0.detach()), y0)
 
@@ -275,6 +280,21 @@ class _StopTimeParameterTerm(torch.autograd.Function):
         return (v, None, None, None, *param_grads)
 
 
+def _event_function(stop: SteadyState, velocity: Callable[..., Tensor] | ETField,
+                    t_end: Tensor) -> Callable[[Tensor, Tensor], Tensor]:
+    """The stop's event ``c(t, y)``: ``log(measure / tol)`` of the smallest (per sample) or largest (jointly) measure,
+    capped by the time left to ``t_end``; ``velocity`` is a recorder (shared evaluations) or the field itself."""
+
+    def event_fn(t: Tensor, y: Tensor) -> Tensor:
+        field = velocity.field if isinstance(velocity, Recorder) else velocity
+        rate = velocity.velocity(y) if isinstance(velocity, Recorder) else velocity(None, y)
+        values = stop.rms(field, y, rate)
+        crossing = torch.log((values.min() if stop.per_sample else values.max()) / stop.tol)
+        return torch.minimum(crossing, (t_end - t).to(crossing.dtype))
+
+    return event_fn
+
+
 def _to_steady_state(recorder: Recorder, x0: Tensor, t0: Tensor, ends: Tensor, stop: SteadyState, interface: Any,
                      arguments: dict[str, Any]) -> tuple[Tensor, Tensor, Status, list[tuple[float, Tensor]]]:
     """Integrate from ``t0`` until every sample's measure is below ``stop.tol``, or to ``ends[-1]``.
@@ -304,12 +324,9 @@ def _to_steady_state(recorder: Recorder, x0: Tensor, t0: Tensor, ends: Tensor, s
             converged = stop.rms(segment_field, x, segment.velocity(x)) < tol
         if not per_sample:
             converged = converged.all().reshape(1)
+        ran_out = torch.zeros_like(converged)  # samples that stop at the end of the span without converging
         if not bool(converged.any()):  # (samples converged at a segment's start stop before integrating)
-            def event_fn(t: Tensor, y: Tensor, segment_field: ETField = segment_field, segment: Recorder = segment,
-                         t_end: Tensor = t_end) -> Tensor:
-                values = stop.rms(segment_field, y, segment.velocity(y))
-                crossing = torch.log((values.min() if per_sample else values.max()) / tol)
-                return torch.minimum(crossing, (t_end - t).to(crossing.dtype))
+            event_fn = _event_function(stop, segment, t_end)
 
             segment_arguments = arguments
             if recorder.progress.last_dt is not None:  # continue with the step size the last segment reached
@@ -320,10 +337,13 @@ def _to_steady_state(recorder: Recorder, x0: Tensor, t0: Tensor, ends: Tensor, s
             t_start, x = t_event.detach(), xs[-1]
             params = tuple(p for p in field.parameters() if p.requires_grad)
             if torch.is_grad_enabled() and params:  # the stop test's own dependence on the parameters
-                x = _StopTimeParameterTerm.apply(x, t_start, event_fn, functools.partial(segment.field, None),
-                                                 *params)
+                # (closures over the field alone: one over the recorder, which holds the latest state, would tie
+                # the graph to itself in a cycle that outlives the solve)
+                x = _StopTimeParameterTerm.apply(x, t_start, _event_function(stop, segment_field, t_end),
+                                                 functools.partial(segment_field, None), *params)
             with torch.no_grad():
                 converged = stop.rms(segment_field, x, segment.velocity(x)) < tol * (1 + 1e-6)
+            segment.forget()
             if not per_sample:
                 converged = converged.all().reshape(1)
             # torchdiffeq's event search bisects to atol: a segment's end is found within atol / 2 of t_end
@@ -333,11 +353,13 @@ def _to_steady_state(recorder: Recorder, x0: Tensor, t0: Tensor, ends: Tensor, s
                 end_index += 1
                 continue
             if at_end or not bool(converged.any()):
+                ran_out = ~converged if at_end else ran_out
                 converged = torch.ones_like(converged)  # the end of the time span: everyone stops
         for position in torch.nonzero(converged).flatten().tolist():
             index = int(active[position])
             finals[index] = x[position] if per_sample else x
-            stop_value = min(float(t_start), float(t_last))
+            # a sample that did not converge carries the span's end, never the event search's approximation of it
+            stop_value = float(t_last) if bool(ran_out[position]) else min(float(t_start), float(t_last))
             if per_sample:
                 stop_times[index] = stop_value
             else:
@@ -348,6 +370,7 @@ def _to_steady_state(recorder: Recorder, x0: Tensor, t0: Tensor, ends: Tensor, s
     x_final = torch.stack(stopped) if per_sample else stopped[0]
     with torch.no_grad():
         reached = bool((stop.rms(field, x_final, recorder.velocity(x_final)) < tol * (1 + 1e-6)).all())
+    recorder.forget()
     status = Status.STEADY_STATE if reached and float(stop_times.max()) < float(t_last) else Status.REACHED_END
     return x_final, stop_times, status, saved
 

@@ -10,7 +10,8 @@
   ``Solution.g`` only.
 
 A plain string names each (:func:`as_gradient`): ``"direct"``, ``"adjoint"``, ``"implicit"``. A strategy's
-:meth:`check` holds its rule with the stopping rule (``Implicit`` needs one).
+:meth:`check` holds its rule with the stopping rule (``Implicit`` needs one). Each strategy first checks that the
+model's parameters are finite (:func:`check_weights`: a ValueError naming the first that is not).
 """
 
 from __future__ import annotations
@@ -24,12 +25,22 @@ from torchdiffeq import odeint, odeint_adjoint
 
 from ._loop import Integrated, Problem, integrate
 from .certify import certify, default_tol
+from .field import ETField
 from .gradients import default_implicit_tol
 from .solution import SolveError, Status
 from .solvers import ADAPTIVE_METHODS, FIXED_METHODS
 from .stopping import SteadyState
 
 GRADIENTS = ("direct", "adjoint", "implicit")
+
+
+def check_weights(field: ETField) -> None:
+    """Every floating-point parameter of the field's model is finite: a ValueError naming the first that holds NaN or
+    infinite values (the dynamics are then undefined, and a solve would fail far from the cause)."""
+    for name, parameter in field.model.named_parameters():
+        if parameter.is_floating_point() and not bool(torch.isfinite(parameter).all()):
+            raise ValueError(f"the model's parameter {name!r} holds NaN or infinite values, so the dynamics are "
+                             f"undefined; reload the weights (a diverged training step?)")
 
 
 def _optional_positive(owner: str, name: str, value: object) -> None:
@@ -46,6 +57,7 @@ class Direct:
         """Any stopping rule (gradients flow through the stopping time)."""
 
     def run(self, problem: Problem) -> Integrated:
+        check_weights(problem.field)
         return integrate(problem, odeint, problem.torchdiffeq_arguments(), lean=True)
 
 
@@ -80,6 +92,7 @@ class Adjoint:
         """Any stopping rule."""
 
     def run(self, problem: Problem) -> Integrated:
+        check_weights(problem.field)
         arguments = problem.torchdiffeq_arguments()
         arguments.update(adjoint_params=tuple(problem.field.parameters()),
                          adjoint_rtol=self.rtol or arguments["rtol"], adjoint_atol=self.atol or arguments["atol"],
@@ -112,6 +125,7 @@ class Implicit:
             raise ValueError("gradient=Implicit() differentiates at a fixed point: give stop=SteadyState(tol)")
 
     def run(self, problem: Problem) -> Integrated:
+        check_weights(problem.field)
         with torch.no_grad():
             result = integrate(problem, odeint, problem.torchdiffeq_arguments())
         t_final = float(result.ts[-1])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+import numbers
 import threading
 
 import torch
@@ -63,7 +64,7 @@ class ETField(nn.Module):
 
     Args:
         model: the energy.
-        tau: time constant, positive and finite (ValueError otherwise).
+        tau: time constant, a positive finite real number (TypeError for another type, ValueError otherwise).
         derivative: how ``dE/dg`` is computed: ``"analytic"`` (closed form, the default) or ``"autograd"``
             (differentiates the energy; the reference, also correct under ``torch.no_grad()``).
         mask: the attention mask bound to the field (see :class:`EnergyTransformer`); a field holds its mask,
@@ -101,6 +102,8 @@ class ETField(nn.Module):
         super().__init__()
         if not isinstance(model, EnergyTransformer):
             raise TypeError(f"model must be an EnergyTransformer, got {type(model).__name__}")
+        if isinstance(tau, bool) or not isinstance(tau, numbers.Real):
+            raise TypeError(f"tau must be a real number, got {type(tau).__name__} {tau!r}")
         if not (0 < float(tau) < math.inf):
             raise ValueError(f"tau must be positive and finite, got {tau!r}")
         if derivative not in DERIVATIVES:

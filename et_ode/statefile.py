@@ -48,9 +48,10 @@ class FileFormatError(ValueError):
     is at fault, its ``key`` (None: the whole file). Raised by every et-ode file loader for damaged, hostile or
     oversized files (sizes are checked from headers before anything is allocated)."""
 
-    def __init__(self, path: str | os.PathLike[str], key: str | None, problem: str):
+    def __init__(self, path: str | os.PathLike[str], key: str | None, problem: str, *, named: bool = False):
+        """``problem`` is prefixed with the file and the key, unless ``named`` (it names them itself)."""
         where = f"{path}" if key is None else f"{path}, key {key!r}"
-        super().__init__(f"{where}: {problem}")
+        super().__init__(problem if named else f"{where}: {problem}")
         self.path = Path(path)
         self.key = key
 
@@ -240,11 +241,14 @@ def save_state(path: str | os.PathLike[str], state: dict[str, Any], format: str)
 def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], object]) -> Path:
     """Call ``write(stream)`` on a temporary file beside ``path``, flush it to the disk (fsync), then rename it
     over ``path`` (``os.replace``): a crash or an exception mid-write leaves the previous file intact and no
-    temporary file behind. Creates the parent folder. Returns ``path``."""
+    temporary file behind (a killed process's is deleted when its run folder is next locked,
+    :func:`et_ode.runs.lock`). The file gets the permissions of the one it replaces, else those ``open`` gives.
+    Creates the parent folder. Returns ``path``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(handle, _mode_for(path))
         with os.fdopen(handle, "wb") as stream:
             write(stream)
             stream.flush()
@@ -255,6 +259,17 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], objec
             os.unlink(temporary)
         raise
     return path
+
+
+def _mode_for(path: Path) -> int:
+    """The permissions of a file written over ``path``: those of the file it replaces, else ``0o666`` less the
+    process's umask (as ``open`` creates files)."""
+    try:
+        return stat.S_IMODE(path.stat().st_mode)
+    except OSError:
+        mask = os.umask(0o022)
+        os.umask(mask)
+        return 0o666 & ~mask
 
 
 def _header(raw: bytes) -> dict[str, Any] | None:
@@ -317,30 +332,32 @@ def load_state(path: str | os.PathLike[str], format: str, map_location: str | to
     check_file(path, what)
     raw = path.read_bytes()
     if not raw:
-        raise FileFormatError(path, None, f"the {what} is empty (0 bytes): truncated or corrupt")
+        raise FileFormatError(path, None, f"{what} {path} is empty (0 bytes): truncated or corrupt", named=True)
     header = _header(raw)
     if header is None:
         kind = describe(path)
         if kind.startswith("a pickle"):
-            raise FileFormatError(path, None, f"the {what} is refused: {_PICKLE_ADVICE}. et-ode {what}s are "
-                                              f"safetensors files (format {format!r}); see the README's Safety section")
-        raise FileFormatError(path, None, f"the {what} ({len(raw)} bytes) is truncated or corrupt: not a "
-                                          f"safetensors file")
+            raise FileFormatError(path, None, f"{what} {path} is refused: {_PICKLE_ADVICE}. et-ode {what}s are "
+                                              f"safetensors files (format {format!r}); see the README's Safety "
+                                              f"section", named=True)
+        raise FileFormatError(path, None, f"{what} {path} ({len(raw)} bytes) is truncated or corrupt: not a "
+                                          f"safetensors file", named=True)
     meta = _metadata(header, path)
     if meta.get("format") != format:
         found = f"format {meta['format']!r}" if "format" in meta else "no et-ode format tag"
-        raise FileFormatError(path, "__metadata__", f"not an et-ode {what} (expected format {format!r}, found "
-                                                    f"{found})")
+        raise FileFormatError(path, "__metadata__", f"{path} is not an et-ode {what} (expected format {format!r}, "
+                                                    f"found {found})", named=True)
     _check_tensor_headers(header, path)
     try:
         tensors = load_tensors(raw)
         skeleton = json.loads(meta["state"])
         state = _decode(skeleton, tensors)
     except (SafetensorError, KeyError, ValueError, TypeError, RecursionError) as error:
-        raise FileFormatError(path, None, f"the {what} ({len(raw)} bytes) is truncated or corrupt and cannot be "
-                                          f"read: {type(error).__name__}: {error}") from None
+        raise FileFormatError(path, None, f"{what} {path} ({len(raw)} bytes) is truncated or corrupt and cannot be "
+                                          f"read: {type(error).__name__}: {error}", named=True) from None
     if not isinstance(state, dict):
-        raise FileFormatError(path, "state", f"the {what} does not hold a dict (got {type(state).__name__})")
+        raise FileFormatError(path, "state", f"{what} {path} does not hold a dict (got {type(state).__name__})",
+                              named=True)
     if torch.device(map_location).type != "cpu":
         state = _to_device(state, torch.device(map_location))
     return state

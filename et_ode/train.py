@@ -271,7 +271,8 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
         raise
     missing = [key for key in required if key not in state]
     if missing:
-        raise FileFormatError(path, missing[0], f"the checkpoint lacks the entries {missing}; it has {sorted(state)}")
+        raise FileFormatError(path, missing[0], f"checkpoint {path} lacks the entries {missing}; it has "
+                                                f"{sorted(state)}", named=True)
     return state
 
 

@@ -128,3 +128,39 @@ def test_a_resume_refuses_a_setup_file_that_is_not_a_setup(tmp_path, kind):
     (tmp_path / "metrics.csv").write_text("")
     with pytest.raises(RunFolderError, match=CONFIG_NAME), claim(tmp_path, {"a": 1}, resume=True):
         pass
+
+
+def test_overwrite_and_resume_accept_only_a_run_of_the_same_command(tmp_path):
+    training, film = tmp_path / "training", tmp_path / "film"
+    with claim(training, {"epochs": 1}) as out:
+        (out / "checkpoint.safetensors").write_bytes(b"weights")
+    with claim(film, {"frames": 3}, command="complete") as out:
+        (out / "film.pt").write_bytes(b"film")
+    for folder, command in ((training, "complete"), (film, None), (film, "evaluate")):
+        before = sorted(p.name for p in folder.iterdir())
+        for flags in ({"overwrite": True}, {"resume": True}):
+            refusal = "refused: .* holds (a training run|a run of `et-ode complete`)"
+            if flags == {"resume": True} and folder == training:  # a set-up without a command: compared instead
+                refusal = "set-up differs"
+            with pytest.raises(RunFolderError, match=refusal):
+                with claim(folder, {"frames": 3}, command=command, **flags):
+                    pass
+        assert sorted(p.name for p in folder.iterdir()) == before
+    with claim(film, {"frames": 4}, command="complete", overwrite=True) as out:
+        assert sorted(p.name for p in out.iterdir()) == sorted([CONFIG_NAME, LOCK_NAME])
+    with claim(film, {"frames": 4}, command="complete", resume=True):
+        pass
+
+
+def test_written_files_keep_the_usual_permissions(tmp_path):
+    from et_ode.statefile import atomic_write
+
+    mask = os.umask(0o022)
+    try:
+        path = atomic_write(tmp_path / "a.bin", lambda stream: stream.write(b"x"))
+        assert path.stat().st_mode & 0o777 == 0o644
+        path.chmod(0o600)
+        atomic_write(path, lambda stream: stream.write(b"y"))
+        assert path.stat().st_mode & 0o777 == 0o600 and path.read_bytes() == b"y"
+    finally:
+        os.umask(mask)

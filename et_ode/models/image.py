@@ -31,6 +31,7 @@ Public API::
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -196,6 +197,8 @@ class ImageET(nn.Module):
         c, h, w = image_shape
         if not (isinstance(patch, int) and patch >= 1) or h % patch or w % patch:
             raise ValueError(f"patch must be a positive integer dividing H={h} and W={w}, got {patch!r}")
+        if isinstance(tau, bool) or not isinstance(tau, numbers.Real):
+            raise TypeError(f"tau must be a real number, got {type(tau).__name__} {tau!r}")
         if not 0 < float(tau) < float("inf"):
             raise ValueError(f"tau must be positive and finite, got {tau!r}")
         if cls_position and not cls_token:

@@ -45,6 +45,7 @@ from .. import runs
 from ..data.images import ImageSet
 from ..integration import Integration
 from ..models.image import fixed_mask_set, masked_mse, patchify, unpatchify
+from ..statefile import read_npz
 from .baselines import Biharmonic, MeanImage, NearestNeighbour
 from .image import ImageRunConfig, load_run_split, load_trained, masked_picture
 
@@ -191,10 +192,10 @@ def _training_images(run: ImageRunConfig) -> Tensor:
 
 def _read_masks(path: str | Path, count: int, num_patches: int) -> tuple[Tensor, Tensor]:
     try:
-        with np.load(path, allow_pickle=False) as saved:
-            hidden, scored = torch.from_numpy(saved["hidden"]), torch.from_numpy(saved["scored"])
-    except (OSError, ValueError, KeyError) as error:
+        saved = read_npz(path, ("hidden", "scored"), what="--masks file", allow_empty=True)
+    except (OSError, ValueError) as error:
         raise ValueError(f"--masks {path}: not the completions.npz of an evaluation ({error})") from None
+    hidden, scored = torch.from_numpy(saved["hidden"]), torch.from_numpy(saved["scored"])
     for key, mask in (("hidden", hidden), ("scored", scored)):
         if mask.dtype != torch.bool:
             raise ValueError(f"--masks {path}: {key!r} holds {mask.dtype} values; masks are boolean arrays")

@@ -70,7 +70,7 @@ class Tableau:
         return torch.tensor(rows, dtype=torch.float64).to(dtype=dtype, device=device)
 
 
-DOPRI5 = Tableau(  # Dormand and Prince (1980), the 5(4) pair; the midpoint weights of Shampine (1986)
+DOPRI5 = Tableau(  # Dormand and Prince (1980), with Shampine's (1986) error estimate and midpoint weights (torchdiffeq's)
     c=(0.0, 1 / 5, 3 / 10, 4 / 5, 8 / 9, 1.0, 1.0),
     a=((1 / 5,),
        (3 / 40, 9 / 40),
@@ -78,8 +78,8 @@ DOPRI5 = Tableau(  # Dormand and Prince (1980), the 5(4) pair; the midpoint weig
        (19372 / 6561, -25360 / 2187, 64448 / 6561, -212 / 729),
        (9017 / 3168, -355 / 33, 46732 / 5247, 49 / 176, -5103 / 18656),
        (35 / 384, 0.0, 500 / 1113, 125 / 192, -2187 / 6784, 11 / 84)),
-    e=(35 / 384 - 5179 / 57600, 0.0, 500 / 1113 - 7571 / 16695, 125 / 192 - 393 / 640,
-       -2187 / 6784 + 92097 / 339200, 11 / 84 - 187 / 2100, -1 / 40),
+    e=(35 / 384 - 1951 / 21600, 0.0, 500 / 1113 - 22642 / 50085, 125 / 192 - 451 / 720,
+       -2187 / 6784 + 12231 / 42400, 11 / 84 - 649 / 6300, -1 / 60),
     error_order=5,
     mid=(6025192743 / 30085553152 / 2, 0.0, 51252292925 / 65400821598 / 2, -2691868925 / 45128329728 / 2,
          187940372067 / 1594534317056 / 2, -1776094331 / 19743644256 / 2, 11237099 / 235043384 / 2),
@@ -126,6 +126,25 @@ def _rms(x: Tensor) -> Tensor:
     return torch.linalg.vector_norm(x, dim=(1, 2)) / math.sqrt(x.shape[-1])
 
 
+class _Buffers:
+    """The storage of the active groups without gradients, allocated once per batch size: the stages ``k``
+    ``(G, S, M)``; the state ``y``, the solution ``y1``, a stage input, the error and its scale, each ``(G, 1, M)``;
+    the step's weights ``(G, S + 1, S)``; and the views of them every step takes."""
+
+    def __init__(self, groups: int, stages: int, width: int, dtype: torch.dtype, device: torch.device):
+        def empty(*shape: int) -> Tensor:
+            return torch.empty(shape, dtype=dtype, device=device)
+
+        self.k = empty(groups, stages, width)
+        self.y, self.y1, self.stage, self.err, self.scale = (empty(groups, 1, width) for _ in range(5))
+        self.weights = empty(groups, stages + 1, stages)
+        self.k_first = self.k[:, :1]
+        self.k_upto = [self.k[:, :i] for i in range(stages + 1)]
+        self.k_slot = [self.k[:, i:i + 1] for i in range(stages)]
+        self.w_rows = [self.weights[:, i - 1:i, :i] for i in range(1, stages)]
+        self.w_error = self.weights[:, stages - 1:stages]
+
+
 @dataclass
 class _Outputs:
     """The states kept for the output grid: rows of the flat ``(T * samples)`` index and the states ``(n, 1, M)``."""
@@ -160,12 +179,13 @@ class _Loop:
         self.outputs = _Outputs([], [])
 
     # -- evaluations -------------------------------------------------------------------------------
-    def evaluate(self, t: Tensor, y: Tensor) -> Tensor:
+    def evaluate(self, t: Tensor | None, y: Tensor) -> Tensor:
         """The field at the groups ``y`` ``(G, 1, M)`` at their times ``t`` ``(G,)`` (float64): ``(G, 1, M)``. The ET
-        field is autonomous and gets no time; another field gets ``t`` per sample, or the shared 0-d time."""
+        field is autonomous and gets no time (``t`` None); another field gets ``t`` per sample, or the shared 0-d
+        time."""
         groups = y.shape[0]
         self.progress.sample_evaluations += groups * self.samples_per_group
-        time = None if self.autonomous else (t.to(self.dtype) if self.per_sample else t[0].to(self.dtype))
+        time = None if t is None or self.autonomous else (t.to(self.dtype) if self.per_sample else t[0].to(self.dtype))
         return self.field_now(time, y.view(groups, *self.event) if self.per_sample else y.view(self.event)).reshape(
             groups, 1, self.width)
 
@@ -175,7 +195,7 @@ class _Loop:
             scale = self.atol + y0.abs() * self.rtol
             d0, d1 = _rms(y0 / scale), _rms(f0 / scale)
             h0 = torch.where((d0 < 1e-5) | (d1 < 1e-5), torch.full_like(d0, 1e-6), 0.01 * d0 / d1)
-            f1 = self.evaluate(t + h0.double(), y0 + h0[:, None, None] * f0)
+            f1 = self.evaluate(None if self.autonomous else t + h0.double(), y0 + h0[:, None, None] * f0)
             d2 = _rms((f1 - f0) / scale) / h0
             largest = torch.maximum(d1, d2)
             h1 = torch.where(largest <= 1e-15, torch.clamp(h0 * 1e-3, min=1e-6),
@@ -183,36 +203,40 @@ class _Loop:
             return torch.minimum(100 * h0, h1).double()
 
     # -- one step of every active group ------------------------------------------------------------
-    def stages(self, t: Tensor, dt: Tensor, y0: Tensor, f0: Tensor, buffers: dict[str, Tensor] | None
+    def stages(self, t: Tensor, dt: Tensor, y0: Tensor, f0: Tensor, buffers: _Buffers | None
                ) -> tuple[Tensor, Tensor, Tensor]:
         """The stages ``(G, S, M)`` and the solution ``(G, 1, M)`` of a step of ``dt`` ``(G,)`` from ``y0``, and the
-        step's weights ``(G, S + 1, S)``. Without gradients (``buffers``) the stages and stage inputs are written into
-        the buffers; with gradients every tensor is new (autograd keeps them)."""
-        s = self.tableau.stages
-        weights = dt.to(self.dtype)[:, None, None] * self.matrix
-        listed: list[Tensor] = [f0]
-        k = f0 if buffers is None else buffers["k"]  # whose first stage is ``f0``
+        step's weights ``(G, S + 1, S)``. Without gradients (``buffers``, whose first stage is ``f0``) the weights,
+        stages and stage inputs are written into the buffers; with gradients every tensor is new (autograd keeps
+        them): the same operations on the same numbers either way."""
+        s, c = self.tableau.stages, self.tableau.c
+        scaled = dt.to(self.dtype).view(-1, 1, 1)
         y = y0
-        for i in range(1, s):
-            out = None if buffers is None else buffers["y1" if i == s - 1 else "stage"]
-            y = torch.baddbmm(y0, weights[:, i - 1:i, :i], k[:, :i], out=out)
-            f = self.evaluate(t + self.tableau.c[i] * dt, y)
-            if buffers is not None:
-                k[:, i:i + 1].copy_(f)
-            else:
-                listed.append(f)
+        if buffers is None:
+            weights = scaled * self.matrix
+            listed, k = [f0], f0
+            for i in range(1, s):
+                y = torch.baddbmm(y0, weights[:, i - 1:i, :i], k)
+                listed.append(self.evaluate(None if self.autonomous else t + c[i] * dt, y))
                 k = torch.cat(listed, dim=1)
-        return k, y, weights
+            return k, y, weights
+        weights = torch.mul(scaled, self.matrix, out=buffers.weights)
+        for i in range(1, s):
+            y = torch.baddbmm(y0, buffers.w_rows[i - 1], buffers.k_upto[i], out=buffers.y1 if i == s - 1 else buffers.stage)
+            buffers.k_slot[i].copy_(self.evaluate(None if self.autonomous else t + c[i] * dt, y))
+        return buffers.k, y, weights
 
-    def error_ratio(self, k: Tensor, y0: Tensor, y1: Tensor, weights: Tensor, buffers: dict[str, Tensor] | None
-                    ) -> Tensor:
+    def error_ratio(self, k: Tensor, y0: Tensor, y1: Tensor, weights: Tensor, buffers: _Buffers | None) -> Tensor:
         """``RMS(err / (atol + rtol max(|y0|, |y1|)))`` per group, ``(G,)`` float64 (no gradients)."""
         s = self.tableau.stages
         with torch.no_grad():
-            k, y0, y1 = k.detach(), y0.detach(), y1.detach()
-            err = torch.bmm(weights[:, s - 1:s].detach(), k, out=None if buffers is None else buffers["err"])
-            scale = torch.abs(y0, out=None if buffers is None else buffers["scale"])
-            torch.maximum(scale, torch.abs(y1, out=None if buffers is None else buffers["stage"]), out=scale)
+            if buffers is None:
+                err = torch.bmm(weights[:, s - 1:s].detach(), k.detach())
+                scale = torch.maximum(y0.detach().abs(), y1.detach().abs())
+            else:
+                err = torch.bmm(buffers.w_error, k, out=buffers.err)
+                scale = torch.abs(y0, out=buffers.scale)
+                torch.maximum(scale, torch.abs(y1, out=buffers.stage), out=scale)
             err.div_(scale.mul_(self.rtol).add_(self.atol))
             return _rms(err).double()
 
@@ -276,11 +300,11 @@ class _Loop:
         g = self.groups
         y = x0.reshape(g, 1, self.width)
         t = torch.full((g,), float(self.grid[0]), dtype=torch.float64, device=self.device)
-        f0 = self.evaluate(t, y)
+        f0 = self.evaluate(None if self.autonomous else t, y)
         dt = self.first_step(t, y, f0) if first_step is None else torch.full_like(t, float(first_step))
         buffers = self._buffers(g) if self.in_place else None
         if buffers is not None:  # the loop writes its state in place
-            y, f0 = buffers["y"].copy_(y), buffers["k"][:, :1].copy_(f0)
+            y, f0 = buffers.y.copy_(y), buffers.k_first.copy_(f0)
         state: dict[str, Any] = dict(y=y, f0=f0, t=t, dt=dt, ids=torch.arange(g, device=self.device),
                                      history=torch.ones((g, 2), dtype=torch.float64, device=self.device),
                                      next_output=torch.ones(g, dtype=torch.long, device=self.device))
@@ -297,7 +321,7 @@ class _Loop:
         xs = self._gather(self.outputs, g * len(self.grid)).view(len(self.grid), *self.x_shape) if save_all else None
         return x, xs
 
-    def step(self, state: dict[str, Any], buffers: dict[str, Tensor] | None, save_all: bool, keep_steps: bool,
+    def step(self, state: dict[str, Any], buffers: _Buffers | None, save_all: bool, keep_steps: bool,
              totals: tuple[Tensor, Tensor]) -> Tensor:
         """One step of every active group; returns which groups reached the end ``(G,)``."""
         t, y0, f0 = state["t"], state["y"], state["f0"]
@@ -331,7 +355,7 @@ class _Loop:
         return done
 
     def _advance(self, state: dict[str, Any], accepted: Tensor, every: bool, y1: Tensor, f1: Tensor, t1: Tensor,
-                 buffers: dict[str, Tensor] | None) -> None:
+                 buffers: _Buffers | None) -> None:
         """The accepted groups move to ``t1``, ``y1``, ``f1``; the others stay."""
         state["t"] = torch.where(accepted, t1, state["t"])
         mask = accepted[:, None, None]
@@ -339,25 +363,19 @@ class _Loop:
             state["y"] = torch.where(mask, y1, state["y"])
             state["f0"] = torch.where(mask, f1, state["f0"])
             return
-        k0 = buffers["k"][:, :1]
+        k0 = buffers.k_first
         if every:  # the two state buffers trade places
-            buffers["y"], buffers["y1"] = buffers["y1"], buffers["y"]
+            buffers.y, buffers.y1 = buffers.y1, buffers.y
             k0.copy_(f1)
         else:
-            torch.where(mask, y1, buffers["y"], out=buffers["y"])
+            torch.where(mask, y1, buffers.y, out=buffers.y)
             torch.where(mask, f1, k0, out=k0)
-        state["y"], state["f0"] = buffers["y"], k0
+        state["y"], state["f0"] = buffers.y, k0
 
-    def _buffers(self, groups: int) -> dict[str, Tensor]:
-        def empty(*shape: int) -> Tensor:
-            return torch.empty(shape, dtype=self.dtype, device=self.device)
+    def _buffers(self, groups: int) -> _Buffers:
+        return _Buffers(groups, self.tableau.stages, self.width, self.dtype, self.device)
 
-        return dict(k=empty(groups, self.tableau.stages, self.width), y=empty(groups, 1, self.width),
-                    y1=empty(groups, 1, self.width), stage=empty(groups, 1, self.width),
-                    err=empty(groups, 1, self.width), scale=empty(groups, 1, self.width))
-
-    def _compact(self, state: dict[str, Any], done: Tensor, buffers: dict[str, Tensor] | None
-                 ) -> dict[str, Tensor] | None:
+    def _compact(self, state: dict[str, Any], done: Tensor, buffers: _Buffers | None) -> _Buffers | None:
         """The groups that reached the end leave the active batch (their state buffers shrink with them)."""
         keep = ~done
         for name in ("t", "dt", "ids", "history", "next_output"):
@@ -372,9 +390,7 @@ class _Loop:
             return buffers
         y, f0 = state["y"][keep], state["f0"][keep]
         buffers = self._buffers(remaining)
-        buffers["y"].copy_(y)
-        buffers["k"][:, :1].copy_(f0)
-        state["y"], state["f0"] = buffers["y"], buffers["k"][:, :1]
+        state["y"], state["f0"] = buffers.y.copy_(y), buffers.k_first.copy_(f0)
         return buffers
 
     def _gather(self, kept: _Outputs, count: int) -> Tensor:

@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
 from torchdiffeq import odeint
 from tqdm.auto import tqdm
 
-from et_ode import ETField, Solution
+from et_ode import ETField, Solution, SolveError
 
 from .convergence import flat_field, flat_states
 
@@ -123,6 +124,32 @@ def metric_spectrum(field: ETField, xs: Tensor) -> tuple[float, float]:
     return gamma, float(eigenvalues.min())
 
 
+ANALYSIS_MAX_STEPS = 10_000  # the step budget of an analysis integration (as et_ode.solve's max_steps)
+_ADAPTIVE = ("dopri5", "dopri8", "bosh3", "fehlberg2", "adaptive_heun")
+
+
+def bounded_odeint(func: Any, y0: Any, grid: Tensor, *, method: str, rtol: float, atol: float, what: str,
+                   max_steps: int = ANALYSIS_MAX_STEPS) -> Any:
+    """torchdiffeq's ``odeint`` with a step budget of ``max_steps`` (adaptive methods; a fixed method takes the
+    grid's steps).
+
+    Raises:
+        ValueError: ``max_steps`` is not a positive integer.
+        et_ode.SolveError: the integration exceeds the budget or cannot go on (step-size underflow, a state too
+            large): the message names ``what`` and the interval, instead of torchdiffeq's AssertionError.
+    """
+    if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
+        raise ValueError(f"max_steps must be a positive integer, got {max_steps!r}")
+    options = {"max_num_steps": max_steps} if method in _ADAPTIVE else None
+    try:
+        return odeint(func, y0, grid, method=method, rtol=rtol, atol=atol, options=options)
+    except AssertionError as error:
+        start, end = float(grid[0]), float(grid[-1])
+        raise SolveError(f"{what}: the {method} integration from t={start:.6g} to t={end:.6g} stopped: {error} (at "
+                         f"most {max_steps} steps; a horizon or state too large for the tolerances)", time=start,
+                         solution=None) from None
+
+
 class _WithEnergyRate(torch.nn.Module):
     """The field with the exact ``dE/dt`` as an extra state: integrating ``(x, I)`` gives the energy change ``I``
     along the re-integrated path at the adaptive solver's own accuracy (a fixed quadrature misses fast
@@ -139,7 +166,8 @@ class _WithEnergyRate(torch.nn.Module):
 
 
 def check_lyapunov(solution: Solution, *, energy_rtol: float | None = None, energy_atol: float = 0.0,
-                   match_rtol: float = 0.05, dense_points: int = 16, progress: bool = False) -> LyapunovReport:
+                   match_rtol: float = 0.05, dense_points: int = 16, progress: bool = False,
+                   max_steps: int = ANALYSIS_MAX_STEPS) -> LyapunovReport:
     """Check that the energy is a Lyapunov function along ``solution`` (see the module docstring).
 
     Args:
@@ -151,6 +179,8 @@ def check_lyapunov(solution: Solution, *, energy_rtol: float | None = None, ener
         dense_points: saved times (even) per interval of the dense re-evaluation; the solver steps adaptively
             between them.
         progress: show a progress bar over the dense re-evaluations.
+        max_steps: the step budget of each dense re-evaluation (:class:`et_ode.SolveError` beyond it, or where it
+            cannot go on).
     """
     xs = flat_states(solution)
     if xs.shape[0] < 2:
@@ -196,8 +226,9 @@ def check_lyapunov(solution: Solution, *, energy_rtol: float | None = None, ener
     for k in tqdm(intervals, desc="dense dE/dt re-evaluation", disable=not progress or not intervals):
         grid = torch.linspace(float(ts[k]), float(ts[k + 1]), dense_points + 1, dtype=torch.float64)
         with torch.no_grad():  # the energy's change integrated as an extra state: the solver's steps place the points
-            path, gained = odeint(_WithEnergyRate(field), (xs[k], xs.new_zeros(batch)), grid.to(xs.device),
-                                  rtol=dense_rtol, atol=dense_atol, method="dopri5")
+            path, gained = bounded_odeint(_WithEnergyRate(field), (xs[k], xs.new_zeros(batch)), grid.to(xs.device),
+                                          rtol=dense_rtol, atol=dense_atol, method="dopri5", max_steps=max_steps,
+                                          what="check_lyapunov's dense re-evaluation")
         del path
         dense = gained[-1].to(torch.float64).cpu()
         redo = ~close[k]

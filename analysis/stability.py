@@ -39,13 +39,13 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 from torch import Tensor
-from torchdiffeq import odeint
 
 from et_ode import Adaptive, ETField, solve
 from et_ode.krylov import lanczos
 from et_ode.manifold import radial_direction, riemannian_hessian, tangent_projection
 
 from .convergence import sample_field
+from .lyapunov import ANALYSIS_MAX_STEPS, bounded_odeint
 from .sphere import FixedScaleField, tangent_basis, unit_scale
 
 Operator = Callable[[Tensor], Tensor]
@@ -482,7 +482,8 @@ class LyapunovExponent:
 
 def lyapunov_exponent(field: ETField, x0: Tensor, *, duration: float = 10.0, renormalizations: int = 20,
                       d0: float = 1e-6, restart: bool = False, method: str = "dopri5", rtol: float = 1e-9,
-                      atol: float = 1e-11, seed: int = 0, progress: bool = False) -> LyapunovExponent:
+                      atol: float = 1e-11, seed: int = 0, progress: bool = False,
+                      max_steps: int = ANALYSIS_MAX_STEPS) -> LyapunovExponent:
     """Benettin's method: the growth rate of a small tangent perturbation of ``g`` (size ``d0``).
 
     The pair (reference, perturbed) is integrated together for ``duration`` in ``renormalizations`` spans;
@@ -496,6 +497,8 @@ def lyapunov_exponent(field: ETField, x0: Tensor, *, duration: float = 10.0, ren
     ``1 + kappa gamma t / tau`` (``kappa = rho / r``, the outward force over the radius), which slows the decay
     to ``-(lambda / kappa) ln(1 + kappa gamma Delta) / Delta``. Without ``restart`` the exponent is that of
     the plain flow, whose rates decay like ``1 / t``: a finite-time exponent of the transient.
+
+    Each span's integration has a budget of ``max_steps`` steps (:class:`et_ode.SolveError` beyond it).
     """
     from tqdm.auto import tqdm
 
@@ -521,9 +524,11 @@ def lyapunov_exponent(field: ETField, x0: Tensor, *, duration: float = 10.0, ren
             pair = unit_scale(pair, model.neuron.eps)
             grid = torch.tensor([0.0, span], dtype=pair.dtype, device=pair.device)
             with torch.no_grad():
-                pair = odeint(fixed_scale, pair, grid, method=method, rtol=rtol, atol=atol)[-1]
+                pair = bounded_odeint(fixed_scale, pair, grid, method=method, rtol=rtol, atol=atol, max_steps=max_steps,
+                                      what="lyapunov_exponent (restart)")[-1]
         else:
-            pair = solve(field, pair, (0.0, span), solver=Adaptive(method, rtol, atol), save="final").x.detach()
+            pair = solve(field, pair, (0.0, span), solver=Adaptive(method, rtol, atol), save="final",
+                         max_steps=max_steps).x.detach()
         with torch.no_grad():
             gs = model.neuron(pair)
         dist = _dot(gs[batch:] - gs[:batch], gs[batch:] - gs[:batch]).sqrt()

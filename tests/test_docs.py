@@ -1,7 +1,10 @@
-"""The API reference (`make docs`) builds from the docstrings with every warning an error, and says what it should.
+"""The documentation site (`make docs`) builds with every warning an error, says what it should, and every
+```python block on every page runs.
 
 A docstring that documents a parameter the signature does not have (renamed, removed, misspelt), a page that
-names a module that does not exist, or a broken link between pages fails the strict build.
+names a module that does not exist, a broken link or anchor between pages, or a page left out of the navigation
+fails the strict build. The blocks of one page run in order in one namespace, in a scratch folder, and what they
+print is checked against their ``print(...)  # figures`` comments (tests/docs_blocks.py).
 """
 
 from __future__ import annotations
@@ -16,14 +19,58 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("mkdocs")
-pytest.importorskip("mkdocstrings_handlers.python")
+from .docs_blocks import python_blocks, run_block
 
 REPO = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("griffe_docstrings", REPO / "tools" / "griffe_docstrings.py")
-assert _spec is not None and _spec.loader is not None
-docstrings = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(docstrings)
+DOCS = REPO / "docs"
+PAGES = sorted(page for page in DOCS.rglob("*.md") if python_blocks(page))
+HAS_MKDOCS = all(importlib.util.find_spec(name) is not None for name in ("mkdocs", "mkdocstrings_handlers"))
+needs_mkdocs = pytest.mark.skipif(not HAS_MKDOCS, reason="mkdocs and mkdocstrings[python] are not installed")
+
+
+@pytest.fixture(scope="module")
+def docstrings():
+    if not HAS_MKDOCS:
+        pytest.skip("mkdocs and mkdocstrings[python] are not installed")
+    spec = importlib.util.spec_from_file_location("griffe_docstrings", REPO / "tools" / "griffe_docstrings.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[str(page.relative_to(DOCS)) for page in PAGES])
+def test_every_python_block_of_the_page_runs(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {"__name__": "docs"}
+    for index, block in enumerate(python_blocks(page)):
+        run_block(block, f"{page.relative_to(DOCS)} block {index}", namespace)
+
+
+def test_the_guides_have_their_blocks() -> None:
+    """The pages that teach by example keep their examples (and this test finds them, nested folders included)."""
+    names = {str(page.relative_to(DOCS)) for page in PAGES}
+    for page in ("index.md", "getting-started.md", "math.md", "guides/solving.md", "guides/gradients.md",
+                 "guides/attractors.md", "guides/analysis.md", "guides/tasks.md", "guides/cli.md",
+                 "guides/distributed.md", "reliability.md"):
+        assert page in names, page
+    assert sum(len(python_blocks(page)) for page in PAGES) >= 20
+
+
+def test_a_failing_block_fails_its_page(tmp_path: Path) -> None:
+    namespace: dict = {}
+    run_block("x = 41\nprint(x + 1)  # 42\n", "probe block 0", namespace)
+    with pytest.raises(AssertionError, match="the page says"):
+        run_block("print(x)  # 42\n", "probe block 1", namespace)  # the namespace is shared: x is 41
+    with pytest.raises(NameError):
+        run_block("print(undefined)\n", "probe block 2", namespace)
+
+
+def test_no_page_points_outside_the_repository() -> None:
+    for page in DOCS.rglob("*.md"):
+        text = page.read_text()
+        for word in ("SPEC.md", "../shared", "shared/data", "this landing", "the issue"):
+            assert word not in text, (page, word)
 
 
 def _build(config: Path, site: Path) -> subprocess.CompletedProcess[str]:
@@ -38,6 +85,8 @@ def _text(page: Path) -> str:
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if not HAS_MKDOCS:
+        pytest.skip("mkdocs and mkdocstrings[python] are not installed")
     site = tmp_path_factory.mktemp("site")
     result = _build(REPO / "mkdocs.yml", site)
     assert result.returncode == 0, f"mkdocs build --strict failed:\n{result.stdout}\n{result.stderr}"
@@ -45,7 +94,9 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_api_reference_builds_strictly(site: Path) -> None:
-    for page in ["index.html", "architecture/index.html", "api/et_ode/index.html", "api/model/index.html",
+    for page in ["index.html", "architecture/index.html", "getting-started/index.html", "guides/solving/index.html",
+                 "guides/attractors/index.html", "math/index.html", "performance/index.html",
+                 "api/et_ode/index.html", "api/model/index.html",
                  "api/field/index.html", "api/solve/index.html", "api/attractor/index.html",
                  "api/analysis/index.html", "api/models/index.html", "api/tasks/index.html", "api/runs/index.html",
                  "api/cli/index.html"]:
@@ -66,6 +117,7 @@ def test_reference_documents_each_parameter_with_its_type(site: Path) -> None:
     assert "analyze_convergence" in analysis and "check_lyapunov" in analysis
 
 
+@needs_mkdocs
 def test_strict_build_fails_on_a_stale_parameter(tmp_path: Path) -> None:
     """The strict build with our settings rejects a docstring naming a parameter the function does not have, also
     inside a grouped entry, and accepts the same module once the docstring is right."""
@@ -95,7 +147,7 @@ def test_strict_build_fails_on_a_stale_parameter(tmp_path: Path) -> None:
     assert right.returncode == 0, right.stdout + right.stderr
 
 
-def test_grouped_entries_split_into_one_per_name() -> None:
+def test_grouped_entries_split_into_one_per_name(docstrings) -> None:
     doc = textwrap.dedent("""\
         Solve.
 
@@ -127,7 +179,7 @@ def test_grouped_entries_split_into_one_per_name() -> None:
         """).rstrip("\n")
 
 
-def test_sphinx_roles_become_inline_code() -> None:
+def test_sphinx_roles_become_inline_code(docstrings) -> None:
     assert docstrings.plain_roles("see :func:`solve` and :class:`~et_ode.ETField`, not `x`") == (
         "see `solve` and `et_ode.ETField`, not `x`")
 
@@ -146,10 +198,3 @@ def test_every_public_module_has_a_reference_entry() -> None:
     assert len(modules) >= 40
     missing = sorted(set(modules) - directives)
     assert not missing, f"modules on no page of docs/api/ (add a `::: module` line): {missing}"
-
-
-def test_docs_example_runs() -> None:
-    """The one example of docs/index.md runs as written."""
-    blocks = re.findall(r"```python\n(.*?)```", (REPO / "docs" / "index.md").read_text(), flags=re.S)
-    assert len(blocks) == 1
-    exec(compile(blocks[0], "docs/index.md", "exec"), {})

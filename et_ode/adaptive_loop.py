@@ -349,8 +349,9 @@ class _Loop:
         s = self.tableau.stages
         self._advance(state, accepted, count == len(t), y1, k[:, s - 1:s], t1, buffers)
         if self.callback is not None:
-            totals[0][state["ids"]] = state["t"].cpu()
-            totals[1][state["ids"]] += accepted.long().cpu()
+            ids = state["ids"].cpu()
+            totals[0][ids] = state["t"].cpu()
+            totals[1][ids] += accepted.long().cpu()
             self.callback(totals[0].clone(), totals[1].clone())
         return done
 

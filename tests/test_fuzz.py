@@ -3,7 +3,8 @@ its documented exceptions with the argument's name in the message, within a time
 
 Entry points: ``EnergyTransformer`` (construction, ``energy``, ``grad_g``), ``ETField`` (construction,
 ``dg_dt``), ``solve``, the file loaders (``load_checkpoint``, ``load_model``, ``load_png_folder``,
-``check_tu_files``) and the ``et-ode`` argument parsing with the configs and models built from it.
+``check_tu_files``; generated safetensors headers and ``.npz`` members) and the ``et-ode`` argument parsing with
+the configs and models built from it.
 
 Two profiles (environment variable ``ET_ODE_FUZZ``): ``default`` (the default test run: a fixed, derandomised
 set of ``DEFAULT_EXAMPLES`` examples per test, a few seconds in all) and ``long`` (``make fuzz``:
@@ -249,6 +250,65 @@ def test_loaders_on_damaged_files(tmp_path_factory, data, cut, flips, kind):
     path.write_bytes(bytes(raw[: int(len(raw) * cut) if kind != "random" else len(raw)]))
     for load in (load_checkpoint, load_model):
         expect(lambda load=load: load(path), (ValueError, FileNotFoundError), (str(path), "checkpoint", "model"))
+
+
+JSON_SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=False),
+                        st.text(max_size=8))
+JSON_VALUES = st.recursive(JSON_SCALARS, lambda inner: st.lists(inner, max_size=3)
+                           | st.dictionaries(st.text(max_size=6), inner, max_size=3), max_leaves=8)
+TENSOR_ENTRIES = st.fixed_dictionaries({
+    "dtype": st.sampled_from(["F32", "F64", "I64", "BOOL", "U8", "F16", "XX", 3]),
+    "shape": st.one_of(st.lists(st.integers(-2, 2**40), max_size=4), JSON_VALUES),
+    "data_offsets": st.one_of(st.lists(st.integers(-5, 2**40), min_size=2, max_size=2), JSON_VALUES)})
+
+
+@FUZZ
+@given(metadata=st.one_of(JSON_VALUES, st.dictionaries(st.sampled_from(["format", "state", "x"]), JSON_VALUES,
+                                                       max_size=3)),
+       entries=st.dictionaries(st.text(min_size=1, max_size=4), st.one_of(TENSOR_ENTRIES, JSON_VALUES), max_size=3),
+       body=st.binary(max_size=64), tagged=st.booleans())
+def test_checkpoint_loader_on_generated_safetensors_headers(tmp_path_factory, metadata, entries, body, tagged):
+    """Any JSON header (a ``__metadata__`` of any type, tensor entries of any dtype, shape and offsets): a
+    checkpoint, or a named ValueError; nothing is allocated beyond the header's limits."""
+    import json
+    import struct
+
+    from et_ode.train import load_checkpoint
+
+    if tagged and isinstance(metadata, dict):
+        metadata = {**metadata, "format": "et-ode/training-checkpoint/2"}
+    header = json.dumps({"__metadata__": metadata, **entries}).encode()
+    path = tmp_path_factory.mktemp("safetensors") / "checkpoint.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header + body)
+    expect(lambda: load_checkpoint(path), (ValueError,), (str(path),))
+
+
+NPY_DTYPES = ["<f4", ">f4", "<f8", ">f8", "|u1", "<i8", "|b1", "|O", "<U3", "<c8"]
+
+
+@FUZZ
+@given(descr=st.sampled_from(NPY_DTYPES), shape=st.lists(st.integers(0, 2**33), max_size=3),
+       fortran=st.booleans(), data=st.binary(max_size=128), name=st.sampled_from(["Xi", "Wk", "other"]),
+       compress=st.booleans())
+def test_npz_reader_on_generated_members(tmp_path_factory, descr, shape, fortran, data, name, compress):
+    """An ``.npz`` member with any header (dtype, shape, order) over any bytes: the arrays, or a FileFormatError
+    naming the file; never an allocation beyond the header's limits."""
+    import io
+    import zipfile
+
+    import numpy as np
+
+    from et_ode.statefile import FileFormatError, read_npz
+
+    buffer = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buffer, {"descr": descr, "fortran_order": fortran, "shape": tuple(shape)})
+    path = tmp_path_factory.mktemp("npz") / "member.npz"
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED if compress else zipfile.ZIP_STORED) as archive:
+        archive.writestr(f"{name}.npy", buffer.getvalue() + data)
+    arrays = expect(lambda: read_npz(path, ["Xi"], what="archive", allow_empty=True), (FileFormatError,),
+                    (str(path),))
+    if arrays is not None:
+        assert arrays["Xi"].shape == tuple(shape) and arrays["Xi"].dtype.isnative
 
 
 @FUZZ

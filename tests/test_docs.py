@@ -198,3 +198,43 @@ def test_every_public_module_has_a_reference_entry() -> None:
     assert len(modules) >= 40
     missing = sorted(set(modules) - directives)
     assert not missing, f"modules on no page of docs/api/ (add a `::: module` line): {missing}"
+
+
+def _command_lines(text: str) -> list[str]:
+    """The ``et-ode ...`` commands in the fenced shell blocks of a page, continuation lines joined, comments cut."""
+    blocks, language, lines = [], None, []
+    for line in text.splitlines():
+        if line.startswith("```"):
+            if language is None:
+                language, lines = line[3:].strip() or "shell", []
+            else:
+                if language in ("shell", "bash"):
+                    blocks.append("\n".join(lines))
+                language = None
+        elif language is not None:
+            lines.append(line)
+    commands = []
+    for block in blocks:
+        joined = re.sub(r"\\\n\s*", " ", block)
+        for line in joined.splitlines():
+            line = line.split("#")[0].strip()
+            if "-m et_ode.cli " in line:  # under torchrun
+                line = "et-ode " + line.split("-m et_ode.cli ", 1)[1]
+            if line.startswith("et-ode ") and "..." not in line:
+                commands.append(line)
+    return commands
+
+
+def test_every_et_ode_command_on_the_pages_parses() -> None:
+    """A command a page shows uses options that exist (argparse exits on an unknown one)."""
+    from et_ode.cli import build_parser
+
+    parser = build_parser()
+    pages = [REPO / "README.md", *sorted(DOCS.rglob("*.md"))]
+    commands = [(page, line) for page in pages for line in _command_lines(page.read_text())]
+    assert len(commands) >= 10
+    for page, line in commands:
+        try:
+            parser.parse_args(line.split()[1:])
+        except SystemExit:
+            pytest.fail(f"{page.relative_to(REPO)}: `{line}` does not parse")

@@ -49,7 +49,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/graph_scale.py
 	$(BIN)/python benchmarks/ddp.py
 
-# mutation testing of the core modules (not part of `make test`; ~40 minutes on one core): see the README's "Testing"
+# mutation testing of the core modules (not part of `make test`; ~40 minutes on one core): see docs/development.md
 mutate: $(STAMP)
 	$(BIN)/python -m pip install -q -e ".[mutate]"
 	nice -n 10 $(BIN)/python tools/mutate.py $(MUTATE_ARGS)

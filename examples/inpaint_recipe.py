@@ -1,4 +1,4 @@
-"""The completion recipe of the README: an ET that refines a classical fill, against the classical baselines.
+"""The completion recipe of docs/guides/tasks.md: an ET that refines a classical fill, against the classical baselines.
 
 Data (nothing downloaded):
     ``photos``: 22 photographs bundled with scikit-image, scikit-learn and matplotlib, cut into ``--tile`` x
@@ -27,7 +27,7 @@ here, not in the library: it needs the training set at inference). With ``knn``,
 see and how the answer is read (``KnnFillET``): ``retrieval`` gives each visible token the neighbours' errors on its
 patch and reads the answer at a hidden patch as a blend of the neighbours' patches weighted from the final state;
 ``--weighting local`` starts that blend from ``local_knn_fill`` (the neighbours weighted by their errors around each
-hidden patch) instead of the plain mean. The README's Fashion-MNIST recipe:
+hidden patch) instead of the plain mean. The Fashion-MNIST recipe of docs/guides/tasks.md:
 
     python examples/inpaint_recipe.py baselines --data fashion
     python examples/inpaint_recipe.py train --data fashion --out runs/fashion_local --fill knn --context retrieval \

@@ -1,5 +1,5 @@
 """A worked landscape study: critical points of every index, saddle connections, basins, the asymptotic rate,
-spectra and a pitchfork, on small float64 models (the pictures of the README's worked study).
+spectra and a pitchfork, on small float64 models (the pictures of the worked study in docs/guides/analysis.md).
 
     .venv/bin/python examples/study_landscape.py --out runs/landscape [--seed 3]
 

@@ -55,7 +55,7 @@ def add_train_image(subparsers: argparse._SubParsersAction) -> None:
     data.add_argument("--data-path", default=None,
                       help="folder of the IDX .gz files (fashion-mnist default /usr/share/datasets/fashion-mnist; "
                            "mnist) or of the PNG images (png: split by source image: a subfolder per photo, or "
-                           "files named <source>__<anything>.png; see the README)")
+                           "files named <source>__<anything>.png; see docs/guides/tasks.md)")
     data.add_argument("--test-path", default=None, metavar="DIR",
                       help="a folder of PNG test images (tiled like --data-path); the data then gives only the "
                            "training and validation images")

@@ -14,6 +14,10 @@ steps, and the largest difference of the final state from torchdiffeq's relative
 - ``torchode`` (only where it is installed: ``pip install -e .[peers]``; never by ``make test``): its Dopri5 with
   an integral controller, per sample.
 
+Then a mixed batch (``--mixed``, default on): half the samples already near their attractor (the end of a solve to
+t=50 from random states), half random, where per-sample control spends evaluations on the hard half only; its
+sample-evaluations against the shared mode's are the measure of compaction.
+
     python benchmarks/adaptive.py                       # digits and 28x28, batch 1 and 64, one thread
     python benchmarks/adaptive.py --size digits --batch 64 --threads 2 --reps 9
 """
@@ -124,6 +128,34 @@ def measure(size_name: str, batch: int, args: argparse.Namespace) -> list[list[o
     return rows
 
 
+def mixed(size_name: str, batch: int, args: argparse.Namespace) -> list[list[object]]:
+    """Half easy, half hard: the shared and per-sample modes' time, evaluations and sample-evaluations."""
+    size = SIZES[size_name].with_batch(batch)
+    field = et_ode.ETField(make_model(size))
+    hard = initial_state(size)
+    with torch.no_grad():
+        easy = et_ode.solve(field, initial_state(size, seed=2), (0.0, 50.0), solver=et_ode.Adaptive(rtol=1e-5),
+                            save="final").x
+    x0 = torch.cat([easy[: batch // 2], hard[batch // 2:]])
+    rows = []
+    runs: dict[str, Callable[[], object]] = {}
+    for name, solver in (("et-ode shared", et_ode.Adaptive("dopri5", args.rtol, args.atol, loop="et_ode")),
+                         ("et-ode per-sample", et_ode.Adaptive("dopri5", args.rtol, args.atol,
+                                                               step_control="per_sample"))):
+        def run(solver: et_ode.Adaptive = solver) -> et_ode.Solution:
+            return et_ode.solve(field, x0, (0.0, args.t1), solver=solver, save="final")
+
+        runs[name] = run
+    with torch.no_grad():
+        solutions = {name: run() for name, run in runs.items()}
+        seconds = interleaved(runs, reps=args.reps, statistic=args.statistic, clock=args.clock)
+    for name, solution in solutions.items():
+        stats = solution.stats  # type: ignore[attr-defined]
+        rows.append([f"{size_name} mixed", batch, name, ms(seconds[name]), stats.nfe_forward,
+                     stats.sample_evaluations, stats.accepted_steps])
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", choices=[*SIZES, "all"], default="all")
@@ -136,6 +168,7 @@ def main() -> None:
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                         help="cpu: the process's CPU time (steadier where other jobs share the cores)")
     parser.add_argument("--threads", type=int, default=1, help="pin the process to this many cores")
+    parser.add_argument("--no-mixed", action="store_true", help="skip the mixed easy/hard batch")
     args = parser.parse_args()
     set_threads(args.threads)
     print(environment())
@@ -146,6 +179,12 @@ def main() -> None:
     print(table(["size", "batch", "solver", f"ms ({args.statistic}, {args.clock})", "x torchdiffeq", "NFE", "sample-evals",
                  "accepted", "final vs torchdiffeq"], rows,
                 title=f"dopri5, rtol={args.rtol:g}, atol={args.atol:g}, t in [0, {args.t1:g}], float32, no gradients"))
+    if not args.no_mixed:
+        rows = [row for size_name in (SIZES if args.size == "all" else [args.size])
+                for row in mixed(size_name, max(args.batch), args)]
+        print(table(["batch", "size", "solver", f"ms ({args.statistic}, {args.clock})", "NFE", "sample-evals",
+                     "accepted (samples' steps added up)"], [[r[1], r[0], *r[2:]] for r in rows],
+                    title="a batch of half easy (near the attractor) and half hard (random) samples"))
 
 
 if __name__ == "__main__":

@@ -47,6 +47,7 @@ from typing import Any
 LOCK_NAME = ".et-ode.lock"
 CONFIG_NAME = "config.json"
 COMMAND_KEY = "et_ode_command"  # in config.json: the command that wrote the folder (absent: a training run)
+DATA_KEY = "data_fingerprint"  # in config.json: what the run read (claim's ``data``)
 _held: dict[Path, int] = {}  # folders this process has locked -> nesting depth
 
 
@@ -282,12 +283,15 @@ def _table(rows: list[tuple[str, Any, Any]]) -> str:
 
 @contextlib.contextmanager
 def claim(out: str | os.PathLike[str], setup: dict[str, Any], *, resume: bool = False, overwrite: bool = False,
-          may_change: Iterable[str] = (), command: str | None = None) -> Iterator[Path]:
+          may_change: Iterable[str] = (), command: str | None = None,
+          data: dict[str, Any] | None = None) -> Iterator[Path]:
     """Take ``out`` for a run whose set-up is ``setup`` (JSON-like); see the module docstring.
 
     ``command`` names the et-ode command that writes the folder (e.g. ``"complete"``; None: a training run); it is
     kept in ``config.json`` under ``"et_ode_command"``, and ``overwrite`` or ``resume`` accept only a folder the same
-    command wrote, so that no command replaces another's run.
+    command wrote, so that no command replaces another's run. ``data``: a fingerprint of the data the run reads
+    (e.g. :func:`et_ode.data.images.data_fingerprint`), kept under ``"data_fingerprint"``; a resume whose data
+    differ from the run's is refused with a table of the differences (a run without one is resumed with a warning).
 
     A run that raises before it writes anything (bad arguments, missing data) leaves ``out`` as it was: the
     ``config.json`` written here is removed, and so is the folder if this claim created it.
@@ -311,7 +315,7 @@ def claim(out: str | os.PathLike[str], setup: dict[str, Any], *, resume: bool = 
     created, wrote = not out.exists(), False
     try:
         with lock(out):
-            wrote = _prepare(out, setup, resume, overwrite, may_change, command)
+            wrote = _prepare(out, setup, resume, overwrite, may_change, command, data)
             try:
                 yield out
             except BaseException:
@@ -326,12 +330,12 @@ def claim(out: str | os.PathLike[str], setup: dict[str, Any], *, resume: bool = 
 
 
 def _prepare(out: Path, setup: dict[str, Any], resume: bool, overwrite: bool, may_change: Iterable[str],
-             command: str | None) -> bool:
+             command: str | None, data: dict[str, Any] | None) -> bool:
     """The checks of :func:`claim` in the locked folder, then its ``config.json``: whether it was written here."""
     entries = sorted(p.name for p in out.iterdir() if p.name != LOCK_NAME)
     config = out / CONFIG_NAME
     if entries and resume:
-        _check_resume(out, config, setup, may_change, command)
+        _check_resume(out, config, setup, may_change, command, data)
     elif entries and overwrite:
         _check_owner(out, config, entries, command, "--overwrite")
         for name in entries:
@@ -346,6 +350,8 @@ def _prepare(out: Path, setup: dict[str, Any], resume: bool, overwrite: bool, ma
     if resume and config.is_file():
         return False
     record = setup if command is None else {COMMAND_KEY: command, **setup}
+    if data is not None:
+        record = {**record, DATA_KEY: data}
     write_text(config, json.dumps(record, indent=2))
     return True
 
@@ -370,18 +376,33 @@ def _check_owner(out: Path, config: Path, entries: list[str], command: str | Non
 
 
 def _check_resume(out: Path, config: Path, setup: dict[str, Any], may_change: Iterable[str],
-                  command: str | None) -> None:
+                  command: str | None, data: dict[str, Any] | None) -> None:
     if not config.exists() and not config.is_symlink():
         warnings.warn(f"{out} has no {CONFIG_NAME} (a run from an older et-ode?): its set-up cannot be "
                       f"compared; resuming on trust", stacklevel=5)
         return
     saved = _check_owner(out, config, [CONFIG_NAME], command, "--resume")
     saved.pop(COMMAND_KEY, None)
+    _check_data(out, config, saved.pop(DATA_KEY, None), data)
     rows = differences(saved, setup, may_change)
     if rows:
         raise RunFolderError(
             f"cannot resume {out}: the set-up differs from the run's {config}:\n{_table(rows)}\n"
             f"Resume with the run's settings, start a new --out, or replace the run with --overwrite")
+
+
+def _check_data(out: Path, config: Path, saved: Any, data: dict[str, Any] | None) -> None:
+    """A resume reads the data the run read: RunFolderError with a table of the differences otherwise."""
+    if data is None:
+        return
+    if not isinstance(saved, dict):
+        warnings.warn(f"{config} holds no fingerprint of the run's data (an older et-ode?): the data cannot be "
+                      f"compared; resuming on trust", stacklevel=6)
+        return
+    rows = differences(saved, data)
+    if rows:
+        raise RunFolderError(f"cannot resume {out}: the data differ from those the run read ({config}):\n"
+                             f"{_table(rows)}\nResume with the run's data, or start a new --out")
 
 
 MAX_CONFIG_BYTES = 16 * 2**20

@@ -57,10 +57,16 @@ def _check_options(owner: str, options: object) -> None:
 
 
 def output_grid(t: Tensor | Sequence[float] | None, device: torch.device) -> Tensor:
-    """``t`` as a float64 grid ``(T,)`` of at least 2 finite, strictly increasing times (ValueError naming ``t``)."""
+    """``t`` as a float64 grid ``(T,)`` of at least 2 finite, strictly increasing times (ValueError naming ``t``;
+    TypeError naming it for values that are not numbers)."""
     if t is None:
         raise ValueError("t is required: a 1-D tensor of output times or a pair (t0, t1)")
-    grid = torch.as_tensor(t, dtype=torch.float64).to(device).detach()
+    if isinstance(t, (str, bytes)) or (isinstance(t, Sequence) and any(isinstance(v, (str, bytes)) for v in t)):
+        raise TypeError(f"t must hold numbers, got {t!r}")
+    try:
+        grid = torch.as_tensor(t, dtype=torch.float64).to(device).detach()
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise TypeError(f"t must be a 1-D tensor or sequence of numbers, got {t!r} ({error})") from None
     if grid.dim() != 1 or grid.numel() < 2:
         raise ValueError(f"t must be a 1-D tensor of at least 2 times or a pair (t0, t1), got shape {tuple(grid.shape)}")
     if not bool(torch.isfinite(grid).all()) or not bool((grid[1:] > grid[:-1]).all()):
@@ -89,8 +95,8 @@ class Adaptive:
         progress: et-ode's loop calls it after every step with each sample's time ``(B,)`` and number of accepted
             steps ``(B,)`` (CPU tensors, the batch flattened), or None.
 
-    et-ode's loop integrates to the end of ``t`` (no stop) with the gradients ``Direct`` (and ``Implicit``, which
-    needs a stop): :meth:`check_stop` and ``solve`` say so otherwise.
+    et-ode's loop runs the gradient ``Direct`` (``solve`` refuses ``Adjoint`` with it); for stops see
+    :meth:`check_stop`.
     """
 
     method: str = "dopri5"
@@ -143,11 +149,15 @@ class Adaptive:
             self.step_control != "shared" or self.controller != "i" or self.progress is not None))
 
     def check_stop(self, stop: object) -> None:
-        """Any stopping rule works with torchdiffeq's loop; et-ode's integrates to the end of ``t`` (ValueError
-        naming ``stop``)."""
-        if stop is not None and self.own_loop:
-            raise ValueError("a stop needs Adaptive(loop='torchdiffeq'): et-ode's adaptive loop integrates to the "
-                             "end of t (give stop=None)")
+        """Any stopping rule works with torchdiffeq's loop. et-ode's loop stops each sample on its own with
+        ``step_control="per_sample"`` and ``SteadyState(per_sample=True)``, the batch at once with shared control and
+        ``per_sample=False`` (ValueError naming ``stop`` otherwise), at the end of the first accepted step whose
+        state passes the test (torchdiffeq's loop locates the crossing inside the step)."""
+        per_sample = getattr(stop, "per_sample", None)
+        if stop is not None and self.own_loop and per_sample != (self.step_control == "per_sample"):
+            raise ValueError(f"stop=SteadyState(per_sample={per_sample}) with Adaptive(step_control="
+                             f"{self.step_control!r}): et-ode's loop stops each sample on its own with "
+                             f"step_control='per_sample' and per_sample=True, the whole batch with 'shared' and False")
 
     def check_state(self, x0: Tensor) -> None:
         """``x0`` must not be half precision: step control's error estimate and step size underflow there (ValueError

@@ -54,3 +54,10 @@ def test_evaluation_masks_must_be_boolean_and_score_something(tmp_path):
     np.savez(path, hidden=np.ones((3, 4), dtype=bool), scored=np.ones((3, 5), dtype=bool))
     with pytest.raises(ValueError, match=r"'scored' has shape \(3, 5\)"):
         _read_masks(path, 3, 4)
+
+
+@pytest.mark.parametrize("t", [("0", "1"), "ab", (0.0, None), {"a": 1}])
+def test_times_that_are_not_numbers_are_a_type_error_naming_t(t):
+    field = ETField(EnergyTransformer(dim=8, heads=2, head_dim=4, memories=8))
+    with pytest.raises(TypeError, match=r"^t must"):
+        solve(field, torch.randn(1, 3, 8), t)

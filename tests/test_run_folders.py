@@ -8,6 +8,7 @@ import json
 import os
 import socket
 
+import numpy as np
 import pytest
 
 from et_ode import runs
@@ -164,3 +165,42 @@ def test_written_files_keep_the_usual_permissions(tmp_path):
         assert path.stat().st_mode & 0o777 == 0o600 and path.read_bytes() == b"y"
     finally:
         os.umask(mask)
+
+
+def _pngs(folder, count: int, seed: int):
+    from PIL import Image
+
+    folder.mkdir(exist_ok=True)
+    generator = np.random.default_rng(seed)
+    for k in range(count):
+        Image.fromarray(generator.integers(0, 256, (6, 6), dtype=np.uint8)).save(folder / f"p{k}__a.png")
+
+
+def test_a_resume_on_changed_data_is_refused_with_the_difference(tmp_path):
+    from et_ode.data.images import data_fingerprint
+
+    data, out = tmp_path / "pngs", tmp_path / "run"
+    _pngs(data, 5, seed=0)
+    with claim(out, {"lr": 1}, data=data_fingerprint("png", data)) as folder:
+        (folder / "checkpoint.safetensors").write_bytes(b"weights")
+    with claim(out, {"lr": 1}, resume=True, data=data_fingerprint("png", data)):
+        pass  # the same data
+    _pngs(data, 5, seed=1)  # every image replaced by another of the same size
+    with pytest.raises(RunFolderError, match=r"the data differ(.|\n)*sample_sha256"):
+        with claim(out, {"lr": 1}, resume=True, data=data_fingerprint("png", data)):
+            pass
+    _pngs(data, 6, seed=0)  # one image more
+    with pytest.raises(RunFolderError, match=r"(.|\n)*\n  files +5 +6"):
+        with claim(out, {"lr": 1}, resume=True, data=data_fingerprint("png", data)):
+            pass
+    assert data_fingerprint("digits", None)["files"] == 0
+
+
+def test_a_run_without_a_data_fingerprint_is_resumed_with_a_warning(tmp_path):
+    from et_ode.data.images import data_fingerprint
+
+    with claim(tmp_path, {"lr": 1}) as folder:
+        (folder / "metrics.csv").write_text("")
+    with pytest.warns(UserWarning, match="no fingerprint of the run's data"):
+        with claim(tmp_path, {"lr": 1}, resume=True, data=data_fingerprint("digits", None)):
+            pass

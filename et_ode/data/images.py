@@ -340,6 +340,47 @@ def _png_files(folder: Path) -> list[Path]:
     return files
 
 
+FINGERPRINT_SAMPLE = 16  # files whose contents a data fingerprint hashes (evenly spaced over the sorted list)
+FINGERPRINT_BYTES = 2**20  # bytes hashed of each sampled file (its start)
+
+
+def data_files(name: str, path: str | Path | None, test_path: str | Path | None = None) -> list[Path]:
+    """The files on disk that the source ``name`` [``--data``] at ``path`` [``--data-path``] and a ``test_path``
+    folder read, sorted (the bundled sources, read from installed packages, have none); missing ones are left out
+    (the loaders name them)."""
+    files: list[Path] = []
+    if name == "png" and path is not None and Path(path).is_dir():
+        files += _png_files(Path(path))
+    elif name in ("fashion-mnist", "mnist"):
+        folder = Path(path) if path is not None else FASHION_MNIST_DIR
+        files += [folder / f for pair in IDX_FILES.values() for f in pair if (folder / f).is_file()]
+    if test_path is not None and Path(test_path).is_dir():
+        files += _png_files(Path(test_path))
+    return sorted(files)
+
+
+def data_fingerprint(name: str, path: str | Path | None, test_path: str | Path | None = None) -> dict[str, Any]:
+    """What a run read, to compare on a resume: the number of files, their total size, a hash of the list of
+    (name, size), and a hash of the first ``FINGERPRINT_BYTES`` of ``FINGERPRINT_SAMPLE`` files spread over the
+    list (a change elsewhere in a file of the same size, outside the sample, goes unseen). The bundled sources:
+    only ``name``."""
+    import hashlib
+
+    files = data_files(name, path, test_path)
+    listing, sample = hashlib.sha256(), hashlib.sha256()
+    total = 0
+    for file in files:
+        size = file.stat().st_size
+        total += size
+        listing.update(f"{file.name}\0{size}\n".encode())
+    step = max(1, math.ceil(len(files) / FINGERPRINT_SAMPLE))
+    for file in files[::step]:
+        with open(file, "rb") as stream:
+            sample.update(stream.read(FINGERPRINT_BYTES))
+    return {"source": name, "files": len(files), "bytes": total, "listing_sha256": listing.hexdigest()[:16],
+            "sample_sha256": sample.hexdigest()[:16]}
+
+
 def _source_of(file: Path, folder: Path) -> str:
     """The source image of ``file``: its subfolder of ``folder``, else the part of its name before ``__``."""
     if file.parent != folder:

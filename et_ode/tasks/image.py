@@ -42,7 +42,7 @@ import torch
 
 from .. import distributed, runs, runtime
 from ..adjoints import Adjoint, Direct
-from ..data.images import SOURCES, ImageSet, load_split, read_png
+from ..data.images import SOURCES, ImageSet, data_fingerprint, load_split, read_png
 from ..devices import resolve_device
 from ..integration import Integration
 from ..models.image import (
@@ -234,7 +234,8 @@ def train_image(config: ImageRunConfig, out_dir: str | Path | None = None) -> di
     if out is None or not distributed.is_main():
         return _train_image(config, out)
     with runs.claim(out, config.to_dict(), resume=bool(config.train.resume), overwrite=config.train.overwrite,
-                    may_change=RESUMABLE_CHANGES):
+                    may_change=RESUMABLE_CHANGES,
+                    data=data_fingerprint(config.data, config.data_path, config.test_path)):
         return _train_image(config, out)
 
 

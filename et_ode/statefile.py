@@ -37,6 +37,8 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 from torch import Tensor
 
+from .runs import RunWriteError
+
 _TENSOR, _NUMPY, _TUPLE, _ITEMS = "__tensor__", "__ndarray__", "__tuple__", "__items__"
 MAX_FILE_BYTES = 2**33  # 8 GiB: the largest state, model or archive file read
 MAX_ARRAY_ELEMENTS = 2**28  # elements of one array (1 GiB of float32), checked from the file's header before reading
@@ -231,6 +233,7 @@ def save_state(path: str | os.PathLike[str], state: dict[str, Any], format: str)
 
     Raises:
         TypeError: ``state`` holds something that is not data (an object, a function), naming where.
+        et_ode.runs.RunWriteError: the disk refused (:func:`atomic_write`).
     """
     tensors: dict[str, Tensor] = {}
     skeleton = _encode(state, tensors, "state")
@@ -243,10 +246,18 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], objec
     over ``path`` (``os.replace``): a crash or an exception mid-write leaves the previous file intact and no
     temporary file behind (a killed process's is deleted when its run folder is next locked,
     :func:`et_ode.runs.lock`). The file gets the permissions of the one it replaces, else those ``open`` gives.
-    Creates the parent folder. Returns ``path``."""
+    Creates the parent folder. Returns ``path``.
+
+    Raises:
+        et_ode.runs.RunWriteError (a ValueError): the disk refused (full, read-only, no permission), naming ``path``
+            and keeping the ``errno``; the previous file is intact.
+    """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as error:
+        raise RunWriteError(path, error) from None
     try:
         os.fchmod(handle, _mode_for(path))
         with os.fdopen(handle, "wb") as stream:
@@ -254,9 +265,11 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], objec
             stream.flush()
             os.fsync(stream.fileno())
         os.replace(temporary, path)
-    except BaseException:
+    except BaseException as error:
         with contextlib.suppress(OSError):
             os.unlink(temporary)
+        if isinstance(error, OSError):
+            raise RunWriteError(path, error) from None
         raise
     return path
 

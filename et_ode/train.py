@@ -245,6 +245,7 @@ def save_checkpoint(path: str | os.PathLike, state: dict[str, Any]) -> None:
 
     Raises:
         TypeError: ``state`` holds an object that is not data, naming where.
+        et_ode.runs.RunWriteError: a full or read-only disk, naming ``path`` (the previous checkpoint is intact).
     """
     save_state(path, state, CHECKPOINT_FORMAT)
 
@@ -450,9 +451,12 @@ def fit(
         def log(record: dict[str, Any]) -> None:
             if out_dir is None or not is_main:
                 return
-            out_dir.mkdir(parents=True, exist_ok=True)
-            with open(out_dir / METRICS_NAME, "a") as file:
-                file.write(json.dumps(record) + "\n")
+            try:
+                out_dir.mkdir(parents=True, exist_ok=True)
+                with open(out_dir / METRICS_NAME, "a") as file:
+                    file.write(json.dumps(record) + "\n")
+            except OSError as error:  # a full or read-only disk: named, the lock released by the caller's claim
+                raise runs.RunWriteError(out_dir / METRICS_NAME, error) from None
 
         def clock() -> float:  # seconds of this run so far, over resumes
             return elapsed + time.perf_counter() - started

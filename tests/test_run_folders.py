@@ -204,3 +204,38 @@ def test_a_run_without_a_data_fingerprint_is_resumed_with_a_warning(tmp_path):
     with pytest.warns(UserWarning, match="no fingerprint of the run's data"):
         with claim(tmp_path, {"lr": 1}, resume=True, data=data_fingerprint("digits", None)):
             pass
+
+
+@pytest.mark.slow  # two short trainings
+def test_a_disk_that_fills_mid_training_stops_with_a_named_error_and_resumes_exactly(tmp_path, monkeypatch):
+    import torch
+
+    from et_ode import statefile
+    from et_ode.train import CHECKPOINT_NAME, TrainConfig, fit
+    from tests.test_train import NoisyRegression, linear, regression_data
+
+    data = regression_data()
+
+    def config(out):
+        return TrainConfig(epochs=2, batch_size=10, lr=0.02, checkpoint_every=3, out_dir=str(out), resume=True,
+                           progress=False, seed=3)
+
+    full = linear()
+    fit(full, NoisyRegression(), data, None, config(tmp_path / "full"))
+    real_fsync, writes = os.fsync, []
+
+    def fills_up(descriptor: int) -> None:
+        writes.append(descriptor)
+        if len(writes) > 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_fsync(descriptor)
+
+    out = tmp_path / "cut"
+    monkeypatch.setattr(statefile.os, "fsync", fills_up)
+    with pytest.raises(RunWriteError, match=rf"{CHECKPOINT_NAME}: No space left on device"):
+        fit(linear(), NoisyRegression(), data, None, config(out))
+    monkeypatch.undo()
+    assert not (out / LOCK_NAME).exists() and not [p for p in os.listdir(out) if p.endswith(".tmp")]
+    resumed = linear()
+    fit(resumed, NoisyRegression(), data, None, config(out))
+    assert all(torch.equal(resumed.state_dict()[k], v) for k, v in full.state_dict().items())

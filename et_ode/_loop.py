@@ -197,11 +197,11 @@ def integrate(problem: Problem, interface: Callable[..., Any], arguments: dict[s
     stop_times, status = None, Status.REACHED_END
     saved: list[tuple[float, Tensor]] = []
     try:
-        if problem.stop is None and getattr(problem.solver, "own_loop", False):  # et-ode's adaptive loop
+        if getattr(problem.solver, "own_loop", False):  # et-ode's adaptive loop
             from .adaptive_loop import solve_adaptive
-            x_final, xs = solve_adaptive(problem.solver, field, x0, grid, arguments,  # type: ignore[arg-type]
-                                         problem.max_steps, problem.save, progress)
-            ts = grid
+            x_final, xs, ts, stop_times, status = solve_adaptive(
+                problem.solver, field, x0, grid, arguments,  # type: ignore[arg-type]
+                problem.max_steps, problem.save, progress, problem.stop)
         elif problem.stop is None and lean and lean_loop_applies(method, options):
             xs = integrate_fixed_steps(recorder, x0, grid, method, options.get("step_size"),
                                        save_all=problem.save == "all")

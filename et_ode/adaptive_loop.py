@@ -20,25 +20,30 @@ through the midpoint, as torchdiffeq; bosh3: the Hermite cubic), so saving costs
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import Tensor
 
 from .field import ETField
+from .solution import Status
 from .solvers import BUDGET_ADVICE, Adaptive, SolverFailure
+from .stopping import SteadyState
 
 SAFETY, FACTOR_MIN, FACTOR_MAX = 0.9, 0.2, 10.0
+BISECTIONS = 30  # a stop's crossing is located to 2^-30 of its step
 I_CONTROLLER = (0.0, 1.0, 0.0)  # (pcoeff, icoeff, dcoeff)
 PID_COEFFICIENTS = (0.4, 0.3, 0.0)  # one of diffrax's suggestions for error estimates that do not vary smoothly
 UNDERFLOW_ADVICE = ("the dynamics overflowed or became too stiff for the solver there: use float64 (x0 and model), "
                     "tighter rtol/atol, or smaller weights")
 
 Progress = Callable[[Tensor, Tensor], None]
+StopTest = Callable[[Tensor, Tensor], Tensor]
 
 
 @dataclass(frozen=True)
@@ -126,6 +131,42 @@ def _rms(x: Tensor) -> Tensor:
     return torch.linalg.vector_norm(x, dim=(1, 2)) / math.sqrt(x.shape[-1])
 
 
+class _Interpolant:
+    """The dense output of one step of the groups ``rows``: dopri5's quartic through ``y0``, the midpoint and ``y1``
+    with the slopes ``f0``, ``f1`` (Shampine), or the Hermite cubic (bosh3); :meth:`at` gives the state and its
+    velocity (the derivative of the interpolant) at fractions of the step."""
+
+    def __init__(self, tableau: Tableau, rows: Tensor, y0: Tensor, y1: Tensor, k: Tensor, weights: Tensor,
+                 dt: Tensor, dtype: torch.dtype):
+        s = tableau.stages
+        self.y0, self.y1, k = y0[rows], y1[rows], k[rows]
+        self.h = dt[rows].to(dtype)[:, None, None]
+        self.dtype = dtype
+        self.f0, self.f1 = k[:, :1], k[:, s - 1:s]
+        self.quartic: tuple[Tensor, Tensor, Tensor] | None = None
+        if tableau.mid is not None:
+            y_mid = torch.baddbmm(self.y0, weights[rows, s:s + 1], k)
+            y0, y1, f0, f1, h = self.y0, self.y1, self.f0, self.f1, self.h
+            self.quartic = (2 * h * (f1 - f0) - 8 * (y1 + y0) + 16 * y_mid,
+                            h * (5 * f0 - 3 * f1) + 18 * y0 + 14 * y1 - 32 * y_mid,
+                            h * (f1 - 4 * f0) - 11 * y0 - 5 * y1 + 16 * y_mid)
+
+    def at(self, theta: Tensor) -> tuple[Tensor, Tensor]:
+        """The state ``(n, 1, M)`` (exactly ``y1`` where ``theta`` is 1) and the velocity at ``theta`` ``(n,)``."""
+        x = theta.to(self.dtype)[:, None, None]
+        y0, y1, f0, f1, h = self.y0, self.y1, self.f0, self.f1, self.h
+        if self.quartic is None:  # Hermite cubic
+            one = 1 - x
+            value = (1 + 2 * x) * one * one * y0 + x * one * one * h * f0 + x * x * (3 - 2 * x) * y1 \
+                - x * x * one * h * f1
+            velocity = (6 * x * (x - 1) * (y0 - y1)) / h + (3 * x - 1) * (x - 1) * f0 + x * (3 * x - 2) * f1
+        else:
+            a, b, c = self.quartic
+            value = y0 + x * (h * f0 + x * (c + x * (b + x * a)))
+            velocity = f0 + x * (2 * c + x * (3 * b + x * 4 * a)) / h
+        return torch.where(x == 1, y1, value), velocity
+
+
 class _Buffers:
     """The storage of the active groups without gradients, allocated once per batch size: the stages ``k``
     ``(G, S, M)``; the state ``y``, the solution ``y1``, a stage input, the error and its scale, each ``(G, 1, M)``;
@@ -158,7 +199,7 @@ class _Loop:
 
     def __init__(self, field: Callable[[Tensor | None, Tensor], Tensor], x0: Tensor, grid: Tensor, tableau: Tableau,
                  rtol: float, atol: float, per_sample: bool, pid: tuple[float, float, float], max_steps: int,
-                 progress: Counter, callback: Progress | None):
+                 progress: Counter, callback: Progress | None, stop: StopTest | None = None):
         self.field, self.grid, self.tableau, self.rtol, self.atol = field, grid, tableau, rtol, atol
         self.per_sample, self.pid, self.max_steps, self.progress, self.callback = (per_sample, pid, max_steps,
                                                                                    progress, callback)
@@ -175,6 +216,9 @@ class _Loop:
         self.dtype, self.device = x0.dtype, x0.device
         self.in_place = not torch.is_grad_enabled()
         self.t_end = grid[-1]
+        self.stop = stop
+        self.t_now = grid[:1]  # the active groups' times during a step
+        self.stop_times = torch.full((self.groups,), float(grid[-1]), dtype=torch.float64)
         self.finals = _Outputs([], [])
         self.outputs = _Outputs([], [])
 
@@ -262,22 +306,39 @@ class _Loop:
               ) -> Tensor:
         """The interpolant of the step of the groups ``rows`` at the fractions ``theta`` ``(n,)``: ``(n, 1, M)``;
         exactly ``y1`` where ``theta`` is 1."""
-        s = self.tableau.stages
-        y0, y1, k = y0[rows], y1[rows], k[rows]
-        h = dt[rows].to(self.dtype)[:, None, None]
-        x = theta.to(self.dtype)[:, None, None]
-        f0, f1 = k[:, :1], k[:, s - 1:s]
-        if self.tableau.mid is None:  # Hermite cubic
-            one = 1 - x
-            value = (1 + 2 * x) * one * one * y0 + x * one * one * h * f0 + x * x * (3 - 2 * x) * y1 \
-                - x * x * one * h * f1
-        else:  # the quartic through y0, y_mid, y1 with the slopes f0, f1
-            y_mid = torch.baddbmm(y0, weights[rows, s:s + 1], k)
-            a = 2 * h * (f1 - f0) - 8 * (y1 + y0) + 16 * y_mid
-            b = h * (5 * f0 - 3 * f1) + 18 * y0 + 14 * y1 - 32 * y_mid
-            c = h * (f1 - 4 * f0) - 11 * y0 - 5 * y1 + 16 * y_mid
-            value = y0 + x * (h * f0 + x * (c + x * (b + x * a)))
-        return torch.where(x == 1, y1, value)
+        return _Interpolant(self.tableau, rows, y0, y1, k, weights, dt, self.dtype).at(theta)[0]
+
+    def crossing(self, rows: Tensor, y0: Tensor, y1: Tensor, k: Tensor, weights: Tensor, dt: Tensor
+                 ) -> tuple[Tensor, Tensor]:
+        """Where inside their accepted steps the groups ``rows`` (whose step starts fail the stop's test and ends
+        pass it) first pass it, by bisection on the interpolant and its velocity (no field evaluations), to
+        ``2^-BISECTIONS`` of the step; the field evaluated there confirms it, or a little further on (the interpolant's
+        velocity is off by its own error: the remaining fraction of the step times 1e-3, 1e-2, 1e-1, then the step's
+        end, one evaluation of the groups still unconfirmed each). Returns the fractions ``(n,)`` float64 and the
+        states there ``(n, 1, M)``."""
+        interpolant = _Interpolant(self.tableau, rows, y0, y1, k, weights, dt, self.dtype)
+        low = torch.zeros(len(rows), dtype=torch.float64, device=self.device)
+        high = torch.ones_like(low)
+        for _ in range(BISECTIONS):
+            middle = (low + high) / 2
+            with torch.no_grad():
+                value, velocity = interpolant.at(middle)
+                passes = self._converged(value, velocity)
+            high, low = torch.where(passes, middle, high), torch.where(passes, low, middle)
+        theta, open_ = high, torch.ones_like(high, dtype=torch.bool)
+        for ahead in (0.0, 1e-3, 1e-2, 1e-1):
+            trial = high + ahead * (1 - high)
+            where = torch.nonzero(open_).flatten()
+            with torch.no_grad():
+                value = interpolant.at(trial)[0][where]
+                time = None if self.autonomous else self.t_now[rows[where]] + trial[where] * dt[rows[where]]
+                confirmed = self._converged(value, self.evaluate(time, value))
+            theta = theta.index_put((where,), torch.where(confirmed, trial[where], theta[where]))
+            open_ = open_.index_put((where,), ~confirmed)
+            if not bool(open_.any()):
+                break
+        theta = torch.where(open_, torch.ones_like(theta), theta)  # the step's end passes (tested with f1)
+        return theta, interpolant.at(theta)[0]
 
     def save(self, state: dict[str, Any], t1: Tensor, accepted: Tensor, y1: Tensor, k: Tensor, weights: Tensor,
              dt: Tensor) -> None:
@@ -312,6 +373,11 @@ class _Loop:
             self.outputs.rows.append(state["ids"])
             self.outputs.states.append(x0.reshape(g, 1, self.width))
         totals = (torch.full((g,), float(self.grid[0]), dtype=torch.float64), torch.zeros(g, dtype=torch.long))
+        if self.stop is not None:  # samples at rest from the start stop there
+            done = self._converged(y, f0)
+            if bool(done.any()):
+                self._finish(state, done, y, state["t"])
+                buffers = self._compact(state, done, buffers)
         while len(state["t"]):
             self._count_step(state)
             done = self.step(state, buffers, save_all, keep_steps, totals)
@@ -331,6 +397,7 @@ class _Loop:
         t1 = torch.where(last, self.t_end, t + dt)
         if not bool((t1 > t).all()):
             self._fail(state, f"underflow in the step size {float(dt.min()):.3g}", float(t.min()), UNDERFLOW_ADVICE)
+        self.t_now = t
         k, y1, weights = self.stages(t, dt, y0, f0, buffers)
         ratio = self.error_ratio(k, y0, y1, weights, buffers)
         accepted, state["dt"], state["history"] = self.control(ratio, dt, state["history"])
@@ -342,11 +409,19 @@ class _Loop:
             self.progress.saved.append((float(t[0]), y0.detach().reshape(self.x_shape).clone()))
         if save_all:
             self.save(state, t1, accepted, y1, k, weights, dt)
-        done = accepted & last
-        if bool(done.any()):
-            self.finals.rows.append(state["ids"][done])
-            self.finals.states.append(y1[done])
         s = self.tableau.stages
+        done = accepted & last
+        if self.stop is not None and count:
+            crossed = accepted & self._converged(y1, k[:, s - 1:s])
+            if bool(crossed.any()):  # those end where they first pass the test inside the step
+                rows = torch.nonzero(crossed).flatten()
+                theta, at = self.crossing(rows, y0, y1, k, weights, dt)
+                self._finish(state, crossed, at, t[rows] + theta * dt[rows], rows_given=True)
+                done = done & ~crossed
+        if bool(done.any()):
+            self._finish(state, done, y1, t1)
+        if self.stop is not None and count:
+            done = done | crossed
         self._advance(state, accepted, count == len(t), y1, k[:, s - 1:s], t1, buffers)
         if self.callback is not None:
             ids = state["ids"].cpu()
@@ -354,6 +429,21 @@ class _Loop:
             totals[1][ids] += accepted.long().cpu()
             self.callback(totals[0].clone(), totals[1].clone())
         return done
+
+    def _converged(self, y: Tensor, f: Tensor) -> Tensor:
+        """The stop's test of the groups at ``y`` with the velocity ``f`` there, ``(G,)`` bool (no gradients)."""
+        assert self.stop is not None
+        groups = y.shape[0]
+        shape = (groups, *self.event) if self.per_sample else self.event
+        with torch.no_grad():
+            return self.stop(y.detach().view(shape), f.detach().view(shape)).reshape(groups)
+
+    def _finish(self, state: dict[str, Any], done: Tensor, y: Tensor, t: Tensor, rows_given: bool = False) -> None:
+        """The groups ``done`` end at ``y`` at the times ``t`` (of every group, or of the ``done`` ones alone)."""
+        ids = state["ids"][done]
+        self.finals.rows.append(ids)
+        self.finals.states.append(y if rows_given else y[done])
+        self.stop_times[ids.cpu()] = (t if rows_given else t[done]).cpu()
 
     def _advance(self, state: dict[str, Any], accepted: Tensor, every: bool, y1: Tensor, f1: Tensor, t1: Tensor,
                  buffers: _Buffers | None) -> None:
@@ -419,11 +509,21 @@ class _Loop:
         raise SolverFailure(f"{message} at t={time:.6g}", time, advice)
 
 
+class Result(NamedTuple):
+    """What :func:`integrate` returns: the final state ``x`` ``(*batch, N, D)``, the states at the grid's times ``xs``
+    ``(T, *batch, N, D)`` (or None), and each sample's end time ``ends`` ``(*batch,)`` float64 on the CPU (the end
+    of the grid, or where the stop test first passed)."""
+
+    x: Tensor
+    xs: Tensor | None
+    ends: Tensor
+
+
 def integrate(field: Callable[[Tensor | None, Tensor], Tensor], x0: Tensor, grid: Tensor, *, method: str = "dopri5",
               rtol: float = 1e-5, atol: float = 1e-6, per_sample: bool = True,
               pid: tuple[float, float, float] = I_CONTROLLER, first_step: float | None = None,
               max_steps: int = 10_000, save_all: bool = True, progress: Counter | None = None,
-              keep_steps: bool = False, callback: Progress | None = None) -> tuple[Tensor, Tensor | None]:
+              keep_steps: bool = False, callback: Progress | None = None, stop: StopTest | None = None) -> Result:
     """Integrate ``dx/dt = field(t, x)`` from ``x0`` ``(*batch, N, D)`` over the float64 ``grid`` ``(T,)``.
 
     Args:
@@ -437,37 +537,65 @@ def integrate(field: Callable[[Tensor | None, Tensor], Tensor], x0: Tensor, grid
             of every accepted shared step) are filled.
         callback: called after every step with each sample's time ``(B,)`` float64 and its number of accepted steps
             ``(B,)`` int64 (CPU tensors, B the flattened batch).
+        stop: a test ``(x, velocity) -> (G,) bool`` on the groups' states (per sample: ``(G, N, D)``; shared: the
+            whole ``x0``-shaped state, one answer): a group whose test passes at the start, or at the end of an
+            accepted step, ends there (needs ``save_all=False``).
 
-    Returns the final state ``(*batch, N, D)`` and, with ``save_all``, the states ``(T, *batch, N, D)``. Gradients
+    Returns the :class:`Result`. Gradients
     flow through the stages and the interpolant (the step sizes are constants to autograd, as in torchdiffeq and
     diffrax). Raises :class:`~et_ode.solvers.SolverFailure` past ``max_steps`` steps or on a step-size underflow;
-    ValueError naming a bad ``method``, ``per_sample`` with ``keep_steps``, or a bad ``pid``.
+    ValueError naming a bad ``method``, ``per_sample`` with ``keep_steps``, a ``stop`` with ``save_all``, or a bad
+    ``pid``.
     """
     if method not in TABLEAUX:
         raise ValueError(f"method must be one of {METHODS} for et-ode's adaptive loop, got {method!r}")
     if per_sample and keep_steps:
         raise ValueError("save='steps' needs one step sequence for the batch: use step_control='shared'")
+    if stop is not None and (save_all or keep_steps):
+        raise ValueError("a stop with et-ode's adaptive loop needs save='final'")
     if len(pid) != 3 or not all(isinstance(c, (int, float)) and c >= 0 for c in pid) or sum(pid) <= 0:
         raise ValueError(f"pid must be three non-negative coefficients (pcoeff, icoeff, dcoeff), not all zero; got {pid!r}")
     if progress is None:
         progress = SimpleNamespace(steps=0, accepted=0, rejected=0, sample_evaluations=0, last_dt=None, last=None,
                                    saved=[])
     loop = _Loop(field, x0, grid, TABLEAUX[method], rtol, atol, per_sample, pid, max_steps, progress,
-                 callback)
-    return loop.run(x0, first_step, save_all, keep_steps)
+                 callback, stop)
+    x, xs = loop.run(x0, first_step, save_all, keep_steps)
+    ends = loop.stop_times if per_sample else loop.stop_times.expand(x0.shape[:-2].numel())
+    return Result(x, xs, ends.reshape(x0.shape[:-2]).clone())
 
 
 def solve_adaptive(solver: Adaptive, field: ETField, x0: Tensor, grid: Tensor, arguments: dict[str, Any],
-                   max_steps: int, save: str, progress: Counter) -> tuple[Tensor, Tensor | None]:
-    """``solve``'s entry: integrate with the settings of ``solver`` (``loop="et_ode"``), ``save`` one of ``"all"``,
-    ``"steps"``, ``"final"``, filling ``progress``. ``arguments`` are the gradient strategy's torchdiffeq arguments:
-    an adjoint's are refused (ValueError naming the gradient)."""
+                   max_steps: int, save: str, progress: Counter, stop: SteadyState | None = None
+                   ) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None, Status]:
+    """``solve``'s entry: integrate with the settings of ``solver`` (et-ode's loop), ``save`` one of ``"all"``,
+    ``"steps"``, ``"final"``, filling ``progress``; a ``stop`` ends each sample (per-sample control) or the batch
+    (shared) at the end of the first accepted step where it passes. ``arguments`` are the gradient strategy's
+    torchdiffeq arguments: an adjoint's are refused (ValueError naming the gradient).
+
+    Returns the final state, the saved states (or None), their times ``ts`` (the grid; with a stop, its start and the
+    latest stop), each sample's stop time ``(*batch,)`` (with a stop, else None) and the status."""
     if "adjoint_params" in arguments:
         raise ValueError("gradient=Adjoint() needs Adaptive(loop='torchdiffeq'): et-ode's adaptive loop is "
                          "differentiated directly (gradient='direct')")
     options = dict(solver.options or {})
-    return integrate(field, x0, grid, method=solver.method, rtol=solver.rtol, atol=solver.atol,
-                     per_sample=solver.step_control == "per_sample",
-                     pid=PID_COEFFICIENTS if solver.controller == "pid" else I_CONTROLLER,
-                     first_step=options.get("first_step"), max_steps=max_steps, save_all=save == "all",
-                     progress=progress, keep_steps=save == "steps", callback=solver.progress)
+    per_sample = solver.step_control == "per_sample"
+    test = None if stop is None else functools.partial(_below_tolerance, stop, field, per_sample)
+    result = integrate(field, x0, grid, method=solver.method, rtol=solver.rtol, atol=solver.atol,
+                       per_sample=per_sample, pid=PID_COEFFICIENTS if solver.controller == "pid" else I_CONTROLLER,
+                       first_step=options.get("first_step"), max_steps=max_steps, save_all=save == "all",
+                       progress=progress, keep_steps=save == "steps", callback=solver.progress, stop=test)
+    if stop is None:
+        return result.x, result.xs, grid, None, Status.REACHED_END
+    last_stop = float(result.ends.max())
+    with torch.no_grad():
+        reached = bool((stop.rms(field, result.x, field.velocity(result.x)) < stop.tol * (1 + 1e-6)).all())
+    status = Status.STEADY_STATE if reached and last_stop < float(grid[-1]) else Status.REACHED_END
+    ts = torch.tensor([float(grid[0]), last_stop], dtype=grid.dtype, device=grid.device)
+    return result.x, None, ts, result.ends, status
+
+
+def _below_tolerance(stop: SteadyState, field: ETField, per_sample: bool, x: Tensor, velocity: Tensor) -> Tensor:
+    """The stop's test: per sample ``(G,)``, or every sample at once (one answer)."""
+    below = stop.rms(field, x, velocity) < stop.tol
+    return below if per_sample else below.all()

@@ -53,7 +53,7 @@ def test_one_step_errors_shrink_at_the_method_orders(method: str, solution_ratio
 
     def errors(h: float) -> tuple[float, float]:
         grid = torch.tensor([0.0, h / 2, h], dtype=F64)  # tolerances so loose that the one step of h is accepted
-        x, xs = adaptive_loop.integrate(lambda t, x: x @ s, x0, grid, method=method, rtol=1e3, atol=1e3,
+        x, xs, _ = adaptive_loop.integrate(lambda t, x: x @ s, x0, grid, method=method, rtol=1e3, atol=1e3,
                                         first_step=h)
         assert xs is not None and torch.equal(xs[-1], x)
         return ((x - x0 @ torch.linalg.matrix_exp(s * h)).abs().max().item(),
@@ -74,7 +74,7 @@ def test_global_error_follows_the_tolerance(method: str, per_sample: bool) -> No
     exact = torch.stack([x0 @ torch.linalg.matrix_exp(s * t) for t in grid])
     errors = []
     for tol in (1e-5, 1e-7):
-        _, xs = adaptive_loop.integrate(lambda t, x: x @ s, x0, grid, method=method, rtol=tol, atol=tol,
+        _, xs, _ = adaptive_loop.integrate(lambda t, x: x @ s, x0, grid, method=method, rtol=tol, atol=tol,
                                         per_sample=per_sample)
         assert xs is not None
         errors.append((xs - exact).abs().max().item())
@@ -137,7 +137,7 @@ def test_pid_controller_is_accurate_and_steps_differently() -> None:
     counts = []
     for pid in (adaptive_loop.I_CONTROLLER, adaptive_loop.PID_COEFFICIENTS):
         progress = et_ode._loop.Progress()
-        x, _ = adaptive_loop.integrate(lambda t, x: x @ s, x0, grid, rtol=1e-7, atol=1e-7, pid=pid, progress=progress,
+        x, _, _ = adaptive_loop.integrate(lambda t, x: x @ s, x0, grid, rtol=1e-7, atol=1e-7, pid=pid, progress=progress,
                                        save_all=False)
         assert (x - exact).abs().max().item() < 50 * 1e-7
         counts.append((progress.accepted, progress.rejected))
@@ -158,8 +158,8 @@ def test_a_sample_steps_the_same_bits_alone_and_in_any_batch(indices: list[int])
     x0 = _states(9)
     grid = torch.linspace(0, 2, 6, dtype=F64)
     with torch.no_grad():
-        x, xs = adaptive_loop.integrate(evaluate, x0, grid, rtol=1e-6, atol=1e-8)
-        part, part_xs = adaptive_loop.integrate(evaluate, x0[indices], grid, rtol=1e-6, atol=1e-8)
+        x, xs, _ = adaptive_loop.integrate(evaluate, x0, grid, rtol=1e-6, atol=1e-8)
+        part, part_xs, _ = adaptive_loop.integrate(evaluate, x0[indices], grid, rtol=1e-6, atol=1e-8)
     assert xs is not None and part_xs is not None
     assert torch.equal(part, x[indices]) and torch.equal(part_xs, xs[:, indices])
     alone = [adaptive_loop.integrate(evaluate, x0[i:i + 1].clone().requires_grad_(True), grid, rtol=1e-6,
@@ -324,8 +324,6 @@ def test_bad_combinations_with_solve_are_named() -> None:
     field = _tiny_field()
     x0 = _states(2)
     own = et_ode.Adaptive(loop="et_ode")
-    with pytest.raises(ValueError, match="stop"):
-        et_ode.solve(field, x0, (0.0, 1.0), solver=own, stop=et_ode.SteadyState(1e-3))
     with pytest.raises(ValueError, match="save='steps'"):
         et_ode.solve(field, x0, (0.0, 1.0), solver=et_ode.Adaptive(step_control="per_sample"), save="steps")
     with pytest.raises(ValueError, match="Adjoint"):
@@ -349,3 +347,64 @@ def test_shared_mode_saves_every_step_and_float32_runs() -> None:
         single = et_ode.solve(field32, x0.float(), (0.0, 1.0), solver=et_ode.Adaptive(step_control="per_sample"),
                               save="final")
     assert (single.x.double() - steps.x).abs().max().item() < 1e-3
+
+
+# -- the steady-state stop -----------------------------------------------------------------------------------------
+def _mixed_batch(field: et_ode.ETField) -> torch.Tensor:
+    """Three samples near rest (the ends of long solves) and three far from it: ``(6, 5, 8)``."""
+    with torch.no_grad():
+        easy = et_ode.solve(field, _states(3, seed=8), (0.0, 40.0), solver=et_ode.Adaptive(rtol=1e-9, atol=1e-9),
+                            save="final").x
+    return torch.cat([easy, _states(3, seed=7)])
+
+
+def test_per_sample_stop_matches_torchdiffeqs_event_times_with_fewer_evaluations() -> None:
+    """``SteadyState(per_sample=True)`` on et-ode's loop: each sample leaves the batch where its RMS |dg/dt| first
+    falls below tol, located inside the step (interpolant, then the field's confirmation); the stop times agree
+    with the torchdiffeq path's event search (bisection with the field) to 0.05 time units of 20-95, every final
+    state passes the test, and it costs under half the sample-evaluations of that path."""
+    field = _tiny_field()
+    x0 = _mixed_batch(field)
+    stop = et_ode.SteadyState(1e-3, per_sample=True)
+    with torch.no_grad():
+        theirs = et_ode.solve(field, x0, (0.0, 100.0), solver=et_ode.Adaptive(rtol=1e-6, atol=1e-8), stop=stop,
+                              save="final")
+        ours = et_ode.solve(field, x0, (0.0, 100.0), stop=stop, save="final",
+                            solver=et_ode.Adaptive(rtol=1e-6, atol=1e-8, step_control="per_sample"))
+    assert ours.status is et_ode.Status.STEADY_STATE
+    assert ours.stats.stop_times is not None and theirs.stats.stop_times is not None
+    assert (ours.stats.stop_times - theirs.stats.stop_times).abs().max().item() < 0.05
+    assert bool((field.rms_dg_dt(ours.x) < 1e-3 * (1 + 1e-6)).all())
+    assert float(ours.ts[-1]) == float(ours.stats.stop_times.max())
+    assert ours.stats.sample_evaluations < 0.5 * theirs.stats.sample_evaluations
+
+
+def test_shared_stop_ends_the_batch_at_once_and_samples_at_rest_stop_at_the_start() -> None:
+    """Shared control with a joint stop ends every sample at one time where the largest measure first passes (as
+    the torchdiffeq path, to 0.05); a batch already at rest stops at t0 without a step."""
+    field = _tiny_field()
+    x0 = _mixed_batch(field)
+    stop = et_ode.SteadyState(1e-3)
+    with torch.no_grad():
+        theirs = et_ode.solve(field, x0, (0.0, 100.0), solver=et_ode.Adaptive(rtol=1e-6, atol=1e-8), stop=stop,
+                              save="final")
+        ours = et_ode.solve(field, x0, (0.0, 100.0), stop=stop, save="final",
+                            solver=et_ode.Adaptive(rtol=1e-6, atol=1e-8, loop="et_ode"))
+        at_rest = et_ode.solve(field, x0[:3], (0.0, 100.0), stop=et_ode.SteadyState(1e-2, per_sample=True),
+                               save="final", solver=et_ode.Adaptive(step_control="per_sample"))
+    assert ours.stats.stop_times is not None and theirs.stats.stop_times is not None
+    assert len(set(ours.stats.stop_times.tolist())) == 1
+    assert abs(float(ours.stats.stop_times[0]) - float(theirs.stats.stop_times[0])) < 0.05
+    assert ours.status is et_ode.Status.STEADY_STATE
+    assert at_rest.stats.stop_times is not None and bool((at_rest.stats.stop_times == 0).all())
+    assert at_rest.stats.accepted_steps == 0 and torch.equal(at_rest.x, x0[:3])
+
+
+def test_stop_with_the_wrong_pairing_or_saves_is_named() -> None:
+    field = _tiny_field()
+    x0 = _states(2)
+    with pytest.raises(ValueError, match="stop=SteadyState"):
+        et_ode.solve(field, x0, (0.0, 1.0), solver=et_ode.Adaptive(step_control="per_sample"),
+                     stop=et_ode.SteadyState(1e-3), save="final")
+    with pytest.raises(ValueError, match="save='final'"):
+        et_ode.solve(field, x0, (0.0, 1.0), solver=et_ode.Adaptive(loop="et_ode"), stop=et_ode.SteadyState(1e-3))

@@ -184,7 +184,8 @@ def check_lyapunov(solution: Solution, *, energy_rtol: float | None = None, ener
     """
     xs = flat_states(solution)
     if xs.shape[0] < 2:
-        raise ValueError(f"solution has {xs.shape[0]} saved time(s); the Lyapunov check needs at least 2")
+        raise ValueError(f"solution has {xs.shape[0]} saved time(s); the Lyapunov check needs at least 2: solve with "
+                         f"save=\"all\" (e.g. on t=torch.linspace(0, t1, 51)) or save=\"steps\"")
     if not (isinstance(dense_points, int) and dense_points >= 2 and dense_points % 2 == 0):
         raise ValueError(f"dense_points must be an even integer >= 2, got {dense_points!r}")
     if not match_rtol > 0:

@@ -45,3 +45,9 @@ def test_convergence_of_a_two_point_solve_warns_and_says_why():
         report = analyze_convergence(two)
     assert all(s.better_fit == "n/a" for s in report.samples)
     assert "too few saved times to fit" in report.table() and "nan / nan" not in report.table()
+
+
+def test_a_final_state_alone_is_refused_with_the_fix():
+    field, x0 = _setup()
+    with pytest.raises(ValueError, match=r"1 saved time.*save=\"all\".*linspace"):
+        check_lyapunov(solve(field, x0, (0.0, 5.0), save="final"))

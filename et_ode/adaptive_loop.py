@@ -571,13 +571,18 @@ def solve_adaptive(solver: Adaptive, field: ETField, x0: Tensor, grid: Tensor, a
     """``solve``'s entry: integrate with the settings of ``solver`` (et-ode's loop), ``save`` one of ``"all"``,
     ``"steps"``, ``"final"``, filling ``progress``; a ``stop`` ends each sample (per-sample control) or the batch
     (shared) at the end of the first accepted step where it passes. ``arguments`` are the gradient strategy's
-    torchdiffeq arguments: an adjoint's are refused (ValueError naming the gradient).
+    torchdiffeq arguments: an adjoint's are refused, and so is a stop under gradients (ValueError naming the
+    gradient: the loop does not differentiate the stop time).
 
     Returns the final state, the saved states (or None), their times ``ts`` (the grid; with a stop, its start and the
     latest stop), each sample's stop time ``(*batch,)`` (with a stop, else None) and the status."""
     if "adjoint_params" in arguments:
         raise ValueError("gradient=Adjoint() needs Adaptive(loop='torchdiffeq'): et-ode's adaptive loop is "
                          "differentiated directly (gradient='direct')")
+    differentiated = torch.is_grad_enabled() and (x0.requires_grad or any(p.requires_grad for p in field.parameters()))
+    if stop is not None and differentiated:
+        raise ValueError("gradient='direct' through a stop needs Adaptive(loop='torchdiffeq') (it differentiates the "
+                         "stop time); with et-ode's loop use gradient='implicit', or solve under torch.no_grad()")
     options = dict(solver.options or {})
     per_sample = solver.step_control == "per_sample"
     test = None if stop is None else functools.partial(_below_tolerance, stop, field, per_sample)

@@ -406,5 +406,8 @@ def test_stop_with_the_wrong_pairing_or_saves_is_named() -> None:
     with pytest.raises(ValueError, match="stop=SteadyState"):
         et_ode.solve(field, x0, (0.0, 1.0), solver=et_ode.Adaptive(step_control="per_sample"),
                      stop=et_ode.SteadyState(1e-3), save="final")
-    with pytest.raises(ValueError, match="save='final'"):
+    with pytest.raises(ValueError, match="save='final'"), torch.no_grad():
         et_ode.solve(field, x0, (0.0, 1.0), solver=et_ode.Adaptive(loop="et_ode"), stop=et_ode.SteadyState(1e-3))
+    with pytest.raises(ValueError, match="gradient='direct' through a stop"):
+        et_ode.solve(field, x0, (0.0, 1.0), solver=et_ode.Adaptive(loop="et_ode"), stop=et_ode.SteadyState(1e-3),
+                     save="final")

@@ -8,6 +8,7 @@ States are ``(T, *batch, N, D)`` as in :class:`et_ode.Solution`; ``sample`` pick
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -42,14 +43,17 @@ def _finish(fig: Figure, path: PathLike | None, dpi: int) -> Figure:
 def readable_log_axis(axis: Any, *, most: int = 5) -> None:
     """Label a log-scaled matplotlib ``axis`` (``ax.xaxis`` or ``ax.yaxis``) with at most ``most`` major ticks, in
     scientific notation, and no labels on minor ticks (matplotlib labels those on a span under about a decade, where
-    they overlap). A span under 1.5 decades gets majors at 1, 2 and 5 times the powers of ten."""
+    they overlap). A span that shows fewer than two powers of ten gets majors at 1, 2 and 5 times the powers."""
     from matplotlib.ticker import LogFormatterSciNotation, LogLocator, NullFormatter
 
     axis.axes.autoscale_view()
     low, high = sorted(axis.get_view_interval())
-    narrow = low > 0 and np.log10(high / low) < 1.5
+    powers = math.floor(math.log10(high)) - math.ceil(math.log10(low)) + 1 if low > 0 else 2  # powers of ten shown
+    narrow = powers < 2
     axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0) if narrow else (1.0,), numticks=most + 1))
-    axis.set_major_formatter(LogFormatterSciNotation(base=10, labelOnlyBase=False))
+    # every major tick labelled (matplotlib would keep only the powers of ten on spans over a decade)
+    axis.set_major_formatter(LogFormatterSciNotation(base=10, labelOnlyBase=False,
+                                                     minor_thresholds=(math.inf, math.inf)))
     axis.set_minor_locator(LogLocator(base=10, subs=tuple(range(2, 10)), numticks=12))
     axis.set_minor_formatter(NullFormatter())
 

@@ -102,7 +102,7 @@ class ETField(nn.Module):
         super().__init__()
         if not isinstance(model, EnergyTransformer):
             raise TypeError(f"model must be an EnergyTransformer, got {type(model).__name__}")
-        if isinstance(tau, bool) or not isinstance(tau, numbers.Real):
+        if isinstance(tau, bool) or not isinstance(tau, (int, float, numbers.Real)):
             raise TypeError(f"tau must be a real number, got {type(tau).__name__} {tau!r}")
         if not (0 < float(tau) < math.inf):
             raise ValueError(f"tau must be positive and finite, got {tau!r}")

@@ -197,7 +197,7 @@ class ImageET(nn.Module):
         c, h, w = image_shape
         if not (isinstance(patch, int) and patch >= 1) or h % patch or w % patch:
             raise ValueError(f"patch must be a positive integer dividing H={h} and W={w}, got {patch!r}")
-        if isinstance(tau, bool) or not isinstance(tau, numbers.Real):
+        if isinstance(tau, bool) or not isinstance(tau, (int, float, numbers.Real)):
             raise TypeError(f"tau must be a real number, got {type(tau).__name__} {tau!r}")
         if not 0 < float(tau) < float("inf"):
             raise ValueError(f"tau must be positive and finite, got {tau!r}")

@@ -113,9 +113,9 @@ class Counter(Protocol):
     saved: list[tuple[float, Tensor]]
 
 
-def _per_sample_mask(field: object, groups: int) -> Tensor | None:
-    """The field's mask as one per sample ``(G, N, N)``, or None where one mask serves every sample (ValueError for
-    a mask that is not a tensor: the active batch cannot be cut out of it)."""
+def _per_sample_mask(field: object, batch: torch.Size) -> Tensor | None:
+    """The field's mask as one per sample ``(G, N, N)`` (broadcast over the ``batch`` shape), or None where one mask
+    serves every sample (ValueError for a mask that is not a tensor: the active batch cannot be cut out of it)."""
     mask = getattr(field, "mask", None)
     if mask is None:
         return None
@@ -123,7 +123,7 @@ def _per_sample_mask(field: object, groups: int) -> Tensor | None:
         raise ValueError(f"step_control='per_sample' needs a dense tensor mask or None, got {type(mask).__name__}")
     if mask.dim() <= 2 or mask.shape[:-2].numel() == 1:
         return None
-    return mask.reshape(groups, *mask.shape[-2:])
+    return mask.expand(*batch, *mask.shape[-2:]).reshape(batch.numel(), *mask.shape[-2:])
 
 
 def _rms(x: Tensor) -> Tensor:
@@ -210,8 +210,8 @@ class _Loop:
         self.event = (x0.shape[-2], x0.shape[-1]) if per_sample else tuple(x0.shape)
         self.width = x0.numel() // self.groups
         self.autonomous = type(field) is ETField
-        self.mask = _per_sample_mask(field, self.groups) if per_sample else None
-        self.field_now = field
+        self.mask = _per_sample_mask(field, x0.shape[:-2]) if per_sample else None
+        self.field_now = field if self.mask is None else field.with_mask(self.mask)  # type: ignore[attr-defined]
         self.matrix = tableau.matrix(x0.dtype, x0.device)
         self.dtype, self.device = x0.dtype, x0.device
         self.in_place = not torch.is_grad_enabled()
@@ -427,7 +427,8 @@ class _Loop:
             ids = state["ids"].cpu()
             totals[0][ids] = state["t"].cpu()
             totals[1][ids] += accepted.long().cpu()
-            self.callback(totals[0].clone(), totals[1].clone())
+            shape = (-1,) if self.per_sample else (self.samples_per_group,)  # shared: the batch's one time
+            self.callback(totals[0].expand(shape).clone(), totals[1].expand(shape).clone())
         return done
 
     def _converged(self, y: Tensor, f: Tensor) -> Tensor:

@@ -411,3 +411,24 @@ def test_stop_with_the_wrong_pairing_or_saves_is_named() -> None:
     with pytest.raises(ValueError, match="gradient='direct' through a stop"):
         et_ode.solve(field, x0, (0.0, 1.0), solver=et_ode.Adaptive(loop="et_ode"), stop=et_ode.SteadyState(1e-3),
                      save="final")
+
+
+def test_batches_of_any_shape_and_their_masks() -> None:
+    """A ``(2, 3, N, D)`` batch with a ``(2, 3, N, N)`` mask steps exactly as its flattened ``(6, N, D)`` batch with
+    the flattened masks; one unbatched sample ``(N, D)`` runs too; shared control reports one time for the batch."""
+    field = _tiny_field()
+    x0 = _states(6, tokens=4)
+    generator = torch.Generator().manual_seed(2)
+    masks = (torch.rand(6, 4, 4, generator=generator) > 0.4) | torch.eye(4, dtype=torch.bool)
+    solver = et_ode.Adaptive(rtol=1e-7, atol=1e-9, step_control="per_sample")
+    times: list[torch.Tensor] = []
+    with torch.no_grad():
+        flat = et_ode.solve(field.with_mask(masks), x0, (0.0, 1.0), solver=solver, save="final")
+        shaped = et_ode.solve(field.with_mask(masks.reshape(2, 3, 4, 4)), x0.reshape(2, 3, 4, 8), (0.0, 1.0),
+                              solver=solver, save="final")
+        single = et_ode.solve(field, x0[0], torch.linspace(0, 1, 3), solver=solver)
+        et_ode.solve(field, x0, (0.0, 1.0), save="final", solver=et_ode.Adaptive(
+            loop="et_ode", progress=lambda t, n: times.append(t)))
+    assert torch.equal(shaped.x.reshape(6, 4, 8), flat.x)
+    assert single.xs is not None and single.xs.shape == (3, 4, 8)
+    assert times[-1].shape == (6,) and bool((times[-1] == 1.0).all())

@@ -107,9 +107,12 @@ class ImageRunConfig:
             raise ValueError(f"data must be one of {SOURCES} (--data), got {self.data!r}")
         if self.channels not in (None, 1, 3):
             raise ValueError(f"channels must be 1 or 3 (--channels), got {self.channels!r}")
-        for name, value in (("tile", self.tile), ("stride", self.stride)):
-            if value is not None and not (isinstance(value, int) and value >= 1):
-                raise ValueError(f"{name} must be a positive integer (--{name}), got {value!r}")
+        for name, value in (("tile", self.tile), ("stride", self.stride), ("train_limit", self.train_limit),
+                            ("test_limit", self.test_limit), ("memories", self.memories)):
+            if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+                raise ValueError(f"{name} must be a positive integer (--{name.replace('_', '-')}), got {value!r}")
+        if self.val_size is not None and not (isinstance(self.val_size, int) and self.val_size >= 0):
+            raise ValueError(f"val_size must be a non-negative integer (--val-size), got {self.val_size!r}")
         if self.data == "photos":  # its defaults, recorded in config.json: 16x16 grey tiles
             self.tile = 16 if self.tile is None else self.tile
             self.channels = 1 if self.channels is None else self.channels

@@ -131,6 +131,22 @@ def _rms(x: Tensor) -> Tensor:
     return torch.linalg.vector_norm(x, dim=(1, 2)) / math.sqrt(x.shape[-1])
 
 
+class _WriteStage(torch.autograd.Function):
+    """``k[:, i] = f`` in place, returning ``k``, without bumping ``k``'s version: each slot of a step's stages is
+    written once, before anything reads it, so the products that saved ``k[:, :i]`` for their backward still read
+    what they read (torchdiffeq's ``_UncheckedAssign``). Gradients: ``k``'s pass through, slot ``i``'s go to ``f``."""
+
+    @staticmethod
+    def forward(ctx: Any, k: Tensor, f: Tensor, i: int) -> Tensor:
+        ctx.i = i
+        k.data[:, i:i + 1] = f
+        return k
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None]:
+        return grad, grad[:, ctx.i:ctx.i + 1], None
+
+
 class _Interpolant:
     """The dense output of one step of the groups ``rows``: dopri5's quartic through ``y0``, the midpoint and ``y1``
     with the slopes ``f0``, ``f1`` (Shampine), or the Hermite cubic (bosh3); :meth:`at` gives the state and its
@@ -251,18 +267,18 @@ class _Loop:
                ) -> tuple[Tensor, Tensor, Tensor]:
         """The stages ``(G, S, M)`` and the solution ``(G, 1, M)`` of a step of ``dt`` ``(G,)`` from ``y0``, and the
         step's weights ``(G, S + 1, S)``. Without gradients (``buffers``, whose first stage is ``f0``) the weights,
-        stages and stage inputs are written into the buffers; with gradients every tensor is new (autograd keeps
-        them): the same operations on the same numbers either way."""
+        stages and stage inputs are written into the buffers; with gradients each step has a stage tensor of its own,
+        written slot by slot (autograd keeps it): the same operations on the same numbers either way."""
         s, c = self.tableau.stages, self.tableau.c
         scaled = dt.to(self.dtype).view(-1, 1, 1)
         y = y0
-        if buffers is None:
+        if buffers is None:  # one new stage tensor per step, each slot written once (autograd keeps it)
             weights = scaled * self.matrix
-            listed, k = [f0], f0
+            k = _WriteStage.apply(torch.empty(y0.shape[0], s, self.width, dtype=self.dtype, device=self.device),
+                                  f0, 0)
             for i in range(1, s):
-                y = torch.baddbmm(y0, weights[:, i - 1:i, :i], k)
-                listed.append(self.evaluate(None if self.autonomous else t + c[i] * dt, y))
-                k = torch.cat(listed, dim=1)
+                y = torch.baddbmm(y0, weights[:, i - 1:i, :i], k[:, :i])
+                k = _WriteStage.apply(k, self.evaluate(None if self.autonomous else t + c[i] * dt, y), i)
             return k, y, weights
         weights = torch.mul(scaled, self.matrix, out=buffers.weights)
         for i in range(1, s):

@@ -36,6 +36,7 @@ import contextlib
 import datetime
 import json
 import os
+import re
 import shutil
 import socket
 import sys
@@ -199,19 +200,24 @@ def _acquire(out: Path, path: Path) -> None:
     raise RunFolderError(f"{out}: could not take its lock {path} (other processes keep taking it); try again")
 
 
+# the temporary files of et-ode's atomic writes: ".<file>.<mkstemp's 8 characters or a pid>.tmp", and the lock's
+# ".et-ode.lock.<pid>.<hex or 'stale'>.tmp"
+_TEMPORARY = re.compile(re.escape(LOCK_NAME) + r"\.(\d+)\.([0-9a-f]{8}|stale)\.tmp|\..+\.([a-z0-9_]{8}|\d+)\.tmp")
+
+
 def _clean_temporaries(out: Path) -> None:
-    """Delete the temporary files (``.*.tmp``) that killed writes left in ``out`` and its subfolders; a lock's
-    temporary file is kept while the process named in it runs."""
+    """Delete the temporary files that killed et-ode writes left in ``out`` and its subfolders (named like
+    ``.checkpoint.safetensors.k3j9x_2a.tmp``; other files are never touched); a lock's temporary file is kept while
+    the process named in it runs."""
     for folder, _dirs, files in os.walk(out):
         for name in files:
-            if not (name.startswith(".") and name.endswith(".tmp")):
+            match = _TEMPORARY.fullmatch(name)
+            if match is None or (match.group(1) is not None and _alive(int(match.group(1)))):
                 continue
-            if name.startswith(f"{LOCK_NAME}."):
-                pid = name[len(LOCK_NAME) + 1:].split(".")[0]
-                if pid.isdigit() and _alive(int(pid)):
-                    continue
-            with contextlib.suppress(OSError):
-                os.unlink(os.path.join(folder, name))
+            path = os.path.join(folder, name)
+            if not os.path.islink(path):
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
 
 
 @contextlib.contextmanager

@@ -76,16 +76,17 @@ def test_a_full_disk_while_writing_the_setup_releases_the_lock(tmp_path, monkeyp
 
 def test_temporary_files_of_killed_writes_are_cleaned_at_the_next_start(tmp_path):
     (tmp_path / "fold0").mkdir()
-    stray = [tmp_path / ".checkpoint.safetensors.ab12.tmp", tmp_path / "fold0" / ".metrics.csv.x.tmp",
-             tmp_path / f"{LOCK_NAME}.999999999.ffff.tmp"]
+    stray = [tmp_path / ".checkpoint.safetensors.ab12cd_9.tmp", tmp_path / "fold0" / ".metrics.csv.k3j9x_2a.tmp",
+             tmp_path / ".config.json.4242.tmp", tmp_path / f"{LOCK_NAME}.999999999.ffffffff.tmp"]
     for path in stray:
         path.write_bytes(b"partial")
-    mine = tmp_path / f"{LOCK_NAME}.{os.getpid()}.beef.tmp"  # a lock being written by a live process
+    mine = tmp_path / f"{LOCK_NAME}.{os.getpid()}.beefbeef.tmp"  # a lock being written by a live process
     mine.write_bytes(b"{")
-    kept = tmp_path / "notes.tmp"
-    kept.write_text("not a temporary file of et-ode")
+    kept = [tmp_path / "notes.tmp", tmp_path / ".notes.tmp", tmp_path / ".draft.v2.tmp"]  # not et-ode's
+    for path in kept:
+        path.write_text("a file of the user's")
     with lock(tmp_path):
-        assert not any(path.exists() for path in stray) and mine.exists() and kept.exists()
+        assert not any(path.exists() for path in stray) and mine.exists() and all(path.exists() for path in kept)
 
 
 def test_a_dangling_symlink_out_is_a_named_error(tmp_path):

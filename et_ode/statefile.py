@@ -43,6 +43,7 @@ _TENSOR, _NUMPY, _TUPLE, _ITEMS = "__tensor__", "__ndarray__", "__tuple__", "__i
 MAX_FILE_BYTES = 2**33  # 8 GiB: the largest state, model or archive file read
 MAX_ARRAY_ELEMENTS = 2**28  # elements of one array (1 GiB of float32), checked from the file's header before reading
 MAX_TOTAL_ELEMENTS = 2**29  # all the arrays of one file together
+MAX_EXPANSION, MAX_EXPANSION_BYTES = 100, 2**26  # a compressed member may expand 100-fold once it exceeds 64 MiB
 
 
 class FileFormatError(ValueError):
@@ -100,7 +101,8 @@ def read_npz(path: str | os.PathLike[str], keys: Sequence[str], *, what: str,
 
     Each member's ``.npy`` header is read first: its dtype (numbers and booleans only: no objects, so no pickle),
     its shape (at most ``max_elements`` elements, ``MAX_TOTAL_ELEMENTS`` in all) and its size must agree with the
-    archive before the array is read, so a zip bomb or a header claiming a huge array is refused unallocated.
+    archive, and a member over ``MAX_EXPANSION_BYTES`` may not expand more than ``MAX_EXPANSION`` times its
+    compressed size, before the array is read: a zip bomb or a header claiming a huge array is refused unallocated.
 
     Raises:
         FileNotFoundError: no file at ``path``.
@@ -159,6 +161,9 @@ def _read_member(archive: zipfile.ZipFile, info: zipfile.ZipInfo, path: Path, ke
         if count == 0 and not allow_empty:
             raise FileFormatError(path, key, f"is empty (shape {tuple(shape)})")
         header = stream.tell()
+        if info.file_size > MAX_EXPANSION_BYTES and info.file_size > MAX_EXPANSION * max(info.compress_size, 1):
+            raise FileFormatError(path, key, f"{info.compress_size} compressed bytes expand to {info.file_size} (more "
+                                             f"than {MAX_EXPANSION} times: a zip bomb?); refused unread")
         if info.file_size - header != count * dtype.itemsize:
             raise FileFormatError(path, key, f"its header declares shape {tuple(shape)} of {dtype} "
                                              f"({count * dtype.itemsize} bytes) but it holds {info.file_size - header}")

@@ -250,3 +250,17 @@ def test_an_oversized_text_file_is_refused_before_reading(tmp_path):
         file.truncate(MAX_TEXT_BYTES + 1)  # sparse: nothing written to the disk
     with pytest.raises(FileFormatError, match=rf"T_A.txt: the text file holds {MAX_TEXT_BYTES + 1} bytes"):
         check_tu_files(tmp_path, "T")
+
+
+def test_a_member_that_expands_beyond_reason_is_refused_unread(tmp_path, monkeypatch):
+    from et_ode import statefile
+
+    monkeypatch.setattr(statefile, "MAX_EXPANSION_BYTES", 2**20)
+    path = tmp_path / "bomb.npz"
+    _npz_member(path, "Xi", (1_000_000,), bytes(4_000_000), compress=True)  # 4 MB of zeros, a few KB stored
+    with pytest.raises(FileFormatError, match=r"key 'Xi': \d+ compressed bytes expand to 4000128 .*zip bomb"):
+        read_npz(path, ["Xi"], what="archive")
+    random = tmp_path / "random.npz"
+    values = np.random.default_rng(0).standard_normal(1_000_000).astype(np.float32)
+    np.savez_compressed(random, Xi=values)  # incompressible data of the same size is read
+    assert np.array_equal(read_npz(random, ["Xi"], what="archive")["Xi"], values)

@@ -36,7 +36,9 @@ from .solvers import BUDGET_ADVICE, Adaptive, SolverFailure
 from .stopping import SteadyState
 
 SAFETY, FACTOR_MIN, FACTOR_MAX = 0.9, 0.2, 10.0
-BISECTIONS = 30  # a stop's crossing is located to 2^-30 of its step
+BISECTIONS = 30  # a stop's crossing is first located to 2^-30 of its step on the interpolant,
+NEWTON = 3  # then refined by Newton steps with the field's velocity,
+CROSSING_SLACK = 1e-6  # and kept where the test's value log(measure / tol) is at most this
 I_CONTROLLER = (0.0, 1.0, 0.0)  # (pcoeff, icoeff, dcoeff)
 PID_COEFFICIENTS = (0.4, 0.3, 0.0)  # one of diffrax's suggestions for error estimates that do not vary smoothly
 UNDERFLOW_ADVICE = ("the dynamics overflowed or became too stiff for the solver there: use float64 (x0 and model), "
@@ -327,10 +329,11 @@ class _Loop:
     def crossing(self, rows: Tensor, y0: Tensor, y1: Tensor, k: Tensor, weights: Tensor, dt: Tensor
                  ) -> tuple[Tensor, Tensor]:
         """Where inside their accepted steps the groups ``rows`` (whose step starts fail the stop's test and ends
-        pass it) first pass it, by bisection on the interpolant and its velocity (no field evaluations), to
-        ``2^-BISECTIONS`` of the step; the field evaluated there confirms it, or a little further on (the interpolant's
-        velocity is off by its own error: the remaining fraction of the step times 1e-3, 1e-2, 1e-1, then the step's
-        end, one evaluation of the groups still unconfirmed each). Returns the fractions ``(n,)`` float64 and the
+        pass it) cross it: bisection on the interpolant with the interpolant's own velocity (no field evaluations) to
+        ``2^-BISECTIONS`` of the step, then :data:`NEWTON` Newton steps on the test's value with the field's velocity
+        at the interpolated state (one evaluation of those groups each; the slope from the interpolant), so that the
+        crossing moves smoothly with the parameters. A group whose last state does not pass (its value above
+        :data:`CROSSING_SLACK`) ends at its step's end, which passes. Returns the fractions ``(n,)`` float64 and the
         states there ``(n, 1, M)``."""
         interpolant = _Interpolant(self.tableau, rows, y0, y1, k, weights, dt, self.dtype)
         low = torch.zeros(len(rows), dtype=torch.float64, device=self.device)
@@ -341,19 +344,20 @@ class _Loop:
                 value, velocity = interpolant.at(middle)
                 passes = self._converged(value, velocity)
             high, low = torch.where(passes, middle, high), torch.where(passes, low, middle)
-        theta, open_ = high, torch.ones_like(high, dtype=torch.bool)
-        for ahead in (0.0, 1e-3, 1e-2, 1e-1):
-            trial = high + ahead * (1 - high)
-            where = torch.nonzero(open_).flatten()
-            with torch.no_grad():
-                value = interpolant.at(trial)[0][where]
-                time = None if self.autonomous else self.t_now[rows[where]] + trial[where] * dt[rows[where]]
-                confirmed = self._converged(value, self.evaluate(time, value))
-            theta = theta.index_put((where,), torch.where(confirmed, trial[where], theta[where]))
-            open_ = open_.index_put((where,), ~confirmed)
-            if not bool(open_.any()):
-                break
-        theta = torch.where(open_, torch.ones_like(theta), theta)  # the step's end passes (tested with f1)
+        theta, reach = high, 1e-4
+        with torch.no_grad():
+            for _ in range(NEWTON):
+                value = interpolant.at(theta)[0]
+                time = None if self.autonomous else self.t_now[rows] + theta * dt[rows]
+                exact = self._test(value, self.evaluate(time, value))
+                ahead, behind = (theta + reach).clamp(max=1.0), (theta - reach).clamp(min=0.0)
+                slope = (self._test(*interpolant.at(ahead)) - self._test(*interpolant.at(behind))) / (ahead - behind)
+                step = torch.where(slope < 0, exact / slope, torch.zeros_like(slope))
+                theta = (theta - step).clamp(0.0, 1.0)
+            value = interpolant.at(theta)[0]
+            time = None if self.autonomous else self.t_now[rows] + theta * dt[rows]
+            passes = self._test(value, self.evaluate(time, value)) <= CROSSING_SLACK
+        theta = torch.where(passes, theta, torch.ones_like(theta))  # the step's end passes (tested with f1)
         return theta, interpolant.at(theta)[0]
 
     def save(self, state: dict[str, Any], t1: Tensor, accepted: Tensor, y1: Tensor, k: Tensor, weights: Tensor,
@@ -447,13 +451,18 @@ class _Loop:
             self.callback(totals[0].expand(shape).clone(), totals[1].expand(shape).clone())
         return done
 
-    def _converged(self, y: Tensor, f: Tensor) -> Tensor:
-        """The stop's test of the groups at ``y`` with the velocity ``f`` there, ``(G,)`` bool (no gradients)."""
+    def _test(self, y: Tensor, f: Tensor) -> Tensor:
+        """The stop's value at the groups ``y`` with the velocity ``f`` there, ``(G,)`` float64 (negative: passes;
+        no gradients)."""
         assert self.stop is not None
         groups = y.shape[0]
         shape = (groups, *self.event) if self.per_sample else self.event
         with torch.no_grad():
-            return self.stop(y.detach().view(shape), f.detach().view(shape)).reshape(groups)
+            return self.stop(y.detach().view(shape), f.detach().view(shape)).reshape(groups).double()
+
+    def _converged(self, y: Tensor, f: Tensor) -> Tensor:
+        """Whether the groups ``y`` pass the stop's test, ``(G,)`` bool."""
+        return self._test(y, f) < 0
 
     def _finish(self, state: dict[str, Any], done: Tensor, y: Tensor, t: Tensor, rows_given: bool = False) -> None:
         """The groups ``done`` end at ``y`` at the times ``t`` (of every group, or of the ``done`` ones alone)."""
@@ -554,9 +563,10 @@ def integrate(field: Callable[[Tensor | None, Tensor], Tensor], x0: Tensor, grid
             of every accepted shared step) are filled.
         callback: called after every step with each sample's time ``(B,)`` float64 and its number of accepted steps
             ``(B,)`` int64 (CPU tensors, B the flattened batch).
-        stop: a test ``(x, velocity) -> (G,) bool`` on the groups' states (per sample: ``(G, N, D)``; shared: the
-            whole ``x0``-shaped state, one answer): a group whose test passes at the start, or at the end of an
-            accepted step, ends there (needs ``save_all=False``).
+        stop: a test ``(x, velocity) -> (G,)`` on the groups' states (per sample: ``(G, N, D)``; shared: the whole
+            ``x0``-shaped state, one value), negative where it passes: a group that passes at the start ends there;
+            one whose accepted step ends passing ends where the test crosses zero inside the step (see
+            :meth:`_Loop.crossing`). Needs ``save_all=False``.
 
     Returns the :class:`Result`. Gradients
     flow through the stages and the interpolant (the step sizes are constants to autograd, as in torchdiffeq and
@@ -588,21 +598,17 @@ def solve_adaptive(solver: Adaptive, field: ETField, x0: Tensor, grid: Tensor, a
     """``solve``'s entry: integrate with the settings of ``solver`` (et-ode's loop), ``save`` one of ``"all"``,
     ``"steps"``, ``"final"``, filling ``progress``; a ``stop`` ends each sample (per-sample control) or the batch
     (shared) at the end of the first accepted step where it passes. ``arguments`` are the gradient strategy's
-    torchdiffeq arguments: an adjoint's are refused, and so is a stop under gradients (ValueError naming the
-    gradient: the loop does not differentiate the stop time).
+    torchdiffeq arguments: an adjoint's are refused (ValueError naming the gradient). Under gradients a stop's time
+    is differentiated too (:func:`_through_the_stop_time`).
 
     Returns the final state, the saved states (or None), their times ``ts`` (the grid; with a stop, its start and the
     latest stop), each sample's stop time ``(*batch,)`` (with a stop, else None) and the status."""
     if "adjoint_params" in arguments:
         raise ValueError("gradient=Adjoint() needs Adaptive(loop='torchdiffeq'): et-ode's adaptive loop is "
                          "differentiated directly (gradient='direct')")
-    differentiated = torch.is_grad_enabled() and (x0.requires_grad or any(p.requires_grad for p in field.parameters()))
-    if stop is not None and differentiated:
-        raise ValueError("gradient='direct' through a stop needs Adaptive(loop='torchdiffeq') (it differentiates the "
-                         "stop time); with et-ode's loop use gradient='implicit', or solve under torch.no_grad()")
     options = dict(solver.options or {})
     per_sample = solver.step_control == "per_sample"
-    test = None if stop is None else functools.partial(_below_tolerance, stop, field, per_sample)
+    test = None if stop is None else functools.partial(_stop_value, stop, field, per_sample)
     result = integrate(field, x0, grid, method=solver.method, rtol=solver.rtol, atol=solver.atol,
                        per_sample=per_sample, pid=PID_COEFFICIENTS if solver.controller == "pid" else I_CONTROLLER,
                        first_step=options.get("first_step"), max_steps=max_steps, save_all=save == "all",
@@ -610,14 +616,40 @@ def solve_adaptive(solver: Adaptive, field: ETField, x0: Tensor, grid: Tensor, a
     if stop is None:
         return result.x, result.xs, grid, None, Status.REACHED_END
     last_stop = float(result.ends.max())
+    x = result.x
+    if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in field.parameters())):
+        ends = result.ends.to(x.device)
+        crossed = (ends > float(grid[0])) & (ends < float(grid[-1]))  # stopped inside the span, not at its start
+        x = _through_the_stop_time(stop, field, per_sample, x, crossed if per_sample else crossed.all())
     with torch.no_grad():
         reached = bool((stop.rms(field, result.x, field.velocity(result.x)) < stop.tol * (1 + 1e-6)).all())
     status = Status.STEADY_STATE if reached and last_stop < float(grid[-1]) else Status.REACHED_END
     ts = torch.tensor([float(grid[0]), last_stop], dtype=grid.dtype, device=grid.device)
-    return result.x, None, ts, result.ends, status
+    return x, None, ts, result.ends, status
 
 
-def _below_tolerance(stop: SteadyState, field: ETField, per_sample: bool, x: Tensor, velocity: Tensor) -> Tensor:
-    """The stop's test: per sample ``(G,)``, or every sample at once (one answer)."""
-    below = stop.rms(field, x, velocity) < stop.tol
-    return below if per_sample else below.all()
+def _through_the_stop_time(stop: SteadyState, field: ETField, per_sample: bool, x: Tensor, crossed: Tensor
+                           ) -> Tensor:
+    """``x`` (the states where the stop's value ``c`` crossed zero, ``(*batch, N, D)``) with the stop time's own
+    dependence on the start and the parameters added to its gradient: ``x + f (tau - tau.detach())``, ``tau =
+    -c(x, theta) / (dc/dt)``, the implicit function theorem on ``c(x(t*), theta) = 0`` (``dc/dt = dc/dx . f``, the
+    field autonomous). Its value is ``x``; backpropagating ``v`` through it adds ``(v . f) dt*/d(x, theta)``.
+    ``crossed``: the samples ``(*batch,)`` (per sample) or the batch (one bool) whose stop is a crossing."""
+    with torch.no_grad():
+        f = field.velocity(x.detach())
+    with torch.enable_grad():
+        probe = x.detach().requires_grad_(True)
+        (slope,) = torch.autograd.grad(_stop_value(stop, field, per_sample, probe, field.velocity(probe)).sum(), probe)
+    rate = (slope * f).sum(dim=(-1, -2)) if per_sample else (slope * f).sum()
+    value = _stop_value(stop, field, per_sample, x, field.velocity(x))
+    usable = crossed & (rate != 0)
+    tau = torch.where(usable, -value / torch.where(usable, rate, torch.ones_like(rate)), torch.zeros_like(value))
+    shift = tau - tau.detach()
+    return x + f * (shift[..., None, None] if per_sample else shift)
+
+
+def _stop_value(stop: SteadyState, field: ETField, per_sample: bool, x: Tensor, velocity: Tensor) -> Tensor:
+    """The stop's value ``log(measure / tol)`` (negative: the test passes): per sample ``(G,)``, or of the largest
+    measure of the batch (one value)."""
+    measure = stop.rms(field, x, velocity)
+    return torch.log((measure if per_sample else measure.max()) / stop.tol)

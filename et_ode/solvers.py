@@ -151,8 +151,8 @@ class Adaptive:
     def check_stop(self, stop: object) -> None:
         """Any stopping rule works with torchdiffeq's loop. et-ode's loop stops each sample on its own with
         ``step_control="per_sample"`` and ``SteadyState(per_sample=True)``, the batch at once with shared control and
-        ``per_sample=False`` (ValueError naming ``stop`` otherwise), at the end of the first accepted step whose
-        state passes the test (torchdiffeq's loop locates the crossing inside the step)."""
+        ``per_sample=False`` (ValueError naming ``stop`` otherwise), where the test's crossing lies inside the step
+        (located on the step's interpolant, refined with the field), its time differentiated under gradients."""
         per_sample = getattr(stop, "per_sample", None)
         if stop is not None and self.own_loop and per_sample != (self.step_control == "per_sample"):
             raise ValueError(f"stop=SteadyState(per_sample={per_sample}) with Adaptive(step_control="

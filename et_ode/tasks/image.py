@@ -615,8 +615,8 @@ def _demo_report(results: dict[str, Any], config: ImageRunConfig, pictures: list
         f"{descent.get('largest_relative_change', 0):.2e}; "
         f"a rise counts when it exceeds {descent.get('tolerance', 0):.0e} of |E|).", "",
         "## Pictures", ""]
-    captions = {"completions.png": "Masked inputs (grey: hidden); the hidden patches filled by the ET and by the "
-                                   "nearest neighbour; the truth.",
+    captions = {"completions.png": "Masked inputs (hidden patches in magenta); the hidden patches filled by the ET "
+                                   "and by the nearest neighbour; the truth.",
                 "mse.png": "Test MSE against the baselines.",
                 "convergence.png": "Energy descent (and convergence measures) during inference, 8 test images.",
                 "trajectories.png": f"Token trajectories of one test image from t=0 to the horizon t={s.t1}, "

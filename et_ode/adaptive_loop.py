@@ -55,7 +55,9 @@ class Tableau:
     ``c``: the stage times ``(S,)`` as fractions of the step; ``a``: the weights of the stage inputs of stages
     ``1 .. S-1`` (row ``i-1`` has ``i`` entries; the last row gives the solution); ``e``: the error weights ``(S,)``
     (solution minus embedded solution); ``error_order``: the order of the embedded solution plus one; ``mid``: the
-    weights of the midpoint state of the quartic interpolant, or None for the Hermite cubic.
+    weights of the midpoint state of the quartic interpolant; ``dense``: the method's own interpolant as the
+    polynomials ``b_j(theta)`` of ``y(t0 + theta h) = y0 + h sum_j b_j(theta) k_j``, one tuple of monomial
+    coefficients (lowest first) per stage; neither: the Hermite cubic.
     """
 
     c: tuple[float, ...]
@@ -63,6 +65,7 @@ class Tableau:
     e: tuple[float, ...]
     error_order: int
     mid: tuple[float, ...] | None = None
+    dense: tuple[tuple[float, ...], ...] | None = None
 
     @property
     def stages(self) -> int:
@@ -99,7 +102,42 @@ BOSH3 = Tableau(  # Bogacki and Shampine (1989), the 3(2) pair
     error_order=3,
 )
 
-TABLEAUX = {"dopri5": DOPRI5, "bosh3": BOSH3}
+def _product(*factors: tuple[float, ...]) -> tuple[float, ...]:
+    """The product of polynomials given by their monomial coefficients, lowest first."""
+    result: list[float] = [1.0]
+    for factor in factors:
+        grown = [0.0] * (len(result) + len(factor) - 1)
+        for i, a in enumerate(result):
+            for j, b in enumerate(factor):
+                grown[i + j] += a * b
+        result = grown
+    return tuple(result)
+
+
+_T, _T2 = (0.0, 1.0), (0.0, 0.0, 1.0)  # theta, theta^2
+TSIT5 = Tableau(  # Tsitouras (2011), the 5(4) pair with its own order-4 interpolant (diffrax's and OrdinaryDiffEq's)
+    c=(0.0, 0.161, 0.327, 0.9, 0.9800255409045097, 1.0, 1.0),
+    a=((0.161,),
+       (-0.008480655492356989, 0.335480655492357),
+       (2.8971530571054935, -6.359448489975075, 4.3622954328695815),
+       (5.325864828439257, -11.748883564062828, 7.4955393428898365, -0.09249506636175525),
+       (5.86145544294642, -12.92096931784711, 8.159367898576159, -0.071584973281401, -0.028269050394068383),
+       (0.09646076681806523, 0.01, 0.4798896504144996, 1.379008574103742, -3.290069515436081, 2.324710524099774)),
+    e=(0.09646076681806523 - 0.09468075576583945, 0.01 - 0.009183565540343254, 0.4798896504144996 - 0.4877705284247616,
+       1.379008574103742 - 1.234297566930479, -3.290069515436081 + 2.7077123499835256,
+       2.324710524099774 - 1.866628418170587, -1 / 66),
+    error_order=5,
+    dense=(
+        _product((-1.0530884977290216,), _T, (-1.3299890189751412, 1.0), (0.7139816917074209, -1.4364028541716351, 1.0)),
+        _product((0.1017,), _T2, (1.2949852507374631, -2.1966568338249754, 1.0)),
+        _product((2.490627285651252793,), _T2, (1.57803468208092486, -2.38535645472061657, 1.0)),
+        _product((-16.54810288924490272,), (-1.21712927295533244, 1.0), (-0.61620406037800089, 1.0), _T2),
+        _product((47.37952196281928122,), (-1.203071208372362603, 1.0), (-0.658047292653547382, 1.0), _T2),
+        _product((-34.87065786149660974,), (-1.2, 1.0), (-0.666666666666666667, 1.0), _T2),
+        _product((2.5,), (-1.0, 1.0), (-0.6, 1.0), _T2)),
+)
+
+TABLEAUX = {"dopri5": DOPRI5, "bosh3": BOSH3, "tsit5": TSIT5}
 METHODS = tuple(TABLEAUX)
 
 
@@ -151,8 +189,8 @@ class _WriteStage(torch.autograd.Function):
 
 class _Interpolant:
     """The dense output of one step of the groups ``rows``: dopri5's quartic through ``y0``, the midpoint and ``y1``
-    with the slopes ``f0``, ``f1`` (Shampine), or the Hermite cubic (bosh3); :meth:`at` gives the state and its
-    velocity (the derivative of the interpolant) at fractions of the step."""
+    with the slopes ``f0``, ``f1`` (Shampine), tsit5's own polynomials, or the Hermite cubic (bosh3); :meth:`at`
+    gives the state and its velocity (the derivative of the interpolant) at fractions of the step."""
 
     def __init__(self, tableau: Tableau, rows: Tensor, y0: Tensor, y1: Tensor, k: Tensor, weights: Tensor,
                  dt: Tensor, dtype: torch.dtype):
@@ -162,6 +200,7 @@ class _Interpolant:
         self.dtype = dtype
         self.f0, self.f1 = k[:, :1], k[:, s - 1:s]
         self.quartic: tuple[Tensor, Tensor, Tensor] | None = None
+        self.k, self.polynomials = k, tableau.dense
         if tableau.mid is not None:
             y_mid = torch.baddbmm(self.y0, weights[rows, s:s + 1], k)
             y0, y1, f0, f1, h = self.y0, self.y1, self.f0, self.f1, self.h
@@ -173,7 +212,15 @@ class _Interpolant:
         """The state ``(n, 1, M)`` (exactly ``y1`` where ``theta`` is 1) and the velocity at ``theta`` ``(n,)``."""
         x = theta.to(self.dtype)[:, None, None]
         y0, y1, f0, f1, h = self.y0, self.y1, self.f0, self.f1, self.h
-        if self.quartic is None:  # Hermite cubic
+        if self.polynomials is not None:  # the method's own: y0 + h sum_j b_j(theta) k_j
+            powers = x ** torch.arange(len(self.polynomials[0]), dtype=self.dtype, device=x.device)
+            coefficients = torch.tensor(self.polynomials, dtype=self.dtype, device=x.device)  # (S, P)
+            slopes = coefficients[:, 1:] * torch.arange(1, coefficients.shape[1], dtype=self.dtype, device=x.device)
+            b = powers @ coefficients.T  # (n, 1, S)
+            db = powers[..., :-1] @ slopes.T
+            value = torch.baddbmm(y0, h * b, self.k)
+            velocity = torch.bmm(db, self.k)
+        elif self.quartic is None:  # Hermite cubic
             one = 1 - x
             value = (1 + 2 * x) * one * one * y0 + x * one * one * h * f0 + x * x * (3 - 2 * x) * y1 \
                 - x * x * one * h * f1

@@ -81,7 +81,7 @@ class Adaptive:
 
     Args:
         method: one of :data:`ADAPTIVE_METHODS` (dopri5, dopri8, bosh3, fehlberg2, adaptive_heun); et-ode's loop
-            runs :attr:`OWN_METHODS` (dopri5, bosh3).
+            runs :attr:`OWN_METHODS` (dopri5, bosh3, and tsit5, which only it runs).
         rtol, atol: the local error tolerances, positive.
         options: further torchdiffeq options (e.g. ``first_step``, ``max_num_steps``), or None; et-ode's loop takes
             ``first_step`` only.
@@ -109,14 +109,14 @@ class Adaptive:
     progress: Callable[[Tensor, Tensor], None] | None = None
 
     adaptive: ClassVar[bool] = True
-    OWN_METHODS: ClassVar[tuple[str, ...]] = ("dopri5", "bosh3")
+    OWN_METHODS: ClassVar[tuple[str, ...]] = ("dopri5", "bosh3", "tsit5")
     LOOPS: ClassVar[tuple[str, ...]] = ("auto", "torchdiffeq", "et_ode")
     STEP_CONTROLS: ClassVar[tuple[str, ...]] = ("shared", "per_sample")
     CONTROLLERS: ClassVar[tuple[str, ...]] = ("i", "pid")
 
     def __post_init__(self) -> None:
-        if self.method not in ADAPTIVE_METHODS:
-            raise ValueError(f"Adaptive.method must be one of {ADAPTIVE_METHODS}, got {self.method!r}"
+        if self.method not in ADAPTIVE_METHODS and self.method not in self.OWN_METHODS:
+            raise ValueError(f"Adaptive.method must be one of {(*ADAPTIVE_METHODS, 'tsit5')}, got {self.method!r}"
                              + (" (a fixed-step method: use Fixed)" if self.method in METHODS else ""))
         _positive("Adaptive", "rtol", self.rtol)
         _positive("Adaptive", "atol", self.atol)
@@ -130,6 +130,8 @@ class Adaptive:
         wanted = [f"{name}={value!r}" for name, value, default in (
             ("step_control", self.step_control, "shared"), ("controller", self.controller, "i"),
             ("progress", self.progress, None)) if value != default]
+        if self.loop == "torchdiffeq" and self.method not in ADAPTIVE_METHODS:
+            wanted.append(f"method={self.method!r}")
         if self.loop == "torchdiffeq" and wanted:
             raise ValueError(f"Adaptive: {', '.join(wanted)} needs loop='et_ode' (or 'auto'), got loop='torchdiffeq'")
         if self.own_loop and self.method not in self.OWN_METHODS:
@@ -144,9 +146,10 @@ class Adaptive:
 
     @property
     def own_loop(self) -> bool:
-        """Whether et-ode's loop integrates (``loop="et_ode"``, or ``"auto"`` with an option only it has)."""
+        """Whether et-ode's loop integrates (``loop="et_ode"``, or ``"auto"`` with a method or option only it has)."""
         return self.loop == "et_ode" or (self.loop == "auto" and (
-            self.step_control != "shared" or self.controller != "i" or self.progress is not None))
+            self.step_control != "shared" or self.controller != "i" or self.progress is not None
+            or self.method not in ADAPTIVE_METHODS))
 
     def check_stop(self, stop: object) -> None:
         """Any stopping rule works with torchdiffeq's loop. et-ode's loop stops each sample on its own with

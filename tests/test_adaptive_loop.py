@@ -44,11 +44,13 @@ def _states(batch: int, seed: int = 3, tokens: int = 5) -> torch.Tensor:
 
 
 # -- order and accuracy ------------------------------------------------------------------------------------------
-@pytest.mark.parametrize(("method", "solution_ratio", "dense_ratio"), [("dopri5", 64, 32), ("bosh3", 16, 16)])
-def test_one_step_errors_shrink_at_the_method_orders(method: str, solution_ratio: int, dense_ratio: int) -> None:
-    """One step of ``h`` on a linear ODE: the local error of the solution is O(h^(p+1)) (dopri5 p=5, bosh3 p=3), and
-    the interpolant at ``h/2`` O(h^5) (dopri5's quartic) or O(h^4) (bosh3's Hermite cubic): halving ``h`` divides
-    them by those powers of 2, measured against the exact flow."""
+@pytest.mark.parametrize(("method", "h", "solution_ratio", "dense_ratio"),
+                         [("dopri5", 0.1, 64, 32), ("tsit5", 0.05, 64, 32), ("bosh3", 0.1, 16, 16)])
+def test_one_step_errors_shrink_at_the_method_orders(method: str, h: float, solution_ratio: int,
+                                                     dense_ratio: int) -> None:
+    """One step of ``h`` on a linear ODE: the local error of the solution is O(h^(p+1)) (dopri5 and tsit5 p=5, bosh3
+    p=3), and the interpolant at ``h/2`` O(h^5) (dopri5's quartic, tsit5's own) or O(h^4) (bosh3's Hermite cubic):
+    halving ``h`` divides them by those powers of 2, measured against the exact flow."""
     s, x0 = _rotation()
 
     def errors(h: float) -> tuple[float, float]:
@@ -59,13 +61,13 @@ def test_one_step_errors_shrink_at_the_method_orders(method: str, solution_ratio
         return ((x - x0 @ torch.linalg.matrix_exp(s * h)).abs().max().item(),
                 (xs[1] - x0 @ torch.linalg.matrix_exp(s * h / 2)).abs().max().item())
 
-    (end_h, mid_h), (end_half, mid_half) = errors(0.1), errors(0.05)
+    (end_h, mid_h), (end_half, mid_half) = errors(h), errors(h / 2)
     assert solution_ratio * 0.8 < end_h / end_half < solution_ratio * 1.25
     assert dense_ratio * 0.8 < mid_h / mid_half < dense_ratio * 1.25
 
 
 @pytest.mark.parametrize("per_sample", [True, False])
-@pytest.mark.parametrize("method", ["dopri5", "bosh3"])
+@pytest.mark.parametrize("method", ["dopri5", "tsit5", "bosh3"])
 def test_global_error_follows_the_tolerance(method: str, per_sample: bool) -> None:
     """Over many steps on the linear ODE, the states at the output times (interpolated) are within a small multiple
     of the tolerance of the exact flow, and tightening the tolerance 100-fold shrinks the error at least 20-fold."""
@@ -303,6 +305,7 @@ def test_step_budget_failure_keeps_the_partial_solution() -> None:
 def test_default_solve_keeps_torchdiffeq() -> None:
     assert not et_ode.Adaptive().own_loop and not as_solver("dopri5").own_loop  # type: ignore[union-attr]
     assert et_ode.Adaptive(step_control="per_sample").own_loop and et_ode.Adaptive(loop="et_ode").own_loop
+    assert et_ode.Adaptive("tsit5").own_loop
 
 
 @pytest.mark.parametrize(("arguments", "error", "named"), [
@@ -312,6 +315,8 @@ def test_default_solve_keeps_torchdiffeq() -> None:
     (dict(loop="torchdiffeq", step_control="per_sample"), ValueError, "step_control='per_sample' needs loop"),
     (dict(loop="torchdiffeq", controller="pid"), ValueError, "controller='pid' needs loop"),
     (dict(method="dopri8", loop="et_ode"), ValueError, "Adaptive.method"),
+    (dict(method="tsit5", loop="torchdiffeq"), ValueError, "method='tsit5' needs loop"),
+    (dict(method="rk45"), ValueError, "Adaptive.method"),
     (dict(loop="et_ode", options=dict(max_num_steps=5)), ValueError, "Adaptive.options"),
     (dict(progress=3), TypeError, "Adaptive.progress"),
 ])

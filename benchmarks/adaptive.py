@@ -11,6 +11,7 @@ steps, and the largest difference of the final state from torchdiffeq's relative
 - ``torchdiffeq``: ``torchdiffeq.odeint`` on the ET field itself (no et-ode recorder);
 - ``et-ode shared``: ``solve`` with ``Adaptive(loop="et_ode")`` (one step size for the batch);
 - ``et-ode per-sample``: ``solve`` with ``Adaptive(step_control="per_sample")``;
+- ``et-ode per-sample tsit5``: the same with Tsitouras' 5(4) pair (``Adaptive("tsit5", ...)``);
 - ``torchode`` (only where it is installed: ``pip install -e .[peers]``; never by ``make test``): its Dopri5 with
   an integral controller, per sample.
 
@@ -72,7 +73,9 @@ def candidates(field: et_ode.ETField, x0: torch.Tensor, args: argparse.Namespace
     counts["bare loop"] = (evaluations, evaluations * batch, -1, reference)
     for name, solver in (("et-ode shared", et_ode.Adaptive("dopri5", args.rtol, args.atol, loop="et_ode")),
                          ("et-ode per-sample", et_ode.Adaptive("dopri5", args.rtol, args.atol,
-                                                               step_control="per_sample"))):
+                                                               step_control="per_sample")),
+                         ("et-ode per-sample tsit5", et_ode.Adaptive("tsit5", args.rtol, args.atol,
+                                                                     step_control="per_sample"))):
         def run(solver: et_ode.Adaptive = solver) -> et_ode.Solution:
             return et_ode.solve(field, x0, (0.0, args.t1), solver=solver, save="final")
 

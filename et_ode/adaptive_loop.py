@@ -1,12 +1,13 @@
-"""et-ode's own embedded Runge-Kutta loop (dopri5, bosh3), with step-size control per sample or shared by the batch.
+"""et-ode's own embedded Runge-Kutta loop (dopri5, tsit5, bosh3), step-size control per sample or shared by the batch.
 
 The state is held as ``G`` groups of ``M`` numbers, ``(G, 1, M)``: per sample (``per_sample=True``) a group is one
 sample (``G = batch``, ``M = N * D``); shared, the whole batch is one group (``G = 1``: one step size, one error norm
 over the whole state, torchdiffeq's semantics). A step forms every stage input in one fused ``baddbmm`` of the step's
 weights ``dt * a`` (per group) with the stages so far, kept in one preallocated buffer ``(G, S, M)``; without
 gradients nothing state-sized is allocated per step except the field's own outputs. Each group has its own time,
-step size, error norm ``RMS(err / (atol + rtol max(|y0|, |y1|)))`` and accept/reject; a group that reaches the end
-leaves the active batch (compaction), so later steps only evaluate the samples still running. Every operation on a
+step size, error norm ``RMS(err / (atol + rtol max(|y0|, |y1|)))`` and accept/reject; a group that reaches the end,
+or passes a steady-state stop, leaves the active batch (compaction), so later steps only evaluate the samples still
+running. Every operation on a
 group reads that group's numbers only, so a sample's trajectory does not depend on the batch around it wherever the
 field's own evaluation does not (see the tests for the ET field's last-bit differences across batch sizes).
 
@@ -15,7 +16,10 @@ e_{n-2}^-d/k`` with ``k`` the error order, clipped to ``[1, 10]`` after an accep
 rejected one; ``(p, i, d) = (0, 1, 0)`` is torchdiffeq's I-controller. The first step is chosen per group as
 torchdiffeq and diffrax do (Hairer, Norsett and Wanner, II.4). The last step of a group ends exactly at the end of the
 span; the states at the output times inside a step come from the method's interpolant (dopri5: Shampine's quartic
-through the midpoint, as torchdiffeq; bosh3: the Hermite cubic), so saving costs no extra steps.
+through the midpoint, as torchdiffeq; tsit5: Tsitouras' own; bosh3: the Hermite cubic), so saving costs no extra
+steps, and a stop's crossing is located on it (then refined with the field). Gradients: autograd through the loop
+(the step sizes constants to it, as in torchdiffeq and diffrax), the stop time's own term added by the implicit
+function theorem; no adjoint.
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import errno
 import json
 import os
 import re
@@ -129,7 +130,12 @@ def _create_lock(path: Path, text: str) -> bool:
             file.write(text)
             file.flush()
             os.fsync(file.fileno())
-        os.link(temporary, path)
+        try:
+            os.link(temporary, path)
+        except OSError as error:
+            if error.errno not in _NO_HARD_LINKS:
+                raise
+            _create_exclusive(path, text)  # a file system without hard links: created, then filled
         return True
     except FileExistsError:
         return False
@@ -138,6 +144,23 @@ def _create_lock(path: Path, text: str) -> bool:
     finally:
         with contextlib.suppress(OSError):
             temporary.unlink()
+
+
+_NO_HARD_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK}
+
+
+def _create_exclusive(path: Path, text: str) -> None:
+    """Create ``path`` (FileExistsError if it exists) and write ``text``; removed again if the write fails."""
+    handle = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    try:
+        with os.fdopen(handle, "w") as file:
+            file.write(text)
+            file.flush()
+            os.fsync(file.fileno())
+    except BaseException:
+        with contextlib.suppress(OSError):
+            path.unlink()
+        raise
 
 
 def _stale(raw: bytes, host: str) -> tuple[str | None, dict[str, Any]]:

@@ -240,3 +240,17 @@ def test_a_disk_that_fills_mid_training_stops_with_a_named_error_and_resumes_exa
     resumed = linear()
     fit(resumed, NoisyRegression(), data, None, config(out))
     assert all(torch.equal(resumed.state_dict()[k], v) for k, v in full.state_dict().items())
+
+
+def test_a_file_system_without_hard_links_still_gets_a_complete_lock(tmp_path, monkeypatch):
+    def no_links(source, target):
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(runs.os, "link", no_links)
+    with lock(tmp_path):
+        assert json.loads((tmp_path / LOCK_NAME).read_text())["pid"] == os.getpid()
+        assert sorted(os.listdir(tmp_path)) == [LOCK_NAME]
+    with pytest.raises(RunFolderError, match="in use by another run"):
+        (tmp_path / LOCK_NAME).write_text(json.dumps({"pid": 1, "host": "elsewhere"}))
+        with lock(tmp_path):
+            pass

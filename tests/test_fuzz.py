@@ -3,8 +3,8 @@ its documented exceptions with the argument's name in the message, within a time
 
 Entry points: ``EnergyTransformer`` (construction, ``energy``, ``grad_g``), ``ETField`` (construction,
 ``dg_dt``), ``solve``, the file loaders (``load_checkpoint``, ``load_model``, ``load_png_folder``,
-``check_tu_files``; generated safetensors headers and ``.npz`` members) and the ``et-ode`` argument parsing with
-the configs and models built from it.
+``check_tu_files``; generated safetensors headers, ``.npz`` members and PNG headers) and the ``et-ode`` argument
+parsing with the configs and models built from it.
 
 Two profiles (environment variable ``ET_ODE_FUZZ``): ``default`` (the default test run: a fixed, derandomised
 set of ``DEFAULT_EXAMPLES`` examples per test, a few seconds in all) and ``long`` (``make fuzz``:
@@ -336,6 +336,31 @@ def test_png_loader_on_random_bytes(tmp_path_factory, data, suffix):
     folder = tmp_path_factory.mktemp("png")
     (folder / f"image{suffix}").write_bytes(data)
     expect(lambda: load_png_folder(folder), (ValueError,), (f"image{suffix}",))
+
+
+@FUZZ
+@given(width=st.integers(0, 2**31 - 1), height=st.integers(0, 2**31 - 1), depth=st.sampled_from([1, 8, 16, 3]),
+       colour=st.sampled_from([0, 2, 3, 4, 6, 5]), rows=st.integers(0, 4))
+def test_image_readers_on_generated_png_headers(tmp_path_factory, width, height, depth, colour, rows):
+    """A PNG whose header claims any size, depth and colour type over a few rows of data: an image, or a named
+    FileFormatError; a size beyond the pixel limit is refused from the header, before any decoding."""
+    import struct
+    import zlib
+
+    from et_ode.data.images import MAX_IMAGE_PIXELS, read_photo, read_png
+    from et_ode.statefile import FileFormatError
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, depth, colour, 0, 0, 0)
+    pixels = zlib.compress(bytes(rows * (1 + min(width, 64) * 8)))
+    path = tmp_path_factory.mktemp("png") / "image.png"
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", pixels) + chunk(b"IEND", b""))
+    for read in (read_png, lambda p: read_photo(p, (4, 4))):
+        image = expect(lambda read=read: read(path), (FileFormatError,), (str(path),))
+        if image is not None:
+            assert width * height <= MAX_IMAGE_PIXELS and image.numel() > 0
 
 
 # ---------------------------------------------------------------------------------------------- the CLI

@@ -18,7 +18,7 @@ from ..integration import Integration
 from ..solvers import FIXED_METHODS
 from .dynamics import add_dynamics_arguments, integration_from
 from .image import add_official_arguments
-from .options import add_threads_argument
+from .options import add_threads_argument, count_in
 
 #: the analysis report's solve: its solver options (no gradient, no stop; the horizon is --t-end)
 DYNAMICS = Integration(solver=ANALYZE_SOLVER)
@@ -48,20 +48,20 @@ def add_analyze_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     parser.add_argument("--overwrite", action="store_true",
                         help="replace the report in --out (a folder written by et-ode analyze)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random model and states")
-    parser.add_argument("--dim", type=int, default=16, help="random model: token size D")
-    parser.add_argument("--heads", type=int, default=2, help="random model: attention heads H")
-    parser.add_argument("--head-dim", type=int, default=8, help="random model: head dimension Y")
-    parser.add_argument("--memories", type=int, default=32, help="random model: Hopfield memories K")
+    parser.add_argument("--dim", type=count_in(1, 4096), default=16, help="random model: token size D")
+    parser.add_argument("--heads", type=count_in(1, 256), default=2, help="random model: attention heads H")
+    parser.add_argument("--head-dim", type=count_in(1, 4096), default=8, help="random model: head dimension Y")
+    parser.add_argument("--memories", type=count_in(1, 65536), default=32, help="random model: Hopfield memories K")
     parser.add_argument("--hopfield", choices=("relu", "softplus", "softmax"), default="relu",
                         help="random model: Hopfield form")
-    parser.add_argument("--tokens", type=int, default=8, help="random states: tokens N per sample")
-    parser.add_argument("--batch", type=int, default=3, help="random states: number of samples")
+    parser.add_argument("--tokens", type=count_in(1, 4096), default=8, help="random states: tokens N per sample")
+    parser.add_argument("--batch", type=count_in(1, 4096), default=3, help="random states: number of samples")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="float64",
                         help="precision of the model and the states (float64: the landscape tools need it)")
     parser.add_argument("--tau", type=float, default=1.0, help="time constant")
     add_dynamics_arguments(parser, DYNAMICS, options=("solver", "rtol", "atol", "step", "steps"))
     parser.add_argument("--t-end", type=float, default=30.0, help="end of the time span")
-    parser.add_argument("--points", type=int, default=61, help="saved times")
+    parser.add_argument("--points", type=count_in(2, 100_000), default=61, help="saved times")
     parser.add_argument("--tol", type=float, default=1e-3, help="convergence tolerance on RMS |dg/dt|")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--landscape", action="store_true",

@@ -49,7 +49,7 @@ def add_evaluate(commands: argparse._SubParsersAction) -> None:
     model.add_argument("--atol", type=float, default=None, help="adaptive atol")
     parser.add_argument("--predictors", default=",".join(PREDICTORS),
                         help=f"comma-separated subset of {','.join(PREDICTORS)}")
-    parser.add_argument("--batch-size", type=int, default=250, help="images per batch")
+    parser.add_argument("--batch-size", type=count_in(1, 1_000_000), default=250, help="images per batch")
     parser.add_argument("--grid", type=count_in(0, 1000), default=8, help="images in completions.png (0: none)")
     parser.add_argument("--device", default="cpu", help="auto, cpu, cuda or cuda:i")
     parser.add_argument("--threads", type=thread_count, default=None,

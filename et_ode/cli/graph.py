@@ -15,7 +15,7 @@ from ..models.graph import PAPER_INTEGRATION, POOLS
 from ..tasks.graph import INTEGRATION_DEFAULTS, cross_validate, detect_anomalies
 from ..train import TrainConfig
 from .dynamics import add_dynamics_arguments
-from .options import add_run_folder_arguments, add_threads_argument
+from .options import add_run_folder_arguments, add_threads_argument, count_in
 
 #: the dynamics options of ``et-ode train graph`` (defaults: the task's, the paper's 12 Euler steps of 0.1)
 DYNAMICS_OPTIONS = ("solver", "t1", "rtol", "atol", "step", "steps", "gradient", "max_steps")
@@ -33,36 +33,36 @@ def add_graph_train_arguments(parser: argparse.ArgumentParser) -> None:
     data.add_argument("--edges", help="anomaly, --graph files: edge list (two 0-based node ids per line)")
     data.add_argument("--features", help="anomaly, --graph files: node features (one row per node)")
     data.add_argument("--labels", help="anomaly, --graph files: node labels 0/1 (else anomalies are injected)")
-    data.add_argument("--knn", type=int, default=10, help="neighbours of the digits graph")
-    data.add_argument("--cliques", type=int, default=2, help="injected cliques (structural anomalies)")
-    data.add_argument("--clique-size", type=int, default=15)
-    data.add_argument("--contextual", type=int, default=30, help="injected contextual anomalies")
-    data.add_argument("--candidates", type=int, default=50, help="candidates per contextual anomaly")
-    data.add_argument("--max-degree", type=int, default=0,
+    data.add_argument("--knn", type=count_in(1, 1000), default=10, help="neighbours of the digits graph")
+    data.add_argument("--cliques", type=count_in(0, 10_000), default=2, help="injected cliques (structural anomalies)")
+    data.add_argument("--clique-size", type=count_in(2, 10_000), default=15)
+    data.add_argument("--contextual", type=count_in(0, 1_000_000), default=30, help="injected contextual anomalies")
+    data.add_argument("--candidates", type=count_in(1, 100_000), default=50, help="candidates per contextual anomaly")
+    data.add_argument("--max-degree", type=count_in(0, 10_000), default=0,
                       help="classify: append a one-hot of the node degree (clamped to this) to the features; 0: none")
-    data.add_argument("--rw-steps", type=int, default=0,
+    data.add_argument("--rw-steps", type=count_in(0, 1000), default=0,
                       help="classify: append random-walk return probabilities for 1..this many steps; 0: none")
-    data.add_argument("--folds", type=int, default=10, help="classify: cross-validation folds")
+    data.add_argument("--folds", type=count_in(2, 1000), default=10, help="classify: cross-validation folds")
     data.add_argument("--grid", action="append", default=[], metavar="OPTION=V1,V2,...",
                       help="classify: candidate values of a model or training option (e.g. lr=1e-3,3e-3; repeat for "
                            "more options), chosen per fold by an inner cross-validation of its training graphs")
-    data.add_argument("--inner-folds", type=int, default=3, help="classify: folds of the inner (selection) CV")
-    data.add_argument("--ensemble", type=int, default=1,
+    data.add_argument("--inner-folds", type=count_in(2, 1000), default=3, help="classify: folds of the inner (selection) CV")
+    data.add_argument("--ensemble", type=count_in(1, 1000), default=1,
                       help="classify: models per run, differently seeded; predictions average their probabilities")
     model = parser.add_argument_group("model")
-    model.add_argument("--dim", type=int, default=64)
-    model.add_argument("--heads", type=int, default=4)
-    model.add_argument("--head-dim", type=int, default=16)
-    model.add_argument("--memories", type=int, default=128)
-    model.add_argument("--pe-dim", type=int, default=15, help="Laplacian eigenvectors per node")
+    model.add_argument("--dim", type=count_in(1, 8192), default=64)
+    model.add_argument("--heads", type=count_in(1, 256), default=4)
+    model.add_argument("--head-dim", type=count_in(1, 8192), default=16)
+    model.add_argument("--memories", type=count_in(1, 65536), default=128)
+    model.add_argument("--pe-dim", type=count_in(0, 1000), default=15, help="Laplacian eigenvectors per node")
     model.add_argument("--hopfield", choices=("relu", "softplus", "softmax"), default="relu")
     model.add_argument("--dropout", type=float, default=0.0)
-    model.add_argument("--head-hidden", type=int, default=0, help="hidden width of the read-out (0: linear)")
+    model.add_argument("--head-hidden", type=count_in(0, 65536), default=0, help="hidden width of the read-out (0: linear)")
     model.add_argument("--pool", choices=POOLS, default="cls",
                        help="classify: read out the CLS token, or it with the mean or sum of the node states")
     train = parser.add_argument_group("training")
-    train.add_argument("--epochs", type=int, default=None, help="default: 100 (classify), 300 (anomaly)")
-    train.add_argument("--batch-size", type=int, default=32)
+    train.add_argument("--epochs", type=count_in(1), default=None, help="default: 100 (classify), 300 (anomaly)")
+    train.add_argument("--batch-size", type=count_in(1, 1_000_000), default=32)
     train.add_argument("--lr", type=float, default=None, help="default: 1e-3 (classify), 5e-3 (anomaly)")
     train.add_argument("--weight-decay", type=float, default=1e-4)
     train.add_argument("--seed", type=int, default=0)

@@ -59,9 +59,9 @@ def add_train_image(subparsers: argparse._SubParsersAction) -> None:
     data.add_argument("--test-path", default=None, metavar="DIR",
                       help="a folder of PNG test images (tiled like --data-path); the data then gives only the "
                            "training and validation images")
-    data.add_argument("--tile", type=int, default=None,
+    data.add_argument("--tile", type=count_in(1, 65536), default=None,
                       help="png, photos, --test-path: cut each image into TILE x TILE tiles (photos: 16)")
-    data.add_argument("--stride", type=int, default=None, help="distance between tiles (default: --tile)")
+    data.add_argument("--stride", type=count_in(1, 65536), default=None, help="distance between tiles (default: --tile)")
     data.add_argument("--channels", type=int, choices=(1, 3), default=None,
                       help="png, photos, --test-path: 1 grey, 3 RGB (photos: 1; RGB uses its colour photographs)")
     data.add_argument("--validation-fraction", type=float, default=run.validation_fraction,
@@ -73,10 +73,10 @@ def add_train_image(subparsers: argparse._SubParsersAction) -> None:
                       help="images scored after each epoch: of the validation split, or of the test split when "
                            "there is none (all test images at the end); 0: all")
     model = parser.add_argument_group("model")
-    model.add_argument("--patch", type=int, default=run.patch, help="patch side P (divides the image side)")
-    model.add_argument("--dim", type=int, default=run.dim, help="token size D")
-    model.add_argument("--heads", type=int, default=run.heads, help="attention heads H")
-    model.add_argument("--head-dim", type=int, default=run.head_dim, help="head dimension Y")
+    model.add_argument("--patch", type=count_in(1, 4096), default=run.patch, help="patch side P (divides the image side)")
+    model.add_argument("--dim", type=count_in(1, 8192), default=run.dim, help="token size D")
+    model.add_argument("--heads", type=count_in(1, 256), default=run.heads, help="attention heads H")
+    model.add_argument("--head-dim", type=count_in(1, 8192), default=run.head_dim, help="head dimension Y")
     model.add_argument("--memories", type=count_in(1), default=None, help="Hopfield memories K (default 4 D)")
     model.add_argument("--hopfield", default=run.hopfield, choices=("relu", "softplus", "softmax"),
                        help="Hopfield energy form")
@@ -92,8 +92,8 @@ def add_train_image(subparsers: argparse._SubParsersAction) -> None:
     mask.add_argument("--mask-seed", type=int, default=run.mask_seed, help="seed of the fixed test masks")
     add_dynamics_arguments(parser, run.integration)
     opt = parser.add_argument_group("training")
-    opt.add_argument("--epochs", type=int, default=train.epochs)
-    opt.add_argument("--batch-size", type=int, default=train.batch_size)
+    opt.add_argument("--epochs", type=count_in(1), default=train.epochs)
+    opt.add_argument("--batch-size", type=count_in(1, 1_000_000), default=train.batch_size)
     opt.add_argument("--lr", type=float, default=train.lr, help="peak AdamW learning rate")
     opt.add_argument("--weight-decay", type=float, default=train.weight_decay)
     opt.add_argument("--warmup", type=float, default=train.warmup, help="warm-up: fraction of steps if < 1, else steps")
@@ -105,11 +105,11 @@ def add_train_image(subparsers: argparse._SubParsersAction) -> None:
     opt.add_argument("--device", default=train.device, help="auto, cpu, cuda or cuda:i")
     opt.add_argument("--threads", type=thread_count, default=None,
                      help="torch CPU threads, 1 to this machine's CPU count (default: torch's choice)")
-    opt.add_argument("--max-train-batches", type=int, default=None, help="cap on batches per epoch")
+    opt.add_argument("--max-train-batches", type=count_in(1), default=None, help="cap on batches per epoch")
     opt.add_argument("--max-time", type=float, default=None, metavar="MINUTES",
                      help="wall-clock budget of the training loop: the warm-up + cosine schedule is planned for the "
                           "steps that fit (at most --epochs), and the run stops at the budget with a checkpoint")
-    opt.add_argument("--checkpoint-every", type=int, default=train.checkpoint_every,
+    opt.add_argument("--checkpoint-every", type=count_in(0), default=train.checkpoint_every,
                      help="also checkpoint every N steps within an epoch (0: at epoch ends only)")
     opt.add_argument("--no-progress", action="store_true", help="no tqdm bars")
     opt.add_argument("--no-baselines", action="store_true", help="skip the mean and nearest-neighbour baselines")
@@ -178,7 +178,7 @@ def add_complete(commands: argparse._SubParsersAction) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--image", action="append", help="a PNG file of the model's image size (with --official: "
                                                          "any RGB photo, resized and cropped; repeat for more)")
-    source.add_argument("--index", type=int, help="index of an image of the run's test split (in the order "
+    source.add_argument("--index", type=count_in(0), help="index of an image of the run's test split (in the order "
                                                   "`et-ode train image` scored them; --test-path images if the run "
                                                   "had them)")
     add_official_arguments(parser, masks=True)

@@ -146,6 +146,7 @@ def _create_lock(path: Path, text: str) -> bool:
             temporary.unlink()
 
 
+DISK_FULL_OR_READ_ONLY = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG}
 _NO_HARD_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK}
 
 
@@ -331,7 +332,9 @@ def claim(out: str | os.PathLike[str], setup: dict[str, Any], *, resume: bool = 
             :class:`RunFolderInUse` (also a FileExistsError): ``out`` holds files and neither ``resume`` nor
             ``overwrite`` was given, or they were given for a folder that is not a run of ``command``.
             Nothing in ``out`` has changed when it is raised.
-        RunWriteError: a full or read-only disk, naming the file.
+        RunWriteError: a full or read-only disk, naming the file: while the folder is taken, or any write of the
+            run inside the ``with`` block that fails for lack of space or a read-only disk (an OSError of those
+            kinds leaving the block becomes a RunWriteError naming its file).
     """
     out = Path(out)
     if resume and overwrite:
@@ -351,6 +354,13 @@ def claim(out: str | os.PathLike[str], setup: dict[str, Any], *, resume: bool = 
                 if wrote:
                     _forget_setup(out)
                 raise
+    except OSError as error:
+        if created:
+            with contextlib.suppress(OSError):
+                out.rmdir()  # only when empty
+        if error.errno in DISK_FULL_OR_READ_ONLY:  # a write of the run's refused by the disk: named
+            raise RunWriteError(Path(error.filename) if error.filename else out, error) from error
+        raise
     except BaseException:
         if created:
             with contextlib.suppress(OSError):

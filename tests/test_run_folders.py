@@ -254,3 +254,14 @@ def test_a_file_system_without_hard_links_still_gets_a_complete_lock(tmp_path, m
         (tmp_path / LOCK_NAME).write_text(json.dumps({"pid": 1, "host": "elsewhere"}))
         with lock(tmp_path):
             pass
+
+
+def test_a_write_refused_by_the_disk_inside_a_run_is_named(tmp_path):
+    out = tmp_path / "run"
+    with pytest.raises(RunWriteError, match=r"film.pt: No space left on device") as caught, claim(out, {}, command="c"):
+        (out / "energy.csv").write_text("time,energy\n")
+        raise OSError(errno.ENOSPC, "No space left on device", str(out / "film.pt"))
+    assert caught.value.errno == errno.ENOSPC and caught.value.path == out / "film.pt"
+    assert not (out / LOCK_NAME).exists()
+    with pytest.raises(FileNotFoundError), claim(tmp_path / "other", {}):
+        raise FileNotFoundError(errno.ENOENT, "missing", "data.png")  # not a disk refusal: unchanged

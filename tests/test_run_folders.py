@@ -265,3 +265,22 @@ def test_a_write_refused_by_the_disk_inside_a_run_is_named(tmp_path):
     assert not (out / LOCK_NAME).exists()
     with pytest.raises(FileNotFoundError), claim(tmp_path / "other", {}):
         raise FileNotFoundError(errno.ENOENT, "missing", "data.png")  # not a disk refusal: unchanged
+
+
+def test_graph_runs_fingerprint_the_files_they_read(tmp_path):
+    from et_ode.cli import build_parser
+    from et_ode.cli.graph import _data_files
+    from et_ode.data.images import files_fingerprint
+
+    raw = tmp_path / "T" / "raw"
+    raw.mkdir(parents=True)
+    for kind in ("A", "graph_indicator", "graph_labels"):
+        (raw / f"T_{kind}.txt").write_text("1, 2\n")
+    args = build_parser().parse_args(["train", "graph", "classify", "--root", str(tmp_path), "--name", "T",
+                                      "--out", str(tmp_path / "run")])
+    files = _data_files(args)
+    assert [f.name for f in files] == ["T_A.txt", "T_graph_indicator.txt", "T_graph_labels.txt"]
+    before = files_fingerprint(files, "graph")
+    (raw / "T_A.txt").write_text("2, 1\n")  # same size, other edges
+    after = files_fingerprint(_data_files(args), "graph")
+    assert before["bytes"] == after["bytes"] and before["sample_sha256"] != after["sample_sha256"]

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from .. import runs
+from ..data.images import files_fingerprint
 from ..models.graph import PAPER_INTEGRATION, POOLS
 from ..tasks.graph import INTEGRATION_DEFAULTS, cross_validate, detect_anomalies
 from ..train import TrainConfig
@@ -142,8 +144,18 @@ def run_graph_train(args: argparse.Namespace) -> dict[str, Any]:
     setup = {k: v for k, v in sorted(vars(args).items())
              if isinstance(v, (str, int, float, bool, list, type(None))) and k not in ("command", "task")}
     with runs.claim(args.out, setup, resume=getattr(args, "resume", False),
-                    overwrite=getattr(args, "overwrite", False), may_change=RESUMABLE_CHANGES, command="train graph"):
+                    overwrite=getattr(args, "overwrite", False), may_change=RESUMABLE_CHANGES, command="train graph",
+                    data=files_fingerprint(_data_files(args), "graph")):
         return _run_graph_train(args)
+
+
+def _data_files(args: argparse.Namespace) -> list[Path]:
+    """The files the run reads: the TU data set's ``--root/NAME/raw/*.txt``, or the ``--graph files`` inputs."""
+    files = [Path(f) for f in (getattr(args, name, None) for name in ("edges", "features", "labels")) if f]
+    raw = Path(args.root) / args.name / "raw" if getattr(args, "root", None) else None
+    if raw is not None and raw.is_dir():
+        files += sorted(raw.glob("*.txt"))
+    return [f for f in files if f.is_file()]
 
 
 def _run_graph_train(args: argparse.Namespace) -> dict[str, Any]:

@@ -364,9 +364,14 @@ def data_fingerprint(name: str, path: str | Path | None, test_path: str | Path |
     (name, size), and a hash of the first ``FINGERPRINT_BYTES`` of ``FINGERPRINT_SAMPLE`` files spread over the
     list (a change elsewhere in a file of the same size, outside the sample, goes unseen). The bundled sources:
     only ``name``."""
+    return files_fingerprint(data_files(name, path, test_path), name)
+
+
+def files_fingerprint(files: Sequence[Path], source: str) -> dict[str, Any]:
+    """The fingerprint of :func:`data_fingerprint` for any list of ``files`` read by ``source``."""
     import hashlib
 
-    files = data_files(name, path, test_path)
+    files = sorted(files)
     listing, sample = hashlib.sha256(), hashlib.sha256()
     total = 0
     for file in files:
@@ -377,7 +382,7 @@ def data_fingerprint(name: str, path: str | Path | None, test_path: str | Path |
     for file in files[::step]:
         with open(file, "rb") as stream:
             sample.update(stream.read(FINGERPRINT_BYTES))
-    return {"source": name, "files": len(files), "bytes": total, "listing_sha256": listing.hexdigest()[:16],
+    return {"source": source, "files": len(files), "bytes": total, "listing_sha256": listing.hexdigest()[:16],
             "sample_sha256": sample.hexdigest()[:16]}
 
 

@@ -61,8 +61,8 @@ def test_nfe_backward_is_fixed_when_the_backward_ends():
 
 def test_nfe_backward_adds_each_backward_pass_and_ignores_other_solves_passes():
     field = _field()
-    first = solve(field, _x0(1), (0.0, 0.5), gradient=Adjoint())
-    second = solve(field, _x0(2), (0.0, 0.5), gradient=Adjoint())
+    first = solve(field, _x0(1), (0.0, 0.2), gradient=Adjoint())
+    second = solve(field, _x0(2), (0.0, 0.2), gradient=Adjoint())
     before = field.nfe
     first.x.sum().backward(retain_graph=True)
     once = first.stats.nfe_backward
@@ -90,3 +90,30 @@ def test_fixed_steps_refuse_a_span_below_the_step_resolution():
         solve(_field(), _x0(), (0.0, 1e-300), solver=Fixed("euler", step_size=0.1))
     tiny = solve(_field(), _x0(), (0.0, 1e-15), solver=Fixed("euler", step_size=0.1))
     assert tiny.stats.nfe_forward == 1 and tiny.stats.t_final == 1e-15
+
+
+def test_threads_each_count_their_own_backward_evaluations():
+    field = _field()
+    x0 = _x0()
+
+    def solve_and_backward() -> tuple[int, int]:
+        solution = solve(field, x0, (0.0, 0.5), gradient=Adjoint())
+        solution.g.square().sum().backward()
+        return solution.stats.nfe_forward, solution.stats.nfe_backward
+
+    alone = solve_and_backward()
+    assert alone[1] > 0
+    results: list[tuple[int, int]] = []
+    start = threading.Barrier(4)
+
+    def work() -> None:
+        start.wait()
+        for _ in range(2):
+            results.append(solve_and_backward())
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert results == [alone] * 8

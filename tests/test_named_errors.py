@@ -70,3 +70,12 @@ def test_image_run_counts_have_ranges(setting, value):
 
     with pytest.raises(ValueError, match=rf"^{setting} must be a (positive|non-negative) integer"):
         ImageRunConfig(**{setting: value})
+
+
+def test_graph_model_sizes_are_checked_before_allocating():
+    from et_ode.models.graph import GraphET
+
+    with pytest.raises(ValueError, match=r"dim=200000, heads=4, head_dim=16, memories=200000 make"):
+        GraphET(3, 2, dim=200_000, memories=200_000)
+    with pytest.raises(ValueError, match=r"memories must be a positive integer, got 0"):
+        GraphET(3, 2, memories=0)

@@ -27,6 +27,7 @@ from ..masks import GraphMask
 from ..model import EnergyTransformer
 from ..solution import Solution
 from ..solvers import EulerET
+from .image import check_model_size
 
 READOUTS = ("graph", "node")
 POOLS = ("cls", "cls+mean", "cls+sum")
@@ -70,6 +71,11 @@ class GraphET(nn.Module):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if not (isinstance(pe_dim, int) and pe_dim >= 0):
             raise ValueError(f"pe_dim must be an integer >= 0, got {pe_dim!r}")
+        if isinstance(dim, int) and not isinstance(dim, bool):
+            extra = (in_features + pe_dim + 2 * classes + 3) * dim + 2 * dim * max(head_hidden, 0)
+        else:
+            extra = 0
+        check_model_size(dim, heads, head_dim, memories, extra)
         if not isinstance(integration, Integration):
             raise TypeError(f"integration must be an et_ode.integration.Integration, got {type(integration).__name__}")
         self.integration = integration

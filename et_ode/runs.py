@@ -408,9 +408,9 @@ def _check_owner(out: Path, config: Path, entries: list[str], command: str | Non
     saved = read_config(config)
     found = saved.get(COMMAND_KEY)
     if found != command and not (flag == "--resume" and found is None):
-        raise RunFolderInUse(f"{flag} refused: {out} holds {_what(found if isinstance(found, str) else None)}, not "
-                             f"{_what(command)}; et-ode replaces or continues only a folder the same command wrote. "
-                             f"Choose another --out")
+        held = _what(found) if isinstance(found, str) else "a training run (its config.json names no command)"
+        raise RunFolderInUse(f"{flag} refused: {out} holds {held}, not {_what(command)}; et-ode replaces or "
+                             f"continues only a folder the same command wrote. Choose another --out")
     return saved
 
 

@@ -264,3 +264,12 @@ def test_a_member_that_expands_beyond_reason_is_refused_unread(tmp_path, monkeyp
     values = np.random.default_rng(0).standard_normal(1_000_000).astype(np.float32)
     np.savez_compressed(random, Xi=values)  # incompressible data of the same size is read
     assert np.array_equal(read_npz(random, ["Xi"], what="archive")["Xi"], values)
+
+
+def test_a_text_line_beyond_the_line_limit_is_refused_before_it_is_parsed(tmp_path, monkeypatch):
+    from et_ode.data import graphs
+
+    monkeypatch.setattr(graphs, "MAX_LINE_CHARACTERS", 100)
+    _tu_folder(tmp_path, b"1, 2\n" + b"1 " * 200 + b"\n")
+    with pytest.raises(ValueError, match=r"T_A.txt:2: a line of 401 characters, more than the 100"):
+        graphs.check_tu_files(tmp_path, "T")

@@ -55,6 +55,7 @@ def _require_pyg() -> None:
 
 # ------------------------------------------------------------------------------------------------ text files
 MAX_TEXT_BYTES = 2**28  # the largest text file read (256 MiB), checked before reading (a link to /dev/zero is refused)
+MAX_LINE_CHARACTERS = 2**20  # the longest line of such a file (a row of values)
 
 
 def _bounded_int(text: str) -> int:
@@ -86,6 +87,9 @@ def _read_rows(path: Path, parse: Callable[[str], float | int], columns: int | N
                 return rows
             except UnicodeDecodeError:
                 raise ValueError(f"{path}: not a text file (bytes that are not UTF-8)") from None
+            if len(line) > MAX_LINE_CHARACTERS:
+                raise ValueError(f"{path}:{number}: a line of {len(line)} characters, more than the "
+                                 f"{MAX_LINE_CHARACTERS} of a row of {what}")
             text = line.split("#", 1)[0].replace(",", " ").split()
             if not text:
                 continue

@@ -253,9 +253,9 @@ def test_an_oversized_text_file_is_refused_before_reading(tmp_path):
 
 
 def test_a_member_that_expands_beyond_reason_is_refused_unread(tmp_path, monkeypatch):
-    from et_ode import statefile
+    from et_ode.data import files
 
-    monkeypatch.setattr(statefile, "MAX_EXPANSION_BYTES", 2**20)
+    monkeypatch.setattr(files, "MAX_EXPANSION_BYTES", 2**20)
     path = tmp_path / "bomb.npz"
     _npz_member(path, "Xi", (1_000_000,), bytes(4_000_000), compress=True)  # 4 MB of zeros, a few KB stored
     with pytest.raises(FileFormatError, match=r"key 'Xi': \d+ compressed bytes expand to 4000128 .*zip bomb"):

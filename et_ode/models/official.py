@@ -50,10 +50,10 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from ..adjoints import Direct
+from ..data.files import FileFormatError, read_npz
 from ..integration import Integration
 from ..neurons import inverse_softplus
 from ..solvers import EulerET
-from ..statefile import FileFormatError, read_npz
 from .image import ImageET
 
 OFFICIAL_KEYS = ("Wk", "Wq", "Xi", "Wenc", "Benc", "Wdec", "Bdec", "LNORM_gamma", "LNORM_bias", "CLS_token",

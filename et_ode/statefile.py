@@ -12,6 +12,7 @@ Public API::
     save_state(path, state, format) -> Path     # atomic (atomic_write)
     load_state(path, format, map_location="cpu") -> dict
     describe(path) -> str                       # what a file is, for error messages (never unpickles)
+    FileFormatError, check_file, check_elements, read_npz   # the file limits of every loader (et_ode.data._files)
 
 Python floats round-trip exactly (JSON keeps their ``repr``), so a resumed run continues bit for bit.
 """
@@ -36,7 +37,7 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 from torch import Tensor
 
-from .data.files import (  # noqa: F401 (FileFormatError and the checks are part of this module's API)
+from .data._files import (  # noqa: F401 (FileFormatError and the checks are part of this module's API)
     MAX_ARRAY_ELEMENTS,
     MAX_FILE_BYTES,
     MAX_TOTAL_ELEMENTS,

@@ -253,7 +253,7 @@ def test_an_oversized_text_file_is_refused_before_reading(tmp_path):
 
 
 def test_a_member_that_expands_beyond_reason_is_refused_unread(tmp_path, monkeypatch):
-    from et_ode.data import files
+    from et_ode.data import _files as files
 
     monkeypatch.setattr(files, "MAX_EXPANSION_BYTES", 2**20)
     path = tmp_path / "bomb.npz"

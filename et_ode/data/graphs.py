@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .files import check_file
+from ._files import check_file
 
 if TYPE_CHECKING:  # an optional dependency (extra `graph`), imported where a function needs it
     from torch_geometric.data import Data

@@ -52,7 +52,7 @@ import torch
 from torch import Tensor
 
 from . import photographs
-from .files import FileFormatError, check_elements, check_file
+from ._files import FileFormatError, check_elements, check_file
 
 FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
 IDX_FILES = {"train": ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"),

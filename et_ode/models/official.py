@@ -50,7 +50,7 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from ..adjoints import Direct
-from ..data.files import FileFormatError, read_npz
+from ..data._files import FileFormatError, read_npz
 from ..integration import Integration
 from ..neurons import inverse_softplus
 from ..solvers import EulerET

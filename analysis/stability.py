@@ -381,12 +381,6 @@ def fixed_point_stability(field: ETField, x: Tensor, *, method: str = "auto", it
 # -- reaching the fixed point -------------------------------------------------------------------------------------
 
 
-def normalize_scale(x: Tensor, eps: float = 0.0) -> Tensor:
-    """Center every token and scale it to ``sigma = 1``: ``g`` is unchanged up to O(eps) (``(..., N, D)``)."""
-    xt = x - x.mean(dim=-1, keepdim=True)
-    return xt / xt.square().mean(dim=-1, keepdim=True).sub(eps).clamp_min(torch.finfo(x.dtype).tiny).sqrt()
-
-
 @dataclass
 class FixedPointSearch:
     """Result of :func:`find_fixed_point`: ``x`` ``(B, N, D)`` with ``sigma = 1`` per token; the RMS tangent
@@ -402,10 +396,16 @@ class FixedPointSearch:
 
 def find_fixed_point(field: ETField, x: Tensor, *, tol: float = 1e-6, max_iter: int = 5000, step: float = 0.1,
                      progress: bool = False) -> FixedPointSearch:
-    """Descend from ``x`` to a nearby critical point of ``E`` on the spheres (the limit set of the flow).
+    """Descend from ``x`` to a nearby critical point of ``E`` on the analysis's unit-scale spheres.
+
+    The analysis works at ``sigma = 1`` (:func:`~et_ode.analysis.sphere.unit_scale`), on spheres of radius
+    ``gamma sqrt(D (1 - eps))``: within ``O(eps)`` of the flow's limit spheres (radius ``gamma sqrt(D)``), so its
+    critical points, energies and eigenvalues differ from the flow's by ``O(eps)``, and it descends from ``x`` itself,
+    not along the flow. For the attractor of the flow that starts at ``x``, certified, use
+    :func:`et_ode.find_attractor`; use this for the analysis's own coordinates (stability, saddles, continuation).
 
     Riemannian gradient descent with a per-sample Armijo step (grown by 1.5 after success, halved after
-    failure): ``x <- normalize_scale(x - step (sigma/gamma) T dE/dg)``, which moves ``g`` by ``-step T dE/dg``
+    failure): ``x <- unit_scale(x - step (sigma/gamma) T dE/dg)``, which moves ``g`` by ``-step T dE/dg``
     and stays on the spheres. Once energy differences fall below rounding, a step is accepted when it
     reduces ``|T dE/dg|``. Stops when every sample's RMS ``|T dE/dg| < tol`` or no step makes progress.
     """
@@ -416,7 +416,7 @@ def find_fixed_point(field: ETField, x: Tensor, *, tol: float = 1e-6, max_iter: 
     gamma = float(model.neuron.gamma.detach())
     if not gamma > 0:
         raise ValueError(f"find_fixed_point needs gamma > 0 (a Lyapunov energy), got gamma={gamma}")
-    x = normalize_scale(x, eps)
+    x = unit_scale(x, eps)
     steps = torch.full((x.shape[0],), float(step), dtype=x.dtype, device=x.device)
 
     def evaluate(state: Tensor) -> tuple[Tensor, Tensor]:
@@ -432,7 +432,7 @@ def find_fixed_point(field: ETField, x: Tensor, *, tol: float = 1e-6, max_iter: 
             if bool((rms < tol).all()):
                 iterations -= 1
                 break
-            trial = normalize_scale(x - _expand(steps, x) * tangent / gamma, eps)
+            trial = unit_scale(x - _expand(steps, x) * tangent / gamma, eps)
             trial_energy, trial_tangent = evaluate(trial)
             trial_norm2 = trial_tangent.square().sum(dim=(-1, -2))
             flat = (trial_energy - energy).abs() <= 100 * torch.finfo(x.dtype).eps * energy.abs()
@@ -456,10 +456,10 @@ def find_fixed_point(field: ETField, x: Tensor, *, tol: float = 1e-6, max_iter: 
 def flow(field: ETField, x: Tensor, duration: float, *, segments: int = 1, restart: bool = True,
          method: str = "dopri5", rtol: float = 1e-7, atol: float = 1e-9) -> Tensor:
     """Integrate the ET dynamics for ``segments`` consecutive spans of ``duration / segments``; with
-    ``restart`` each span starts from ``normalize_scale(x)`` (same ``g``, undone slow-down). Returns the final ``x``."""
+    ``restart`` each span starts from ``unit_scale(x, eps)`` (same ``g``, undone slow-down). Returns the final ``x``."""
     for _ in range(segments):
         if restart:
-            x = normalize_scale(x, field.model.neuron.eps)
+            x = unit_scale(x, field.model.neuron.eps)
         x = solve(field, x, (0.0, duration / segments), solver=Adaptive(method, rtol, atol), save="final").x.detach()
     return x
 
@@ -568,7 +568,7 @@ def basin_probe(field: ETField, x_star: Tensor, *, radii: list[float] | None = N
     """
     from tqdm.auto import tqdm
 
-    x = normalize_scale(_batched(x_star, field, "x_star"), field.model.neuron.eps)
+    x = unit_scale(_batched(x_star, field, "x_star"), field.model.neuron.eps)
     radii = [0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0] if radii is None else [float(r) for r in radii]
     if not radii or any(not r > 0 for r in radii) or sorted(radii) != radii:
         raise ValueError(f"radii must be positive and increasing, got {radii}")
@@ -586,7 +586,7 @@ def basin_probe(field: ETField, x_star: Tensor, *, radii: list[float] | None = N
     for j, radius in enumerate(tqdm(radii, desc="basin probe", disable=not progress, leave=False)):
         w = tangent_projection(torch.randn(starts.shape, generator=generator, dtype=x.dtype).to(x.device), s_all)
         w = w * radius * gamma / w.square().mean(dim=(-1, -2), keepdim=True).sqrt()
-        perturbed = normalize_scale(starts + w / gamma, model.neuron.eps)  # sigma = 1: dx = dg / gamma
+        perturbed = unit_scale(starts + w / gamma, model.neuron.eps)  # sigma = 1: dx = dg / gamma
         with torch.no_grad():
             initial = (model.neuron(perturbed) - target).square().mean(dim=(-1, -2)).sqrt()
         end = flow(field, perturbed, duration, segments=segments, rtol=rtol, atol=atol)

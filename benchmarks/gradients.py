@@ -6,9 +6,9 @@ step is: a forward solve of exactly ``steps`` explicit Euler steps of size 0.1 (
 
 - ``direct``: backpropagation through the solver's operations (memory grows with the steps),
 - ``adjoint``: torchdiffeq's adjoint (``gradient="adjoint"``: a backward solve with the same steps),
-- ``implicit``: the forward without a graph, then ``et_ode.implicit_fixed_point(field, x_final)`` (conjugate
-  gradients on the Riemannian Hessian; at 10 and 100 steps the state is not converged, so these gradients are
-  not meaningful there: the row measures cost only).
+- ``implicit``: the forward without a graph, then the implicit backward at the final state
+  (``et_ode.gradients.implicit_attractor``: conjugate gradients on the Riemannian Hessian; at 10 and 100 steps the
+  state is not converged, so these gradients are not meaningful there: the row measures cost only).
 
 Each configuration runs in a fresh subprocess with ``MALLOC_MMAP_THRESHOLD_=65536`` (glibc then maps every block of
 64 KiB or more on its own and returns it on free, so the resident set follows the live tensors). After a warm-up
@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import MNIST, environment, initial_state, make_model, set_threads, table  # noqa: E402
 
 import et_ode  # noqa: E402
+from et_ode.gradients import implicit_attractor  # noqa: E402
 
 STEP = 0.1
 MODES = ("direct", "adjoint", "implicit")
@@ -86,7 +87,9 @@ def training_step(mode: str, steps: int, field: et_ode.ETField, x0: torch.Tensor
     if mode == "implicit":
         with torch.no_grad():
             x_final = et_ode.solve(field, x0, t, solver=et_ode.Fixed("euler", STEP), save="final").x
-        g_final = et_ode.implicit_fixed_point(field, x_final, max_iter=implicit_iter)
+        samples = x_final.shape[0]
+        g_final = implicit_attractor(field, x_final, in_x=torch.zeros(samples, dtype=torch.bool),
+                                     certified=torch.ones(samples, dtype=torch.bool), max_iter=implicit_iter)
     else:
         g_final = et_ode.solve(field, x0, t, solver=et_ode.Fixed("euler", STEP), gradient=mode, save="final").g
     loss = (g_final - target).square().mean()

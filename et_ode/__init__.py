@@ -4,7 +4,6 @@ from .adjoints import Adjoint, Direct, Implicit
 from .attractor import Attractor, AttractorError, AttractorReadout, find_attractor
 from .energies import EnergyAttention, HopfieldMemory
 from .field import ETField
-from .gradients import implicit_fixed_point
 from .integration import Integration
 from .masks import GraphMask
 from .model import EnergyTransformer
@@ -38,7 +37,6 @@ __all__ = [
     "SolveStats",
     "Status",
     "find_attractor",
-    "implicit_fixed_point",
     "solve",
 ]
 __version__ = "0.1.0"

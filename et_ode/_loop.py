@@ -49,6 +49,13 @@ class Progress:
     last_scale: float | None = None
     last: tuple[float, Tensor] | None = None
     saved: list[tuple[float, Tensor]] = dataclasses.field(default_factory=list)
+    bar: Any = None  # a tqdm bar over the time span, or None
+    t0: float = 0.0  # the start of the time span (the bar counts from it)
+
+    def reached(self, t: float) -> None:
+        """The solve has got to time ``t``: the bar, if any, follows."""
+        if self.bar is not None:
+            self.bar.update(max(0.0, abs(t - self.t0) - self.bar.n))
 
 
 @dataclass
@@ -126,6 +133,7 @@ class Recorder(nn.Module):
         state checked (:meth:`check_state`); :class:`SolverFailure` past ``max_steps``."""
         progress = self.progress
         progress.steps += 1
+        progress.reached(t0)
         progress.last = (t0, y0.detach() if y0.requires_grad else y0)
         if self.keep_steps and self.saves_each_step:
             progress.saved.append(progress.last)
@@ -170,6 +178,7 @@ class AdaptiveRecorder(Recorder):
     def callback_accept_step(self, t0: Tensor, y0: Tensor, dt: Tensor) -> None:
         self.progress.accepted += 1
         self.progress.last_dt = float(dt.detach())
+        self.progress.reached(float(t0.detach()) + self.progress.last_dt)
         if self.keep_steps:
             self.progress.saved.append((float(t0.detach()), y0.detach()))
 
@@ -280,14 +289,16 @@ class _StopTimeParameterTerm(torch.autograd.Function):
         return (v, None, None, None, *param_grads)
 
 
-def _event_function(stop: SteadyState, velocity: Callable[..., Tensor] | ETField,
-                    t_end: Tensor) -> Callable[[Tensor, Tensor], Tensor]:
+def _event_function(stop: SteadyState, source: Recorder | ETField, t_end: Tensor) -> Callable[[Tensor, Tensor], Tensor]:
     """The stop's event ``c(t, y)``: ``log(measure / tol)`` of the smallest (per sample) or largest (jointly) measure,
-    capped by the time left to ``t_end``; ``velocity`` is a recorder (shared evaluations) or the field itself."""
+    capped by the time left to ``t_end``; ``source`` evaluates the velocity: a recorder (shared evaluations) or the
+    field itself."""
 
     def event_fn(t: Tensor, y: Tensor) -> Tensor:
-        field = velocity.field if isinstance(velocity, Recorder) else velocity
-        rate = velocity.velocity(y) if isinstance(velocity, Recorder) else velocity(None, y)
+        if isinstance(source, Recorder):
+            field, rate = source.field, source.velocity(y)
+        else:
+            field, rate = source, source(None, y)
         values = stop.rms(field, y, rate)
         crossing = torch.log((values.min() if stop.per_sample else values.max()) / stop.tol)
         return torch.minimum(crossing, (t_end - t).to(crossing.dtype))

@@ -5,8 +5,8 @@
 - :class:`Adjoint`: torchdiffeq's adjoint method, a backward ODE solve (memory independent of the steps), with its
   own tolerances, method and an optional seminorm.
 - :class:`Implicit`: the implicit function theorem at the fixed point reached by a stop (memory and cost independent
-  of the steps); the forward solve runs without gradients and its end is polished into a certified attractor
-  (:func:`et_ode.certify.certify`, the last phases of :func:`et_ode.find_attractor`). Gradients flow through
+  of the steps); the forward solve runs without gradients and its end is polished into the certified attractor of
+  its flow (:func:`et_ode.certify.certify`, the hand-off loop of :func:`et_ode.find_attractor`). Gradients flow through
   ``Solution.g`` only.
 
 A plain string names each (:func:`as_gradient`): ``"direct"``, ``"adjoint"``, ``"implicit"``. A strategy's
@@ -137,16 +137,17 @@ class Implicit:
             tested = problem.stop.description if problem.stop is not None else "a stop"
             raise SolveError(f"gradient=Implicit() needs a converged fixed point, but the solve reached t={t_final:.6g} "
                              f"without {tested}; integrate longer or loosen the stop's tol", time=t_final, solution=None)
-        # polish the end state into a certified attractor, and differentiate there (exactly)
+        # polish the end state into the flow's certified attractor (flowing on where its basin is not yet settled),
+        # and differentiate there (exactly)
         x_end = result.x.detach()
         implicit_tol = default_implicit_tol(x_end.dtype) if self.tol is None else self.tol
-        attractor = certify(problem.field, x_end, tol=default_tol(x_end.dtype), implicit_tol=implicit_tol,
+        attractor = certify(problem.field, x_end, tol=default_tol(x_end.dtype), flow=True, implicit_tol=implicit_tol,
                             implicit_max_iter=self.max_iter)
         if not bool(attractor.certified.all()):
             raise SolveError(
-                f"gradient=Implicit(): the end state did not polish into a certified stable attractor (kinds "
-                f"{attractor.kind}, RMS gradient {attractor.gradient.flatten().tolist()}); the implicit gradient is "
-                "defined only there", time=t_final, solution=None)
+                f"gradient=Implicit(): the end state did not polish into a certified stable attractor of its flow "
+                f"(statuses {attractor.status}, RMS gradient {attractor.gradient.flatten().tolist()}); the implicit "
+                "gradient is defined only there", time=t_final, solution=None)
         xs = None if result.xs is None else torch.cat([result.xs[:-1], attractor.x.detach()[None]])
         return dataclasses.replace(result, xs=xs, x=attractor.x, g=attractor.g)
 

@@ -1,24 +1,35 @@
-"""Phases 2 and 3 of :func:`et_ode.find_attractor`: from a state in its basin, trust-region Riemannian Newton to the
-critical point (``certify``), and its certificate, an :class:`Attractor` (see :mod:`et_ode.attractor` for the method).
-This module does not integrate the flow, so that the implicit gradient of :func:`et_ode.solve`
-(:class:`et_ode.Implicit`) can polish a solve's end state here without importing ``solve`` back.
+"""Where a flow ends, and how sure we are: the hand-off loop, Newton, the certificate and the basin test behind
+:func:`et_ode.find_attractor` (the method is described there, in :mod:`et_ode.attractor`) and behind the implicit
+gradient of :func:`et_ode.solve` (:class:`et_ode.Implicit`, which polishes a solve's end state here). The flow phase
+runs on the integration loop directly, below ``solve``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
+from torchdiffeq import odeint
 
+from ._loop import Problem, integrate
 from .field import ETField
 from .gradients import implicit_attractor
 from .krylov import lanczos
 from .manifold import euclidean_hessian, radial_direction, riemannian_hessian, tangent_projection
+from .solution import SolveError
+from .solvers import Adaptive, SolverFailure
+from .stopping import SteadyState
 
 METHODS = ("newton", "gradient")
+HANDOFF, HANDOFFS = 0.1, 6  # the first hand-off level (RMS |T dE/dg|), and how many levels at most (each 10x lower)
+SEGMENT, MAX_SEGMENTS = 20.0, 50  # the flow phase: segments of SEGMENT * tau between rescalings, per level
+FLOW_RTOL, FLOW_ATOL = 1e-4, 1e-8  # the flow phase's dopri5 tolerances
+STATUSES = ("certified", "unsettled", "not_converged", "saddle", "degenerate", "mixed")
 
 
 @dataclass(frozen=True)
@@ -38,6 +49,12 @@ class Attractor:
         geometry: ``"spheres"`` or ``"x"`` per sample.
         converged: the residual is below ``tol``, per sample.
         outward_force: the smallest ``rho_A = -s_A . dE/dg_A`` over the tokens, per sample.
+        settled: the flow from the examined start is in the point's basin by the linear-regime test
+            (:func:`basin_settled`), per sample.
+        status: per sample (a tuple, flattened batch order): ``"certified"`` (converged, stable and settled),
+            ``"unsettled"`` (a converged stable point the test cannot tie to the flow's start), ``"not_converged"``,
+            ``"saddle"``, ``"degenerate"``, or ``"mixed"`` (some tokens head for their spheres while others stop at
+            a finite scale: neither geometry holds the point, so it is not certified).
         iterations: Newton (or gradient) iterations per sample.
         flow_evaluations: field evaluations of the flow phase (all samples together).
         evaluations: every field evaluation and Hessian-vector product, the flow's included.
@@ -55,6 +72,8 @@ class Attractor:
     geometry: tuple[str, ...]
     converged: Tensor
     outward_force: Tensor
+    settled: Tensor
+    status: tuple[str, ...]
     iterations: Tensor
     flow_evaluations: int
     evaluations: int
@@ -63,9 +82,9 @@ class Attractor:
 
     @property
     def certified(self) -> Tensor:
-        """Converged and stable, per sample ``(*batch,)``: the points whose gradient is defined."""
-        stable = torch.tensor([k == "stable" for k in self.kind], device=self.converged.device)
-        return self.converged & stable.reshape(self.converged.shape)
+        """Status ``"certified"`` per sample ``(*batch,)``: the points whose gradient is defined."""
+        certified = torch.tensor([s == "certified" for s in self.status], device=self.converged.device)
+        return certified.reshape(self.converged.shape)
 
 
 def default_tol(dtype: torch.dtype) -> float:
@@ -124,6 +143,27 @@ class _Spheres:
         s, _ = radial_direction(g, self.delta)
         return apply, tangent, lambda w: tangent_projection(w, s)
 
+    def residual(self, field: ETField, x: Tensor, grad: Tensor) -> Tensor:
+        """The convergence measure per sample from :meth:`gradient`'s ``T dE/dg``: its RMS (scale-free)."""
+        return _dot(grad, grad).sqrt() / math.sqrt(grad[0].numel())
+
+    def displacement(self, found: Tensor, point: Tensor) -> Tensor:
+        """From ``found`` to ``point`` along each token's great circle: the logarithm map in ``g`` (a tangent vector
+        at ``found`` of length ``r theta_A``, ``theta_A`` the angle between the tokens; what :meth:`retract` takes)."""
+        u, radius = radial_direction(self.field.model.neuron(found), self.delta)
+        w, _ = radial_direction(self.field.model.neuron(point), self.delta)
+        cosine = (u * w).sum(dim=-1, keepdim=True).clamp(-1.0, 1.0)
+        along = w - cosine * u
+        norm = along.norm(dim=-1, keepdim=True)
+        theta = torch.atan2(norm, cosine)
+        return along * (radius * theta / norm.clamp_min(torch.finfo(u.dtype).tiny))
+
+    @staticmethod
+    def conditioning(x: Tensor) -> Tensor:
+        """How unequal the flow's per-token rates ``gamma / (tau sigma_A)`` are at ``x``: ``max sigma / min sigma``."""
+        sigma = (x - x.mean(dim=-1, keepdim=True)).square().mean(dim=-1).sqrt()
+        return sigma.amax(dim=-1) / sigma.amin(dim=-1).clamp_min(torch.finfo(x.dtype).tiny)
+
     def size(self, x: Tensor) -> Tensor:
         """The length scale of a step per sample (the largest trust region): ``gamma sqrt(N D)``."""
         return torch.full(x.shape[:1], self.gamma * math.sqrt(x[0].numel()), dtype=x.dtype, device=x.device)
@@ -159,6 +199,15 @@ class _Euclidean:
         field.count_evaluations()
         apply, gradient = euclidean_hessian(field, x)
         return apply, gradient, self.canonical
+
+    def residual(self, field: ETField, x: Tensor, grad: Tensor) -> Tensor:
+        """The convergence measure per sample: RMS of the centred ``dE/dg``, zero exactly at a fixed point in ``x``
+        whatever the token scale (``M dE/dg`` alone shrinks like ``1 / sigma`` as tokens grow)."""
+        with torch.no_grad():
+            grad_e = field.dE_dg(self.neuron(x))
+        field.count_evaluations()
+        centred = grad_e - grad_e.mean(dim=-1, keepdim=True)
+        return _dot(centred, centred).sqrt() / math.sqrt(centred[0].numel())
 
     def size(self, x: Tensor) -> Tensor:
         """The length scale of a step per sample (the largest trust region): the norm of the centred ``x``."""
@@ -229,7 +278,7 @@ def _descend(geometry: _Spheres | _Euclidean, field: ETField, x: Tensor, *, tol:
     sample whose trust radius collapses falls back to gradient descent; one whose step underflows stops there.
     Samples leave the batch when they finish. Returns the states, the RMS gradients and the iterations per sample.
     """
-    batch, size = x.shape[0], x[0].numel()
+    batch = x.shape[0]
     rounding, tiny = torch.finfo(x.dtype).eps, torch.finfo(x.dtype).tiny
     x = geometry.canonical(x)
     per_sample_mask = field.mask if isinstance(field.mask, Tensor) and field.mask.dim() == 3 else None
@@ -253,7 +302,8 @@ def _descend(geometry: _Spheres | _Euclidean, field: ETField, x: Tensor, *, tol:
             with torch.no_grad():
                 grad, _ = geometry.gradient(bound, xa)
         norm = _dot(grad, grad).sqrt()
-        rms[active] = norm / math.sqrt(size)
+        with torch.no_grad():
+            rms[active] = geometry.residual(bound, xa, grad)
         done = (rms[active] < tol) | (iterations[active] >= max_iter)
         if bool(done.all()):
             break
@@ -301,15 +351,12 @@ def _classify(smallest: float, largest: float, zero_tol: float) -> str:
     return "saddle" if smallest < -zero_tol else "degenerate"
 
 
-def _outward_force(field: ETField, x: Tensor) -> Tensor:
-    """The smallest ``rho_A = -s_A . dE/dg_A`` over the tokens, per sample ``(B,)``."""
+def token_forces(field: ETField, x: Tensor) -> Tensor:
+    """The outward force ``rho_A = -s_A . dE/dg_A`` of every token, ``(B, N, D) -> (B, N)`` (one evaluation)."""
     g = field.model.neuron(x)
     s, _ = radial_direction(g, field.model.neuron.delta.detach())
     field.count_evaluations()
-    return -(s * field.dE_dg(g)).sum(dim=-1).amin(dim=-1)
-
-
-# -- the polishing and its certificate --------------------------------------------------------------------------------
+    return -(s * field.dE_dg(g)).sum(dim=-1)
 
 
 def flatten(field: ETField, x: Tensor) -> tuple[Tensor, ETField]:
@@ -322,83 +369,326 @@ def flatten(field: ETField, x: Tensor) -> tuple[Tensor, ETField]:
     return x.detach().reshape(-1, n, d).clone(), field.with_mask(mask)
 
 
-def certify(field: ETField, x: Tensor, *, tol: float, method: str = "newton", max_iter: int = 200,
-            cg_max_iter: int = 100, lanczos_iterations: int = 32, zero_tol: float = 1e-6, implicit_tol: float = 1e-10,
-            implicit_max_iter: int = 500, seed: int = 0, flow_evaluations: int = 0,
-            evaluations_before: int | None = None) -> Attractor:
-    """Phases 2 and 3 of :func:`et_ode.find_attractor` from ``x`` ``(*batch, N, D)``, a state already in its basin
-    (validated by the caller; arguments as there): Newton to the critical point, then its certificate. The result's
-    ``g`` is differentiable by the implicit function theorem where the point is certified stable.
-    ``flow_evaluations`` and ``evaluations_before`` (the field's ``nfe`` before the flow) are the caller's flow
-    phase, for the counts."""
-    evaluations_before = field.nfe if evaluations_before is None else evaluations_before
-    if not float(field.model.neuron.gamma.detach()) > 0:
-        raise ValueError("an attractor needs gamma > 0 (the energy is then a Lyapunov function)")
-    batch_shape, (n, d) = x.shape[:-2], x.shape[-2:]
-    x, field = flatten(field, x)
+def restrict(field: ETField, index: Tensor) -> ETField:
+    """``field`` for the samples ``index`` of a flattened batch (its per-sample mask, if any, cut to match)."""
     mask = field.mask
-    batch = x.shape[0]
-    counters = {"energy": 0}
-    with torch.no_grad():
-        inward = _outward_force(field, x) <= 0
+    return field.with_mask(mask[index]) if isinstance(mask, Tensor) and mask.dim() == 3 else field
+
+
+@dataclass
+class _Search:
+    """Per-sample results of the Newton phase over a flattened batch ``(B, N, D)``."""
+
+    x: Tensor
+    gradient: Tensor
+    iterations: Tensor
+    geometry: list[str]
+
+
+def _descend_where(geometry: _Spheres | _Euclidean, field: ETField, search: _Search, selected: Tensor,
+                   starts: Tensor, options: dict[str, Any], counters: dict[str, int]) -> None:
+    """Run :func:`_descend` in ``geometry`` on the samples ``selected`` ``(B,)`` from ``starts`` ``(B, N, D)``,
+    writing their results into ``search``."""
+    index = torch.nonzero(selected).flatten()
+    if not len(index):
+        return
+    found, rms, its = _descend(geometry, restrict(field, index), starts[index], counters=counters, **options)
+    search.x[index], search.gradient[index] = found, rms
+    search.iterations[index] += its
+    for i in index.tolist():
+        search.geometry[i] = geometry.name
+
+
+def _search(field: ETField, x: Tensor, options: dict[str, Any], counters: dict[str, int]) -> _Search:
+    """Newton from ``x`` ``(B, N, D)`` in the geometry the outward forces choose.
+
+    A sample whose tokens all have ``rho > 0`` descends on the spheres; if the point found there has a token with
+    ``rho <= 0`` (that token would leave its sphere), or the start has one, it descends in ``x`` from the start. A
+    search in ``x`` that does not converge while every token pushes outward is heading for the spheres and goes
+    on there. A sample that settles in neither geometry is ``"mixed"``.
+    """
     spheres, euclidean = _Spheres(field), _Euclidean(field)
-    geometry = ["x" if bool(b) else "spheres" for b in inward]
-    start = x.clone()
-    result_x = torch.empty_like(x)
-    gradient = torch.empty(batch, dtype=x.dtype)
-    iterations = torch.zeros(batch, dtype=torch.long)
-
-    def run(kind: str, index: Tensor, states: Tensor) -> None:
-        if not len(index):
-            return
-        geo = spheres if kind == "spheres" else euclidean
-        bound = field.with_mask(mask[index]) if isinstance(mask, Tensor) and mask.dim() == 3 else field
-        found, rms, its = _descend(geo, bound, states, tol=tol, method=method, max_iter=max_iter,
-                                   cg_max_iter=cg_max_iter, counters=counters)
-        result_x[index], gradient[index], iterations[index] = found, rms, iterations[index] + its
-
-    on_spheres = torch.tensor([k == "spheres" for k in geometry])
-    run("spheres", torch.nonzero(on_spheres).flatten(), x[on_spheres])
+    search = _Search(x.clone(), torch.full(x.shape[:1], math.inf, dtype=x.dtype),
+                     torch.zeros(x.shape[0], dtype=torch.long), ["spheres"] * x.shape[0])
     with torch.no_grad():
-        leaving = on_spheres & (_outward_force(field, result_x) <= 0)
-    for i in torch.nonzero(leaving).flatten().tolist():
-        geometry[i] = "x"
-    in_x = torch.tensor([k == "x" for k in geometry])
-    run("x", torch.nonzero(in_x).flatten(), start[in_x])
+        outward = (token_forces(field, x) > 0).all(dim=-1)
+    _descend_where(spheres, field, search, outward, x, options, counters)
+    with torch.no_grad():
+        on_spheres = outward & (token_forces(field, search.x) > 0).all(dim=-1)
+    sphere_x = search.x.clone()
+    _descend_where(euclidean, field, search, ~on_spheres, x, options, counters)
+    with torch.no_grad():
+        escaping = ~outward & (search.gradient >= options["tol"]) & (token_forces(field, search.x) > 0).all(dim=-1)
+    _descend_where(spheres, field, search, escaping, search.x, options, counters)
+    with torch.no_grad():
+        forces_ok = (token_forces(field, search.x) > 0).all(dim=-1)
+    failed_x = ~on_spheres & ~escaping & (search.gradient >= options["tol"])
+    mixed = (escaping & ~forces_ok) | (outward & failed_x)
+    for i in torch.nonzero(mixed).flatten().tolist():
+        search.geometry[i] = "mixed"
+    mixed_from_spheres = outward & failed_x  # report the point the spheres gave, with its inward token
+    search.x[mixed_from_spheres] = sphere_x[mixed_from_spheres]
+    return search
 
-    # certificate
+
+def basin_settled(field: ETField, start: Tensor, found: Tensor, smallest: Tensor, geometry: list[str], *,
+                  tol: float) -> Tensor:
+    """Whether the flow from ``start`` ends at ``found`` (both ``(B, N, D)``), by the linear-regime test, ``(B,)``.
+
+    Near a minimum with Hessian ``H`` (smallest eigenvalue ``lambda > 0``, given as ``smallest``) the gradient is
+    ``H v`` for the displacement ``v`` from the minimum, up to a Taylor error. Where that error is below ``c lambda |v|``
+    with ``c < 1``, the flow (a gradient flow with positive per-token rates) moves every such point closer to the
+    minimum in the rates' metric, so it cannot leave. The test asks for it at ``start`` and at the midpoint towards
+    ``found``, with ``c = 0.5 / sqrt(kappa)`` (``kappa`` the spread of the per-token rates, over which that metric and
+    the Euclidean one differ), and that ``E`` decreases from ``start`` to ``found``; gradients are resolved to the
+    certificate's RMS tolerance ``tol`` (rounding), which the allowed error includes. A point not of one geometry
+    (``"mixed"``) or with ``lambda <= 0`` is never settled.
+    """
+    settled = torch.zeros(start.shape[0], dtype=torch.bool)
+    for name in ("spheres", "x"):
+        index = torch.nonzero(torch.tensor([k == name for k in geometry]) & (smallest > 0)).flatten()
+        if not len(index):
+            continue
+        bound = restrict(field, index)
+        if name == "spheres":
+            settled[index] = _linear_regime(_Spheres(bound), start[index], found[index], smallest[index], tol)
+        else:
+            settled[index] = _linear_regime_in_g(bound, start[index], found[index], tol)
+    return settled
+
+
+def _linear_regime_in_g(field: ETField, start: Tensor, found: Tensor, tol: float) -> Tensor:
+    """:func:`basin_settled` at a fixed point in ``x``, ``(B,)``, made in ``g``: there the flow is
+    ``dg/dt = -(1/tau) M dE/dg``, a gradient flow of ``E`` with the positive rates ``M`` on centred vectors, whose
+    Hessian varies far less than that of ``E(LayerNorm(x))`` in ``x`` near a small token scale. The curvature is
+    the Rayleigh quotient of ``H = d^2E/dg^2`` along the displacement (positive where ``M H M`` is, as certified);
+    the rates' spread ``kappa`` is that of the tokens' ``1 / sigma_A``."""
+    neuron = field.model.neuron
+    margin = 0.5 / _Spheres.conditioning(start).sqrt()
+    with torch.no_grad():
+        g_start, g_found = neuron(start), neuron(found)
+        downhill = _energy(field, g_start) >= _energy(field, g_found) - 1e-10 * _energy(field, g_found).abs().clamp_min(1.0)
+    with torch.enable_grad():
+        point = g_found.detach().requires_grad_(True)
+        grad_found = field.dE_dg(point)
+    settled = downhill.clone()
+    for fraction in (1.0, 0.5):
+        v = fraction * (g_start - g_found)
+        v = v - v.mean(dim=-1, keepdim=True)
+        (hv,) = torch.autograd.grad(grad_found, point, v, retain_graph=True)
+        hv = hv - hv.mean(dim=-1, keepdim=True)
+        field.count_evaluations(2)
+        with torch.no_grad():
+            grad = field.dE_dg(g_found + v)
+        error = grad - grad.mean(dim=-1, keepdim=True) - hv
+        length = _dot(v, v).sqrt()
+        curvature = _dot(v, hv) / length.square().clamp_min(torch.finfo(v.dtype).tiny)
+        allowed = margin * curvature.clamp_min(0) * length + tol * math.sqrt(v[0].numel())
+        settled &= (length == 0) | (_dot(error, error).sqrt() <= allowed)
+    return settled
+
+
+def _linear_regime(geometry: _Spheres, start: Tensor, found: Tensor, smallest: Tensor,
+                   tol: float) -> Tensor:
+    """:func:`basin_settled` on the spheres, ``(B,)``. ``start`` is first put on the limit spheres (the flow's state
+    lies inside them by ``O(eps / sigma^2)``, a radial offset the tangent displacement misses)."""
+    field = geometry.field
+    margin = 0.5 / geometry.conditioning(start).sqrt()
+    start = geometry.canonical(start)
+    with torch.no_grad():
+        energy_start, energy_found = (_energy(field, field.model.neuron(x)) for x in (start, found))
+    downhill = energy_start >= energy_found - 1e-10 * energy_found.abs().clamp_min(1.0)
+    apply, _, project = geometry.hessian(field, found)
+    settled = downhill.clone()
+    step = geometry.displacement(found, start)
+    for point in (start, geometry.retract(found, 0.5 * step)):
+        v = geometry.displacement(found, point)
+        with torch.no_grad():
+            grad, _ = geometry.gradient(field, point)
+        error = project(grad) - apply(v).detach()
+        length = _dot(v, v).sqrt()
+        near = length <= 1e3 * torch.finfo(v.dtype).eps * geometry.size(found)
+        allowed = margin * smallest * length + tol * math.sqrt(v[0].numel())
+        settled &= near | (_dot(error, error).sqrt() <= allowed)
+    return settled
+
+
+def _spectrum(field: ETField, search: _Search, *, lanczos_iterations: int, seed: int) -> tuple[Tensor, Tensor]:
+    """Smallest and largest Ritz values of each sample's Hessian in its geometry (Lanczos), ``(B,)`` each."""
+    x, (n, d) = search.x, search.x.shape[-2:]
     generator = torch.Generator().manual_seed(seed)
-    smallest = torch.empty(batch, dtype=x.dtype)
-    largest = torch.empty(batch, dtype=x.dtype)
-    for kind, selected in (("spheres", ~in_x), ("x", in_x)):
+    smallest, largest = torch.empty(x.shape[0], dtype=x.dtype), torch.empty(x.shape[0], dtype=x.dtype)
+    for name, geometry_class in (("spheres", _Spheres), ("x", _Euclidean)):
+        selected = torch.tensor([k == name or (k == "mixed" and name == "spheres") for k in search.geometry])
         index = torch.nonzero(selected).flatten()
         if not len(index):
             continue
-        geo = spheres if kind == "spheres" else euclidean
-        bound = field.with_mask(mask[index]) if isinstance(mask, Tensor) and mask.dim() == 3 else field
-        apply, _, project = geo.hessian(bound, result_x[index])
-        dimension = n * (d - 2) if kind == "spheres" else n * (d - 1)
-        start = torch.randn(result_x[index].shape, generator=generator, dtype=x.dtype).to(x.device)
+        bound = restrict(field, index)
+        apply, _, project = geometry_class(bound).hessian(bound, x[index])
+        dimension = n * (d - 2) if name == "spheres" else n * (d - 1)
+        start = torch.randn(x[index].shape, generator=generator, dtype=x.dtype).to(x.device)
         ritz, _ = lanczos(apply, start, iterations=min(lanczos_iterations, dimension), project=project,
                           generator=generator)
         smallest[index], largest[index] = ritz[:, 0].detach(), ritz[:, -1].detach()
+    return smallest, largest
+
+
+def _status(geometry: str, converged: bool, kind: str, settled: bool) -> str:
+    if geometry == "mixed":
+        return "mixed"
+    if not converged:
+        return "not_converged"
+    if kind != "stable":
+        return kind
+    return "certified" if settled else "unsettled"
+
+
+# -- the polishing and its certificate --------------------------------------------------------------------------------
+
+
+def examine(field: ETField, x: Tensor, *, tol: float, method: str = "newton", max_iter: int = 200,
+            cg_max_iter: int = 100, lanczos_iterations: int = 32, zero_tol: float = 1e-6, seed: int = 0,
+            vouched: bool = False) -> Attractor:
+    """Phases 2 and 3 of :func:`et_ode.find_attractor` on ``x`` ``(B, N, D)`` (flattened; validated by the caller;
+    arguments as there): Newton to the critical point, its certificate, and the basin test from ``x``. With
+    ``vouched`` the caller holds ``x`` to be in the point's basin (``find_attractor(..., flow=False)``): the status
+    then does not wait on the basin test, whose answer ``settled`` still reports. The result's ``g`` is plain (not
+    differentiable); its counts cover this call alone."""
+    evaluations_before = field.nfe
+    counters = {"energy": 0}
+    options = dict(tol=tol, method=method, max_iter=max_iter, cg_max_iter=cg_max_iter)
+    search = _search(field, x, options, counters)
+    smallest, largest = _spectrum(field, search, lanczos_iterations=lanczos_iterations, seed=seed)
     with torch.no_grad():
-        g = field.model.neuron(result_x)
+        g = field.model.neuron(search.x)
         energy = _energy(field, g)
-        outward = _outward_force(field, result_x)
-    kinds = tuple(_classify(float(smallest[b]), float(largest[b]), zero_tol * max(abs(float(smallest[b])),
-                                                                                  abs(float(largest[b])), 1e-300))
-                  for b in range(batch))
-    converged = gradient < tol
-    g = implicit_attractor(field, result_x, in_x=in_x, certified=converged & torch.tensor([k == "stable" for k in kinds]),
-                           tol=implicit_tol, max_iter=implicit_max_iter)
-    evaluations = field.nfe - evaluations_before
+        outward = token_forces(field, search.x).amin(dim=-1)
+    kinds = tuple(_classify(float(lo), float(hi), zero_tol * max(abs(float(lo)), abs(float(hi)), 1e-300))
+                  for lo, hi in zip(smallest, largest, strict=True))
+    settled = basin_settled(field, x, search.x, smallest, search.geometry, tol=tol)
+    converged = search.gradient < tol
+    status = tuple(_status(geo, bool(c), kind, vouched or bool(s))
+                   for geo, c, kind, s in zip(search.geometry, converged, kinds, settled, strict=True))
+    return Attractor(x=search.x, g=g, energy=energy, gradient=search.gradient, smallest_eigenvalue=smallest,
+                     largest_eigenvalue=largest, kind=kinds, geometry=tuple(search.geometry), converged=converged,
+                     outward_force=outward, settled=settled, status=status, iterations=search.iterations,
+                     flow_evaluations=0, evaluations=field.nfe - evaluations_before,
+                     energy_evaluations=counters["energy"], tol=float(tol))
+
+
+def differentiable(field: ETField, found: Attractor, batch_shape: torch.Size, *, implicit_tol: float,
+                   implicit_max_iter: int, flow_evaluations: int, evaluations: int) -> Attractor:
+    """``found`` (a flattened batch) reshaped to ``batch_shape``, with ``g`` differentiable by the implicit function
+    theorem at its certified samples (:func:`et_ode.gradients.implicit_attractor`) and the given counts."""
+    in_x = torch.tensor([k == "x" for k in found.geometry])
+    g = implicit_attractor(field, found.x, in_x=in_x, certified=found.certified.reshape(-1), tol=implicit_tol,
+                           max_iter=implicit_max_iter)
 
     def shaped(v: Tensor) -> Tensor:
         return v.reshape(*batch_shape, *v.shape[1:])
 
-    return Attractor(x=shaped(result_x), g=shaped(g), energy=shaped(energy), gradient=shaped(gradient),
-                     smallest_eigenvalue=shaped(smallest), largest_eigenvalue=shaped(largest), kind=kinds,
-                     geometry=tuple(geometry), converged=shaped(converged), outward_force=shaped(outward),
-                     iterations=shaped(iterations), flow_evaluations=flow_evaluations, evaluations=evaluations,
-                     energy_evaluations=counters["energy"], tol=float(tol))
+    per_sample: dict[str, Any] = {name: shaped(getattr(found, name)) for name in (
+        "x", "energy", "gradient", "smallest_eigenvalue", "largest_eigenvalue", "converged", "outward_force",
+        "settled", "iterations")}
+    return dataclasses.replace(found, g=shaped(g), flow_evaluations=flow_evaluations, evaluations=evaluations,
+                               **per_sample)
+
+
+def certify(field: ETField, x: Tensor, *, tol: float, flow: bool = False, implicit_tol: float = 1e-8,
+            implicit_max_iter: int = 200, **newton: Any) -> Attractor:
+    """:func:`settle` on ``x`` ``(*batch, N, D)`` (validated by the caller), with ``g`` differentiable where the point
+    is certified. ``flow=False`` examines ``x`` itself (held to be in its basin); ``flow=True`` flows on from it
+    where the basin is not settled. ``newton`` holds :func:`examine`'s other arguments."""
+    if not float(field.model.neuron.gamma.detach()) > 0:
+        raise ValueError("an attractor needs gamma > 0 (the energy is then a Lyapunov function)")
+    evaluations_before = field.nfe
+    flat, flat_field = flatten(field, x)
+    found, flow_evaluations = settle(flat_field, flat, flow=flow, tol=tol, **newton)
+    return differentiable(flat_field, found, x.shape[:-2], implicit_tol=implicit_tol,
+                          implicit_max_iter=implicit_max_iter, flow_evaluations=flow_evaluations,
+                          evaluations=field.nfe - evaluations_before)
+
+
+def combine(parts: list[tuple[Tensor, Attractor]], batch: int) -> Attractor:
+    """One flattened :class:`Attractor` of ``batch`` samples from results on subsets ``(index, part)``; a later part
+    overrides an earlier one at the samples it holds. Counts add up."""
+    first = parts[0][1]
+    tensors = {name: torch.empty((batch, *getattr(first, name).shape[1:]), dtype=getattr(first, name).dtype)
+               for name in ("x", "g", "energy", "gradient", "smallest_eigenvalue", "largest_eigenvalue", "converged",
+                            "outward_force", "settled", "iterations")}
+    labels: dict[str, list[str]] = {name: [""] * batch for name in ("kind", "geometry", "status")}
+    for index, part in parts:
+        for name, value in tensors.items():
+            value[index] = getattr(part, name)
+        for name, values in labels.items():
+            for i, label in zip(index.tolist(), getattr(part, name), strict=True):
+                values[i] = label
+    return Attractor(**tensors, kind=tuple(labels["kind"]), geometry=tuple(labels["geometry"]),
+                     status=tuple(labels["status"]), flow_evaluations=sum(p.flow_evaluations for _, p in parts),
+                     evaluations=sum(p.evaluations for _, p in parts),
+                     energy_evaluations=sum(p.energy_evaluations for _, p in parts), tol=first.tol)
+
+
+# -- the flow phase and the hand-off --------------------------------------------------------------------------------
+
+
+def _mean_scale(x: Tensor) -> Tensor:
+    """Shrink each sample by one factor so that its tokens' RMS ``sigma`` is at most 1 (``g`` unchanged up to
+    O(eps)). Never grown: a flow heading inward, to a fixed point in ``x``, is left alone."""
+    xt = x - x.mean(dim=-1, keepdim=True)
+    rms = xt.square().mean(dim=(-1, -2), keepdim=True).sqrt()
+    return x / rms.clamp_min(1.0)
+
+
+def flow_to(field: ETField, x: Tensor, *, handoff: float, segment: float = SEGMENT, max_segments: int = MAX_SEGMENTS,
+            rtol: float = FLOW_RTOL, atol: float = FLOW_ATOL) -> Tensor:
+    """The ET's flow per sample from ``x`` ``(B, N, D)`` until RMS ``|T dE/dg| <= handoff``, in segments of
+    ``segment * tau`` between common rescalings; a sample that has not got there after ``max_segments`` segments
+    stops where it is. Raises :class:`~et_ode.SolveError` where the integration fails."""
+    x = x.detach().clone()
+    active = torch.arange(x.shape[0])
+    span = segment * field.tau
+    grid = torch.tensor([0.0, span], dtype=torch.float64, device=x.device)
+    solver = Adaptive(rtol=rtol, atol=atol)
+    stop = SteadyState(handoff, measure="tangent_gradient", per_sample=True)
+    for _ in range(max_segments):
+        if not len(active):
+            break
+        problem = Problem(restrict(field, active), _mean_scale(x[active]), grid, solver, stop, "final", 100_000)
+        try:
+            with torch.no_grad():
+                result = integrate(problem, odeint, problem.torchdiffeq_arguments())
+        except SolverFailure as failure:
+            raise SolveError(f"the flow phase failed: {failure}; {failure.advice}", time=failure.time,
+                             solution=None) from failure
+        x[active] = result.x
+        assert result.stop_times is not None  # a per-sample stop records each sample's stop time (``span`` if none)
+        active = active[result.stop_times >= span]
+    return x
+
+
+def settle(field: ETField, x: Tensor, *, flow: bool = True, handoff: float = HANDOFF, handoffs: int = HANDOFFS,
+           segment: float = SEGMENT, max_segments: int = MAX_SEGMENTS, rtol: float = FLOW_RTOL,
+           atol: float = FLOW_ATOL, **newton: Any) -> tuple[Attractor, int]:
+    """The hand-off loop of :func:`et_ode.find_attractor` on a flattened batch ``(B, N, D)``: flow to the hand-off
+    level, :func:`examine` there, and flow on to a level ten times lower the samples that are not certified, for
+    ``handoffs`` levels at most (``flow=False``: one examination of ``x`` itself). ``newton`` holds
+    :func:`examine`'s arguments. Returns the combined result (plain ``g``) and the flow's field evaluations."""
+    pending = torch.arange(x.shape[0])
+    parts: list[tuple[Tensor, Attractor]] = []
+    flow_evaluations, level = 0, handoff
+    x = x.detach().clone()
+    for _ in range(handoffs if flow else 1):
+        bound = restrict(field, pending)
+        if flow:
+            flow_started = field.nfe
+            x[pending] = flow_to(bound, x[pending], handoff=level, segment=segment, max_segments=max_segments,
+                                 rtol=rtol, atol=atol)
+            flow_evaluations += field.nfe - flow_started
+        found = examine(bound, x[pending], vouched=not flow, **newton)
+        parts.append((pending, found))
+        pending = pending[~found.certified]
+        if not len(pending):
+            break
+        level /= 10
+    return combine(parts, x.shape[0]), flow_evaluations

@@ -92,49 +92,6 @@ def _solve_hessian_system(apply: Any, rhs: Tensor, *, tol: float, max_iter: int,
     return w
 
 
-class _ImplicitRerouting(torch.autograd.Function):
-    """Identity on ``g`` in the forward pass; in the backward pass sends ``v`` to ``g`` and ``-w`` to ``dE/dg``."""
-
-    @staticmethod
-    def forward(ctx: Any, g: Tensor, grad_e: Tensor, field: ETField, g_star: Tensor, tol: float,
-                max_iter: int) -> Tensor:
-        ctx.field, ctx.tol, ctx.max_iter = field, tol, max_iter
-        ctx.save_for_backward(g_star)
-        return g.detach().clone()
-
-    @staticmethod
-    def backward(ctx: Any, v: Tensor) -> tuple[Tensor | None, ...]:
-        (g_star,) = ctx.saved_tensors
-        hessian, _ = riemannian_hessian(ctx.field, g_star)
-        s, _ = radial_direction(g_star, ctx.field.model.neuron.delta.detach())
-        w = _solve_hessian_system(hessian, tangent_projection(v, s), tol=ctx.tol, max_iter=ctx.max_iter,
-                                  advice="the fixed point may not be a stable attractor (Riemannian Hessian not "
-                                         "positive definite) or needs more iterations (max_iter)")
-        # The solution is tangent: the directions the operator annihilates (radial, mean) are invisible to the
-        # residual, and in float32 conjugate gradients drift along them (a step of huge alpha where p.Ap is rounding
-        # noise): 26-84% errors in the parameter gradients after 200 float32 iterations before this projection.
-        return v, -tangent_projection(w, s).detach(), None, None, None, None
-
-
-def implicit_fixed_point(field: ETField, x_star: Tensor, *, tol: float | None = None, max_iter: int = 200) -> Tensor:
-    """``g* = LayerNorm(x*)`` whose gradients come from the implicit function theorem.
-
-    Args:
-        field: the field whose fixed point ``x_star`` is (its mask is used).
-        x_star: a converged state ``(*batch, N, D)`` (detached).
-        tol, max_iter: relative residual and iteration cap of the conjugate-gradient solve (``tol`` None:
-            :func:`default_implicit_tol` of ``x_star``'s dtype).
-
-    Returns ``g*`` of shape ``(*batch, N, D)``, differentiable with respect to the model's parameters.
-    """
-    g = field.model.neuron(x_star.detach())
-    if not torch.is_grad_enabled():
-        return g
-    grad_e = field.dE_dg(g)
-    tol = default_implicit_tol(x_star.dtype) if tol is None else tol
-    return _ImplicitRerouting.apply(g, grad_e, field, g.detach(), tol, max_iter)
-
-
 class _AttractorRerouting(torch.autograd.Function):
     """Identity on ``g`` forward; backward: ``v`` to ``g`` and ``-w`` (spheres) or ``-M w`` (``x``) to ``dE/dg``,
     refusing samples that are not certified stable attractors."""
@@ -177,8 +134,12 @@ class _AttractorRerouting(torch.autograd.Function):
             noise = _dot(rhs, rhs).sqrt() <= 1e-12 * _dot(vi, vi).sqrt()
             rhs = torch.where(noise, torch.zeros_like(rhs), rhs)
             w = _solve_hessian_system(apply, rhs, tol=ctx.tol, max_iter=ctx.max_iter,
-                                      advice="raise Implicit(max_iter=...) in solve, implicit_max_iter in find_attractor")
-            if geometry:  # the solution is centred, as the operator's domain (see _ImplicitRerouting)
+                                      advice="raise max_iter of the Implicit settings (solve's gradient=, "
+                                             "find_attractor's implicit=, AttractorReadout's implicit=)")
+            # The solution is taken back into the operator's domain (tangent, or centred): the directions the
+            # operator annihilates are invisible to the residual, and in float32 conjugate gradients drift along them
+            # (a step of huge alpha where p.Ap is rounding noise), which the parameter gradients would carry.
+            if geometry:
                 w_out[index] = neuron.hessian_vector(x, w - w.mean(dim=-1, keepdim=True))
             else:
                 w_out[index] = tangent_projection(w, s)

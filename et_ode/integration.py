@@ -30,9 +30,13 @@ _KINDS: dict[str, type] = {kind.__name__: kind for kind in (Adaptive, Fixed, Eul
                                                              SteadyState, AttractorReadout)}
 
 
-def settings_to_dict(settings: Solver | Gradient | SteadyState | AttractorReadout) -> dict[str, Any]:
-    """A settings object as plain data: ``{"kind": class name, **fields}``."""
-    return {"kind": type(settings).__name__, **{f.name: getattr(settings, f.name) for f in dataclasses.fields(settings)}}
+def settings_to_dict(settings: Any) -> dict[str, Any]:
+    """A settings object (a solver, gradient strategy, stop or attractor readout) as plain data: ``{"kind": class
+    name, **fields}``, a field that is itself a settings object nested the same way."""
+    fields = {f.name: getattr(settings, f.name) for f in dataclasses.fields(settings)}
+    return {"kind": type(settings).__name__,
+            **{name: settings_to_dict(value) if isinstance(value, tuple(_KINDS.values())) else value
+               for name, value in fields.items()}}
 
 
 def settings_from_dict(data: Mapping[str, Any]) -> Any:
@@ -41,7 +45,9 @@ def settings_from_dict(data: Mapping[str, Any]) -> Any:
     kind = fields.pop("kind", None)
     if kind not in _KINDS:
         raise ValueError(f"settings kind must be one of {tuple(_KINDS)}, got {kind!r}")
-    return _KINDS[kind](**fields)
+    nested = {name: settings_from_dict(value) for name, value in fields.items()
+              if isinstance(value, Mapping) and "kind" in value}
+    return _KINDS[kind](**{**fields, **nested})
 
 
 def _named(options: str, make: Callable[[], T]) -> T:

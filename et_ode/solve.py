@@ -7,8 +7,10 @@ the gradient strategy (which runs the integration) and assembles the solution.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -34,6 +36,7 @@ def solve(
     stop: SteadyState | None = None,
     save: str = "all",
     max_steps: int = 10_000,
+    progress: bool = False,
 ) -> Solution:
     """Integrate ``tau dx/dt = -dE/dg`` from ``x0`` of shape ``(*batch, N, D)``.
 
@@ -51,6 +54,7 @@ def solve(
         save: ``"all"`` (the states at the times ``t``; with a stop, those before the stop and the stop itself, all
             from the one integration), ``"steps"`` (every accepted step of an adaptive method, every step of a fixed
             one) or ``"final"``.
+        progress: show a progress bar (tqdm, on standard error) over the time span while the solve runs.
         max_steps: raise :class:`SolveError` after this many solver steps (fixed steps are counted before any work);
             with :class:`~et_ode.Adjoint` the backward solve has a budget of its own of as many steps (its SolveError
             comes out of ``loss.backward()``).
@@ -85,23 +89,40 @@ def solve(
     if stop is not None:
         stop.check(x0, save)
 
-    progress = Progress()
+    if not isinstance(progress, bool):
+        raise TypeError(f"progress must be a bool, got {progress!r}")
+    record = Progress()
     nfe_before = field.evaluations.made()  # this thread's count: solves in other threads are not this one's
     started = time.perf_counter()
     try:
         grid = solver.time_grid(t, field.tau, x0.device, max_steps)
-        result = gradient.run(Problem(field, x0, grid, solver, stop, save, max_steps, progress))
+        with _progress_bar(progress, grid, solver.name) as bar:
+            record.bar, record.t0 = bar, float(grid[0])
+            result = gradient.run(Problem(field, x0, grid, solver, stop, save, max_steps, record))
     except SolverFailure as failure:
-        partial = _partial_solution(field, progress, x0, nfe_before, time.perf_counter() - started)
+        partial = _partial_solution(field, record, x0, nfe_before, time.perf_counter() - started)
         raise SolveError(f"solve failed ({solver.name}): {failure}; {failure.advice}", time=failure.time,
                          solution=partial) from failure
     stats = SolveStats(nfe_forward=field.evaluations.made() - nfe_before,
-                       accepted_steps=progress.accepted if solver.adaptive else progress.steps,
-                       rejected_steps=progress.rejected, wall_time=time.perf_counter() - started,
+                       accepted_steps=record.accepted if solver.adaptive else record.steps,
+                       rejected_steps=record.rejected, wall_time=time.perf_counter() - started,
                        t_final=float(result.ts[-1]), status=result.status, field=field, nfe_at_return=field.nfe,
-                       sample_evaluations=progress.sample_evaluations, stop_times=result.stop_times,
+                       sample_evaluations=record.sample_evaluations, stop_times=result.stop_times,
                        steady_state_measure=None if stop is None else stop.measure)
     return Solution(ts=result.ts, xs=result.xs, x=result.x, g=result.g, stats=stats, field=field)
+
+
+@contextlib.contextmanager
+def _progress_bar(show: bool, grid: Tensor, name: str) -> Iterator[Any]:
+    """A tqdm bar over the time span of ``grid`` (time as its unit), or None when not ``show``n."""
+    if not show:
+        yield None
+        return
+    from tqdm.auto import tqdm
+
+    with tqdm(total=abs(float(grid[-1] - grid[0])), desc=f"solve ({name})", unit="t", leave=False,
+              bar_format="{desc}: t {n:.4g}/{total:.4g} |{bar}| {elapsed}<{remaining}") as bar:
+        yield bar
 
 
 def _partial_solution(field: ETField, progress: Progress, x0: Tensor, nfe_before: int, wall_time: float) -> Solution:

@@ -16,9 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from et_ode import Adaptive, ETField, EulerET, Fixed, Implicit, Integration, SteadyState, solve
-from et_ode.analysis import find_fixed_point
-from et_ode.gradients import implicit_fixed_point
+from et_ode import Adaptive, ETField, EulerET, Fixed, Implicit, Integration, SteadyState, find_attractor, solve
 from tests.conftest import random_model
 from tests.fd_reference import (
     directional_derivative,
@@ -258,21 +256,20 @@ def test_steady_state_stop_gradient_of_the_parameters_every_form(form, grad):
 
 # ------------------------------------------------------------------------------------------- at the attractor
 def attractor_setting(form: str):
-    """A masked 3-token model (eps 1e-3), its attractor certified by Riemannian descent to RMS |T dE/dg| < 1e-12
-    from the end of a solve, and the attractor map theta -> g*(theta) from that point."""
+    """A masked 3-token model (eps 1e-3), its attractor certified to RMS |T dE/dg| < 1e-12 from the end of a solve,
+    and the attractor map theta -> g*(theta) from that point (``find_attractor`` without the flow)."""
     x0, target, mask = problem()
     model = make_model(form, eps=1e-3)
     field = ETField(model, tau=TAU, backend="reference", mask=mask)
     with torch.no_grad():
         start = solve(field, x0, (0.0, 30.0), solver=Adaptive(rtol=1e-6, atol=1e-8), save="final").x
-    search = find_fixed_point(field, start, tol=1e-12, max_iter=5000)
-    assert search.converged
-    x_star = search.x
+    found = find_attractor(field, start, tol=1e-12)
+    assert bool(found.certified.all())
+    x_star = found.x
 
     def attractor_loss() -> torch.Tensor:
-        point = find_fixed_point(ETField(model, tau=TAU, backend="reference", mask=mask), x_star, tol=1e-12,
-                                 max_iter=5000)
-        return weighted_loss(model.neuron(point.x), target)
+        point = find_attractor(ETField(model, tau=TAU, backend="reference", mask=mask), x_star, tol=1e-12, flow=False)
+        return weighted_loss(point.g, target)
 
     return model, mask, target, x_star, attractor_loss
 
@@ -281,11 +278,13 @@ def check_implicit_at_attractor(form: str) -> None:
     model, mask, target, x_star, attractor_loss = attractor_setting(form)
     tensors = dict(model.named_parameters())
     direction = directions(tensors)
-    want = finite_differences(attractor_loss, tensors, direction, h=1e-5)
+    with torch.no_grad():
+        want = finite_differences(attractor_loss, tensors, direction, h=1e-5)
     for backend in ("reference", "fused"):
         model.zero_grad()
-        g_star = implicit_fixed_point(ETField(model, tau=TAU, backend=backend, mask=mask), x_star, tol=1e-12)
-        weighted_loss(g_star, target).backward()
+        found = find_attractor(ETField(model, tau=TAU, backend=backend, mask=mask), x_star, tol=1e-12, flow=False,
+                               implicit=Implicit(tol=1e-12))
+        weighted_loss(found.g, target).backward()
         got = analytic({name: t.grad for name, t in tensors.items()}, direction)
         assert_close_per_group(got, want, 1e-6, f"{form} implicit {backend}")
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.func import functional_call
 
-from et_ode import Adaptive, Adjoint, ETField, Fixed, Implicit, SolveError, SteadyState, implicit_fixed_point, solve
+from et_ode import Adaptive, Adjoint, ETField, Fixed, Implicit, SolveError, SteadyState, find_attractor, solve
 from tests.conftest import random_model
 
 
@@ -116,15 +116,15 @@ def test_implicit_needs_a_converged_solve():
 
 def _implicit_parameter_gradient(model, x0, target, path, tol):
     """Parameter gradients of ``|g* - target|^2`` at a fixed point, by ``path``: ``solve(gradient=Implicit(tol))`` from
-    ``x0`` (the certified attractor's rerouting), or :func:`implicit_fixed_point` at ``x0`` itself (the plain
-    fixed-point rerouting; ``x0`` is then a converged state)."""
+    ``x0``, or :func:`find_attractor` with ``flow=False`` at ``x0`` itself (``x0`` is then a converged state): the
+    same certified attractor's rerouting, reached two ways."""
     model.zero_grad()
     field = ETField(model)
     if path == "solve":
         g = solve(field, x0, (0.0, 1e5), solver=Adaptive(rtol=1e-6, atol=1e-8), stop=SteadyState(1e-4),
                   gradient=Implicit(tol=tol), save="final").g
     else:
-        g = implicit_fixed_point(field, x0, tol=tol)
+        g = find_attractor(field, x0, flow=False, implicit=Implicit(tol=tol)).g
     (g - target).square().sum().backward()
     return torch.cat([p.grad.flatten() for p in model.parameters()])
 

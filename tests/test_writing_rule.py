@@ -64,7 +64,8 @@ def test_no_command_replaces_another_commands_run(checkpoint, tmp_path, capsys):
     (training / CONFIG_NAME).write_text(json.dumps({"data": "digits"}))
     before = _snapshot(training)
     assert _complete(checkpoint, training, "--overwrite") == 2
-    assert "holds a training run (its config.json names no command), not a run of `et-ode complete`" in capsys.readouterr().err
+    refusal = "holds a training run (its config.json names no command), not a run of `et-ode complete`"
+    assert refusal in capsys.readouterr().err
     assert _snapshot(training) == before
 
     film = tmp_path / "film"

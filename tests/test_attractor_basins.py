@@ -37,12 +37,13 @@ def check_against_the_flow(model: EnergyTransformer, x0: torch.Tensor, **options
     return found.status[0]
 
 
-@pytest.mark.parametrize("form", ["relu", "softmax", "softplus"])
+@pytest.mark.parametrize("form", ["softmax", pytest.param("relu", marks=pytest.mark.slow),
+                                  pytest.param("softplus", marks=pytest.mark.slow)])
 def test_the_default_search_returns_the_flows_own_limit(form: str) -> None:
     assert check_against_the_flow(*random_case(1, form)) == "certified"
 
 
-@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow)])
 def test_newton_straight_from_x0_never_certifies_another_minimum(seed: int) -> None:
     """A hand-off level above any gradient hands ``x0`` itself to Newton, which need not stay in the flow's basin:
     the basin test must then refuse (``"unsettled"``) rather than certify the point Newton found."""

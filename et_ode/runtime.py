@@ -118,3 +118,18 @@ def warn_if_oversubscribed(threads: int | None = None) -> str | None:
         _warned = True
         warnings.warn(message, RuntimeWarning, stacklevel=2)
     return message
+
+
+_SOLVE_PROGRESS = {"default": False}
+SLOW_SOLVE_SECONDS = 3.0  # a solve that runs this long shows its bar when the bar is on by default
+
+
+def show_solve_progress(on: bool) -> None:
+    """Whether :func:`et_ode.solve` shows a progress bar when its ``progress`` argument is left at None (the
+    command line turns it on: a solve then shows its bar once it has run :data:`SLOW_SOLVE_SECONDS`)."""
+    _SOLVE_PROGRESS["default"] = bool(on)
+
+
+def solve_progress_default() -> bool:
+    """The default that :func:`show_solve_progress` set (off unless it was called)."""
+    return _SOLVE_PROGRESS["default"]

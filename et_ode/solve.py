@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from . import runtime
 from ._checks import check_mask, check_tokens
 from ._loop import Problem, Progress
 from .adjoints import Gradient, as_gradient
@@ -36,7 +37,7 @@ def solve(
     stop: SteadyState | None = None,
     save: str = "all",
     max_steps: int = 10_000,
-    progress: bool = False,
+    progress: bool | None = None,
 ) -> Solution:
     """Integrate ``tau dx/dt = -dE/dg`` from ``x0`` of shape ``(*batch, N, D)``.
 
@@ -54,7 +55,9 @@ def solve(
         save: ``"all"`` (the states at the times ``t``; with a stop, those before the stop and the stop itself, all
             from the one integration), ``"steps"`` (every accepted step of an adaptive method, every step of a fixed
             one) or ``"final"``.
-        progress: show a progress bar (tqdm, on standard error) over the time span while the solve runs.
+        progress: show a progress bar (tqdm, on standard error) over the time span while the solve runs; None
+            (the default): off, unless :func:`et_ode.runtime.show_solve_progress` turned it on (the command line
+            does), and then shown once the solve has run a few seconds.
         max_steps: raise :class:`SolveError` after this many solver steps (fixed steps are counted before any work);
             with :class:`~et_ode.Adjoint` the backward solve has a budget of its own of as many steps (its SolveError
             comes out of ``loss.backward()``).
@@ -89,14 +92,16 @@ def solve(
     if stop is not None:
         stop.check(x0, save)
 
-    if not isinstance(progress, bool):
-        raise TypeError(f"progress must be a bool, got {progress!r}")
+    if progress is not None and not isinstance(progress, bool):
+        raise TypeError(f"progress must be a bool or None, got {progress!r}")
+    delay = 0.0 if progress else runtime.SLOW_SOLVE_SECONDS
+    progress = runtime.solve_progress_default() if progress is None else progress
     record = Progress()
     nfe_before = field.evaluations.made()  # this thread's count: solves in other threads are not this one's
     started = time.perf_counter()
     try:
         grid = solver.time_grid(t, field.tau, x0.device, max_steps)
-        with _progress_bar(progress, grid, solver.name) as bar:
+        with _progress_bar(progress, grid, solver.name, delay) as bar:
             record.bar, record.t0 = bar, float(grid[0])
             result = gradient.run(Problem(field, x0, grid, solver, stop, save, max_steps, record))
     except SolverFailure as failure:
@@ -113,14 +118,15 @@ def solve(
 
 
 @contextlib.contextmanager
-def _progress_bar(show: bool, grid: Tensor, name: str) -> Iterator[Any]:
-    """A tqdm bar over the time span of ``grid`` (time as its unit), or None when not ``show``n."""
+def _progress_bar(show: bool, grid: Tensor, name: str, delay: float) -> Iterator[Any]:
+    """A tqdm bar over the time span of ``grid`` (time as its unit), drawn after ``delay`` seconds, or None when not
+    ``show``n."""
     if not show:
         yield None
         return
     from tqdm.auto import tqdm
 
-    with tqdm(total=abs(float(grid[-1] - grid[0])), desc=f"solve ({name})", unit="t", leave=False,
+    with tqdm(total=abs(float(grid[-1] - grid[0])), desc=f"solve ({name})", unit="t", leave=False, delay=delay,
               bar_format="{desc}: t {n:.4g}/{total:.4g} |{bar}| {elapsed}<{remaining}") as bar:
         yield bar
 

@@ -104,6 +104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         torch.set_num_threads(threads)
     runtime.warn_if_oversubscribed()
+    runtime.show_solve_progress(True)  # a solve that runs for more than a few seconds shows a bar
     try:
         args.run(args)
     except (ValueError, FileNotFoundError, TypeError, SolveError) as error:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from et_ode import EnergyTransformer, ETField, find_attractor
@@ -44,22 +45,21 @@ def starts() -> torch.Tensor:
     return torch.randn(3, 2, D, generator=generator, dtype=torch.float64)
 
 
-def test_a_certified_point_holds_its_geometry_by_the_spec_formulas() -> None:
+@pytest.mark.parametrize("memory_scale", [0.4, 1.5])
+@pytest.mark.parametrize("flow", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_a_certified_point_holds_its_geometry_by_the_spec_formulas(memory_scale: float, flow: bool) -> None:
     """Whatever the start and whether the flow runs: a certified point on the spheres has every token pushing
     outward and a vanishing tangent gradient; one in ``x`` a vanishing centred gradient (not one that is small only
     because the tokens grew); nothing else is certified."""
-    for memory_scale in (0.4, 1.5):
-        model, mask, weights = independent_tokens(memory_scale)
-        field = ETField(model, mask=mask)
-        for flow in (True, False):
-            found = find_attractor(field, starts(), flow=flow)
-            for b, status in enumerate(found.status):
-                tangent, centred, rho = residuals(weights, mask, found.g.detach()[b])
-                if status != "certified":
-                    continue
-                if found.geometry[b] == "spheres":
-                    assert bool((rho > 0).all()) and tangent < 1e-7, (memory_scale, flow, b, rho, tangent)
-                    assert float(found.outward_force[b]) == float(rho.min()) or math.isclose(
-                        float(found.outward_force[b]), float(rho.min()), rel_tol=1e-6)
-                else:
-                    assert found.geometry[b] == "x" and centred < 1e-7, (memory_scale, flow, b, centred)
+    model, mask, weights = independent_tokens(memory_scale)
+    found = find_attractor(ETField(model, mask=mask), starts(), flow=flow)
+    assert "certified" in found.status  # something to check
+    for b, status in enumerate(found.status):
+        if status != "certified":
+            continue
+        tangent, centred, rho = residuals(weights, mask, found.g.detach()[b])
+        if found.geometry[b] == "spheres":
+            assert bool((rho > 0).all()) and tangent < 1e-7, (memory_scale, flow, b, rho, tangent)
+            assert math.isclose(float(found.outward_force[b]), float(rho.min()), rel_tol=1e-6)
+        else:
+            assert found.geometry[b] == "x" and centred < 1e-7, (memory_scale, flow, b, centred)

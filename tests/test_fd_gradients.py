@@ -301,6 +301,7 @@ def test_implicit_gradient_matches_the_attractor_map_every_form(form):
     check_implicit_at_attractor(form)
 
 
+@pytest.mark.slow
 def test_solve_implicit_matches_finite_differences_of_the_stopped_and_polished_solve():
     """``solve(..., stop=SteadyState, gradient=Implicit())`` differentiates the map the user runs: stop the flow,
     polish the end state into a certified attractor (:func:`et_ode.find_attractor`, on the eps -> 0 limit spheres),

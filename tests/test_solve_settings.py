@@ -106,7 +106,7 @@ def test_a_string_solves_exactly_as_its_object():
 def test_solve_has_at_most_ten_parameters_and_no_mask():
     parameters = inspect.signature(solve).parameters
     assert len(parameters) <= 10 and "mask" not in parameters
-    assert list(parameters) == ["field", "x0", "t", "solver", "gradient", "stop", "save", "max_steps"]
+    assert list(parameters) == ["field", "x0", "t", "solver", "gradient", "stop", "save", "max_steps", "progress"]
 
 
 # ------------------------------------------------------------------------------------------- rules the objects own

@@ -4,6 +4,7 @@ compaction), dense output, direct gradients against finite differences, progress
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import pytest
@@ -252,23 +253,8 @@ def test_direct_gradients_match_central_differences_of_the_whole_solve(step_cont
         assert solution.xs is not None
         return (solution.xs * weights).sum()
 
-    x = x0.clone().requires_grad_(True)
-    value = loss(x)
-    grads = torch.autograd.grad(value, [x, *params])
-    analytic = (grads[0] * direction_x).sum() + sum((g * d).sum() for g, d in zip(grads[1:], directions, strict=True))
-    eps = 1e-5
-
-    def shifted(sign: float) -> float:
-        with torch.no_grad():
-            for p, d in zip(params, directions, strict=True):
-                p.add_(sign * eps * d)
-            result = loss(x0 + sign * eps * direction_x).item()
-            for p, d in zip(params, directions, strict=True):
-                p.sub_(sign * eps * d)
-        return result
-
-    numeric = (shifted(1.0) - shifted(-1.0)) / (2 * eps)
-    assert abs(analytic.item() - numeric) < 1e-7 * max(1.0, abs(numeric))
+    analytic, numeric = _directional_derivatives(loss, x0, direction_x, params, directions, eps=1e-5)
+    assert abs(analytic - numeric) < 1e-7 * max(1.0, abs(numeric))
 
 
 # -- progress, failures, arguments -------------------------------------------------------------------------------
@@ -460,10 +446,18 @@ def test_direct_gradients_through_the_stop_time_match_central_differences(step_c
         assert solution.status is et_ode.Status.STEADY_STATE
         return (solution.x * weights).sum()
 
+    analytic, numeric = _directional_derivatives(loss, x0, direction_x, params, directions, eps=1e-6)
+    assert abs(analytic - numeric) < 1e-7 * abs(numeric)
+
+
+def _directional_derivatives(loss: Callable[[torch.Tensor], torch.Tensor], x0: torch.Tensor,
+                             direction_x: torch.Tensor, params: list[torch.Tensor], directions: list[torch.Tensor], *,
+                             eps: float) -> tuple[float, float]:
+    """The derivative of ``loss`` along ``(direction_x, directions)`` in ``(x0, params)``: by autograd, and by central
+    differences of step ``eps`` (the parameters shifted in place and restored)."""
     x = x0.clone().requires_grad_(True)
     grads = torch.autograd.grad(loss(x), [x, *params])
     analytic = (grads[0] * direction_x).sum() + sum((g * d).sum() for g, d in zip(grads[1:], directions, strict=True))
-    eps = 1e-6
 
     def shifted(sign: float) -> float:
         with torch.no_grad():
@@ -474,5 +468,4 @@ def test_direct_gradients_through_the_stop_time_match_central_differences(step_c
                 p.sub_(sign * eps * d)
         return result
 
-    numeric = (shifted(1.0) - shifted(-1.0)) / (2 * eps)
-    assert abs(analytic.item() - numeric) < 1e-7 * abs(numeric)
+    return float(analytic), (shifted(1.0) - shifted(-1.0)) / (2 * eps)

@@ -19,11 +19,13 @@ def value_range(x: Tensor) -> tuple[float, float]:
 
 
 def check_tokens(name: str, x: object, dim: int, like: Tensor | None = None, normalisable: bool = False) -> Tensor:
-    """``x`` must be a finite floating tensor of shape ``(..., N, dim)`` with ``N >= 1``; with ``like`` (a model
+    """``x`` must be a dense, finite floating tensor of shape ``(..., N, dim)`` with ``N >= 1``; with ``like`` (a model
     parameter), of its dtype (TypeError) and on its device (ValueError); with ``normalisable``, also one whose
     LayerNorm is computable in its dtype (:func:`check_normalisable`, from the same pass over ``x``)."""
     if not isinstance(x, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of shape (..., N, {dim}), got {type(x).__name__}")
+    if x.layout != torch.strided:
+        raise TypeError(f"{name} must be a dense tensor, got layout {x.layout}: use {name}.to_dense()")
     if not x.is_floating_point():
         raise TypeError(f"{name} must have a floating dtype (float32 or float64), got {x.dtype}")
     if x.dim() < 2 or x.shape[-1] != dim:

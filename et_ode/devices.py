@@ -20,7 +20,8 @@ from torch import Tensor
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
-    """``"auto"`` -> CUDA when available, else CPU; checks that a requested CUDA device exists."""
+    """``"auto"`` -> CUDA when available, else CPU; checks that a requested CUDA device exists (ValueError naming
+    it otherwise; TypeError for a value that is not a device's name)."""
     if isinstance(device, torch.device):
         device = str(device)
     if not isinstance(device, str):
@@ -33,6 +34,9 @@ def resolve_device(device: str | torch.device) -> torch.device:
         raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:i', got {device!r}") from None
     if resolved.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device={device!r} was requested but CUDA is not available on this machine")
+    if resolved.type == "cuda" and resolved.index is not None and resolved.index >= torch.cuda.device_count():
+        raise ValueError(f"device={device!r} was requested but this machine has {torch.cuda.device_count()} CUDA "
+                         "device(s)")
     return resolved
 
 

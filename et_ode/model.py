@@ -8,6 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from ._checks import check_mask, check_tokens
+from .devices import resolve_device
 from .energies import EnergyAttention, HopfieldMemory
 from .masks import Mask
 from .neurons import LayerNormNeuron, inverse_softplus
@@ -34,7 +35,8 @@ class EnergyTransformer(nn.Module):
     ``mask`` is a boolean ``(N, N)`` or ``(*batch, N, N)``, True where query ``C`` may attend to key ``B``.
 
     Raises (construction): ValueError naming the setting (``dim``, ``heads``, ``head_dim``, ``memories``,
-    ``hopfield``, ``beta``, ``beta_hn``, ``eps``). Raises (the public methods): TypeError for a state ``x``/``g``
+    ``hopfield``, ``beta``, ``beta_hn``, ``eps``, a ``device`` this machine does not have); TypeError for a ``dtype``
+    that is not floating. Raises (the public methods): TypeError for a state ``x``/``g``
     that is not a floating tensor of the model's dtype or a mask of the wrong type; ValueError for a wrong shape,
     N = 0, NaN/inf entries, a state on another device, or a mask of the wrong shape, each naming the argument.
     """
@@ -56,6 +58,10 @@ class EnergyTransformer(nn.Module):
         device: torch.device | str | None = None,
     ):
         super().__init__()
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise TypeError(f"dtype must be a floating torch.dtype (torch.float32 or torch.float64), got {dtype!r}")
+        if device is not None:
+            resolve_device(device)  # a device this machine has (ValueError naming it otherwise)
         self.dim = dim
         self.neuron = LayerNormNeuron(dim, eps=eps, positive_gamma=positive_gamma, dtype=dtype, device=device)
         self.attention = EnergyAttention(dim, heads, head_dim, beta=beta, self_attention=self_attention, dtype=dtype,

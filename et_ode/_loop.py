@@ -289,17 +289,14 @@ class _StopTimeParameterTerm(torch.autograd.Function):
         return (v, None, None, None, *param_grads)
 
 
-def _event_function(stop: SteadyState, source: Recorder | ETField, t_end: Tensor) -> Callable[[Tensor, Tensor], Tensor]:
-    """The stop's event ``c(t, y)``: ``log(measure / tol)`` of the smallest (per sample) or largest (jointly) measure,
-    capped by the time left to ``t_end``; ``source`` evaluates the velocity: a recorder (shared evaluations) or the
-    field itself."""
+def _event_function(stop: SteadyState, field: ETField, velocity: Callable[[Tensor], Tensor],
+                    t_end: Tensor) -> Callable[[Tensor, Tensor], Tensor]:
+    """The stop's event ``c(t, y)``: ``log(measure / tol)`` of the smallest (per sample) or largest (jointly) measure
+    of ``field``, capped by the time left to ``t_end``; ``velocity(y)`` gives ``dx/dt`` (a recorder's, sharing the
+    solver's evaluations, or the field's own)."""
 
     def event_fn(t: Tensor, y: Tensor) -> Tensor:
-        if isinstance(source, Recorder):
-            field, rate = source.field, source.velocity(y)
-        else:
-            field, rate = source, source(None, y)
-        values = stop.rms(field, y, rate)
+        values = stop.rms(field, y, velocity(y))
         crossing = torch.log((values.min() if stop.per_sample else values.max()) / stop.tol)
         return torch.minimum(crossing, (t_end - t).to(crossing.dtype))
 
@@ -337,7 +334,7 @@ def _to_steady_state(recorder: Recorder, x0: Tensor, t0: Tensor, ends: Tensor, s
             converged = converged.all().reshape(1)
         ran_out = torch.zeros_like(converged)  # samples that stop at the end of the span without converging
         if not bool(converged.any()):  # (samples converged at a segment's start stop before integrating)
-            event_fn = _event_function(stop, segment, t_end)
+            event_fn = _event_function(stop, segment_field, segment.velocity, t_end)
 
             segment_arguments = arguments
             if recorder.progress.last_dt is not None:  # continue with the step size the last segment reached
@@ -350,8 +347,9 @@ def _to_steady_state(recorder: Recorder, x0: Tensor, t0: Tensor, ends: Tensor, s
             if torch.is_grad_enabled() and params:  # the stop test's own dependence on the parameters
                 # (closures over the field alone: one over the recorder, which holds the latest state, would tie
                 # the graph to itself in a cycle that outlives the solve)
-                x = _StopTimeParameterTerm.apply(x, t_start, _event_function(stop, segment_field, t_end),
-                                                 functools.partial(segment_field, None), *params)
+                velocity = functools.partial(segment_field, None)
+                x = _StopTimeParameterTerm.apply(x, t_start, _event_function(stop, segment_field, velocity, t_end),
+                                                 velocity, *params)
             with torch.no_grad():
                 converged = stop.rms(segment_field, x, segment.velocity(x)) < tol * (1 + 1e-6)
             segment.forget()

@@ -65,13 +65,9 @@ def _check_arguments(field: ETField, x0: Tensor, numbers: dict[str, float | None
     """ValueError / TypeError naming the first bad argument of :func:`find_attractor`."""
     if not isinstance(field, ETField):
         raise TypeError(f"field must be an et_ode.ETField, got {type(field).__name__}")
-    check_tokens("x0", x0, field.model.dim)
-    if not x0.is_floating_point():
-        raise TypeError(f"x0 must be a floating tensor, got {x0.dtype}")
+    check_tokens("x0", x0, field.model.dim)  # a dense, finite floating tensor (..., N, D)
     if x0.shape[:-2].numel() == 0:
         raise ValueError(f"x0 has an empty batch: shape {tuple(x0.shape)} (*batch, N, D); give at least one sample")
-    if not bool(torch.isfinite(x0).all()):
-        raise ValueError("x0 has non-finite entries")
     check_mask(field.mask, x0)
     for name, value in numbers.items():
         if isinstance(value, bool) or not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):

@@ -29,7 +29,9 @@ METHODS = ("newton", "gradient")
 HANDOFF, HANDOFFS = 0.1, 6  # the first hand-off level (RMS |T dE/dg|), and how many levels at most (each 10x lower)
 SEGMENT, MAX_SEGMENTS = 20.0, 50  # the flow phase: segments of SEGMENT * tau between rescalings, per level
 FLOW_RTOL, FLOW_ATOL = 1e-4, 1e-8  # the flow phase's dopri5 tolerances
-STATUSES = ("certified", "unsettled", "not_converged", "saddle", "degenerate", "mixed")
+# the per-sample tensors of an Attractor besides g, shape (B, ...) in a flattened batch
+_PER_SAMPLE = ("x", "energy", "gradient", "smallest_eigenvalue", "largest_eigenvalue", "converged", "outward_force",
+               "settled", "iterations")
 
 
 @dataclass(frozen=True)
@@ -281,7 +283,6 @@ def _descend(geometry: _Spheres | _Euclidean, field: ETField, x: Tensor, *, tol:
     batch = x.shape[0]
     rounding, tiny = torch.finfo(x.dtype).eps, torch.finfo(x.dtype).tiny
     x = geometry.canonical(x)
-    per_sample_mask = field.mask if isinstance(field.mask, Tensor) and field.mask.dim() == 3 else None
     scale = geometry.size(x)
     iterations = torch.zeros(batch, dtype=torch.long)
     rms = torch.full((batch,), math.inf, dtype=x.dtype)
@@ -293,7 +294,7 @@ def _descend(geometry: _Spheres | _Euclidean, field: ETField, x: Tensor, *, tol:
     counters["energy"] += 1
     active = torch.arange(batch)
     while len(active):
-        bound = field.with_mask(per_sample_mask[active]) if per_sample_mask is not None else field
+        bound = restrict(field, active)
         xa = x[active]
         newton = ~fallback[active]
         if bool(newton.any()):
@@ -457,6 +458,12 @@ def basin_settled(field: ETField, start: Tensor, found: Tensor, smallest: Tensor
     return settled
 
 
+def _downhill(field: ETField, g_start: Tensor, g_found: Tensor) -> Tensor:
+    """``E`` does not rise from ``g_start`` to ``g_found`` (up to rounding), per sample ``(B,)``."""
+    energy_start, energy_found = _energy(field, g_start), _energy(field, g_found)
+    return energy_start >= energy_found - 1e-10 * energy_found.abs().clamp_min(1.0)
+
+
 def _linear_regime_in_g(field: ETField, start: Tensor, found: Tensor, tol: float) -> Tensor:
     """:func:`basin_settled` at a fixed point in ``x``, ``(B,)``, made in ``g``: there the flow is
     ``dg/dt = -(1/tau) M dE/dg``, a gradient flow of ``E`` with the positive rates ``M`` on centred vectors, whose
@@ -467,11 +474,10 @@ def _linear_regime_in_g(field: ETField, start: Tensor, found: Tensor, tol: float
     margin = 0.5 / _Spheres.conditioning(start).sqrt()
     with torch.no_grad():
         g_start, g_found = neuron(start), neuron(found)
-        downhill = _energy(field, g_start) >= _energy(field, g_found) - 1e-10 * _energy(field, g_found).abs().clamp_min(1.0)
+        settled = _downhill(field, g_start, g_found)
     with torch.enable_grad():
         point = g_found.detach().requires_grad_(True)
         grad_found = field.dE_dg(point)
-    settled = downhill.clone()
     for fraction in (1.0, 0.5):
         v = fraction * (g_start - g_found)
         v = v - v.mean(dim=-1, keepdim=True)
@@ -496,13 +502,11 @@ def _linear_regime(geometry: _Spheres, start: Tensor, found: Tensor, smallest: T
     margin = 0.5 / geometry.conditioning(start).sqrt()
     start = geometry.canonical(start)
     with torch.no_grad():
-        energy_start, energy_found = (_energy(field, field.model.neuron(x)) for x in (start, found))
-    downhill = energy_start >= energy_found - 1e-10 * energy_found.abs().clamp_min(1.0)
+        settled = _downhill(field, field.model.neuron(start), field.model.neuron(found))
     apply, _, project = geometry.hessian(field, found)
-    settled = downhill.clone()
     step = geometry.displacement(found, start)
-    for point in (start, geometry.retract(found, 0.5 * step)):
-        v = geometry.displacement(found, point)
+    midpoint = geometry.retract(found, 0.5 * step)
+    for point, v in ((start, step), (midpoint, geometry.displacement(found, midpoint))):
         with torch.no_grad():
             grad, _ = geometry.gradient(field, point)
         error = project(grad) - apply(v).detach()
@@ -587,9 +591,7 @@ def differentiable(field: ETField, found: Attractor, batch_shape: torch.Size, *,
     def shaped(v: Tensor) -> Tensor:
         return v.reshape(*batch_shape, *v.shape[1:])
 
-    per_sample: dict[str, Any] = {name: shaped(getattr(found, name)) for name in (
-        "x", "energy", "gradient", "smallest_eigenvalue", "largest_eigenvalue", "converged", "outward_force",
-        "settled", "iterations")}
+    per_sample: dict[str, Any] = {name: shaped(getattr(found, name)) for name in _PER_SAMPLE}
     return dataclasses.replace(found, g=shaped(g), flow_evaluations=flow_evaluations, evaluations=evaluations,
                                **per_sample)
 
@@ -614,8 +616,7 @@ def combine(parts: list[tuple[Tensor, Attractor]], batch: int) -> Attractor:
     overrides an earlier one at the samples it holds. Counts add up."""
     first = parts[0][1]
     tensors = {name: torch.empty((batch, *getattr(first, name).shape[1:]), dtype=getattr(first, name).dtype)
-               for name in ("x", "g", "energy", "gradient", "smallest_eigenvalue", "largest_eigenvalue", "converged",
-                            "outward_force", "settled", "iterations")}
+               for name in ("g", *_PER_SAMPLE)}
     labels: dict[str, list[str]] = {name: [""] * batch for name in ("kind", "geometry", "status")}
     for index, part in parts:
         for name, value in tensors.items():

@@ -5,7 +5,7 @@ two 15-node cliques injected (the protocol in ``et_ode.data.graphs``), a stratif
 test ROC AUC and macro-F1 (threshold chosen on the validation nodes) for the three models.
 
     python examples/detect_graph_anomalies.py --out runs/anomaly
-    python examples/detect_graph_anomalies.py --graph mutag --root ../shared/data
+    python examples/detect_graph_anomalies.py --graph mutag --root /path/to/tu   # a folder holding MUTAG/raw/
     python examples/detect_graph_anomalies.py --graph files --edges e.txt --features x.txt --labels y.txt
 
 Same as ``et-ode train graph anomaly ...``; every option of that command works here (``--help``).

@@ -5,11 +5,11 @@ the per-fold and the mean +- standard deviation of the test accuracy (see ``et_o
 The defaults here are the recipe measured on MUTAG: node-degree one-hot and 8 random-walk return probabilities
 appended to the atom types (``--max-degree 4 --rw-steps 8``), 6 Euler steps of 0.2, dropout 0.2 on the encoded
 features, a GELU read-out of width 64, AdamW at 3e-3 for 100 epochs in batches of 32, and an ensemble of 5
-differently seeded models per fold, i.e. ``et-ode train graph classify --root ../shared/data --max-degree 4
+differently seeded models per fold, i.e. ``et-ode train graph classify --root /path/to/tu --max-degree 4
 --rw-steps 8 --steps 6 --step 0.2 --dropout 0.2 --head-hidden 64 --lr 3e-3 --epochs 100 --ensemble 5``.
 Add ``--grid OPTION=V1,V2`` to choose options per fold by an inner cross-validation (nested).
 
-    python examples/train_graph_classification.py --root ../shared/data --out runs/mutag
+    python examples/train_graph_classification.py --root /path/to/tu --out runs/mutag   # /path/to/tu/MUTAG/raw/
     python examples/train_graph_classification.py --root /path/to/tu --name PROTEINS --epochs 50
 
 Same as ``et-ode train graph classify ...``; every option of that command works here (``--help``).

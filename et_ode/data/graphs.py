@@ -206,7 +206,7 @@ def read_tu(root: str | Path, name: str, *, pe_dim: int | None = 15, max_degree:
     """A TU-format data set as a list of PyG ``Data`` graphs (labels mapped to ``0..C-1``).
 
     Args:
-        root: the folder holding ``name/raw/`` (PyG's layout, e.g. ``/work/shared/data`` for MUTAG).
+        root: the folder holding ``name/raw/`` (PyG's layout: ``root/MUTAG/raw/MUTAG_A.txt`` and its siblings for MUTAG).
         name: the data set's name, the prefix of its files (``"MUTAG"``).
         pe_dim: add Laplacian eigenvector encodings ``pe (n, pe_dim)`` (None: none).
         max_degree: if > 0, append a one-hot of the node degree (clamped) to ``x`` (:func:`add_degree_features`).

@@ -15,11 +15,11 @@ network (``saddle_network``), basins (``basin_map``, ``attractor_census``), the 
 Or everything at once, written to a folder: ``analyze(model, x0, out="runs/analyze")``.
 """
 
-from .asymptotics import MeasuredRate, PredictedRate, measured_exponent, plot_asymptotics, predicted_exponent
-from .basins import AttractorCensus, BasinMap, attractor_census, basin_map, plot_basin_map, wilson_interval
-from .connections import Connection, Network, disconnectivity, plot_disconnectivity, saddle_network
-from .continuation import Bifurcation, Branch, continue_branch, plot_bifurcation_diagram
-from .convergence import (
+from et_ode.analysis.asymptotics import MeasuredRate, PredictedRate, measured_exponent, plot_asymptotics, predicted_exponent
+from et_ode.analysis.basins import AttractorCensus, BasinMap, attractor_census, basin_map, plot_basin_map, wilson_interval
+from et_ode.analysis.connections import Connection, Network, disconnectivity, plot_disconnectivity, saddle_network
+from et_ode.analysis.continuation import Bifurcation, Branch, continue_branch, plot_bifurcation_diagram
+from et_ode.analysis.convergence import (
     ConvergenceReport,
     ConvergenceTraces,
     RateFit,
@@ -28,7 +28,7 @@ from .convergence import (
     convergence_traces,
     fit_decay,
 )
-from .critical_points import (
+from et_ode.analysis.critical_points import (
     Census,
     CriticalPoint,
     census,
@@ -37,9 +37,9 @@ from .critical_points import (
     point_distance,
     saddle_from_minimum,
 )
-from .landscape import LandscapeStudy, landscape_study
-from .lyapunov import LyapunovReport, Violation, check_lyapunov, metric_spectrum
-from .plots import (
+from et_ode.analysis.landscape import LandscapeStudy, landscape_study
+from et_ode.analysis.lyapunov import LyapunovReport, Violation, check_lyapunov, metric_spectrum
+from et_ode.analysis.plots import (
     EnergySlice,
     dense_trajectory,
     energy_slice,
@@ -49,10 +49,10 @@ from .plots import (
     plot_film_strip,
     plot_trajectories,
 )
-from .report import analyze, random_model
-from .spectra import HessianTrace, LyapunovSpectrum, hessian_along, lyapunov_spectrum, plot_hessian_along
-from .sphere import FixedScaleField, tangent_basis, unit_scale
-from .stability import (
+from et_ode.analysis.report import analyze, random_model
+from et_ode.analysis.spectra import HessianTrace, LyapunovSpectrum, hessian_along, lyapunov_spectrum, plot_hessian_along
+from et_ode.analysis.sphere import FixedScaleField, tangent_basis, unit_scale
+from et_ode.analysis.stability import (
     BasinProbe,
     FixedPointSearch,
     LyapunovExponent,

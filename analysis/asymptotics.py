@@ -36,11 +36,10 @@ from matplotlib.figure import Figure
 from torch import Tensor
 
 from et_ode import Adaptive, ETField, find_attractor, solve
-from et_ode.manifold import radial_direction
-
-from .convergence import RateFit, fit_decay
-from .plots import _finish
-from .sphere import hessian_in_frame, unit_scale
+from et_ode.analysis.convergence import RateFit, fit_decay
+from et_ode.analysis.plots import _finish
+from et_ode.analysis.sphere import hessian_in_frame, unit_scale
+from et_ode.dynamics.manifold import radial_direction
 
 PathLike = str | os.PathLike[str]
 
@@ -124,8 +123,9 @@ class _Tolerances:
     floor: float
 
 
-def _tail_window(log_t: np.ndarray, slopes: np.ndarray, scale_error: np.ndarray, distance: np.ndarray,
-                 tol: _Tolerances) -> tuple[int, int, str]:
+def _tail_window(
+    log_t: np.ndarray, slopes: np.ndarray, scale_error: np.ndarray, distance: np.ndarray, tol: _Tolerances
+) -> tuple[int, int, str]:
     """The longest tail ``[first, last]`` of saved times (``last``: the last distance above the floor) over which
     the local slopes stay within ``tol.slope`` (relative) of their median and the scales within ``tol.scale``;
     with the reason the window could not be extended further back."""
@@ -138,21 +138,26 @@ def _tail_window(log_t: np.ndarray, slopes: np.ndarray, scale_error: np.ndarray,
             why = f"RMS |g - g*| <= {tol.floor:g} before t = {math.exp(log_t[candidate + 1]):.3g}"
             break
         if not scale_error[candidate] <= tol.scale:
-            why = (f"the token scales are off their asymptotic growth rho*_A t / tau by {scale_error[candidate]:.2g} "
-                   f"at t = {math.exp(log_t[candidate]):.3g}")
+            why = (
+                f"the token scales are off their asymptotic growth rho*_A t / tau by {scale_error[candidate]:.2g} "
+                f"at t = {math.exp(log_t[candidate]):.3g}"
+            )
             break
         window = slopes[candidate:last]
         median = float(np.median(window))
         if not (median > 0 and float(np.abs(window - median).max()) <= tol.slope * median):
-            why = (f"the local slope varies ({window.min():.4g} .. {window.max():.4g}) from t = "
-                   f"{math.exp(log_t[candidate]):.3g}")
+            why = (
+                f"the local slope varies ({window.min():.4g} .. {window.max():.4g}) from t = "
+                f"{math.exp(log_t[candidate]):.3g}"
+            )
             break
         first = candidate
     return first, last, why
 
 
-def _regime(ts: Tensor, distance: Tensor, speed: Tensor, scale_error: Tensor, predicted: float,
-            tol: _Tolerances, tail: float) -> tuple[RateFit, RateFit, tuple[int, int] | None, bool, str, Tensor]:
+def _regime(
+    ts: Tensor, distance: Tensor, speed: Tensor, scale_error: Tensor, predicted: float, tol: _Tolerances, tail: float
+) -> tuple[RateFit, RateFit, tuple[int, int] | None, bool, str, Tensor]:
     """The asymptotic window (if any), the fits over it (or over the last ``tail``), and the reason."""
     log_t = ts.clamp_min(torch.finfo(torch.float64).tiny).log().numpy()
     log_d = distance.clamp_min(torch.finfo(torch.float64).tiny).log().numpy()
@@ -168,23 +173,41 @@ def _regime(ts: Tensor, distance: Tensor, speed: Tensor, scale_error: Tensor, pr
         window = (first, last)
         span = f"t in [{float(ts[first]):.3g}, {float(ts[last]):.3g}]"
         if abs(fit.rate - predicted) <= tol.agree * predicted:
-            reason = (f"reached over {span}: local slope constant within {tol.slope:g}, token scales within "
-                      f"{tol.scale:g} of rho*_A t / tau, fitted p = {fit.rate:.5g} against {predicted:.5g} predicted")
+            reason = (
+                f"reached over {span}: local slope constant within {tol.slope:g}, token scales within "
+                f"{tol.scale:g} of rho*_A t / tau, fitted p = {fit.rate:.5g} against {predicted:.5g} predicted"
+            )
             return fit, speed_fit, window, True, reason, torch.from_numpy(slopes)
-        reason = (f"not reached: over {span} the local slope is constant at {fit.rate:.5g}, but the prediction at "
-                  f"the limit is {predicted:.5g} (a slower transient, e.g. the next mode)")
+        reason = (
+            f"not reached: over {span} the local slope is constant at {fit.rate:.5g}, but the prediction at "
+            f"the limit is {predicted:.5g} (a slower transient, e.g. the next mode)"
+        )
     else:
-        reason = (f"not reached: the tail with a constant local slope and settled token scales spans "
-                  f"{decades:.2g} decade(s) of t, fewer than {tol.decades:g} ({why})")
+        reason = (
+            f"not reached: the tail with a constant local slope and settled token scales spans "
+            f"{decades:.2g} decade(s) of t, fewer than {tol.decades:g} ({why})"
+        )
     fit = fit_decay(ts, distance, tail=tail)[1]
     speed_fit = fit_decay(ts, speed, tail=tail)[1]
     return fit, speed_fit, None, False, reason, torch.from_numpy(slopes)
 
 
-def measured_exponent(field: ETField, x0: Tensor, *, t_end: float = 1e5, points: int = 61, tail: float = 0.3,
-                      rtol: float = 1e-10, atol: float = 1e-12, slope_tol: float = 0.01, scale_tol: float = 0.01,
-                      agree_tol: float = 0.01, min_decades: float = 1.0, floor: float = 1e-9,
-                      strict: bool = False) -> MeasuredRate:
+def measured_exponent(
+    field: ETField,
+    x0: Tensor,
+    *,
+    t_end: float = 1e5,
+    points: int = 61,
+    tail: float = 0.3,
+    rtol: float = 1e-10,
+    atol: float = 1e-12,
+    slope_tol: float = 0.01,
+    scale_tol: float = 0.01,
+    agree_tol: float = 0.01,
+    min_decades: float = 1.0,
+    floor: float = 1e-9,
+    strict: bool = False,
+) -> MeasuredRate:
     """Solve from ``x0`` ``(N, D)`` to ``t_end`` on ``points`` log-spaced times, locate ``g*`` on the flow's
     limit spheres (:func:`et_ode.find_attractor` from the final state, no flow phase), and measure the approach.
 
@@ -197,19 +220,26 @@ def measured_exponent(field: ETField, x0: Tensor, *, t_end: float = 1e5, points:
     (RuntimeWarning), or raises ValueError with ``strict=True``. Also raises ValueError for bad arguments and when
     the limit is not a minimum on the spheres (some ``rho_A <= 0``)."""
     if not (isinstance(x0, Tensor) and x0.dim() == 2 and x0.shape[-1] == field.model.dim):
-        raise ValueError(f"x0 must be one state (N, D) with D={field.model.dim}, got "
-                         f"{tuple(x0.shape) if isinstance(x0, Tensor) else type(x0).__name__}")
+        raise ValueError(
+            f"x0 must be one state (N, D) with D={field.model.dim}, got "
+            f"{tuple(x0.shape) if isinstance(x0, Tensor) else type(x0).__name__}"
+        )
     if not (t_end > 1 and isinstance(points, int) and points >= 5):
         raise ValueError(f"t_end must be > 1 and points an integer >= 5, got t_end={t_end}, points={points}")
-    for name, value in (("slope_tol", slope_tol), ("scale_tol", scale_tol), ("agree_tol", agree_tol),
-                        ("min_decades", min_decades), ("floor", floor)):
+    for name, value in (
+        ("slope_tol", slope_tol),
+        ("scale_tol", scale_tol),
+        ("agree_tol", agree_tol),
+        ("min_decades", min_decades),
+        ("floor", floor),
+    ):
         if not (isinstance(value, (int, float)) and 0 < value < math.inf):
             raise ValueError(f"{name} must be a positive finite number, got {value!r}")
-    grid = torch.cat([torch.zeros(1, dtype=torch.float64), torch.logspace(-2, math.log10(t_end), points - 1,
-                                                                          dtype=torch.float64)])
+    grid = torch.cat(
+        [torch.zeros(1, dtype=torch.float64), torch.logspace(-2, math.log10(t_end), points - 1, dtype=torch.float64)]
+    )
     with torch.no_grad():
-        solution = solve(field, x0.detach(), grid.to(x0.dtype), solver=Adaptive(rtol=rtol, atol=atol),
-                         max_steps=1_000_000)
+        solution = solve(field, x0.detach(), grid.to(x0.dtype), solver=Adaptive(rtol=rtol, atol=atol), max_steps=1_000_000)
     limit = find_attractor(field, solution.x.detach()[None], tol=1e-12, flow=False)
     predicted = predicted_exponent(field, limit.x[0])
     neuron = field.model.neuron
@@ -223,19 +253,37 @@ def measured_exponent(field: ETField, x0: Tensor, *, t_end: float = 1e5, points:
     growth = predicted.rho.to(torch.float64).cpu() * ts[:, None] / field.tau
     scale_error = torch.where(ts[:, None] > 0, (length / growth.clamp_min(1e-300) - 1).abs(), math.nan).amax(dim=-1)
     tolerances = _Tolerances(slope=slope_tol, scale=scale_tol, agree=agree_tol, decades=min_decades, floor=floor)
-    fit, speed_fit, window, asymptotic, reason, slopes = _regime(ts, distance, speed, scale_error, predicted.exponent,
-                                                                 tolerances, tail)
+    fit, speed_fit, window, asymptotic, reason, slopes = _regime(
+        ts, distance, speed, scale_error, predicted.exponent, tolerances, tail
+    )
     if not asymptotic:
         message = f"measured_exponent: the asymptotic regime is {reason}; the fitted exponent is not an estimate of p"
         if strict:
             raise ValueError(message)
         warnings.warn(message, RuntimeWarning, stacklevel=2)
-    return MeasuredRate(ts=ts, distance=distance, speed=speed, local_slope=slopes, scale_error=scale_error, fit=fit,
-                        speed_fit=speed_fit, predicted=predicted, window=window, asymptotic=asymptotic, reason=reason)
+    return MeasuredRate(
+        ts=ts,
+        distance=distance,
+        speed=speed,
+        local_slope=slopes,
+        scale_error=scale_error,
+        fit=fit,
+        speed_fit=speed_fit,
+        predicted=predicted,
+        window=window,
+        asymptotic=asymptotic,
+        reason=reason,
+    )
 
 
-def plot_asymptotics(rates: list[MeasuredRate], *, labels: list[str] | None = None, path: PathLike | None = None,
-                     figsize: tuple[float, float] = (8.0, 5.0), dpi: int = 100) -> Figure:
+def plot_asymptotics(
+    rates: list[MeasuredRate],
+    *,
+    labels: list[str] | None = None,
+    path: PathLike | None = None,
+    figsize: tuple[float, float] = (8.0, 5.0),
+    dpi: int = 100,
+) -> Figure:
     """``|g - g*|`` against the intrinsic time ``log t`` (log scale: the power law is a straight line of slope
     ``-p``), with the predicted slope drawn through the last point of each and the asymptotic window shaded."""
     labels = labels or [f"trajectory {i}" for i in range(len(rates))]
@@ -250,18 +298,31 @@ def plot_asymptotics(rates: list[MeasuredRate], *, labels: list[str] | None = No
         keep = (rate.ts > 0) & (rate.distance > 0)
         log_t = rate.ts[keep].log().numpy()
         distance = rate.distance[keep].numpy()
-        measured = f"measured p = {rate.exponent:.3f}" if rate.asymptotic else \
-            f"local slope {rate.exponent:.3f} (asymptotic regime not reached)"
+        measured = (
+            f"measured p = {rate.exponent:.3f}"
+            if rate.asymptotic
+            else f"local slope {rate.exponent:.3f} (asymptotic regime not reached)"
+        )
         ax.plot(log_t, distance, "o", color=colors(i), markersize=3, label=f"{label}: {measured}")
         if rate.window is not None:
             first, last = rate.window
             ax.axvspan(math.log(float(rate.ts[first])), math.log(float(rate.ts[last])), color=colors(i), alpha=0.08)
         p = rate.predicted.exponent
-        ax.plot(log_t, distance[-1] * np.exp(-p * (log_t - log_t[-1])), "-", color=colors(i), alpha=0.7,
-                label=f"{label}: predicted p = {p:.3f}")
-    ax.set(yscale="log", xlabel="intrinsic time log t", ylabel="RMS |g - g*| (log scale)",
-           title="Approach to the minimum in intrinsic time: |g - g*| ~ t^(-p) = exp(-p log t)\n"
-                 "p = lambda_min(K^(-1/2) Hess_R K^(-1/2)), K = diag(rho_A / r)")
+        ax.plot(
+            log_t,
+            distance[-1] * np.exp(-p * (log_t - log_t[-1])),
+            "-",
+            color=colors(i),
+            alpha=0.7,
+            label=f"{label}: predicted p = {p:.3f}",
+        )
+    ax.set(
+        yscale="log",
+        xlabel="intrinsic time log t",
+        ylabel="RMS |g - g*| (log scale)",
+        title="Approach to the minimum in intrinsic time: |g - g*| ~ t^(-p) = exp(-p log t)\n"
+        "p = lambda_min(K^(-1/2) Hess_R K^(-1/2)), K = diag(rho_A / r)",
+    )
     ax.set_ylim(bottom=max(min(float(r.distance[r.distance > 0].min()) for r in rates) / 3, 1e-14))
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize="small")

@@ -20,11 +20,10 @@ from matplotlib.figure import Figure
 from torch import Tensor
 
 from et_ode import Adaptive, ETField, solve
-
-from .critical_points import CriticalPoint, match_or_append, newton_critical_point, permutation_symmetric
-from .plots import EnergySlice, _finish, energy_slice
-from .sphere import unit_scale
-from .stability import find_fixed_point
+from et_ode.analysis.critical_points import CriticalPoint, match_or_append, newton_critical_point, permutation_symmetric
+from et_ode.analysis.plots import EnergySlice, _finish, energy_slice
+from et_ode.analysis.sphere import unit_scale
+from et_ode.analysis.stability import find_fixed_point
 
 PathLike = str | os.PathLike[str]
 
@@ -40,18 +39,21 @@ def wilson_interval(successes: int, trials: int, *, z: float = 1.96) -> tuple[fl
     return max(0.0, center - half), min(1.0, center + half)
 
 
-def limits(field: ETField, starts: Tensor, *, t_end: float = 50.0, rtol: float = 1e-7,
-           atol: float = 1e-9) -> list[CriticalPoint]:
+def limits(
+    field: ETField, starts: Tensor, *, t_end: float = 50.0, rtol: float = 1e-7, atol: float = 1e-9
+) -> list[CriticalPoint]:
     """The critical point each start ``(S, N, D)`` flows to: :func:`et_ode.solve` to ``t_end``, descent, Newton."""
     with torch.no_grad():
-        ends = solve(field, starts.detach(), (0.0, t_end), solver=Adaptive(rtol=rtol, atol=atol), save="final",
-                     max_steps=100_000).x
+        ends = solve(
+            field, starts.detach(), (0.0, t_end), solver=Adaptive(rtol=rtol, atol=atol), save="final", max_steps=100_000
+        ).x
     descended = find_fixed_point(field, ends, tol=1e-7, max_iter=5000).x
     return [newton_critical_point(field, x) for x in descended]
 
 
-def label(field: ETField, points: list[CriticalPoint], attractors: list[CriticalPoint], *,
-          match_tol: float = 1e-5) -> list[int]:
+def label(
+    field: ETField, points: list[CriticalPoint], attractors: list[CriticalPoint], *, match_tol: float = 1e-5
+) -> list[int]:
     """The index in ``attractors`` of each point (appending new ones; ``-1`` for a search that did not converge)."""
     permutations = permutation_symmetric(field)
     labels = []
@@ -75,32 +77,49 @@ class AttractorCensus:
     intervals: list[tuple[float, float]]
 
     def table(self) -> str:
-        lines = [f"{self.starts} random starts followed to their limits ({self.failed} did not converge).", "",
-                 "| attractor | energy | kind | reached by | frequency | 95% interval (Wilson) |",
-                 "|---|---|---|---|---|---|"]
+        lines = [
+            f"{self.starts} random starts followed to their limits ({self.failed} did not converge).",
+            "",
+            "| attractor | energy | kind | reached by | frequency | 95% interval (Wilson) |",
+            "|---|---|---|---|---|---|",
+        ]
         for i, (a, count, (low, high)) in enumerate(zip(self.attractors, self.counts, self.intervals, strict=True)):
-            lines.append(f"| {i} | {a.energy:.6g} | {a.kind} | {count} | {count / self.starts:.3f} | "
-                         f"[{low:.3f}, {high:.3f}] |")
+            lines.append(
+                f"| {i} | {a.energy:.6g} | {a.kind} | {count} | {count / self.starts:.3f} | [{low:.3f}, {high:.3f}] |"
+            )
         return "\n".join(lines)
 
     def __str__(self) -> str:
         return self.table()
 
 
-def attractor_census(field: ETField, starts: Tensor, *, t_end: float = 50.0, match_tol: float = 1e-5,
-                     attractors: list[CriticalPoint] | None = None) -> AttractorCensus:
+def attractor_census(
+    field: ETField,
+    starts: Tensor,
+    *,
+    t_end: float = 50.0,
+    match_tol: float = 1e-5,
+    attractors: list[CriticalPoint] | None = None,
+) -> AttractorCensus:
     """Follow every start ``(S, N, D)`` to its limit and count the attractors reached (most frequent first)."""
     if not (isinstance(starts, Tensor) and starts.dim() == 3 and starts.shape[-1] == field.model.dim):
-        raise ValueError(f"starts must be a tensor (S, N, D) with D={field.model.dim}, got "
-                         f"{tuple(starts.shape) if isinstance(starts, Tensor) else type(starts).__name__}")
+        raise ValueError(
+            f"starts must be a tensor (S, N, D) with D={field.model.dim}, got "
+            f"{tuple(starts.shape) if isinstance(starts, Tensor) else type(starts).__name__}"
+        )
     known = list(attractors or [])
     labels = label(field, limits(field, starts, t_end=t_end), known, match_tol=match_tol)
     counts = [labels.count(i) for i in range(len(known))]
     order = sorted(range(len(known)), key=lambda i: -counts[i])
     order = [i for i in order if counts[i] > 0]
     total = len(labels)
-    return AttractorCensus(attractors=[known[i] for i in order], counts=[counts[i] for i in order], starts=total,
-                           failed=labels.count(-1), intervals=[wilson_interval(counts[i], total) for i in order])
+    return AttractorCensus(
+        attractors=[known[i] for i in order],
+        counts=[counts[i] for i in order],
+        starts=total,
+        failed=labels.count(-1),
+        intervals=[wilson_interval(counts[i], total) for i in order],
+    )
 
 
 @dataclass
@@ -116,8 +135,17 @@ class BasinMap:
     flow: Tensor
 
 
-def basin_map(field: ETField, center: Tensor, through: Tensor, *, span: float | None = None, resolution: int = 15,
-              t_end: float = 50.0, attractors: list[CriticalPoint] | None = None, match_tol: float = 1e-5) -> BasinMap:
+def basin_map(
+    field: ETField,
+    center: Tensor,
+    through: Tensor,
+    *,
+    span: float | None = None,
+    resolution: int = 15,
+    t_end: float = 50.0,
+    attractors: list[CriticalPoint] | None = None,
+    match_tol: float = 1e-5,
+) -> BasinMap:
     """The plane through ``center`` ``(N, D)`` and the two states ``through`` ``(2, N, D)`` (e.g. a saddle and the
     two minima it joins), ``resolution`` x ``resolution`` initial states on it, each followed to its limit.
 
@@ -126,8 +154,10 @@ def basin_map(field: ETField, center: Tensor, through: Tensor, *, span: float | 
     if not (isinstance(resolution, int) and resolution >= 2):
         raise ValueError(f"resolution must be an integer >= 2, got {resolution!r}")
     if not (isinstance(through, Tensor) and through.dim() == 3 and through.shape[0] == 2):
-        raise ValueError(f"through must be a tensor (2, N, D), got "
-                         f"{tuple(through.shape) if isinstance(through, Tensor) else type(through).__name__}")
+        raise ValueError(
+            f"through must be a tensor (2, N, D), got "
+            f"{tuple(through.shape) if isinstance(through, Tensor) else type(through).__name__}"
+        )
     neuron = field.model.neuron
     plane = energy_slice(field, center, trajectory=through)
     if span is None:
@@ -142,12 +172,23 @@ def basin_map(field: ETField, center: Tensor, through: Tensor, *, span: float | 
     with torch.no_grad():
         descent = -field.tangent_gradient(starts)  # (R R, N, D)
     flow = torch.stack([(descent * plane.u).sum(dim=(-1, -2)), (descent * plane.v).sum(dim=(-1, -2))])
-    return BasinMap(slice=plane, grid=grid.cpu(), labels=torch.tensor(labels).reshape(resolution, resolution),
-                    attractors=known, flow=flow.reshape(2, resolution, resolution).to(torch.float64).cpu())
+    return BasinMap(
+        slice=plane,
+        grid=grid.cpu(),
+        labels=torch.tensor(labels).reshape(resolution, resolution),
+        attractors=known,
+        flow=flow.reshape(2, resolution, resolution).to(torch.float64).cpu(),
+    )
 
 
-def plot_basin_map(basins: BasinMap, *, marks: dict[str, Tensor] | None = None, path: PathLike | None = None,
-                   figsize: tuple[float, float] = (7.5, 6.5), dpi: int = 100) -> Figure:
+def plot_basin_map(
+    basins: BasinMap,
+    *,
+    marks: dict[str, Tensor] | None = None,
+    path: PathLike | None = None,
+    figsize: tuple[float, float] = (7.5, 6.5),
+    dpi: int = 100,
+) -> Figure:
     """The basin map: each initial state coloured by the attractor it reaches, the streamlines of the Riemannian
     descent direction projected on the plane, and optional ``marks`` (name: state ``(N, D)``) at their coordinates."""
     from matplotlib import colormaps
@@ -161,22 +202,47 @@ def plot_basin_map(basins: BasinMap, *, marks: dict[str, Tensor] | None = None, 
     step = (grid[1] - grid[0]) / 2
     fig = Figure(figsize=figsize, layout="constrained")
     ax = fig.add_subplot()
-    image = ax.imshow(basins.labels.numpy(), origin="lower", cmap=cmap, norm=norm, interpolation="nearest",
-                      extent=(grid[0] - step, grid[-1] + step, grid[0] - step, grid[-1] + step), alpha=0.75)
-    ax.streamplot(grid, grid, basins.flow[0].numpy(), basins.flow[1].numpy(), color="black", linewidth=0.7,
-                  density=1.0, arrowsize=0.8)
+    image = ax.imshow(
+        basins.labels.numpy(),
+        origin="lower",
+        cmap=cmap,
+        norm=norm,
+        interpolation="nearest",
+        extent=(grid[0] - step, grid[-1] + step, grid[0] - step, grid[-1] + step),
+        alpha=0.75,
+    )
+    ax.streamplot(
+        grid, grid, basins.flow[0].numpy(), basins.flow[1].numpy(), color="black", linewidth=0.7, density=1.0, arrowsize=0.8
+    )
     colorbar = fig.colorbar(image, ax=ax, ticks=list(range(-1, count)))
-    colorbar.ax.set_yticklabels(["not converged"] + [f"{i}: E = {a.energy:.4g} ({a.kind})"
-                                                     for i, a in enumerate(basins.attractors)], fontsize="small")
+    colorbar.ax.set_yticklabels(
+        ["not converged"] + [f"{i}: E = {a.energy:.4g} ({a.kind})" for i, a in enumerate(basins.attractors)],
+        fontsize="small",
+    )
     plane = basins.slice
     for name, state in (marks or {}).items():
         with torch.no_grad():
             offset = plane.field.model.neuron(state) - plane.g_star
-        ax.scatter(float((offset * plane.u).sum()), float((offset * plane.v).sum()), marker="*", s=180,
-                   color="white", edgecolors="black", zorder=5)
-        ax.annotate(name, (float((offset * plane.u).sum()), float((offset * plane.v).sum())),
-                    textcoords="offset points", xytext=(6, 6), fontsize="small")
-    ax.set(xlabel="coordinate along u (units of g)", ylabel="coordinate along v (units of g)", aspect="equal",
-           title="Basins of attraction on a plane of initial states\n"
-                 "(colour: attractor reached; lines: descent direction)")
+        ax.scatter(
+            float((offset * plane.u).sum()),
+            float((offset * plane.v).sum()),
+            marker="*",
+            s=180,
+            color="white",
+            edgecolors="black",
+            zorder=5,
+        )
+        ax.annotate(
+            name,
+            (float((offset * plane.u).sum()), float((offset * plane.v).sum())),
+            textcoords="offset points",
+            xytext=(6, 6),
+            fontsize="small",
+        )
+    ax.set(
+        xlabel="coordinate along u (units of g)",
+        ylabel="coordinate along v (units of g)",
+        aspect="equal",
+        title="Basins of attraction on a plane of initial states\n(colour: attractor reached; lines: descent direction)",
+    )
     return _finish(fig, path, dpi)

@@ -17,16 +17,15 @@ import torch
 from matplotlib.figure import Figure
 
 from et_ode import Adaptive, ETField, solve
-
-from .critical_points import (
+from et_ode.analysis.critical_points import (
     CriticalPoint,
     deduplicate,
     match_or_append,
     newton_critical_point,
     permutation_symmetric,
 )
-from .plots import _finish
-from .stability import find_fixed_point
+from et_ode.analysis.plots import _finish
+from et_ode.analysis.stability import find_fixed_point
 
 PathLike = str | os.PathLike[str]
 
@@ -54,29 +53,44 @@ class Network:
         for c in self.connections:
             energies = " / ".join("?" if m < 0 else f"{self.minima[m].energy:.6g}" for m in c.minima)
             barriers = " / ".join(f"{b:.4g}" for b in c.barriers)
-            lines.append(f"| {c.saddle} | {self.saddles[c.saddle].energy:.6g} | {c.minima[0]} - {c.minima[1]} | "
-                         f"{energies} | {barriers} |")
+            lines.append(
+                f"| {c.saddle} | {self.saddles[c.saddle].energy:.6g} | {c.minima[0]} - {c.minima[1]} | "
+                f"{energies} | {barriers} |"
+            )
         return "\n".join(lines)
 
     def __str__(self) -> str:
         return self.table()
 
 
-def follow_down(field: ETField, saddle: CriticalPoint, *, push: float = 1e-3, t_end: float = 50.0,
-                rtol: float = 1e-8, atol: float = 1e-10) -> tuple[CriticalPoint, CriticalPoint]:
+def follow_down(
+    field: ETField,
+    saddle: CriticalPoint,
+    *,
+    push: float = 1e-3,
+    t_end: float = 50.0,
+    rtol: float = 1e-8,
+    atol: float = 1e-10,
+) -> tuple[CriticalPoint, CriticalPoint]:
     """The two critical points reached from ``saddle`` pushed ``push`` (``g`` units) along ``+-`` its lowest
     mode: :func:`et_ode.solve` to ``t_end``, then descent and Newton on the spheres."""
     gamma = field.model.neuron.gamma.detach()
     starts = torch.stack([saddle.x + sign * push * saddle.lowest_mode / gamma for sign in (1.0, -1.0)])
     with torch.no_grad():
-        ends = solve(field, starts, (0.0, t_end), solver=Adaptive(rtol=rtol, atol=atol), save="final",
-                     max_steps=100_000).x
+        ends = solve(field, starts, (0.0, t_end), solver=Adaptive(rtol=rtol, atol=atol), save="final", max_steps=100_000).x
     descended = find_fixed_point(field, ends, tol=1e-7, max_iter=5000).x
-    return tuple(newton_critical_point(field, x) for x in descended)  # type: ignore[return-value]
+    return tuple(newton_critical_point(field, x) for x in descended)
 
 
-def saddle_network(field: ETField, minima: list[CriticalPoint], saddles: list[CriticalPoint], *,
-                   match_tol: float = 1e-5, push: float = 1e-3, t_end: float = 50.0) -> Network:
+def saddle_network(
+    field: ETField,
+    minima: list[CriticalPoint],
+    saddles: list[CriticalPoint],
+    *,
+    match_tol: float = 1e-5,
+    push: float = 1e-3,
+    t_end: float = 50.0,
+) -> Network:
     """Connect every index-1 saddle to the minima its two unstable branches reach.
 
     Minima reached that are not in ``minima`` are added (so the network is complete for these saddles).
@@ -120,8 +134,9 @@ def disconnectivity(network: Network) -> list[tuple[float, set[int]]]:
     return events
 
 
-def plot_disconnectivity(network: Network, *, path: PathLike | None = None, figsize: tuple[float, float] = (7.0, 5.0),
-                         dpi: int = 100) -> Figure:
+def plot_disconnectivity(
+    network: Network, *, path: PathLike | None = None, figsize: tuple[float, float] = (7.0, 5.0), dpi: int = 100
+) -> Figure:
     """The disconnectivity graph: a vertical line per minimum from its energy up to where it merges (at the
     connecting saddle's energy), horizontal bars at the merges. Minima that never merge reach the top."""
     count = len(network.minima)
@@ -146,11 +161,14 @@ def plot_disconnectivity(network: Network, *, path: PathLike | None = None, figs
     for r in members:
         ax.plot([position[r]] * 2, [height[r], top + 0.08 * span], color="black")
     for i in range(count):
-        ax.annotate(f"m{i}", (i, energies[i]), textcoords="offset points", xytext=(0, -12), ha="center",
-                    fontsize="small")
-    ax.set(xticks=[], ylabel="energy E", xlim=(-0.7, count - 0.3), ylim=(float(energies.min()) - 0.1 * span if count
-                                                                         else 0, top + 0.1 * span),
-           title=f"Disconnectivity graph: {count} minima, {len(network.saddles)} index-1 saddles\n"
-                 "minima join at the energy of the lowest saddle connecting them")
+        ax.annotate(f"m{i}", (i, energies[i]), textcoords="offset points", xytext=(0, -12), ha="center", fontsize="small")
+    ax.set(
+        xticks=[],
+        ylabel="energy E",
+        xlim=(-0.7, count - 0.3),
+        ylim=(float(energies.min()) - 0.1 * span if count else 0, top + 0.1 * span),
+        title=f"Disconnectivity graph: {count} minima, {len(network.saddles)} index-1 saddles\n"
+        "minima join at the energy of the lowest saddle connecting them",
+    )
     ax.grid(True, axis="y", alpha=0.3)
     return _finish(fig, path, dpi)

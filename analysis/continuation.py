@@ -27,9 +27,8 @@ from matplotlib.figure import Figure
 from torch import Tensor
 
 from et_ode import EnergyTransformer, ETField
-
-from .plots import _finish
-from .sphere import hessian_in_frame, retract, tangent_frame, unit_scale
+from et_ode.analysis.plots import _finish
+from et_ode.analysis.sphere import hessian_in_frame, retract, tangent_frame, unit_scale
 
 PathLike = str | os.PathLike[str]
 Family = Callable[[float], "ETField | EnergyTransformer"]
@@ -69,8 +68,12 @@ class Branch:
     bifurcations: list[Bifurcation] = field(default_factory=list)
 
     def table(self) -> str:
-        lines = [f"{len(self.mu)} points, mu from {float(self.mu[0]):.4g} to {float(self.mu[-1]):.4g}.", "",
-                 "| bifurcation | mu | index before -> after |", "|---|---|---|"]
+        lines = [
+            f"{len(self.mu)} points, mu from {float(self.mu[0]):.4g} to {float(self.mu[-1]):.4g}.",
+            "",
+            "| bifurcation | mu | index before -> after |",
+            "|---|---|---|",
+        ]
         lines += [f"| {b.kind} | {b.mu:.6g} | {b.index_before} -> {b.index_after} |" for b in self.bifurcations]
         return "\n".join(lines)
 
@@ -94,9 +97,18 @@ def _gamma(field_mu: ETField) -> Tensor:
     return field_mu.model.neuron.gamma.detach()
 
 
-def continue_branch(family: Family, x0: Tensor, mu0: float, *, mu_end: float, step: float = 0.05,
-                    max_points: int = 200, tol: float = 1e-10, difference: float = 1e-6,
-                    zero_tol: float = 1e-8) -> Branch:
+def continue_branch(
+    family: Family,
+    x0: Tensor,
+    mu0: float,
+    *,
+    mu_end: float,
+    step: float = 0.05,
+    max_points: int = 200,
+    tol: float = 1e-10,
+    difference: float = 1e-6,
+    zero_tol: float = 1e-8,
+) -> Branch:
     """Follow the critical point at (near) ``x0`` ``(N, D)`` for ``family(mu0)``, starting toward ``mu_end``
     (arclength ``step`` per point, measured in ``(g, mu)``; halved when Newton fails), until ``mu`` leaves the
     interval between ``mu0`` and ``mu_end`` (on either side: past a fold the branch turns back), after
@@ -106,8 +118,10 @@ def continue_branch(family: Family, x0: Tensor, mu0: float, *, mu_end: float, st
     ``tol``: RMS ``|T dE/dg|`` for Newton; ``difference``: the step of the central difference in ``mu``.
     """
     if not (step > 0 and difference > 0 and isinstance(max_points, int) and max_points >= 2):
-        raise ValueError(f"step and difference must be positive and max_points an integer >= 2, got step={step}, "
-                         f"difference={difference}, max_points={max_points}")
+        raise ValueError(
+            f"step and difference must be positive and max_points an integer >= 2, got step={step}, "
+            f"difference={difference}, max_points={max_points}"
+        )
     if mu_end == mu0:
         raise ValueError("mu_end must differ from mu0")
     direction = 1.0 if mu_end > mu0 else -1.0
@@ -115,8 +129,9 @@ def continue_branch(family: Family, x0: Tensor, mu0: float, *, mu_end: float, st
     x = unit_scale(x0.detach(), field0.model.neuron.eps)
     size = math.sqrt(x.numel())
 
-    def solve_at(x: Tensor, mu: float, tangent_ambient: Tensor | None, tangent_mu: float, anchor: tuple[Tensor, float]
-                 ) -> tuple[Tensor, float, bool]:
+    def solve_at(
+        x: Tensor, mu: float, tangent_ambient: Tensor | None, tangent_mu: float, anchor: tuple[Tensor, float]
+    ) -> tuple[Tensor, float, bool]:
         """Newton on F = 0 (with the arclength hyperplane when a tangent is given; else at fixed mu)."""
         for _ in range(30):
             field_mu = _field(family, mu)
@@ -131,8 +146,12 @@ def continue_branch(family: Family, x0: Tensor, mu0: float, *, mu_end: float, st
                 tangent_x = frame.flatten(1) @ tangent_ambient.flatten()
                 offset = (_gamma(field_mu) * (x - anchor[0])).flatten() @ tangent_ambient.flatten()
                 residual = float(offset) + (mu - anchor[1]) * tangent_mu
-                bordered = torch.cat([torch.cat([matrix, derivative[:, None]], dim=1),
-                                      torch.cat([tangent_x, x.new_tensor([tangent_mu])])[None]])
+                bordered = torch.cat(
+                    [
+                        torch.cat([matrix, derivative[:, None]], dim=1),
+                        torch.cat([tangent_x, x.new_tensor([tangent_mu])])[None],
+                    ]
+                )
                 rhs = -torch.cat([gradient, x.new_tensor([residual])])
                 solution = torch.linalg.solve(bordered, rhs)
                 change, dmu = solution[:-1], float(solution[-1])
@@ -146,8 +165,7 @@ def continue_branch(family: Family, x0: Tensor, mu0: float, *, mu_end: float, st
     if not ok:
         raise ValueError("x0 is not close to a critical point of family(mu0): Newton did not converge")
 
-    def describe(x: Tensor, mu: float, previous: tuple[Tensor, float] | None
-                 ) -> tuple[Tensor, float, Tensor, float, float]:
+    def describe(x: Tensor, mu: float, previous: tuple[Tensor, float] | None) -> tuple[Tensor, float, Tensor, float, float]:
         """(tangent as ambient g-direction, its mu component, eigenvalues, bordered determinant sign, energy);
         ``previous``: the last tangent and its mu component, which the new one must continue (None: the first)."""
         field_mu = _field(family, mu)
@@ -202,14 +220,15 @@ def continue_branch(family: Family, x0: Tensor, mu0: float, *, mu_end: float, st
             continue
         fold = points[k][4] * points[k - 1][4] < 0
         if fold and 1 <= k < len(points) - 1:  # the extremum of mu(s): a parabola through three points
-            location = _parabola_extremum(mus[k - 1:k + 2].tolist())
+            location = _parabola_extremum(mus[k - 1 : k + 2].tolist())
         else:
             before, after = (float(v[v.abs().argmin()]) for v in (eigenvalues[k - 1], eigenvalues[k]))
             location = float(mus[k - 1] + before / (before - after) * (mus[k] - mus[k - 1]))
         if not fold:  # a branch point lies on a smooth branch in mu: secant iterations on the eigenvalue
-            bracket = [(float(mus[k - 1]), float(eigenvalues[k - 1][eigenvalues[k - 1].abs().argmin()]),
-                        points[k - 1][1]), (float(mus[k]), float(eigenvalues[k][eigenvalues[k].abs().argmin()]),
-                                            points[k][1])]
+            bracket = [
+                (float(mus[k - 1]), float(eigenvalues[k - 1][eigenvalues[k - 1].abs().argmin()]), points[k - 1][1]),
+                (float(mus[k]), float(eigenvalues[k][eigenvalues[k].abs().argmin()]), points[k][1]),
+            ]
             for _ in range(20):
                 (mu_a, value_a, _), (mu_b, value_b, x_b) = bracket
                 if value_a == value_b:
@@ -222,11 +241,23 @@ def continue_branch(family: Family, x0: Tensor, mu0: float, *, mu_end: float, st
                 location = mu_next
                 if abs(evaluated[0]) < 1e-12 or abs(mu_next - mu_b) < 1e-13:
                     break
-        bifurcations.append(Bifurcation(kind="fold" if fold else "branch point", mu=location, step=k,
-                                        index_before=int(indices[k - 1]), index_after=int(indices[k])))
-    return Branch(mu=mus, xs=torch.stack([p[1] for p in points]).cpu(),
-                  energies=torch.tensor([p[2] for p in points], dtype=torch.float64), eigenvalues=eigenvalues,
-                  indices=indices, bifurcations=bifurcations)
+        bifurcations.append(
+            Bifurcation(
+                kind="fold" if fold else "branch point",
+                mu=location,
+                step=k,
+                index_before=int(indices[k - 1]),
+                index_after=int(indices[k]),
+            )
+        )
+    return Branch(
+        mu=mus,
+        xs=torch.stack([p[1] for p in points]).cpu(),
+        energies=torch.tensor([p[2] for p in points], dtype=torch.float64),
+        eigenvalues=eigenvalues,
+        indices=indices,
+        bifurcations=bifurcations,
+    )
 
 
 def _parabola_extremum(values: list[float]) -> float:
@@ -239,9 +270,15 @@ def _parabola_extremum(values: list[float]) -> float:
     return v0 + s * (v1 - v0) + s * (s - 1) / 2 * curvature
 
 
-def plot_bifurcation_diagram(branches: list[Branch], *, labels: list[str] | None = None, parameter: str = "mu",
-                             path: PathLike | None = None, figsize: tuple[float, float] = (8.0, 5.0),
-                             dpi: int = 100) -> Figure:
+def plot_bifurcation_diagram(
+    branches: list[Branch],
+    *,
+    labels: list[str] | None = None,
+    parameter: str = "mu",
+    path: PathLike | None = None,
+    figsize: tuple[float, float] = (8.0, 5.0),
+    dpi: int = 100,
+) -> Figure:
     """Energy against the parameter for every branch: solid where a minimum (index 0), dashed where a saddle
     (the colour gives the index), markers at the folds (triangles) and branch points (circles)."""
     from matplotlib import colormaps
@@ -258,19 +295,32 @@ def plot_bifurcation_diagram(branches: list[Branch], *, labels: list[str] | None
         mu, energy, index = branch.mu.numpy(), branch.energies.numpy(), branch.indices.numpy()
         for k in range(1, len(mu)):
             level = int(index[k])
-            ax.plot(mu[k - 1:k + 1], energy[k - 1:k + 1], color=cmap(level / max(top, 1)),
-                    linestyle="-" if level == 0 else "--", linewidth=2,
-                    label=f"index {level}" if level not in seen else None)
+            ax.plot(
+                mu[k - 1 : k + 1],
+                energy[k - 1 : k + 1],
+                color=cmap(level / max(top, 1)),
+                linestyle="-" if level == 0 else "--",
+                linewidth=2,
+                label=f"index {level}" if level not in seen else None,
+            )
             seen.add(level)
         for b in branch.bifurcations:
             e = float(np.interp(b.mu, mu, energy)) if mu[0] < mu[-1] else float(energy[b.step])
-            ax.scatter([b.mu], [e], marker="^" if b.kind == "fold" else "o", s=70, color="red", zorder=5,
-                       edgecolors="black")
-            ax.annotate(f"{b.kind} ({name})\n{parameter} = {b.mu:.4g}", (b.mu, e), textcoords="offset points",
-                        xytext=(8, 8), fontsize="small")
-    ax.set(xlabel=parameter, ylabel="energy E at the critical point",
-           title="Bifurcation diagram: critical points continued in " + parameter
-                 + "\nsolid: minimum, dashed: saddle (colour: index)")
+            ax.scatter([b.mu], [e], marker="^" if b.kind == "fold" else "o", s=70, color="red", zorder=5, edgecolors="black")
+            ax.annotate(
+                f"{b.kind} ({name})\n{parameter} = {b.mu:.4g}",
+                (b.mu, e),
+                textcoords="offset points",
+                xytext=(8, 8),
+                fontsize="small",
+            )
+    ax.set(
+        xlabel=parameter,
+        ylabel="energy E at the critical point",
+        title="Bifurcation diagram: critical points continued in "
+        + parameter
+        + "\nsolid: minimum, dashed: saddle (colour: index)",
+    )
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize="small")
     return _finish(fig, path, dpi)

@@ -1,7 +1,7 @@
 """Convergence of ET trajectories: traces against time, convergence times, decay rates, zero-mode drift.
 
 The attractor lives in ``g``-space (SPEC section 5), so convergence is measured there: RMS ``|dg/dt|``
-(``dg/dt = M dx/dt``) and the tangential gradient RMS ``|T dE/dg|`` (see :mod:`et_ode.manifold`): the
+(``dg/dt = M dx/dt``) and the tangential gradient RMS ``|T dE/dg|`` (see :mod:`et_ode.dynamics.manifold`): the
 first falls like a power of ``t`` even far from a critical point, because the token scale ``sigma``
 grows about linearly and slows the motion of ``g`` down; the second is scale-free and vanishes
 exactly at a critical point on the spheres. ``|dx/dt|`` need not vanish at all: ``x`` drifts along
@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from et_ode import ETField, Solution
-from et_ode.masks import Mask
+from et_ode.energy.masks import Mask
 
 
 def flat_states(solution: Solution) -> Tensor:
@@ -130,7 +130,7 @@ def fit_decay(ts: Tensor, values: Tensor, *, tail: float = 0.5, min_points: int 
         log_t = t.log()
         start = float(log_t[-1]) - tail * float(log_t[-1] - log_t[0])
         keep = log_t >= start
-        keep[-min(min_points, len(t)):] = True
+        keep[-min(min_points, len(t)) :] = True
         t, logv = t[keep], logv[keep]
     fits = []
     for model, abscissa in (("exponential", t), ("power", t.log() if len(t) else t)):
@@ -140,8 +140,9 @@ def fit_decay(ts: Tensor, values: Tensor, *, tail: float = 0.5, min_points: int 
         design = torch.stack([torch.ones_like(abscissa), abscissa], dim=1)
         coef = torch.linalg.lstsq(design, logv[:, None]).solution[:, 0]
         residual = logv - design @ coef
-        fits.append(RateFit(model, float(-coef[1]), float(coef[0].exp()), float(residual.square().mean().sqrt()),
-                            int(len(t))))
+        fits.append(
+            RateFit(model, float(-coef[1]), float(coef[0].exp()), float(residual.square().mean().sqrt()), int(len(t)))
+        )
     return fits[0], fits[1]
 
 
@@ -193,15 +194,22 @@ class ConvergenceReport:
         return self.table()
 
     def as_dict(self) -> dict:
-        return {"tol": self.tol, "tangent_tol": self.tangent_tol, "tail": self.tail,
-                "all_converged": self.all_converged, "samples": [asdict(s) for s in self.samples]}
+        return {
+            "tol": self.tol,
+            "tangent_tol": self.tangent_tol,
+            "tail": self.tail,
+            "all_converged": self.all_converged,
+            "samples": [asdict(s) for s in self.samples],
+        }
 
     def table(self) -> str:
         """A Markdown table, one row per sample."""
-        rows = ["| sample | converged (RMS dg/dt < tol) at t | critical (RMS T dE/dg < tol) at t | E start -> end | "
-                "final RMS dg/dt | final RMS T dE/dg | final RMS dx/dt | decay: exp rate / power exponent (better) | "
-                "ones drift | radial drift |",
-                "|---|---|---|---|---|---|---|---|---|---|"]
+        rows = [
+            "| sample | converged (RMS dg/dt < tol) at t | critical (RMS T dE/dg < tol) at t | E start -> end | "
+            "final RMS dg/dt | final RMS T dE/dg | final RMS dx/dt | decay: exp rate / power exponent (better) | "
+            "ones drift | radial drift |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for s in self.samples:
             when = lambda ok, t: f"yes, {t:.4g}" if ok else "no"  # noqa: E731
             rows.append(
@@ -209,7 +217,8 @@ class ConvergenceReport:
                 f" | {s.energy_start:.6g} -> {s.energy_end:.6g} | {s.final_rms_dg_dt:.3g}"
                 f" | {s.final_rms_tangent_gradient:.3g}"
                 f" | {s.final_rms_dx_dt:.3g} | {_decay_cell(s)}"
-                f" | {s.ones_drift:.3g} | {s.radial_drift:.3g} |")
+                f" | {s.ones_drift:.3g} | {s.radial_drift:.3g} |"
+            )
         return "\n".join(rows)
 
 
@@ -219,8 +228,9 @@ def _decay_cell(s: SampleConvergence) -> str:
     return f"{s.exponential.rate:.3g} / {s.power.rate:.3g} ({s.better_fit})"
 
 
-def analyze_convergence(solution: Solution, *, tol: float = 1e-3, tangent_tol: float | None = None,
-                        tail: float = 0.5) -> ConvergenceReport:
+def analyze_convergence(
+    solution: Solution, *, tol: float = 1e-3, tangent_tol: float | None = None, tail: float = 0.5
+) -> ConvergenceReport:
     """Whether and when each sample converged, and how fast.
 
     Args:
@@ -245,16 +255,32 @@ def analyze_convergence(solution: Solution, *, tol: float = 1e-3, tangent_tol: f
         if math.isnan(exponential.rms_log_residual):
             better = "n/a"
             if b == 0:
-                warnings.warn(f"analyze_convergence: the solution saved {len(traces.ts)} times, too few to fit the "
-                              f"decay (at least 3 with t > 0 are needed; the rates are nan): solve on a grid, e.g. "
-                              f"t=torch.linspace(0, t1, 61), or with save=\"steps\"", RuntimeWarning, stacklevel=2)
+                warnings.warn(
+                    f"analyze_convergence: the solution saved {len(traces.ts)} times, too few to fit the "
+                    f"decay (at least 3 with t > 0 are needed; the rates are nan): solve on a grid, e.g. "
+                    f't=torch.linspace(0, t1, 61), or with save="steps"',
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
         else:
             better = "power" if power.rms_log_residual < exponential.rms_log_residual else "exponential"
-        samples.append(SampleConvergence(
-            sample=b, converged=t_dg is not None, t_converged=t_dg, tangent_converged=t_tg is not None,
-            t_tangent_converged=t_tg, energy_start=float(traces.energy[0, b]), energy_end=float(traces.energy[-1, b]),
-            final_rms_dg_dt=float(traces.rms_dg_dt[-1, b]), final_rms_dx_dt=float(traces.rms_dx_dt[-1, b]),
-            final_rms_tangent_gradient=float(traces.rms_tangent_gradient[-1, b]), exponential=exponential, power=power,
-            better_fit=better, ones_drift=float(traces.ones_drift[-1, b]),
-            radial_drift=float(traces.radial_drift[-1, b])))
+        samples.append(
+            SampleConvergence(
+                sample=b,
+                converged=t_dg is not None,
+                t_converged=t_dg,
+                tangent_converged=t_tg is not None,
+                t_tangent_converged=t_tg,
+                energy_start=float(traces.energy[0, b]),
+                energy_end=float(traces.energy[-1, b]),
+                final_rms_dg_dt=float(traces.rms_dg_dt[-1, b]),
+                final_rms_dx_dt=float(traces.rms_dx_dt[-1, b]),
+                final_rms_tangent_gradient=float(traces.rms_tangent_gradient[-1, b]),
+                exponential=exponential,
+                power=power,
+                better_fit=better,
+                ones_drift=float(traces.ones_drift[-1, b]),
+                radial_drift=float(traces.radial_drift[-1, b]),
+            )
+        )
     return ConvergenceReport(traces=traces, samples=samples, tol=tol, tangent_tol=tangent_tol, tail=tail)

@@ -26,8 +26,7 @@ import torch
 from torch import Tensor
 
 from et_ode import ETField
-
-from .sphere import hessian_in_frame, retract, unit_scale
+from et_ode.analysis.sphere import hessian_in_frame, retract, unit_scale
 
 
 @dataclass
@@ -57,8 +56,10 @@ def _check_state(field: ETField, x: Tensor) -> Tensor:
     if not isinstance(field, ETField):
         raise TypeError(f"field must be an et_ode.ETField, got {type(field).__name__}")
     if not (isinstance(x, Tensor) and x.is_floating_point() and x.dim() == 2 and x.shape[-1] == field.model.dim):
-        raise ValueError(f"x must be one state (N, D) with D={field.model.dim}, got "
-                         f"{tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__}")
+        raise ValueError(
+            f"x must be one state (N, D) with D={field.model.dim}, got "
+            f"{tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__}"
+        )
     if not bool(torch.isfinite(x).all()):
         raise ValueError("x has non-finite entries")
     if not float(field.model.neuron.gamma.detach()) > 0:
@@ -73,10 +74,16 @@ def _describe(field: ETField, x: Tensor, iterations: int, tol: float, zero_tol: 
     scale = float(values.abs().max()) if len(values) else 1.0
     with torch.no_grad():
         energy = float(field.energy(x))
-    return CriticalPoint(x=x, energy=energy, eigenvalues=values,
-                         index=int((values < -zero_tol * max(scale, 1.0)).sum()), rms_tangent_gradient=rms,
-                         converged=rms <= tol, iterations=iterations,
-                         lowest_mode=(vectors[:, 0] @ frame.flatten(1)).reshape(x.shape))
+    return CriticalPoint(
+        x=x,
+        energy=energy,
+        eigenvalues=values,
+        index=int((values < -zero_tol * max(scale, 1.0)).sum()),
+        rms_tangent_gradient=rms,
+        converged=rms <= tol,
+        iterations=iterations,
+        lowest_mode=(vectors[:, 0] @ frame.flatten(1)).reshape(x.shape),
+    )
 
 
 def _step_in_g(field: ETField, x: Tensor, frame: Tensor, coefficients: Tensor) -> Tensor:
@@ -85,8 +92,9 @@ def _step_in_g(field: ETField, x: Tensor, frame: Tensor, coefficients: Tensor) -
     return retract(x, step, field.model.neuron.eps)
 
 
-def newton_critical_point(field: ETField, x: Tensor, *, tol: float = 1e-10, max_iter: int = 100,
-                          radius: float = 0.5, zero_tol: float = 1e-8) -> CriticalPoint:
+def newton_critical_point(
+    field: ETField, x: Tensor, *, tol: float = 1e-10, max_iter: int = 100, radius: float = 0.5, zero_tol: float = 1e-8
+) -> CriticalPoint:
     """The critical point nearest (in the Newton sense) to ``x`` ``(N, D)``, of any index.
 
     Each iteration solves ``min |grad + H s|^2 + mu |s|^2`` in the tangent frame (``H``, ``grad``: Riemannian
@@ -96,8 +104,10 @@ def newton_critical_point(field: ETField, x: Tensor, *, tol: float = 1e-10, max_
     """
     x = _check_state(field, x)
     if not (tol > 0 and radius > 0 and isinstance(max_iter, int) and max_iter >= 0):
-        raise ValueError(f"tol and radius must be positive and max_iter a non-negative integer, got tol={tol}, "
-                         f"radius={radius}, max_iter={max_iter}")
+        raise ValueError(
+            f"tol and radius must be positive and max_iter a non-negative integer, got tol={tol}, "
+            f"radius={radius}, max_iter={max_iter}"
+        )
     size = math.sqrt(x.numel())
     iterations = 0
     matrix, gradient, frame = hessian_in_frame(field, x)
@@ -108,8 +118,10 @@ def newton_critical_point(field: ETField, x: Tensor, *, tol: float = 1e-10, max_
         mu = 0.0
         newton = -along * values / (values.square() + mu)
         if not bool(torch.isfinite(newton).all()) or float(newton.norm()) > radius:
-            low, high = 0.0, float(values.abs().max()) ** 2 + float(gradient.norm()) / radius * float(
-                values.abs().max() + 1.0)
+            low, high = (
+                0.0,
+                float(values.abs().max()) ** 2 + float(gradient.norm()) / radius * float(values.abs().max() + 1.0),
+            )
             for _ in range(60):  # bisection on mu for |s(mu)| = radius
                 mu = (low + high) / 2
                 length = float((along * values / (values.square() + mu)).norm())
@@ -126,9 +138,17 @@ def newton_critical_point(field: ETField, x: Tensor, *, tol: float = 1e-10, max_
     return _describe(field, x, iterations, tol, zero_tol)
 
 
-def saddle_from_minimum(field: ETField, x_min: Tensor, *, direction: int = 1, push: float = 0.05,
-                        radius: float = 0.1, tol: float = 1e-10, max_iter: int = 500,
-                        zero_tol: float = 1e-8) -> CriticalPoint:
+def saddle_from_minimum(
+    field: ETField,
+    x_min: Tensor,
+    *,
+    direction: int = 1,
+    push: float = 0.05,
+    radius: float = 0.1,
+    tol: float = 1e-10,
+    max_iter: int = 500,
+    zero_tol: float = 1e-8,
+) -> CriticalPoint:
     """An index-1 saddle reached from the minimum ``x_min`` ``(N, D)`` by minimum-mode following.
 
     Starts ``push`` (``g`` units) from the minimum along ``direction`` (+1 / -1) times its softest Hessian mode,
@@ -187,8 +207,9 @@ def point_distance(field: ETField, a: Tensor, b: Tensor, *, permutations: bool =
     return math.sqrt(float(cost[rows, cols].sum()) / ga.numel())
 
 
-def match_or_append(field: ETField, known: list[CriticalPoint], point: CriticalPoint, *, permutations: bool,
-                    match_tol: float) -> int:
+def match_or_append(
+    field: ETField, known: list[CriticalPoint], point: CriticalPoint, *, permutations: bool, match_tol: float
+) -> int:
     """The index in ``known`` of the first point within ``match_tol`` of ``point`` (:func:`point_distance`),
     appending ``point`` when there is none."""
     for index, other in enumerate(known):
@@ -222,15 +243,20 @@ class Census:
     match_tol: float
 
     def table(self) -> str:
-        lines = [f"{len(self.entries)} distinct critical points from {self.starts} searches ({self.failed} did not "
-                 f"converge); identified {'modulo token permutations' if self.permutations else 'exactly'} "
-                 f"(RMS g-distance < {self.match_tol:g}).", "",
-                 "| # | energy | kind | index | smallest / largest eigenvalue | RMS T dE/dg | reached by |",
-                 "|---|---|---|---|---|---|---|"]
+        lines = [
+            f"{len(self.entries)} distinct critical points from {self.starts} searches ({self.failed} did not "
+            f"converge); identified {'modulo token permutations' if self.permutations else 'exactly'} "
+            f"(RMS g-distance < {self.match_tol:g}).",
+            "",
+            "| # | energy | kind | index | smallest / largest eigenvalue | RMS T dE/dg | reached by |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for i, entry in enumerate(self.entries):
             p = entry.point
-            lines.append(f"| {i} | {p.energy:.6g} | {p.kind} | {p.index} | {float(p.eigenvalues[0]):.4g} / "
-                         f"{float(p.eigenvalues[-1]):.4g} | {p.rms_tangent_gradient:.2g} | {entry.count} |")
+            lines.append(
+                f"| {i} | {p.energy:.6g} | {p.kind} | {p.index} | {float(p.eigenvalues[0]):.4g} / "
+                f"{float(p.eigenvalues[-1]):.4g} | {p.rms_tangent_gradient:.2g} | {entry.count} |"
+            )
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -241,8 +267,9 @@ class Census:
         return [e.point for e in self.entries if index is None or e.point.index == index]
 
 
-def deduplicate(field: ETField, points: list[CriticalPoint], *, match_tol: float = 1e-5,
-                permutations: bool | None = None) -> list[CensusEntry]:
+def deduplicate(
+    field: ETField, points: list[CriticalPoint], *, match_tol: float = 1e-5, permutations: bool | None = None
+) -> list[CensusEntry]:
     """Group ``points`` closer than ``match_tol`` (RMS ``g``, modulo token permutations when the energy has
     that symmetry); ascending energy, counting the members of each group."""
     permutations = permutation_symmetric(field) if permutations is None else permutations
@@ -257,8 +284,16 @@ def deduplicate(field: ETField, points: list[CriticalPoint], *, match_tol: float
     return sorted(entries, key=lambda e: e.point.energy)
 
 
-def census(field: ETField, starts: Tensor, *, descent: bool = True, tol: float = 1e-10, match_tol: float = 1e-5,
-           max_iter: int = 100, progress: bool = False) -> Census:
+def census(
+    field: ETField,
+    starts: Tensor,
+    *,
+    descent: bool = True,
+    tol: float = 1e-10,
+    match_tol: float = 1e-5,
+    max_iter: int = 100,
+    progress: bool = False,
+) -> Census:
     """The distinct critical points reached from the starts ``(S, N, D)``, with counts.
 
     From every start: Newton (which ends at a critical point of any index), and with ``descent`` also Riemannian
@@ -267,11 +302,13 @@ def census(field: ETField, starts: Tensor, *, descent: bool = True, tol: float =
     """
     from tqdm.auto import tqdm
 
-    from .stability import find_fixed_point
+    from et_ode.analysis.stability import find_fixed_point
 
     if not (isinstance(starts, Tensor) and starts.dim() == 3):
-        raise ValueError(f"starts must be a tensor (S, N, D), got "
-                         f"{tuple(starts.shape) if isinstance(starts, Tensor) else type(starts).__name__}")
+        raise ValueError(
+            f"starts must be a tensor (S, N, D), got "
+            f"{tuple(starts.shape) if isinstance(starts, Tensor) else type(starts).__name__}"
+        )
     begins = list(starts)
     if descent:
         begins += list(find_fixed_point(field, starts, tol=1e-6, max_iter=2000).x)
@@ -283,5 +320,10 @@ def census(field: ETField, starts: Tensor, *, descent: bool = True, tol: float =
         else:
             failed += 1
     permutations = permutation_symmetric(field)
-    return Census(entries=deduplicate(field, found, match_tol=match_tol, permutations=permutations),
-                  starts=len(begins), failed=failed, permutations=permutations, match_tol=match_tol)
+    return Census(
+        entries=deduplicate(field, found, match_tol=match_tol, permutations=permutations),
+        starts=len(begins),
+        failed=failed,
+        permutations=permutations,
+        match_tol=match_tol,
+    )

@@ -23,13 +23,19 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from et_ode import ETField
-
-from .asymptotics import MeasuredRate, measured_exponent, plot_asymptotics
-from .basins import AttractorCensus, BasinMap, attractor_census, basin_map, plot_basin_map
-from .connections import Network, plot_disconnectivity, saddle_network
-from .continuation import Branch, continue_branch, plot_bifurcation_diagram
-from .critical_points import Census, CriticalPoint, census, deduplicate, newton_critical_point, saddle_from_minimum
-from .spectra import LyapunovSpectrum, lyapunov_spectrum
+from et_ode.analysis.asymptotics import MeasuredRate, measured_exponent, plot_asymptotics
+from et_ode.analysis.basins import AttractorCensus, BasinMap, attractor_census, basin_map, plot_basin_map
+from et_ode.analysis.connections import Network, plot_disconnectivity, saddle_network
+from et_ode.analysis.continuation import Branch, continue_branch, plot_bifurcation_diagram
+from et_ode.analysis.critical_points import (
+    Census,
+    CriticalPoint,
+    census,
+    deduplicate,
+    newton_critical_point,
+    saddle_from_minimum,
+)
+from et_ode.analysis.spectra import LyapunovSpectrum, lyapunov_spectrum
 
 PathLike = str | os.PathLike[str]
 
@@ -50,80 +56,147 @@ class LandscapeStudy:
     notes: list[str] = field(default_factory=list)
 
     def markdown(self) -> str:
-        lines = ["## The energy landscape of sample 0", "",
-                 "Critical points of any index on the product of spheres, by trust-region Newton on the Riemannian "
-                 "gradient from the solve's final state and random states, and by descent polished by Newton "
-                 "(identified modulo token permutations when there is no mask):", "", self.census.table(), ""]
+        lines = [
+            "## The energy landscape of sample 0",
+            "",
+            "Critical points of any index on the product of spheres, by trust-region Newton on the Riemannian "
+            "gradient from the solve's final state and random states, and by descent polished by Newton "
+            "(identified modulo token permutations when there is no mask):",
+            "",
+            self.census.table(),
+            "",
+        ]
         if self.network is not None:
-            lines += ["### Saddles and the minima they connect", "",
-                      "Index-1 saddles from the census and from minimum-mode following out of the lowest minima; from "
-                      "each, the flow (et_ode.solve) is followed down both branches of the unstable eigenvector. "
-                      "Barriers are E(saddle) - E(minimum).", "", self.network.table(), ""]
+            lines += [
+                "### Saddles and the minima they connect",
+                "",
+                "Index-1 saddles from the census and from minimum-mode following out of the lowest minima; from "
+                "each, the flow (et_ode.solve) is followed down both branches of the unstable eigenvector. "
+                "Barriers are E(saddle) - E(minimum).",
+                "",
+                self.network.table(),
+                "",
+            ]
             if "disconnectivity" in self.pictures:
                 lines += [f"![Disconnectivity graph]({self.pictures['disconnectivity']})", ""]
         if self.basins is not None:
-            lines += ["### Basins", "", "Initial states on the plane through a saddle and the two minima it joins, "
-                      "coloured by the attractor the ET flow reaches, with the descent direction's streamlines:", "",
-                      f"![Basin map]({self.pictures['basins']})", ""]
+            lines += [
+                "### Basins",
+                "",
+                "Initial states on the plane through a saddle and the two minima it joins, "
+                "coloured by the attractor the ET flow reaches, with the descent direction's streamlines:",
+                "",
+                f"![Basin map]({self.pictures['basins']})",
+                "",
+            ]
         lines += ["### Attractors reached from random starts", "", self.attractors.table(), ""]
         if self.asymptotics is not None:
             rate = self.asymptotics
-            lines += ["### Asymptotic rate", "",
-                      "The token scales grow linearly (sigma_A ~ rho_A t / (tau sqrt D), rho_A the outward force), so "
-                      "|g - g*| ~ t^(-p) with p = lambda_min(K^(-1/2) Hess_R K^(-1/2)), K = diag(rho_A / r): an "
-                      "exponential approach in the intrinsic time log t.", "",
-                      f"| predicted p | measured p (fit of RMS |g - g*| over the last {rate.fit.points} saved times, "
-                      "log-time window) | RMS log residual |", "|---|---|---|",
-                      f"| {rate.predicted.exponent:.4f} | {rate.exponent:.4f} | {rate.fit.rms_log_residual:.2g} |", "",
-                      f"![|g - g*| against log t]({self.pictures['asymptotics']})", ""]
+            lines += [
+                "### Asymptotic rate",
+                "",
+                "The token scales grow linearly (sigma_A ~ rho_A t / (tau sqrt D), rho_A the outward force), so "
+                "|g - g*| ~ t^(-p) with p = lambda_min(K^(-1/2) Hess_R K^(-1/2)), K = diag(rho_A / r): an "
+                "exponential approach in the intrinsic time log t.",
+                "",
+                f"| predicted p | measured p (fit of RMS |g - g*| over the last {rate.fit.points} saved times, "
+                "log-time window) | RMS log residual |",
+                "|---|---|---|",
+                f"| {rate.predicted.exponent:.4f} | {rate.exponent:.4f} | {rate.fit.rms_log_residual:.2g} |",
+                "",
+                f"![|g - g*| against log t]({self.pictures['asymptotics']})",
+                "",
+            ]
         if self.spectrum is not None and self.spectrum_expected is not None:  # set together
-            lines += ["### Lyapunov spectrum at the attractor", "",
-                      "QR method on the fixed-scale flow (sigma held at 1: intrinsic time, no restart bias). At a "
-                      "minimum the exponents are -(gamma / tau) times the Riemannian Hessian's eigenvalues:", "",
-                      "| exponent (second half) | -(gamma / tau) lambda |", "|---|---|"]
-            lines += [f"| {float(a):.5g} | {float(b):.5g} |" for a, b in zip(self.spectrum.late, self.spectrum_expected,
-                                                                           strict=True)]
+            lines += [
+                "### Lyapunov spectrum at the attractor",
+                "",
+                "QR method on the fixed-scale flow (sigma held at 1: intrinsic time, no restart bias). At a "
+                "minimum the exponents are -(gamma / tau) times the Riemannian Hessian's eigenvalues:",
+                "",
+                "| exponent (second half) | -(gamma / tau) lambda |",
+                "|---|---|",
+            ]
+            lines += [
+                f"| {float(a):.5g} | {float(b):.5g} |"
+                for a, b in zip(self.spectrum.late, self.spectrum_expected, strict=True)
+            ]
             lines.append("")
         if self.branch is not None:
-            lines += ["### Continuation in the Hopfield memories' scale", "",
-                      "The attractor reached by the solve, continued by pseudo-arclength as the memories xi are "
-                      "scaled by s (E_HN(s xi)); zero crossings of Hessian eigenvalues are classified as folds or "
-                      "branch points.", "", self.branch.table(), "",
-                      f"![Bifurcation diagram]({self.pictures['bifurcation']})", ""]
+            lines += [
+                "### Continuation in the Hopfield memories' scale",
+                "",
+                "The attractor reached by the solve, continued by pseudo-arclength as the memories xi are "
+                "scaled by s (E_HN(s xi)); zero crossings of Hessian eigenvalues are classified as folds or "
+                "branch points.",
+                "",
+                self.branch.table(),
+                "",
+                f"![Bifurcation diagram]({self.pictures['bifurcation']})",
+                "",
+            ]
         if self.notes:
             lines += ["Notes: " + " ".join(self.notes), ""]
         return "\n".join(lines)
 
     def as_dict(self) -> dict[str, Any]:
         def point(p: CriticalPoint) -> dict[str, Any]:
-            return {"energy": p.energy, "index": p.index, "kind": p.kind, "smallest": float(p.eigenvalues[0]),
-                    "largest": float(p.eigenvalues[-1]), "rms_tangent_gradient": p.rms_tangent_gradient}
+            return {
+                "energy": p.energy,
+                "index": p.index,
+                "kind": p.kind,
+                "smallest": float(p.eigenvalues[0]),
+                "largest": float(p.eigenvalues[-1]),
+                "rms_tangent_gradient": p.rms_tangent_gradient,
+            }
 
         return {
             "critical_points": [{**point(e.point), "count": e.count} for e in self.census.entries],
-            "searches": self.census.starts, "failed_searches": self.census.failed,
-            "connections": None if self.network is None else [
-                {"saddle_energy": self.network.saddles[c.saddle].energy, "minima": list(c.minima),
-                 "minima_energies": [self.network.minima[m].energy if m >= 0 else None for m in c.minima],
-                 "barriers": list(c.barriers)} for c in self.network.connections],
-            "attractors": [{**point(a), "count": n, "interval": list(i)} for a, n, i in
-                           zip(self.attractors.attractors, self.attractors.counts, self.attractors.intervals,
-                               strict=True)],
-            "asymptotic_exponent": None if self.asymptotics is None else {
-                "predicted": self.asymptotics.predicted.exponent, "measured": self.asymptotics.exponent,
-                "rms_log_residual": self.asymptotics.fit.rms_log_residual},
-            "lyapunov_spectrum": None if self.spectrum is None or self.spectrum_expected is None else {
-                "exponents": self.spectrum.late.tolist(), "expected": self.spectrum_expected.tolist()},
-            "continuation": None if self.branch is None else {
-                "mu": self.branch.mu.tolist(), "energies": self.branch.energies.tolist(),
+            "searches": self.census.starts,
+            "failed_searches": self.census.failed,
+            "connections": None
+            if self.network is None
+            else [
+                {
+                    "saddle_energy": self.network.saddles[c.saddle].energy,
+                    "minima": list(c.minima),
+                    "minima_energies": [self.network.minima[m].energy if m >= 0 else None for m in c.minima],
+                    "barriers": list(c.barriers),
+                }
+                for c in self.network.connections
+            ],
+            "attractors": [
+                {**point(a), "count": n, "interval": list(i)}
+                for a, n, i in zip(
+                    self.attractors.attractors, self.attractors.counts, self.attractors.intervals, strict=True
+                )
+            ],
+            "asymptotic_exponent": None
+            if self.asymptotics is None
+            else {
+                "predicted": self.asymptotics.predicted.exponent,
+                "measured": self.asymptotics.exponent,
+                "rms_log_residual": self.asymptotics.fit.rms_log_residual,
+            },
+            "lyapunov_spectrum": None
+            if self.spectrum is None or self.spectrum_expected is None
+            else {"exponents": self.spectrum.late.tolist(), "expected": self.spectrum_expected.tolist()},
+            "continuation": None
+            if self.branch is None
+            else {
+                "mu": self.branch.mu.tolist(),
+                "energies": self.branch.energies.tolist(),
                 "indices": self.branch.indices.tolist(),
-                "bifurcations": [{"kind": b.kind, "mu": b.mu} for b in self.branch.bifurcations]},
-            "pictures": self.pictures, "notes": self.notes,
+                "bifurcations": [{"kind": b.kind, "mu": b.mu} for b in self.branch.bifurcations],
+            },
+            "pictures": self.pictures,
+            "notes": self.notes,
         }
 
 
 def memory_scale_family(field: ETField) -> Callable[[float], ETField]:
     """``s -> field`` with the Hopfield memories ``xi`` scaled by ``s`` (a one-parameter family for continuation)."""
+
     def family(scale: float) -> ETField:
         model = copy.deepcopy(field.model)
         with torch.no_grad():
@@ -133,9 +206,20 @@ def memory_scale_family(field: ETField) -> Callable[[float], ETField]:
     return family
 
 
-def landscape_study(field: ETField, x0: Tensor, x_final: Tensor, *, folder: PathLike, starts: int = 4,
-                    attractor_starts: int = 16, basin_resolution: int = 9, t_end_asymptotic: float = 1e5,
-                    continuation_end: float = 0.5, seed: int = 0, progress: bool = False) -> LandscapeStudy:
+def landscape_study(
+    field: ETField,
+    x0: Tensor,
+    x_final: Tensor,
+    *,
+    folder: PathLike,
+    starts: int = 4,
+    attractor_starts: int = 16,
+    basin_resolution: int = 9,
+    t_end_asymptotic: float = 1e5,
+    continuation_end: float = 0.5,
+    seed: int = 0,
+    progress: bool = False,
+) -> LandscapeStudy:
     """Study the landscape around one sample: ``x0`` its initial state, ``x_final`` the solve's final state
     (each ``(N, D)``); pictures are written into ``folder``. ``starts``: searches from the final state and
     ``starts - 1`` random states; ``attractor_starts``: random starts for the attractor census."""
@@ -144,7 +228,7 @@ def landscape_study(field: ETField, x0: Tensor, x_final: Tensor, *, folder: Path
     random = torch.randn(starts - 1 + attractor_starts, *x0.shape, generator=generator, dtype=x0.dtype).to(x0.device)
     steps = tqdm(total=6, desc="landscape", disable=not progress, leave=False)
     notes: list[str] = []
-    found = census(field, torch.cat([x_final[None].detach(), random[:starts - 1]]))
+    found = census(field, torch.cat([x_final[None].detach(), random[: starts - 1]]))
     steps.update()
     minima = found.points(0)
     saddles = found.points(1)
@@ -164,8 +248,9 @@ def landscape_study(field: ETField, x0: Tensor, x_final: Tensor, *, folder: Path
         if joined:
             c = joined[0]
             through = torch.stack([network.minima[m].x for m in c.minima])
-            basins = basin_map(field, network.saddles[c.saddle].x, through, resolution=basin_resolution,
-                               attractors=list(network.minima))
+            basins = basin_map(
+                field, network.saddles[c.saddle].x, through, resolution=basin_resolution, attractors=list(network.minima)
+            )
             marks = {"saddle": network.saddles[c.saddle].x, **{f"m{m}": network.minima[m].x for m in c.minima}}
             plot_basin_map(basins, marks=marks, path=folder / "basins.png")
             pictures["basins"] = "basins.png"
@@ -174,7 +259,7 @@ def landscape_study(field: ETField, x0: Tensor, x_final: Tensor, *, folder: Path
     else:
         notes.append("No index-1 saddle was found, so there is no connection network or basin map.")
     steps.update()
-    attractors = attractor_census(field, random[starts - 1:], attractors=list(minima))
+    attractors = attractor_census(field, random[starts - 1 :], attractors=list(minima))
     steps.update()
     asymptotics = None
     try:
@@ -192,16 +277,20 @@ def landscape_study(field: ETField, x0: Tensor, x_final: Tensor, *, folder: Path
         gamma = float(field.model.neuron.gamma.detach())
         expected = -gamma * limit.eigenvalues[:count] / field.tau
     else:
-        notes.append("The solve's final state is not near a minimum (Newton did not reach index 0), so the Lyapunov "
-                     "spectrum was not measured there.")
+        notes.append(
+            "The solve's final state is not near a minimum (Newton did not reach index 0), so the Lyapunov "
+            "spectrum was not measured there."
+        )
     steps.update()
     branch = None
     if limit.converged:
         try:
-            branch = continue_branch(memory_scale_family(field), limit.x, 1.0, mu_end=continuation_end, step=0.05,
-                                     max_points=40)
-            plot_bifurcation_diagram([branch], labels=["solve's limit"], parameter="memory scale s",
-                                     path=folder / "bifurcation.png")
+            branch = continue_branch(
+                memory_scale_family(field), limit.x, 1.0, mu_end=continuation_end, step=0.05, max_points=40
+            )
+            plot_bifurcation_diagram(
+                [branch], labels=["solve's limit"], parameter="memory scale s", path=folder / "bifurcation.png"
+            )
             pictures["bifurcation"] = "bifurcation.png"
         except ValueError as error:
             notes.append(f"Continuation failed: {error}.")
@@ -209,5 +298,15 @@ def landscape_study(field: ETField, x0: Tensor, x_final: Tensor, *, folder: Path
     steps.close()
     if not math.isfinite(found.entries[0].point.energy if found.entries else 0.0):
         notes.append("A critical point with a non-finite energy was found.")
-    return LandscapeStudy(census=found, network=network, basins=basins, attractors=attractors, asymptotics=asymptotics,
-                          spectrum=spectrum, spectrum_expected=expected, branch=branch, pictures=pictures, notes=notes)
+    return LandscapeStudy(
+        census=found,
+        network=network,
+        basins=basins,
+        attractors=attractors,
+        asymptotics=asymptotics,
+        spectrum=spectrum,
+        spectrum_expected=expected,
+        branch=branch,
+        pictures=pictures,
+        notes=notes,
+    )

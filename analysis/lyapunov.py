@@ -28,8 +28,7 @@ from torchdiffeq import odeint
 from tqdm.auto import tqdm
 
 from et_ode import ETField, Solution, SolveError
-
-from .convergence import flat_field, flat_states
+from et_ode.analysis.convergence import flat_field, flat_states
 
 KINDS = ("energy rise", "dE/dt mismatch", "dE/dt > 0", "M not PSD")
 
@@ -83,21 +82,25 @@ class LyapunovReport:
 
     def table(self, max_rows: int = 20) -> str:
         """Markdown: a verdict per sample, then the violations (at most ``max_rows``)."""
-        lines = [f"M positive semi-definite: {'yes' if self.m_psd else 'NO'} (gamma = {self.gamma:.6g}, "
-                 f"eps = {self.eps:.3g}, smallest non-zero eigenvalue of M along the trajectory "
-                 f"{self.m_min_eigenvalue:.3g}); {self.intervals} intervals, {self.dense_rechecks} re-evaluated densely.",
-                 "", "| sample | energy descends (Lyapunov) | follows the exact dE/dt | violations | "
-                 "largest energy rise | largest relative dE/dt mismatch |",
-                 "|---|---|---|---|---|---|"]
+        lines = [
+            f"M positive semi-definite: {'yes' if self.m_psd else 'NO'} (gamma = {self.gamma:.6g}, "
+            f"eps = {self.eps:.3g}, smallest non-zero eigenvalue of M along the trajectory "
+            f"{self.m_min_eigenvalue:.3g}); {self.intervals} intervals, {self.dense_rechecks} re-evaluated densely.",
+            "",
+            "| sample | energy descends (Lyapunov) | follows the exact dE/dt | violations | "
+            "largest energy rise | largest relative dE/dt mismatch |",
+            "|---|---|---|---|---|---|",
+        ]
         for b in range(len(self.passed)):
             count = sum(v.sample == b for v in self.violations)
-            lines.append(f"| {b} | {'yes' if self.descends[b] else 'NO'} | {'yes' if self.follows_rate[b] else 'NO'} | "
-                         f"{count} | {self.max_energy_rise[b]:.3g} | {self.max_mismatch[b]:.3g} |")
+            lines.append(
+                f"| {b} | {'yes' if self.descends[b] else 'NO'} | {'yes' if self.follows_rate[b] else 'NO'} | "
+                f"{count} | {self.max_energy_rise[b]:.3g} | {self.max_mismatch[b]:.3g} |"
+            )
         if self.violations:
             lines += ["", "| sample | kind | t start | t end | size | allowed |", "|---|---|---|---|---|---|"]
             for v in self.violations[:max_rows]:
-                lines.append(f"| {v.sample} | {v.kind} | {v.t_start:.6g} | {v.t_end:.6g} | {v.size:.3g} | "
-                             f"{v.allowed:.3g} |")
+                lines.append(f"| {v.sample} | {v.kind} | {v.t_start:.6g} | {v.t_end:.6g} | {v.size:.3g} | {v.allowed:.3g} |")
             if len(self.violations) > max_rows:
                 lines.append(f"| ... | {len(self.violations) - max_rows} more | | | | |")
         return "\n".join(lines)
@@ -106,12 +109,22 @@ class LyapunovReport:
         return self.table()
 
     def as_dict(self) -> dict:
-        return {"all_passed": self.all_passed, "passed": self.passed, "descends": self.descends,
-                "follows_rate": self.follows_rate, "m_psd": self.m_psd, "gamma": self.gamma,
-                "eps": self.eps, "m_min_eigenvalue": self.m_min_eigenvalue, "intervals": self.intervals,
-                "dense_rechecks": self.dense_rechecks, "max_energy_rise": self.max_energy_rise,
-                "max_mismatch": self.max_mismatch, "settings": self.settings,
-                "violations": [asdict(v) for v in self.violations]}
+        return {
+            "all_passed": self.all_passed,
+            "passed": self.passed,
+            "descends": self.descends,
+            "follows_rate": self.follows_rate,
+            "m_psd": self.m_psd,
+            "gamma": self.gamma,
+            "eps": self.eps,
+            "m_min_eigenvalue": self.m_min_eigenvalue,
+            "intervals": self.intervals,
+            "dense_rechecks": self.dense_rechecks,
+            "max_energy_rise": self.max_energy_rise,
+            "max_mismatch": self.max_mismatch,
+            "settings": self.settings,
+            "violations": [asdict(v) for v in self.violations],
+        }
 
 
 def metric_spectrum(field: ETField, xs: Tensor) -> tuple[float, float]:
@@ -128,8 +141,17 @@ ANALYSIS_MAX_STEPS = 10_000  # the step budget of an analysis integration (as et
 _ADAPTIVE = ("dopri5", "dopri8", "bosh3", "fehlberg2", "adaptive_heun")
 
 
-def bounded_odeint(func: Any, y0: Any, grid: Tensor, *, method: str, rtol: float, atol: float, what: str,
-                   max_steps: int = ANALYSIS_MAX_STEPS) -> Any:
+def bounded_odeint(
+    func: Any,
+    y0: Any,
+    grid: Tensor,
+    *,
+    method: str,
+    rtol: float,
+    atol: float,
+    what: str,
+    max_steps: int = ANALYSIS_MAX_STEPS,
+) -> Any:
     """torchdiffeq's ``odeint`` with a step budget of ``max_steps`` (adaptive methods; a fixed method takes the
     grid's steps).
 
@@ -145,9 +167,12 @@ def bounded_odeint(func: Any, y0: Any, grid: Tensor, *, method: str, rtol: float
         return odeint(func, y0, grid, method=method, rtol=rtol, atol=atol, options=options)
     except AssertionError as error:
         start, end = float(grid[0]), float(grid[-1])
-        raise SolveError(f"{what}: the {method} integration from t={start:.6g} to t={end:.6g} stopped: {error} (at "
-                         f"most {max_steps} steps; a horizon or state too large for the tolerances)", time=start,
-                         solution=None) from None
+        raise SolveError(
+            f"{what}: the {method} integration from t={start:.6g} to t={end:.6g} stopped: {error} (at "
+            f"most {max_steps} steps; a horizon or state too large for the tolerances)",
+            time=start,
+            solution=None,
+        ) from None
 
 
 class _WithEnergyRate(torch.nn.Module):
@@ -165,9 +190,16 @@ class _WithEnergyRate(torch.nn.Module):
         return velocity, self.field.dE_dt(x, velocity).to(state[1].dtype)
 
 
-def check_lyapunov(solution: Solution, *, energy_rtol: float | None = None, energy_atol: float = 0.0,
-                   match_rtol: float = 0.05, dense_points: int = 16, progress: bool = False,
-                   max_steps: int = ANALYSIS_MAX_STEPS) -> LyapunovReport:
+def check_lyapunov(
+    solution: Solution,
+    *,
+    energy_rtol: float | None = None,
+    energy_atol: float = 0.0,
+    match_rtol: float = 0.05,
+    dense_points: int = 16,
+    progress: bool = False,
+    max_steps: int = ANALYSIS_MAX_STEPS,
+) -> LyapunovReport:
     """Check that the energy is a Lyapunov function along ``solution`` (see the module docstring).
 
     Args:
@@ -184,8 +216,10 @@ def check_lyapunov(solution: Solution, *, energy_rtol: float | None = None, ener
     """
     xs = flat_states(solution)
     if xs.shape[0] < 2:
-        raise ValueError(f"solution has {xs.shape[0]} saved time(s); the Lyapunov check needs at least 2: solve with "
-                         f"save=\"all\" (e.g. on t=torch.linspace(0, t1, 51)) or save=\"steps\"")
+        raise ValueError(
+            f"solution has {xs.shape[0]} saved time(s); the Lyapunov check needs at least 2: solve with "
+            f'save="all" (e.g. on t=torch.linspace(0, t1, 51)) or save="steps"'
+        )
     if not (isinstance(dense_points, int) and dense_points >= 2 and dense_points % 2 == 0):
         raise ValueError(f"dense_points must be an even integer >= 2, got {dense_points!r}")
     if not match_rtol > 0:
@@ -209,15 +243,17 @@ def check_lyapunov(solution: Solution, *, energy_rtol: float | None = None, ener
 
     rate_allowed = 1e3 * finfo.eps * rate_scale
     for k, b in (rate > rate_allowed).nonzero().tolist():
-        violations.append(Violation(b, "dE/dt > 0", float(ts[k]), float(ts[k]), float(rate[k, b]),
-                                    float(rate_allowed[k, b])))
+        violations.append(
+            Violation(b, "dE/dt > 0", float(ts[k]), float(ts[k]), float(rate[k, b]), float(rate_allowed[k, b]))
+        )
 
     h = (ts[1:] - ts[:-1])[:, None]  # (T-1, 1)
     rise = energy[1:] - energy[:-1]  # (T-1, B)
     allowed = energy_rtol * torch.maximum(energy[1:].abs(), energy[:-1].abs()) + energy_atol
     for k, b in (rise > allowed).nonzero().tolist():
-        violations.append(Violation(b, "energy rise", float(ts[k]), float(ts[k + 1]), float(rise[k, b]),
-                                    float(allowed[k, b])))
+        violations.append(
+            Violation(b, "energy rise", float(ts[k]), float(ts[k + 1]), float(rise[k, b]), float(allowed[k, b]))
+        )
 
     integral = h * (rate[1:] + rate[:-1]) / 2  # trapezoid
     close = (rise - integral).abs() <= match_rtol * torch.maximum(integral.abs(), rise.abs()) + allowed
@@ -227,9 +263,16 @@ def check_lyapunov(solution: Solution, *, energy_rtol: float | None = None, ener
     for k in tqdm(intervals, desc="dense dE/dt re-evaluation", disable=not progress or not intervals):
         grid = torch.linspace(float(ts[k]), float(ts[k + 1]), dense_points + 1, dtype=torch.float64)
         with torch.no_grad():  # the energy's change integrated as an extra state: the solver's steps place the points
-            path, gained = bounded_odeint(_WithEnergyRate(field), (xs[k], xs.new_zeros(batch)), grid.to(xs.device),
-                                          rtol=dense_rtol, atol=dense_atol, method="dopri5", max_steps=max_steps,
-                                          what="check_lyapunov's dense re-evaluation")
+            path, gained = bounded_odeint(
+                _WithEnergyRate(field),
+                (xs[k], xs.new_zeros(batch)),
+                grid.to(xs.device),
+                rtol=dense_rtol,
+                atol=dense_atol,
+                method="dopri5",
+                max_steps=max_steps,
+                what="check_lyapunov's dense re-evaluation",
+            )
         del path
         dense = gained[-1].to(torch.float64).cpu()
         redo = ~close[k]
@@ -238,8 +281,9 @@ def check_lyapunov(solution: Solution, *, energy_rtol: float | None = None, ener
     limit = match_rtol * integral.abs() + allowed
     for k, b in suspicious:
         if mismatch[k, b] > limit[k, b]:
-            violations.append(Violation(b, "dE/dt mismatch", float(ts[k]), float(ts[k + 1]),
-                                        float(mismatch[k, b]), float(limit[k, b])))
+            violations.append(
+                Violation(b, "dE/dt mismatch", float(ts[k]), float(ts[k + 1]), float(mismatch[k, b]), float(limit[k, b]))
+            )
     relative = mismatch / (integral.abs() + allowed).clamp_min(finfo.tiny)
     relative[~torch.isfinite(relative)] = math.inf
     violations.sort(key=lambda v: (v.sample, v.t_start, KINDS.index(v.kind)))
@@ -247,9 +291,21 @@ def check_lyapunov(solution: Solution, *, energy_rtol: float | None = None, ener
     off_rate = {v.sample for v in violations if v.kind == "dE/dt mismatch"}
     not_descending = {v.sample for v in violations if v.kind != "dE/dt mismatch"}
     return LyapunovReport(
-        passed=[b not in flagged for b in range(batch)], descends=[b not in not_descending for b in range(batch)],
-        follows_rate=[b not in off_rate for b in range(batch)], violations=violations,
-        max_energy_rise=rise.max(dim=0).values.tolist(), max_mismatch=relative.max(dim=0).values.tolist(),
-        gamma=gamma, eps=model.neuron.eps, m_min_eigenvalue=m_min, intervals=steps, dense_rechecks=len(intervals),
-        settings={"energy_rtol": energy_rtol, "energy_atol": energy_atol, "match_rtol": match_rtol,
-                  "dense_points": dense_points})
+        passed=[b not in flagged for b in range(batch)],
+        descends=[b not in not_descending for b in range(batch)],
+        follows_rate=[b not in off_rate for b in range(batch)],
+        violations=violations,
+        max_energy_rise=rise.max(dim=0).values.tolist(),
+        max_mismatch=relative.max(dim=0).values.tolist(),
+        gamma=gamma,
+        eps=model.neuron.eps,
+        m_min_eigenvalue=m_min,
+        intervals=steps,
+        dense_rechecks=len(intervals),
+        settings={
+            "energy_rtol": energy_rtol,
+            "energy_atol": energy_atol,
+            "match_rtol": match_rtol,
+            "dense_points": dense_points,
+        },
+    )

@@ -23,9 +23,8 @@ from matplotlib.figure import Figure
 from torch import Tensor
 
 from et_ode import Adaptive, ETField, Solution, solve
-from et_ode.manifold import radial_direction, tangent_projection
-
-from .convergence import convergence_traces, flat_field, flat_states, sample_field
+from et_ode.analysis.convergence import convergence_traces, flat_field, flat_states, sample_field
+from et_ode.dynamics.manifold import radial_direction, tangent_projection
 
 PathLike = str | os.PathLike[str]
 
@@ -52,8 +51,7 @@ def readable_log_axis(axis: Any, *, most: int = 5) -> None:
     narrow = powers < 2
     axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0) if narrow else (1.0,), numticks=most + 1))
     # every major tick labelled (matplotlib would keep only the powers of ten on spans over a decade)
-    axis.set_major_formatter(LogFormatterSciNotation(base=10, labelOnlyBase=False,
-                                                     minor_thresholds=(math.inf, math.inf)))
+    axis.set_major_formatter(LogFormatterSciNotation(base=10, labelOnlyBase=False, minor_thresholds=(math.inf, math.inf)))
     axis.set_minor_locator(LogLocator(base=10, subs=tuple(range(2, 10)), numticks=12))
     axis.set_minor_formatter(NullFormatter())
 
@@ -71,8 +69,14 @@ def _sample_colors(count: int) -> list:
     return [cmap(i if count <= 10 else i / max(count - 1, 1)) for i in range(count)]
 
 
-def plot_convergence(solution: Solution, *, path: PathLike | None = None,
-                     figsize: tuple[float, float] = (15.0, 4.5), dpi: int = 100, max_samples: int = 10) -> Figure:
+def plot_convergence(
+    solution: Solution,
+    *,
+    path: PathLike | None = None,
+    figsize: tuple[float, float] = (15.0, 4.5),
+    dpi: int = 100,
+    max_samples: int = 10,
+) -> Figure:
     """Energy, RMS ``|dg/dt|`` and RMS ``|T dE/dg|`` (log-log), and the two zero-mode drifts of ``x``
     against time, one color per sample (at most ``max_samples`` drawn)."""
     traces = convergence_traces(solution)
@@ -86,23 +90,38 @@ def plot_convergence(solution: Solution, *, path: PathLike | None = None,
         label = f"sample {b}"
         ax_e.plot(t, traces.energy[:, b].numpy(), color=colors[b], label=label)
         ax_r.plot(t[positive], traces.rms_dg_dt[positive, b].numpy(), color=colors[b], label=f"{label}: RMS |dg/dt|")
-        ax_r.plot(t[positive], traces.rms_tangent_gradient[positive, b].numpy(), color=colors[b], linestyle="--",
-                  label=f"{label}: RMS |T dE/dg|")
+        ax_r.plot(
+            t[positive],
+            traces.rms_tangent_gradient[positive, b].numpy(),
+            color=colors[b],
+            linestyle="--",
+            label=f"{label}: RMS |T dE/dg|",
+        )
         ax_d.plot(t, traces.ones_drift[:, b].numpy(), color=colors[b], label=f"{label}: along all-ones")
         ax_d.plot(t, traces.radial_drift[:, b].numpy(), color=colors[b], linestyle=":", label=f"{label}: radial")
     ax_e.set(title="Energy E(t) (must never rise)", xlabel="time t", ylabel="energy E")
-    ax_r.set(title="Motion of g: solid RMS |dg/dt|, dashed RMS |T dE/dg|\n(power law = straight line)",
-             xlabel="time t (log scale)", ylabel="per element (log scale)", xscale="log", yscale="log")
-    ax_d.set(title="Drift of x along its zero modes since t0\nsolid: token mean (all-ones); dotted: scale sigma",
-             xlabel="time t", ylabel="drift (units of x)")
+    ax_r.set(
+        title="Motion of g: solid RMS |dg/dt|, dashed RMS |T dE/dg|\n(power law = straight line)",
+        xlabel="time t (log scale)",
+        ylabel="per element (log scale)",
+        xscale="log",
+        yscale="log",
+    )
+    ax_d.set(
+        title="Drift of x along its zero modes since t0\nsolid: token mean (all-ones); dotted: scale sigma",
+        xlabel="time t",
+        ylabel="drift (units of x)",
+    )
     readable_log_axis(ax_r.xaxis)
     readable_log_axis(ax_r.yaxis)
     handles = [ax_e.get_lines()[b] for b in range(count)]
     ax_e.legend(handles=handles, fontsize="small", loc="upper right")
     for ax in (ax_e, ax_r, ax_d):
         ax.grid(True, alpha=0.3)
-    fig.suptitle(f"Convergence of {traces.energy.shape[1]} sample(s)"
-                 + (f" (first {count} drawn)" if count < traces.energy.shape[1] else ""))
+    fig.suptitle(
+        f"Convergence of {traces.energy.shape[1]} sample(s)"
+        + (f" (first {count} drawn)" if count < traces.energy.shape[1] else "")
+    )
     return _finish(fig, path, dpi)
 
 
@@ -120,8 +139,9 @@ def _pca(points: np.ndarray, dims: int) -> tuple[np.ndarray, np.ndarray, np.ndar
     return center, vt[:dims], variance[:dims]
 
 
-def dense_trajectory(solution: Solution, *, points: int = 200, rtol: float = 1e-8,
-                     atol: float = 1e-10) -> tuple[Tensor, Tensor]:
+def dense_trajectory(
+    solution: Solution, *, points: int = 200, rtol: float = 1e-8, atol: float = 1e-10
+) -> tuple[Tensor, Tensor]:
     """Re-integrate ``solution``'s field (dopri5) from its first saved state on ``points`` times from ``ts[0]``,
     log-spaced after it (the motion is fastest at the start): ``(ts (P,), xs (P, *batch, N, D))``."""
     if not (isinstance(points, int) and points >= 3):
@@ -133,15 +153,28 @@ def dense_trajectory(solution: Solution, *, points: int = 200, rtol: float = 1e-
     offsets = torch.logspace(np.log10((t1 - t0) * 1e-4), np.log10(t1 - t0), points - 1, dtype=torch.float64)
     grid = torch.cat([ts[:1], t0 + offsets])
     with torch.no_grad():
-        dense = solve(solution.field, solution.xs[0].detach(), grid.to(solution.xs.dtype),
-                      solver=Adaptive(rtol=rtol, atol=atol), max_steps=100_000)
+        dense = solve(
+            solution.field,
+            solution.xs[0].detach(),
+            grid.to(solution.xs.dtype),
+            solver=Adaptive(rtol=rtol, atol=atol),
+            max_steps=100_000,
+        )
     assert dense.xs is not None  # save="all", the default
     return grid, dense.xs
 
 
-def plot_trajectories(solution: Solution, *, sample: int = 0, dims: int = 2, color_by: str = "time",
-                      dense: int | None = None, path: PathLike | None = None, figsize: tuple[float, float] = (8.0, 6.5),
-                      dpi: int = 100) -> Figure:
+def plot_trajectories(
+    solution: Solution,
+    *,
+    sample: int = 0,
+    dims: int = 2,
+    color_by: str = "time",
+    dense: int | None = None,
+    path: PathLike | None = None,
+    figsize: tuple[float, float] = (8.0, 6.5),
+    dpi: int = 100,
+) -> Figure:
     """Token trajectories of one sample projected on their first ``dims`` (2 or 3) principal components.
 
     The tokens are normalized as ``(x - mean) / std`` (the activation ``g`` up to ``gamma`` and ``delta``,
@@ -156,8 +189,7 @@ def plot_trajectories(solution: Solution, *, sample: int = 0, dims: int = 2, col
         raise ValueError(f"color_by must be 'time' or 'energy', got {color_by!r}")
     if not isinstance(solution, Solution) or solution.xs is None:
         raise ValueError("solution must be an et_ode.Solution with saved states (save='all' or 'steps')")
-    times, xs = (solution.ts.detach(), solution.xs.detach()) if dense is None else dense_trajectory(solution,
-                                                                                                    points=dense)
+    times, xs = (solution.ts.detach(), solution.xs.detach()) if dense is None else dense_trajectory(solution, points=dense)
     xs = xs.reshape(xs.shape[0], -1, *xs.shape[-2:])
     b = _sample_index(sample, xs.shape[1])
     tokens = _normalized_tokens(xs[:, b].to(torch.float64)).cpu().numpy()  # (T, N, D)
@@ -190,8 +222,15 @@ def plot_trajectories(solution: Solution, *, sample: int = 0, dims: int = 2, col
         ax.add_collection(lines)
     start, end = projected[0], projected[-1]
     ax.scatter(*start.T, facecolors="none", edgecolors="black", s=30, label="start (t0)")
-    ax.scatter(*end.T, marker="*", color="red", edgecolors="black", s=160, zorder=5,
-               label=f"final state (t = {float(times[-1]):.3g})")
+    ax.scatter(
+        *end.T,
+        marker="*",
+        color="red",
+        edgecolors="black",
+        s=160,
+        zorder=5,
+        label=f"final state (t = {float(times[-1]):.3g})",
+    )
     if dims == 2:
         ax.autoscale()
         ax.set_aspect("equal", adjustable="datalim")
@@ -202,8 +241,10 @@ def plot_trajectories(solution: Solution, *, sample: int = 0, dims: int = 2, col
         ax.set_zlabel(f"PC 3 ({100 * variance[2]:.0f}% var.)")
     ax.set_xlabel(f"PC 1 ({100 * variance[0]:.0f}% of variance)")
     ax.set_ylabel(f"PC 2 ({100 * variance[1]:.0f}% of variance)")
-    ax.set_title(f"Sample {b}: {count} token trajectories of the normalized state (x - mean)/std,\n"
-                 f"first {dims} principal components, colored by {label}")
+    ax.set_title(
+        f"Sample {b}: {count} token trajectories of the normalized state (x - mean)/std,\n"
+        f"first {dims} principal components, colored by {label}"
+    )
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12 if dims == 2 else -0.02), ncol=2, fontsize="small")
     fig.colorbar(lines, ax=ax, label=label, shrink=0.8)
     return _finish(fig, path, dpi)
@@ -269,8 +310,10 @@ def energy_slice(field: ETField, x_fixed: Tensor, *, trajectory: Tensor | None =
             return direction
 
         generator = torch.Generator().manual_seed(seed)
-        random = [tangent_projection(torch.randn(g_star.shape, generator=generator, dtype=g_star.dtype).to(g_star.device), s)
-                  for _ in range(3)]
+        random = [
+            tangent_projection(torch.randn(g_star.shape, generator=generator, dtype=g_star.dtype).to(g_star.device), s)
+            for _ in range(3)
+        ]
         coords = off_plane = distance = None
         if trajectory is None:
             u = random_direction(random[0], [])
@@ -294,9 +337,19 @@ def energy_slice(field: ETField, x_fixed: Tensor, *, trajectory: Tensor | None =
     return EnergySlice(field=field, g_star=g_star, u=u, v=v, coords=coords, off_plane=off_plane, distance=distance)
 
 
-def plot_energy_slice(field: ETField, x_fixed: Tensor, *, trajectories: Solution | Tensor | None = None,
-                      span: float | None = None, resolution: int = 41, path: PathLike | None = None, sample: int = 0,
-                      figsize: tuple[float, float] = (8.0, 6.5), dpi: int = 100, seed: int = 0) -> Figure:
+def plot_energy_slice(
+    field: ETField,
+    x_fixed: Tensor,
+    *,
+    trajectories: Solution | Tensor | None = None,
+    span: float | None = None,
+    resolution: int = 41,
+    path: PathLike | None = None,
+    sample: int = 0,
+    figsize: tuple[float, float] = (8.0, 6.5),
+    dpi: int = 100,
+    seed: int = 0,
+) -> Figure:
     """Contours of ``E`` on a 2-D slice of the product of spheres through the fixed point ``x_fixed``.
 
     ``x_fixed``: ``(N, D)`` or ``(B, N, D)`` (``sample`` picks one). The slice (:func:`energy_slice`) is
@@ -311,8 +364,10 @@ def plot_energy_slice(field: ETField, x_fixed: Tensor, *, trajectories: Solution
     if not (isinstance(resolution, int) and resolution >= 3):
         raise ValueError(f"resolution must be an integer >= 3, got {resolution!r}")
     if not isinstance(x_fixed, Tensor) or x_fixed.dim() not in (2, 3) or x_fixed.shape[-1] != field.model.dim:
-        raise ValueError(f"x_fixed must be a tensor (N, D) or (B, N, D) with D={field.model.dim}, got "
-                         f"{tuple(x_fixed.shape) if isinstance(x_fixed, Tensor) else type(x_fixed).__name__}")
+        raise ValueError(
+            f"x_fixed must be a tensor (N, D) or (B, N, D) with D={field.model.dim}, got "
+            f"{tuple(x_fixed.shape) if isinstance(x_fixed, Tensor) else type(x_fixed).__name__}"
+        )
     xf = x_fixed.detach().reshape(-1, *x_fixed.shape[-2:])
     b = _sample_index(sample, xf.shape[0])
     model = field.model
@@ -321,8 +376,10 @@ def plot_energy_slice(field: ETField, x_fixed: Tensor, *, trajectories: Solution
     if trajectories is not None:
         states = trajectories.xs if isinstance(trajectories, Solution) else trajectories
         if not isinstance(states, Tensor) or tuple(states.shape[-2:]) != tuple(xf.shape[-2:]) or states.dim() not in (3, 4):
-            raise ValueError(f"trajectories must be a Solution with saved states or a tensor (T, N, D) / "
-                             f"(T, B, N, D) matching x_fixed's (N, D)={tuple(xf.shape[-2:])}")
+            raise ValueError(
+                f"trajectories must be a Solution with saved states or a tensor (T, N, D) / "
+                f"(T, B, N, D) matching x_fixed's (N, D)={tuple(xf.shape[-2:])}"
+            )
         states = states.detach().reshape(states.shape[0], -1, *states.shape[-2:])[:, b if states.dim() == 4 else 0]
     plane = energy_slice(bound, xf[b], trajectory=states, seed=seed)
     coords = None if plane.coords is None else plane.coords.cpu().numpy()
@@ -348,24 +405,44 @@ def plot_energy_slice(field: ETField, x_fixed: Tensor, *, trajectories: Solution
         ax.scatter(coords[-1, 0], coords[-1, 1], marker="x", color="red", s=60, label="trajectory end")
         worst = int(off_plane.argmax())
         ratio = float(off_plane[worst] / distance[worst].clamp_min(torch.finfo(g_star.dtype).tiny))
-        ax.text(0.02, 0.02, f"start and end lie in the plane; the trajectory leaves it by at most\n"
-                f"{float(off_plane[worst]):.3g} in g ({100 * ratio:.0f}% of its distance from g* there)",
-                transform=ax.transAxes, fontsize="small", color="white", va="bottom",
-                bbox={"facecolor": "black", "alpha": 0.5, "linewidth": 0})
-    ax.scatter([0], [0], marker="*", s=220, color="white", edgecolors="black", zorder=5,
-               label=f"fixed point (E = {e_star:.4g})")
-    ax.set(xlim=(-span, span), ylim=(-span, span), aspect="equal",
-           xlabel="coordinate along u (units of g)", ylabel="coordinate along v (units of g)",
-           title=f"Energy on a 2-D slice through the fixed point (sample {b})\n"
-                 f"u, v: {'plane through g*, start and end' if coords is not None else 'random tangent directions'}"
-                 ", tokens kept on their spheres")
+        ax.text(
+            0.02,
+            0.02,
+            f"start and end lie in the plane; the trajectory leaves it by at most\n"
+            f"{float(off_plane[worst]):.3g} in g ({100 * ratio:.0f}% of its distance from g* there)",
+            transform=ax.transAxes,
+            fontsize="small",
+            color="white",
+            va="bottom",
+            bbox={"facecolor": "black", "alpha": 0.5, "linewidth": 0},
+        )
+    ax.scatter(
+        [0], [0], marker="*", s=220, color="white", edgecolors="black", zorder=5, label=f"fixed point (E = {e_star:.4g})"
+    )
+    ax.set(
+        xlim=(-span, span),
+        ylim=(-span, span),
+        aspect="equal",
+        xlabel="coordinate along u (units of g)",
+        ylabel="coordinate along v (units of g)",
+        title=f"Energy on a 2-D slice through the fixed point (sample {b})\n"
+        f"u, v: {'plane through g*, start and end' if coords is not None else 'random tangent directions'}"
+        ", tokens kept on their spheres",
+    )
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2, fontsize="small")
     return _finish(fig, path, dpi)
 
 
-def plot_attention(solution: Solution, *, sample: int = 0, head: int = 0,
-                   times: Sequence[float] | None = None, path: PathLike | None = None,
-                   figsize: tuple[float, float] | None = None, dpi: int = 100) -> Figure:
+def plot_attention(
+    solution: Solution,
+    *,
+    sample: int = 0,
+    head: int = 0,
+    times: Sequence[float] | None = None,
+    path: PathLike | None = None,
+    figsize: tuple[float, float] | None = None,
+    dpi: int = 100,
+) -> Figure:
     """Attention maps ``S[head, key B, query C]`` of one sample at a few saved times (default: 4, from
     first to last). Each requested time uses the nearest saved one. Default size: 3.6 inches per map, 4 tall."""
     xs = flat_states(solution)
@@ -387,8 +464,10 @@ def plot_attention(solution: Solution, *, sample: int = 0, head: int = 0,
     figsize = figsize or (3.6 * len(indices) + 1.2, 4.0)
     fig = Figure(figsize=figsize, layout="constrained")
     axes = np.atleast_1d(fig.subplots(1, len(indices)))
-    images = [ax.imshow(attention, cmap="magma", vmin=0.0, vmax=1.0, interpolation="nearest") for ax, attention
-              in zip(axes, maps, strict=True)]
+    images = [
+        ax.imshow(attention, cmap="magma", vmin=0.0, vmax=1.0, interpolation="nearest")
+        for ax, attention in zip(axes, maps, strict=True)
+    ]
     for ax, k in zip(axes, indices, strict=True):
         ax.set(title=f"t = {float(ts[k]):.4g}", xlabel="query token C", ylabel="key token B")
     fig.colorbar(images[0], ax=list(axes), label="attention weight (softmax over keys B)")
@@ -411,9 +490,17 @@ def _as_images(name: str, value: Tensor | np.ndarray, single: bool) -> np.ndarra
     return array
 
 
-def plot_film_strip(frames: Tensor | np.ndarray, times: Sequence[float] | Tensor, *, target: Tensor | None = None,
-                    masked: Tensor | None = None, path: PathLike | None = None,
-                    figsize: tuple[float, float] | None = None, dpi: int = 100, columns: int = 6) -> Figure:
+def plot_film_strip(
+    frames: Tensor | np.ndarray,
+    times: Sequence[float] | Tensor,
+    *,
+    target: Tensor | None = None,
+    masked: Tensor | None = None,
+    path: PathLike | None = None,
+    figsize: tuple[float, float] | None = None,
+    dpi: int = 100,
+    columns: int = 6,
+) -> Figure:
     """Rows of images: the masked input (if given), the completion at each time, the ground truth (if given).
 
     ``frames``: ``(T, H, W)`` grayscale or ``(T, C, H, W)`` with ``C`` 1 or 3; ``times``: ``T`` values;
@@ -442,15 +529,20 @@ def plot_film_strip(frames: Tensor | np.ndarray, times: Sequence[float] | Tensor
     figsize = figsize or (2.0 * cols + 1.0, 2.4 * rows + 0.5)
     fig = Figure(figsize=figsize, layout="constrained")
     grid = np.atleast_1d(fig.subplots(rows, cols)).reshape(-1)
-    axes = grid[:len(panels)]
-    for spare in grid[len(panels):]:
+    axes = grid[: len(panels)]
+    for spare in grid[len(panels) :]:
         spare.set_axis_off()
     image = None
     for ax, (title, picture) in zip(axes, panels, strict=True):
         color = picture.ndim == 3
         shown = np.clip((picture - low) / (high - low), 0, 1) if color else picture
-        image = ax.imshow(shown, cmap=None if color else "gray", vmin=None if color else low,
-                          vmax=None if color else high, interpolation="nearest")
+        image = ax.imshow(
+            shown,
+            cmap=None if color else "gray",
+            vmin=None if color else low,
+            vmax=None if color else high,
+            interpolation="nearest",
+        )
         ax.set_title(title, fontsize="medium", fontweight="bold" if title in ("masked input", "ground truth") else None)
         ax.set_xticks([])
         ax.set_yticks([])

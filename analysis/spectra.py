@@ -23,11 +23,10 @@ from torch import Tensor
 from torchdiffeq import odeint
 
 from et_ode import Adaptive, ETField, Solution, solve
-from et_ode.manifold import radial_direction, tangent_projection
-
-from .convergence import flat_field, flat_states, sample_field
-from .plots import _finish
-from .sphere import FixedScaleField, hessian_in_frame, tangent_frame, unit_scale
+from et_ode.analysis.convergence import flat_field, flat_states, sample_field
+from et_ode.analysis.plots import _finish
+from et_ode.analysis.sphere import FixedScaleField, hessian_in_frame, tangent_frame, unit_scale
+from et_ode.dynamics.manifold import radial_direction, tangent_projection
 
 PathLike = str | os.PathLike[str]
 
@@ -70,9 +69,14 @@ def hessian_along(solution: Solution, *, max_times: int = 25, zero_tol: float = 
         rows_large.append(torch.stack(large))
         rows_index.append(torch.stack(index))
         rows_rms.append(torch.stack(rms))
-    return HessianTrace(ts=solution.ts.detach().to(torch.float64).cpu()[picks], smallest=torch.stack(rows_small).cpu(),
-                        largest=torch.stack(rows_large).cpu(), index=torch.stack(rows_index).cpu(),
-                        rms_tangent_gradient=torch.stack(rows_rms).cpu(), zero_tol=zero_tol)
+    return HessianTrace(
+        ts=solution.ts.detach().to(torch.float64).cpu()[picks],
+        smallest=torch.stack(rows_small).cpu(),
+        largest=torch.stack(rows_large).cpu(),
+        index=torch.stack(rows_index).cpu(),
+        rms_tangent_gradient=torch.stack(rows_rms).cpu(),
+        zero_tol=zero_tol,
+    )
 
 
 @dataclass
@@ -89,9 +93,20 @@ class LyapunovSpectrum:
     d0: float
 
 
-def lyapunov_spectrum(field: ETField, x0: Tensor, *, count: int | None = None, duration: float = 20.0,
-                      renormalizations: int = 20, d0: float = 1e-6, intrinsic: bool = True, method: str = "dopri5",
-                      rtol: float = 1e-10, atol: float = 1e-12, seed: int = 0) -> LyapunovSpectrum:
+def lyapunov_spectrum(
+    field: ETField,
+    x0: Tensor,
+    *,
+    count: int | None = None,
+    duration: float = 20.0,
+    renormalizations: int = 20,
+    d0: float = 1e-6,
+    intrinsic: bool = True,
+    method: str = "dopri5",
+    rtol: float = 1e-10,
+    atol: float = 1e-12,
+    seed: int = 0,
+) -> LyapunovSpectrum:
     """The Lyapunov spectrum of the trajectory from ``x0`` ``(N, D)`` by the QR method.
 
     ``count`` tangent perturbations of ``g`` (default: all ``N (D - 2)``) of size ``d0`` are integrated with
@@ -101,11 +116,15 @@ def lyapunov_spectrum(field: ETField, x0: Tensor, *, count: int | None = None, d
     :mod:`et_ode.analysis.sphere`) instead of the plain solve, whose rates decay like ``1 / t``.
     """
     if not (isinstance(x0, Tensor) and x0.dim() == 2 and x0.shape[-1] == field.model.dim):
-        raise ValueError(f"x0 must be one state (N, D) with D={field.model.dim}, got "
-                         f"{tuple(x0.shape) if isinstance(x0, Tensor) else type(x0).__name__}")
+        raise ValueError(
+            f"x0 must be one state (N, D) with D={field.model.dim}, got "
+            f"{tuple(x0.shape) if isinstance(x0, Tensor) else type(x0).__name__}"
+        )
     if not (duration > 0 and d0 > 0 and isinstance(renormalizations, int) and renormalizations >= 2):
-        raise ValueError(f"duration and d0 must be positive and renormalizations an integer >= 2, got "
-                         f"duration={duration}, d0={d0}, renormalizations={renormalizations}")
+        raise ValueError(
+            f"duration and d0 must be positive and renormalizations an integer >= 2, got "
+            f"duration={duration}, d0={d0}, renormalizations={renormalizations}"
+        )
     neuron = field.model.neuron
     eps, delta = neuron.eps, neuron.delta.detach()
     x = unit_scale(x0.detach(), eps) if intrinsic else x0.detach()
@@ -145,12 +164,24 @@ def lyapunov_spectrum(field: ETField, x0: Tensor, *, count: int | None = None, d
     half = renormalizations // 2 - 1
     late = (total - running_tensor[half]) / (duration - float(times[half]))
     order = torch.argsort(late, descending=True)
-    return LyapunovSpectrum(exponents=(total / duration)[order], late=late[order], times=times,
-                            running=(running_tensor / times[:, None])[:, order], intrinsic=intrinsic, d0=d0)
+    return LyapunovSpectrum(
+        exponents=(total / duration)[order],
+        late=late[order],
+        times=times,
+        running=(running_tensor / times[:, None])[:, order],
+        intrinsic=intrinsic,
+        d0=d0,
+    )
 
 
-def plot_hessian_along(trace: HessianTrace, *, path: PathLike | None = None, figsize: tuple[float, float] = (12.0, 4.5),
-                       dpi: int = 100, max_samples: int = 10) -> Figure:
+def plot_hessian_along(
+    trace: HessianTrace,
+    *,
+    path: PathLike | None = None,
+    figsize: tuple[float, float] = (12.0, 4.5),
+    dpi: int = 100,
+    max_samples: int = 10,
+) -> Figure:
     """The Riemannian Hessian's smallest and largest eigenvalue (left) and the saddle index (right) against time
     (log scale from the first positive saved time), one colour per sample."""
     from matplotlib import colormaps
@@ -163,15 +194,25 @@ def plot_hessian_along(trace: HessianTrace, *, path: PathLike | None = None, fig
     ax_values, ax_index = fig.subplots(1, 2)
     for b in range(count):
         ax_values.plot(t[positive], trace.smallest[positive, b].numpy(), color=colors(b), label=f"sample {b}: smallest")
-        ax_values.plot(t[positive], trace.largest[positive, b].numpy(), color=colors(b), linestyle=":",
-                       label=f"sample {b}: largest")
-        ax_index.step(t[positive], trace.index[positive, b].numpy() + 0.04 * b, where="post", color=colors(b),
-                      label=f"sample {b}")
+        ax_values.plot(
+            t[positive], trace.largest[positive, b].numpy(), color=colors(b), linestyle=":", label=f"sample {b}: largest"
+        )
+        ax_index.step(
+            t[positive], trace.index[positive, b].numpy() + 0.04 * b, where="post", color=colors(b), label=f"sample {b}"
+        )
     ax_values.axhline(0.0, color="black", linewidth=0.8)
-    ax_values.set(xscale="log", xlabel="time t (log scale)", ylabel="eigenvalue of Hess_R",
-                  title="Curvature of E on the spheres along the trajectory\nsolid: smallest, dotted: largest eigenvalue")
-    ax_index.set(xscale="log", xlabel="time t (log scale)", ylabel="negative eigenvalues (saddle index)",
-                 title="Saddle index along the trajectory\n(0 once it is in a minimum's convex neighbourhood)")
+    ax_values.set(
+        xscale="log",
+        xlabel="time t (log scale)",
+        ylabel="eigenvalue of Hess_R",
+        title="Curvature of E on the spheres along the trajectory\nsolid: smallest, dotted: largest eigenvalue",
+    )
+    ax_index.set(
+        xscale="log",
+        xlabel="time t (log scale)",
+        ylabel="negative eigenvalues (saddle index)",
+        title="Saddle index along the trajectory\n(0 once it is in a minimum's convex neighbourhood)",
+    )
     for ax in (ax_values, ax_index):
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize="small")

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from et_ode import ETField
-from et_ode.manifold import radial_direction, riemannian_hessian, tangent_projection
+from et_ode.dynamics.manifold import radial_direction, riemannian_hessian, tangent_projection
 
 
 def unit_scale(x: Tensor, eps: float) -> Tensor:
@@ -62,7 +62,7 @@ def tangent_basis(g: Tensor, delta: Tensor | float) -> Tensor:
     """
     batch, n, d = g.shape
     s, _ = radial_direction(g, delta)
-    ones = torch.full((batch, n, d), d ** -0.5, dtype=g.dtype, device=g.device)
+    ones = torch.full((batch, n, d), d**-0.5, dtype=g.dtype, device=g.device)
     frame = torch.stack([ones, s], dim=-1)  # (B, N, D, 2), orthonormal columns
     projector = torch.eye(d, dtype=g.dtype, device=g.device) - frame @ frame.transpose(-1, -2)
     _, vectors = torch.linalg.eigh(projector)  # eigenvalues 0, 0, 1, ..., 1
@@ -84,7 +84,7 @@ def hessian_in_frame(field: ETField, x: Tensor) -> tuple[Tensor, Tensor, Tensor]
     """The Riemannian Hessian of ``E`` at the unit-scale state ``x`` ``(N, D)`` in :func:`tangent_frame`.
 
     Returns ``(hessian (n, n), gradient (n,), frame (n, N, D))``: the symmetric matrix from ``n``
-    Hessian-vector products of :func:`et_ode.manifold.riemannian_hessian` (batched: ``n`` copies of the state,
+    Hessian-vector products of :func:`et_ode.dynamics.manifold.riemannian_hessian` (batched: ``n`` copies of the state,
     one backward pass), and the Riemannian gradient in the same coordinates (both with respect to ``g``).
     The field's mask must be ``None``, ``(N, N)`` or broadcastable to the ``n`` copies.
     """

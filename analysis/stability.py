@@ -1,7 +1,7 @@
 """Stability of fixed points: the Riemannian Hessian's spectrum, the Jacobian of the g-dynamics,
 finite-time Lyapunov exponents and a basin probe.
 
-Near a critical point ``g*`` on the per-token spheres (:mod:`et_ode.manifold`) the dynamics of ``g`` on
+Near a critical point ``g*`` on the per-token spheres (:mod:`et_ode.dynamics.manifold`) the dynamics of ``g`` on
 the tangent space is, to first order,
 
     d(dg)/dt = J dg,      J = -(1/tau) Lambda Hess_R,      Lambda = diag(gamma / sigma_A),
@@ -41,12 +41,11 @@ import torch
 from torch import Tensor
 
 from et_ode import Adaptive, ETField, solve
-from et_ode.krylov import lanczos
-from et_ode.manifold import radial_direction, riemannian_hessian, tangent_projection
-
-from .convergence import sample_field
-from .lyapunov import ANALYSIS_MAX_STEPS, bounded_odeint
-from .sphere import FixedScaleField, tangent_basis, unit_scale
+from et_ode.analysis.convergence import sample_field
+from et_ode.analysis.lyapunov import ANALYSIS_MAX_STEPS, bounded_odeint
+from et_ode.analysis.sphere import FixedScaleField, tangent_basis, unit_scale
+from et_ode.dynamics.manifold import radial_direction, riemannian_hessian, tangent_projection
+from et_ode.linalg.krylov import lanczos
 
 Operator = Callable[[Tensor], Tensor]
 CLASSES = ("stable attractor", "saddle", "maximum", "degenerate")
@@ -55,8 +54,10 @@ CLASSES = ("stable attractor", "saddle", "maximum", "degenerate")
 def _batched(x: Tensor, field: ETField | None = None, name: str = "x") -> Tensor:
     """Validate a state and return it as ``(B, N, D)``."""
     if not isinstance(x, Tensor) or not x.is_floating_point():
-        raise TypeError(f"{name} must be a floating torch.Tensor of shape (B, N, D) or (N, D), got "
-                        f"{type(x).__name__ if not isinstance(x, Tensor) else x.dtype}")
+        raise TypeError(
+            f"{name} must be a floating torch.Tensor of shape (B, N, D) or (N, D), got "
+            f"{type(x).__name__ if not isinstance(x, Tensor) else x.dtype}"
+        )
     if x.dim() == 2:
         x = x[None]
     if x.dim() != 3 or (field is not None and x.shape[-1] != field.model.dim):
@@ -79,8 +80,9 @@ def _expand(v: Tensor, like: Tensor) -> Tensor:
 # -- generic symmetric eigen-solvers ------------------------------------------------------------------------------
 
 
-def power_iteration(apply: Operator, v0: Tensor, *, iterations: int, shift: Tensor | float = 0.0,
-                    project: Operator | None = None) -> Tensor:
+def power_iteration(
+    apply: Operator, v0: Tensor, *, iterations: int, shift: Tensor | float = 0.0, project: Operator | None = None
+) -> Tensor:
     """The eigenvalue of largest magnitude of ``A - shift I`` per sample, by power iteration (Rayleigh quotient).
 
     ``shift`` is a scalar or ``(B,)``. Returns ``(B,)``, the estimate for ``A - shift I``.
@@ -97,8 +99,15 @@ def power_iteration(apply: Operator, v0: Tensor, *, iterations: int, shift: Tens
     return value
 
 
-def extreme_eigenvalues(apply: Operator, like: Tensor, *, method: str = "lanczos", iterations: int = 60,
-                        project: Operator | None = None, seed: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+def extreme_eigenvalues(
+    apply: Operator,
+    like: Tensor,
+    *,
+    method: str = "lanczos",
+    iterations: int = 60,
+    project: Operator | None = None,
+    seed: int = 0,
+) -> tuple[Tensor, Tensor, Tensor]:
     """Smallest and largest eigenvalue per sample of a symmetric operator, matrix-free.
 
     Args:
@@ -252,34 +261,54 @@ class StabilityReport:
     settings: dict = field(default_factory=dict)
 
     def table(self) -> str:
-        lines = [f"Riemannian Hessian on the tangent space (dimension {self.dimension} per sample, the all-ones and "
-                 f"radial zero modes of every token excluded), method: {self.method}; |lambda| <= {self.zero_tol:.2g} "
-                 "counts as zero.", "",
-                 "| sample | classification | smallest eigenvalue | largest eigenvalue | negative | "
-                 "slowest / fastest rate of g (1/time) | RMS T dE/dg | critical point |",
-                 "|---|---|---|---|---|---|---|---|"]
+        lines = [
+            f"Riemannian Hessian on the tangent space (dimension {self.dimension} per sample, the all-ones and "
+            f"radial zero modes of every token excluded), method: {self.method}; |lambda| <= {self.zero_tol:.2g} "
+            "counts as zero.",
+            "",
+            "| sample | classification | smallest eigenvalue | largest eigenvalue | negative | "
+            "slowest / fastest rate of g (1/time) | RMS T dE/dg | critical point |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
         for s in self.samples:
             negative = "?" if s.negative is None else str(s.negative)
-            lines.append(f"| {s.sample} | {s.kind} | {s.smallest:.6g} | {s.largest:.6g} | {negative} | "
-                         f"{s.rate_slowest:.3g} / {s.rate_fastest:.3g} | {s.rms_tangent_gradient:.3g} | "
-                         f"{'yes' if s.critical else 'no'} |")
+            lines.append(
+                f"| {s.sample} | {s.kind} | {s.smallest:.6g} | {s.largest:.6g} | {negative} | "
+                f"{s.rate_slowest:.3g} / {s.rate_fastest:.3g} | {s.rms_tangent_gradient:.3g} | "
+                f"{'yes' if s.critical else 'no'} |"
+            )
         return "\n".join(lines)
 
     def __str__(self) -> str:
         return self.table()
 
     def as_dict(self) -> dict:
-        return {"method": self.method, "dimension": self.dimension, "zero_tol": self.zero_tol,
-                "settings": self.settings, "samples": [asdict(s) for s in self.samples]}
+        return {
+            "method": self.method,
+            "dimension": self.dimension,
+            "zero_tol": self.zero_tol,
+            "settings": self.settings,
+            "samples": [asdict(s) for s in self.samples],
+        }
 
 
 def _zero_tol(smallest: Tensor, largest: Tensor, rel_tol: float, abs_tol: float) -> Tensor:
     return rel_tol * torch.maximum(smallest.abs(), largest.abs()) + abs_tol
 
 
-def operator_stability(apply: Operator, like: Tensor, *, method: str = "auto", project: Operator | None = None,
-                       basis: Tensor | None = None, iterations: int = 80, max_dense: int = 400,
-                       rel_tol: float = 1e-6, abs_tol: float = 1e-9, seed: int = 0) -> StabilityReport:
+def operator_stability(
+    apply: Operator,
+    like: Tensor,
+    *,
+    method: str = "auto",
+    project: Operator | None = None,
+    basis: Tensor | None = None,
+    iterations: int = 80,
+    max_dense: int = 400,
+    rel_tol: float = 1e-6,
+    abs_tol: float = 1e-9,
+    seed: int = 0,
+) -> StabilityReport:
     """Classify the critical point(s) of a generic energy from its symmetric Hessian operator.
 
     ``apply`` acts per sample on ``(B, ...)`` tensors shaped like ``like``. ``method``: ``"dense"`` (all
@@ -288,8 +317,10 @@ def operator_stability(apply: Operator, like: Tensor, *, method: str = "auto", p
     Rates are reported as ``-lambda`` (gradient flow ``dg/dt = -A g``).
     """
     if not isinstance(like, Tensor) or like.dim() < 2:
-        raise ValueError(f"like must be a tensor (B, ...) with a leading sample dimension, got "
-                         f"{tuple(like.shape) if isinstance(like, Tensor) else type(like).__name__}")
+        raise ValueError(
+            f"like must be a tensor (B, ...) with a leading sample dimension, got "
+            f"{tuple(like.shape) if isinstance(like, Tensor) else type(like).__name__}"
+        )
     dimension = like[0].numel() if basis is None else basis.shape[1]
     method = ("dense" if dimension <= max_dense else "lanczos") if method == "auto" else method
     eigenvalues = None
@@ -298,31 +329,55 @@ def operator_stability(apply: Operator, like: Tensor, *, method: str = "auto", p
         smallest, largest = eigenvalues[:, 0], eigenvalues[:, -1]
         residual = torch.zeros_like(smallest)
     elif method in ("lanczos", "power"):
-        smallest, largest, residual = extreme_eigenvalues(apply, like, method=method, iterations=iterations,
-                                                          project=project, seed=seed)
+        smallest, largest, residual = extreme_eigenvalues(
+            apply, like, method=method, iterations=iterations, project=project, seed=seed
+        )
     else:
         raise ValueError(f"method must be 'auto', 'dense', 'lanczos' or 'power', got {method!r}")
     tol = _zero_tol(smallest, largest, rel_tol, abs_tol)
     samples = []
     for b in range(like.shape[0]):
-        samples.append(SampleStability(
-            sample=b, kind=classify(float(smallest[b]), float(largest[b]), zero_tol=float(tol[b])),
-            smallest=float(smallest[b]), largest=float(largest[b]),
-            negative=None if eigenvalues is None else int((eigenvalues[b] < -tol[b]).sum()),
-            rate_slowest=float(-smallest[b]), rate_fastest=float(-largest[b]), rms_tangent_gradient=math.nan, critical=True,
-            residual=float(residual[b]), eigenvalues=None if eigenvalues is None else eigenvalues[b].tolist()))
-    return StabilityReport(samples=samples, method=method, dimension=dimension, zero_tol=float(tol.max()),
-                           settings={"rel_tol": rel_tol, "abs_tol": abs_tol, "iterations": iterations})
+        samples.append(
+            SampleStability(
+                sample=b,
+                kind=classify(float(smallest[b]), float(largest[b]), zero_tol=float(tol[b])),
+                smallest=float(smallest[b]),
+                largest=float(largest[b]),
+                negative=None if eigenvalues is None else int((eigenvalues[b] < -tol[b]).sum()),
+                rate_slowest=float(-smallest[b]),
+                rate_fastest=float(-largest[b]),
+                rms_tangent_gradient=math.nan,
+                critical=True,
+                residual=float(residual[b]),
+                eigenvalues=None if eigenvalues is None else eigenvalues[b].tolist(),
+            )
+        )
+    return StabilityReport(
+        samples=samples,
+        method=method,
+        dimension=dimension,
+        zero_tol=float(tol.max()),
+        settings={"rel_tol": rel_tol, "abs_tol": abs_tol, "iterations": iterations},
+    )
 
 
-def fixed_point_stability(field: ETField, x: Tensor, *, method: str = "auto", iterations: int = 80, max_dense: int = 300,
-                          rel_tol: float = 1e-6, abs_tol: float = 1e-9, critical_tol: float = 1e-4,
-                          seed: int = 0) -> StabilityReport:
+def fixed_point_stability(
+    field: ETField,
+    x: Tensor,
+    *,
+    method: str = "auto",
+    iterations: int = 80,
+    max_dense: int = 300,
+    rel_tol: float = 1e-6,
+    abs_tol: float = 1e-9,
+    critical_tol: float = 1e-4,
+    seed: int = 0,
+) -> StabilityReport:
     """Classify the state(s) ``x`` (``(B, N, D)`` or ``(N, D)``), normally a converged one.
 
     ``method``: ``"dense"`` (exact: ``torch.func`` Hessian of ``E``, and the Jacobian of the g-dynamics
     for the rates), ``"lanczos"`` / ``"power"`` (extreme eigenvalues from Hessian-vector products of
-    :func:`et_ode.manifold.riemannian_hessian`), ``"auto"`` (dense up to ``max_dense`` tangent dimensions).
+    :func:`et_ode.dynamics.manifold.riemannian_hessian`), ``"auto"`` (dense up to ``max_dense`` tangent dimensions).
     ``critical`` is reported per sample: RMS ``|T dE/dg| <= critical_tol``; away from a critical point the
     classification describes the local curvature only.
     """
@@ -353,29 +408,41 @@ def fixed_point_stability(field: ETField, x: Tensor, *, method: str = "auto", it
         rate_slowest, rate_fastest = rate_values.max(dim=1).values, rate_values.min(dim=1).values
         residual = torch.zeros_like(smallest)
     else:
-        smallest, largest, residual = extreme_eigenvalues(apply, g, method=method, iterations=iterations,
-                                                          project=project, seed=seed)
+        smallest, largest, residual = extreme_eigenvalues(
+            apply, g, method=method, iterations=iterations, project=project, seed=seed
+        )
         root = rates.sqrt()
 
         def scaled(w: Tensor) -> Tensor:  # -(1/tau) Lambda^(1/2) Hess_R Lambda^(1/2), same spectrum as J
             return -root * apply(root * project(w)) / field.tau
 
-        low, high, _ = extreme_eigenvalues(scaled, g, method=method, iterations=iterations, project=project,
-                                           seed=seed + 1)
+        low, high, _ = extreme_eigenvalues(scaled, g, method=method, iterations=iterations, project=project, seed=seed + 1)
         rate_slowest, rate_fastest = high, low
     tol = _zero_tol(smallest, largest, rel_tol, abs_tol)
     samples = []
     for b in range(batch):
-        samples.append(SampleStability(
-            sample=b, kind=classify(float(smallest[b]), float(largest[b]), zero_tol=float(tol[b])),
-            smallest=float(smallest[b]), largest=float(largest[b]),
-            negative=None if eigenvalues is None else int((eigenvalues[b] < -tol[b]).sum()),
-            rate_slowest=float(rate_slowest[b]), rate_fastest=float(rate_fastest[b]),
-            rms_tangent_gradient=float(rms_tangent_gradient[b]), critical=bool(rms_tangent_gradient[b] <= critical_tol),
-            residual=float(residual[b]), eigenvalues=None if eigenvalues is None else eigenvalues[b].tolist()))
-    return StabilityReport(samples=samples, method=method, dimension=dimension, zero_tol=float(tol.max()),
-                           settings={"rel_tol": rel_tol, "abs_tol": abs_tol, "iterations": iterations,
-                                     "critical_tol": critical_tol})
+        samples.append(
+            SampleStability(
+                sample=b,
+                kind=classify(float(smallest[b]), float(largest[b]), zero_tol=float(tol[b])),
+                smallest=float(smallest[b]),
+                largest=float(largest[b]),
+                negative=None if eigenvalues is None else int((eigenvalues[b] < -tol[b]).sum()),
+                rate_slowest=float(rate_slowest[b]),
+                rate_fastest=float(rate_fastest[b]),
+                rms_tangent_gradient=float(rms_tangent_gradient[b]),
+                critical=bool(rms_tangent_gradient[b] <= critical_tol),
+                residual=float(residual[b]),
+                eigenvalues=None if eigenvalues is None else eigenvalues[b].tolist(),
+            )
+        )
+    return StabilityReport(
+        samples=samples,
+        method=method,
+        dimension=dimension,
+        zero_tol=float(tol.max()),
+        settings={"rel_tol": rel_tol, "abs_tol": abs_tol, "iterations": iterations, "critical_tol": critical_tol},
+    )
 
 
 # -- reaching the fixed point -------------------------------------------------------------------------------------
@@ -394,8 +461,9 @@ class FixedPointSearch:
     energy_end: Tensor
 
 
-def find_fixed_point(field: ETField, x: Tensor, *, tol: float = 1e-6, max_iter: int = 5000, step: float = 0.1,
-                     progress: bool = False) -> FixedPointSearch:
+def find_fixed_point(
+    field: ETField, x: Tensor, *, tol: float = 1e-6, max_iter: int = 5000, step: float = 0.1, progress: bool = False
+) -> FixedPointSearch:
     """Descend from ``x`` to a nearby critical point of ``E`` on the analysis's unit-scale spheres.
 
     The analysis works at ``sigma = 1`` (:func:`~et_ode.analysis.sphere.unit_scale`), on spheres of radius
@@ -449,12 +517,27 @@ def find_fixed_point(field: ETField, x: Tensor, *, tol: float = 1e-6, max_iter: 
             if iterations % 50 == 0:
                 bar.set_postfix(rms_tangent_gradient=f"{float(rms.max()):.2e}")
     rms = tangent.square().mean(dim=(-1, -2)).sqrt()
-    return FixedPointSearch(x=x, rms_tangent_gradient=rms, iterations=iterations, converged=bool((rms < tol).all()),
-                            energy_start=energy_start, energy_end=energy)
+    return FixedPointSearch(
+        x=x,
+        rms_tangent_gradient=rms,
+        iterations=iterations,
+        converged=bool((rms < tol).all()),
+        energy_start=energy_start,
+        energy_end=energy,
+    )
 
 
-def flow(field: ETField, x: Tensor, duration: float, *, segments: int = 1, restart: bool = True,
-         method: str = "dopri5", rtol: float = 1e-7, atol: float = 1e-9) -> Tensor:
+def flow(
+    field: ETField,
+    x: Tensor,
+    duration: float,
+    *,
+    segments: int = 1,
+    restart: bool = True,
+    method: str = "dopri5",
+    rtol: float = 1e-7,
+    atol: float = 1e-9,
+) -> Tensor:
     """Integrate the ET dynamics for ``segments`` consecutive spans of ``duration / segments``; with
     ``restart`` each span starts from ``unit_scale(x, eps)`` (same ``g``, undone slow-down). Returns the final ``x``."""
     for _ in range(segments):
@@ -480,10 +563,21 @@ class LyapunovExponent:
     late: Tensor
 
 
-def lyapunov_exponent(field: ETField, x0: Tensor, *, duration: float = 10.0, renormalizations: int = 20,
-                      d0: float = 1e-6, restart: bool = False, method: str = "dopri5", rtol: float = 1e-9,
-                      atol: float = 1e-11, seed: int = 0, progress: bool = False,
-                      max_steps: int = ANALYSIS_MAX_STEPS) -> LyapunovExponent:
+def lyapunov_exponent(
+    field: ETField,
+    x0: Tensor,
+    *,
+    duration: float = 10.0,
+    renormalizations: int = 20,
+    d0: float = 1e-6,
+    restart: bool = False,
+    method: str = "dopri5",
+    rtol: float = 1e-9,
+    atol: float = 1e-11,
+    seed: int = 0,
+    progress: bool = False,
+    max_steps: int = ANALYSIS_MAX_STEPS,
+) -> LyapunovExponent:
     """Benettin's method: the growth rate of a small tangent perturbation of ``g`` (size ``d0``).
 
     The pair (reference, perturbed) is integrated together for ``duration`` in ``renormalizations`` spans;
@@ -524,11 +618,20 @@ def lyapunov_exponent(field: ETField, x0: Tensor, *, duration: float = 10.0, ren
             pair = unit_scale(pair, model.neuron.eps)
             grid = torch.tensor([0.0, span], dtype=pair.dtype, device=pair.device)
             with torch.no_grad():
-                pair = bounded_odeint(fixed_scale, pair, grid, method=method, rtol=rtol, atol=atol, max_steps=max_steps,
-                                      what="lyapunov_exponent (restart)")[-1]
+                pair = bounded_odeint(
+                    fixed_scale,
+                    pair,
+                    grid,
+                    method=method,
+                    rtol=rtol,
+                    atol=atol,
+                    max_steps=max_steps,
+                    what="lyapunov_exponent (restart)",
+                )[-1]
         else:
-            pair = solve(field, pair, (0.0, span), solver=Adaptive(method, rtol, atol), save="final",
-                         max_steps=max_steps).x.detach()
+            pair = solve(
+                field, pair, (0.0, span), solver=Adaptive(method, rtol, atol), save="final", max_steps=max_steps
+            ).x.detach()
         with torch.no_grad():
             gs = model.neuron(pair)
         dist = _dot(gs[batch:] - gs[:batch], gs[batch:] - gs[:batch]).sqrt()
@@ -558,9 +661,20 @@ class BasinProbe:
     shrink: float
 
 
-def basin_probe(field: ETField, x_star: Tensor, *, radii: list[float] | None = None, trials: int = 4,
-                duration: float = 20.0, segments: int = 10, shrink: float = 0.5, seed: int = 0,
-                rtol: float = 1e-7, atol: float = 1e-9, progress: bool = False) -> BasinProbe:
+def basin_probe(
+    field: ETField,
+    x_star: Tensor,
+    *,
+    radii: list[float] | None = None,
+    trials: int = 4,
+    duration: float = 20.0,
+    segments: int = 10,
+    shrink: float = 0.5,
+    seed: int = 0,
+    rtol: float = 1e-7,
+    atol: float = 1e-9,
+    progress: bool = False,
+) -> BasinProbe:
     """Perturb the fixed point(s) ``x_star`` (``(B, N, D)``) with random tangent noise of growing size and
     follow the dynamics (with scale restarts, see :func:`flow`) for ``duration``.
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 import et_ode
-import et_ode.runtime
+import et_ode.backend.runtime
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class Size:
 
     def flops(self) -> float:
         """Floating-point operations of one ``dE/dg`` evaluation (SPEC section 7), whole batch."""
-        per_sample = 8 * self.n * self.d * self.h * self.y + 6 * self.n ** 2 * self.h * self.y + 4 * self.n * self.d * self.k
+        per_sample = 8 * self.n * self.d * self.h * self.y + 6 * self.n**2 * self.h * self.y + 4 * self.n * self.d * self.k
         return float(self.batch * per_sample)
 
     def with_batch(self, batch: int) -> Size:
@@ -47,8 +47,9 @@ MNIST = Size("28x28, 4x4 patches", 50, 128, 4, 32, 512, 64)
 IMAGENET = Size("ImageNet", 197, 768, 12, 64, 3072, 4)
 
 
-def make_model(size: Size, *, hopfield: str = "relu", dtype: torch.dtype = torch.float32,
-               seed: int = 0) -> et_ode.EnergyTransformer:
+def make_model(
+    size: Size, *, hopfield: str = "relu", dtype: torch.dtype = torch.float32, seed: int = 0
+) -> et_ode.EnergyTransformer:
     """A model of ``size`` with the library's default initialization and a random ``delta``."""
     torch.manual_seed(seed)
     model = et_ode.EnergyTransformer(size.d, size.h, size.y, size.k, hopfield=hopfield)
@@ -69,8 +70,9 @@ STATISTICS = {"min": min, "median": statistics.median}
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
-def interleaved(candidates: dict[str, Callable[[], object]], reps: int, warmup: int = 2,
-                statistic: str = "min", clock: str = "wall") -> dict[str, float]:
+def interleaved(
+    candidates: dict[str, Callable[[], object]], reps: int, warmup: int = 2, statistic: str = "min", clock: str = "wall"
+) -> dict[str, float]:
     """Seconds per call of each candidate (``statistic`` over interleaved repetitions: "min" or "median").
 
     ``clock="cpu"`` times the CPU time of the whole process (every thread, XLA's included) instead of the wall
@@ -94,9 +96,9 @@ def gemm_candidates(m: int, d: int, r: int, dtype: torch.dtype = torch.float32) 
     """The float32 matrix products torch offers for ``(m, d) @ (d, r)``: MKL's and oneDNN's (packed weight)."""
     x, w = torch.randn(m, d, dtype=dtype), torch.randn(r, d, dtype=dtype)
     candidates: dict[str, Callable[[], object]] = {"GEMM torch.matmul": lambda: x @ w.T}
-    if et_ode.fused.supports_onednn(dtype, x.device):
+    if et_ode.kernels.fused.supports_onednn(dtype, x.device):
         packed = torch.ops.mkldnn._reorder_linear_weight(w, m)
-        candidates["GEMM oneDNN packed"] = lambda: et_ode.fused._onednn_linear(x, packed)
+        candidates["GEMM oneDNN packed"] = lambda: et_ode.kernels.fused._onednn_linear(x, packed)
     return candidates
 
 
@@ -127,8 +129,10 @@ def ms(seconds: float) -> float:
 def environment() -> str:
     """One line on the CPU (its vector extensions), the software, the threads and the machine's load."""
     load = f", load average {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else ""
-    return (f"{et_ode.runtime.cpu_description()}; torch {torch.__version__}, {torch.get_num_threads()} threads on "
-            f"{len(_cores())} cores, oneDNN {'available' if et_ode.fused.onednn_available() else 'unavailable'}{load}")
+    return (
+        f"{et_ode.backend.runtime.cpu_description()}; torch {torch.__version__}, {torch.get_num_threads()} threads on "
+        f"{len(_cores())} cores, oneDNN {'available' if et_ode.kernels.fused.onednn_available() else 'unavailable'}{load}"
+    )
 
 
 def set_threads(threads: int | None) -> None:

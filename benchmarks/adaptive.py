@@ -42,8 +42,9 @@ import et_ode  # noqa: E402
 SIZES = {"digits": DIGITS, "mnist": MNIST}
 
 
-def candidates(field: et_ode.ETField, x0: torch.Tensor, args: argparse.Namespace
-               ) -> tuple[dict[str, Callable[[], object]], dict[str, tuple[int, int, int, torch.Tensor]]]:
+def candidates(
+    field: et_ode.ETField, x0: torch.Tensor, args: argparse.Namespace
+) -> tuple[dict[str, Callable[[], object]], dict[str, tuple[int, int, int, torch.Tensor]]]:
     """The timed calls, and each one's (NFE, sample-evaluations, accepted steps, final state) from one run."""
     t = torch.tensor([0.0, args.t1])
     batch = x0.shape[0]
@@ -71,11 +72,12 @@ def candidates(field: et_ode.ETField, x0: torch.Tensor, args: argparse.Namespace
     runs["bare loop"] = bare
     runs["torchdiffeq"] = torchdiffeq_run
     counts["bare loop"] = (evaluations, evaluations * batch, -1, reference)
-    for name, solver in (("et-ode shared", et_ode.Adaptive("dopri5", args.rtol, args.atol, loop="et_ode")),
-                         ("et-ode per-sample", et_ode.Adaptive("dopri5", args.rtol, args.atol,
-                                                               step_control="per_sample")),
-                         ("et-ode per-sample tsit5", et_ode.Adaptive("tsit5", args.rtol, args.atol,
-                                                                     step_control="per_sample"))):
+    for name, solver in (
+        ("et-ode shared", et_ode.Adaptive("dopri5", args.rtol, args.atol, loop="et_ode")),
+        ("et-ode per-sample", et_ode.Adaptive("dopri5", args.rtol, args.atol, step_control="per_sample")),
+        ("et-ode per-sample tsit5", et_ode.Adaptive("tsit5", args.rtol, args.atol, step_control="per_sample")),
+    ):
+
         def run(solver: et_ode.Adaptive = solver) -> et_ode.Solution:
             return et_ode.solve(field, x0, (0.0, args.t1), solver=solver, save="final")
 
@@ -89,15 +91,17 @@ def candidates(field: et_ode.ETField, x0: torch.Tensor, args: argparse.Namespace
     return runs, counts
 
 
-def _torchode(field: et_ode.ETField, x0: torch.Tensor, args: argparse.Namespace
-              ) -> tuple[Callable[[], object], tuple[int, int, int, torch.Tensor]]:
+def _torchode(
+    field: et_ode.ETField, x0: torch.Tensor, args: argparse.Namespace
+) -> tuple[Callable[[], object], tuple[int, int, int, torch.Tensor]]:
     """torchode's Dopri5 with its integral controller on the flattened batch ``(B, N * D)``, per sample."""
     import torchode  # type: ignore[import-not-found]
 
     shape = x0.shape
     term = torchode.ODETerm(lambda t, y: field(None, y.view(shape)).reshape(shape[0], -1))
-    solver = torchode.AutoDiffAdjoint(torchode.Dopri5(term=term),
-                                      torchode.IntegralController(atol=args.atol, rtol=args.rtol, term=term))
+    solver = torchode.AutoDiffAdjoint(
+        torchode.Dopri5(term=term), torchode.IntegralController(atol=args.atol, rtol=args.rtol, term=term)
+    )
     t_eval = torch.tensor([0.0, args.t1], dtype=x0.dtype).repeat(shape[0], 1)
 
     def run() -> object:
@@ -124,10 +128,19 @@ def measure(size_name: str, batch: int, args: argparse.Namespace) -> list[list[o
     rows = []
     for name, elapsed in seconds.items():
         nfe, sample_evaluations, accepted, final = counts[name]
-        rows.append([f"{size_name} N={size.n} D={size.d}", batch, name, ms(elapsed),
-                     f"{elapsed / seconds['torchdiffeq']:.2f}", nfe, sample_evaluations if sample_evaluations >= 0
-                     else "-", accepted if accepted >= 0 else "-",
-                     f"{(final - reference).abs().max().item() / scale:.1e}"])
+        rows.append(
+            [
+                f"{size_name} N={size.n} D={size.d}",
+                batch,
+                name,
+                ms(elapsed),
+                f"{elapsed / seconds['torchdiffeq']:.2f}",
+                nfe,
+                sample_evaluations if sample_evaluations >= 0 else "-",
+                accepted if accepted >= 0 else "-",
+                f"{(final - reference).abs().max().item() / scale:.1e}",
+            ]
+        )
     return rows
 
 
@@ -137,14 +150,17 @@ def mixed(size_name: str, batch: int, args: argparse.Namespace) -> list[list[obj
     field = et_ode.ETField(make_model(size))
     hard = initial_state(size)
     with torch.no_grad():
-        easy = et_ode.solve(field, initial_state(size, seed=2), (0.0, 50.0), solver=et_ode.Adaptive(rtol=1e-5),
-                            save="final").x
-    x0 = torch.cat([easy[: batch // 2], hard[batch // 2:]])
+        easy = et_ode.solve(
+            field, initial_state(size, seed=2), (0.0, 50.0), solver=et_ode.Adaptive(rtol=1e-5), save="final"
+        ).x
+    x0 = torch.cat([easy[: batch // 2], hard[batch // 2 :]])
     rows = []
     runs: dict[str, Callable[[], object]] = {}
-    for name, solver in (("et-ode shared", et_ode.Adaptive("dopri5", args.rtol, args.atol, loop="et_ode")),
-                         ("et-ode per-sample", et_ode.Adaptive("dopri5", args.rtol, args.atol,
-                                                               step_control="per_sample"))):
+    for name, solver in (
+        ("et-ode shared", et_ode.Adaptive("dopri5", args.rtol, args.atol, loop="et_ode")),
+        ("et-ode per-sample", et_ode.Adaptive("dopri5", args.rtol, args.atol, step_control="per_sample")),
+    ):
+
         def run(solver: et_ode.Adaptive = solver) -> et_ode.Solution:
             return et_ode.solve(field, x0, (0.0, args.t1), solver=solver, save="final")
 
@@ -154,8 +170,17 @@ def mixed(size_name: str, batch: int, args: argparse.Namespace) -> list[list[obj
         seconds = interleaved(runs, reps=args.reps, statistic=args.statistic, clock=args.clock)
     for name, solution in solutions.items():
         stats = solution.stats  # type: ignore[attr-defined]
-        rows.append([f"{size_name} mixed", batch, name, ms(seconds[name]), stats.nfe_forward,
-                     stats.sample_evaluations, stats.accepted_steps])
+        rows.append(
+            [
+                f"{size_name} mixed",
+                batch,
+                name,
+                ms(seconds[name]),
+                stats.nfe_forward,
+                stats.sample_evaluations,
+                stats.accepted_steps,
+            ]
+        )
     return rows
 
 
@@ -168,26 +193,59 @@ def main() -> None:
     parser.add_argument("--atol", type=float, default=1e-6)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--statistic", choices=["min", "median"], default="min")
-    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
-                        help="cpu: the process's CPU time (steadier where other jobs share the cores)")
+    parser.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="cpu: the process's CPU time (steadier where other jobs share the cores)",
+    )
     parser.add_argument("--threads", type=int, default=1, help="pin the process to this many cores")
     parser.add_argument("--no-mixed", action="store_true", help="skip the mixed easy/hard batch")
     args = parser.parse_args()
     set_threads(args.threads)
     print(environment())
     rows = []
-    for size_name in (SIZES if args.size == "all" else [args.size]):
+    for size_name in SIZES if args.size == "all" else [args.size]:
         for batch in args.batch:
             rows.extend(measure(size_name, batch, args))
-    print(table(["size", "batch", "solver", f"ms ({args.statistic}, {args.clock})", "x torchdiffeq", "NFE", "sample-evals",
-                 "accepted", "final vs torchdiffeq"], rows,
-                title=f"dopri5, rtol={args.rtol:g}, atol={args.atol:g}, t in [0, {args.t1:g}], float32, no gradients"))
+    print(
+        table(
+            [
+                "size",
+                "batch",
+                "solver",
+                f"ms ({args.statistic}, {args.clock})",
+                "x torchdiffeq",
+                "NFE",
+                "sample-evals",
+                "accepted",
+                "final vs torchdiffeq",
+            ],
+            rows,
+            title=f"dopri5, rtol={args.rtol:g}, atol={args.atol:g}, t in [0, {args.t1:g}], float32, no gradients",
+        )
+    )
     if not args.no_mixed:
-        rows = [row for size_name in (SIZES if args.size == "all" else [args.size])
-                for row in mixed(size_name, max(args.batch), args)]
-        print(table(["batch", "size", "solver", f"ms ({args.statistic}, {args.clock})", "NFE", "sample-evals",
-                     "accepted (samples' steps added up)"], [[r[1], r[0], *r[2:]] for r in rows],
-                    title="a batch of half easy (near the attractor) and half hard (random) samples"))
+        rows = [
+            row
+            for size_name in (SIZES if args.size == "all" else [args.size])
+            for row in mixed(size_name, max(args.batch), args)
+        ]
+        print(
+            table(
+                [
+                    "batch",
+                    "size",
+                    "solver",
+                    f"ms ({args.statistic}, {args.clock})",
+                    "NFE",
+                    "sample-evals",
+                    "accepted (samples' steps added up)",
+                ],
+                [[r[1], r[0], *r[2:]] for r in rows],
+                title="a batch of half easy (near the attractor) and half hard (random) samples",
+            )
+        )
 
 
 if __name__ == "__main__":

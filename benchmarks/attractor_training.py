@@ -43,17 +43,22 @@ def main() -> None:
         if run.train_limit is None:
             raise SystemExit(f"{checkpoint}: trained on the whole training split (no --train-limit): no validation set")
         train = load_images(run.data, run.data_path, "train")
-        held_out = train.images[run.train_limit:][:args.val_limit]
+        held_out = train.images[run.train_limit :][: args.val_limit]
         val = fixed_mask_set(held_out, model.num_patches, run.ratio, run.visible_fraction, seed=run.mask_seed + 1)
-        test_images = load_images(run.data, run.data_path, "test").images[:args.test_limit or run.test_limit]
+        test_images = load_images(run.data, run.data_path, "test").images[: args.test_limit or run.test_limit]
         test = fixed_mask_set(test_images, model.num_patches, run.ratio, run.visible_fraction, seed=run.mask_seed)
         own = run.integration.replace(attractor=None)
-        for name, integration in (("trained integration: " + own.solver.name, own),
-                                  ("attractor", own.replace(attractor=AttractorReadout()))):
+        for name, integration in (
+            ("trained integration: " + own.solver.name, own),
+            ("attractor", own.replace(attractor=AttractorReadout())),
+        ):
             v = evaluate_model(model, val, batch_size=args.batch_size, integration=integration)
             t = evaluate_model(model, test, batch_size=args.batch_size, integration=integration)
-            print(f"| {Path(checkpoint).parent.name} | {name} | {v['mse']:.4f} | {t['mse']:.4f} | {t['nfe']:.0f} | "
-                  f"{v['seconds']:.0f} + {t['seconds']:.0f} |", flush=True)
+            print(
+                f"| {Path(checkpoint).parent.name} | {name} | {v['mse']:.4f} | {t['mse']:.4f} | {t['nfe']:.0f} | "
+                f"{v['seconds']:.0f} + {t['seconds']:.0f} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -45,8 +45,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository r
 import _common  # noqa: E402
 
 import et_ode  # noqa: E402
-from et_ode.manifold import radial_direction, tangent_projection  # noqa: E402
-from et_ode.neurons import inverse_softplus  # noqa: E402
+from et_ode.dynamics.manifold import radial_direction, tangent_projection  # noqa: E402
+from et_ode.energy.neurons import inverse_softplus  # noqa: E402
 from tests.reference_flow import SpecWeights, long_flow_limit  # noqa: E402
 
 TOL = 1e-8
@@ -71,8 +71,7 @@ def timed(function):
     return out, time.perf_counter() - started
 
 
-def methods(size: _common.Size, *, max_steps: int, euler_steps: int, descent_iter: int, t_end: float
-            ) -> tuple[list, list]:
+def methods(size: _common.Size, *, max_steps: int, euler_steps: int, descent_iter: int, t_end: float) -> tuple[list, list]:
     model = _common.make_model(size, hopfield="softmax", dtype=torch.float64)
     field = et_ode.ETField(model)
     x0 = _common.initial_state(size, dtype=torch.float64)
@@ -80,37 +79,76 @@ def methods(size: _common.Size, *, max_steps: int, euler_steps: int, descent_ite
 
     field.reset_nfe()
     found, seconds = timed(lambda: et_ode.find_attractor(field, x0, tol=TOL))
-    rows.append([size.name, "find_attractor (flow + Newton)", found.evaluations, f"{seconds:.2f}",
-                 f"{float(found.gradient.max()):.1e}", f"{sum(k == 'stable' for k in found.kind)}/{size.batch} stable"])
+    rows.append(
+        [
+            size.name,
+            "find_attractor (flow + Newton)",
+            found.evaluations,
+            f"{seconds:.2f}",
+            f"{float(found.gradient.max()):.1e}",
+            f"{sum(k == 'stable' for k in found.kind)}/{size.batch} stable",
+        ]
+    )
     progress(rows[-1])
 
     field.reset_nfe()
-    descent, seconds = timed(lambda: et_ode.find_attractor(field, x0, tol=TOL, method="gradient", flow=False,
-                                                           max_iter=descent_iter))
-    rows.append([size.name, "Riemannian gradient descent", descent.evaluations, f"{seconds:.2f}",
-                 f"{float(descent.gradient.max()):.1e}", f"{int(descent.iterations.max())} iterations"])
+    descent, seconds = timed(
+        lambda: et_ode.find_attractor(field, x0, tol=TOL, method="gradient", flow=False, max_iter=descent_iter)
+    )
+    rows.append(
+        [
+            size.name,
+            "Riemannian gradient descent",
+            descent.evaluations,
+            f"{seconds:.2f}",
+            f"{float(descent.gradient.max()):.1e}",
+            f"{int(descent.iterations.max())} iterations",
+        ]
+    )
     progress(rows[-1])
 
     field.reset_nfe()
     started = time.perf_counter()
     try:
         with torch.no_grad():  # (no graph: a direct gradient would keep every stage of every step)
-            out = et_ode.solve(field, x0, (0.0, t_end), solver=et_ode.Adaptive(rtol=1e-9, atol=1e-9),
-                               stop=et_ode.SteadyState(TOL, measure="tangent_gradient"), save="final",
-                               max_steps=max_steps)
+            out = et_ode.solve(
+                field,
+                x0,
+                (0.0, t_end),
+                solver=et_ode.Adaptive(rtol=1e-9, atol=1e-9),
+                stop=et_ode.SteadyState(TOL, measure="tangent_gradient"),
+                save="final",
+                max_steps=max_steps,
+            )
         reached, note, x_end = out.stats.t_final, str(out.status), out.x.detach()
     except et_ode.SolveError as error:
         reached, note, x_end = error.time, f"capped at {max_steps} steps", error.solution.x
     seconds = time.perf_counter() - started
-    rows.append([size.name, "dopri5 on the flow (rtol 1e-9)", field.nfe, f"{seconds:.2f}",
-                 f"{rms_tangent(field, x_end):.1e}", f"{note}, t = {reached:.3g}"])
+    rows.append(
+        [
+            size.name,
+            "dopri5 on the flow (rtol 1e-9)",
+            field.nfe,
+            f"{seconds:.2f}",
+            f"{rms_tangent(field, x_end):.1e}",
+            f"{note}, t = {reached:.3g}",
+        ]
+    )
     progress(rows[-1])
 
     field.reset_nfe()
     with torch.no_grad():
         out, seconds = timed(lambda: et_ode.solve(field, x0, solver=et_ode.EulerET(0.1, euler_steps), save="final"))
-    rows.append([size.name, f"paper's Euler loop (alpha 0.1, {euler_steps} steps)", field.nfe, f"{seconds:.2f}",
-                 f"{rms_tangent(field, out.x.detach()):.1e}", "capped"])
+    rows.append(
+        [
+            size.name,
+            f"paper's Euler loop (alpha 0.1, {euler_steps} steps)",
+            field.nfe,
+            f"{seconds:.2f}",
+            f"{rms_tangent(field, out.x.detach()):.1e}",
+            "capped",
+        ]
+    )
     progress(rows[-1])
 
     # the gradient of the same loss: implicit at the attractor, adjoint through a solve of the same length
@@ -121,14 +159,30 @@ def methods(size: _common.Size, *, max_steps: int, euler_steps: int, descent_ite
     _, implicit_seconds = timed(loss.backward)
     implicit_evaluations = field.nfe
     horizon = float(reached)
-    adjoint = et_ode.solve(field, x0, (0.0, horizon), solver=et_ode.Adaptive(rtol=1e-9, atol=1e-9), gradient="adjoint",
-                           save="final", max_steps=max_steps)
+    adjoint = et_ode.solve(
+        field,
+        x0,
+        (0.0, horizon),
+        solver=et_ode.Adaptive(rtol=1e-9, atol=1e-9),
+        gradient="adjoint",
+        save="final",
+        max_steps=max_steps,
+    )
     loss = (weights * adjoint.g).sum()
     model.zero_grad()
     field.reset_nfe()
     _, adjoint_seconds = timed(loss.backward)
-    gradient_rows = [[size.name, implicit_evaluations, f"{implicit_seconds:.3f}", field.nfe, f"{adjoint_seconds:.3f}",
-                      f"{horizon:.3g}", f"{adjoint_seconds / implicit_seconds:.1f}x"]]
+    gradient_rows = [
+        [
+            size.name,
+            implicit_evaluations,
+            f"{implicit_seconds:.3f}",
+            field.nfe,
+            f"{adjoint_seconds:.3f}",
+            f"{horizon:.3g}",
+            f"{adjoint_seconds / implicit_seconds:.1f}x",
+        ]
+    ]
     progress(gradient_rows[-1])
     return rows, gradient_rows
 
@@ -138,14 +192,33 @@ def done_when() -> list:
     field = et_ode.ETField(model)
     x0 = torch.randn(2, 6, 12, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     field.reset_nfe()
-    out, dopri_seconds = timed(lambda: et_ode.solve(field, x0, (0.0, 1e8), solver=et_ode.Adaptive(rtol=1e-9, atol=1e-9),
-                                                    stop=et_ode.SteadyState(1e-6), save="final", max_steps=100_000))
+    out, dopri_seconds = timed(
+        lambda: et_ode.solve(
+            field,
+            x0,
+            (0.0, 1e8),
+            solver=et_ode.Adaptive(rtol=1e-9, atol=1e-9),
+            stop=et_ode.SteadyState(1e-6),
+            save="final",
+            max_steps=100_000,
+        )
+    )
     dopri_evaluations = field.nfe
     field.reset_nfe()
     found, seconds = timed(lambda: et_ode.find_attractor(field, x0))
-    return [[found.evaluations, f"{seconds:.2f}", f"{float(found.gradient.max()):.1e}", ", ".join(found.kind),
-             dopri_evaluations, f"{dopri_seconds:.2f}", f"{rms_tangent(field, out.x.detach()):.1e}",
-             f"{found.evaluations / dopri_evaluations:.2f}"]]
+    return [
+        [
+            found.evaluations,
+            f"{seconds:.2f}",
+            f"{float(found.gradient.max()):.1e}",
+            ", ".join(found.kind),
+            dopri_evaluations,
+            f"{dopri_seconds:.2f}",
+            f"{rms_tangent(field, out.x.detach()):.1e}",
+            f"{found.evaluations / dopri_evaluations:.2f}",
+        ]
+    ]
+
 
 # -- does find_attractor return the flow's own limit? -------------------------------------------------------------
 
@@ -172,8 +245,15 @@ def dopri5_evaluations(field: et_ode.ETField, x0: torch.Tensor) -> tuple[int, bo
     field.reset_nfe()
     try:
         with torch.no_grad():
-            out = et_ode.solve(field, x0, (0.0, 1e8), solver=et_ode.Adaptive(rtol=1e-9, atol=1e-9),
-                               stop=et_ode.SteadyState(1e-6), save="final", max_steps=100_000)
+            out = et_ode.solve(
+                field,
+                x0,
+                (0.0, 1e8),
+                solver=et_ode.Adaptive(rtol=1e-9, atol=1e-9),
+                stop=et_ode.SteadyState(1e-6),
+                save="final",
+                max_steps=100_000,
+            )
         reached = out.status == et_ode.Status.STEADY_STATE
     except et_ode.SolveError:
         reached = False
@@ -191,8 +271,10 @@ def statuses(found: et_ode.Attractor) -> tuple[list[str], list[bool]]:
         certified_list = [bool(c) for c in torch.as_tensor(certified).reshape(-1).tolist()]
     status = getattr(found, "status", None)
     if status is None:
-        status = tuple("certified" if c else (k if k != "stable" else "not_converged") if conv else "not_converged"
-                       for c, k, conv in zip(certified_list, found.kind, converged, strict=True))
+        status = tuple(
+            "certified" if c else (k if k != "stable" else "not_converged") if conv else "not_converged"
+            for c, k, conv in zip(certified_list, found.kind, converged, strict=True)
+        )
     return list(status), certified_list
 
 
@@ -215,11 +297,32 @@ def seed_record(form: str, seed: int) -> dict:
         outcome = "certified other"
     else:
         outcome = status[0]
-    record = {"form": form, "seed": seed, "outcome": outcome, "status": status[0], "distance": distance,
-              "energy_gap": float(found.energy.reshape(-1)[0]) - reference.energy, "evaluations": found.evaluations,
-              "dopri5": dopri, "dopri5_reached": reached, "reference_converged": reference.converged}
-    progress([form, seed, outcome, status[0], f"{distance:.1e}", f"{record['energy_gap']:+.3g}", found.evaluations,
-              dopri, reached, reference.converged])
+    record = {
+        "form": form,
+        "seed": seed,
+        "outcome": outcome,
+        "status": status[0],
+        "distance": distance,
+        "energy_gap": float(found.energy.reshape(-1)[0]) - reference.energy,
+        "evaluations": found.evaluations,
+        "dopri5": dopri,
+        "dopri5_reached": reached,
+        "reference_converged": reference.converged,
+    }
+    progress(
+        [
+            form,
+            seed,
+            outcome,
+            status[0],
+            f"{distance:.1e}",
+            f"{record['energy_gap']:+.3g}",
+            found.evaluations,
+            dopri,
+            reached,
+            reference.converged,
+        ]
+    )
     return record
 
 
@@ -230,17 +333,29 @@ def limit_rows(records: list[dict]) -> list[list]:
         mine = [r for r in records if r["form"] == form]
         n = len(mine)
         outcomes = Counter(r["outcome"] for r in mine)
-        others = ", ".join(f"{k} {v}" for k, v in outcomes.items()
-                           if k not in ("flow's limit", "unsettled", "certified other")) or "-"
+        others = (
+            ", ".join(f"{k} {v}" for k, v in outcomes.items() if k not in ("flow's limit", "unsettled", "certified other"))
+            or "-"
+        )
         found = [r["evaluations"] for r in mine]
         dopri = [r["dopri5"] for r in mine]
         matched = outcomes["flow's limit"]
-        rows.append([form, n, f"{matched / n:.2f}", f"{outcomes['unsettled'] / n:.2f}",
-                     f"{outcomes['certified other'] / n:.2f}", others,
-                     f"{sum(not r['reference_converged'] for r in mine)}",
-                     f"{max(r['distance'] for r in mine):.1e}", int(statistics.median(found)),
-                     int(statistics.median(dopri)), f"{sum(not r['dopri5_reached'] for r in mine)}",
-                     f"{sum(found) / sum(dopri):.3f}"])
+        rows.append(
+            [
+                form,
+                n,
+                f"{matched / n:.2f}",
+                f"{outcomes['unsettled'] / n:.2f}",
+                f"{outcomes['certified other'] / n:.2f}",
+                others,
+                f"{sum(not r['reference_converged'] for r in mine)}",
+                f"{max(r['distance'] for r in mine):.1e}",
+                int(statistics.median(found)),
+                int(statistics.median(dopri)),
+                f"{sum(not r['dopri5_reached'] for r in mine)}",
+                f"{sum(found) / sum(dopri):.3f}",
+            ]
+        )
     return rows
 
 
@@ -256,22 +371,46 @@ def readme_cost() -> list:
     status, _ = statuses(found)
     dopri, reached = dopri5_evaluations(field, x0)
     counts = ", ".join(f"{k} {v}" for k, v in Counter(status).items())
-    return [["README quick start (D=32, N=17, batch 8)", found.evaluations, f"{seconds:.2f}", counts, dopri,
-             "yes" if reached else "no", f"{found.evaluations / dopri:.3f}"]]
+    return [
+        [
+            "README quick start (D=32, N=17, batch 8)",
+            found.evaluations,
+            f"{seconds:.2f}",
+            counts,
+            dopri,
+            "yes" if reached else "no",
+            f"{found.evaluations / dopri:.3f}",
+        ]
+    ]
 
 
 def flow_limit_tables(seeds: int, forms: list[str]) -> str:
     records = [seed_record(form, seed) for form in forms for seed in range(seeds)]
     limits = _common.table(
-        ["form", "seeds", "flow's limit", "unsettled", "certified other", "other outcomes", "reference unconverged",
-         "max distance", "find_attractor evaluations (median)", "dopri5 evaluations (median)", "dopri5 capped",
-         "find_attractor / dopri5 (totals)"], limit_rows(records),
+        [
+            "form",
+            "seeds",
+            "flow's limit",
+            "unsettled",
+            "certified other",
+            "other outcomes",
+            "reference unconverged",
+            "max distance",
+            "find_attractor evaluations (median)",
+            "dopri5 evaluations (median)",
+            "dopri5 capped",
+            "find_attractor / dopri5 (totals)",
+        ],
+        limit_rows(records),
         f"Does find_attractor return the flow's own limit? float64, D=12, H=2, Y=3, K=24, 6 tokens, {seeds} seeds "
         f"(distance in g < {SAME:g} to an independent DOP853 flow followed to RMS |T dE/dg| < 1e-11); cost against "
-        "dopri5 (rtol 1e-9) to RMS |dg/dt| < 1e-6")
-    cost = _common.table(["model", "find_attractor evaluations", "s", "status", "dopri5 evaluations",
-                          "dopri5 reached 1e-6", "ratio"], readme_cost(),
-                         "The README's quick-start model, float64: find_attractor against dopri5 to RMS |dg/dt| < 1e-6")
+        "dopri5 (rtol 1e-9) to RMS |dg/dt| < 1e-6",
+    )
+    cost = _common.table(
+        ["model", "find_attractor evaluations", "s", "status", "dopri5 evaluations", "dopri5 reached 1e-6", "ratio"],
+        readme_cost(),
+        "The README's quick-start model, float64: find_attractor against dopri5 to RMS |dg/dt| < 1e-6",
+    )
     return limits + "\n\n" + cost
 
 
@@ -280,39 +419,80 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="smaller caps (see the module docstring)")
     parser.add_argument("--size", choices=("digits", "28x28", "both"), default="both")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--table", choices=("all", "methods", "flow"), default="all",
-                        help="the method tables, the flow's-own-limit table, or all")
+    parser.add_argument(
+        "--table",
+        choices=("all", "methods", "flow"),
+        default="all",
+        help="the method tables, the flow's-own-limit table, or all",
+    )
     parser.add_argument("--seeds", type=int, default=50, help="seeds per Hopfield form of the flow's-limit table")
-    parser.add_argument("--forms", nargs="+", choices=FORMS, default=list(FORMS),
-                        help="Hopfield forms of the flow's-limit table")
+    parser.add_argument(
+        "--forms", nargs="+", choices=FORMS, default=list(FORMS), help="Hopfield forms of the flow's-limit table"
+    )
     args = parser.parse_args()
     _common.set_threads(args.threads)
     if args.table == "flow":
         print(_common.environment())
         print(flow_limit_tables(args.seeds, args.forms))
         return
-    sizes = ([_common.DIGITS.with_batch(16)] if args.size != "28x28" else []) + \
-        ([_common.MNIST.with_batch(16)] if args.size != "digits" else [])
+    sizes = ([_common.DIGITS.with_batch(16)] if args.size != "28x28" else []) + (
+        [_common.MNIST.with_batch(16)] if args.size != "digits" else []
+    )
     rows, gradient_rows = [], []
     for size in sizes:
-        r, g = methods(size, max_steps=1000 if args.quick else 3000, euler_steps=500 if args.quick else 2000,
-                       descent_iter=2000 if args.quick else 20_000, t_end=1e4)
+        r, g = methods(
+            size,
+            max_steps=1000 if args.quick else 3000,
+            euler_steps=500 if args.quick else 2000,
+            descent_iter=2000 if args.quick else 20_000,
+            t_end=1e4,
+        )
         rows += r
         gradient_rows += g
     print(_common.environment())
-    print(_common.table(["size", "method", "evaluations", "seconds", f"RMS |T dE/dg| reached (tol {TOL:g})", "note"],
-                        rows, "Reaching a certified attractor, float64, batch 16"))
+    print(
+        _common.table(
+            ["size", "method", "evaluations", "seconds", f"RMS |T dE/dg| reached (tol {TOL:g})", "note"],
+            rows,
+            "Reaching a certified attractor, float64, batch 16",
+        )
+    )
     print()
-    print(_common.table(["size", "implicit: HVPs", "implicit backward s", "adjoint: evaluations",
-                         "adjoint backward s", "solve length t", "adjoint / implicit"], gradient_rows,
-                        "The gradient of sum(w * g): implicit at the attractor vs the adjoint through the flow"))
+    print(
+        _common.table(
+            [
+                "size",
+                "implicit: HVPs",
+                "implicit backward s",
+                "adjoint: evaluations",
+                "adjoint backward s",
+                "solve length t",
+                "adjoint / implicit",
+            ],
+            gradient_rows,
+            "The gradient of sum(w * g): implicit at the attractor vs the adjoint through the flow",
+        )
+    )
     if args.size == "28x28":
         return
     print()
-    print(_common.table(["find_attractor evaluations", "s", "RMS |T dE/dg|", "kind", "dopri5 evaluations", "s",
-                         "dopri5's RMS |T dE/dg| at its stop", "ratio"], done_when(),
-                        "Done-when model (D=12, H=2, Y=3, K=24, softmax, 6 tokens, 2 samples): find_attractor to "
-                        "1e-8 vs dopri5 (rtol 1e-9) to RMS |dg/dt| < 1e-6"))
+    print(
+        _common.table(
+            [
+                "find_attractor evaluations",
+                "s",
+                "RMS |T dE/dg|",
+                "kind",
+                "dopri5 evaluations",
+                "s",
+                "dopri5's RMS |T dE/dg| at its stop",
+                "ratio",
+            ],
+            done_when(),
+            "Done-when model (D=12, H=2, Y=3, K=24, softmax, 6 tokens, 2 samples): find_attractor to "
+            "1e-8 vs dopri5 (rtol 1e-9) to RMS |dg/dt| < 1e-6",
+        )
+    )
     if args.table == "all":
         print()
         print(flow_limit_tables(args.seeds, args.forms))

@@ -3,7 +3,7 @@
 The problem is the demo's: masked completion of scikit-learn's 8x8 digits (2x2 patches, N=16 tokens, D=32,
 H=4, Y=8, K=128, half the patches scored), float32, the paper's scheme (``EulerET``: 12 Euler steps of 0.1,
 so every step does the same work), global batch 64 split over the processes. Each configuration is one
-``torchrun`` launch of this file (``--worker``) running :func:`et_ode.train.fit` for 2 epochs of ``--steps``
+``torchrun`` launch of this file (``--worker``) running :func:`et_ode.training.train.fit` for 2 epochs of ``--steps``
 batches; the rate is measured over the second epoch (the first pays for start-up). Configurations:
 
 - 1 process x 1 thread (the reference), 1 process x 2 threads (intra-op parallelism), 2 processes x 1 thread
@@ -38,7 +38,7 @@ from et_ode import (  # noqa: E402
 )
 from et_ode.data.images import load_digits  # noqa: E402
 from et_ode.models.image import CompletionTask, ImageET  # noqa: E402
-from et_ode.train import TrainConfig, fit  # noqa: E402
+from et_ode.training.train import TrainConfig, fit  # noqa: E402
 
 CONFIGS = ((1, 1), (1, 2), (2, 1))  # (processes, threads per process)
 
@@ -51,27 +51,54 @@ def worker(args: argparse.Namespace) -> None:
         torch.manual_seed(0)
         integration = Integration(solver=EulerET(0.1, 12), gradient=args.grad)
         model = ImageET((1, 8, 8), 2, dim=32, heads=4, head_dim=8, integration=integration)
-        config = TrainConfig(epochs=2, batch_size=args.batch, max_train_batches=args.steps, warmup=0,
-                             device="cpu", progress=False)
+        config = TrainConfig(
+            epochs=2, batch_size=args.batch, max_train_batches=args.steps, warmup=0, device="cpu", progress=False
+        )
         history = fit(model, CompletionTask(0.5), images, config=config)
         seconds = history.records[1]["time"] - history.records[0]["time"]
         if distributed.is_main():
-            Path(args.out).write_text(json.dumps({"samples_per_second": args.steps * args.batch / seconds,
-                                                  "seconds": seconds, "world_size": distributed.world_size()}))
+            Path(args.out).write_text(
+                json.dumps(
+                    {
+                        "samples_per_second": args.steps * args.batch / seconds,
+                        "seconds": seconds,
+                        "world_size": distributed.world_size(),
+                    }
+                )
+            )
 
 
 def launch(processes: int, threads: int, grad: str, args: argparse.Namespace) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "rate.json"
-        command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={processes}", "--nnodes=1",
-                   "--master_addr=127.0.0.1", f"--master_port={distributed.free_port()}", __file__, "--worker",
-                   "--threads", str(threads), "--grad", grad, "--batch", str(args.batch), "--steps", str(args.steps),
-                   "--out", str(out)]
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={processes}",
+            "--nnodes=1",
+            "--master_addr=127.0.0.1",
+            f"--master_port={distributed.free_port()}",
+            __file__,
+            "--worker",
+            "--threads",
+            str(threads),
+            "--grad",
+            grad,
+            "--batch",
+            str(args.batch),
+            "--steps",
+            str(args.steps),
+            "--out",
+            str(out),
+        ]
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
         run = subprocess.run(command, capture_output=True, text=True, env=env, timeout=args.timeout)
         if run.returncode != 0:
-            raise RuntimeError(f"{processes} process(es) x {threads} thread(s), grad={grad} failed:\n"
-                               f"{run.stdout[-3000:]}\n{run.stderr[-3000:]}")
+            raise RuntimeError(
+                f"{processes} process(es) x {threads} thread(s), grad={grad} failed:\n"
+                f"{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
+            )
         return json.loads(out.read_text())
 
 
@@ -98,9 +125,11 @@ def main() -> None:
             reference = reference or rate
             rows.append([grad, processes, threads, rate, rate / reference])
             print(f"  {grad}: {processes} process(es) x {threads} thread(s): {rate:.1f} samples/s", flush=True)
-    title = (f"Training samples per second, 8x8 digits, global batch {args.batch}, 12 Euler steps (EulerET); "
-             f"{os.cpu_count()} CPU cores, load average {load:.1f} at the start (other jobs share the cores); "
-             f"torch {torch.__version__}, gloo")
+    title = (
+        f"Training samples per second, 8x8 digits, global batch {args.batch}, 12 Euler steps (EulerET); "
+        f"{os.cpu_count()} CPU cores, load average {load:.1f} at the start (other jobs share the cores); "
+        f"torch {torch.__version__}, gloo"
+    )
     print(table(["grad", "processes", "threads each", "samples/s", "vs 1x1"], rows, title))
 
 

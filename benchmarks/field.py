@@ -4,7 +4,7 @@ For three sizes (8x8 digits N=17 D=64; 28x28 N=50 D=128; ImageNet N=197 D=768 H=
 times per evaluation of ``dx/dt`` in float32 on CPU by:
 
 - ``reference``: the model's closed form (``ETField(backend="reference")``),
-- ``fused``: :mod:`et_ode.fused` with its automatic GEMM back end (``backend="fused"``, the default path),
+- ``fused``: :mod:`et_ode.kernels.fused` with its automatic GEMM back end (``backend="fused"``, the default path),
 - ``fused/matmul``: the fused path forced onto ``torch.matmul``,
 - ``autograd``: differentiating the energy (``grad="autograd"``),
 - ``jax``: a jit-compiled energy-and-gradient written here from SPEC sections 1-4 (only if jax is installed),
@@ -52,7 +52,7 @@ from _common import (  # noqa: E402
 )
 
 import et_ode  # noqa: E402
-from et_ode.fused import FusedGrad  # noqa: E402
+from et_ode.kernels.fused import FusedGrad  # noqa: E402
 
 ALPHA = 0.1
 STATISTIC = "min"  # set by --stat
@@ -67,7 +67,7 @@ def jax_layer_norm(model: et_ode.EnergyTransformer) -> Callable[[object], object
 
     def layer_norm(x):
         xt = x - x.mean(axis=-1, keepdims=True)
-        return gamma * xt / jnp.sqrt((xt ** 2).mean(axis=-1, keepdims=True) + eps) + delta
+        return gamma * xt / jnp.sqrt((xt**2).mean(axis=-1, keepdims=True) + eps) + delta
 
     return layer_norm
 
@@ -142,11 +142,29 @@ def bench_size(size: Size, reps: int, with_jax: bool, compile_reference: bool) -
     for name, seconds in times.items():
         if name.startswith("GEMM"):
             rate = 2 * size.batch * size.n * size.d * r / seconds
-            rows.append([size.name, size.batch, name + f" ({size.batch * size.n}x{size.d} @ {size.d}x{r})", ms(seconds),
-                         "", rate / 1e9, rate / gemm_rate])
+            rows.append(
+                [
+                    size.name,
+                    size.batch,
+                    name + f" ({size.batch * size.n}x{size.d} @ {size.d}x{r})",
+                    ms(seconds),
+                    "",
+                    rate / 1e9,
+                    rate / gemm_rate,
+                ]
+            )
         else:
-            rows.append([size.name, size.batch, name, ms(seconds), times["reference"] / seconds, flops / seconds / 1e9,
-                         flops / seconds / gemm_rate])
+            rows.append(
+                [
+                    size.name,
+                    size.batch,
+                    name,
+                    ms(seconds),
+                    times["reference"] / seconds,
+                    flops / seconds / 1e9,
+                    flops / seconds / gemm_rate,
+                ]
+            )
     return rows
 
 
@@ -158,8 +176,18 @@ def bench_vjp(size: Size, reps: int) -> list[list[object]]:
     rows = []
     for backend in ("fused", "reference"):
         times = _vjp_times(et_ode.ETField(model, backend=backend), x, params, reps)
-        rows.append([size.name, size.batch, backend, ms(times["eval"]), ms(times["fwd+bwd"]),
-                     times["fwd+bwd"] / times["eval"], times["bwd"] / times["eval"], times["bwd_x"] / times["eval"]])
+        rows.append(
+            [
+                size.name,
+                size.batch,
+                backend,
+                ms(times["eval"]),
+                ms(times["fwd+bwd"]),
+                times["fwd+bwd"] / times["eval"],
+                times["bwd"] / times["eval"],
+                times["bwd_x"] / times["eval"],
+            ]
+        )
     return rows
 
 
@@ -184,8 +212,9 @@ def _vjp_times(field: et_ode.ETField, x: torch.Tensor, params: tuple[torch.Tenso
     def backward_state() -> object:
         return torch.autograd.grad(recorded, (xg,), u, retain_graph=True)
 
-    return interleaved({"eval": evaluate, "fwd+bwd": forward_backward, "bwd": backward, "bwd_x": backward_state}, reps,
-                       statistic=STATISTIC)
+    return interleaved(
+        {"eval": evaluate, "fwd+bwd": forward_backward, "bwd": backward, "bwd_x": backward_state}, reps, statistic=STATISTIC
+    )
 
 
 def bench_euler(size: Size, reps: int, with_jax: bool, steps: int = 12) -> list[list[object]]:
@@ -204,8 +233,9 @@ def bench_euler(size: Size, reps: int, with_jax: bool, steps: int = 12) -> list[
 
         candidates[backend] = euler
     fused_field = et_ode.ETField(model)
-    candidates["fused via et_ode.solve(EulerET)"] = lambda: et_ode.solve(fused_field, x,
-                                                                      solver=et_ode.EulerET(ALPHA, steps), save="final")
+    candidates["fused via et_ode.solve(EulerET)"] = lambda: et_ode.solve(
+        fused_field, x, solver=et_ode.EulerET(ALPHA, steps), save="final"
+    )
     jfield = jax_field(model) if with_jax else None
     if jfield is not None:
         run = jax_euler(jfield, steps)
@@ -223,8 +253,17 @@ def bench_euler(size: Size, reps: int, with_jax: bool, steps: int = 12) -> list[
         if name.startswith("GEMM"):
             continue
         jax_ratio = times.get("jax (lax.fori_loop)", math.nan) / seconds
-        rows.append([size.batch, name, ms(seconds), times["reference"] / seconds, jax_ratio, flops / seconds / 1e9,
-                     flops / seconds / gemm_rate])
+        rows.append(
+            [
+                size.batch,
+                name,
+                ms(seconds),
+                times["reference"] / seconds,
+                jax_ratio,
+                flops / seconds / 1e9,
+                flops / seconds / gemm_rate,
+            ]
+        )
     return rows
 
 
@@ -232,12 +271,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reps", type=int, default=7, help="timed repetitions per candidate (median reported)")
     parser.add_argument("--no-jax", action="store_true", help="skip the JAX column even if jax is installed")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="pin torch and XLA to this many cores (default: all, each library's own threads)")
-    parser.add_argument("--compile", action="store_true",
-                        help="add a torch.compile'd reference field (compiling takes minutes)")
-    parser.add_argument("--sizes", default="digits,mnist,imagenet4,imagenet1",
-                        help="comma-separated subset of digits, mnist, imagenet4, imagenet1")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="pin torch and XLA to this many cores (default: all, each library's own threads)",
+    )
+    parser.add_argument(
+        "--compile", action="store_true", help="add a torch.compile'd reference field (compiling takes minutes)"
+    )
+    parser.add_argument(
+        "--sizes",
+        default="digits,mnist,imagenet4,imagenet1",
+        help="comma-separated subset of digits, mnist, imagenet4, imagenet1",
+    )
     parser.add_argument("--stat", choices=["min", "median"], default="min", help="statistic over repetitions")
     args = parser.parse_args()
     set_threads(args.threads)
@@ -245,12 +292,15 @@ def main() -> None:
     STATISTIC = args.stat
     try:
         import jax  # noqa: F401
+
         with_jax = not args.no_jax
     except ImportError:
         with_jax = False
     print(f"{environment()}; jax column: {'yes' if with_jax else 'no (jax not installed or --no-jax)'}")
-    print(f"float32, CPU; times are the {args.stat} of interleaved repetitions; 'x ref' = reference time / this time; "
-          "'of GEMM' = achieved GFLOP/s / fastest float32 GEMM's GFLOP/s at the projection's size, same run")
+    print(
+        f"float32, CPU; times are the {args.stat} of interleaved repetitions; 'x ref' = reference time / this time; "
+        "'of GEMM' = achieved GFLOP/s / fastest float32 GEMM's GFLOP/s at the projection's size, same run"
+    )
 
     rows = []
     sizes = {"digits": DIGITS, "mnist": MNIST, "imagenet4": IMAGENET, "imagenet1": IMAGENET.with_batch(1)}
@@ -258,23 +308,37 @@ def main() -> None:
     for size in chosen:
         print(f"timing the field: {size.name}, batch {size.batch} ...", flush=True)
         rows.extend(bench_size(size, args.reps, with_jax, args.compile))
-    print(table(["size", "batch", "mode", "ms / eval", "x ref", "GFLOP/s", "of GEMM"], rows,
-                "One field evaluation dx/dt (float32)"))
+    print(
+        table(
+            ["size", "batch", "mode", "ms / eval", "x ref", "GFLOP/s", "of GEMM"],
+            rows,
+            "One field evaluation dx/dt (float32)",
+        )
+    )
 
     vjp_rows = []
     for size in [size for size in chosen if size.batch != 1]:
         print(f"timing the VJP: {size.name} ...", flush=True)
         vjp_rows.extend(bench_vjp(size, max(5, args.reps // 2)))
-    print(table(["size", "batch", "backend", "ms / eval", "ms fwd+bwd", "fwd+bwd / eval", "bwd / eval",
-                 "bwd (x only) / eval"], vjp_rows,
-                "VJP of the field w.r.t. x and all parameters (bwd = backward of a recorded evaluation)"))
+    print(
+        table(
+            ["size", "batch", "backend", "ms / eval", "ms fwd+bwd", "fwd+bwd / eval", "bwd / eval", "bwd (x only) / eval"],
+            vjp_rows,
+            "VJP of the field w.r.t. x and all parameters (bwd = backward of a recorded evaluation)",
+        )
+    )
 
     euler_rows = []
     for batch in [size.batch for size in chosen if size.n == IMAGENET.n]:
         print(f"timing 12 Euler steps: ImageNet size, batch {batch} ...", flush=True)
         euler_rows.extend(bench_euler(IMAGENET.with_batch(batch), max(5, args.reps // 2), with_jax))
-    print(table(["batch", "mode", "ms / 12 steps", "x ref", "x jax", "GFLOP/s", "of GEMM"], euler_rows,
-                "12 Euler steps (alpha = 0.1) at ImageNet size (N=197, D=768, H=12, Y=64, K=3072), float32"))
+    print(
+        table(
+            ["batch", "mode", "ms / 12 steps", "x ref", "x jax", "GFLOP/s", "of GEMM"],
+            euler_rows,
+            "12 Euler steps (alpha = 0.1) at ImageNet size (N=197, D=768, H=12, Y=64, K=3072), float32",
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ step is: a forward solve of exactly ``steps`` explicit Euler steps of size 0.1 (
 - ``direct``: backpropagation through the solver's operations (memory grows with the steps),
 - ``adjoint``: torchdiffeq's adjoint (``gradient="adjoint"``: a backward solve with the same steps),
 - ``implicit``: the forward without a graph, then the implicit backward at the final state
-  (``et_ode.gradients.implicit_attractor``: conjugate gradients on the Riemannian Hessian; at 10 and 100 steps the
+  (``et_ode.equilibrium.implicit.implicit_attractor``: conjugate gradients on the Riemannian Hessian; at 10 and 100 steps the
   state is not converged, so these gradients are not meaningful there: the row measures cost only).
 
 Each configuration runs in a fresh subprocess with ``MALLOC_MMAP_THRESHOLD_=65536`` (glibc then maps every block of
@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import MNIST, environment, initial_state, make_model, set_threads, table  # noqa: E402
 
 import et_ode  # noqa: E402
-from et_ode.gradients import implicit_attractor  # noqa: E402
+from et_ode.equilibrium.implicit import implicit_attractor  # noqa: E402
 
 STEP = 0.1
 MODES = ("direct", "adjoint", "implicit")
@@ -77,8 +77,9 @@ class PeakResidentSet:
         self.growth_mib = (self._peak - self._start) / 2**20
 
 
-def training_step(mode: str, steps: int, field: et_ode.ETField, x0: torch.Tensor, target: torch.Tensor,
-                  implicit_iter: int) -> tuple[float, float, int]:
+def training_step(
+    mode: str, steps: int, field: et_ode.ETField, x0: torch.Tensor, target: torch.Tensor, implicit_iter: int
+) -> tuple[float, float, int]:
     """Forward and backward seconds of one step, and the field evaluations of the backward pass."""
     field.model.zero_grad(set_to_none=True)
     field.reset_nfe()
@@ -88,8 +89,13 @@ def training_step(mode: str, steps: int, field: et_ode.ETField, x0: torch.Tensor
         with torch.no_grad():
             x_final = et_ode.solve(field, x0, t, solver=et_ode.Fixed("euler", STEP), save="final").x
         samples = x_final.shape[0]
-        g_final = implicit_attractor(field, x_final, in_x=torch.zeros(samples, dtype=torch.bool),
-                                     certified=torch.ones(samples, dtype=torch.bool), max_iter=implicit_iter)
+        g_final = implicit_attractor(
+            field,
+            x_final,
+            in_x=torch.zeros(samples, dtype=torch.bool),
+            certified=torch.ones(samples, dtype=torch.bool),
+            max_iter=implicit_iter,
+        )
     else:
         g_final = et_ode.solve(field, x0, t, solver=et_ode.Fixed("euler", STEP), gradient=mode, save="final").g
     loss = (g_final - target).square().mean()
@@ -118,8 +124,12 @@ def worker(config: dict[str, object]) -> dict[str, object]:
         forward, backward, _ = training_step(mode, steps, field, x0, target, iters)
         forwards.append(forward)
         backwards.append(backward)
-    return {"peak_mib": peak.growth_mib, "forward_s": statistics.median(forwards),
-            "backward_s": statistics.median(backwards), "nfe_backward": nfe_backward}
+    return {
+        "peak_mib": peak.growth_mib,
+        "forward_s": statistics.median(forwards),
+        "backward_s": statistics.median(backwards),
+        "nfe_backward": nfe_backward,
+    }
 
 
 def main() -> None:
@@ -142,20 +152,36 @@ def main() -> None:
     for steps in [int(s) for s in args.steps.split(",")]:
         for mode in MODES:
             print(f"  {mode}, {steps} steps ...", flush=True)
-            config = {"mode": mode, "steps": steps, "batch": args.batch, "reps": args.reps if steps < 1000 else 1,
-                      "implicit_iter": args.implicit_iter, "threads": args.threads}
-            done = subprocess.run([sys.executable, __file__, "--worker", json.dumps(config)], capture_output=True,
-                                  text=True, check=False, env=env)
+            config = {
+                "mode": mode,
+                "steps": steps,
+                "batch": args.batch,
+                "reps": args.reps if steps < 1000 else 1,
+                "implicit_iter": args.implicit_iter,
+                "threads": args.threads,
+            }
+            done = subprocess.run(
+                [sys.executable, __file__, "--worker", json.dumps(config)],
+                capture_output=True,
+                text=True,
+                check=False,
+                env=env,
+            )
             if done.returncode != 0:
                 rows.append([mode, steps, "failed", "", "", "", done.stderr.strip().splitlines()[-1][:80]])
                 continue
             result = json.loads(done.stdout.strip().splitlines()[-1])
             results[(mode, steps)] = result
-            rows.append([mode, steps, result["peak_mib"], result["forward_s"], result["backward_s"],
-                         result["nfe_backward"], ""])
-    print(table(["gradient", "solver steps", "peak MiB", "forward s", "backward s", "backward NFE", "note"],
-                rows, f"One training step: {MNIST.name} (N={MNIST.n}, D={MNIST.d}), batch {args.batch}, Euler step "
-                      f"{STEP}, float32"))
+            rows.append(
+                [mode, steps, result["peak_mib"], result["forward_s"], result["backward_s"], result["nfe_backward"], ""]
+            )
+    print(
+        table(
+            ["gradient", "solver steps", "peak MiB", "forward s", "backward s", "backward NFE", "note"],
+            rows,
+            f"One training step: {MNIST.name} (N={MNIST.n}, D={MNIST.d}), batch {args.batch}, Euler step {STEP}, float32",
+        )
+    )
     counts = sorted({steps for _, steps in results})
     if len(counts) >= 2:
         lo, hi = counts[0], counts[-1]

@@ -6,8 +6,8 @@ resident set (``resource.getrusage(...).ru_maxrss``; on CUDA ``torch.cuda.max_me
 growth of that peak during the evaluations (what the field evaluation itself needs beyond the model, inputs and
 mask). Time is the median of ``--repeats`` evaluations after one warm-up, under ``torch.no_grad()``.
 Dense runs (a boolean ``(N, N)`` mask, through the field's default backend: the fused dense path of
-``et_ode.fused``) are skipped where the estimated N^2 buffers exceed ``--max-dense-gib``; sparse runs pass a
-:class:`~et_ode.masks.GraphMask` (the edge-list form).
+``et_ode.kernels.fused``) are skipped where the estimated N^2 buffers exceed ``--max-dense-gib``; sparse runs pass a
+:class:`~et_ode.energy.masks.GraphMask` (the edge-list form).
 
     python benchmarks/graph_scale.py                      # N = 1e3 .. 1e5, D=64, H=4, Y=16, K=256, 1 thread
     python benchmarks/graph_scale.py --nodes 1000 10000 --device cuda
@@ -28,7 +28,7 @@ def worker(args: argparse.Namespace) -> dict:
     import torch
 
     from et_ode import EnergyTransformer, ETField
-    from et_ode.masks import GraphMask
+    from et_ode.energy.masks import GraphMask
 
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -59,8 +59,14 @@ def worker(args: argparse.Namespace) -> dict:
         peak = torch.cuda.max_memory_allocated()
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {"n": n, "edges": mask.num_edges if args.mode == "sparse" else int(mask.sum()), "mode": args.mode,
-            "time": statistics.median(times[1:]), "peak": peak, "eval": peak - before}
+    return {
+        "n": n,
+        "edges": mask.num_edges if args.mode == "sparse" else int(mask.sum()),
+        "mode": args.mode,
+        "time": statistics.median(times[1:]),
+        "peak": peak,
+        "eval": peak - before,
+    }
 
 
 def main() -> None:
@@ -74,8 +80,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--max-dense-gib", type=float, default=6.0,
-                        help="skip dense runs whose N^2 buffers (about N^2 (12 H + 3) bytes) would exceed this (GiB)")
+    parser.add_argument(
+        "--max-dense-gib",
+        type=float,
+        default=6.0,
+        help="skip dense runs whose N^2 buffers (about N^2 (12 H + 3) bytes) would exceed this (GiB)",
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--n", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--mode", choices=("dense", "sparse"), help=argparse.SUPPRESS)
@@ -84,11 +94,28 @@ def main() -> None:
         print(json.dumps(worker(args)))
         return
 
-    common = ["--degree", str(args.degree), "--dim", str(args.dim), "--heads", str(args.heads), "--head-dim",
-              str(args.head_dim), "--memories", str(args.memories), "--repeats", str(args.repeats), "--threads",
-              str(args.threads), "--device", args.device]
-    print(f"one field evaluation, D={args.dim} H={args.heads} Y={args.head_dim} K={args.memories}, average degree "
-          f"{args.degree}, {args.threads} thread(s), {args.device}; memory in MiB")
+    common = [
+        "--degree",
+        str(args.degree),
+        "--dim",
+        str(args.dim),
+        "--heads",
+        str(args.heads),
+        "--head-dim",
+        str(args.head_dim),
+        "--memories",
+        str(args.memories),
+        "--repeats",
+        str(args.repeats),
+        "--threads",
+        str(args.threads),
+        "--device",
+        args.device,
+    ]
+    print(
+        f"one field evaluation, D={args.dim} H={args.heads} Y={args.head_dim} K={args.memories}, average degree "
+        f"{args.degree}, {args.threads} thread(s), {args.device}; memory in MiB"
+    )
     print(f"{'N':>8} {'E':>9} | {'dense s':>9} {'peak':>8} {'eval':>8} | {'sparse s':>9} {'peak':>8} {'eval':>8}")
     for n in args.nodes:
         row = {}
@@ -97,8 +124,11 @@ def main() -> None:
             if mode == "dense" and dense_bytes > args.max_dense_gib * 2**30:
                 row[mode] = None
                 continue
-            done = subprocess.run([sys.executable, __file__, "--worker", "--n", str(n), "--mode", mode, *common],
-                                  capture_output=True, text=True)
+            done = subprocess.run(
+                [sys.executable, __file__, "--worker", "--n", str(n), "--mode", mode, *common],
+                capture_output=True,
+                text=True,
+            )
             if done.returncode != 0:
                 row[mode] = None
                 print(f"  ({mode} N={n} failed: {done.stderr.strip().splitlines()[-1:]})", file=sys.stderr)
@@ -108,8 +138,11 @@ def main() -> None:
         cells = []
         for mode in ("dense", "sparse"):
             r = row[mode]
-            cells.append(f"{'--':>9} {'--':>8} {'--':>8}" if r is None else
-                         f"{r['time']:9.4f} {r['peak'] / 2**20:8.0f} {r['eval'] / 2**20:8.0f}")
+            cells.append(
+                f"{'--':>9} {'--':>8} {'--':>8}"
+                if r is None
+                else f"{r['time']:9.4f} {r['peak'] / 2**20:8.0f} {r['eval'] / 2**20:8.0f}"
+            )
         print(f"{n:8d} {edges:9d} | {cells[0]} | {cells[1]}", flush=True)
 
 

@@ -24,10 +24,10 @@ from et_ode import Adaptive, Adjoint, Direct, EulerET, Integration  # noqa: E402
 from et_ode.models import ImageET, masked_mse, patchify, random_masks  # noqa: E402
 
 CANDIDATES = {
-    "bosh3 to t=1, rtol 1e-2, adjoint (the recipe)": Integration(Adaptive("bosh3", rtol=1e-2, atol=1e-3), Adjoint(),
-                                                                 t1=1.0),
-    "bosh3 to t=1, rtol 1e-2, adjoint, seminorm": Integration(Adaptive("bosh3", rtol=1e-2, atol=1e-3),
-                                                              Adjoint(seminorm=True), t1=1.0),
+    "bosh3 to t=1, rtol 1e-2, adjoint (the recipe)": Integration(Adaptive("bosh3", rtol=1e-2, atol=1e-3), Adjoint(), t1=1.0),
+    "bosh3 to t=1, rtol 1e-2, adjoint, seminorm": Integration(
+        Adaptive("bosh3", rtol=1e-2, atol=1e-3), Adjoint(seminorm=True), t1=1.0
+    ),
     "dopri5 to t=1, rtol 1e-3, adjoint": Integration(Adaptive("dopri5", rtol=1e-3, atol=1e-4), Adjoint(), t1=1.0),
     "12 Euler steps of 1/12, backprop (direct)": Integration(EulerET(alpha=1 / 12, steps=12), Direct()),
 }
@@ -62,6 +62,7 @@ def main() -> None:
             loss.backward()
             optimizer.step()
             last[name] = (out.solution.stats.nfe_forward, out.solution.stats.nfe_backward)
+
         return run
 
     seconds = interleaved({name: step(name, integration) for name, integration in CANDIDATES.items()}, args.reps)

@@ -46,8 +46,17 @@ class TimedField(et_ode.ETField):
         return out
 
 
-def run_method(model: et_ode.EnergyTransformer, x0: torch.Tensor, method: str, tol: float, t_end: float,
-               step: float, rtol: float, atol: float, max_steps: int) -> list[object]:
+def run_method(
+    model: et_ode.EnergyTransformer,
+    x0: torch.Tensor,
+    method: str,
+    tol: float,
+    t_end: float,
+    step: float,
+    rtol: float,
+    atol: float,
+    max_steps: int,
+) -> list[object]:
     field = et_ode.ETField(model)
     kwargs: dict[str, object] = dict(stop=et_ode.SteadyState(tol), save="final", max_steps=max_steps)
     if method == "et":
@@ -66,8 +75,15 @@ def run_method(model: et_ode.EnergyTransformer, x0: torch.Tensor, method: str, t
     except et_ode.SolveError as error:
         return [label, "failed", "", "", "", time.perf_counter() - start, str(error)[:60]]
     stats = solution.stats
-    return [label, stats.status.value, stats.nfe_forward, stats.accepted_steps, stats.t_final, stats.wall_time,
-            f"{float(solution.residual.max()):.2e}"]
+    return [
+        label,
+        stats.status.value,
+        stats.nfe_forward,
+        stats.accepted_steps,
+        stats.t_final,
+        stats.wall_time,
+        f"{float(solution.residual.max()):.2e}",
+    ]
 
 
 def method_table(size: Size, methods: list[str], args: argparse.Namespace) -> str:
@@ -76,17 +92,24 @@ def method_table(size: Size, methods: list[str], args: argparse.Namespace) -> st
     rows = []
     for method in methods:
         print(f"  {method} ...", flush=True)
-        rows.append(run_method(model, x0, method, args.tol, args.t_end, args.step, args.rtol, args.atol,
-                               args.max_steps))
-    return table(["method", "status", "NFE", "steps", "t stop", "wall s", "max RMS dg/dt / error"], rows,
-                 f"To RMS |dg/dt| < {args.tol:g}: {size.name} (N={size.n}, D={size.d}, H={size.h}, Y={size.y}, "
-                 f"K={size.k}), batch {size.batch}, float32, hopfield={args.hopfield}")
+        rows.append(run_method(model, x0, method, args.tol, args.t_end, args.step, args.rtol, args.atol, args.max_steps))
+    return table(
+        ["method", "status", "NFE", "steps", "t stop", "wall s", "max RMS dg/dt / error"],
+        rows,
+        f"To RMS |dg/dt| < {args.tol:g}: {size.name} (N={size.n}, D={size.d}, H={size.h}, Y={size.y}, "
+        f"K={size.k}), batch {size.batch}, float32, hopfield={args.hopfield}",
+    )
 
 
 def _steady_state_kwargs(args: argparse.Namespace) -> dict[str, object]:
     """``solve`` options of an adaptive solve to the command line's steady-state criterion."""
-    return dict(t=(0.0, args.t_end), solver=et_ode.Adaptive("dopri5", args.rtol, args.atol),
-                stop=et_ode.SteadyState(args.tol), save="final", max_steps=args.max_steps)
+    return dict(
+        t=(0.0, args.t_end),
+        solver=et_ode.Adaptive("dopri5", args.rtol, args.atol),
+        stop=et_ode.SteadyState(args.tol),
+        save="final",
+        max_steps=args.max_steps,
+    )
 
 
 def profile_dopri5(size: Size, args: argparse.Namespace) -> str:
@@ -104,20 +127,29 @@ def profile_dopri5(size: Size, args: argparse.Namespace) -> str:
         wall = time.perf_counter() - start
     in_field = field.seconds
     nfe = solution.stats.nfe_forward
-    summary = table(["quantity", "value"], [
-        ["status", solution.stats.status.value], ["NFE (incl. stopping test)", nfe],
-        ["accepted steps", solution.stats.accepted_steps], ["t stop", solution.stats.t_final],
-        ["wall time of solve() [s]", wall], ["time inside the field [s]", in_field],
-        ["fraction of wall time in the field", in_field / wall], ["ms per field evaluation", 1e3 * in_field / nfe]],
-        f"dopri5 to RMS |dg/dt| < {args.tol:g}: {size.name}, batch {size.batch} (fused field, float32)")
+    summary = table(
+        ["quantity", "value"],
+        [
+            ["status", solution.stats.status.value],
+            ["NFE (incl. stopping test)", nfe],
+            ["accepted steps", solution.stats.accepted_steps],
+            ["t stop", solution.stats.t_final],
+            ["wall time of solve() [s]", wall],
+            ["time inside the field [s]", in_field],
+            ["fraction of wall time in the field", in_field / wall],
+            ["ms per field evaluation", 1e3 * in_field / nfe],
+        ],
+        f"dopri5 to RMS |dg/dt| < {args.tol:g}: {size.name}, batch {size.batch} (fused field, float32)",
+    )
     with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         et_ode.solve(et_ode.ETField(model), x0, **kwargs)
     ops = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
     return summary + "\n\ntorch.profiler, the same solve (self CPU time per op):\n" + ops
 
 
-def jax_euler_to_steady_state(model: et_ode.EnergyTransformer, x0: torch.Tensor, tol: float,
-                              max_steps: int) -> tuple[int, float, float] | None:
+def jax_euler_to_steady_state(
+    model: et_ode.EnergyTransformer, x0: torch.Tensor, tol: float, max_steps: int
+) -> tuple[int, float, float] | None:
     """Euler steps ``x += ALPHA dx/dt`` in one jit-compiled ``lax.while_loop`` until the max over samples of RMS
     ``dg/dt`` is below ``tol``: (steps, wall seconds without compilation, final max RMS); None without jax."""
     field = jax_field(model)
@@ -130,7 +162,7 @@ def jax_euler_to_steady_state(model: et_ode.EnergyTransformer, x0: torch.Tensor,
 
     def measure(x, v):  # max over samples of RMS dg/dt, dg/dt = d LayerNorm(x) [v]
         dg = jax.jvp(layer_norm, (x,), (v,))[1]
-        return jnp.sqrt((dg ** 2).mean(axis=(-1, -2))).max()
+        return jnp.sqrt((dg**2).mean(axis=(-1, -2))).max()
 
     def body(state):
         x, v, steps, _ = state
@@ -163,15 +195,34 @@ def versus_jax(size: Size, args: argparse.Namespace) -> str:
         solution = et_ode.solve(field, x0, **kwargs)
         ours = time.perf_counter() - start
     jax_result = jax_euler_to_steady_state(model, x0, args.tol, args.jax_max_steps)
-    rows = [["et_ode.solve dopri5 (fused)", solution.stats.nfe_forward, solution.stats.t_final,
-             f"{float(solution.residual.max()):.2e}", ours, 1.0]]
+    rows = [
+        [
+            "et_ode.solving.solve dopri5 (fused)",
+            solution.stats.nfe_forward,
+            solution.stats.t_final,
+            f"{float(solution.residual.max()):.2e}",
+            ours,
+            1.0,
+        ]
+    ]
     if jax_result is not None:
         steps, seconds, rms = jax_result
         reached = "" if rms < args.tol else f" (stopped at the limit {args.jax_max_steps}: a lower bound)"
-        rows.append([f"JAX Euler, alpha={ALPHA}, lax.while_loop{reached}", steps, steps * ALPHA, f"{rms:.2e}", seconds,
-                     seconds / ours])
-    return table(["solver", "NFE / steps", "t stop", "max RMS dg/dt", "wall s", "JAX time / this"], rows,
-                 f"To max RMS |dg/dt| < {args.tol:g}: {size.name}, batch {size.batch}, hopfield=relu, float32")
+        rows.append(
+            [
+                f"JAX Euler, alpha={ALPHA}, lax.while_loop{reached}",
+                steps,
+                steps * ALPHA,
+                f"{rms:.2e}",
+                seconds,
+                seconds / ours,
+            ]
+        )
+    return table(
+        ["solver", "NFE / steps", "t stop", "max RMS dg/dt", "wall s", "JAX time / this"],
+        rows,
+        f"To max RMS |dg/dt| < {args.tol:g}: {size.name}, batch {size.batch}, hopfield=relu, float32",
+    )
 
 
 def main() -> None:
@@ -185,8 +236,11 @@ def main() -> None:
     parser.add_argument("--atol", type=float, default=1e-6)
     parser.add_argument("--max-steps", type=int, default=100_000)
     parser.add_argument("--hopfield", default="relu", choices=["relu", "softplus", "softmax"])
-    parser.add_argument("--all-methods", action="store_true",
-                        help="add adaptive_heun, euler, midpoint, rk4, explicit_adams, implicit_adams (slow)")
+    parser.add_argument(
+        "--all-methods",
+        action="store_true",
+        help="add adaptive_heun, euler, midpoint, rk4, explicit_adams, implicit_adams (slow)",
+    )
     parser.add_argument("--profile-batch", type=int, default=64, help="batch of the 28x28 dopri5 profile (0: skip)")
     parser.add_argument("--threads", type=int, default=None, help="pin the process to this many cores (default: all)")
     parser.add_argument("--no-jax", action="store_true", help="skip the comparison with the JAX Euler loop")

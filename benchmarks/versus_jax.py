@@ -71,8 +71,13 @@ def jax_functions(model: et_ode.EnergyTransformer) -> dict[str, Callable[..., ob
     import jax
     import jax.numpy as jnp
 
-    params = {"wk": model.attention.WK, "wq": model.attention.WQ, "xi": model.hopfield.xi,
-              "delta": model.neuron.delta, "gamma_raw": model.neuron.gamma_raw}
+    params = {
+        "wk": model.attention.WK,
+        "wq": model.attention.WQ,
+        "xi": model.hopfield.xi,
+        "delta": model.neuron.delta,
+        "gamma_raw": model.neuron.gamma_raw,
+    }
     params = {name: jnp.asarray(value.detach().numpy()) for name, value in params.items()}
     beta, eps = float(model.attention.beta[0]), model.neuron.eps
     if model.attention.self_attention or model.hopfield.form != "relu" or not model.neuron.positive_gamma:
@@ -81,7 +86,7 @@ def jax_functions(model: et_ode.EnergyTransformer) -> dict[str, Callable[..., ob
     def layer_norm(p, x):
         xt = x - x.mean(axis=-1, keepdims=True)
         gamma = jax.nn.softplus(p["gamma_raw"])
-        return gamma * xt / jnp.sqrt((xt ** 2).mean(axis=-1, keepdims=True) + eps) + p["delta"]
+        return gamma * xt / jnp.sqrt((xt**2).mean(axis=-1, keepdims=True) + eps) + p["delta"]
 
     def energy(p, g):  # g: (batch, N, D)
         k = jnp.einsum("hyd,bnd->bhny", p["wk"], g)
@@ -103,12 +108,16 @@ def jax_functions(model: et_ode.EnergyTransformer) -> dict[str, Callable[..., ob
         return jnp.mean((layer_norm(p, x) - target) ** 2)
 
     field_jit, euler_jit, grad_jit = jax.jit(field), jax.jit(euler), jax.jit(jax.value_and_grad(loss))
-    return {"field": lambda x: field_jit(params, x), "euler": lambda x: euler_jit(params, x),
-            "train": lambda x, target: grad_jit(params, x, target)}
+    return {
+        "field": lambda x: field_jit(params, x),
+        "euler": lambda x: euler_jit(params, x),
+        "train": lambda x, target: grad_jit(params, x, target),
+    }
 
 
-def torch_training_step(field: et_ode.ETField, x0: torch.Tensor, target: torch.Tensor, **solve_options: object
-                        ) -> tuple[float, float, int, int]:
+def torch_training_step(
+    field: et_ode.ETField, x0: torch.Tensor, target: torch.Tensor, **solve_options: object
+) -> tuple[float, float, int, int]:
     """Forward and backward seconds (wall) of one training step, and its forward and backward evaluations."""
     field.model.zero_grad(set_to_none=True)
     start = time.perf_counter()
@@ -133,7 +142,7 @@ def compare_size(size: Size, reps: int, statistic: str, clock: str) -> list[list
     t0 = torch.zeros(())
     with torch.no_grad():  # the two codes compute the same field
         error = float((torch.from_numpy(np.array(jax_code["field"](xj))) - field(t0, x)).abs().max())
-    heads = et_ode.fused.choose_head_products(size.batch * size.h, size.n, size.y, x.dtype, x.device)
+    heads = et_ode.kernels.fused.choose_head_products(size.batch * size.h, size.n, size.y, x.dtype, x.device)
     print(f"  {size.name}: max |JAX field - et_ode field| = {error:.2e}; per-head products on {heads}", flush=True)
 
     def bare_loop() -> torch.Tensor:
@@ -148,25 +157,45 @@ def compare_size(size: Size, reps: int, statistic: str, clock: str) -> list[list
         (solution.g - target).square().mean().backward()
 
     with torch.no_grad():
-        times = interleaved({
-            "field": lambda: field(t0, x),
-            "jax field": lambda: jax.block_until_ready(jax_code["field"](xj)),
-            "bare loop": bare_loop,
-            "solve": lambda: et_ode.solve(field, x, solver=et_ode.EulerET(ALPHA, STEPS), save="final"),
-            "jax loop": lambda: jax.block_until_ready(jax_code["euler"](xj)),
-        }, reps, statistic=statistic, clock=clock)
-    train_times = interleaved({
-        "train": train_step,
-        "jax train": lambda: jax.block_until_ready(jax_code["train"](xj, target_j)),
-    }, max(3, reps // 3), statistic=statistic, clock=clock)
+        times = interleaved(
+            {
+                "field": lambda: field(t0, x),
+                "jax field": lambda: jax.block_until_ready(jax_code["field"](xj)),
+                "bare loop": bare_loop,
+                "solve": lambda: et_ode.solve(field, x, solver=et_ode.EulerET(ALPHA, STEPS), save="final"),
+                "jax loop": lambda: jax.block_until_ready(jax_code["euler"](xj)),
+            },
+            reps,
+            statistic=statistic,
+            clock=clock,
+        )
+    train_times = interleaved(
+        {
+            "train": train_step,
+            "jax train": lambda: jax.block_until_ready(jax_code["train"](xj, target_j)),
+        },
+        max(3, reps // 3),
+        statistic=statistic,
+        clock=clock,
+    )
     label = f"{size.name}, batch {size.batch}"
     return [
         [label, "field", ms(times["field"]), ms(times["jax field"]), times["jax field"] / times["field"]],
         [label, f"{STEPS}-step solve", ms(times["solve"]), ms(times["jax loop"]), times["jax loop"] / times["solve"]],
-        [label, f"solve overhead over a bare loop of {STEPS} field calls", ms(times["solve"]), ms(times["bare loop"]),
-         f"{100 * (times['solve'] / times['bare loop'] - 1):+.1f}%"],
-        [label, "training step (forward + backward)", ms(train_times["train"]), ms(train_times["jax train"]),
-         train_times["jax train"] / train_times["train"]],
+        [
+            label,
+            f"solve overhead over a bare loop of {STEPS} field calls",
+            ms(times["solve"]),
+            ms(times["bare loop"]),
+            f"{100 * (times['solve'] / times['bare loop'] - 1):+.1f}%",
+        ],
+        [
+            label,
+            "training step (forward + backward)",
+            ms(train_times["train"]),
+            ms(train_times["jax train"]),
+            train_times["jax train"] / train_times["train"],
+        ],
     ]
 
 
@@ -181,13 +210,15 @@ ADJOINT_CONFIGS: dict[str, dict[str, object]] = {
     "dopri5 rtol 1e-3, adjoint, seminorm": dict(t=_SPAN, solver=_LOOSE, gradient=et_ode.Adjoint(seminorm=True)),
     "dopri5 rtol 1e-5, adjoint": dict(t=_SPAN, solver=_TIGHT, gradient="adjoint"),
     "dopri5 rtol 1e-5, adjoint, seminorm": dict(t=_SPAN, solver=_TIGHT, gradient=et_ode.Adjoint(seminorm=True)),
-    "dopri5 rtol 1e-5, adjoint rtol 1e-3, seminorm": dict(t=_SPAN, solver=_TIGHT,
-                                                          gradient=et_ode.Adjoint(rtol=1e-3, atol=1e-4, seminorm=True)),
+    "dopri5 rtol 1e-5, adjoint rtol 1e-3, seminorm": dict(
+        t=_SPAN, solver=_TIGHT, gradient=et_ode.Adjoint(rtol=1e-3, atol=1e-4, seminorm=True)
+    ),
     # not to t = 1.2: to the attractor (RMS dg/dt < 1e-4), the gradient by the implicit function theorem there; in
     # float32 conjugate gradients stall near a relative residual of 1e-6 (the Hessian-vector products' rounding), so
     # they stop at 1e-4 here (the default 1e-8 is for float64: in float32 it runs its 200 iterations and warns)
     "implicit at the attractor (dopri5 rtol 1e-3 to RMS dg/dt < 1e-4, CG to 1e-4)": dict(
-        t=(0.0, _ATTRACTOR_HORIZON), solver=_LOOSE, stop=et_ode.SteadyState(1e-4), gradient=et_ode.Implicit(tol=1e-4)),
+        t=(0.0, _ATTRACTOR_HORIZON), solver=_LOOSE, stop=et_ode.SteadyState(1e-4), gradient=et_ode.Implicit(tol=1e-4)
+    ),
 }
 
 
@@ -209,8 +240,18 @@ def adjoint_costs(size: Size, reps: int, statistic: str) -> list[list[object]]:
     for name, runs in results.items():
         forward, backward = pick(r[0] for r in runs), pick(r[1] for r in runs)
         step = pick(r[0] + r[1] for r in runs)
-        rows.append([f"{size.name}, batch {size.batch}", name, runs[0][2], runs[0][3], ms(forward), ms(backward),
-                     backward / forward, step / base])
+        rows.append(
+            [
+                f"{size.name}, batch {size.batch}",
+                name,
+                runs[0][2],
+                runs[0][3],
+                ms(forward),
+                ms(backward),
+                backward / forward,
+                step / base,
+            ]
+        )
     return rows
 
 
@@ -226,8 +267,10 @@ def main() -> None:
     args = parser.parse_args()
     set_threads(args.threads)
     print(environment())
-    print(f"float32; {args.stat} of interleaved repetitions, {args.clock} clock; ratio = JAX time / et_ode time "
-          "(> 1: et_ode faster)")
+    print(
+        f"float32; {args.stat} of interleaved repetitions, {args.clock} clock; ratio = JAX time / et_ode time "
+        "(> 1: et_ode faster)"
+    )
     chosen = [SIZES[name] for name in args.sizes.split(",") if name]
     if chosen:
         try:
@@ -237,19 +280,37 @@ def main() -> None:
         rows = []
         for size in chosen:
             rows.extend(compare_size(size, args.reps, args.stat, args.clock))
-        print(table(["size", "what", "et_ode ms", "JAX ms (overhead row: bare loop ms)", "ratio"], rows,
-                    "et_ode against the official JAX formulation"))
+        print(
+            table(
+                ["size", "what", "et_ode ms", "JAX ms (overhead row: bare loop ms)", "ratio"],
+                rows,
+                "et_ode against the official JAX formulation",
+            )
+        )
     adjoint_sizes = [SIZES[name] for name in args.adjoint_sizes.split(",") if name]
     adjoint_rows = []
     for size in adjoint_sizes:
         print(f"  adjoint table: {size.name} ...", flush=True)
         adjoint_rows.extend(adjoint_costs(size, args.adjoint_reps, args.stat))
     if adjoint_rows:
-        print(table(["size", "training step", "NFE forward", "NFE backward", "forward ms", "backward ms",
-                     "backward / forward", "step / Euler-12 direct"], adjoint_rows,
-                    f"One training step (t from 0 to {ALPHA * STEPS:g}, the implicit row to the attractor; squared error of "
-                    f"the final g, all parameters; "
-                    f"wall clock, {args.stat} of {args.adjoint_reps} interleaved rounds)"))
+        print(
+            table(
+                [
+                    "size",
+                    "training step",
+                    "NFE forward",
+                    "NFE backward",
+                    "forward ms",
+                    "backward ms",
+                    "backward / forward",
+                    "step / Euler-12 direct",
+                ],
+                adjoint_rows,
+                f"One training step (t from 0 to {ALPHA * STEPS:g}, the implicit row to the attractor; squared error of "
+                f"the final g, all parameters; "
+                f"wall clock, {args.stat} of {args.adjoint_reps} interleaved rounds)",
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -1,17 +1,17 @@
 """et-ode: the Energy Transformer as a continuous-time dynamical system."""
 
-from .adjoints import Adjoint, Direct, Implicit
-from .attractor import Attractor, AttractorError, AttractorReadout, find_attractor
-from .energies import EnergyAttention, HopfieldMemory
-from .field import ETField
-from .integration import Integration
-from .masks import GraphMask
-from .model import EnergyTransformer
-from .neurons import LayerNormNeuron
-from .solution import Solution, SolveError, SolveStats, Status
-from .solve import solve
-from .solvers import METHODS, Adaptive, EulerET, Fixed
-from .stopping import SteadyState
+from et_ode.dynamics.field import ETField
+from et_ode.energy.energies import EnergyAttention, HopfieldMemory
+from et_ode.energy.masks import GraphMask
+from et_ode.energy.model import EnergyTransformer
+from et_ode.energy.neurons import LayerNormNeuron
+from et_ode.equilibrium.attractor import Attractor, AttractorError, AttractorReadout, find_attractor
+from et_ode.integrators.solution import Solution, SolveError, SolveStats, Status
+from et_ode.integrators.solvers import METHODS, Adaptive, EulerET, Fixed
+from et_ode.integrators.stopping import SteadyState
+from et_ode.solving.gradients import Adjoint, Direct, Implicit
+from et_ode.solving.integration import Integration
+from et_ode.solving.solve import solve
 
 __all__ = [
     "METHODS",
@@ -43,12 +43,12 @@ __version__ = "0.1.0"
 
 
 def _check_threads() -> None:
-    """Warn once when PyTorch's threads would oversubscribe a busy machine (:func:`et_ode.runtime.oversubscription`).
+    """Warn once when PyTorch's threads would oversubscribe a busy machine (:func:`et_ode.backend.runtime.oversubscription`).
     The ``et-ode`` command checks after applying its ``--threads`` instead."""
     import sys
     from pathlib import Path
 
-    from . import runtime
+    from et_ode.backend import runtime
 
     entry = Path(sys.argv[0]) if sys.argv and sys.argv[0] else Path()
     if entry.name == "et-ode" or sys.argv[:1] == ["-m"] or entry.parts[-2:] == ("cli", "__main__.py"):

@@ -47,8 +47,8 @@ import torch
 from torch import Tensor
 
 from et_ode import Adaptive, Direct, EulerET, Integration
-from et_ode.fill import biharmonic_fill
 from et_ode.models import ImageET, masked_mse, patchify, random_masks, unpatchify
+from et_ode.models.fill import biharmonic_fill
 from et_ode.models.image import Completion
 from et_ode.tasks.baselines import MeanImage, NearestNeighbour
 
@@ -63,6 +63,7 @@ def load(data: str, tile: int = 16, channels: int = 1) -> dict[str, Tensor]:
     if data == "photos":
         return {split: photo_split(split, tile, channels).images for split in SPLITS}
     from et_ode.data.images import load_idx_folder
+
     train = load_idx_folder(None, "train").images
     order = torch.randperm(len(train), generator=torch.Generator().manual_seed(0))
     return {"train": train[order[2000:]], "val": train[order[:2000]], "test": load_idx_folder(None, "test").images}
@@ -71,6 +72,7 @@ def load(data: str, tile: int = 16, channels: int = 1) -> dict[str, Tensor]:
 def photo_split(split: str, tile: int, channels: int):
     """One split of the photographs (the fixed split by photograph), with each tile's photograph in ``.sources``."""
     from et_ode.data import load_split
+
     return load_split("photos", None, "validation" if split == "val" else split, tile=tile, channels=channels)
 
 
@@ -85,8 +87,15 @@ def pixel_mask(hidden: Tensor, image_shape) -> Tensor:
 
 
 # ----------------------------------------------------------------------------------------------- fills
-def knn_neighbours(bank: Tensor, images: Tensor, hidden: Tensor, exclude: Tensor | None = None, k: int = 10,
-                   chunk: int = 20000, bank_energy: Tensor | None = None) -> Tensor:
+def knn_neighbours(
+    bank: Tensor,
+    images: Tensor,
+    hidden: Tensor,
+    exclude: Tensor | None = None,
+    k: int = 10,
+    chunk: int = 20000,
+    bank_energy: Tensor | None = None,
+) -> Tensor:
     """Indices ``(B, k)`` of the ``k`` bank images (patches ``(n, N, P2)``) nearest to ``images`` on their visible
     patches (squared distance), nearest first; ``exclude (B,)``: a bank index to leave out per image (itself, in
     training); ``bank_energy (n, N)``: ``bank.square().sum(-1)``, when the caller keeps it."""
@@ -96,9 +105,9 @@ def knn_neighbours(bank: Tensor, images: Tensor, hidden: Tensor, exclude: Tensor
     energy = bank.square().sum(-1) if bank_energy is None else bank_energy
     best_d = best_i = None
     for start in range(0, len(bank), chunk):
-        part = bank[start:start + chunk].flatten(1)
+        part = bank[start : start + chunk].flatten(1)
         # |v (t - b)|^2 - |v t|^2 = -2 (v t).b + sum over visible patches of |b_patch|^2
-        dist = -2 * query @ part.T + visible @ energy[start:start + chunk].T
+        dist = -2 * query @ part.T + visible @ energy[start : start + chunk].T
         if exclude is not None:
             local = exclude - start
             inside = (local >= 0) & (local < len(part))
@@ -113,8 +122,15 @@ def knn_neighbours(bank: Tensor, images: Tensor, hidden: Tensor, exclude: Tensor
     return best_i
 
 
-def knn_fill(bank: Tensor, images: Tensor, hidden: Tensor, exclude: Tensor | None = None, k: int = 10,
-             chunk: int = 20000, bank_energy: Tensor | None = None) -> Tensor:
+def knn_fill(
+    bank: Tensor,
+    images: Tensor,
+    hidden: Tensor,
+    exclude: Tensor | None = None,
+    k: int = 10,
+    chunk: int = 20000,
+    bank_energy: Tensor | None = None,
+) -> Tensor:
     """``images`` with the hidden patches replaced by the mean of the ``k`` bank images (patches ``(n, N, P2)``)
     nearest on the visible patches; ``exclude (B,)``: a bank index to leave out per image (itself, in training);
     ``bank_energy`` as in :func:`knn_neighbours`."""
@@ -123,8 +139,9 @@ def knn_fill(bank: Tensor, images: Tensor, hidden: Tensor, exclude: Tensor | Non
     return unpatchify(guess, PATCH, images.shape[1:])
 
 
-def local_logits(neighbours: Tensor, target: Tensor, hidden: Tensor, grid: tuple[int, int],
-                 temperature: float = 0.02) -> Tensor:
+def local_logits(
+    neighbours: Tensor, target: Tensor, hidden: Tensor, grid: tuple[int, int], temperature: float = 0.02
+) -> Tensor:
     """``-e / temperature`` ``(B, k, N)``: ``e`` is each neighbour's mean squared error per pixel on the visible
     patches of the 3x3 patch window around each patch (0 where the window has no visible patch).
     ``neighbours (B, k, N, P2)``, ``target (B, N, P2)``, ``hidden (B, N)``, ``grid``: patches per column and row."""
@@ -132,15 +149,23 @@ def local_logits(neighbours: Tensor, target: Tensor, hidden: Tensor, grid: tuple
     error = (neighbours - target[:, None]).square().mean(-1) * visible[:, None]  # (B, k, N)
 
     def window_sum(values: Tensor) -> Tensor:  # (..., N) summed over each 3x3 patch window
-        summed = torch.nn.functional.conv2d(values.reshape(-1, 1, *grid), torch.ones(1, 1, 3, 3, dtype=values.dtype),
-                                            padding=1)
+        summed = torch.nn.functional.conv2d(
+            values.reshape(-1, 1, *grid), torch.ones(1, 1, 3, 3, dtype=values.dtype), padding=1
+        )
         return summed.reshape(values.shape)
 
     return -window_sum(error) / window_sum(visible)[:, None].clamp_min(1) / temperature
 
 
-def local_knn_fill(bank: Tensor, images: Tensor, hidden: Tensor, exclude: Tensor | None = None, k: int = 10,
-                   temperature: float = 0.02, bank_energy: Tensor | None = None) -> Tensor:
+def local_knn_fill(
+    bank: Tensor,
+    images: Tensor,
+    hidden: Tensor,
+    exclude: Tensor | None = None,
+    k: int = 10,
+    temperature: float = 0.02,
+    bank_energy: Tensor | None = None,
+) -> Tensor:
     """A classical rival of the plain mean: ``images`` with each hidden patch replaced by a blend of the ``k``
     nearest bank images' patches, weighted by ``softmax(local_logits)`` over the neighbours (the neighbours that
     match the visible patches around a hidden patch count more there). The 3x3 window and the temperature were
@@ -229,7 +254,7 @@ def squared_errors(predict, images: Tensor, hidden: Tensor, batch: int = 500) ->
     ``(B, N, C P P)``), and the number of those pixels (float64)."""
     squared, count = [], []
     for start in range(0, len(images), batch):
-        x, h = images[start:start + batch], hidden[start:start + batch]
+        x, h = images[start : start + batch], hidden[start : start + batch]
         pred = predict(x, h)
         weight = h.to(pred.dtype)[..., None]
         squared.append(((pred - patchify(x, PATCH)).square() * weight).sum((1, 2)).double())
@@ -245,16 +270,30 @@ def masked_patch_mse(predict, images: Tensor, hidden: Tensor, batch: int = 500) 
 def build(cfg: dict, data: dict[str, Tensor]) -> ImageET:
     euler = {"step": cfg["t1"] / cfg["steps"], "steps": cfg["steps"]} if cfg["method"] == "et" else {}
     adjoint_rtol = cfg["adjoint_rtol"]
-    integration = Integration.from_options(cfg["method"], t1=cfg["t1"], rtol=cfg["rtol"], atol=cfg["atol"],
-                                           gradient=cfg["gradient"], seminorm=cfg["seminorm"], max_steps=2000,
-                                           adjoint_rtol=adjoint_rtol, adjoint_atol=adjoint_rtol and adjoint_rtol / 10,
-                                           **euler)
+    integration = Integration.from_options(
+        cfg["method"],
+        t1=cfg["t1"],
+        rtol=cfg["rtol"],
+        atol=cfg["atol"],
+        gradient=cfg["gradient"],
+        seminorm=cfg["seminorm"],
+        max_steps=2000,
+        adjoint_rtol=adjoint_rtol,
+        adjoint_atol=adjoint_rtol and adjoint_rtol / 10,
+        **euler,
+    )
     torch.manual_seed(cfg["seed"])
     shape = tuple(data["train"].shape[1:])
     args = (shape, PATCH, cfg["dim"], cfg["heads"], cfg["head_dim"], cfg["memories"])
     if cfg["fill"] == "knn":
-        return KnnFillET(*args, integration=integration, bank=patchify(data["train"], PATCH), k=cfg["k"],
-                         context=cfg["context"], weighting=cfg["weighting"])
+        return KnnFillET(
+            *args,
+            integration=integration,
+            bank=patchify(data["train"], PATCH),
+            k=cfg["k"],
+            context=cfg["context"],
+            weighting=cfg["weighting"],
+        )
     return ImageET(*args, integration=integration, fill=None if cfg["fill"] == "none" else cfg["fill"])
 
 
@@ -263,8 +302,15 @@ def limited(data: dict[str, Tensor], limit: int) -> dict[str, Tensor]:
 
 
 # settings added after the first runs, with the values those runs had
-LATER_SETTINGS = {"tile": 16, "channels": 1, "steps": 12, "adjoint_rtol": None, "k": 10, "context": "fill",
-                  "weighting": "mean"}
+LATER_SETTINGS = {
+    "tile": 16,
+    "channels": 1,
+    "steps": 12,
+    "adjoint_rtol": None,
+    "k": 10,
+    "context": "fill",
+    "weighting": "mean",
+}
 
 
 def baselines(args) -> None:
@@ -279,8 +325,7 @@ def baselines(args) -> None:
         "nearest neighbour": lambda x, h: nearest(x, h).patches,
         "biharmonic": lambda x, h: patchify(biharmonic_fill(x, pixel_mask(h, shape)), PATCH),
         "mean of 10 nearest": lambda x, h: patchify(knn_fill(bank, x, h, bank_energy=bank_energy), PATCH),
-        "10 nearest, locally weighted": lambda x, h: patchify(local_knn_fill(bank, x, h, bank_energy=bank_energy),
-                                                              PATCH),
+        "10 nearest, locally weighted": lambda x, h: patchify(local_knn_fill(bank, x, h, bank_energy=bank_energy), PATCH),
     }
     result = {"train": len(data["train"])}
     for split in ("val", "test"):
@@ -292,10 +337,36 @@ def baselines(args) -> None:
 
 def train(args) -> None:
     out = Path(args.out)
-    cfg = {k: getattr(args, k) for k in ("data", "dim", "heads", "head_dim", "memories", "method", "t1", "rtol",
-                                         "atol", "gradient", "seminorm", "fill", "lr", "batch", "planned_steps", "seed",
-                                         "augment", "limit", "tile", "channels", "steps",
-                                         "adjoint_rtol", "k", "context", "weighting")}
+    cfg = {
+        k: getattr(args, k)
+        for k in (
+            "data",
+            "dim",
+            "heads",
+            "head_dim",
+            "memories",
+            "method",
+            "t1",
+            "rtol",
+            "atol",
+            "gradient",
+            "seminorm",
+            "fill",
+            "lr",
+            "batch",
+            "planned_steps",
+            "seed",
+            "augment",
+            "limit",
+            "tile",
+            "channels",
+            "steps",
+            "adjoint_rtol",
+            "k",
+            "context",
+            "weighting",
+        )
+    }
     checkpoint = out / "checkpoint.pt"
     if checkpoint.exists():
         saved = {**LATER_SETTINGS, **json.loads((out / "config.json").read_text())}
@@ -359,8 +430,16 @@ def train(args) -> None:
     with torch.no_grad():
         val = masked_patch_mse(lambda a, b: model(a, b).patches, x, h)
     steps = max(state["step"], 1)
-    print(json.dumps({"val_mse": val, "steps": state["step"], "train_seconds": round(state["elapsed"]),
-                      "nfe_per_step": [state["nfe_forward"] / steps, state["nfe_backward"] / steps]}))
+    print(
+        json.dumps(
+            {
+                "val_mse": val,
+                "steps": state["step"],
+                "train_seconds": round(state["elapsed"]),
+                "nfe_per_step": [state["nfe_forward"] / steps, state["nfe_backward"] / steps],
+            }
+        )
+    )
 
 
 def per_source(squared: Tensor, fill_squared: Tensor, count: Tensor, sources) -> dict[str, dict]:
@@ -371,8 +450,12 @@ def per_source(squared: Tensor, fill_squared: Tensor, count: Tensor, sources) ->
         tiles = torch.tensor([s == source for s in sources])
         model_mse = float(squared[tiles].sum() / count[tiles].sum())
         fill_mse = float(fill_squared[tiles].sum() / count[tiles].sum())
-        result[source] = {"tiles": int(tiles.sum()), "mse": model_mse, "fill mse": fill_mse,
-                          "change %": round(100 * (model_mse / fill_mse - 1), 2)}
+        result[source] = {
+            "tiles": int(tiles.sum()),
+            "mse": model_mse,
+            "fill mse": fill_mse,
+            "change %": round(100 * (model_mse / fill_mse - 1), 2),
+        }
     return result
 
 
@@ -387,15 +470,18 @@ def evaluate(args) -> None:
     h = split_masks(args.split, len(x), model.num_patches)
     solvers = {"as trained": model.integration.replace(gradient=Direct())}
     for rtol in (1e-3, 1e-6):
-        solvers[f"dopri5, rtol {rtol:g}"] = Integration(Adaptive("dopri5", rtol=rtol, atol=rtol / 10), Direct(),
-                                                        t1=cfg["t1"], max_steps=100_000)
+        solvers[f"dopri5, rtol {rtol:g}"] = Integration(
+            Adaptive("dopri5", rtol=rtol, atol=rtol / 10), Direct(), t1=cfg["t1"], max_steps=100_000
+        )
     solvers["12 Euler steps"] = Integration(EulerET(alpha=cfg["t1"] / 12, steps=12), Direct())
     result: dict = {}
     began = time.perf_counter()
     fill_squared, count = squared_errors(lambda a, b: patchify(model.filled(a, b), PATCH), x, h)
     if cfg["fill"] != "none":  # (without a fill, filled() is the image itself)
-        result["fill alone"] = {"mse": float(fill_squared.sum() / count.sum()),
-                                "seconds": round(time.perf_counter() - began, 1)}
+        result["fill alone"] = {
+            "mse": float(fill_squared.sum() / count.sum()),
+            "seconds": round(time.perf_counter() - began, 1),
+        }
         print("fill alone", result["fill alone"], flush=True)
     for name, integration in solvers.items():
         nfe: list[int] = []
@@ -404,14 +490,18 @@ def evaluate(args) -> None:
             completion = model(a, b, integration=integration)
             nfe.append(completion.solution.stats.nfe_forward)
             return completion.patches
+
         began = time.perf_counter()
         with torch.no_grad():
             squared, _ = squared_errors(predict, x, h)
-        result[name] = {"mse": float(squared.sum() / count.sum()), "nfe_per_batch": sum(nfe) / len(nfe),
-                        "seconds": round(time.perf_counter() - began, 1)}
+        result[name] = {
+            "mse": float(squared.sum() / count.sum()),
+            "nfe_per_batch": sum(nfe) / len(nfe),
+            "seconds": round(time.perf_counter() - began, 1),
+        }
         print(name, result[name], flush=True)
         if name == "as trained" and cfg["data"] == "photos" and cfg["fill"] != "none":  # the model against its fill
-            sources = photo_split(args.split, cfg["tile"], cfg["channels"]).sources[:len(x)]
+            sources = photo_split(args.split, cfg["tile"], cfg["channels"]).sources[: len(x)]
             result["per photograph"] = per_source(squared, fill_squared, count, sources)
             print("per photograph", json.dumps(result["per photograph"]), flush=True)
     (out / f"evaluate_{args.split}.json").write_text(json.dumps(result, indent=1))
@@ -430,10 +520,18 @@ def main(argv: list[str] | None = None) -> None:
     run.add_argument("--out", required=True)
     run.add_argument("--fill", choices=("biharmonic", "none", "knn"), default="biharmonic")
     run.add_argument("--k", type=int, default=10, help="neighbours of the knn fill")
-    run.add_argument("--context", choices=("fill", "residual", "retrieval"), default="fill",
-                     help="what a token encodes with --fill knn (see KnnFillET)")
-    run.add_argument("--weighting", choices=("mean", "local"), default="mean",
-                     help="with --context retrieval: start from the plain mean or the locally weighted neighbours")
+    run.add_argument(
+        "--context",
+        choices=("fill", "residual", "retrieval"),
+        default="fill",
+        help="what a token encodes with --fill knn (see KnnFillET)",
+    )
+    run.add_argument(
+        "--weighting",
+        choices=("mean", "local"),
+        default="mean",
+        help="with --context retrieval: start from the plain mean or the locally weighted neighbours",
+    )
     run.add_argument("--dim", type=int, default=32)
     run.add_argument("--heads", type=int, default=4)
     run.add_argument("--head-dim", type=int, default=8)
@@ -446,8 +544,12 @@ def main(argv: list[str] | None = None) -> None:
     run.add_argument("--rtol", type=float, default=1e-2)
     run.add_argument("--atol", type=float, default=1e-3)
     run.add_argument("--gradient", default="adjoint")
-    run.add_argument("--adjoint-rtol", type=float, default=None,
-                     help="the adjoint's rtol (atol a tenth of it); default: the forward solve's")
+    run.add_argument(
+        "--adjoint-rtol",
+        type=float,
+        default=None,
+        help="the adjoint's rtol (atol a tenth of it); default: the forward solve's",
+    )
     run.add_argument("--seminorm", action="store_true")
     run.add_argument("--lr", type=float, default=3e-3)
     run.add_argument("--batch", type=int, default=64)

@@ -29,8 +29,10 @@ def main() -> None:
     with torch.no_grad():
         solution = solve(field, x0, torch.linspace(0.0, args.t1, 101), solver=Adaptive(rtol=1e-6, atol=1e-7))
         rms = torch.stack([field.rms_dg_dt(x) for x in solution.xs])  # (T, 4)
-    print(f"NFE {solution.stats.nfe_forward}, steps {solution.stats.accepted_steps} accepted / "
-          f"{solution.stats.rejected_steps} rejected, final energies {solution.energies[-1].tolist()}")
+    print(
+        f"NFE {solution.stats.nfe_forward}, steps {solution.stats.accepted_steps} accepted / "
+        f"{solution.stats.rejected_steps} rejected, final energies {solution.energies[-1].tolist()}"
+    )
 
     figure, (left, right) = plt.subplots(1, 2, figsize=(9, 3.2))
     left.plot(solution.ts, solution.energies)

@@ -30,8 +30,9 @@ def symmetric(a: float) -> EnergyTransformer:
     """One token, softmax memories +-a u1 and +-c u3 (beta 1)."""
     zeros = torch.zeros(1, 1, 4, dtype=torch.float64)
     xi = torch.stack([a * U1, -a * U1, C * U3, -C * U3])
-    return EnergyTransformer.from_tensors(zeros, zeros, xi, 1.0, torch.zeros(4, dtype=torch.float64),
-                                          hopfield="softmax", beta_hn=BETA, eps=1e-12)
+    return EnergyTransformer.from_tensors(
+        zeros, zeros, xi, 1.0, torch.zeros(4, dtype=torch.float64), hopfield="softmax", beta_hn=BETA, eps=1e-12
+    )
 
 
 def main() -> None:
@@ -42,8 +43,23 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
 
     print("== 1. analyze --landscape on a small random model ==")
-    folder = analyze(None, None, out=args.out / "report", seed=args.seed, dim=6, heads=2, head_dim=3, memories=12,
-                     hopfield="softmax", tokens=3, batch=2, t_end=30.0, points=61, landscape=True, progress=False)
+    folder = analyze(
+        None,
+        None,
+        out=args.out / "report",
+        seed=args.seed,
+        dim=6,
+        heads=2,
+        head_dim=3,
+        memories=12,
+        hopfield="softmax",
+        tokens=3,
+        batch=2,
+        t_end=30.0,
+        points=61,
+        landscape=True,
+        progress=False,
+    )
     text = (folder / "report.md").read_text()
     start = text.index("## The energy landscape")
     print(text[start:])
@@ -55,10 +71,13 @@ def main() -> None:
     side_start = newton_critical_point(ETField(symmetric(a_star - 0.01)), (U3 + 0.3 * U1)[None] * 2.0)
     side = continue_branch(symmetric, side_start.x, a_star - 0.01, mu_end=0.3, step=0.05)
     print(trunk.table())
-    print(f"closed form a* = {a_star:.10f}; located: "
-          + ", ".join(f"{b.kind} at {b.mu:.10f}" for b in trunk.bifurcations))
-    plot_bifurcation_diagram([trunk, side], labels=["u3 (symmetric)", "tilted saddle"], parameter="memory scale a",
-                             path=args.out / "pitchfork.png")
+    print(f"closed form a* = {a_star:.10f}; located: " + ", ".join(f"{b.kind} at {b.mu:.10f}" for b in trunk.bifurcations))
+    plot_bifurcation_diagram(
+        [trunk, side],
+        labels=["u3 (symmetric)", "tilted saddle"],
+        parameter="memory scale a",
+        path=args.out / "pitchfork.png",
+    )
     print(f"\nreport and pictures in {args.out}")
 
 

@@ -40,10 +40,10 @@ def one_token_model() -> tuple[EnergyTransformer, dict[str, torch.Tensor]]:
     u3 = torch.tensor([1.0, 1.0, -1.0, -1.0], dtype=torch.float64) / 2
     zeros = torch.zeros(1, 1, 4, dtype=torch.float64)
     xi = torch.stack([u1, -u1, 0.5 * u3, -0.5 * u3])
-    model = EnergyTransformer.from_tensors(zeros, zeros, xi, 1.0, torch.zeros(4, dtype=torch.float64),
-                                           hopfield="softmax", beta_hn=1.0)
-    return model, {"u1 (minimum)": 3 * u1[None, None], "u3 (saddle)": 3 * u3[None, None],
-                   "u2 (maximum)": 3 * u2[None, None]}
+    model = EnergyTransformer.from_tensors(
+        zeros, zeros, xi, 1.0, torch.zeros(4, dtype=torch.float64), hopfield="softmax", beta_hn=1.0
+    )
+    return model, {"u1 (minimum)": 3 * u1[None, None], "u3 (saddle)": 3 * u3[None, None], "u2 (maximum)": 3 * u2[None, None]}
 
 
 def main() -> None:
@@ -69,8 +69,10 @@ def main() -> None:
     lanczos = fixed_point_stability(field, found.x, method="lanczos", iterations=40)
     print(dense.table())
     for d, s in zip(dense.samples, lanczos.samples, strict=True):
-        print(f"sample {d.sample}: smallest eigenvalue dense {d.smallest:.8f}, Lanczos {s.smallest:.8f}; "
-              f"largest dense {d.largest:.8f}, Lanczos {s.largest:.8f}")
+        print(
+            f"sample {d.sample}: smallest eigenvalue dense {d.smallest:.8f}, Lanczos {s.smallest:.8f}; "
+            f"largest dense {d.largest:.8f}, Lanczos {s.largest:.8f}"
+        )
     plot_energy_slice(field, found.x, trajectories=solution, path=args.out / "energy_slice.png")
 
     print("\n== 3. one token with known critical points ==")
@@ -84,9 +86,11 @@ def main() -> None:
     for name in ("u1 (minimum)", "u3 (saddle)"):
         exponent = lyapunov_exponent(toy_field, points[name], duration=8.0, renormalizations=16, restart=True)
         probe = basin_probe(toy_field, points[name], radii=[0.01, 0.1, 0.5, 1.0], trials=8)
-        print(f"{name:14s}: finite-time Lyapunov exponent {float(exponent.exponent[0]):+.4f} (intrinsic time); "
-              f"returned fraction per radius {dict(zip(probe.radii, probe.returned[0].tolist(), strict=True))}; "
-              f"basin radius {probe.radius[0]:g}")
+        print(
+            f"{name:14s}: finite-time Lyapunov exponent {float(exponent.exponent[0]):+.4f} (intrinsic time); "
+            f"returned fraction per radius {dict(zip(probe.radii, probe.returned[0].tolist(), strict=True))}; "
+            f"basin radius {probe.radius[0]:g}"
+        )
     print(f"\npictures in {args.out}")
 
 

@@ -27,8 +27,9 @@ DEFAULT_ROOT = Path(__file__).resolve().parents[2] / "shared" / "data"
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_graph_train_arguments(parser)
-    parser.set_defaults(max_degree=4, rw_steps=8, steps=6, step=0.2, dropout=0.2, head_hidden=64, lr=3e-3, epochs=100,
-                        ensemble=5)
+    parser.set_defaults(
+        max_degree=4, rw_steps=8, steps=6, step=0.2, dropout=0.2, head_hidden=64, lr=3e-3, epochs=100, ensemble=5
+    )
     args = parser.parse_args(["classify", *sys.argv[1:]])
     if args.root is None and (DEFAULT_ROOT / args.name).is_dir():
         args.root = str(DEFAULT_ROOT)

@@ -16,7 +16,7 @@ import json
 
 from et_ode import EulerET, Integration
 from et_ode.tasks.image import ImageRunConfig, complete, train_image
-from et_ode.train import TrainConfig
+from et_ode.training.train import TrainConfig
 
 
 def main() -> None:
@@ -26,7 +26,12 @@ def main() -> None:
     args = parser.parse_args()
 
     config = ImageRunConfig(
-        data="digits", patch=4, dim=32, heads=4, head_dim=8, ratio=0.5,
+        data="digits",
+        patch=4,
+        dim=32,
+        heads=4,
+        head_dim=8,
+        ratio=0.5,
         integration=Integration(solver=EulerET(alpha=0.1, steps=12), gradient="direct"),  # the paper's 12 Euler steps
         train=TrainConfig(epochs=args.epochs, batch_size=32, lr=2e-3, out_dir=args.out, resume=True),
     )

@@ -16,8 +16,16 @@ torch.set_num_threads(1)
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
 
-def random_model(dim: int = 8, heads: int = 2, head_dim: int = 4, memories: int = 12, *, seed: int = 0,
-                 dtype: torch.dtype = torch.float64, **kwargs: object) -> et_ode.EnergyTransformer:
+def random_model(
+    dim: int = 8,
+    heads: int = 2,
+    head_dim: int = 4,
+    memories: int = 12,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float64,
+    **kwargs: object,
+) -> et_ode.EnergyTransformer:
     """A small random model with a non-trivial gamma and delta."""
     torch.manual_seed(seed)
     model = et_ode.EnergyTransformer(dim, heads, head_dim, memories, **kwargs).to(dtype)

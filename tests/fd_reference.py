@@ -22,8 +22,18 @@ def spec_layer_norm(x: Tensor, gamma: Tensor, delta: Tensor, eps: float) -> Tens
     return gamma * centered / torch.sqrt(centered.square().mean(dim=-1, keepdim=True) + eps) + delta
 
 
-def spec_energy(g: Tensor, WK: Tensor, WQ: Tensor, xi: Tensor, *, beta: Tensor, beta_hn: float, form: str,
-                mask: Tensor | None = None, self_attention: bool = False) -> Tensor:
+def spec_energy(
+    g: Tensor,
+    WK: Tensor,
+    WQ: Tensor,
+    xi: Tensor,
+    *,
+    beta: Tensor,
+    beta_hn: float,
+    form: str,
+    mask: Tensor | None = None,
+    self_attention: bool = False,
+) -> Tensor:
     """SPEC sections 2-3: ``E_ATT + E_HN`` per sample, ``(..., N, D) -> (...)``; ``beta`` one value per head."""
     keys = torch.einsum("hyd,...bd->...hby", WK, g)
     queries = torch.einsum("hyd,...cd->...hcy", WQ, g)
@@ -49,8 +59,9 @@ def spec_energy(g: Tensor, WK: Tensor, WQ: Tensor, xi: Tensor, *, beta: Tensor, 
     return attention + memory
 
 
-def spec_velocity(model: torch.nn.Module, x: Tensor, *, tau: float, mask: Tensor | None = None,
-                  create_graph: bool = False) -> Tensor:
+def spec_velocity(
+    model: torch.nn.Module, x: Tensor, *, tau: float, mask: Tensor | None = None, create_graph: bool = False
+) -> Tensor:
     """``dx/dt = -(1/tau) dE/dg`` from the SPEC's formulas and the model's raw tensors, by autograd of the energy."""
     neuron, attention, hopfield = model.neuron, model.attention, model.hopfield
     gamma = F.softplus(neuron.gamma_raw) if neuron.positive_gamma else neuron.gamma_raw
@@ -58,15 +69,22 @@ def spec_velocity(model: torch.nn.Module, x: Tensor, *, tau: float, mask: Tensor
     with torch.enable_grad():
         if not g.requires_grad:
             g = g.detach().requires_grad_(True)
-        energy = spec_energy(g, attention.WK, attention.WQ, hopfield.xi, beta=attention.beta.to(x.dtype),
-                             beta_hn=hopfield.beta, form=hopfield.form, mask=mask,
-                             self_attention=attention.self_attention).sum()
+        energy = spec_energy(
+            g,
+            attention.WK,
+            attention.WQ,
+            hopfield.xi,
+            beta=attention.beta.to(x.dtype),
+            beta_hn=hopfield.beta,
+            form=hopfield.form,
+            mask=mask,
+            self_attention=attention.self_attention,
+        ).sum()
         (grad,) = torch.autograd.grad(energy, g, create_graph=create_graph)
     return -grad / tau
 
 
-def spec_rk4(model: torch.nn.Module, x0: Tensor, *, tau: float, t1: float, steps: int,
-             mask: Tensor | None = None) -> Tensor:
+def spec_rk4(model: torch.nn.Module, x0: Tensor, *, tau: float, t1: float, steps: int, mask: Tensor | None = None) -> Tensor:
     """Classical fourth-order Runge-Kutta on ``spec_velocity`` from 0 to ``t1`` in ``steps`` steps."""
     x, h = x0, t1 / steps
     for _ in range(steps):

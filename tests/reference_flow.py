@@ -65,11 +65,18 @@ class SpecWeights:
         neuron, attention, hopfield = model.neuron, model.attention, model.hopfield
         raw = neuron.gamma_raw.detach().to(torch.float64)
         gamma = F.softplus(raw) if neuron.positive_gamma else raw
-        return cls(WK=attention.WK.detach().to(torch.float64), WQ=attention.WQ.detach().to(torch.float64),
-                   xi=hopfield.xi.detach().to(torch.float64), gamma=gamma,
-                   delta=neuron.delta.detach().to(torch.float64), beta=attention.beta.detach().to(torch.float64),
-                   beta_hn=float(hopfield.beta), form=str(hopfield.form), eps=float(neuron.eps),
-                   self_attention=bool(attention.self_attention))
+        return cls(
+            WK=attention.WK.detach().to(torch.float64),
+            WQ=attention.WQ.detach().to(torch.float64),
+            xi=hopfield.xi.detach().to(torch.float64),
+            gamma=gamma,
+            delta=neuron.delta.detach().to(torch.float64),
+            beta=attention.beta.detach().to(torch.float64),
+            beta_hn=float(hopfield.beta),
+            form=str(hopfield.form),
+            eps=float(neuron.eps),
+            self_attention=bool(attention.self_attention),
+        )
 
     @property
     def radius(self) -> float:
@@ -78,8 +85,17 @@ class SpecWeights:
 
     def energy(self, g: Tensor, mask: Tensor | None = None) -> Tensor:
         """``E(g)`` per sample, ``(..., N, D) -> (...)``."""
-        return spec_energy(g, self.WK, self.WQ, self.xi, beta=self.beta, beta_hn=self.beta_hn, form=self.form,
-                           mask=mask, self_attention=self.self_attention)
+        return spec_energy(
+            g,
+            self.WK,
+            self.WQ,
+            self.xi,
+            beta=self.beta,
+            beta_hn=self.beta_hn,
+            form=self.form,
+            mask=mask,
+            self_attention=self.self_attention,
+        )
 
     def gradient(self, g: Tensor, mask: Tensor | None = None) -> Tensor:
         """``dE/dg`` by autograd of :meth:`energy`, ``(..., N, D)``."""
@@ -140,9 +156,18 @@ def _measures(weights: SpecWeights, x: Tensor, mask: Tensor | None) -> dict[str,
     return {"g": g, "s": s, "rho": rho, "gap": gap, "tangent": tangent, "radial": radial}
 
 
-def long_flow_limit(weights: SpecWeights, x0: Tensor, *, tau: float = 1.0, mask: Tensor | None = None,
-                    tol: float = 1e-11, rtol: float = 1e-10, atol: float = 1e-12, segment: float = 4.0,
-                    max_evaluations: int = 300_000) -> FlowLimit:
+def long_flow_limit(
+    weights: SpecWeights,
+    x0: Tensor,
+    *,
+    tau: float = 1.0,
+    mask: Tensor | None = None,
+    tol: float = 1e-11,
+    rtol: float = 1e-10,
+    atol: float = 1e-12,
+    segment: float = 4.0,
+    max_evaluations: int = 300_000,
+) -> FlowLimit:
     """Follow the flow ``tau dx/dt = -dE/dg`` of ``weights`` from one state ``x0`` ``(N, D)`` until the residual
     (module docstring) is below ``tol``, with DOP853 at ``rtol``/``atol`` on the time-changed flow, checked every
     ``segment`` of ``s``; ``mask`` ``(N, N)`` as in the library (True where query ``C`` may attend to key ``B``).
@@ -174,8 +199,16 @@ def long_flow_limit(weights: SpecWeights, x0: Tensor, *, tau: float = 1.0, mask:
         residual = float((measures["tangent"].square() + measures["radial"].square()).mean().sqrt())
         if residual < tol or evaluations >= max_evaluations:
             break
-        out = solve_ivp(rhs, (0.0, segment), x.reshape(-1).numpy(), method="DOP853", rtol=rtol, atol=atol,
-                        events=too_large, first_step=step)
+        out = solve_ivp(
+            rhs,
+            (0.0, segment),
+            x.reshape(-1).numpy(),
+            method="DOP853",
+            rtol=rtol,
+            atol=atol,
+            events=too_large,
+            first_step=step,
+        )
         if out.status < 0:
             raise RuntimeError(f"DOP853 failed at s = {s}: {out.message}")
         evaluations += int(out.nfev)
@@ -189,6 +222,15 @@ def long_flow_limit(weights: SpecWeights, x0: Tensor, *, tau: float = 1.0, mask:
     on_sphere = measures["gap"] < measures["rho"]
     g = torch.where(on_sphere[:, None], weights.delta + weights.radius * measures["s"], measures["g"])
     energy = float(weights.energy(g, mask))
-    return FlowLimit(g=g, x=x, energy=energy, tangent_gradient=float(measures["tangent"].square().mean().sqrt()),
-                     residual=residual, rho=measures["rho"], on_sphere=on_sphere, converged=residual < tol, s=s,
-                     evaluations=evaluations)
+    return FlowLimit(
+        g=g,
+        x=x,
+        energy=energy,
+        tangent_gradient=float(measures["tangent"].square().mean().sqrt()),
+        residual=residual,
+        rho=measures["rho"],
+        on_sphere=on_sphere,
+        converged=residual < tol,
+        s=s,
+        evaluations=evaluations,
+    )

@@ -1,4 +1,4 @@
-"""et-ode's own adaptive Runge-Kutta loop (et_ode.adaptive_loop) and its settings on ``Adaptive``: order against
+"""et-ode's own adaptive Runge-Kutta loop (et_ode.integrators.adaptive_loop) and its settings on ``Adaptive``: order against
 analytic solutions, agreement with torchdiffeq, per-sample step control (batch-composition independence,
 compaction), dense output, direct gradients against finite differences, progress, bad arguments."""
 
@@ -12,8 +12,8 @@ import torch
 from torchdiffeq import odeint
 
 import et_ode
-from et_ode import adaptive_loop
-from et_ode.solvers import SolverFailure, as_solver
+from et_ode.integrators import adaptive_loop
+from et_ode.integrators.solvers import SolverFailure, as_solver
 
 from .conftest import random_model
 
@@ -45,10 +45,11 @@ def _states(batch: int, seed: int = 3, tokens: int = 5) -> torch.Tensor:
 
 
 # -- order and accuracy ------------------------------------------------------------------------------------------
-@pytest.mark.parametrize(("method", "h", "solution_ratio", "dense_ratio"),
-                         [("dopri5", 0.1, 64, 32), ("tsit5", 0.05, 64, 32), ("bosh3", 0.1, 16, 16)])
-def test_one_step_errors_shrink_at_the_method_orders(method: str, h: float, solution_ratio: int,
-                                                     dense_ratio: int) -> None:
+@pytest.mark.parametrize(
+    ("method", "h", "solution_ratio", "dense_ratio"),
+    [("dopri5", 0.1, 64, 32), ("tsit5", 0.05, 64, 32), ("bosh3", 0.1, 16, 16)],
+)
+def test_one_step_errors_shrink_at_the_method_orders(method: str, h: float, solution_ratio: int, dense_ratio: int) -> None:
     """One step of ``h`` on a linear ODE: the local error of the solution is O(h^(p+1)) (dopri5 and tsit5 p=5, bosh3
     p=3), and the interpolant at ``h/2`` O(h^5) (dopri5's quartic, tsit5's own) or O(h^4) (bosh3's Hermite cubic):
     halving ``h`` divides them by those powers of 2, measured against the exact flow."""
@@ -56,11 +57,12 @@ def test_one_step_errors_shrink_at_the_method_orders(method: str, h: float, solu
 
     def errors(h: float) -> tuple[float, float]:
         grid = torch.tensor([0.0, h / 2, h], dtype=F64)  # tolerances so loose that the one step of h is accepted
-        x, xs, _ = adaptive_loop.integrate(lambda t, x: x @ s, x0, grid, method=method, rtol=1e3, atol=1e3,
-                                        first_step=h)
+        x, xs, _ = adaptive_loop.integrate(lambda t, x: x @ s, x0, grid, method=method, rtol=1e3, atol=1e3, first_step=h)
         assert xs is not None and torch.equal(xs[-1], x)
-        return ((x - x0 @ torch.linalg.matrix_exp(s * h)).abs().max().item(),
-                (xs[1] - x0 @ torch.linalg.matrix_exp(s * h / 2)).abs().max().item())
+        return (
+            (x - x0 @ torch.linalg.matrix_exp(s * h)).abs().max().item(),
+            (xs[1] - x0 @ torch.linalg.matrix_exp(s * h / 2)).abs().max().item(),
+        )
 
     (end_h, mid_h), (end_half, mid_half) = errors(h), errors(h / 2)
     assert solution_ratio * 0.8 < end_h / end_half < solution_ratio * 1.25
@@ -77,8 +79,9 @@ def test_global_error_follows_the_tolerance(method: str, per_sample: bool) -> No
     exact = torch.stack([x0 @ torch.linalg.matrix_exp(s * t) for t in grid])
     errors = []
     for tol in (1e-5, 1e-7):
-        _, xs, _ = adaptive_loop.integrate(lambda t, x: x @ s, x0, grid, method=method, rtol=tol, atol=tol,
-                                        per_sample=per_sample)
+        _, xs, _ = adaptive_loop.integrate(
+            lambda t, x: x @ s, x0, grid, method=method, rtol=tol, atol=tol, per_sample=per_sample
+        )
         assert xs is not None
         errors.append((xs - exact).abs().max().item())
     assert errors[0] < 50 * 1e-5 and errors[1] < 50 * 1e-7
@@ -122,8 +125,9 @@ def test_agrees_with_torchdiffeq_dopri5_on_the_et_field(step_control: StepContro
         theirs_nfe = field.nfe
         theirs = odeint(field, x0, grid, method="dopri5", rtol=1e-7, atol=1e-9)[-1]
         theirs_nfe = field.nfe - theirs_nfe
-        ours = et_ode.solve(field, x0, grid, solver=et_ode.Adaptive(rtol=1e-7, atol=1e-9, loop="et_ode",
-                                                                    step_control=step_control))
+        ours = et_ode.solve(
+            field, x0, grid, solver=et_ode.Adaptive(rtol=1e-7, atol=1e-9, loop="et_ode", step_control=step_control)
+        )
     scale = reference.abs().max().item()
     assert (theirs - reference).abs().max().item() < 1e-5 * scale
     assert (ours.x - reference).abs().max().item() < 1e-5 * scale
@@ -139,9 +143,10 @@ def test_pid_controller_is_accurate_and_steps_differently() -> None:
     exact = x0 @ torch.linalg.matrix_exp(s * 5.0)
     counts = []
     for pid in (adaptive_loop.I_CONTROLLER, adaptive_loop.PID_COEFFICIENTS):
-        progress = et_ode._loop.Progress()
-        x, _, _ = adaptive_loop.integrate(lambda t, x: x @ s, x0, grid, rtol=1e-7, atol=1e-7, pid=pid, progress=progress,
-                                       save_all=False)
+        progress = et_ode.integrators.loop.Progress()
+        x, _, _ = adaptive_loop.integrate(
+            lambda t, x: x @ s, x0, grid, rtol=1e-7, atol=1e-7, pid=pid, progress=progress, save_all=False
+        )
         assert (x - exact).abs().max().item() < 50 * 1e-7
         counts.append((progress.accepted, progress.rejected))
     assert counts[0] != counts[1]
@@ -150,7 +155,7 @@ def test_pid_controller_is_accurate_and_steps_differently() -> None:
 # -- per-sample step control -------------------------------------------------------------------------------------
 def _per_sample_evaluation(field: et_ode.ETField):  # type: ignore[no-untyped-def]
     """The field evaluated one sample at a time: no batched BLAS call whose blocking depends on the batch size."""
-    return lambda t, x: torch.cat([field.velocity(x[i:i + 1]) for i in range(x.shape[0])])
+    return lambda t, x: torch.cat([field.velocity(x[i : i + 1]) for i in range(x.shape[0])])
 
 
 @pytest.mark.parametrize("indices", [[2], [0, 5, 8], [7, 2], [8, 6, 4, 1, 0]])
@@ -165,8 +170,12 @@ def test_a_sample_steps_the_same_bits_alone_and_in_any_batch(indices: list[int])
         part, part_xs, _ = adaptive_loop.integrate(evaluate, x0[indices], grid, rtol=1e-6, atol=1e-8)
     assert xs is not None and part_xs is not None
     assert torch.equal(part, x[indices]) and torch.equal(part_xs, xs[:, indices])
-    alone = [adaptive_loop.integrate(evaluate, x0[i:i + 1].clone().requires_grad_(True), grid, rtol=1e-6,
-                                     atol=1e-8, save_all=False)[0] for i in indices[:1]]
+    alone = [
+        adaptive_loop.integrate(
+            evaluate, x0[i : i + 1].clone().requires_grad_(True), grid, rtol=1e-6, atol=1e-8, save_all=False
+        )[0]
+        for i in indices[:1]
+    ]
     assert torch.equal(alone[0].detach(), x[indices[:1]])
 
 
@@ -199,12 +208,17 @@ def test_compaction_spends_evaluations_on_the_hard_samples_only() -> None:
     field = _tiny_field()
     hard = _states(2, seed=7) * 3
     with torch.no_grad():
-        easy = et_ode.solve(field, _states(2, seed=8), (0.0, 40.0), solver=et_ode.Adaptive(rtol=1e-9, atol=1e-9),
-                            save="final").x
+        easy = et_ode.solve(
+            field, _states(2, seed=8), (0.0, 40.0), solver=et_ode.Adaptive(rtol=1e-9, atol=1e-9), save="final"
+        ).x
         x0 = torch.cat([easy, hard])
         grid = torch.tensor([0.0, 2.0], dtype=F64)
-        runs = {mode: et_ode.solve(field, x0, grid, save="final", solver=et_ode.Adaptive(
-            rtol=1e-6, atol=1e-8, loop="et_ode", step_control=mode)) for mode in ("per_sample", "shared")}
+        runs = {
+            mode: et_ode.solve(
+                field, x0, grid, save="final", solver=et_ode.Adaptive(rtol=1e-6, atol=1e-8, loop="et_ode", step_control=mode)
+            )
+            for mode in ("per_sample", "shared")
+        }
         reference = odeint(field, x0, grid, method="dopri5", rtol=1e-11, atol=1e-11)[-1]
     per_sample, shared = runs["per_sample"].stats, runs["shared"].stats
     assert per_sample.sample_evaluations < 0.8 * shared.sample_evaluations
@@ -225,9 +239,8 @@ def test_per_sample_masks_follow_their_samples_through_compaction() -> None:
     with torch.no_grad():
         batch = et_ode.solve(field.with_mask(masks), x0, (0.0, 1.5), solver=solver, save="final")
         for i in range(4):
-            alone = et_ode.solve(field.with_mask(masks[i:i + 1]), x0[i:i + 1], (0.0, 1.5), solver=solver,
-                                 save="final")
-            assert (alone.x - batch.x[i:i + 1]).abs().max().item() < 1e-10
+            alone = et_ode.solve(field.with_mask(masks[i : i + 1]), x0[i : i + 1], (0.0, 1.5), solver=solver, save="final")
+            assert (alone.x - batch.x[i : i + 1]).abs().max().item() < 1e-10
 
 
 # -- gradients -------------------------------------------------------------------------------------------------
@@ -284,8 +297,7 @@ def test_step_budget_failure_keeps_the_partial_solution() -> None:
     partial = caught.value.solution
     assert partial is not None and partial.status is et_ode.Status.FAILED and partial.x.shape == x0.shape
     with pytest.raises(SolverFailure, match="underflow"):
-        adaptive_loop.integrate(lambda t, x: x * 1e300, x0.clone(), torch.tensor([0.0, 1.0], dtype=F64),
-                                first_step=1e-300)
+        adaptive_loop.integrate(lambda t, x: x * 1e300, x0.clone(), torch.tensor([0.0, 1.0], dtype=F64), first_step=1e-300)
 
 
 def test_default_solve_keeps_torchdiffeq() -> None:
@@ -294,18 +306,21 @@ def test_default_solve_keeps_torchdiffeq() -> None:
     assert et_ode.Adaptive("tsit5").own_loop
 
 
-@pytest.mark.parametrize(("arguments", "error", "named"), [
-    (dict(loop="fast"), ValueError, "Adaptive.loop"),
-    (dict(step_control="each"), ValueError, "Adaptive.step_control"),
-    (dict(controller="pi"), ValueError, "Adaptive.controller"),
-    (dict(loop="torchdiffeq", step_control="per_sample"), ValueError, "step_control='per_sample' needs loop"),
-    (dict(loop="torchdiffeq", controller="pid"), ValueError, "controller='pid' needs loop"),
-    (dict(method="dopri8", loop="et_ode"), ValueError, "Adaptive.method"),
-    (dict(method="tsit5", loop="torchdiffeq"), ValueError, "method='tsit5' needs loop"),
-    (dict(method="rk45"), ValueError, "Adaptive.method"),
-    (dict(loop="et_ode", options=dict(max_num_steps=5)), ValueError, "Adaptive.options"),
-    (dict(progress=3), TypeError, "Adaptive.progress"),
-])
+@pytest.mark.parametrize(
+    ("arguments", "error", "named"),
+    [
+        (dict(loop="fast"), ValueError, "Adaptive.loop"),
+        (dict(step_control="each"), ValueError, "Adaptive.step_control"),
+        (dict(controller="pi"), ValueError, "Adaptive.controller"),
+        (dict(loop="torchdiffeq", step_control="per_sample"), ValueError, "step_control='per_sample' needs loop"),
+        (dict(loop="torchdiffeq", controller="pid"), ValueError, "controller='pid' needs loop"),
+        (dict(method="dopri8", loop="et_ode"), ValueError, "Adaptive.method"),
+        (dict(method="tsit5", loop="torchdiffeq"), ValueError, "method='tsit5' needs loop"),
+        (dict(method="rk45"), ValueError, "Adaptive.method"),
+        (dict(loop="et_ode", options=dict(max_num_steps=5)), ValueError, "Adaptive.options"),
+        (dict(progress=3), TypeError, "Adaptive.progress"),
+    ],
+)
 def test_bad_settings_are_named(arguments: dict[str, object], error: type[Exception], named: str) -> None:
     with pytest.raises(error, match=named.replace("(", r"\(")):
         et_ode.Adaptive(**arguments)  # type: ignore[arg-type]
@@ -335,8 +350,9 @@ def test_shared_mode_saves_every_step_and_float32_runs() -> None:
         assert steps.xs is not None and len(steps.ts) == steps.stats.accepted_steps + 1
         assert torch.equal(steps.xs[0], x0) and bool((steps.ts[1:] > steps.ts[:-1]).all())
         field32 = et_ode.ETField(_smooth_model().float())
-        single = et_ode.solve(field32, x0.float(), (0.0, 1.0), solver=et_ode.Adaptive(step_control="per_sample"),
-                              save="final")
+        single = et_ode.solve(
+            field32, x0.float(), (0.0, 1.0), solver=et_ode.Adaptive(step_control="per_sample"), save="final"
+        )
     assert (single.x.double() - steps.x).abs().max().item() < 1e-3
 
 
@@ -344,8 +360,9 @@ def test_shared_mode_saves_every_step_and_float32_runs() -> None:
 def _mixed_batch(field: et_ode.ETField) -> torch.Tensor:
     """Three samples near rest (the ends of long solves) and three far from it: ``(6, 5, 8)``."""
     with torch.no_grad():
-        easy = et_ode.solve(field, _states(3, seed=8), (0.0, 40.0), solver=et_ode.Adaptive(rtol=1e-9, atol=1e-9),
-                            save="final").x
+        easy = et_ode.solve(
+            field, _states(3, seed=8), (0.0, 40.0), solver=et_ode.Adaptive(rtol=1e-9, atol=1e-9), save="final"
+        ).x
     return torch.cat([easy, _states(3, seed=7)])
 
 
@@ -359,10 +376,15 @@ def test_per_sample_stop_matches_torchdiffeqs_event_times_with_fewer_evaluations
     x0 = _mixed_batch(field)
     stop = et_ode.SteadyState(1e-3, per_sample=True)
     with torch.no_grad():
-        theirs = et_ode.solve(field, x0, (0.0, 100.0), solver=et_ode.Adaptive(rtol=1e-6, atol=1e-8), stop=stop,
-                              save="final")
-        ours = et_ode.solve(field, x0, (0.0, 100.0), stop=stop, save="final",
-                            solver=et_ode.Adaptive(rtol=1e-6, atol=1e-8, step_control="per_sample"))
+        theirs = et_ode.solve(field, x0, (0.0, 100.0), solver=et_ode.Adaptive(rtol=1e-6, atol=1e-8), stop=stop, save="final")
+        ours = et_ode.solve(
+            field,
+            x0,
+            (0.0, 100.0),
+            stop=stop,
+            save="final",
+            solver=et_ode.Adaptive(rtol=1e-6, atol=1e-8, step_control="per_sample"),
+        )
     assert ours.status is et_ode.Status.STEADY_STATE
     assert ours.stats.stop_times is not None and theirs.stats.stop_times is not None
     assert (ours.stats.stop_times - theirs.stats.stop_times).abs().max().item() < 2e-3
@@ -378,12 +400,18 @@ def test_shared_stop_ends_the_batch_at_once_and_samples_at_rest_stop_at_the_star
     x0 = _mixed_batch(field)
     stop = et_ode.SteadyState(1e-3)
     with torch.no_grad():
-        theirs = et_ode.solve(field, x0, (0.0, 100.0), solver=et_ode.Adaptive(rtol=1e-6, atol=1e-8), stop=stop,
-                              save="final")
-        ours = et_ode.solve(field, x0, (0.0, 100.0), stop=stop, save="final",
-                            solver=et_ode.Adaptive(rtol=1e-6, atol=1e-8, loop="et_ode"))
-        at_rest = et_ode.solve(field, x0[:3], (0.0, 100.0), stop=et_ode.SteadyState(1e-2, per_sample=True),
-                               save="final", solver=et_ode.Adaptive(step_control="per_sample"))
+        theirs = et_ode.solve(field, x0, (0.0, 100.0), solver=et_ode.Adaptive(rtol=1e-6, atol=1e-8), stop=stop, save="final")
+        ours = et_ode.solve(
+            field, x0, (0.0, 100.0), stop=stop, save="final", solver=et_ode.Adaptive(rtol=1e-6, atol=1e-8, loop="et_ode")
+        )
+        at_rest = et_ode.solve(
+            field,
+            x0[:3],
+            (0.0, 100.0),
+            stop=et_ode.SteadyState(1e-2, per_sample=True),
+            save="final",
+            solver=et_ode.Adaptive(step_control="per_sample"),
+        )
     assert ours.stats.stop_times is not None and theirs.stats.stop_times is not None
     assert len(set(ours.stats.stop_times.tolist())) == 1
     assert abs(float(ours.stats.stop_times[0]) - float(theirs.stats.stop_times[0])) < 2e-3
@@ -396,11 +424,16 @@ def test_stop_with_the_wrong_pairing_or_saves_is_named() -> None:
     field = _tiny_field()
     x0 = _states(2)
     with pytest.raises(ValueError, match="stop=SteadyState"):
-        et_ode.solve(field, x0, (0.0, 1.0), solver=et_ode.Adaptive(step_control="per_sample"),
-                     stop=et_ode.SteadyState(1e-3), save="final")
+        et_ode.solve(
+            field,
+            x0,
+            (0.0, 1.0),
+            solver=et_ode.Adaptive(step_control="per_sample"),
+            stop=et_ode.SteadyState(1e-3),
+            save="final",
+        )
     with pytest.raises(ValueError, match="save='final'"), torch.no_grad():
         et_ode.solve(field, x0, (0.0, 1.0), solver=et_ode.Adaptive(loop="et_ode"), stop=et_ode.SteadyState(1e-3))
-
 
 
 def test_batches_of_any_shape_and_their_masks() -> None:
@@ -414,11 +447,13 @@ def test_batches_of_any_shape_and_their_masks() -> None:
     times: list[torch.Tensor] = []
     with torch.no_grad():
         flat = et_ode.solve(field.with_mask(masks), x0, (0.0, 1.0), solver=solver, save="final")
-        shaped = et_ode.solve(field.with_mask(masks.reshape(2, 3, 4, 4)), x0.reshape(2, 3, 4, 8), (0.0, 1.0),
-                              solver=solver, save="final")
+        shaped = et_ode.solve(
+            field.with_mask(masks.reshape(2, 3, 4, 4)), x0.reshape(2, 3, 4, 8), (0.0, 1.0), solver=solver, save="final"
+        )
         single = et_ode.solve(field, x0[0], torch.linspace(0, 1, 3), solver=solver)
-        et_ode.solve(field, x0, (0.0, 1.0), save="final", solver=et_ode.Adaptive(
-            loop="et_ode", progress=lambda t, n: times.append(t)))
+        et_ode.solve(
+            field, x0, (0.0, 1.0), save="final", solver=et_ode.Adaptive(loop="et_ode", progress=lambda t, n: times.append(t))
+        )
     assert torch.equal(shaped.x.reshape(6, 4, 8), flat.x)
     assert single.xs is not None and single.xs.shape == (3, 4, 8)
     assert times[-1].shape == (6,) and bool((times[-1] == 1.0).all())
@@ -450,9 +485,15 @@ def test_direct_gradients_through_the_stop_time_match_central_differences(step_c
     assert abs(analytic - numeric) < 1e-7 * abs(numeric)
 
 
-def _directional_derivatives(loss: Callable[[torch.Tensor], torch.Tensor], x0: torch.Tensor,
-                             direction_x: torch.Tensor, params: list[torch.Tensor], directions: list[torch.Tensor], *,
-                             eps: float) -> tuple[float, float]:
+def _directional_derivatives(
+    loss: Callable[[torch.Tensor], torch.Tensor],
+    x0: torch.Tensor,
+    direction_x: torch.Tensor,
+    params: list[torch.Tensor],
+    directions: list[torch.Tensor],
+    *,
+    eps: float,
+) -> tuple[float, float]:
     """The derivative of ``loss`` along ``(direction_x, directions)`` in ``(x0, params)``: by autograd, and by central
     differences of step ``eps`` (the parameters shifted in place and restored)."""
     x = x0.clone().requires_grad_(True)

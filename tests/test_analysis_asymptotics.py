@@ -46,8 +46,7 @@ def long_rate(hopfield: str, t_end: float, points: int, **kwargs):
     return measured_exponent(field, x0, t_end=t_end, points=points, **kwargs)
 
 
-def test_in_the_asymptotic_regime_the_distance_decays_like_t_to_the_minus_p_and_the_speed_like_minus_p_plus_1(
-        tmp_path):
+def test_in_the_asymptotic_regime_the_distance_decays_like_t_to_the_minus_p_and_the_speed_like_minus_p_plus_1(tmp_path):
     """softmax to t = 1e6: the regime starts near t = 200 (before, the local slope runs 0.74 .. 0.62 and the token
     scales are off their linear growth); over the window the fits give p and p + 1 of the prediction."""
     rate = long_rate("softmax", 1e6, 41)
@@ -59,8 +58,8 @@ def test_in_the_asymptotic_regime_the_distance_decays_like_t_to_the_minus_p_and_
     assert rate.exponent == pytest.approx(p, rel=3e-3)
     # RMS |dg/dt| ~ t^-(p + 1), not t^-p: the tangential speed is the distance times the rate 1 / (kappa t)
     assert rate.speed_fit.rate == pytest.approx(p + 1, rel=3e-3)
-    log_t = rate.ts[first:last + 1].log().numpy()
-    ratio = (rate.speed / rate.distance)[first:last + 1].log().numpy()
+    log_t = rate.ts[first : last + 1].log().numpy()
+    ratio = (rate.speed / rate.distance)[first : last + 1].log().numpy()
     assert np.polyfit(log_t, ratio, 1)[0] == pytest.approx(-1.0, abs=0.01)
     # the local slope at the end of the window is p to 2e-3
     assert abs(float(rate.local_slope[-1]) - p) < 2e-3 * p

@@ -19,8 +19,9 @@ ZEROS = torch.zeros(1, 1, 4, dtype=torch.float64)
 
 
 def one_token(xi: torch.Tensor, beta_hn: float) -> EnergyTransformer:
-    return EnergyTransformer.from_tensors(ZEROS, ZEROS, xi, 1.0, torch.zeros(4, dtype=torch.float64),
-                                          hopfield="softmax", beta_hn=beta_hn, eps=1e-12)
+    return EnergyTransformer.from_tensors(
+        ZEROS, ZEROS, xi, 1.0, torch.zeros(4, dtype=torch.float64), hopfield="softmax", beta_hn=beta_hn, eps=1e-12
+    )
 
 
 def symmetric(a: float) -> EnergyTransformer:
@@ -63,6 +64,7 @@ def asymmetric(c: float) -> EnergyTransformer:
 def fold_by_root_finding(guess: tuple[float, float, float]) -> float:
     """Solve dE/dtheta = dE/dphi = det(Hessian in the angles) = 0 for (theta, phi, c) with scipy: at a critical
     point the chart's Hessian is J^T Hess_R J, singular exactly where Hess_R is."""
+
     def energy(angles: torch.Tensor, c: float) -> torch.Tensor:
         theta, phi = angles
         p = theta.sin() * phi.cos() * U1 + theta.sin() * phi.sin() * U3 + theta.cos() * U2

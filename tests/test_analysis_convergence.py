@@ -10,7 +10,7 @@ from torchdiffeq import odeint
 
 from et_ode import ETField, GraphMask, solve
 from et_ode.analysis.convergence import analyze_convergence, convergence_traces, first_time_below, fit_decay
-from et_ode.manifold import riemannian_hessian
+from et_ode.dynamics.manifold import riemannian_hessian
 
 from .conftest import random_model
 
@@ -82,8 +82,12 @@ def test_traces_use_the_mask_the_solution_was_solved_with():
     h = 1e-5
     for k in (1, 4):
         t = float(solution.ts[k])
-        ends = [odeint(solution.field, solution.xs[k], torch.tensor([t, t + step], dtype=torch.float64), rtol=1e-12,
-                       atol=1e-14)[-1] for step in (h, -h)]
+        ends = [
+            odeint(solution.field, solution.xs[k], torch.tensor([t, t + step], dtype=torch.float64), rtol=1e-12, atol=1e-14)[
+                -1
+            ]
+            for step in (h, -h)
+        ]
         dg_dt = (model.neuron(ends[0]) - model.neuron(ends[1])).detach() / (2 * h)
         assert torch.allclose(traces.rms_dg_dt[k], dg_dt.square().mean(dim=(-1, -2)).sqrt(), rtol=1e-6)
     unmasked = convergence_traces(solve(ETField(model, tau=0.7), x0, torch.linspace(0, 3, 7)))

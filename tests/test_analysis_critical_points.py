@@ -151,8 +151,7 @@ def test_minimum_mode_following_finds_the_closed_form_saddle(sign: int):
 def test_deduplication_is_modulo_token_permutations_only_without_a_mask():
     model = spherical_model()
     field = ETField(model)
-    point = newton_critical_point(field, torch.randn(N, D, dtype=torch.float64,
-                                                     generator=torch.Generator().manual_seed(5)))
+    point = newton_critical_point(field, torch.randn(N, D, dtype=torch.float64, generator=torch.Generator().manual_seed(5)))
     swapped = newton_critical_point(field, point.x.flip(0))
     assert swapped.converged and point_distance(field, point.x, swapped.x, permutations=False) > 1e-3
     assert point_distance(field, point.x, swapped.x) < 1e-12

@@ -73,8 +73,13 @@ def test_energy_slice_values_are_the_energy_at_the_centre(solved):
 def test_film_strip(tmp_path: Path, shape: tuple[int, ...]):
     frames = torch.rand(shape)
     image_shape = shape[1:] if len(shape) == 4 else shape[1:]
-    figure = plot_film_strip(frames, torch.linspace(0, 1, shape[0]), target=torch.rand(image_shape),
-                             masked=torch.rand(image_shape), path=tmp_path / "f.png")
+    figure = plot_film_strip(
+        frames,
+        torch.linspace(0, 1, shape[0]),
+        target=torch.rand(image_shape),
+        masked=torch.rand(image_shape),
+        path=tmp_path / "f.png",
+    )
     check_png(tmp_path / "f.png", figure)
     assert len([ax for ax in figure.axes if ax.get_title()]) == shape[0] + 2
     assert figure.axes[0].get_title() == "masked input" and figure.axes[shape[0] + 1].get_title() == "ground truth"

@@ -49,7 +49,7 @@ def test_random_model_report_is_complete(tmp_path: Path):
 
 
 def test_model_and_states_from_files_and_broken_gamma(tmp_path: Path):
-    from et_ode.io import save_model
+    from et_ode.training.io import save_model
 
     torch.manual_seed(0)
     model = EnergyTransformer(8, 2, 4, 16, positive_gamma=False).double()
@@ -57,8 +57,9 @@ def test_model_and_states_from_files_and_broken_gamma(tmp_path: Path):
         model.neuron.gamma_raw.fill_(-1.0)
     save_model(model, tmp_path / "model.pt")
     torch.save(torch.randn(2, 4, 8, dtype=torch.float64), tmp_path / "x0.pt")
-    folder = analyze(tmp_path / "model.pt", tmp_path / "x0.pt", out=tmp_path / "broken", t_end=2.0, points=11,
-                     progress=False)
+    folder = analyze(
+        tmp_path / "model.pt", tmp_path / "x0.pt", out=tmp_path / "broken", t_end=2.0, points=11, progress=False
+    )
     text, data = check_folder(folder)
     assert data["lyapunov"]["m_psd"] is False and not any(data["lyapunov"]["descends"])
     assert data["stability"] is None and "gamma <= 0" in text
@@ -67,9 +68,33 @@ def test_model_and_states_from_files_and_broken_gamma(tmp_path: Path):
 
 def test_run_analyze_and_bad_inputs(tmp_path: Path):
     parser = add_analyze_arguments(argparse.ArgumentParser())
-    args = parser.parse_args(["--out", str(tmp_path / "cli"), "--dim", "8", "--heads", "1", "--head-dim", "4",
-                              "--memories", "8", "--tokens", "4", "--batch", "1", "--t-end", "5", "--points", "11",
-                              "--solver", "rk4", "--step", "0.05", "--no-progress"])
+    args = parser.parse_args(
+        [
+            "--out",
+            str(tmp_path / "cli"),
+            "--dim",
+            "8",
+            "--heads",
+            "1",
+            "--head-dim",
+            "4",
+            "--memories",
+            "8",
+            "--tokens",
+            "4",
+            "--batch",
+            "1",
+            "--t-end",
+            "5",
+            "--points",
+            "11",
+            "--solver",
+            "rk4",
+            "--step",
+            "0.05",
+            "--no-progress",
+        ]
+    )
     folder = run_analyze(args)
     _, data = check_folder(folder)
     assert data["solve"]["solver"]["method"] == "rk4" and data["initial_states"] == [1, 4, 8]
@@ -88,9 +113,31 @@ def test_console_script(tmp_path: Path):
     if not Path(script).is_file():
         pytest.skip("the et-ode console script is not installed")
     environment = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([script, "analyze", "--out", str(tmp_path / "cs"), "--dim", "8", "--memories", "8",
-                             "--tokens", "4", "--batch", "1", "--t-end", "5", "--points", "11", "--no-progress"],
-                            capture_output=True, text=True, timeout=300, env=environment)
+    result = subprocess.run(
+        [
+            script,
+            "analyze",
+            "--out",
+            str(tmp_path / "cs"),
+            "--dim",
+            "8",
+            "--memories",
+            "8",
+            "--tokens",
+            "4",
+            "--batch",
+            "1",
+            "--t-end",
+            "5",
+            "--points",
+            "11",
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=environment,
+    )
     assert result.returncode == 0, result.stderr
     check_folder(tmp_path / "cs")
 
@@ -99,12 +146,32 @@ def test_landscape_report_on_a_tiny_model(tmp_path: Path):
     """--landscape: critical points, saddle network, basins, asymptotic rate, Lyapunov spectrum, continuation and
     the Hessian along the trajectories, with their pictures; the intrinsic exponent at the critical point equals
     -(gamma / tau) lambda_min of the dense stability table (an independent torch.func Hessian)."""
-    folder = analyze(None, None, out=tmp_path / "l", seed=3, dim=5, heads=2, head_dim=3, memories=8,
-                     hopfield="softmax", tokens=2, batch=1, t_end=20.0, points=21, tau=0.8, landscape=True,
-                     progress=False)
+    folder = analyze(
+        None,
+        None,
+        out=tmp_path / "l",
+        seed=3,
+        dim=5,
+        heads=2,
+        head_dim=3,
+        memories=8,
+        hopfield="softmax",
+        tokens=2,
+        batch=1,
+        t_end=20.0,
+        points=21,
+        tau=0.8,
+        landscape=True,
+        progress=False,
+    )
     text, data = check_folder(folder)
-    for heading in ("## The energy landscape of sample 0", "### Attractors reached from random starts",
-                    "### Asymptotic rate", "### Lyapunov spectrum at the attractor", "## The Hessian along"):
+    for heading in (
+        "## The energy landscape of sample 0",
+        "### Attractors reached from random starts",
+        "### Asymptotic rate",
+        "### Lyapunov spectrum at the attractor",
+        "## The Hessian along",
+    ):
         assert heading in text
     assert "measures the transient" in text
     assert {"hessian_along", "asymptotics", "bifurcation"} <= set(data["pictures"])

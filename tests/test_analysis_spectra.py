@@ -78,8 +78,7 @@ def test_hessian_along_a_trajectory_matches_the_dense_analysis():
     model = random_model(dim=5, heads=2, head_dim=3, memories=8, hopfield="softmax", seed=1, eps=1e-12)
     field = ETField(model)
     x0 = torch.randn(2, 2, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
-    solution = solve(field, x0, torch.linspace(0, 30, 16, dtype=torch.float64),
-                     solver=Adaptive(rtol=1e-8, atol=1e-10))
+    solution = solve(field, x0, torch.linspace(0, 30, 16, dtype=torch.float64), solver=Adaptive(rtol=1e-8, atol=1e-10))
     trace = hessian_along(solution, max_times=4)
     assert trace.ts.tolist() == pytest.approx([0.0, 10.0, 20.0, 30.0])
     for k, t in enumerate(trace.ts.tolist()):

@@ -20,7 +20,7 @@ from et_ode.analysis.stability import (
     operator_stability,
     riemannian_hessian_matrix,
 )
-from et_ode.manifold import radial_direction
+from et_ode.dynamics.manifold import radial_direction
 
 from .conftest import random_model
 
@@ -37,8 +37,12 @@ def quadratic(eigenvalues: list[list[float]], seed: int = 0):
 
 
 def test_quadratic_classification_and_eigenvalues():
-    spectra = [[0.3, 1.0, 2.0, 5.0, 7.5, 9.0], [-0.7, 0.2, 1.0, 3.0, 4.0, 8.0], [0.0, 0.5, 1.0, 1.5, 2.0, 3.0],
-               [-4.0, -3.0, -2.5, -2.0, -1.0, -0.1]]
+    spectra = [
+        [0.3, 1.0, 2.0, 5.0, 7.5, 9.0],
+        [-0.7, 0.2, 1.0, 3.0, 4.0, 8.0],
+        [0.0, 0.5, 1.0, 1.5, 2.0, 3.0],
+        [-4.0, -3.0, -2.5, -2.0, -1.0, -0.1],
+    ]
     apply, _ = quadratic(spectra)
     like = torch.zeros(4, 6, dtype=torch.float64)
     for method in ("dense", "lanczos"):
@@ -49,8 +53,11 @@ def test_quadratic_classification_and_eigenvalues():
             assert s.largest == pytest.approx(values[-1], abs=1e-6)
     dense = operator_stability(apply, like, method="dense")
     assert dense.samples[1].negative == 1
-    assert torch.allclose(torch.tensor(dense.samples[1].eigenvalues, dtype=torch.float64),
-                          torch.tensor(spectra[1], dtype=torch.float64), atol=1e-10)
+    assert torch.allclose(
+        torch.tensor(dense.samples[1].eigenvalues, dtype=torch.float64),
+        torch.tensor(spectra[1], dtype=torch.float64),
+        atol=1e-10,
+    )
 
 
 def test_lanczos_and_power_match_dense_on_larger_random_operator():
@@ -78,19 +85,28 @@ A, C, BETA = 1.0, 0.5, 1.0
 def one_token_model() -> EnergyTransformer:
     zeros = torch.zeros(1, 1, 4, dtype=torch.float64)
     xi = torch.stack([A * U1, -A * U1, C * U3, -C * U3])
-    return EnergyTransformer.from_tensors(zeros, zeros, xi, 1.0, torch.zeros(4, dtype=torch.float64),
-                                          hopfield="softmax", beta_hn=BETA, eps=1e-12)
+    return EnergyTransformer.from_tensors(
+        zeros, zeros, xi, 1.0, torch.zeros(4, dtype=torch.float64), hopfield="softmax", beta_hn=BETA, eps=1e-12
+    )
 
 
 def closed_form(point: str, r: float) -> list[float]:
     """Second derivatives of E along the two geodesics through the axis point (the eigenvalues)."""
     if point == "u1":  # minimum: overlaps (a r, -a r, 0, 0)
         z = 2 * math.cosh(BETA * A * r) + 2
-        return sorted([2 * A * math.sinh(BETA * A * r) / (r * z),  # towards u2
-                       (2 * A * math.sinh(BETA * A * r) / r - 2 * BETA * C**2) / z])  # towards u3
+        return sorted(
+            [
+                2 * A * math.sinh(BETA * A * r) / (r * z),  # towards u2
+                (2 * A * math.sinh(BETA * A * r) / r - 2 * BETA * C**2) / z,
+            ]
+        )  # towards u3
     z = 2 + 2 * math.cosh(BETA * C * r)  # u3: overlaps (0, 0, c r, -c r)
-    return sorted([(2 * C * math.sinh(BETA * C * r) / r - 2 * BETA * A**2) / z,  # towards u1: down
-                   2 * C * math.sinh(BETA * C * r) / (r * z)])  # towards u2: up
+    return sorted(
+        [
+            (2 * C * math.sinh(BETA * C * r) / r - 2 * BETA * A**2) / z,  # towards u1: down
+            2 * C * math.sinh(BETA * C * r) / (r * z),
+        ]
+    )  # towards u2: up
 
 
 def independent_riemannian_hessian(model: EnergyTransformer, g: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,7 @@ EDGES = import_graph.graph(IMPORTS)
 
 # What today's code still does against the target layout of issue 13 (one entry per module and rule). The lead
 # removes an entry when the work that fixes it lands; a fixed module whose entry stays fails the run (strict).
-# (Empty since the solve/adjoints/attractor/gradients cycle went: Implicit polishes in et_ode.certify.)
+# (Empty since the solve/adjoints/attractor/gradients cycle went: Implicit polishes in et_ode.equilibrium.certify.)
 NOT_YET: dict[tuple[str, str], str] = {}
 
 
@@ -56,7 +56,7 @@ def test_the_reader_finds_every_kind_of_import(tmp_path: Path, monkeypatch: pyte
         "et_ode/__init__.py": "from .a import f\n",
         "et_ode/a.py": "import os\n\ndef f():\n    from .b import g\n    return g\n",
         "et_ode/b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from et_ode.sub import c\n"
-                       "def g():\n    from . import a\n",
+        "def g():\n    from . import a\n",
         "et_ode/sub/__init__.py": "",
         "et_ode/sub/c.py": "from .. import b\nfrom ..a import f\n",
         "analysis/__init__.py": "from .plots import p\n",
@@ -83,8 +83,8 @@ def test_the_reader_finds_every_kind_of_import(tmp_path: Path, monkeypatch: pyte
 def test_every_source_file_is_read() -> None:
     """Both folders are scanned, and the package's own imports are seen (a reader that found nothing would pass
     every rule below)."""
-    assert {"et_ode", "et_ode.field", "et_ode.analysis", "et_ode.analysis.convergence"} <= set(FILES)
-    assert "et_ode.model" in EDGES["et_ode.field"]
+    assert {"et_ode", "et_ode.dynamics.field", "et_ode.analysis", "et_ode.analysis.convergence"} <= set(FILES)
+    assert "et_ode.energy.model" in EDGES["et_ode.dynamics.field"]
     assert len(IMPORTS) > 100
 
 
@@ -104,30 +104,37 @@ def test_module_has_a_layer(module: str) -> None:
 
 @pytest.mark.parametrize("module", _cases("layer", sorted(m for m in FILES if import_graph.layer_of(m))))
 def test_module_imports_nothing_downstream(module: str) -> None:
-    """Data flows model -> field -> solve -> models/data -> runs -> analysis -> tasks -> cli: a module imports its
-    own layer or lower ones, so the energy knows nothing of solvers, the library nothing of tasks or the CLI, and
-    analysis nothing of tasks."""
+    """Data flows energy -> dynamics -> integrators -> equilibrium -> solving -> models -> training -> analysis ->
+    tasks -> cli: a module imports its own package or lower ones, so the energy knows nothing of solvers, the
+    library nothing of tasks or the CLI, and analysis nothing of tasks."""
     rank = import_graph.layer_rank(module)
     unplaced = len(import_graph.LAYERS)  # a module without a layer counts as above them all
-    upward = [target for target in sorted(EDGES.get(module, ()))
-              if (import_graph.layer_rank(target) if import_graph.layer_of(target) else unplaced) > rank]
-    assert not upward, (f"{module} ({import_graph.layer_of(module)}) imports downstream: "
-                        + "; ".join(f"{_where(module, t)} ({import_graph.layer_of(t)})" for t in upward))
+    upward = [
+        target
+        for target in sorted(EDGES.get(module, ()))
+        if (import_graph.layer_rank(target) if import_graph.layer_of(target) else unplaced) > rank
+    ]
+    assert not upward, f"{module} ({import_graph.layer_of(module)}) imports downstream: " + "; ".join(
+        f"{_where(module, t)} ({import_graph.layer_of(t)})" for t in upward
+    )
 
 
-LEAVES = [module for module in FILES if import_graph.layer_of(module) == "leaf"]
+LEAVES = [module for module in FILES if import_graph.layer_of(module) in ("backend", "linalg")]
 
 
 @pytest.mark.parametrize("module", _cases("leaf", sorted(LEAVES)))
 def test_leaf_imports_no_module_of_ours(module: str) -> None:
-    """A leaf (masks, devices, runtime, neurons, krylov) is importable from anywhere: it imports nothing of ours."""
+    """A module of the two lowest packages (backend, linalg) is importable from anywhere: it imports nothing of ours."""
     assert not EDGES.get(module), "; ".join(_where(module, target) for target in sorted(EDGES[module]))
 
 
 def _imports_argparse(path: Path) -> bool:
     tree = ast.parse(path.read_text())
-    return any((isinstance(node, ast.Import) and any(a.name == "argparse" for a in node.names))
-               or (isinstance(node, ast.ImportFrom) and node.module == "argparse") for node in ast.walk(tree))
+    return any(
+        (isinstance(node, ast.Import) and any(a.name == "argparse" for a in node.names))
+        or (isinstance(node, ast.ImportFrom) and node.module == "argparse")
+        for node in ast.walk(tree)
+    )
 
 
 @pytest.mark.parametrize("module", _cases("argparse", sorted(m for m in FILES if import_graph.layer_of(m) != "cli")))
@@ -136,8 +143,9 @@ def test_only_the_cli_parses_arguments(module: str) -> None:
     assert not _imports_argparse(FILES[module]), f"{FILES[module].relative_to(REPO)} imports argparse"
 
 
-@pytest.mark.parametrize("module", _cases("target", ["et_ode.masks", "et_ode.tasks.image", "et_ode.tasks.graph",
-                                                    "et_ode.cli"]))
+@pytest.mark.parametrize(
+    "module", _cases("target", ["et_ode.energy.masks", "et_ode.tasks.image", "et_ode.tasks.graph", "et_ode.cli"])
+)
 def test_target_module_exists(module: str) -> None:
     """The layout of issue 13: the masks leaf, the tasks' own home, the CLI as a package."""
     assert module in FILES
@@ -146,23 +154,36 @@ def test_target_module_exists(module: str) -> None:
 
 
 def _defined_in(name: str) -> list[str]:
-    return [module for module, path in FILES.items()
-            if any(isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name == name
-                   for node in ast.parse(path.read_text()).body)]
+    return [
+        module
+        for module, path in FILES.items()
+        if any(
+            isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name == name
+            for node in ast.parse(path.read_text()).body
+        )
+    ]
 
 
 @pytest.mark.parametrize("name", _cases("leaf-home", ["resolve_device", "seed_everything"]))
 def test_device_and_seed_helpers_live_in_a_leaf(name: str) -> None:
     """``distributed`` and ``train`` both need the device and seed helpers; in a leaf, neither imports the other."""
     homes = _defined_in(name)
-    assert len(homes) == 1 and import_graph.layer_of(homes[0]) == "leaf", f"{name} is defined in {homes}"
+    assert len(homes) == 1 and import_graph.layer_of(homes[0]) == "backend", f"{name} is defined in {homes}"
+
+
+def test_the_tree_shows_the_layers() -> None:
+    """The package's top level holds its subpackages and the public API, not a flat list of modules."""
+    top = sorted(path.name for path in (REPO / "et_ode").glob("*.py"))
+    assert len(top) <= 6, f"et_ode/ holds {len(top)} modules directly: {top}"
+    assert {import_graph.layer_of(module) for module in FILES} == set(import_graph.LAYERS)
 
 
 def test_architecture_doc_shows_the_current_import_graph() -> None:
     """docs/architecture.md draws the graph the code has (refresh: python tools/import_graph.py --write-docs)."""
     document = import_graph.DOC.read_text()
     assert document == import_graph.docs_with_graph(document, IMPORTS), (
-        "the import graph in docs/architecture.md is stale: run `python tools/import_graph.py --write-docs`")
+        "the import graph in docs/architecture.md is stale: run `python tools/import_graph.py --write-docs`"
+    )
 
 
 def test_architecture_doc_names_every_layer() -> None:

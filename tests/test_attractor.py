@@ -8,8 +8,8 @@ import torch
 
 import et_ode
 from et_ode import ETField, find_attractor
-from et_ode.attractor import AttractorError
-from et_ode.manifold import radial_direction, tangent_projection
+from et_ode.dynamics.manifold import radial_direction, tangent_projection
+from et_ode.equilibrium.attractor import AttractorError
 from tests.conftest import random_model
 
 
@@ -37,8 +37,9 @@ def test_certifies_a_critical_point_on_the_limit_spheres_that_the_flow_reaches()
     # got after t = 1e4 lands on the same point
     from analysis.stability import find_fixed_point
 
-    ends = et_ode.solve(field, x0, torch.tensor([0.0, 1e2, 1e4], dtype=torch.float64),
-                        solver=et_ode.Adaptive(rtol=1e-9, atol=1e-9))
+    ends = et_ode.solve(
+        field, x0, torch.tensor([0.0, 1e2, 1e4], dtype=torch.float64), solver=et_ode.Adaptive(rtol=1e-9, atol=1e-9)
+    )
     distance = (model.neuron(ends.xs[1:]) - g).flatten(2).norm(dim=-1)
     assert bool((distance[1] < distance[0]).all()) and bool((found.energy < ends.energies[-1]).all())
     descended = find_fixed_point(field, ends.xs[-1], tol=1e-10)
@@ -100,9 +101,14 @@ def test_implicit_gradient_equals_finite_differences_of_the_attractor_map(hopfie
 def saddle_model():
     """One token, two orthogonal memories: the point between them is a critical point with one descent direction."""
     xi = torch.tensor([[1.0, -1.0, 0.0, 0.0], [0.0, 0.0, 1.0, -1.0]], dtype=torch.float64) * 2.0
-    model = et_ode.EnergyTransformer.from_tensors(torch.zeros(1, 2, 4, dtype=torch.float64),
-                                                  torch.zeros(1, 2, 4, dtype=torch.float64), xi, 1.0,
-                                                  torch.zeros(4, dtype=torch.float64), hopfield="softmax")
+    model = et_ode.EnergyTransformer.from_tensors(
+        torch.zeros(1, 2, 4, dtype=torch.float64),
+        torch.zeros(1, 2, 4, dtype=torch.float64),
+        xi,
+        1.0,
+        torch.zeros(4, dtype=torch.float64),
+        hopfield="softmax",
+    )
     x_saddle = (xi[0] + xi[1]).reshape(1, 1, 4)
     return model, x_saddle
 
@@ -165,8 +171,10 @@ def test_implicit_gradient_at_a_fixed_point_in_x_equals_finite_differences():
     model.zero_grad()
     loss(model).backward()
     gradient = [p.grad.clone() for p in model.parameters()]
-    direction = [torch.randn(p.shape, generator=torch.Generator().manual_seed(i), dtype=p.dtype)
-                 for i, p in enumerate(model.parameters())]
+    direction = [
+        torch.randn(p.shape, generator=torch.Generator().manual_seed(i), dtype=p.dtype)
+        for i, p in enumerate(model.parameters())
+    ]
     implicit = sum(float((gr * d).sum()) for gr, d in zip(gradient, direction))
     h = 1e-5
     with torch.no_grad():
@@ -182,8 +190,12 @@ def test_float32_default_tolerance_and_bad_arguments():
     assert found.tol == 1e-4 and bool(found.certified.all())
     assert float(rms_tangent_gradient(model.double(), found.g.detach().double()).max()) < 1e-4
     field = ETField(model)
-    for kwargs, name in ((dict(tol=0.0), "tol"), (dict(method="lbfgs"), "method"), (dict(max_iter=0), "max_iter"),
-                         (dict(handoff=float("nan")), "handoff")):
+    for kwargs, name in (
+        (dict(tol=0.0), "tol"),
+        (dict(method="lbfgs"), "method"),
+        (dict(max_iter=0), "max_iter"),
+        (dict(handoff=float("nan")), "handoff"),
+    ):
         with pytest.raises(ValueError, match=name):
             find_attractor(field, x0, **kwargs)
     with pytest.raises(ValueError, match="x0"):

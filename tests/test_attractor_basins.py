@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from et_ode import EnergyTransformer, ETField, find_attractor
-from et_ode.certify import basin_settled
+from et_ode.equilibrium.certify import basin_settled
 from tests.reference_flow import SpecWeights, long_flow_limit
 
 
@@ -21,8 +21,7 @@ def random_case(seed: int, form: str, *, dim: int = 8, tokens: int = 4) -> tuple
     gamma, delta = 1.0, torch.zeros(dim, dtype=torch.float64)
     if seed % 2:
         gamma, delta = 1.0 + 0.3 * float(torch.rand(1, generator=generator)), draw(dim, scale=0.1)
-    model = EnergyTransformer.from_tensors(draw(2, 3, dim), draw(2, 3, dim), draw(2 * dim, dim), gamma, delta,
-                                           hopfield=form)
+    model = EnergyTransformer.from_tensors(draw(2, 3, dim), draw(2, 3, dim), draw(2 * dim, dim), gamma, delta, hopfield=form)
     return model, draw(1, tokens, dim, scale=1.0)
 
 
@@ -37,8 +36,9 @@ def check_against_the_flow(model: EnergyTransformer, x0: torch.Tensor, **options
     return found.status[0]
 
 
-@pytest.mark.parametrize("form", ["softmax", pytest.param("relu", marks=pytest.mark.slow),
-                                  pytest.param("softplus", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "form", ["softmax", pytest.param("relu", marks=pytest.mark.slow), pytest.param("softplus", marks=pytest.mark.slow)]
+)
 def test_the_default_search_returns_the_flows_own_limit(form: str) -> None:
     assert check_against_the_flow(*random_case(1, form)) == "certified"
 

@@ -23,8 +23,7 @@ def independent_tokens(memory_scale: float) -> tuple[EnergyTransformer, torch.Te
     generator = torch.Generator().manual_seed(4)
     wk = 0.6 * torch.randn(1, 3, D, generator=generator, dtype=torch.float64)
     xi = memory_scale * torch.randn(2, D, generator=generator, dtype=torch.float64)
-    model = EnergyTransformer.from_tensors(wk, -wk, xi, 1.0, torch.zeros(D, dtype=torch.float64),
-                                           self_attention=True)
+    model = EnergyTransformer.from_tensors(wk, -wk, xi, 1.0, torch.zeros(D, dtype=torch.float64), self_attention=True)
     return model, torch.eye(2, dtype=torch.bool), SpecWeights.from_model(model)
 
 

@@ -32,8 +32,9 @@ def _model(a: float, gamma: float = 1.3) -> EnergyTransformer:
     xi1, xi2 = _plane()
     zeros = torch.zeros(1, 2, D, dtype=torch.float64)
     memories = torch.stack([xi1 + a * xi2, xi1 - a * xi2, -xi1 - a * xi2, -xi1 + a * xi2])
-    return EnergyTransformer.from_tensors(zeros, zeros.clone(), memories, gamma, torch.zeros(D, dtype=torch.float64),
-                                          eps=1e-5)
+    return EnergyTransformer.from_tensors(
+        zeros, zeros.clone(), memories, gamma, torch.zeros(D, dtype=torch.float64), eps=1e-5
+    )
 
 
 def _state(directions: list[torch.Tensor]) -> torch.Tensor:
@@ -76,8 +77,9 @@ def test_a_circle_of_minima_is_degenerate() -> None:
 def test_the_flow_from_near_the_saddle_ends_certified_at_a_minimum() -> None:
     a = 0.8
     xi1, xi2 = _plane()
-    start = _state([xi1, xi2]) * 1e-4 + 1e-2 * torch.randn(1, N, D, dtype=torch.float64,
-                                                         generator=torch.Generator().manual_seed(0))
+    start = _state([xi1, xi2]) * 1e-4 + 1e-2 * torch.randn(
+        1, N, D, dtype=torch.float64, generator=torch.Generator().manual_seed(0)
+    )
     found = find_attractor(ETField(_model(a)), start)
     assert found.status == ("certified",)
     assert float(found.smallest_eigenvalue) == pytest.approx(2 * (1 - a * a), rel=1e-6)

@@ -8,7 +8,7 @@ from et_ode import AttractorReadout, Integration
 from et_ode.cli import build_parser
 from et_ode.models.image import ImageET, masked_mse, patchify, random_masks
 from et_ode.tasks.image import ImageRunConfig, initialise_from, load_trained, train_image
-from et_ode.train import TrainConfig
+from et_ode.training.train import TrainConfig
 from tests.fd_reference import directional_derivative
 
 AT_ATTRACTOR = Integration(attractor=AttractorReadout(tol=1e-10))
@@ -50,8 +50,7 @@ def test_gradient_at_the_attractor_equals_finite_differences_of_the_whole_model(
         direction = torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype)
         grad = torch.zeros_like(parameter) if parameter.grad is None else parameter.grad
         analytic += float((grad * direction).sum())
-        reference += directional_derivative(lambda: loss_of(model, images, hidden, scored), parameter, direction,
-                                            h=1e-5)
+        reference += directional_derivative(lambda: loss_of(model, images, hidden, scored), parameter, direction, h=1e-5)
     assert abs(analytic - reference) < 1e-5 * max(abs(reference), 1e-3)
     # the energy and the decoder both learn
     assert float(model.block.attention.WK.grad.abs().max()) > 0 and float(model.decoder.weight.grad.abs().max()) > 0
@@ -110,10 +109,21 @@ def test_cli_flag_and_a_tiny_run_keep_the_setting_through_the_checkpoint(tmp_pat
     from et_ode.cli.dynamics import integration_from
 
     assert integration_from(args, ImageRunConfig().integration).attractor == AttractorReadout()
-    config = ImageRunConfig(data="digits", train_limit=32, test_limit=16, val_size=8, patch=4, dim=8, heads=2,
-                            head_dim=4, integration=Integration(solver=et_ode.EulerET(0.1, 4), attractor=AttractorReadout()),
-                            train=TrainConfig(epochs=1, batch_size=16, lr=1e-2, progress=False, device="cpu"),
-                            baselines=False, energy_check=True, tokens=2)
+    config = ImageRunConfig(
+        data="digits",
+        train_limit=32,
+        test_limit=16,
+        val_size=8,
+        patch=4,
+        dim=8,
+        heads=2,
+        head_dim=4,
+        integration=Integration(solver=et_ode.EulerET(0.1, 4), attractor=AttractorReadout()),
+        train=TrainConfig(epochs=1, batch_size=16, lr=1e-2, progress=False, device="cpu"),
+        baselines=False,
+        energy_check=True,
+        tokens=2,
+    )
     results = train_image(config, tmp_path / "run")
     assert results["model"]["t_final"] == float("inf") and results["energy_descent"]["exceptions"] == 0
     model, run = load_trained(tmp_path / "run" / "checkpoint.safetensors")

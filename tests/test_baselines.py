@@ -17,7 +17,7 @@ def _pixel_mask(hidden_row, patch, h, w):
     for k, is_hidden in enumerate(hidden_row.tolist()):
         if is_hidden:
             r, c = divmod(k, per_row)
-            mask[r * patch:(r + 1) * patch, c * patch:(c + 1) * patch] = True
+            mask[r * patch : (r + 1) * patch, c * patch : (c + 1) * patch] = True
     return mask
 
 
@@ -43,7 +43,7 @@ def test_biharmonic_matches_skimage_called_directly(channels):
         got = patchify(torch.from_numpy(expected)[None].float(), patch)[0]
         assert torch.allclose(out.patches[i], got, atol=1e-6)
         # visible patches are the input; the hidden ones are filled close to the smooth truth
-        truth = patchify(images[i:i + 1], patch)[0]
+        truth = patchify(images[i : i + 1], patch)[0]
         assert torch.equal(out.patches[i][~hidden[i]], truth[~hidden[i]])
         assert float((out.patches[i][hidden[i]] - truth[hidden[i]]).square().mean()) < 0.01
 

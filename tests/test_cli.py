@@ -6,13 +6,37 @@ import pytest
 import torch
 
 from et_ode.cli import build_parser, main
-from et_ode.io import load_model
 from et_ode.tasks.image import load_trained
-from et_ode.train import load_checkpoint
+from et_ode.training.io import load_model
+from et_ode.training.train import load_checkpoint
 
-TINY = ["--train-limit", "48", "--test-limit", "24", "--dim", "8", "--heads", "2", "--head-dim", "4",
-        "--solver", "et", "--step", "0.1", "--steps", "3", "--gradient", "direct", "--epochs", "2", "--batch-size", "16",
-        "--no-progress", "--threads", "1"]
+TINY = [
+    "--train-limit",
+    "48",
+    "--test-limit",
+    "24",
+    "--dim",
+    "8",
+    "--heads",
+    "2",
+    "--head-dim",
+    "4",
+    "--solver",
+    "et",
+    "--step",
+    "0.1",
+    "--steps",
+    "3",
+    "--gradient",
+    "direct",
+    "--epochs",
+    "2",
+    "--batch-size",
+    "16",
+    "--no-progress",
+    "--threads",
+    "1",
+]
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +83,25 @@ def test_complete_by_index_and_by_png(trained, tmp_path):
     assert all(b <= a for a, b in zip(energies, energies[1:], strict=False))
 
     imsave(tmp_path / "digit.png", torch.rand(8, 8).numpy(), cmap="gray", vmin=0, vmax=1)
-    assert main(["complete", str(trained / "checkpoint.safetensors"), "--image", str(tmp_path / "digit.png"),
-                 "--solver", "dopri5", "--t1", "0.5", "--frames", "4", "--out", str(tmp_path / "b")]) == 0
+    assert (
+        main(
+            [
+                "complete",
+                str(trained / "checkpoint.safetensors"),
+                "--image",
+                str(tmp_path / "digit.png"),
+                "--solver",
+                "dopri5",
+                "--t1",
+                "0.5",
+                "--frames",
+                "4",
+                "--out",
+                str(tmp_path / "b"),
+            ]
+        )
+        == 0
+    )
     film = torch.load(tmp_path / "b" / "film.pt")
     assert film["times"].tolist() == pytest.approx([0.0, 0.5 / 3, 1.0 / 3, 0.5])
 
@@ -69,8 +110,19 @@ def test_complete_errors(trained, tmp_path, capsys):
     from matplotlib.image import imsave
 
     imsave(tmp_path / "big.png", torch.rand(10, 8).numpy(), cmap="gray")
-    assert main(["complete", str(trained / "checkpoint.safetensors"), "--image", str(tmp_path / "big.png"),
-                 "--out", str(tmp_path / "c")]) == 2
+    assert (
+        main(
+            [
+                "complete",
+                str(trained / "checkpoint.safetensors"),
+                "--image",
+                str(tmp_path / "big.png"),
+                "--out",
+                str(tmp_path / "c"),
+            ]
+        )
+        == 2
+    )
     assert "has shape (1, 10, 8)" in capsys.readouterr().err
     raw = (trained / "checkpoint.safetensors").read_bytes()
     (tmp_path / "cut.pt").write_bytes(raw[: len(raw) // 3])
@@ -94,9 +146,18 @@ def test_demo_quick(tmp_path):
         assert f"]({picture})" in report
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["train", "--help"], ["train", "image", "--help"],
-                                  ["train", "graph", "--help"], ["complete", "--help"], ["analyze", "--help"],
-                                  ["demo", "--help"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--help"],
+        ["train", "--help"],
+        ["train", "image", "--help"],
+        ["train", "graph", "--help"],
+        ["complete", "--help"],
+        ["analyze", "--help"],
+        ["demo", "--help"],
+    ],
+)
 def test_help_is_complete(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
         build_parser().parse_args(argv)
@@ -104,6 +165,17 @@ def test_help_is_complete(argv, capsys):
     text = capsys.readouterr().out
     assert "usage: et-ode" in text
     if argv[:2] == ["train", "image"]:
-        for option in ("--data", "--patch", "--mask-ratio", "--solver", "--rtol", "--steps", "--gradient", "--epochs",
-                       "--out", "--resume", "--steady-state"):
+        for option in (
+            "--data",
+            "--patch",
+            "--mask-ratio",
+            "--solver",
+            "--rtol",
+            "--steps",
+            "--gradient",
+            "--epochs",
+            "--out",
+            "--resume",
+            "--steady-state",
+        ):
             assert option in text

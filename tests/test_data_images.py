@@ -90,8 +90,10 @@ def test_missing_files_say_where_and_how(tmp_path):
         load_images("cifar")
 
 
-@pytest.mark.skipif(not (FASHION_MNIST_DIR / "t10k-images-idx3-ubyte.gz").is_file(),
-                    reason="Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)")
+@pytest.mark.skipif(
+    not (FASHION_MNIST_DIR / "t10k-images-idx3-ubyte.gz").is_file(),
+    reason="Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)",
+)
 def test_fashion_mnist_test_split():
     data = load_images("fashion-mnist", split="test")
     assert data.images.shape == (10_000, 1, 28, 28)
@@ -151,23 +153,28 @@ def test_png_tiles_of_one_photo_never_straddle_splits(tmp_path):
         pixels = rng.random((16, 16))
         for k, (r, c) in enumerate([(0, 0), (0, 8), (8, 0), (8, 8)]):
             where = tmp_path / photo / f"{k}.png" if photo in ("alps", "beach") else tmp_path / f"{photo}__{k}.png"
-            _write_photo(where, pixels[r:r + 8, c:c + 8])
+            _write_photo(where, pixels[r : r + 8, c : c + 8])
     _write_photo(tmp_path / "fjord.png", rng.random((8, 8)))  # a source of its own
     everything = load_png_folder(tmp_path, channels=1)
     assert sorted(set(everything.sources)) == ["alps", "beach", "city", "dune", "elm", "fjord"]
     assert everything.sources.count("alps") == 4 and everything.sources.count("fjord") == 1
-    splits = {name: load_png_folder(tmp_path, channels=1, split=name, test_fraction=0.34, validation_fraction=0.17,
-                                    seed=5) for name in ("train", "validation", "test")}
+    splits = {
+        name: load_png_folder(tmp_path, channels=1, split=name, test_fraction=0.34, validation_fraction=0.17, seed=5)
+        for name in ("train", "validation", "test")
+    }
     per_split = {name: set(data.sources) for name, data in splits.items()}
     assert [len(per_split[n]) for n in ("train", "validation", "test")] == [3, 1, 2]
     assert not (per_split["train"] & per_split["test"]) and not (per_split["train"] & per_split["validation"])
     assert not (per_split["validation"] & per_split["test"])
     assert sum(len(d) for d in splits.values()) == len(everything)
     # a different seed draws a different assignment, the same seed the same one
-    assert {s: assign_sources(everything.sources, 0.34, 0.17, seed=5)[s] for s in per_split["test"]} == \
-        dict.fromkeys(per_split["test"], "test")
-    assert any(assign_sources(everything.sources, 0.34, 0.17, seed=k) != assign_sources(everything.sources, 0.34, 0.17,
-                                                                                          seed=5) for k in range(6))
+    assert {s: assign_sources(everything.sources, 0.34, 0.17, seed=5)[s] for s in per_split["test"]} == dict.fromkeys(
+        per_split["test"], "test"
+    )
+    assert any(
+        assign_sources(everything.sources, 0.34, 0.17, seed=k) != assign_sources(everything.sources, 0.34, 0.17, seed=5)
+        for k in range(6)
+    )
     # the tiles of one photo: the loader's tiling of the whole photo gives the same pixels as the cut files
     whole = tmp_path / "whole"
     pixels = rng.random((16, 24))
@@ -186,8 +193,11 @@ def test_split_by_source_errors_name_the_rule(tmp_path):
     rng = np.random.default_rng(4)
     for k in range(3):
         _write_photo(tmp_path / f"only__{k}.png", rng.random((8, 8)))
-    with pytest.raises(ValueError, match=r"1 source image\(s\) \(only\) cannot give 1 test .*<source>__<anything>"
-                                         r"\.png.*--test-path"):
+    with pytest.raises(
+        ValueError,
+        match=r"1 source image\(s\) \(only\) cannot give 1 test .*<source>__<anything>"
+        r"\.png.*--test-path",
+    ):
         load_png_folder(tmp_path, split="train")
     assert len(load_png_folder(tmp_path, split="train", test_fraction=0)) == 3  # all for training (test elsewhere)
     with pytest.raises(ValueError, match=r"validation_fraction must be in \[0, 1\)"):
@@ -217,8 +227,10 @@ def test_validation_split_of_exchangeable_sources():
     assert torch.equal(test.images, load_digits("test").images)  # the test split does not move
     assert len(validation) == round(0.1 * (1797 - len(test))) and len(train) + len(validation) + len(test) == 1797
     key = torch.randn(64, dtype=torch.float64)
-    rows = {name: set((d.images.flatten(1).double() @ key).tolist()) for name, d in
-            (("train", train), ("validation", validation), ("test", test))}
+    rows = {
+        name: set((d.images.flatten(1).double() @ key).tolist())
+        for name, d in (("train", train), ("validation", validation), ("test", test))
+    }
     assert not (rows["train"] & rows["validation"])
     with pytest.raises(ValueError, match=r"no validation split.*--validation-fraction"):
         load_digits("validation")
@@ -231,8 +243,7 @@ def test_photographs_split_by_photograph():
     from et_ode.data import load_photographs
     from et_ode.data.photographs import PHOTOGRAPHS
 
-    sources = {split: set(load_photographs(split, channels=1, tile=32).sources) for split in ("train", "validation",
-                                                                                               "test")}
+    sources = {split: set(load_photographs(split, channels=1, tile=32).sources) for split in ("train", "validation", "test")}
     assert sources["test"] == {"astronaut", "coffee", "grace_hopper", "camera", "coins", "brick"}
     assert len(sources["train"]) == 12 and len(sources["validation"]) == 4
     assert not (sources["train"] & sources["test"]) and not (sources["validation"] & (sources["train"] | sources["test"]))
@@ -246,8 +257,9 @@ def test_photographs_split_by_photograph():
     assert torch.allclose(rgb.images[0], expected) and torch.allclose(rgb.images[1], shifted)
     assert sum(s == "astronaut" for s in rgb.sources) == 63 * 63  # (512 - 16) / 8 + 1 tiles a side
     camera = load_photographs("test", channels=1, tile=32)
-    assert torch.allclose(camera.images[camera.sources.index("camera"), 0],
-                          torch.tensor(data.camera()[:32, :32] / 255.0, dtype=torch.float32))
+    assert torch.allclose(
+        camera.images[camera.sources.index("camera"), 0], torch.tensor(data.camera()[:32, :32] / 255.0, dtype=torch.float32)
+    )
     with pytest.raises(ValueError, match="channels must be 1"):
         load_photographs(channels=2)
 

@@ -1,4 +1,4 @@
-"""Data-parallel training (et_ode.distributed with et_ode.train.fit) on 2 CPU processes with gloo.
+"""Data-parallel training (et_ode.training.distributed with et_ode.training.train.fit) on 2 CPU processes with gloo.
 
 The multi-process tests start this file as a torchrun worker (``python -m torch.distributed.run ... this_file
 SCENARIO OUT``) on loopback with a free port, under a hard timeout that kills the whole process group, and
@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 
-from et_ode import Adaptive, Fixed, Integration, SteadyState, distributed
+from et_ode import Adaptive, Fixed, Integration, SteadyState
 from et_ode.models.image import (
     CompletionTask,
     ImageET,
@@ -31,7 +31,8 @@ from et_ode.models.image import (
     patchify,
     random_masks,
 )
-from et_ode.train import CHECKPOINT_NAME, METRICS_NAME, TrainConfig, fit, load_checkpoint
+from et_ode.training import distributed
+from et_ode.training.train import CHECKPOINT_NAME, METRICS_NAME, TrainConfig, fit, load_checkpoint
 
 torch.set_num_threads(1)
 
@@ -40,8 +41,13 @@ IMAGE_SHAPE = (1, 4, 4)
 PATCH = 2
 # (name, gradient mode, gradient clip): clipping off compares raw averaged gradients (AdamW and clipping are
 # blind to a common scale of the gradients); clipping on checks that clipping sees the same gradients everywhere.
-STEP_CASES = [("direct", "direct", None), ("direct-clipped", "direct", 1e-3), ("adjoint", "adjoint", None),
-              ("adjoint-clipped", "adjoint", 1e-3), ("implicit", "implicit", None)]
+STEP_CASES = [
+    ("direct", "direct", None),
+    ("direct-clipped", "direct", 1e-3),
+    ("adjoint", "adjoint", None),
+    ("adjoint-clipped", "adjoint", 1e-3),
+    ("implicit", "implicit", None),
+]
 WORKER_TIMEOUT = 150  # seconds: a hard limit for every torchrun launch (the whole process group is killed)
 STALL_TIMEOUT = 10  # seconds a rank waits for a stalled peer in the "stall" scenario
 
@@ -96,8 +102,9 @@ def random_mask_run() -> dict[str, torch.Tensor]:
 
 def make_model(grad: str) -> ImageET:
     if grad == "implicit":
-        integration = Integration(solver=Adaptive(rtol=1e-7, atol=1e-8), gradient="implicit", stop=SteadyState(2e-3),
-                                  t1=200.0, max_steps=2000)
+        integration = Integration(
+            solver=Adaptive(rtol=1e-7, atol=1e-8), gradient="implicit", stop=SteadyState(2e-3), t1=200.0, max_steps=2000
+        )
     else:
         integration = Integration(solver=Fixed("rk4", step_size=0.1), gradient=grad, t1=0.3, max_steps=2000)
     torch.manual_seed(0)
@@ -109,8 +116,9 @@ def _steps(grad: str) -> dict[str, int]:
 
 
 def step_config(clip: float | None, **changes: Any) -> TrainConfig:
-    values = dict(epochs=1, batch_size=4, lr=1e-2, warmup=0, grad_clip=clip, device="cpu", progress=False,
-                  max_train_batches=2)
+    values = dict(
+        epochs=1, batch_size=4, lr=1e-2, warmup=0, grad_clip=clip, device="cpu", progress=False, max_train_batches=2
+    )
     return TrainConfig(**{**values, **changes})
 
 
@@ -120,8 +128,19 @@ def grads_of(model: torch.nn.Module) -> dict[str, torch.Tensor | None]:
 
 def resume_config(out: Path, **changes: Any) -> TrainConfig:
     # min_lr_ratio=1: a constant learning rate, so the interrupted and the uninterrupted runs share a schedule
-    values = dict(epochs=2, batch_size=4, lr=1e-2, warmup=0, min_lr_ratio=1.0, grad_clip=1e-2, device="cpu",
-                  progress=False, out_dir=str(out), resume=True, eval_batch_size=3)
+    values = dict(
+        epochs=2,
+        batch_size=4,
+        lr=1e-2,
+        warmup=0,
+        min_lr_ratio=1.0,
+        grad_clip=1e-2,
+        device="cpu",
+        progress=False,
+        out_dir=str(out),
+        resume=True,
+        eval_batch_size=3,
+    )
     return TrainConfig(**{**values, **changes})
 
 
@@ -136,13 +155,22 @@ def worker(scenario: str, out: Path) -> None:
             torch.save(_step_results(STEP_CASES, device), out / f"rank{distributed.rank()}.pt")
             torch.save(random_mask_run(), out / f"masks_rank{distributed.rank()}.pt")
             try:  # a crash of every rank at the first step of epoch 2
-                fit(make_model("direct"), FixedMaskTask(fail_at=3), make_data(12, seed=2), make_data(5, seed=3),
-                    resume_config(out / "interrupted"))
+                fit(
+                    make_model("direct"),
+                    FixedMaskTask(fail_at=3),
+                    make_data(12, seed=2),
+                    make_data(5, seed=3),
+                    resume_config(out / "interrupted"),
+                )
             except _Interrupted:
                 pass
         elif scenario in ("fail", "stall"):  # rank 1 raises (or hangs) at its second step
-            fit(make_model("direct"), FixedMaskTask(fail_rank=1, fail_at=1, stall=scenario == "stall"),
-                make_data(16, seed=4), config=step_config(None, max_train_batches=None))
+            fit(
+                make_model("direct"),
+                FixedMaskTask(fail_rank=1, fail_at=1, stall=scenario == "stall"),
+                make_data(16, seed=4),
+                config=step_config(None, max_train_batches=None),
+            )
         else:
             raise ValueError(f"unknown scenario {scenario!r}")
 
@@ -162,12 +190,20 @@ def torchrun(scenario: str, out: Path, nproc: int = 2, program: list[str] | None
 
     The workers run this file with ``scenario out``, or ``program`` (the arguments after torchrun's own).
     """
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1",
-               "--master_addr=127.0.0.1", f"--master_port={distributed.free_port()}",
-               *(program or [str(HERE), scenario, str(out)])]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        "--nnodes=1",
+        "--master_addr=127.0.0.1",
+        f"--master_port={distributed.free_port()}",
+        *(program or [str(HERE), scenario, str(out)]),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                               start_new_session=True)
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+    )
     try:
         output, _ = process.communicate(timeout=WORKER_TIMEOUT)
     except subprocess.TimeoutExpired:
@@ -179,7 +215,7 @@ def torchrun(scenario: str, out: Path, nproc: int = 2, program: list[str] | None
 
 def _mean_of_shard_gradients(data: torch.utils.data.TensorDataset) -> dict[str, torch.Tensor | None]:
     """The mean over 2 ranks of the implicit gradient of each rank's first batch, computed in this process."""
-    from et_ode.train import _EpochSampler
+    from et_ode.training.train import _EpochSampler
 
     total: dict[str, torch.Tensor | None] = {}
     for r in range(2):
@@ -291,14 +327,40 @@ def test_a_stalled_rank_stops_the_run_after_the_timeout(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_cli_trains_under_torchrun_and_resumes_in_one_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                              capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_trains_under_torchrun_and_resumes_in_one_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     from et_ode.cli import main
 
     out = tmp_path / "run"
-    options = ["train", "image", "--data", "digits", "--train-limit", "64", "--test-limit", "16", "--val-size", "8",
-               "--batch-size", "16", "--solver", "rk4", "--step", "0.2", "--t1", "0.4", "--gradient", "adjoint",
-               "--no-baselines", "--no-progress", "--threads", "1", "--out", str(out)]
+    options = [
+        "train",
+        "image",
+        "--data",
+        "digits",
+        "--train-limit",
+        "64",
+        "--test-limit",
+        "16",
+        "--val-size",
+        "8",
+        "--batch-size",
+        "16",
+        "--solver",
+        "rk4",
+        "--step",
+        "0.2",
+        "--t1",
+        "0.4",
+        "--gradient",
+        "adjoint",
+        "--no-baselines",
+        "--no-progress",
+        "--threads",
+        "1",
+        "--out",
+        str(out),
+    ]
     run = torchrun("cli", out, program=["-m", "et_ode.cli", *options, "--epochs", "1", "--distributed"])
     assert run.returncode == 0, run.stdout[-4000:]
     assert run.stdout.count('"train_seconds"') == 1  # the summary is printed by rank 0 alone
@@ -346,8 +408,13 @@ def test_fit_refuses_a_torchrun_environment_without_a_process_group(monkeypatch:
 
 
 def test_single_process_group_and_helpers(monkeypatch: pytest.MonkeyPatch) -> None:
-    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(distributed.free_port())}
+    env = {
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(distributed.free_port()),
+    }
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     with distributed.session(None, device="cpu", timeout=datetime.timedelta(seconds=20)) as device:

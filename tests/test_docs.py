@@ -50,9 +50,19 @@ def test_every_python_block_of_the_page_runs(page: Path, tmp_path: Path, monkeyp
 def test_the_guides_have_their_blocks() -> None:
     """The pages that teach by example keep their examples (and this test finds them, nested folders included)."""
     names = {str(page.relative_to(DOCS)) for page in PAGES}
-    for page in ("index.md", "getting-started.md", "math.md", "guides/solving.md", "guides/gradients.md",
-                 "guides/attractors.md", "guides/analysis.md", "guides/tasks.md", "guides/cli.md",
-                 "guides/distributed.md", "reliability.md"):
+    for page in (
+        "index.md",
+        "getting-started.md",
+        "math.md",
+        "guides/solving.md",
+        "guides/gradients.md",
+        "guides/attractors.md",
+        "guides/analysis.md",
+        "guides/tasks.md",
+        "guides/cli.md",
+        "guides/distributed.md",
+        "reliability.md",
+    ):
         assert page in names, page
     assert sum(len(python_blocks(page)) for page in PAGES) >= 20
 
@@ -74,8 +84,13 @@ def test_no_page_points_outside_the_repository() -> None:
 
 
 def _build(config: Path, site: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file", str(config),
-                           "--site-dir", str(site)], capture_output=True, text=True, cwd=config.parent, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file", str(config), "--site-dir", str(site)],
+        capture_output=True,
+        text=True,
+        cwd=config.parent,
+        timeout=300,
+    )
 
 
 def _text(page: Path) -> str:
@@ -94,12 +109,25 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_api_reference_builds_strictly(site: Path) -> None:
-    for page in ["index.html", "architecture/index.html", "getting-started/index.html", "guides/solving/index.html",
-                 "guides/attractors/index.html", "math/index.html", "performance/index.html",
-                 "api/et_ode/index.html", "api/model/index.html",
-                 "api/field/index.html", "api/solve/index.html", "api/attractor/index.html",
-                 "api/analysis/index.html", "api/models/index.html", "api/tasks/index.html", "api/runs/index.html",
-                 "api/cli/index.html"]:
+    for page in [
+        "index.html",
+        "architecture/index.html",
+        "getting-started/index.html",
+        "guides/solving/index.html",
+        "guides/attractors/index.html",
+        "math/index.html",
+        "performance/index.html",
+        "api/et_ode/index.html",
+        "api/model/index.html",
+        "api/field/index.html",
+        "api/solve/index.html",
+        "api/attractor/index.html",
+        "api/analysis/index.html",
+        "api/models/index.html",
+        "api/tasks/index.html",
+        "api/runs/index.html",
+        "api/cli/index.html",
+    ]:
         assert (site / page).is_file(), page
 
 
@@ -181,14 +209,16 @@ def test_grouped_entries_split_into_one_per_name(docstrings) -> None:
 
 def test_sphinx_roles_become_inline_code(docstrings) -> None:
     assert docstrings.plain_roles("see :func:`solve` and :class:`~et_ode.ETField`, not `x`") == (
-        "see `solve` and `et_ode.ETField`, not `x`")
+        "see `solve` and `et_ode.ETField`, not `x`"
+    )
 
 
 def test_every_public_module_has_a_reference_entry() -> None:
     """Each public module (no part of its name private, packages aside) is on one of the API pages, so a module
     added to the library is added to the reference."""
-    directives = set(re.findall(r"^::: ([\w.]+)", "\n".join(p.read_text() for p in (REPO / "docs").rglob("*.md")),
-                                flags=re.M))
+    directives = set(
+        re.findall(r"^::: ([\w.]+)", "\n".join(p.read_text() for p in (REPO / "docs").rglob("*.md")), flags=re.M)
+    )
     modules = []
     for folder in ("et_ode", "analysis"):
         for path in (REPO / folder).rglob("*.py"):

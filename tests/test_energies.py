@@ -93,9 +93,18 @@ def autograd_grad(model: EnergyTransformer, g: torch.Tensor, mask: torch.Tensor 
 
 
 @settings(max_examples=25, deadline=None)
-@given(n=st.integers(1, 6), d=st.integers(2, 9), heads=st.integers(1, 3), y=st.integers(1, 4),
-       k=st.integers(1, 10), batch=st.integers(1, 3), hopfield=st.sampled_from(["relu", "softmax", "softplus"]),
-       self_attention=st.booleans(), masked=st.booleans(), seed=st.integers(0, 10_000))
+@given(
+    n=st.integers(1, 6),
+    d=st.integers(2, 9),
+    heads=st.integers(1, 3),
+    y=st.integers(1, 4),
+    k=st.integers(1, 10),
+    batch=st.integers(1, 3),
+    hopfield=st.sampled_from(["relu", "softmax", "softplus"]),
+    self_attention=st.booleans(),
+    masked=st.booleans(),
+    seed=st.integers(0, 10_000),
+)
 def test_closed_form_gradient_matches_autograd(n, d, heads, y, k, batch, hopfield, self_attention, masked, seed):
     model = random_model(d, heads, y, k, seed=seed, hopfield=hopfield, self_attention=self_attention)
     generator = torch.Generator().manual_seed(seed)

@@ -17,9 +17,33 @@ from et_ode.tasks.image import load_trained
 
 pytest.importorskip("skimage")
 
-TINY = ["--tile", "8", "--channels", "1", "--patch", "4", "--dim", "8", "--heads", "2", "--head-dim", "4",
-        "--solver", "et", "--step", "0.1", "--steps", "3", "--gradient", "direct", "--batch-size", "8", "--no-progress",
-        "--threads", "1"]
+TINY = [
+    "--tile",
+    "8",
+    "--channels",
+    "1",
+    "--patch",
+    "4",
+    "--dim",
+    "8",
+    "--heads",
+    "2",
+    "--head-dim",
+    "4",
+    "--solver",
+    "et",
+    "--step",
+    "0.1",
+    "--steps",
+    "3",
+    "--gradient",
+    "direct",
+    "--batch-size",
+    "8",
+    "--no-progress",
+    "--threads",
+    "1",
+]
 
 
 def _photo(rng, h, w):
@@ -42,16 +66,36 @@ def folders(tmp_path_factory):
     for name in ("elm", "fjord"):  # held-out photos, cut into files named <source>__<k>.png
         pixels = _photo(rng, 16, 16)
         for k, (r, c) in enumerate([(0, 0), (0, 8), (8, 0), (8, 8)]):
-            imsave(root / "test" / f"{name}__{k}.png", pixels[r:r + 8, c:c + 8], cmap="gray", vmin=0, vmax=1)
+            imsave(root / "test" / f"{name}__{k}.png", pixels[r : r + 8, c : c + 8], cmap="gray", vmin=0, vmax=1)
     return root
 
 
 @pytest.fixture(scope="module")
 def trained(folders, tmp_path_factory):
     out = tmp_path_factory.mktemp("run")
-    assert main(["train", "image", "--data", "png", "--data-path", str(folders / "train"), "--test-path",
-                 str(folders / "test"), "--validation-fraction", "0.25", *TINY, "--epochs", "2",
-                 "--out", str(out), "--overwrite"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "image",
+                "--data",
+                "png",
+                "--data-path",
+                str(folders / "train"),
+                "--test-path",
+                str(folders / "test"),
+                "--validation-fraction",
+                "0.25",
+                *TINY,
+                "--epochs",
+                "2",
+                "--out",
+                str(out),
+                "--overwrite",
+            ]
+        )
+        == 0
+    )
     return out
 
 
@@ -71,8 +115,9 @@ def test_evaluate_end_to_end(trained, folders, tmp_path, capsys):
     from skimage.restoration import inpaint_biharmonic
 
     out = tmp_path / "evaluation"
-    assert main(["evaluate", str(trained / "checkpoint.safetensors"), "--out", str(out), "--no-progress",
-                 "--grid", "4"]) == 0
+    assert (
+        main(["evaluate", str(trained / "checkpoint.safetensors"), "--out", str(out), "--no-progress", "--grid", "4"]) == 0
+    )
     printed = json.loads(capsys.readouterr().out)
     assert printed["images"] == 8
     for name in ("config.json", "evaluation.json", "evaluation.md", "completions.npz", "completions.png"):
@@ -81,11 +126,15 @@ def test_evaluate_end_to_end(trained, folders, tmp_path, capsys):
     assert list(results["predictors"]) == ["et", "mean", "nearest", "biharmonic"]
     table = (out / "evaluation.md").read_text()
     rows = [line for line in table.splitlines() if line.startswith("| ")][2:]  # after the header and its rule
-    assert [row.split(" | ")[0] for row in rows] == ["| ET (the checkpoint)", "| per-position mean of the training images",
-                                                     "| nearest training image on the visible patches",
-                                                     "| biharmonic inpainting (scikit-image)"]
+    assert [row.split(" | ")[0] for row in rows] == [
+        "| ET (the checkpoint)",
+        "| per-position mean of the training images",
+        "| nearest training image on the visible patches",
+        "| biharmonic inpainting (scikit-image)",
+    ]
     assert [float(row.split(" | ")[1].strip("*")) for row in rows] == pytest.approx(
-        [results["predictors"][n]["mse"] for n in ("et", "mean", "nearest", "biharmonic")], rel=1e-3)
+        [results["predictors"][n]["mse"] for n in ("et", "mean", "nearest", "biharmonic")], rel=1e-3
+    )
     saved = np.load(out / "completions.npz")
     images, hidden, scored = (torch.from_numpy(saved[k]) for k in ("images", "hidden", "scored"))
     # the evaluated images are the tiles of --test-path; the masks are the run's seeded fixed masks
@@ -108,8 +157,9 @@ def test_evaluate_end_to_end(trained, folders, tmp_path, capsys):
     from et_ode.tasks.image import load_run_split
 
     train = patchify(load_run_split(run, "train").images, 4)
-    picks = [min(range(train.shape[0]), key=lambda j: float(((train[j] - truth[i]) ** 2)[~hidden[i]].sum()))
-             for i in range(8)]
+    picks = [
+        min(range(train.shape[0]), key=lambda j: float(((train[j] - truth[i]) ** 2)[~hidden[i]].sum())) for i in range(8)
+    ]
     assert results["predictors"]["nearest"]["mse"] == pytest.approx(mse(train[picks]), rel=1e-5)
     assert results["predictors"]["mean"]["mse"] == pytest.approx(mse(train.mean(0).expand_as(truth)), rel=1e-5)
     # biharmonic: scikit-image called directly on the first image
@@ -125,9 +175,27 @@ def test_evaluate_end_to_end(trained, folders, tmp_path, capsys):
     # the same masks reused from the saved file, whatever the seed
     kept = tmp_path / "kept.npz"
     kept.write_bytes((out / "completions.npz").read_bytes())
-    assert main(["evaluate", str(trained / "checkpoint.safetensors"), "--out", str(out), "--overwrite",
-                 "--masks", str(kept), "--mask-seed", "99", "--predictors", "mean", "--grid", "0",
-                 "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "evaluate",
+                str(trained / "checkpoint.safetensors"),
+                "--out",
+                str(out),
+                "--overwrite",
+                "--masks",
+                str(kept),
+                "--mask-seed",
+                "99",
+                "--predictors",
+                "mean",
+                "--grid",
+                "0",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     again = np.load(out / "completions.npz")
     assert np.array_equal(again["hidden"], hidden.numpy()) and "completion_et" not in again
     assert not (out / "completions.png").exists()
@@ -140,27 +208,78 @@ def test_flag_named_errors(folders, trained, tmp_path, capsys):
     cases = [
         (["train", "image", "--data", "png", *TINY, "--out", str(tmp_path / "a")], "--data-path"),
         (["train", "image", "--data", "digits", "--tile", "4", "--out", str(tmp_path / "c")], "--tile applies"),
-        (["train", "image", "--data", "png", "--data-path", str(one_photo), *TINY, "--out", str(tmp_path / "d")],
-         "1 source image(s) (alps) cannot give 1 test"),
-        (["evaluate", str(trained / "checkpoint.safetensors"), "--masks", str(tmp_path / "none.npz"), "--out",
-          str(tmp_path / "e")], "--masks"),
-        (["evaluate", str(trained / "checkpoint.safetensors"), "--predictors", "et,oracle", "--out",
-          str(tmp_path / "f")], "--predictors must name"),
+        (
+            ["train", "image", "--data", "png", "--data-path", str(one_photo), *TINY, "--out", str(tmp_path / "d")],
+            "1 source image(s) (alps) cannot give 1 test",
+        ),
+        (
+            [
+                "evaluate",
+                str(trained / "checkpoint.safetensors"),
+                "--masks",
+                str(tmp_path / "none.npz"),
+                "--out",
+                str(tmp_path / "e"),
+            ],
+            "--masks",
+        ),
+        (
+            ["evaluate", str(trained / "checkpoint.safetensors"), "--predictors", "et,oracle", "--out", str(tmp_path / "f")],
+            "--predictors must name",
+        ),
         (["train", "image", *TINY[:-2], "--max-time", "-1", "--out", str(tmp_path / "g")], "--max-time"),
     ]
     for argv, message in cases:
         assert main(argv) == 2, argv
         assert message in capsys.readouterr().err, (argv, message)
     # any data of the model's size can be scored: the 8x8 digits' test split
-    assert main(["evaluate", str(trained / "checkpoint.safetensors"), "--data", "digits", "--limit", "5",
-                 "--predictors", "et,biharmonic", "--grid", "0", "--no-progress", "--out", str(tmp_path / "digits")]) == 0
+    assert (
+        main(
+            [
+                "evaluate",
+                str(trained / "checkpoint.safetensors"),
+                "--data",
+                "digits",
+                "--limit",
+                "5",
+                "--predictors",
+                "et,biharmonic",
+                "--grid",
+                "0",
+                "--no-progress",
+                "--out",
+                str(tmp_path / "digits"),
+            ]
+        )
+        == 0
+    )
     assert json.loads((tmp_path / "digits" / "evaluation.json").read_text())["images"] == 5
 
 
 def test_max_time_stops_the_run_with_a_checkpoint(folders, tmp_path):
     out = tmp_path / "budget"
-    assert main(["train", "image", "--data", "png", "--data-path", str(folders / "train"), "--test-path",
-                 str(folders / "test"), *TINY, "--epochs", "100000", "--max-time", "0.03", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "image",
+                "--data",
+                "png",
+                "--data-path",
+                str(folders / "train"),
+                "--test-path",
+                str(folders / "test"),
+                *TINY,
+                "--epochs",
+                "100000",
+                "--max-time",
+                "0.03",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     results = json.loads((out / "results.json").read_text())
     assert results["stopped"] in ("max_time", "planned_steps")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -170,12 +289,19 @@ def test_max_time_stops_the_run_with_a_checkpoint(folders, tmp_path):
     assert model.image_shape == (1, 8, 8)
 
 
-@pytest.mark.parametrize("argv, options", [
-    (["evaluate", "--help"], ("--test-path", "--masks", "--mask-seed", "--overwrite", "--predictors", "--split",
-                              "--threads")),
-    (["train", "image", "--help"], ("--test-path", "--tile", "--stride", "--channels", "--validation-fraction",
-                                    "--max-time")),
-])
+@pytest.mark.parametrize(
+    "argv, options",
+    [
+        (
+            ["evaluate", "--help"],
+            ("--test-path", "--masks", "--mask-seed", "--overwrite", "--predictors", "--split", "--threads"),
+        ),
+        (
+            ["train", "image", "--help"],
+            ("--test-path", "--tile", "--stride", "--channels", "--validation-fraction", "--max-time"),
+        ),
+    ],
+)
 def test_help_names_the_options(argv, options, capsys):
     from et_ode.cli import build_parser
 
@@ -202,8 +328,26 @@ def test_complete_by_index_reads_the_test_split(trained, tmp_path, capsys):
 def test_evaluate_with_another_solver(trained, tmp_path):
     """--solver/--rtol integrate the trained model differently: the setup records it, the ET row reflects it."""
     out = tmp_path / "dopri5"
-    assert main(["evaluate", str(trained / "checkpoint.safetensors"), "--solver", "dopri5", "--rtol", "1e-4",
-                 "--predictors", "et", "--grid", "0", "--no-progress", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "evaluate",
+                str(trained / "checkpoint.safetensors"),
+                "--solver",
+                "dopri5",
+                "--rtol",
+                "1e-4",
+                "--predictors",
+                "et",
+                "--grid",
+                "0",
+                "--no-progress",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     setup = json.loads((out / "config.json").read_text())
     assert setup["integration"]["solver"]["method"] == "dopri5" and setup["integration"]["solver"]["rtol"] == 1e-4
     results = json.loads((out / "evaluation.json").read_text())
@@ -211,6 +355,7 @@ def test_evaluate_with_another_solver(trained, tmp_path):
     images, hidden, scored = (torch.from_numpy(np.load(out / "completions.npz")[k]) for k in ("images", "hidden", "scored"))
     with torch.no_grad():
         patches = model(images, hidden, run.integration.replace(solver=Adaptive("dopri5", 1e-4, Adaptive().atol))).patches
-    assert results["predictors"]["et"]["mse"] == pytest.approx(float(((patches - patchify(images, 4)) ** 2)[scored].mean()),
-                                                               rel=1e-5)
+    assert results["predictors"]["et"]["mse"] == pytest.approx(
+        float(((patches - patchify(images, 4)) ** 2)[scored].mean()), rel=1e-5
+    )
     assert results["predictors"]["et"]["nfe_per_batch"] > 3  # an adaptive solve, not the run's 3 Euler steps

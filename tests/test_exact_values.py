@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from et_ode import EnergyTransformer, LayerNormNeuron
-from et_ode.neurons import inverse_softplus
+from et_ode.energy.neurons import inverse_softplus
 
 
 @pytest.mark.parametrize("y", [1e-3, 0.5, 1.7, 30.0])
@@ -30,8 +30,7 @@ def test_neuron_stores_the_gamma_and_eps_it_is_given():
 
 
 def test_model_passes_its_settings_to_the_parts():
-    model = EnergyTransformer(6, 2, 3, 5, hopfield="softmax", beta=[0.7, 1.9], beta_hn=3.0, eps=1e-2,
-                              self_attention=True)
+    model = EnergyTransformer(6, 2, 3, 5, hopfield="softmax", beta=[0.7, 1.9], beta_hn=3.0, eps=1e-2, self_attention=True)
     assert model.neuron.eps == 1e-2 and model.hopfield.beta == 3.0 and model.attention.self_attention
     assert model.attention.beta.tolist() == pytest.approx([0.7, 1.9])
     assert EnergyTransformer(6, 2, 4, 5).attention.beta.tolist() == pytest.approx([0.5, 0.5])  # 1/sqrt(Y)
@@ -39,7 +38,7 @@ def test_model_passes_its_settings_to_the_parts():
 
 
 def test_a_graph_of_one_node_is_a_valid_mask():
-    from et_ode.masks import GraphMask
+    from et_ode.energy.masks import GraphMask
 
     mask = GraphMask(torch.zeros(2, 0, dtype=torch.long), 1)
     assert mask.num_nodes == 1 and mask.edge_index.shape == (2, 0)
@@ -49,7 +48,7 @@ def test_a_graph_of_one_node_is_a_valid_mask():
 
 def test_onednn_packs_float32_where_it_is_available():
     """float32 packing is what oneDNN does on every x86 CPU; a broken probe would silently fall back to matmul."""
-    from et_ode import fused
+    from et_ode.kernels import fused
 
     if not (torch.backends.mkldnn.is_available() and platform.machine().lower() in ("x86_64", "amd64")):
         pytest.skip("oneDNN is not built into this PyTorch, or this is not an x86 CPU")
@@ -63,7 +62,8 @@ def test_onednn_backward_of_every_weight_matches_float64():
     """The oneDNN branch of the fused backward (float32), every weight, against the float64 reference field."""
     import copy
 
-    from et_ode import ETField, fused
+    from et_ode import ETField
+    from et_ode.kernels import fused
     from tests.conftest import random_model
 
     if not fused.supports_onednn(torch.float32, torch.device("cpu")):
@@ -83,7 +83,7 @@ def test_onednn_backward_of_every_weight_matches_float64():
 
 
 def test_timing_the_gemm_back_ends_leaves_the_global_random_stream_alone():
-    from et_ode import fused
+    from et_ode.kernels import fused
 
     if not fused.supports_onednn(torch.float32, torch.device("cpu")):
         pytest.skip("oneDNN does not pack float32 here")
@@ -96,7 +96,7 @@ def test_timing_the_gemm_back_ends_leaves_the_global_random_stream_alone():
 def test_subclassed_energies_are_not_taken_for_the_fused_closed_form():
     """A model whose attention is a subclass (another energy) must be evaluated by its own gradient."""
     from et_ode import ETField
-    from et_ode.energies import EnergyAttention
+    from et_ode.energy.energies import EnergyAttention
     from tests.conftest import random_model
 
     class Doubled(EnergyAttention):
@@ -116,7 +116,7 @@ def test_subclassed_energies_are_not_taken_for_the_fused_closed_form():
 
 def test_conjugate_gradients_solve_n_distinct_eigenvalues_in_n_steps():
     """CG's defining property (exact arithmetic: n steps for n distinct eigenvalues; steepest descent needs ~50 here)."""
-    from et_ode.gradients import conjugate_gradient
+    from et_ode.equilibrium.implicit import conjugate_gradient
 
     diagonal = torch.tensor([1.0, 2.0, 5.0, 10.0], dtype=torch.float64)
     b = torch.tensor([[[1.0, -2.0, 0.5, 3.0]]], dtype=torch.float64)
@@ -131,13 +131,13 @@ def test_conjugate_gradients_return_their_best_iterate_and_its_true_residual():
     """Where the operator is symmetric positive definite only approximately (here a skew part of 1% of its largest
     eigenvalue; in float32, a Hessian-vector product's rounding), CG's residual falls and then grows: the solver
     returns each sample's iterate of smallest residual, and reports the true ``|b - A w| / |b|`` of that iterate."""
-    from et_ode.gradients import conjugate_gradient
+    from et_ode.equilibrium.implicit import conjugate_gradient
 
     generator = torch.Generator().manual_seed(0)
     n = 48
     q, _ = torch.linalg.qr(torch.randn(n, n, dtype=torch.float64, generator=generator))
     skew = torch.randn(n, n, dtype=torch.float64, generator=generator)
-    matrix = (q * torch.logspace(0, -2, n, dtype=torch.float64)) @ q.T + 0.01 * (skew - skew.T) / n ** 0.5
+    matrix = (q * torch.logspace(0, -2, n, dtype=torch.float64)) @ q.T + 0.01 * (skew - skew.T) / n**0.5
     b = torch.randn(2, n, 1, dtype=torch.float64, generator=generator)
 
     def apply(v):
@@ -174,7 +174,7 @@ def test_conjugate_gradients_return_their_best_iterate_and_its_true_residual():
 
 def test_error_messages_name_the_argument():
     from et_ode import ETField
-    from et_ode.masks import GraphMask
+    from et_ode.energy.masks import GraphMask
     from tests.conftest import random_model
 
     model = random_model()

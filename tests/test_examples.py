@@ -8,14 +8,28 @@ from pathlib import Path
 import pytest
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-TINY_GRAPH = ["--dim", "8", "--heads", "1", "--head-dim", "4", "--memories", "8", "--pe-dim", "4", "--epochs", "2",
-              "--no-progress"]
+TINY_GRAPH = [
+    "--dim",
+    "8",
+    "--heads",
+    "1",
+    "--head-dim",
+    "4",
+    "--memories",
+    "8",
+    "--pe-dim",
+    "4",
+    "--epochs",
+    "2",
+    "--no-progress",
+]
 
 
 def run(script: str, *args: str) -> str:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MPLBACKEND": "Agg"}
-    done = subprocess.run([sys.executable, str(EXAMPLES / script), *args], capture_output=True, text=True, env=env,
-                          timeout=300)
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / script), *args], capture_output=True, text=True, env=env, timeout=300
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     return done.stdout
 
@@ -44,8 +58,18 @@ def test_study_landscape(tmp_path):  # about a minute of CPU: the landscape stud
 
 def test_train_graph_classification(shared_data, tmp_path):
     pytest.importorskip("torch_geometric")
-    out = run("train_graph_classification.py", "--root", str(shared_data), "--folds", "2", "--ensemble", "2",
-              "--out", str(tmp_path), *TINY_GRAPH)
+    out = run(
+        "train_graph_classification.py",
+        "--root",
+        str(shared_data),
+        "--folds",
+        "2",
+        "--ensemble",
+        "2",
+        "--out",
+        str(tmp_path),
+        *TINY_GRAPH,
+    )
     assert "MUTAG: 2-fold test accuracy" in out
     assert (tmp_path / "cv_results.json").is_file()
     assert (tmp_path / "fold_0" / "member_1" / "checkpoint.safetensors").is_file()
@@ -60,7 +84,8 @@ def test_detect_graph_anomalies(tmp_path):
 
 def test_complete_photos(tmp_path):
     pytest.importorskip("skimage")
-    out = run("complete_photos.py", "--out", str(tmp_path), "--minutes", "0.03", "--train-limit", "128",
-              "--test-limit", "16")
+    out = run(
+        "complete_photos.py", "--out", str(tmp_path), "--minutes", "0.03", "--train-limit", "128", "--test-limit", "16"
+    )
     assert "test masked-patch MSE on 16 tiles of held-out photographs" in out and "biharmonic" in out
     assert (tmp_path / "evaluation" / "completions.npz").is_file()

@@ -34,8 +34,7 @@ BLOCK = ("attention.WK", "attention.WQ", "hopfield.xi", "neuron.gamma_raw", "neu
 
 def make_model(form: str, *, seed: int = 3, eps: float = 1e-2, **kwargs: object) -> torch.nn.Module:
     """D=6, H=2, Y=3, K=5 at a per-head beta, a non-default beta_hn, eps and gamma (~1.7)."""
-    model = random_model(6, 2, 3, 5, hopfield=form, beta=[0.7, 1.9], beta_hn=BETA_HN[form], eps=eps, seed=seed,
-                         **kwargs)
+    model = random_model(6, 2, 3, 5, hopfield=form, beta=[0.7, 1.9], beta_hn=BETA_HN[form], eps=eps, seed=seed, **kwargs)
     with torch.no_grad():
         model.neuron.gamma_raw.fill_(1.5)
     return model
@@ -63,8 +62,9 @@ def analytic(grads: dict[str, torch.Tensor | None], direction: dict[str, torch.T
     return {name: 0.0 if grads[name] is None else float((grads[name] * d).sum()) for name, d in direction.items()}
 
 
-def finite_differences(loss, tensors: dict[str, torch.Tensor], direction: dict[str, torch.Tensor],
-                       h: float = 1e-4) -> dict[str, float]:
+def finite_differences(
+    loss, tensors: dict[str, torch.Tensor], direction: dict[str, torch.Tensor], h: float = 1e-4
+) -> dict[str, float]:
     """Richardson-extrapolated central differences (error O(h^4)) of ``loss`` along ``direction``, per group."""
     return {name: richardson(loss, tensors[name], direction[name], h)[0] for name in tensors}
 
@@ -72,8 +72,11 @@ def finite_differences(loss, tensors: dict[str, torch.Tensor], direction: dict[s
 def assert_close_per_group(got: dict[str, float], want: dict[str, float], tol: float, what: str) -> None:
     scale = 1e-6 * max(abs(v) for v in want.values())
     errors = {name: relative_error(got[name], want[name], scale) for name in want}
-    bad = {name: f"{errors[name]:.2e} (got {got[name]:.10g}, finite differences {want[name]:.10g})"
-           for name in want if not errors[name] < tol}
+    bad = {
+        name: f"{errors[name]:.2e} (got {got[name]:.10g}, finite differences {want[name]:.10g})"
+        for name in want
+        if not errors[name] < tol
+    }
     assert not bad, f"{what}: relative error above {tol:g} for {bad}"
 
 
@@ -107,21 +110,30 @@ def test_field_matches_the_spec_at_non_default_settings():
             reference = spec_velocity(model, x, tau=TAU, mask=mask)
             for backend in ("reference", "fused"):
                 got = ETField(model, tau=TAU, backend=backend, mask=mask)(torch.zeros(()), x)
-                torch.testing.assert_close(got, reference, rtol=1e-10, atol=1e-12,
-                                           msg=lambda m, f=form, b=backend: f"{f} {b}: {m}")
+                torch.testing.assert_close(
+                    got, reference, rtol=1e-10, atol=1e-12, msg=lambda m, f=form, b=backend: f"{f} {b}: {m}"
+                )
 
 
 @settings(max_examples=12, deadline=None, derandomize=True)
-@given(form=st.sampled_from(FORMS), eps=st.floats(1e-6, 0.3), beta=st.lists(st.floats(0.2, 4.0), min_size=2,
-       max_size=2), beta_hn=st.floats(0.3, 12.0), gamma_raw=st.floats(-1.0, 2.0), tau=st.floats(0.1, 5.0),
-       self_attention=st.booleans(), masked=st.booleans(), seed=st.integers(0, 2**16))
-def test_field_and_its_backward_match_the_spec(form, eps, beta, beta_hn, gamma_raw, tau, self_attention, masked,
-                                               seed):
+@given(
+    form=st.sampled_from(FORMS),
+    eps=st.floats(1e-6, 0.3),
+    beta=st.lists(st.floats(0.2, 4.0), min_size=2, max_size=2),
+    beta_hn=st.floats(0.3, 12.0),
+    gamma_raw=st.floats(-1.0, 2.0),
+    tau=st.floats(0.1, 5.0),
+    self_attention=st.booleans(),
+    masked=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_field_and_its_backward_match_the_spec(form, eps, beta, beta_hn, gamma_raw, tau, self_attention, masked, seed):
     """Random settings: the velocity and its vector-Jacobian product with respect to the state and every
     parameter, for both back ends, against autograd of the SPEC's energy (a second derivative)."""
     torch.manual_seed(seed)
-    model = random_model(6, 2, 3, 5, hopfield=form, beta=beta, beta_hn=beta_hn, eps=eps,
-                         self_attention=self_attention, seed=seed)
+    model = random_model(
+        6, 2, 3, 5, hopfield=form, beta=beta, beta_hn=beta_hn, eps=eps, self_attention=self_attention, seed=seed
+    )
     with torch.no_grad():
         model.neuron.gamma_raw.fill_(gamma_raw)
     x = torch.randn(2, 4, 6, dtype=torch.float64, requires_grad=True)
@@ -148,8 +160,13 @@ def test_solve_follows_the_spec_dynamics_at_two_time_constants():
             coarse, fine = (spec_rk4(model, x0, tau=tau, t1=1.0, steps=n, mask=mask) for n in (100, 200))
         reference = (16 * fine - coarse) / 15
         for backend in ("reference", "fused"):
-            solution = solve(ETField(model, tau=tau, backend=backend, mask=mask), x0, (0.0, 1.0),
-                             solver=Adaptive(rtol=1e-11, atol=1e-12), save="final")
+            solution = solve(
+                ETField(model, tau=tau, backend=backend, mask=mask),
+                x0,
+                (0.0, 1.0),
+                solver=Adaptive(rtol=1e-11, atol=1e-12),
+                save="final",
+            )
             torch.testing.assert_close(solution.x.detach(), reference, rtol=1e-7, atol=1e-8)
         finals.append(reference)
     assert float((finals[0] - finals[1]).abs().max()) > 1e-2
@@ -218,12 +235,14 @@ def steady_pipeline(form: str) -> Pipeline:
     """Stopped where the RMS |dg/dt| falls below 3e-2 (t ~ 7), dopri5 at rtol 1e-10; the event time is bisected to
     atol, so its finite differences hold to ~1e-8."""
     x0, target, mask = problem()
-    return Pipeline(make_model(form), x0, target, mask, t=(0.0, 100.0),
-                    solver=Adaptive(rtol=1e-10, atol=1e-12), stop=SteadyState(3e-2))
+    return Pipeline(
+        make_model(form), x0, target, mask, t=(0.0, 100.0), solver=Adaptive(rtol=1e-10, atol=1e-12), stop=SteadyState(3e-2)
+    )
 
 
-@pytest.mark.parametrize("grad, backend", [("direct", "fused"), ("adjoint", "fused"),
-                                           pytest.param("direct", "reference", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "grad, backend", [("direct", "fused"), ("adjoint", "fused"), pytest.param("direct", "reference", marks=pytest.mark.slow)]
+)
 def test_steady_state_stop_gradient_of_the_initial_state(grad, backend):
     pipeline = steady_pipeline("softmax")
     direction = directions(pipeline.tensors)
@@ -246,9 +265,23 @@ def test_steady_state_stop_gradient_of_the_parameters():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("form", [pytest.param("relu", marks=pytest.mark.xfail(strict=False, reason=(
-    "ReLU's kinks make an adaptive stopped solve only piecewise smooth in the parameters: 1e-3, not 1e-6 "
-    "(tests/test_steady_state_gradients.py holds ReLU to 1e-3)"))), "softplus", "softmax"])
+@pytest.mark.parametrize(
+    "form",
+    [
+        pytest.param(
+            "relu",
+            marks=pytest.mark.xfail(
+                strict=False,
+                reason=(
+                    "ReLU's kinks make an adaptive stopped solve only piecewise smooth in the parameters: 1e-3, not 1e-6 "
+                    "(tests/test_steady_state_gradients.py holds ReLU to 1e-3)"
+                ),
+            ),
+        ),
+        "softplus",
+        "softmax",
+    ],
+)
 @pytest.mark.parametrize("grad", ["direct", "adjoint"])
 def test_steady_state_stop_gradient_of_the_parameters_every_form(form, grad):
     check_steady_state_parameters(form, grad)
@@ -282,8 +315,9 @@ def check_implicit_at_attractor(form: str) -> None:
         want = finite_differences(attractor_loss, tensors, direction, h=1e-5)
     for backend in ("reference", "fused"):
         model.zero_grad()
-        found = find_attractor(ETField(model, tau=TAU, backend=backend, mask=mask), x_star, tol=1e-12, flow=False,
-                               implicit=Implicit(tol=1e-12))
+        found = find_attractor(
+            ETField(model, tau=TAU, backend=backend, mask=mask), x_star, tol=1e-12, flow=False, implicit=Implicit(tol=1e-12)
+        )
         weighted_loss(found.g, target).backward()
         got = analytic({name: t.grad for name, t in tensors.items()}, direction)
         assert_close_per_group(got, want, 1e-6, f"{form} implicit {backend}")
@@ -310,8 +344,9 @@ def test_solve_implicit_matches_finite_differences_of_the_stopped_and_polished_s
     ``find_fixed_point``, which keeps the state's own radius, differs from it by O(eps): 0.4% here at eps = 1e-3.)"""
     model, mask, target, _, _ = attractor_setting("softmax")
     x0, _, _ = problem()
-    pipeline = Pipeline(model, x0, target, mask, t=(0.0, 1e6), solver=Adaptive(rtol=1e-10, atol=1e-12),
-                        stop=SteadyState(1e-6))
+    pipeline = Pipeline(
+        model, x0, target, mask, t=(0.0, 1e6), solver=Adaptive(rtol=1e-10, atol=1e-12), stop=SteadyState(1e-6)
+    )
     tensors = {name: pipeline.tensors[name] for name in BLOCK}
     direction = directions(tensors)
 
@@ -325,16 +360,19 @@ def test_solve_implicit_matches_finite_differences_of_the_stopped_and_polished_s
 
 
 # ------------------------------------------------------------------------------------------- image and graph models
-INTEGRATIONS = {"et-direct": Integration(solver=EulerET(0.1, 6), gradient="direct"),
-                "dopri5-adjoint": Integration(solver=Adaptive(rtol=1e-10, atol=1e-12), gradient="adjoint", t1=0.6)}
+INTEGRATIONS = {
+    "et-direct": Integration(solver=EulerET(0.1, 6), gradient="direct"),
+    "dopri5-adjoint": Integration(solver=Adaptive(rtol=1e-10, atol=1e-12), gradient="adjoint", t1=0.6),
+}
 
 
 def tiny_image_model(integration):
     from et_ode.models.image import ImageET
 
     torch.manual_seed(0)
-    model = ImageET((1, 4, 4), 2, 6, 2, 3, memories=5, cls_token=True, hopfield="softmax", tau=TAU,
-                    integration=integration).double()
+    model = ImageET(
+        (1, 4, 4), 2, 6, 2, 3, memories=5, cls_token=True, hopfield="softmax", tau=TAU, integration=integration
+    ).double()
     block = model.block
     with torch.no_grad():  # non-default block settings, as in make_model
         block.attention.beta.copy_(torch.tensor([0.7, 1.9]))
@@ -388,8 +426,23 @@ def test_graph_model_gradients_match_finite_differences(mode):
     batch = Batch.from_data_list(graphs)
     labels = torch.tensor([0, 1])
     torch.manual_seed(0)
-    model = GraphET(3, 2, dim=6, heads=2, head_dim=3, memories=5, pe_dim=2, hopfield="softplus", tau=TAU,
-                    head_hidden=4, integration=INTEGRATIONS[mode]).double().eval()
+    model = (
+        GraphET(
+            3,
+            2,
+            dim=6,
+            heads=2,
+            head_dim=3,
+            memories=5,
+            pe_dim=2,
+            hopfield="softplus",
+            tau=TAU,
+            head_hidden=4,
+            integration=INTEGRATIONS[mode],
+        )
+        .double()
+        .eval()
+    )
     with torch.no_grad():
         model.et.attention.beta.copy_(torch.tensor([0.7, 1.9]))
         model.et.hopfield.beta = 2.5

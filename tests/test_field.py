@@ -70,8 +70,12 @@ def test_exact_dE_dt_matches_central_difference_along_the_flow(hopfield):
 
 
 @settings(max_examples=15, deadline=None)
-@given(seed=st.integers(0, 10_000), hopfield=st.sampled_from(["relu", "softmax", "softplus"]),
-       self_attention=st.booleans(), n=st.integers(2, 6))
+@given(
+    seed=st.integers(0, 10_000),
+    hopfield=st.sampled_from(["relu", "softmax", "softplus"]),
+    self_attention=st.booleans(),
+    n=st.integers(2, 6),
+)
 def test_small_euler_steps_never_raise_the_energy(seed, hopfield, self_attention, n):
     model = random_model(seed=seed, hopfield=hopfield, self_attention=self_attention)
     field = ETField(model)
@@ -88,8 +92,13 @@ def test_small_euler_steps_never_raise_the_energy(seed, hopfield, self_attention
     gamma, dim = float(model.neuron.gamma), model.dim
     radius = gamma * dim**0.5 + float(model.neuron.delta.norm())
     att = model.attention
-    bound_att = sum(float(att.WK[h].norm(2) * att.WQ[h].norm(2)) * radius**2 + float(torch.log(torch.tensor(n))) /
-                    float(att.beta[h]) for h in range(att.heads)) * n
+    bound_att = (
+        sum(
+            float(att.WK[h].norm(2) * att.WQ[h].norm(2)) * radius**2 + float(torch.log(torch.tensor(n))) / float(att.beta[h])
+            for h in range(att.heads)
+        )
+        * n
+    )
     xi_norm = float(model.hopfield.xi.norm(dim=1).max())
     bound_hn = n * model.hopfield.memories * (xi_norm * radius) ** 2
     assert float(energies.min()) >= -(bound_att + bound_hn)

@@ -16,9 +16,9 @@ import pytest
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
-OWNERS = ("et_ode/model.py", "et_ode/field.py")
+OWNERS = ("et_ode/energy/model.py", "et_ode/dynamics/field.py")
 # the classes the model is made of: their private members are the model's
-MODEL_PARTS = ("et_ode/model.py", "et_ode/field.py", "et_ode/energies.py", "et_ode/neurons.py")
+MODEL_PARTS = ("et_ode/energy/model.py", "et_ode/dynamics/field.py", "et_ode/energy/energies.py", "et_ode/energy/neurons.py")
 SCANNED = ("et_ode", "analysis", "benchmarks", "examples")
 
 
@@ -58,8 +58,12 @@ def counter_writes(source: str) -> list[int]:
     for node in ast.walk(ast.parse(source)):
         targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AugAssign) else []
         for target in targets:
-            if (isinstance(target, ast.Attribute) and target.attr == "count" and isinstance(target.value, ast.Attribute)
-                    and target.value.attr == "evaluations"):
+            if (
+                isinstance(target, ast.Attribute)
+                and target.attr == "count"
+                and isinstance(target.value, ast.Attribute)
+                and target.value.attr == "evaluations"
+            ):
                 lines.append(node.lineno)
     return lines
 
@@ -109,8 +113,9 @@ def test_no_module_but_model_and_field_uses_their_private_members(path):
     uses = [f"line {line}: {use}" for line, use in private_uses(source) if use.rsplit(".", 1)[1] in forbidden]
     assert not uses, f"{_relative(path)} uses private members of the model or the field (use ETField's public API): {uses}"
     writes = counter_writes(source)
-    assert not writes, (f"{_relative(path)} writes the field's evaluation counter at lines {writes}: "
-                        "use field.count_evaluations(n)")
+    assert not writes, (
+        f"{_relative(path)} writes the field's evaluation counter at lines {writes}: use field.count_evaluations(n)"
+    )
 
 
 @pytest.mark.parametrize("path", sources("analysis"), ids=_relative)

@@ -6,13 +6,14 @@ import numpy as np
 import pytest
 import torch
 
-from et_ode.fill import biharmonic_fill, biharmonic_matrix
+from et_ode.models.fill import biharmonic_fill, biharmonic_matrix
 
 
 def _cubic(h: int, w: int) -> torch.Tensor:
-    y, x = torch.meshgrid(torch.linspace(0, 1, h, dtype=torch.float64), torch.linspace(0, 1, w, dtype=torch.float64),
-                          indexing="ij")
-    return 0.2 + 0.3 * x ** 3 - 0.2 * x * y ** 2 + 0.25 * y ** 2 + 0.1 * x * y
+    y, x = torch.meshgrid(
+        torch.linspace(0, 1, h, dtype=torch.float64), torch.linspace(0, 1, w, dtype=torch.float64), indexing="ij"
+    )
+    return 0.2 + 0.3 * x**3 - 0.2 * x * y**2 + 0.25 * y**2 + 0.1 * x * y
 
 
 def test_interior_stencil_is_the_13_point_biharmonic():
@@ -51,8 +52,7 @@ def test_equals_scikit_image(shape, channels):
     hidden[0, :4, :4] = True  # a corner block: the truncated border stencils
     filled = biharmonic_fill(images, hidden)
     for i in range(3):
-        expected = restoration.inpaint_biharmonic(images[i].permute(1, 2, 0).numpy(), hidden[i].numpy(),
-                                                  channel_axis=-1)
+        expected = restoration.inpaint_biharmonic(images[i].permute(1, 2, 0).numpy(), hidden[i].numpy(), channel_axis=-1)
         np.testing.assert_allclose(filled[i].permute(1, 2, 0).numpy(), expected, atol=1e-10, rtol=0)
 
 
@@ -108,8 +108,14 @@ def test_untrained_fill_model_returns_scikit_images_biharmonic_fill():
     model = _model()
     images, hidden = _batch()
     out = model(images, hidden)
-    expected = torch.stack([torch.from_numpy(restoration.inpaint_biharmonic(
-        images[i, 0].double().numpy(), _pixel_mask(hidden)[i].numpy())).float()[None] for i in range(3)])
+    expected = torch.stack(
+        [
+            torch.from_numpy(
+                restoration.inpaint_biharmonic(images[i, 0].double().numpy(), _pixel_mask(hidden)[i].numpy())
+            ).float()[None]
+            for i in range(3)
+        ]
+    )
     torch.testing.assert_close(out.patches, patchify(expected, 4), atol=1e-5, rtol=0)
     assert out.solution.stats.nfe_forward > 0
 
@@ -141,7 +147,7 @@ def test_fill_tokens_encode_the_fill_plus_mask_and_training_moves_the_answer():
 
 def test_fill_round_trips_through_config_and_checkpoint(tmp_path):
     from et_ode.models import ImageET
-    from et_ode.train import load_checkpoint, save_checkpoint
+    from et_ode.training.train import load_checkpoint, save_checkpoint
 
     model = _model()
     with torch.no_grad():
@@ -169,9 +175,37 @@ def test_train_image_fill_flag_round_trips_through_the_run(tmp_path):
     from et_ode.cli import main
     from et_ode.tasks.image import load_trained
 
-    tiny = ["--train-limit", "48", "--test-limit", "24", "--patch", "2", "--dim", "8", "--heads", "2", "--head-dim",
-            "4", "--solver", "bosh3", "--t1", "0.3", "--rtol", "1e-2", "--gradient", "adjoint", "--epochs", "1",
-            "--batch-size", "16", "--no-progress", "--threads", "1", "--fill", "biharmonic"]
+    tiny = [
+        "--train-limit",
+        "48",
+        "--test-limit",
+        "24",
+        "--patch",
+        "2",
+        "--dim",
+        "8",
+        "--heads",
+        "2",
+        "--head-dim",
+        "4",
+        "--solver",
+        "bosh3",
+        "--t1",
+        "0.3",
+        "--rtol",
+        "1e-2",
+        "--gradient",
+        "adjoint",
+        "--epochs",
+        "1",
+        "--batch-size",
+        "16",
+        "--no-progress",
+        "--threads",
+        "1",
+        "--fill",
+        "biharmonic",
+    ]
     assert main(["train", "image", *tiny, "--out", str(tmp_path)]) == 0
     model, run = load_trained(tmp_path / "checkpoint.safetensors")
     assert model.fill == "biharmonic" and run.fill == "biharmonic"
@@ -179,8 +213,7 @@ def test_train_image_fill_flag_round_trips_through_the_run(tmp_path):
     from et_ode.data import load_images
     from et_ode.models import evaluate_completion, fixed_mask_set
 
-    test = fixed_mask_set(load_images("digits", None, "test").images[:24], model.num_patches, run.ratio,
-                          seed=run.mask_seed)
+    test = fixed_mask_set(load_images("digits", None, "test").images[:24], model.num_patches, run.ratio, seed=run.mask_seed)
     batches = [test.tensors]
     reported = json.loads((tmp_path / "results.json").read_text())["model"]["mse"]
     with torch.no_grad():
@@ -225,8 +258,9 @@ def test_a_callable_fill_is_used_like_the_biharmonic_one_and_checked():
     # untrained (zero decoder): the answer is the fill, and a hidden token starts from the encoded fill plus MASK
     torch.testing.assert_close(out.patches, patchify(grey_fill(images, hidden), 4))
     encoded = model.encoder(patchify(grey_fill(images, hidden), 4))
-    torch.testing.assert_close(model.tokens(images, hidden),
-                               torch.where(hidden[..., None], encoded + model.mask_token, encoded) + model.position)
+    torch.testing.assert_close(
+        model.tokens(images, hidden), torch.where(hidden[..., None], encoded + model.mask_token, encoded) + model.position
+    )
     with pytest.raises(TypeError, match="fill"):
         model.config()
     with pytest.raises(ValueError, match="shape"):

@@ -1,4 +1,4 @@
-"""The lean fixed-step loop (et_ode.fixed_step) against torchdiffeq's fixed-grid solvers, bit for bit.
+"""The lean fixed-step loop (et_ode.integrators.fixed_step) against torchdiffeq's fixed-grid solvers, bit for bit.
 
 Every comparison runs the same public ``solve`` call twice: once as shipped (the lean loop) and once with the lean
 loop switched off, so that torchdiffeq's own loop integrates; states, gradients, statistics and failures must be
@@ -14,11 +14,11 @@ import torch
 from torchdiffeq import odeint
 
 from et_ode import ETField, EulerET, Fixed, SolveError, Status, solve
-from et_ode._checks import value_range
-from et_ode.fixed_step import step_grid
+from et_ode.energy.checks import value_range
+from et_ode.integrators.fixed_step import step_grid
 from tests.conftest import random_model
 
-integrate_module = importlib.import_module("et_ode._loop")  # where the loop is chosen
+integrate_module = importlib.import_module("et_ode.integrators.loop")  # where the loop is chosen
 
 # (method, solve arguments): the paper's scheme on its own grid, fixed methods on the output grid and with a step
 # that does not divide the output times (outputs interpolated inside a step)
@@ -100,10 +100,13 @@ def test_paper_scheme_equals_odeint_on_its_grid_in_bfloat16():
     assert torch.equal(solution.xs, reference)
 
 
-@pytest.mark.parametrize("t, fail_time, steps", [
-    ([0.0, 1e308, 1.5e308], 1e308, 2),  # the first step overflows: found at the start of the second
-    ([0.0, 1.0, 1e308], 1e308, 2),  # the last step overflows: found at the end, the partial state is the last finite
-])
+@pytest.mark.parametrize(
+    "t, fail_time, steps",
+    [
+        ([0.0, 1e308, 1.5e308], 1e308, 2),  # the first step overflows: found at the start of the second
+        ([0.0, 1.0, 1e308], 1e308, 2),  # the last step overflows: found at the end, the partial state is the last finite
+    ],
+)
 def test_non_finite_state_fails_as_torchdiffeq_does(monkeypatch, t, fail_time, steps):
     _, field, x0 = setup(torch.float64)
     grid = torch.tensor(t, dtype=torch.float64)

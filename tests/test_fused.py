@@ -1,4 +1,5 @@
-"""The fused field (et_ode.fused): equal to the model's closed form, and its closed-form backward equal to autograd."""
+"""The fused field (et_ode.kernels.fused):
+equal to the model's closed form, and its closed-form backward equal to autograd."""
 
 import copy
 
@@ -7,10 +8,10 @@ import torch
 from torchdiffeq import odeint_adjoint
 
 from et_ode import ETField
-from et_ode import fused as fused_module
-from et_ode.fused import FusedGrad, choose_gemm, onednn_available
-from et_ode.manifold import riemannian_hessian
-from et_ode.masks import GraphMask
+from et_ode.dynamics.manifold import riemannian_hessian
+from et_ode.energy.masks import GraphMask
+from et_ode.kernels import fused as fused_module
+from et_ode.kernels.fused import FusedGrad, choose_gemm, onednn_available
 from tests.conftest import random_model
 
 FORMS = ["relu", "softplus", "softmax"]
@@ -36,8 +37,15 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("self_attention", [False, True])
 @pytest.mark.parametrize("mask_kind", ["none", "shared", "batched"])
 def test_fused_equals_reference_and_its_vjp_equals_autograd(hopfield, self_attention, mask_kind):
-    model = random_model(dim=10, heads=3, head_dim=4, memories=17, hopfield=hopfield, self_attention=self_attention,
-                         beta=[0.4, 0.5, 0.9] if self_attention else None)
+    model = random_model(
+        dim=10,
+        heads=3,
+        head_dim=4,
+        memories=17,
+        hopfield=hopfield,
+        self_attention=self_attention,
+        beta=[0.4, 0.5, 0.9] if self_attention else None,
+    )
     mask = _mask(mask_kind, 7)
     g = model.neuron(torch.randn(2, 3, 7, 10, dtype=torch.float64))
     fused = FusedGrad(model, gemm="matmul")
@@ -177,8 +185,10 @@ def test_riemannian_hessian_through_the_fused_backward():
     assert _relative(fused(w), reference(w)) < 1e-10
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"))],
+)
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2), (torch.float16, 5e-3)])
 def test_low_precision_matches_float64_reference(device, dtype, tol):
     model = random_model(dim=64, heads=4, head_dim=16, memories=256)
@@ -200,9 +210,11 @@ def test_low_precision_matches_float64_reference(device, dtype, tol):
 def test_field_falls_back_to_matmul_where_onednn_refuses_the_dtype(monkeypatch, dtype, tol):
     """An AVX2-only CPU: oneDNN refuses to pack bfloat16 weights (a RuntimeError in PyTorch). The probe must
     catch that once, and the field must then use torch.matmul and still match the float64 reference."""
+
     def refuse(*args, **kwargs):
-        raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx_ne_convert or "
-                           "avx512bw, avx512vl and avx512dq")
+        raise RuntimeError(
+            "mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx_ne_convert or avx512bw, avx512vl and avx512dq"
+        )
 
     monkeypatch.setattr(fused_module, "_ONEDNN_PROBES", {})
     monkeypatch.setattr(fused_module, "_GEMM_CHOICE", {})
@@ -242,8 +254,9 @@ def test_graph_mask_falls_back_to_the_edge_list_form():
     x = torch.randn(2, 6, 8, dtype=torch.float64)
     field = ETField(model, mask=edges)
     assert not field.fused.supports(x, edges)
-    torch.testing.assert_close(field(0.0, x), ETField(model, mask=dense, backend="reference")(0.0, x),
-                               rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(
+        field(0.0, x), ETField(model, mask=dense, backend="reference")(0.0, x), rtol=1e-10, atol=1e-12
+    )
 
 
 def test_new_weight_tensors_are_picked_up():

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from et_ode import ETField
-from et_ode import fused as fused_module
-from et_ode.fused import choose_head_products, onednn_matmul_available
+from et_ode.kernels import fused as fused_module
+from et_ode.kernels.fused import choose_head_products, onednn_matmul_available
 from tests.conftest import random_model
 
 CPU = torch.device("cpu")
@@ -143,16 +143,19 @@ def test_precision_setting_restored_and_random_stream_untouched(fresh_choices):
 
 
 @pytest.mark.parametrize("n", [fused_module.QUERY_MAJOR_FROM - 1, fused_module.QUERY_MAJOR_FROM + 3])
-@pytest.mark.parametrize("hopfield,self_attention,mask_kind", [("relu", False, "batched"), ("softmax", True, "none"),
-                                                              ("softplus", False, "shared")])
+@pytest.mark.parametrize(
+    "hopfield,self_attention,mask_kind",
+    [("relu", False, "batched"), ("softmax", True, "none"), ("softplus", False, "shared")],
+)
 @pytest.mark.parametrize("beta", [[0.3, 0.5, 1.1], 1.7], ids=["per-head", "scalar"])
 def test_both_score_layouts_equal_the_closed_form_and_autograd(n, hopfield, self_attention, mask_kind, beta):
     """Either side of the token count where the scores switch to query-major storage: the fused field and its VJP
     (state and every weight) against the model's closed form and autograd in float64, with per-head betas and a
     scalar one (query-major with a scalar beta is the exp2 softmax with a shift per head's block), masks (a query
     without keys, a key nobody attends to) and each Hopfield form."""
-    model = random_model(dim=12, heads=3, head_dim=4, memories=20, hopfield=hopfield, self_attention=self_attention,
-                         beta=beta, beta_hn=2.0)
+    model = random_model(
+        dim=12, heads=3, head_dim=4, memories=20, hopfield=hopfield, self_attention=self_attention, beta=beta, beta_hn=2.0
+    )
     generator = torch.Generator().manual_seed(7)
     mask = None
     if mask_kind == "shared":

@@ -25,15 +25,24 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from et_ode import Adaptive, EnergyTransformer, ETField, EulerET, Fixed, SolveError, Status, SteadyState, solve
-from et_ode.solvers import ADAPTIVE_METHODS, METHODS
+from et_ode.integrators.solvers import ADAPTIVE_METHODS, METHODS
 
 DEFAULT_EXAMPLES = 30
 LONG_EXAMPLES = 1000
-settings.register_profile("et-ode-default", max_examples=DEFAULT_EXAMPLES, deadline=timedelta(seconds=10),
-                          derandomize=True, database=None,
-                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-settings.register_profile("et-ode-long", max_examples=LONG_EXAMPLES, deadline=timedelta(seconds=30),
-                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+settings.register_profile(
+    "et-ode-default",
+    max_examples=DEFAULT_EXAMPLES,
+    deadline=timedelta(seconds=10),
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+settings.register_profile(
+    "et-ode-long",
+    max_examples=LONG_EXAMPLES,
+    deadline=timedelta(seconds=30),
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 FUZZ = settings.get_profile("et-ode-long" if os.environ.get("ET_ODE_FUZZ") == "long" else "et-ode-default")
 
 D = 4  # token size of the fuzzed models (small: each example must be quick)
@@ -113,17 +122,26 @@ def small_model(dtype: torch.dtype = torch.float64, **kwargs) -> EnergyTransform
 
 # ---------------------------------------------------------------------------------------------- the model
 MODEL_FLAWS = {
-    "dim": [0, 1, -3, 2.5, "4"], "heads": [0, -1], "head_dim": [0, -2], "memories": [0, -1],
-    "hopfield": ["tanh", "", None], "beta": [math.nan, math.inf, 0.0, -1.0, [1.0, 2.0, 3.0]],
-    "beta_hn": [math.nan, 0.0, -1.0, math.inf], "eps": [0.0, -1e-5, math.nan, math.inf],
+    "dim": [0, 1, -3, 2.5, "4"],
+    "heads": [0, -1],
+    "head_dim": [0, -2],
+    "memories": [0, -1],
+    "hopfield": ["tanh", "", None],
+    "beta": [math.nan, math.inf, 0.0, -1.0, [1.0, 2.0, 3.0]],
+    "beta_hn": [math.nan, 0.0, -1.0, math.inf],
+    "eps": [0.0, -1e-5, math.nan, math.inf],
 }
 
 
 @FUZZ
-@given(hopfield=st.sampled_from(["relu", "softplus", "softmax"]), data=st.data(),
-       flaws=st.lists(st.sampled_from(sorted(MODEL_FLAWS)), max_size=2, unique=True),
-       beta=st.one_of(st.none(), st.floats(0.01, 10)), beta_hn=st.one_of(st.none(), st.floats(0.01, 10)),
-       eps=st.floats(1e-8, 1.0))
+@given(
+    hopfield=st.sampled_from(["relu", "softplus", "softmax"]),
+    data=st.data(),
+    flaws=st.lists(st.sampled_from(sorted(MODEL_FLAWS)), max_size=2, unique=True),
+    beta=st.one_of(st.none(), st.floats(0.01, 10)),
+    beta_hn=st.one_of(st.none(), st.floats(0.01, 10)),
+    eps=st.floats(1e-8, 1.0),
+)
 def test_model_construction(hopfield, data, flaws, beta, beta_hn, eps):
     arguments = dict(dim=D, heads=2, head_dim=2, memories=5, hopfield=hopfield, beta=beta, beta_hn=beta_hn, eps=eps)
     for name in flaws:
@@ -151,12 +169,18 @@ def test_model_energy_and_gradient(x, data, hopfield):
 
 
 @FUZZ
-@given(x=token_tensors(), tau=st.one_of(st.floats(0.1, 3), SPECIAL),
-       derivative=st.sampled_from(["analytic", "analytic", "autograd", "x"]),
-       backend=st.sampled_from(["auto", "auto", "fused", "reference", "gpu"]))
+@given(
+    x=token_tensors(),
+    tau=st.one_of(st.floats(0.1, 3), SPECIAL),
+    derivative=st.sampled_from(["analytic", "analytic", "autograd", "x"]),
+    backend=st.sampled_from(["auto", "auto", "fused", "reference", "gpu"]),
+)
 def test_field(x, tau, derivative, backend):
-    field = expect(lambda: ETField(small_model(), tau=tau, derivative=derivative, backend=backend), (ValueError, TypeError),
-                   ("tau", "derivative", "backend"))
+    field = expect(
+        lambda: ETField(small_model(), tau=tau, derivative=derivative, backend=backend),
+        (ValueError, TypeError),
+        ("tau", "derivative", "backend"),
+    )
     if field is not None:
         velocity = expect(lambda: field.dg_dt(x), (ValueError, TypeError), ("x", "mask"))
         if velocity is not None:
@@ -164,8 +188,25 @@ def test_field(x, tau, derivative, backend):
 
 
 # ---------------------------------------------------------------------------------------------- solve
-SOLVE_NAMES = ("x0", "t", "solver", "gradient", "save", "rtol", "atol", "step_size", "alpha", "steps", "max_steps",
-               "SteadyState.tol", "stop", "mask", "per_sample", "options", "Implicit")
+SOLVE_NAMES = (
+    "x0",
+    "t",
+    "solver",
+    "gradient",
+    "save",
+    "rtol",
+    "atol",
+    "step_size",
+    "alpha",
+    "steps",
+    "max_steps",
+    "SteadyState.tol",
+    "stop",
+    "mask",
+    "per_sample",
+    "options",
+    "Implicit",
+)
 
 
 VALID_SOLVES = {  # a valid set-up per kind of method; the fuzzer perturbs some of its arguments
@@ -175,9 +216,23 @@ VALID_SOLVES = {  # a valid set-up per kind of method; the fuzzer perturbs some 
 }
 
 
-def solve_with(field: ETField, x0, t, mask, *, method: str, rtol: float = 1e-5, atol: float = 1e-6,
-               step: float | None = None, steps: int | None = 12, grad: str = "direct",
-               steady_state: float | None = None, per_sample: bool = False, save: str = "all", max_steps: int = 200):
+def solve_with(
+    field: ETField,
+    x0,
+    t,
+    mask,
+    *,
+    method: str,
+    rtol: float = 1e-5,
+    atol: float = 1e-6,
+    step: float | None = None,
+    steps: int | None = 12,
+    grad: str = "direct",
+    steady_state: float | None = None,
+    per_sample: bool = False,
+    save: str = "all",
+    max_steps: int = 200,
+):
     """``solve`` with the fuzzed flat values put into the settings objects (which validate them)."""
     if method == "et":
         solver = EulerET(step, steps)
@@ -188,21 +243,32 @@ def solve_with(field: ETField, x0, t, mask, *, method: str, rtol: float = 1e-5, 
     else:
         solver = method  # an unknown name: solve must refuse it
     stop = SteadyState(steady_state, per_sample=per_sample) if steady_state is not None or per_sample else None
-    return solve(field.with_mask(mask), x0, t, solver=solver, gradient=grad, stop=stop, save=save,
-                 max_steps=max_steps)
+    return solve(field.with_mask(mask), x0, t, solver=solver, gradient=grad, stop=stop, save=save, max_steps=max_steps)
+
+
 BAD_VALUES = {
     "t": [(0.0, 1.0, 2.0), (1.0, 0.0), (0.0,), (0.0, math.nan), (0.0, math.inf), None, (0.0, 1e-300)],
-    "rtol": [0.0, -1.0, math.nan, 1e-12], "atol": [0.0, math.nan, math.inf],
-    "step": [None, 0.0, -0.1, math.nan, math.inf, 1e-9, 10.0], "steps": [None, 0, -1, 10**9, 2.5],
-    "max_steps": [0, 1, 3, -5, 10**12], "steady_state": [1e-2, 1e-12, 0.0, math.nan, -1.0],
-    "grad": ["adjoint", "implicit", "none"], "save": ["steps", "final", "last"], "per_sample": [True],
+    "rtol": [0.0, -1.0, math.nan, 1e-12],
+    "atol": [0.0, math.nan, math.inf],
+    "step": [None, 0.0, -0.1, math.nan, math.inf, 1e-9, 10.0],
+    "steps": [None, 0, -1, 10**9, 2.5],
+    "max_steps": [0, 1, 3, -5, 10**12],
+    "steady_state": [1e-2, 1e-12, 0.0, math.nan, -1.0],
+    "grad": ["adjoint", "implicit", "none"],
+    "save": ["steps", "final", "last"],
+    "per_sample": [True],
     "method": ["rk45", "euler", "dopri5", "et"],
 }
 
 
 @FUZZ
-@given(x0=token_tensors(), data=st.data(), method=st.sampled_from(METHODS),
-       perturb=st.lists(st.sampled_from(sorted(BAD_VALUES)), max_size=2, unique=True), backward=st.booleans())
+@given(
+    x0=token_tensors(),
+    data=st.data(),
+    method=st.sampled_from(METHODS),
+    perturb=st.lists(st.sampled_from(sorted(BAD_VALUES)), max_size=2, unique=True),
+    backward=st.booleans(),
+)
 def test_solve(x0, data, method, perturb, backward):
     n = x0.shape[-2] if x0.dim() >= 2 else 1
     mask = data.draw(masks(max(n, 1)))
@@ -214,8 +280,7 @@ def test_solve(x0, data, method, perturb, backward):
     if backward and x0.is_floating_point():
         x0 = x0.detach().requires_grad_(True)
     t = arguments.pop("t")
-    solution = expect(lambda: solve_with(field, x0, t, mask, **arguments), (ValueError, TypeError, SolveError),
-                      SOLVE_NAMES)
+    solution = expect(lambda: solve_with(field, x0, t, mask, **arguments), (ValueError, TypeError, SolveError), SOLVE_NAMES)
     if solution is None:
         return
     assert solution.x.shape == x0.shape and bool(torch.isfinite(solution.x).all())
@@ -228,12 +293,15 @@ def test_solve(x0, data, method, perturb, backward):
 
 # ---------------------------------------------------------------------------------------------- loaders
 @FUZZ
-@given(data=st.binary(max_size=400), cut=st.sampled_from([1.0, 1.0, 0.9, 0.5, 0.1, 0.0]),
-       flips=st.lists(st.integers(0, 10**6), max_size=4),
-       kind=st.sampled_from(["random", "checkpoint", "model"]))
+@given(
+    data=st.binary(max_size=400),
+    cut=st.sampled_from([1.0, 1.0, 0.9, 0.5, 0.1, 0.0]),
+    flips=st.lists(st.integers(0, 10**6), max_size=4),
+    kind=st.sampled_from(["random", "checkpoint", "model"]),
+)
 def test_loaders_on_damaged_files(tmp_path_factory, data, cut, flips, kind):
-    from et_ode.io import load_model, save_model
-    from et_ode.train import load_checkpoint, save_checkpoint
+    from et_ode.training.io import load_model, save_model
+    from et_ode.training.train import load_checkpoint, save_checkpoint
 
     folder = tmp_path_factory.mktemp("files")
     path = folder / "file"
@@ -252,28 +320,37 @@ def test_loaders_on_damaged_files(tmp_path_factory, data, cut, flips, kind):
         expect(lambda load=load: load(path), (ValueError, FileNotFoundError), (str(path), "checkpoint", "model"))
 
 
-JSON_SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=False),
-                        st.text(max_size=8))
-JSON_VALUES = st.recursive(JSON_SCALARS, lambda inner: st.lists(inner, max_size=3)
-                           | st.dictionaries(st.text(max_size=6), inner, max_size=3), max_leaves=8)
-TENSOR_ENTRIES = st.fixed_dictionaries({
-    "dtype": st.sampled_from(["F32", "F64", "I64", "BOOL", "U8", "F16", "XX", 3]),
-    "shape": st.one_of(st.lists(st.integers(-2, 2**40), max_size=4), JSON_VALUES),
-    "data_offsets": st.one_of(st.lists(st.integers(-5, 2**40), min_size=2, max_size=2), JSON_VALUES)})
+JSON_SCALARS = st.one_of(
+    st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=False), st.text(max_size=8)
+)
+JSON_VALUES = st.recursive(
+    JSON_SCALARS,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=8,
+)
+TENSOR_ENTRIES = st.fixed_dictionaries(
+    {
+        "dtype": st.sampled_from(["F32", "F64", "I64", "BOOL", "U8", "F16", "XX", 3]),
+        "shape": st.one_of(st.lists(st.integers(-2, 2**40), max_size=4), JSON_VALUES),
+        "data_offsets": st.one_of(st.lists(st.integers(-5, 2**40), min_size=2, max_size=2), JSON_VALUES),
+    }
+)
 
 
 @FUZZ
-@given(metadata=st.one_of(JSON_VALUES, st.dictionaries(st.sampled_from(["format", "state", "x"]), JSON_VALUES,
-                                                       max_size=3)),
-       entries=st.dictionaries(st.text(min_size=1, max_size=4), st.one_of(TENSOR_ENTRIES, JSON_VALUES), max_size=3),
-       body=st.binary(max_size=64), tagged=st.booleans())
+@given(
+    metadata=st.one_of(JSON_VALUES, st.dictionaries(st.sampled_from(["format", "state", "x"]), JSON_VALUES, max_size=3)),
+    entries=st.dictionaries(st.text(min_size=1, max_size=4), st.one_of(TENSOR_ENTRIES, JSON_VALUES), max_size=3),
+    body=st.binary(max_size=64),
+    tagged=st.booleans(),
+)
 def test_checkpoint_loader_on_generated_safetensors_headers(tmp_path_factory, metadata, entries, body, tagged):
     """Any JSON header (a ``__metadata__`` of any type, tensor entries of any dtype, shape and offsets): a
     checkpoint, or a named ValueError; nothing is allocated beyond the header's limits."""
     import json
     import struct
 
-    from et_ode.train import load_checkpoint
+    from et_ode.training.train import load_checkpoint
 
     if tagged and isinstance(metadata, dict):
         metadata = {**metadata, "format": "et-ode/training-checkpoint/2"}
@@ -287,9 +364,14 @@ NPY_DTYPES = ["<f4", ">f4", "<f8", ">f8", "|u1", "<i8", "|b1", "|O", "<U3", "<c8
 
 
 @FUZZ
-@given(descr=st.sampled_from(NPY_DTYPES), shape=st.lists(st.integers(0, 2**33), max_size=3),
-       fortran=st.booleans(), data=st.binary(max_size=128), name=st.sampled_from(["Xi", "Wk", "other"]),
-       compress=st.booleans())
+@given(
+    descr=st.sampled_from(NPY_DTYPES),
+    shape=st.lists(st.integers(0, 2**33), max_size=3),
+    fortran=st.booleans(),
+    data=st.binary(max_size=128),
+    name=st.sampled_from(["Xi", "Wk", "other"]),
+    compress=st.booleans(),
+)
 def test_npz_reader_on_generated_members(tmp_path_factory, descr, shape, fortran, data, name, compress):
     """An ``.npz`` member with any header (dtype, shape, order) over any bytes: the arrays, or a FileFormatError
     naming the file; never an allocation beyond the header's limits."""
@@ -298,15 +380,14 @@ def test_npz_reader_on_generated_members(tmp_path_factory, descr, shape, fortran
 
     import numpy as np
 
-    from et_ode.statefile import FileFormatError, read_npz
+    from et_ode.training.statefile import FileFormatError, read_npz
 
     buffer = io.BytesIO()
     np.lib.format.write_array_header_1_0(buffer, {"descr": descr, "fortran_order": fortran, "shape": tuple(shape)})
     path = tmp_path_factory.mktemp("npz") / "member.npz"
     with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED if compress else zipfile.ZIP_STORED) as archive:
         archive.writestr(f"{name}.npy", buffer.getvalue() + data)
-    arrays = expect(lambda: read_npz(path, ["Xi"], what="archive", allow_empty=True), (FileFormatError,),
-                    (str(path),))
+    arrays = expect(lambda: read_npz(path, ["Xi"], what="archive", allow_empty=True), (FileFormatError,), (str(path),))
     if arrays is not None:
         assert arrays["Xi"].shape == tuple(shape) and arrays["Xi"].dtype.isnative
 
@@ -321,8 +402,9 @@ def test_tu_checks_on_random_text(tmp_path_factory, contents):
     raw.mkdir(parents=True)
     for kind, text in zip(("A", "graph_indicator", "graph_labels"), contents):
         (raw / f"G_{kind}.txt").write_text(text)
-    result = expect(lambda: check_tu_files(root, "G"), (ValueError,), ("G_A.txt", "G_graph_indicator.txt",
-                                                                        "G_graph_labels.txt"))
+    result = expect(
+        lambda: check_tu_files(root, "G"), (ValueError,), ("G_A.txt", "G_graph_indicator.txt", "G_graph_labels.txt")
+    )
     if result is not None:
         graphs, nodes = result
         assert graphs >= 1 and nodes >= 1
@@ -339,8 +421,13 @@ def test_png_loader_on_random_bytes(tmp_path_factory, data, suffix):
 
 
 @FUZZ
-@given(width=st.integers(0, 2**31 - 1), height=st.integers(0, 2**31 - 1), depth=st.sampled_from([1, 8, 16, 3]),
-       colour=st.sampled_from([0, 2, 3, 4, 6, 5]), rows=st.integers(0, 4))
+@given(
+    width=st.integers(0, 2**31 - 1),
+    height=st.integers(0, 2**31 - 1),
+    depth=st.sampled_from([1, 8, 16, 3]),
+    colour=st.sampled_from([0, 2, 3, 4, 6, 5]),
+    rows=st.integers(0, 4),
+)
 def test_image_readers_on_generated_png_headers(tmp_path_factory, width, height, depth, colour, rows):
     """A PNG whose header claims any size, depth and colour type over a few rows of data: an image, or a named
     FileFormatError; a size beyond the pixel limit is refused from the header, before any decoding."""
@@ -348,7 +435,7 @@ def test_image_readers_on_generated_png_headers(tmp_path_factory, width, height,
     import zlib
 
     from et_ode.data.images import MAX_IMAGE_PIXELS, read_photo, read_png
-    from et_ode.statefile import FileFormatError
+    from et_ode.training.statefile import FileFormatError
 
     def chunk(kind: bytes, data: bytes) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
@@ -365,24 +452,36 @@ def test_image_readers_on_generated_png_headers(tmp_path_factory, width, height,
 
 # ---------------------------------------------------------------------------------------------- the CLI
 TRAIN_OPTIONS = {
-    "--patch": st.sampled_from(["0", "1", "2", "3", "x"]), "--dim": st.sampled_from(["0", "1", "4", "-3"]),
-    "--heads": st.sampled_from(["0", "1", "2"]), "--head-dim": st.sampled_from(["0", "2"]),
-    "--memories": st.sampled_from(["0", "3", "-1"]), "--tau": st.sampled_from(["1", "0", "inf", "nan", "-1"]),
+    "--patch": st.sampled_from(["0", "1", "2", "3", "x"]),
+    "--dim": st.sampled_from(["0", "1", "4", "-3"]),
+    "--heads": st.sampled_from(["0", "1", "2"]),
+    "--head-dim": st.sampled_from(["0", "2"]),
+    "--memories": st.sampled_from(["0", "3", "-1"]),
+    "--tau": st.sampled_from(["1", "0", "inf", "nan", "-1"]),
     "--mask-ratio": st.sampled_from(["0.5", "0", "1", "2", "nan"]),
     "--visible-fraction": st.sampled_from(["0", "0.1", "1", "-1"]),
-    "--solver": st.sampled_from(["dopri5", "et", "rk4", "bogus"]), "--t1": st.sampled_from(["1", "0", "-1", "inf"]),
-    "--step": st.sampled_from(["0.1", "0", "nan"]), "--steps": st.sampled_from(["3", "0", "-2"]),
-    "--epochs": st.sampled_from(["1", "0", "-1"]), "--batch-size": st.sampled_from(["4", "0"]),
-    "--lr": st.sampled_from(["0.001", "0", "nan", "inf", "-1"]), "--warmup": st.sampled_from(["0.1", "-1"]),
-    "--threads": st.sampled_from(["1", "0", "100000", "two"]), "--device": st.sampled_from(["cpu", "auto", "tpu"]),
+    "--solver": st.sampled_from(["dopri5", "et", "rk4", "bogus"]),
+    "--t1": st.sampled_from(["1", "0", "-1", "inf"]),
+    "--step": st.sampled_from(["0.1", "0", "nan"]),
+    "--steps": st.sampled_from(["3", "0", "-2"]),
+    "--epochs": st.sampled_from(["1", "0", "-1"]),
+    "--batch-size": st.sampled_from(["4", "0"]),
+    "--lr": st.sampled_from(["0.001", "0", "nan", "inf", "-1"]),
+    "--warmup": st.sampled_from(["0.1", "-1"]),
+    "--threads": st.sampled_from(["1", "0", "100000", "two"]),
+    "--device": st.sampled_from(["cpu", "auto", "tpu"]),
     "--gradient": st.sampled_from(["direct", "adjoint", "implicit", "x"]),
-    "--steady-state": st.sampled_from(["0.01", "0", "-1"]), "--max-steps": st.sampled_from(["10", "0"]),
+    "--steady-state": st.sampled_from(["0.01", "0", "-1"]),
+    "--max-steps": st.sampled_from(["10", "0"]),
 }
 
 
 @FUZZ
-@given(options=st.dictionaries(st.sampled_from(sorted(TRAIN_OPTIONS)), st.just(None), max_size=6), data=st.data(),
-       flags=st.lists(st.sampled_from(["--resume", "--overwrite", "--cls-token", "--unknown"]), max_size=2))
+@given(
+    options=st.dictionaries(st.sampled_from(sorted(TRAIN_OPTIONS)), st.just(None), max_size=6),
+    data=st.data(),
+    flags=st.lists(st.sampled_from(["--resume", "--overwrite", "--cls-token", "--unknown"]), max_size=2),
+)
 def test_cli_train_image_arguments(monkeypatch, tmp_path_factory, options, data, flags):
     """Parse ``et-ode train image``, build its configs and model (the training itself is replaced): argparse exits
     with usage (SystemExit 2), or the options' values are refused by a ValueError naming the setting."""
@@ -406,8 +505,28 @@ def test_cli_train_image_arguments(monkeypatch, tmp_path_factory, options, data,
         assert exit.code == 2
         return
     names = tuple(option.lstrip("-").replace("-", "_") for option in options) + (
-        "ratio", "tau", "patch", "dim", "heads", "head_dim", "memories", "lr", "batch_size", "epochs", "warmup",
-        "device", "threads", "solver", "gradient", "t1", "step", "steps", "steady_state", "max_steps", "visible_fraction")
+        "ratio",
+        "tau",
+        "patch",
+        "dim",
+        "heads",
+        "head_dim",
+        "memories",
+        "lr",
+        "batch_size",
+        "epochs",
+        "warmup",
+        "device",
+        "threads",
+        "solver",
+        "gradient",
+        "t1",
+        "step",
+        "steps",
+        "steady_state",
+        "max_steps",
+        "visible_fraction",
+    )
     expect(lambda: cli_image._train_image_from_args(args), (ValueError, TypeError), names)
 
 
@@ -418,4 +537,3 @@ def test_cli_usage_errors_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as exit:
         build_parser().parse_args(argv)
     assert exit.value.code == 2 and "error:" in capsys.readouterr().err
-

@@ -24,9 +24,16 @@ def relative(a, b):
     return float((a - b).norm() / b.norm())
 
 
-@pytest.mark.parametrize("hopfield, rtol, bound", [
-    ("softmax", 1e-11, 1e-10), ("softplus", 1e-11, 1e-10), ("relu", 1e-7, 3e-3),
-    pytest.param("relu", 1e-9, 5e-4, marks=pytest.mark.slow), pytest.param("relu", 1e-11, 1e-4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "hopfield, rtol, bound",
+    [
+        ("softmax", 1e-11, 1e-10),
+        ("softplus", 1e-11, 1e-10),
+        ("relu", 1e-7, 3e-3),
+        pytest.param("relu", 1e-9, 5e-4, marks=pytest.mark.slow),
+        pytest.param("relu", 1e-11, 1e-4, marks=pytest.mark.slow),
+    ],
+)
 def test_adjoint_equals_direct(hopfield, rtol, bound):
     """The README's figures (dopri5; measured on this model): smooth energies 5e-12 (softmax) and 5e-11 (softplus)
     at rtol 1e-11. ReLU memories make the field only once differentiable where an overlap crosses zero: adaptive
@@ -51,8 +58,9 @@ def test_adjoint_with_seminorm_and_fixed_steps():
     direct, _ = parameter_gradients(model, x0, target, t=(0.0, 1.0), solver=rk4)
     adjoint, _ = parameter_gradients(model, x0, target, t=(0.0, 1.0), solver=rk4, gradient=Adjoint(method="rk4"))
     assert relative(adjoint, direct) < 1e-7  # the continuous adjoint vs the discrete one, O(step^4): 4e-8 measured
-    semi, _ = parameter_gradients(model, x0, target, t=(0.0, 1.0), solver=Adaptive(rtol=1e-9, atol=1e-11),
-                                  gradient=Adjoint(seminorm=True))
+    semi, _ = parameter_gradients(
+        model, x0, target, t=(0.0, 1.0), solver=Adaptive(rtol=1e-9, atol=1e-11), gradient=Adjoint(seminorm=True)
+    )
     assert relative(semi, direct) < 1e-4
 
 
@@ -63,8 +71,9 @@ class Solved(torch.nn.Module):
         self.gradient = gradient
 
     def forward(self, x0: torch.Tensor) -> torch.Tensor:
-        return solve(ETField(self.model), x0, (0.0, 0.5), solver=Fixed("rk4", step_size=0.05), gradient=self.gradient,
-                     save="final").g
+        return solve(
+            ETField(self.model), x0, (0.0, 0.5), solver=Fixed("rk4", step_size=0.05), gradient=self.gradient, save="final"
+        ).g
 
 
 @pytest.mark.parametrize("grad", ["direct", "adjoint"])
@@ -83,7 +92,7 @@ def test_gradcheck_through_the_solve(grad):
 
 
 def converging_model():
-    """One token with self-attention and sharp softmax memories: converges about like 1/t (see et_ode.manifold)."""
+    """One token with self-attention and sharp softmax memories: converges about like 1/t (see et_ode.dynamics.manifold)."""
     model = random_model(8, 2, 4, 6, hopfield="softmax", beta_hn=10.0, self_attention=True, seed=0)
     with torch.no_grad():
         model.attention.WK.mul_(0.05)
@@ -96,10 +105,12 @@ def test_implicit_equals_direct_through_a_long_converged_solve():
     x0 = torch.randn(2, 1, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     target = torch.randn_like(x0)
     tight = Adaptive(rtol=1e-10, atol=1e-12)
-    adjoint, long_solve = parameter_gradients(model, x0, target, t=(0.0, 1e7), solver=tight,
-                                              gradient="adjoint")  # equals direct backpropagation to 1e-10
-    implicit, fixed = parameter_gradients(model, x0, target, t=(0.0, 1e9), solver=tight, gradient=Implicit(tol=1e-12),
-                                          stop=SteadyState(1e-12))
+    adjoint, long_solve = parameter_gradients(
+        model, x0, target, t=(0.0, 1e7), solver=tight, gradient="adjoint"
+    )  # equals direct backpropagation to 1e-10
+    implicit, fixed = parameter_gradients(
+        model, x0, target, t=(0.0, 1e9), solver=tight, gradient=Implicit(tol=1e-12), stop=SteadyState(1e-12)
+    )
     n_params = sum(p.numel() for p in model.parameters())
     assert fixed.status.value == "steady_state"
     assert relative(implicit[:n_params], adjoint[:n_params]) < 1e-5  # the README's figure; 5.6e-6 measured
@@ -121,8 +132,15 @@ def _implicit_parameter_gradient(model, x0, target, path, tol):
     model.zero_grad()
     field = ETField(model)
     if path == "solve":
-        g = solve(field, x0, (0.0, 1e5), solver=Adaptive(rtol=1e-6, atol=1e-8), stop=SteadyState(1e-4),
-                  gradient=Implicit(tol=tol), save="final").g
+        g = solve(
+            field,
+            x0,
+            (0.0, 1e5),
+            solver=Adaptive(rtol=1e-6, atol=1e-8),
+            stop=SteadyState(1e-4),
+            gradient=Implicit(tol=tol),
+            save="final",
+        ).g
     else:
         g = find_attractor(field, x0, flow=False, implicit=Implicit(tol=tol)).g
     (g - target).square().sum().backward()
@@ -142,8 +160,9 @@ def test_float32_implicit_gradients_agree_with_float64(path):
     x0 = torch.randn(3, 4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     target = torch.randn(3, 4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
     if path == "fixed_point":  # one converged state for both precisions
-        x0 = solve(ETField(model64), x0, (0.0, 1e5), solver=Adaptive(rtol=1e-10, atol=1e-12), stop=SteadyState(1e-10),
-                   save="final").x.detach()
+        x0 = solve(
+            ETField(model64), x0, (0.0, 1e5), solver=Adaptive(rtol=1e-10, atol=1e-12), stop=SteadyState(1e-10), save="final"
+        ).x.detach()
     want = _implicit_parameter_gradient(model64, x0, target, path, tol=1e-12)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the default tolerance is reachable in float32

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from et_ode import EnergyTransformer, ETField, Fixed, solve
-from et_ode.masks import GraphMask
+from et_ode.energy.masks import GraphMask
 
 
 def random_graph(n: int, edges: int, isolated: int, seed: int) -> GraphMask:

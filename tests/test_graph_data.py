@@ -46,14 +46,17 @@ def replace_line(path: Path, line: int, text: str) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
-@pytest.mark.parametrize("file, line, text, message", [
-    ("MUTAG_A.txt", 5, "2, 9999", r"MUTAG_A.txt:5: node id out of range 1..3371"),
-    ("MUTAG_A.txt", 7, "2; x", r"MUTAG_A.txt:7: expected two integer node ids"),
-    ("MUTAG_A.txt", 3, "1, 30", r"MUTAG_A.txt:3: edge \(1, 30\) joins graph 1 and graph 2"),
-    ("MUTAG_A.txt", 4, "1, 2, 3", r"MUTAG_A.txt:4: expected 2 two integer node ids"),
-    ("MUTAG_graph_indicator.txt", 3, "3", r"MUTAG_graph_indicator.txt:3: graph id 3 breaks the order"),
-    ("MUTAG_graph_labels.txt", 2, "positive", r"MUTAG_graph_labels.txt:2: expected one integer graph label"),
-])
+@pytest.mark.parametrize(
+    "file, line, text, message",
+    [
+        ("MUTAG_A.txt", 5, "2, 9999", r"MUTAG_A.txt:5: node id out of range 1..3371"),
+        ("MUTAG_A.txt", 7, "2; x", r"MUTAG_A.txt:7: expected two integer node ids"),
+        ("MUTAG_A.txt", 3, "1, 30", r"MUTAG_A.txt:3: edge \(1, 30\) joins graph 1 and graph 2"),
+        ("MUTAG_A.txt", 4, "1, 2, 3", r"MUTAG_A.txt:4: expected 2 two integer node ids"),
+        ("MUTAG_graph_indicator.txt", 3, "3", r"MUTAG_graph_indicator.txt:3: graph id 3 breaks the order"),
+        ("MUTAG_graph_labels.txt", 2, "positive", r"MUTAG_graph_labels.txt:2: expected one integer graph label"),
+    ],
+)
 def test_malformed_tu_files_name_file_and_line(shared_data, tmp_path, file, line, text, message):
     raw = tu_copy(shared_data, tmp_path)
     replace_line(raw / file, line, text)
@@ -160,8 +163,9 @@ def test_node_split_is_stratified_and_disjoint():
 
 
 def test_random_walk_features_are_return_probabilities_of_matrix_powers():
-    graph = Data(x=torch.ones(5, 1), edge_index=torch.tensor([[0, 1, 1, 2, 2, 3, 3, 0, 0, 4],
-                                                              [1, 0, 2, 1, 3, 2, 0, 3, 4, 0]]))
+    graph = Data(
+        x=torch.ones(5, 1), edge_index=torch.tensor([[0, 1, 1, 2, 2, 3, 3, 0, 0, 4], [1, 0, 2, 1, 3, 2, 0, 3, 4, 0]])
+    )
     add_random_walk_features(graph, 4)
     adjacency = torch.zeros(5, 5, dtype=torch.float64)
     adjacency[graph.edge_index[0], graph.edge_index[1]] = 1.0

@@ -18,16 +18,32 @@ def small_graph(n: int, seed: int, features: int = 3) -> Data:
     chain = torch.stack([nodes, nodes + 1])
     extra = torch.randint(0, n, (2, n), generator=generator)
     edges = torch.cat([chain, extra], dim=1)
-    graph = Data(x=torch.randn(n, features, generator=generator), edge_index=torch.cat([edges, edges.flip(0)], 1),
-                 y=torch.tensor([seed % 2]))
+    graph = Data(
+        x=torch.randn(n, features, generator=generator),
+        edge_index=torch.cat([edges, edges.flip(0)], 1),
+        y=torch.tensor([seed % 2]),
+    )
     return add_laplacian_pe(graph, 4)
 
 
 def model(readout: str = "graph", **kwargs) -> GraphET:
     torch.manual_seed(0)
-    return GraphET(3, 2, dim=8, heads=2, head_dim=4, memories=16, pe_dim=4, readout=readout,
-                   integration=Integration(solver=EulerET(0.1, 5)),
-                   **kwargs).double().eval()
+    return (
+        GraphET(
+            3,
+            2,
+            dim=8,
+            heads=2,
+            head_dim=4,
+            memories=16,
+            pe_dim=4,
+            readout=readout,
+            integration=Integration(solver=EulerET(0.1, 5)),
+            **kwargs,
+        )
+        .double()
+        .eval()
+    )
 
 
 def test_batch_mask_is_block_diagonal_adjacency_plus_cls_links():
@@ -43,8 +59,7 @@ def test_batch_mask_is_block_diagonal_adjacency_plus_cls_links():
     assert torch.equal(mask.to_dense(), expected)
 
 
-@pytest.mark.parametrize("readout, pool", [("graph", "cls"), ("graph", "cls+mean"), ("graph", "cls+sum"),
-                                           ("node", "cls")])
+@pytest.mark.parametrize("readout, pool", [("graph", "cls"), ("graph", "cls+mean"), ("graph", "cls+sum"), ("node", "cls")])
 def test_a_batch_equals_its_graphs_one_by_one(readout, pool):
     graphs = [small_graph(n, seed) for seed, n in enumerate((4, 9, 6))]
     net = model(readout, pool=pool)

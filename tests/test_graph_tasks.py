@@ -15,7 +15,7 @@ from et_ode.cli.graph import add_graph_train_arguments, load_anomaly_graph, pars
 from et_ode.data.graphs import add_laplacian_pe, inject_anomalies, read_tu  # noqa: E402
 from et_ode.tasks import graph as graph_task  # noqa: E402
 from et_ode.tasks.graph import anomaly_metrics, collate_graphs, cross_validate, detect_anomalies, expand_grid  # noqa: E402
-from et_ode.train import TrainConfig, load_checkpoint  # noqa: E402
+from et_ode.training.train import TrainConfig, load_checkpoint  # noqa: E402
 
 SMALL = dict(dim=16, heads=2, head_dim=8, memories=32, steps=4, step=0.2)
 
@@ -35,15 +35,30 @@ def test_nested_selection_never_sees_test_graphs_and_keeps_the_best_candidate(sh
 
     def fake_run(graphs, train_index, test_index, model_kwargs, config, seed, run_dir, meta, ensemble=1):
         # a score that depends on the candidate and the fold, so the choice differs between folds
-        score = (0.5 + 0.1 * model_kwargs["steps"] + (0.3 if config.lr == 1e-2 and meta["fold"] == 1 else 0.0))
-        runs.append(dict(train=set(train_index.tolist()), test=set(test_index.tolist()), steps=model_kwargs["steps"],
-                         lr=config.lr, **meta))
+        score = 0.5 + 0.1 * model_kwargs["steps"] + (0.3 if config.lr == 1e-2 and meta["fold"] == 1 else 0.0)
+        runs.append(
+            dict(
+                train=set(train_index.tolist()),
+                test=set(test_index.tolist()),
+                steps=model_kwargs["steps"],
+                lr=config.lr,
+                **meta,
+            )
+        )
         return {"test_acc": score, "test_loss": 0.0, "test_size": len(test_index)}
 
     monkeypatch.setattr(graph_task, "_train_and_score", fake_run)
     config = TrainConfig(epochs=1, lr=1e-3, device="cpu", progress=False)
-    result = cross_validate(graphs, {**SMALL, "pe_dim": 4}, config, folds=3, seed=0, verbose=False,
-                            grid={"steps": [1, 2], "lr": [1e-3, 1e-2]}, inner_folds=2)
+    result = cross_validate(
+        graphs,
+        {**SMALL, "pe_dim": 4},
+        config,
+        folds=3,
+        seed=0,
+        verbose=False,
+        grid={"steps": [1, 2], "lr": [1e-3, 1e-2]},
+        inner_folds=2,
+    )
     finals = [run for run in runs if "candidate" not in run]
     assert len(finals) == 3 and len(runs) == 3 * (4 * 2 + 1)
     for final in finals:
@@ -79,10 +94,18 @@ def test_an_ensemble_predicts_the_mean_of_its_members_probabilities(shared_data,
 
 def test_grid_options_are_parsed_and_checked():
     assert parse_grid(["lr=1e-3,3e-3", "pool=cls,cls+sum", "head-hidden=0,32", "self_attention=true"]) == {
-        "lr": [1e-3, 3e-3], "pool": ["cls", "cls+sum"], "head_hidden": [0, 32], "self_attention": [True]}
+        "lr": [1e-3, 3e-3],
+        "pool": ["cls", "cls+sum"],
+        "head_hidden": [0, 32],
+        "self_attention": [True],
+    }
     config = TrainConfig()
     assert expand_grid({"lr": [1, 2], "steps": [3, 4]}, config) == [
-        {"lr": 1, "steps": 3}, {"lr": 1, "steps": 4}, {"lr": 2, "steps": 3}, {"lr": 2, "steps": 4}]
+        {"lr": 1, "steps": 3},
+        {"lr": 1, "steps": 4},
+        {"lr": 2, "steps": 3},
+        {"lr": 2, "steps": 4},
+    ]
     assert expand_grid(None, config) == [{}]
     with pytest.raises(ValueError, match="OPTION=V1,V2"):
         parse_grid(["lr"])
@@ -147,9 +170,32 @@ def test_detect_anomalies_runs_all_three_models_reproducibly():
 def test_cli_classify_writes_results_and_resumes(shared_data, tmp_path):
     parser = argparse.ArgumentParser()
     add_graph_train_arguments(parser)
-    argv = ["classify", "--root", str(shared_data), "--folds", "2", "--epochs", "1", "--dim", "8", "--heads", "1",
-            "--head-dim", "4", "--memories", "8", "--steps", "2", "--pe-dim", "4", "--device", "cpu",
-            "--no-progress", "--out", str(tmp_path)]
+    argv = [
+        "classify",
+        "--root",
+        str(shared_data),
+        "--folds",
+        "2",
+        "--epochs",
+        "1",
+        "--dim",
+        "8",
+        "--heads",
+        "1",
+        "--head-dim",
+        "4",
+        "--memories",
+        "8",
+        "--steps",
+        "2",
+        "--pe-dim",
+        "4",
+        "--device",
+        "cpu",
+        "--no-progress",
+        "--out",
+        str(tmp_path),
+    ]
     first = run_graph_train(parser.parse_args(argv))
     saved = json.loads((tmp_path / "cv_results.json").read_text())
     assert saved["accuracies"] == first["accuracies"] and len(first["accuracies"]) == 2
@@ -164,16 +210,48 @@ def test_cli_classify_writes_results_and_resumes(shared_data, tmp_path):
 def test_cli_nested_selection_writes_inner_runs_and_resumes(shared_data, tmp_path, monkeypatch):
     parser = argparse.ArgumentParser()
     add_graph_train_arguments(parser)
-    argv = ["classify", "--root", str(shared_data), "--folds", "2", "--epochs", "1", "--dim", "8", "--heads", "1",
-            "--head-dim", "4", "--memories", "8", "--steps", "2", "--pe-dim", "4", "--rw-steps", "3", "--device",
-            "cpu", "--no-progress", "--out", str(tmp_path), "--grid", "pool=cls,cls+sum", "--inner-folds", "2"]
+    argv = [
+        "classify",
+        "--root",
+        str(shared_data),
+        "--folds",
+        "2",
+        "--epochs",
+        "1",
+        "--dim",
+        "8",
+        "--heads",
+        "1",
+        "--head-dim",
+        "4",
+        "--memories",
+        "8",
+        "--steps",
+        "2",
+        "--pe-dim",
+        "4",
+        "--rw-steps",
+        "3",
+        "--device",
+        "cpu",
+        "--no-progress",
+        "--out",
+        str(tmp_path),
+        "--grid",
+        "pool=cls,cls+sum",
+        "--inner-folds",
+        "2",
+    ]
     first = run_graph_train(parser.parse_args(argv))
     assert all(choice["pool"] in ("cls", "cls+sum") for choice in first["chosen"])
     for fold in range(2):
         result = json.loads((tmp_path / f"fold_{fold}" / "result.json").read_text())
         assert [entry["options"] for entry in result["selection"]] == [{"pool": "cls"}, {"pool": "cls+sum"}]
-        assert all((tmp_path / f"fold_{fold}" / "selection" / f"candidate_{j}" / f"inner_{i}" / "score.json").is_file()
-                   for j in range(2) for i in range(2))
+        assert all(
+            (tmp_path / f"fold_{fold}" / "selection" / f"candidate_{j}" / f"inner_{i}" / "score.json").is_file()
+            for j in range(2)
+            for i in range(2)
+        )
     (tmp_path / "fold_1" / "result.json").unlink()  # an interrupted fold: its finished inner runs are kept
 
     def no_training(*args, **kwargs):
@@ -192,8 +270,19 @@ def test_cli_anomaly_graph_sources(shared_data, tmp_path):
     (tmp_path / "e.txt").write_text("0 1\n1 2\n2 3\n3 0\n")
     (tmp_path / "x.txt").write_text("1 0\n0 1\n1 1\n0 0\n")
     (tmp_path / "y.txt").write_text("0\n0\n1\n0\n")
-    argv = ["anomaly", "--graph", "files", "--edges", str(tmp_path / "e.txt"), "--features", str(tmp_path / "x.txt"),
-            "--labels", str(tmp_path / "y.txt"), "--pe-dim", "2"]
+    argv = [
+        "anomaly",
+        "--graph",
+        "files",
+        "--edges",
+        str(tmp_path / "e.txt"),
+        "--features",
+        str(tmp_path / "x.txt"),
+        "--labels",
+        str(tmp_path / "y.txt"),
+        "--pe-dim",
+        "2",
+    ]
     own = load_anomaly_graph(parser.parse_args(argv))
     assert own.y.tolist() == [0, 0, 1, 0] and own.pe.shape == (4, 2)  # labels given: nothing injected
     with pytest.raises(ValueError, match="--edges and --features"):

@@ -128,8 +128,7 @@ def test_config_round_trip():
 
 def test_film_starts_at_mask_tokens_and_ends_at_forward():
     torch.manual_seed(3)
-    model = ImageET((1, 4, 4), 2, 8, 2, 4, tau=5.0,
-                    integration=Integration(solver=Adaptive(rtol=1e-6, atol=1e-7), t1=0.6))
+    model = ImageET((1, 4, 4), 2, 8, 2, 4, tau=5.0, integration=Integration(solver=Adaptive(rtol=1e-6, atol=1e-7), t1=0.6))
     images, (hidden, _) = torch.rand(2, 1, 4, 4), random_masks(2, 4, 0.5)
     frames, solution = model.film(images, hidden, times=[0.0, 0.3, 0.6], keep_visible=False)
     assert solution.stats.nfe_forward < 200
@@ -157,8 +156,11 @@ def test_mean_baseline_is_the_training_mean():
         for p in range(4):
             if scored[i, p]:
                 r, c = divmod(p, 2)
-                errors.append((images[i, :, 2 * r:2 * r + 2, 2 * c:2 * c + 2] - mean[:, 2 * r:2 * r + 2, 2 * c:2 * c + 2])
-                              .square().flatten())
+                errors.append(
+                    (images[i, :, 2 * r : 2 * r + 2, 2 * c : 2 * c + 2] - mean[:, 2 * r : 2 * r + 2, 2 * c : 2 * c + 2])
+                    .square()
+                    .flatten()
+                )
     assert metrics["mse"] == pytest.approx(torch.cat(errors).mean().item(), rel=1e-6)
 
 
@@ -170,8 +172,10 @@ def test_nearest_neighbour_matches_brute_force():
     guess = NearestNeighbour(train, 2, chunk=16)(images, hidden)
     for i in range(7):
         visible = (~hidden[i]).repeat_interleave(4)
-        distances = [(patchify(images[i:i + 1], 2) - patchify(train[j:j + 1], 2)).flatten()[visible].square().sum()
-                     for j in range(40)]
+        distances = [
+            (patchify(images[i : i + 1], 2) - patchify(train[j : j + 1], 2)).flatten()[visible].square().sum()
+            for j in range(40)
+        ]
         best = int(torch.stack(distances).argmin())
         assert int(guess.extra["index"][i]) == best
-        assert torch.equal(guess.patches[i], patchify(train[best:best + 1], 2)[0])
+        assert torch.equal(guess.patches[i], patchify(train[best : best + 1], 2)[0])

@@ -41,15 +41,34 @@ def test_knn_fill_is_the_mean_of_the_nearest_on_visible_patches(recipe):
         expected = torch.where(hidden[b][:, None], bank[nearest].mean(0), target[b])
         torch.testing.assert_close(recipe.patchify(filled, 4)[b], expected)
         # leaving out the nearest one (the image itself, in training) gives the next nearest
-        alone = recipe.knn_fill(bank, images[b:b + 1], hidden[b:b + 1], exclude=nearest[:1], k=1, chunk=7)
+        alone = recipe.knn_fill(bank, images[b : b + 1], hidden[b : b + 1], exclude=nearest[:1], k=1, chunk=7)
         expected = torch.where(hidden[b][:, None], bank[nearest[1]], target[b])
         torch.testing.assert_close(recipe.patchify(alone, 4)[0], expected)
 
 
 def test_train_resume_and_evaluate_at_a_tiny_size(recipe, tmp_path, capsys):
     out = tmp_path / "run"
-    common = ["train", "--data", "photos", "--out", str(out), "--limit", "40", "--dim", "8", "--heads", "2",
-              "--head-dim", "4", "--batch", "8", "--planned-steps", "4", "--print-every", "1"]
+    common = [
+        "train",
+        "--data",
+        "photos",
+        "--out",
+        str(out),
+        "--limit",
+        "40",
+        "--dim",
+        "8",
+        "--heads",
+        "2",
+        "--head-dim",
+        "4",
+        "--batch",
+        "8",
+        "--planned-steps",
+        "4",
+        "--print-every",
+        "1",
+    ]
     recipe.main([*common[:-4], "--planned-steps", "4", "--minutes", "0"])  # a zero budget: nothing trained yet
     recipe.main(common)
     text = capsys.readouterr().out
@@ -57,8 +76,14 @@ def test_train_resume_and_evaluate_at_a_tiny_size(recipe, tmp_path, capsys):
     assert json.loads(text.strip().splitlines()[-1])["steps"] == 4
     recipe.main(["evaluate", "--out", str(out), "--split", "val"])
     scores = json.loads((out / "evaluate_val.json").read_text())
-    assert set(scores) == {"as trained", "dopri5, rtol 0.001", "dopri5, rtol 1e-06", "12 Euler steps", "fill alone",
-                           "per photograph"}
+    assert set(scores) == {
+        "as trained",
+        "dopri5, rtol 0.001",
+        "dopri5, rtol 1e-06",
+        "12 Euler steps",
+        "fill alone",
+        "per photograph",
+    }
     assert scores["dopri5, rtol 1e-06"]["nfe_per_batch"] > scores["dopri5, rtol 0.001"]["nfe_per_batch"]
     with pytest.raises(SystemExit, match="other settings"):
         recipe.main([*common, "--dim", "16"])
@@ -69,9 +94,39 @@ def test_rgb_and_32_pixel_tiles_euler_training_and_per_photograph_scores(recipe,
     test = recipe.photo_split("test", 32, 3)
     assert test.images.shape[1:] == (3, 32, 32)
     out = tmp_path / "rgb32"
-    recipe.main(["train", "--data", "photos", "--tile", "32", "--channels", "3", "--method", "et", "--steps", "3",
-                 "--gradient", "direct", "--out", str(out), "--limit", "60", "--dim", "8", "--heads", "2",
-                 "--head-dim", "4", "--batch", "4", "--planned-steps", "2", "--print-every", "1"])
+    recipe.main(
+        [
+            "train",
+            "--data",
+            "photos",
+            "--tile",
+            "32",
+            "--channels",
+            "3",
+            "--method",
+            "et",
+            "--steps",
+            "3",
+            "--gradient",
+            "direct",
+            "--out",
+            str(out),
+            "--limit",
+            "60",
+            "--dim",
+            "8",
+            "--heads",
+            "2",
+            "--head-dim",
+            "4",
+            "--batch",
+            "4",
+            "--planned-steps",
+            "2",
+            "--print-every",
+            "1",
+        ]
+    )
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["nfe_per_step"] == [3, 0]  # 3 Euler steps, backpropagated (no adjoint evaluations)
     recipe.main(["evaluate", "--out", str(out), "--split", "test"])
@@ -82,9 +137,20 @@ def test_rgb_and_32_pixel_tiles_euler_training_and_per_photograph_scores(recipe,
     hidden = recipe.split_masks("test", 60, 64)
     pixels = recipe.pixel_mask(hidden, (3, 32, 32))[:, None].expand_as(x)
     from skimage.restoration import inpaint_biharmonic
-    reference = sum(float(((torch.from_numpy(inpaint_biharmonic(x[b].permute(1, 2, 0).double().numpy(),
-                                                                pixels[b, 0].numpy(), channel_axis=-1))
-                            .permute(2, 0, 1) - x[b]).square()[pixels[b]]).sum()) for b in range(60))
+
+    reference = sum(
+        float(
+            (
+                (
+                    torch.from_numpy(
+                        inpaint_biharmonic(x[b].permute(1, 2, 0).double().numpy(), pixels[b, 0].numpy(), channel_axis=-1)
+                    ).permute(2, 0, 1)
+                    - x[b]
+                ).square()[pixels[b]]
+            ).sum()
+        )
+        for b in range(60)
+    )
     assert scores["fill alone"]["mse"] == pytest.approx(reference / float(pixels.sum()), rel=1e-4)
     # the first 60 test tiles are all of the first test photograph
     assert list(scores["per photograph"]) == [test.sources[0]] == list(set(test.sources[:60]))
@@ -106,6 +172,7 @@ def test_per_source_scores_pool_the_pixels_of_each_source(recipe):
 
 def recipe_patchify(images):
     from et_ode.models import patchify
+
     return patchify(images, 4)
 
 
@@ -134,17 +201,46 @@ def test_knn_et_starts_as_its_fill_and_blends_the_neighbours(recipe, context):
         torch.testing.assert_close(start, recipe_patchify(recipe.knn_fill(bank, images, hidden, k=3)))
         if context == "retrieval":  # a weigher that trusts the second-nearest neighbour only returns its patches
             model.weigher.bias.copy_(torch.tensor([0.0, 60.0, 0.0]))
-            torch.testing.assert_close(model(images, hidden).patches,
-                                       torch.where(hidden[..., None], bank[nearest[:, 1]], target))
+            torch.testing.assert_close(
+                model(images, hidden).patches, torch.where(hidden[..., None], bank[nearest[:, 1]], target)
+            )
             # a visible token carries each neighbour's centred squared error on its patch; a hidden one none
             assert model.encoder.in_features == 3 * 16 + 3
 
 
 def test_knn_retrieval_trains_and_evaluates_at_a_tiny_size(recipe, tmp_path, capsys):
     out = tmp_path / "knn"
-    recipe.main(["train", "--data", "photos", "--out", str(out), "--limit", "40", "--fill", "knn", "--k", "3",
-                 "--context", "retrieval", "--augment", "0", "--dim", "8", "--heads", "2", "--head-dim", "4",
-                 "--batch", "8", "--planned-steps", "2", "--print-every", "1"])
+    recipe.main(
+        [
+            "train",
+            "--data",
+            "photos",
+            "--out",
+            str(out),
+            "--limit",
+            "40",
+            "--fill",
+            "knn",
+            "--k",
+            "3",
+            "--context",
+            "retrieval",
+            "--augment",
+            "0",
+            "--dim",
+            "8",
+            "--heads",
+            "2",
+            "--head-dim",
+            "4",
+            "--batch",
+            "8",
+            "--planned-steps",
+            "2",
+            "--print-every",
+            "1",
+        ]
+    )
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["steps"] == 2
     recipe.main(["evaluate", "--out", str(out), "--split", "val"])
     scores = json.loads((out / "evaluate_val.json").read_text())

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from et_ode._checks import check_normalisable
+from et_ode.energy.checks import check_normalisable
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -37,11 +37,12 @@ def test_empty_state_passes():
 def test_check_tokens_applies_the_same_bound_from_its_own_pass(dtype, monkeypatch):
     """``check_tokens(..., normalisable=True)`` (what ``solve`` runs on ``x0``) rejects exactly the states that
     ``check_normalisable`` rejects, reading ``x`` once for both the finiteness and the overflow checks."""
-    from et_ode import _checks
+
+    from et_ode.energy import checks
 
     passes = []
-    counted = _checks.value_range
-    monkeypatch.setattr(_checks, "value_range", lambda x: passes.append(1) or counted(x))
+    counted = checks.value_range
+    monkeypatch.setattr(checks, "value_range", lambda x: passes.append(1) or counted(x))
     dim = 8
     largest = torch.finfo(dtype).max
     for scale in (1.0, math.sqrt(largest / (4 * dim)) / 2 * 1.1, math.sqrt(largest) * 0.9, math.sqrt(largest) * 1.1):
@@ -54,10 +55,10 @@ def test_check_tokens_applies_the_same_bound_from_its_own_pass(dtype, monkeypatc
             expected = str(error)
         passes.clear()
         if expected is None:
-            assert _checks.check_tokens("x0", x, dim, normalisable=True) is x
+            assert checks.check_tokens("x0", x, dim, normalisable=True) is x
         else:
             with pytest.raises(ValueError) as raised:
-                _checks.check_tokens("x0", x, dim, normalisable=True)
+                checks.check_tokens("x0", x, dim, normalisable=True)
             assert str(raised.value) == expected
         assert len(passes) == 1
 

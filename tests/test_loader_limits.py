@@ -17,12 +17,12 @@ import torch
 
 from et_ode import EnergyTransformer
 from et_ode.data.images import check_image, read_idx, read_photo, read_png
-from et_ode.io import load_model, save_model
 from et_ode.models.image import MAX_PARAMETERS, ImageET
 from et_ode.models.official import OFFICIAL_KEYS, load_official, official_arrays, read_official
-from et_ode.statefile import FileFormatError, describe, read_npz
 from et_ode.tasks.image import ImageRunConfig, load_trained
-from et_ode.train import load_checkpoint, save_checkpoint
+from et_ode.training.io import load_model, save_model
+from et_ode.training.statefile import FileFormatError, describe, read_npz
+from et_ode.training.train import load_checkpoint, save_checkpoint
 
 
 def _safetensors(path, header: dict, body: bytes = b"") -> None:
@@ -41,13 +41,18 @@ def test_a_safetensors_metadata_that_is_not_a_table_is_named(tmp_path, metadata)
     assert caught.value.key == "__metadata__" and caught.value.path == path
 
 
-@pytest.mark.parametrize("entry", [{"dtype": "F32", "shape": [2**40, 2**10], "data_offsets": [0, 4]},
-                                   {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]},
-                                   {"dtype": "F32", "shape": "big", "data_offsets": [0, 4]}, "not an entry"])
+@pytest.mark.parametrize(
+    "entry",
+    [
+        {"dtype": "F32", "shape": [2**40, 2**10], "data_offsets": [0, 4]},
+        {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]},
+        {"dtype": "F32", "shape": "big", "data_offsets": [0, 4]},
+        "not an entry",
+    ],
+)
 def test_a_safetensors_header_declaring_absurd_tensors_is_refused(tmp_path, entry):
     path = tmp_path / "checkpoint.safetensors"
-    _safetensors(path, {"__metadata__": {"format": "et-ode/training-checkpoint/2", "state": "{}"}, "w": entry},
-                 b"\0" * 8)
+    _safetensors(path, {"__metadata__": {"format": "et-ode/training-checkpoint/2", "state": "{}"}, "w": entry}, b"\0" * 8)
     with pytest.raises(FileFormatError, match=r"key 'w'"):
         load_checkpoint(path)
 
@@ -146,12 +151,12 @@ def test_an_idx_bomb_is_refused_from_its_header(tmp_path):
 # ------------------------------------------------------------------------------------------ images
 def _png_header_only(path, width: int, height: int) -> None:
     """A PNG whose header claims ``width x height`` grey pixels (its data is never needed to read the size)."""
+
     def chunk(kind: bytes, data: bytes) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
 
     ihdr = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
-    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"")) +
-                     chunk(b"IEND", b""))
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b""))
 
 
 @pytest.mark.parametrize("side", [10_000, 20_000])
@@ -167,8 +172,9 @@ def test_image_bombs_are_refused_from_their_header(tmp_path, side):
 def test_a_model_file_asking_for_absurd_sizes_is_refused_unallocated(tmp_path):
     path = tmp_path / "model.pt"
     config = {"dim": 200_000, "heads": 1, "head_dim": 4, "memories": 200_000}
-    torch.save({"format": "et-ode/energy-transformer/1", "config": config, "state_dict": {"w": torch.zeros(1)},
-                "meta": {}}, path)
+    torch.save(
+        {"format": "et-ode/energy-transformer/1", "config": config, "state_dict": {"w": torch.zeros(1)}, "meta": {}}, path
+    )
     with pytest.raises(FileFormatError, match=rf"model.pt, key 'config'.*more than the {MAX_PARAMETERS}"):
         load_model(path)
 
@@ -194,16 +200,19 @@ def _trained_file(tmp_path, edit) -> object:
     return path
 
 
-@pytest.mark.parametrize("edit, key", [
-    (lambda s: s["meta"]["model"].pop("dim"), "meta.model"),
-    (lambda s: s["meta"]["model"]["integration"].update(solver={"bogus": 1}), "meta.model"),
-    (lambda s: s["meta"]["model"].update(integration="text"), "meta.model"),
-    (lambda s: s["meta"]["model"].update(dim=200_000, memories=200_000), "meta.model"),
-    (lambda s: s["meta"]["model"].update(memories=12), "model"),
-    (lambda s: s["model"].pop("decoder.bias"), "model"),
-    (lambda s: s["meta"].update(run="not a run"), "meta.run"),
-    (lambda s: s.update(meta="text"), "meta"),
-])
+@pytest.mark.parametrize(
+    "edit, key",
+    [
+        (lambda s: s["meta"]["model"].pop("dim"), "meta.model"),
+        (lambda s: s["meta"]["model"]["integration"].update(solver={"bogus": 1}), "meta.model"),
+        (lambda s: s["meta"]["model"].update(integration="text"), "meta.model"),
+        (lambda s: s["meta"]["model"].update(dim=200_000, memories=200_000), "meta.model"),
+        (lambda s: s["meta"]["model"].update(memories=12), "model"),
+        (lambda s: s["model"].pop("decoder.bias"), "model"),
+        (lambda s: s["meta"].update(run="not a run"), "meta.run"),
+        (lambda s: s.update(meta="text"), "meta"),
+    ],
+)
 def test_a_trained_checkpoint_that_does_not_make_its_model_is_named(tmp_path, edit, key):
     path = _trained_file(tmp_path, edit)
     with pytest.raises(FileFormatError, match=rf"checkpoint.safetensors, key '{key}'") as caught:
@@ -231,9 +240,14 @@ def test_a_tu_file_linked_to_a_device_is_refused_unread(tmp_path):
         check_tu_files(tmp_path, "T")
 
 
-@pytest.mark.parametrize("content, message", [(b"1, 2\n\xff\xfe\x00\x01\n", r"T_A.txt: not a text file"),
-                                              (b"1, 2\n1, " + b"9" * 30 + b"\n", r"T_A.txt:2: expected two"),
-                                              (b"1, 2\n1, " + b"9" * 5000 + b"\n", r"T_A.txt:2: expected two")])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (b"1, 2\n\xff\xfe\x00\x01\n", r"T_A.txt: not a text file"),
+        (b"1, 2\n1, " + b"9" * 30 + b"\n", r"T_A.txt:2: expected two"),
+        (b"1, 2\n1, " + b"9" * 5000 + b"\n", r"T_A.txt:2: expected two"),
+    ],
+)
 def test_tu_text_that_is_binary_or_out_of_range_is_named_by_line(tmp_path, content, message):
     from et_ode.data.graphs import check_tu_files
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from et_ode import EnergyTransformer, ETField
-from et_ode.io import load_model, save_model
+from et_ode.training.io import load_model, save_model
 from tests.conftest import random_model
 
 
@@ -32,13 +32,16 @@ def test_from_tensors_holds_exactly_the_given_weights():
     torch.testing.assert_close(model.energy(x), e_att + e_hn, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("name, tensors, word", [
-    ("WK rank", dict(WK=torch.randn(3, 6)), "WK"),
-    ("WQ shape", dict(WQ=torch.randn(2, 3, 5)), "WQ"),
-    ("xi dim", dict(xi=torch.randn(10, 5)), "xi"),
-    ("delta", dict(delta=torch.randn(5)), "delta"),
-    ("gamma", dict(gamma=-1.0), "gamma"),
-])
+@pytest.mark.parametrize(
+    "name, tensors, word",
+    [
+        ("WK rank", dict(WK=torch.randn(3, 6)), "WK"),
+        ("WQ shape", dict(WQ=torch.randn(2, 3, 5)), "WQ"),
+        ("xi dim", dict(xi=torch.randn(10, 5)), "xi"),
+        ("delta", dict(delta=torch.randn(5)), "delta"),
+        ("gamma", dict(gamma=-1.0), "gamma"),
+    ],
+)
 def test_from_tensors_rejects_bad_shapes(name, tensors, word):
     args = dict(WK=torch.randn(2, 3, 6), WQ=torch.randn(2, 3, 6), xi=torch.randn(10, 6), gamma=1.0, delta=torch.zeros(6))
     args.update(tensors)
@@ -115,8 +118,15 @@ def test_float64_models_hold_float64_constants_exactly(build):
         model = EnergyTransformer(16, 2, 8, 32, **options, dtype=torch.float64)
     else:
         w = torch.randn(3, 2, 8, 16, dtype=torch.float64) / 4
-        model = EnergyTransformer.from_tensors(w[0], w[1], torch.randn(32, 16, dtype=torch.float64) / 4, 0.9,
-                                               torch.zeros(16, dtype=torch.float64), beta=beta, **options)
+        model = EnergyTransformer.from_tensors(
+            w[0],
+            w[1],
+            torch.randn(32, 16, dtype=torch.float64) / 4,
+            0.9,
+            torch.zeros(16, dtype=torch.float64),
+            beta=beta,
+            **options,
+        )
     assert model.attention.beta.dtype == torch.float64
     assert model.attention.beta.tolist() == [beta, beta]
     assert model.hopfield.beta == beta_hn and model.neuron.eps == eps

@@ -26,8 +26,8 @@ from et_ode import (
     SteadyState,
     solve,
 )
-from et_ode.gradients import implicit_attractor
-from et_ode.neurons import radial_direction, tangent_projection
+from et_ode.energy.neurons import radial_direction, tangent_projection
+from et_ode.equilibrium.implicit import implicit_attractor
 from tests.conftest import hand_rk4, random_model
 
 
@@ -35,14 +35,17 @@ def _state(batch: int = 2, n: int = 4, seed: int = 0) -> torch.Tensor:
     return torch.randn(batch, n, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("kwargs", [
-    dict(t=(0.0, 100.0), solver=Adaptive(rtol=1e-6, atol=1e-8), stop=SteadyState(1e-3)),
-    dict(t=(0.0, 1e3), solver="bosh3", stop=SteadyState(0.1, measure="tangent_gradient")),
-    dict(t=(0.0, 100.0), solver="dopri5", stop=SteadyState(1e-3, per_sample=True), save="final"),
-    dict(solver=EulerET(0.1, 400), stop=SteadyState(1e-2)),
-    dict(t=torch.linspace(0.0, 100.0, 5, dtype=torch.float64), solver="dopri5", stop=SteadyState(1e-3)),
-    dict(t=(0.0, 2.0), solver=Fixed("rk4", step_size=0.1)),
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(t=(0.0, 100.0), solver=Adaptive(rtol=1e-6, atol=1e-8), stop=SteadyState(1e-3)),
+        dict(t=(0.0, 1e3), solver="bosh3", stop=SteadyState(0.1, measure="tangent_gradient")),
+        dict(t=(0.0, 100.0), solver="dopri5", stop=SteadyState(1e-3, per_sample=True), save="final"),
+        dict(solver=EulerET(0.1, 400), stop=SteadyState(1e-2)),
+        dict(t=torch.linspace(0.0, 100.0, 5, dtype=torch.float64), solver="dopri5", stop=SteadyState(1e-3)),
+        dict(t=(0.0, 2.0), solver=Fixed("rk4", step_size=0.1)),
+    ],
+)
 def test_nfe_counts_every_evaluation_of_the_dynamics(monkeypatch, kwargs):
     """``stats.nfe_forward`` is the number of times the model's dynamics were evaluated during the solve, the stop
     test's evaluations included: counted here at ``ETField.velocity``, the one place the field computes them."""
@@ -74,8 +77,10 @@ def test_a_failed_solve_returns_its_last_state_with_its_layer_norm():
     assert partial.ts.tolist() == [caught.value.time] and partial.xs.shape == (1, *x0.shape)
     x = partial.x
     centred = x - x.mean(dim=-1, keepdim=True)
-    expected_g = float(model.neuron.gamma.detach()) * centred / torch.sqrt(centred.square().mean(-1, keepdim=True) + 0.05) \
+    expected_g = (
+        float(model.neuron.gamma.detach()) * centred / torch.sqrt(centred.square().mean(-1, keepdim=True) + 0.05)
         + model.neuron.delta
+    )
     torch.testing.assert_close(partial.g, expected_g, rtol=1e-12, atol=1e-12)
     assert isinstance(partial.stats.wall_time, float) and partial.stats.wall_time > 0
 
@@ -102,12 +107,15 @@ def test_fixed_step_budget_counts_the_whole_grid_before_any_work():
     assert field.nfe == 0
 
 
-@pytest.mark.parametrize("make, error, message", [
-    (lambda: Implicit(tol=math.inf), ValueError, "Implicit.tol must be a positive finite number"),
-    (lambda: Implicit(tol=math.nan), ValueError, "Implicit.tol must be a positive finite number"),
-    (lambda: Fixed("dopri5"), ValueError, r"Fixed.method .*, got 'dopri5' \(an adaptive method: use Adaptive\)$"),
-    (lambda: Fixed("euler", options=3), TypeError, "Fixed.options must be a dict"),
-])
+@pytest.mark.parametrize(
+    "make, error, message",
+    [
+        (lambda: Implicit(tol=math.inf), ValueError, "Implicit.tol must be a positive finite number"),
+        (lambda: Implicit(tol=math.nan), ValueError, "Implicit.tol must be a positive finite number"),
+        (lambda: Fixed("dopri5"), ValueError, r"Fixed.method .*, got 'dopri5' \(an adaptive method: use Adaptive\)$"),
+        (lambda: Fixed("euler", options=3), TypeError, "Fixed.options must be a dict"),
+    ],
+)
 def test_settings_refuse_bad_values_and_say_what_to_use(make, error, message):
     with pytest.raises(error, match=message):
         make()
@@ -200,17 +208,24 @@ def test_a_model_is_built_on_the_device_it_is_given(hopfield):
     model = EnergyTransformer(8, 2, 4, 12, hopfield=hopfield, device="meta", dtype=torch.float64)
     assert {t.device.type for t in (*model.parameters(), *model.buffers())} == {"meta"}
     g = torch.empty(2, 5, 8, device="meta", dtype=torch.float64)
-    for value, shape in ((model._energy_g(g, None), (2,)), (model._dE_dg(g, None), (2, 5, 8)),
-                         (model.attention.attention(g), (2, 2, 5, 5)), (model.neuron(g), (2, 5, 8))):
+    for value, shape in (
+        (model._energy_g(g, None), (2,)),
+        (model._dE_dg(g, None), (2, 5, 8)),
+        (model.attention.attention(g), (2, 2, 5, 5)),
+        (model.neuron(g), (2, 5, 8)),
+    ):
         assert value.device.type == "meta" and value.shape == shape
     grid = EulerET(0.1, 4).time_grid(None, 1.0, torch.device("meta"), 10)
     assert grid.device.type == "meta" and grid.shape == (5,)
 
 
-@pytest.mark.parametrize("make, message", [
-    (lambda: EnergyAttention(6, 2, 0), "head_dim must be a positive integer, got 0"),
-    (lambda: EnergyAttention(6, 0, 3), "heads must be a positive integer, got 0"),
-])
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: EnergyAttention(6, 2, 0), "head_dim must be a positive integer, got 0"),
+        (lambda: EnergyAttention(6, 0, 3), "heads must be a positive integer, got 0"),
+    ],
+)
 def test_sizes_are_refused_by_name(make, message):
     with pytest.raises(ValueError, match=message):
         make()
@@ -224,13 +239,19 @@ def test_implicit_gradients_refuse_uncertified_points_and_say_what_to_raise():
     spheres_and_x = torch.tensor([False, True])
     weights = _state(batch=2, n=3, seed=1)  # a loss the spheres' tangent projection does not annihilate
     g = implicit_attractor(field, x, in_x=spheres_and_x, certified=torch.tensor([True, False]))
-    with pytest.raises(AttractorError, match=r"no implicit gradient at sample\(s\) \[1\]: not a certified stable "
-                                             r"attractor .*; see Attractor.kind and Attractor.converged"):
+    with pytest.raises(
+        AttractorError,
+        match=r"no implicit gradient at sample\(s\) \[1\]: not a certified stable "
+        r"attractor .*; see Attractor.kind and Attractor.converged",
+    ):
         (g * weights).sum().backward()
     g = implicit_attractor(field, x, in_x=spheres_and_x, certified=torch.tensor([True, True]), max_iter=1)
-    with pytest.warns(RuntimeWarning, match=r"stopped after 1 iterations .*; raise max_iter of the Implicit settings "
-                                            r"\(solve's gradient=, find_attractor's implicit=, AttractorReadout's "
-                                            r"implicit=\)"):
+    with pytest.warns(
+        RuntimeWarning,
+        match=r"stopped after 1 iterations .*; raise max_iter of the Implicit settings "
+        r"\(solve's gradient=, find_attractor's implicit=, AttractorReadout's "
+        r"implicit=\)",
+    ):
         (g * weights).sum().backward()
 
 
@@ -285,7 +306,7 @@ def test_a_state_too_large_for_float32_names_the_token():
 def test_a_onednn_giving_wrong_products_is_refused_by_the_probe(monkeypatch):
     """The fused field uses oneDNN's packed GEMM only where a probe product is right: a build returning the right
     shape with wrong values (here zeros) must make the probe fail, so that the field falls back to ``matmul``."""
-    from et_ode import fused
+    from et_ode.kernels import fused
 
     monkeypatch.setattr(fused, "_onednn_linear", lambda x, weight: x.new_zeros(x.shape[0], weight.shape[0]))
     assert not fused._probe_onednn(torch.float32)
@@ -309,7 +330,7 @@ def test_a_state_on_another_device_is_refused_by_name():
 
 def test_the_reference_back_end_never_runs_the_fused_kernels(monkeypatch):
     """``backend="reference"`` evaluates the model's closed-form ``dE/dg`` (bit for bit), at every ``tau``."""
-    from et_ode.fused import FusedGrad
+    from et_ode.kernels.fused import FusedGrad
 
     def refuse(*args, **kwargs):
         raise AssertionError("the fused kernels ran for backend='reference'")
@@ -359,7 +380,7 @@ def test_a_fixed_step_solve_without_gradients_saves_every_grid_time():
         final = solve(field, x0, grid, solver="rk4", save="final")
     assert every.xs.shape == (5, *x0.shape) and torch.equal(every.ts, grid)
     for k, got in enumerate(every.xs):  # bit for bit: the hand loop over the grid up to each saved time
-        assert torch.equal(got, hand_rk4(field, x0, grid[:k + 1]))
+        assert torch.equal(got, hand_rk4(field, x0, grid[: k + 1]))
     assert final.ts.tolist() == [0.5] and torch.equal(final.x, hand_rk4(field, x0, grid))
 
 

@@ -63,8 +63,10 @@ def test_times_that_are_not_numbers_are_a_type_error_naming_t(t):
         solve(field, torch.randn(1, 3, 8), t)
 
 
-@pytest.mark.parametrize("setting, value", [("train_limit", 0), ("train_limit", -1), ("test_limit", 0),
-                                            ("memories", 0), ("val_size", -1), ("tile", 0)])
+@pytest.mark.parametrize(
+    "setting, value",
+    [("train_limit", 0), ("train_limit", -1), ("test_limit", 0), ("memories", 0), ("val_size", -1), ("tile", 0)],
+)
 def test_image_run_counts_have_ranges(setting, value):
     from et_ode.tasks.image import ImageRunConfig
 

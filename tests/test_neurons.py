@@ -46,8 +46,9 @@ def test_hessian_is_positive_semidefinite_with_known_spectrum():
     sigma = torch.sqrt(xt.square().mean() + neuron.eps)
     gamma = neuron.gamma.detach()
     expected = sorted([0.0, float(gamma * neuron.eps / sigma**3)] + [float(gamma / sigma)] * 4)
-    torch.testing.assert_close(torch.linalg.eigvalsh(hessian), torch.tensor(expected, dtype=torch.float64),
-                               rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(
+        torch.linalg.eigvalsh(hessian), torch.tensor(expected, dtype=torch.float64), rtol=1e-9, atol=1e-12
+    )
 
 
 def test_gamma_stays_positive_for_any_raw_value():
@@ -57,8 +58,9 @@ def test_gamma_stays_positive_for_any_raw_value():
     assert float(neuron.gamma.detach()) > 0
 
 
-@pytest.mark.parametrize("kwargs, word", [({"gamma": 0.0}, "gamma"), ({"gamma": -1.0}, "gamma"),
-                                          ({"eps": 0.0}, "eps"), ({"eps": -1e-5}, "eps")])
+@pytest.mark.parametrize(
+    "kwargs, word", [({"gamma": 0.0}, "gamma"), ({"gamma": -1.0}, "gamma"), ({"eps": 0.0}, "eps"), ({"eps": -1e-5}, "eps")]
+)
 def test_non_positive_gamma_or_eps_rejected(kwargs, word):
     with pytest.raises(ValueError, match=word):
         LayerNormNeuron(8, **kwargs)

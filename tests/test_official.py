@@ -132,8 +132,19 @@ def test_round_trip_is_bit_exact(official, tmp_path, dtype):
 def test_round_trip_of_a_fresh_model_at_another_size(tmp_path):
     """A rectangular image, 2 channels: the layout is general, and every tensor lands where it came from."""
     torch.manual_seed(0)
-    model = ImageET((2, 8, 12), 4, 16, 2, 8, 24, cls_token=True, self_attention=True, cls_position=True,
-                    renormalize=True, integration=official_integration())
+    model = ImageET(
+        (2, 8, 12),
+        4,
+        16,
+        2,
+        8,
+        24,
+        cls_token=True,
+        self_attention=True,
+        cls_position=True,
+        renormalize=True,
+        integration=official_integration(),
+    )
     path = save_official(model, tmp_path / "fresh.npz")
     loaded = load_official(path, (2, 8, 12), 4)
     images = torch.randn(3, 2, 8, 12)
@@ -237,8 +248,9 @@ def test_new_options_survive_the_config():
 def test_normalization_is_the_releases():
     pixels = torch.randint(0, 256, (2, 3, 4, 5), dtype=torch.uint8)
     normalized = normalize_pixels(pixels)
-    expected = (pixels.numpy().astype(np.float64) / 255 - np.array(IMAGENET_MEAN)[:, None, None]) / np.array(
-        IMAGENET_STD)[:, None, None]
+    expected = (pixels.numpy().astype(np.float64) / 255 - np.array(IMAGENET_MEAN)[:, None, None]) / np.array(IMAGENET_STD)[
+        :, None, None
+    ]
     assert normalized.dtype == torch.float64
     np.testing.assert_allclose(normalized.numpy(), expected, rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(denormalize(normalized).numpy(), pixels.numpy() / 255, rtol=0, atol=1e-12)

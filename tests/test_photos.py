@@ -57,9 +57,32 @@ def test_read_photo_scales_and_crops(tmp_path):
 def test_complete_official_cli_end_to_end(checkpoint, tmp_path, capsys):
     photos = _photos(tmp_path, [(45, 60), (50, 37)])
     out = tmp_path / "out"
-    argv = ["complete", "--official", str(checkpoint), "--image", str(photos[0]), "--image", str(photos[1]),
-            "--image-shape", "3", "32", "32", "--patch", "8", "--masked", "6", "--seed", "3", "--out", str(out),
-            "--t-max", "3", "--steady-state", "0.05", "--no-progress"]
+    argv = [
+        "complete",
+        "--official",
+        str(checkpoint),
+        "--image",
+        str(photos[0]),
+        "--image",
+        str(photos[1]),
+        "--image-shape",
+        "3",
+        "32",
+        "32",
+        "--patch",
+        "8",
+        "--masked",
+        "6",
+        "--seed",
+        "3",
+        "--out",
+        str(out),
+        "--t-max",
+        "3",
+        "--steady-state",
+        "0.05",
+        "--no-progress",
+    ]
     assert main(argv) == 0
     printed = json.loads(capsys.readouterr().out)
     assert set(printed["photos"]) == {str(p) for p in photos}
@@ -79,8 +102,12 @@ def test_complete_official_cli_end_to_end(checkpoint, tmp_path, capsys):
     with torch.no_grad():
         official = unpatchify(model(images, hidden).patches, PATCH, SHAPE)
         dopri5 = Integration(solver=Adaptive(rtol=1e-5, atol=1e-7), gradient="direct", t1=1.2, max_steps=2000)
-        adaptive = torch.cat([unpatchify(model(images[k:k + 1], hidden[k:k + 1], integration=dopri5).patches, PATCH, SHAPE)
-                              for k in range(2)])  # one photo per solve: the CLI's step-size control is per photo
+        adaptive = torch.cat(
+            [
+                unpatchify(model(images[k : k + 1], hidden[k : k + 1], integration=dopri5).patches, PATCH, SHAPE)
+                for k in range(2)
+            ]
+        )  # one photo per solve: the CLI's step-size control is per photo
     # (float32 products may round differently for a batch of 1 and of 2: equal to float32 rounding, not bitwise)
     assert torch.allclose(saved["euler"], official, rtol=1e-5, atol=1e-5)
     assert torch.allclose(saved["dopri5"], adaptive, rtol=1e-5, atol=1e-5)
@@ -105,8 +132,21 @@ def test_complete_official_cli_end_to_end(checkpoint, tmp_path, capsys):
 
 def test_complete_official_argument_errors(checkpoint, tmp_path, capsys):
     photo = _photos(tmp_path, [(8, 8)])[0]
-    base = ["complete", "--official", str(checkpoint), "--image", str(photo), "--image-shape", "3", "32", "32",
-            "--patch", "8", "--out", str(tmp_path / "o")]
+    base = [
+        "complete",
+        "--official",
+        str(checkpoint),
+        "--image",
+        str(photo),
+        "--image-shape",
+        "3",
+        "32",
+        "32",
+        "--patch",
+        "8",
+        "--out",
+        str(tmp_path / "o"),
+    ]
     assert main([*base, "--masked", "17"]) == 2
     assert "masked must be an integer in [1, 16]" in capsys.readouterr().err
     assert main(["complete", "--official", str(checkpoint), "--image", str(photo), "--out", str(tmp_path / "o")]) == 2
@@ -120,12 +160,31 @@ def test_complete_official_argument_errors(checkpoint, tmp_path, capsys):
 
 def test_analyze_official_takes_the_tokens_of_photos(checkpoint, tmp_path):
     photos = _photos(tmp_path, [(40, 40), (33, 65)])
-    args = build_parser().parse_args(["analyze", "--official", str(checkpoint), "--image", str(photos[0]), "--image",
-                                      str(photos[1]), "--image-shape", "3", "32", "32", "--patch", "8",
-                                      "--mask-seed", "2", "--out", str(tmp_path / "a")])
+    args = build_parser().parse_args(
+        [
+            "analyze",
+            "--official",
+            str(checkpoint),
+            "--image",
+            str(photos[0]),
+            "--image",
+            str(photos[1]),
+            "--image-shape",
+            "3",
+            "32",
+            "32",
+            "--patch",
+            "8",
+            "--mask-seed",
+            "2",
+            "--out",
+            str(tmp_path / "a"),
+        ]
+    )
     resolved = _official_states(args)
-    model, _, images, hidden = official_tokens(checkpoint, photos, image_shape=SHAPE, patch=PATCH, seed=2,
-                                               dtype=torch.float64)
+    model, _, images, hidden = official_tokens(
+        checkpoint, photos, image_shape=SHAPE, patch=PATCH, seed=2, dtype=torch.float64
+    )
     assert resolved.model.attention.self_attention and resolved.model.dim == 48
     assert resolved.x0.dtype == torch.float64 and resolved.x0.shape == (2, 17, 48)
     with torch.no_grad():
@@ -142,8 +201,31 @@ def test_analyze_official_takes_the_tokens_of_photos(checkpoint, tmp_path):
 def test_analyze_official_cli_end_to_end(checkpoint, tmp_path):
     photos = _photos(tmp_path, [(40, 40)])
     out = tmp_path / "analysis"
-    assert main(["analyze", "--official", str(checkpoint), "--image", str(photos[0]), "--image-shape", "3", "32", "32",
-                 "--patch", "8", "--t-end", "2", "--points", "9", "--out", str(out), "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "analyze",
+                "--official",
+                str(checkpoint),
+                "--image",
+                str(photos[0]),
+                "--image-shape",
+                "3",
+                "32",
+                "32",
+                "--patch",
+                "8",
+                "--t-end",
+                "2",
+                "--points",
+                "9",
+                "--out",
+                str(out),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     report = (out / "report.md").read_text()
     assert "D = 48, H = 3, Y = 16, K = 192" in report and "1 sample(s) of 17 tokens" in report
     assert (out / "convergence.png").is_file()

@@ -20,10 +20,12 @@ from .conftest import random_model
 def _labels(figure, axis):
     FigureCanvasAgg(figure).draw()
     renderer = figure.canvas.get_renderer()
-    ticks = [t for t in axis.get_major_ticks() + axis.get_minor_ticks()
-             if t.label1.get_visible() and t.label1.get_text().strip()]
-    inside = [t for t in ticks if axis.axes.get_window_extent().expanded(1.5, 1.5).overlaps(
-        t.label1.get_window_extent(renderer))]
+    ticks = [
+        t for t in axis.get_major_ticks() + axis.get_minor_ticks() if t.label1.get_visible() and t.label1.get_text().strip()
+    ]
+    inside = [
+        t for t in ticks if axis.axes.get_window_extent().expanded(1.5, 1.5).overlaps(t.label1.get_window_extent(renderer))
+    ]
     return [t.label1.get_window_extent(renderer) for t in inside], [t.label1.get_text() for t in inside]
 
 
@@ -31,8 +33,9 @@ def _labels(figure, axis):
 def test_log_axis_labels_of_the_convergence_picture_do_not_overlap(t0, t1):
     model = random_model(seed=1)
     x0 = torch.randn(2, 5, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    times = torch.cat([torch.zeros(1, dtype=torch.float64),
-                       torch.logspace(np.log10(t0), np.log10(t1), 24, dtype=torch.float64)])
+    times = torch.cat(
+        [torch.zeros(1, dtype=torch.float64), torch.logspace(np.log10(t0), np.log10(t1), 24, dtype=torch.float64)]
+    )
     figure = plot_convergence(solve(ETField(model), x0, times), figsize=(15.0, 4.5))
     log_axes = [ax for ax in figure.axes if ax.get_xscale() == "log"]
     assert log_axes
@@ -44,8 +47,9 @@ def test_log_axis_labels_of_the_convergence_picture_do_not_overlap(t0, t1):
 
 
 def test_a_film_strip_of_eleven_panels_wraps_into_rows():
-    figure = plot_film_strip(torch.rand(9, 8, 8), torch.linspace(0, 0.6, 9), target=torch.rand(8, 8),
-                             masked=torch.rand(8, 8))
+    figure = plot_film_strip(
+        torch.rand(9, 8, 8), torch.linspace(0, 0.6, 9), target=torch.rand(8, 8), masked=torch.rand(8, 8)
+    )
     width, height = figure.get_size_inches()
     assert width / height < 3.5  # 11 panels in one row were 8.7:1 (2520 x 290 pixels)
     shown = [ax for ax in figure.axes if ax.get_images()]

@@ -31,8 +31,12 @@ def test_one_memory_flows_to_the_centred_memory_direction_on_the_sphere(form: st
     weights = SpecWeights.from_model(model)
     centred = xi - xi.mean()
     # starts with a positive overlap (the ReLU energy is flat where it is negative), far from the answer
-    x0 = torch.stack([centred + torch.tensor([2.0, -1.0, 0.5, 0.3, -1.5], dtype=torch.float64),
-                      0.3 * centred + torch.tensor([-0.4, 1.0, 1.2, -1.0, 0.1], dtype=torch.float64)])
+    x0 = torch.stack(
+        [
+            centred + torch.tensor([2.0, -1.0, 0.5, 0.3, -1.5], dtype=torch.float64),
+            0.3 * centred + torch.tensor([-0.4, 1.0, 1.2, -1.0, 0.1], dtype=torch.float64),
+        ]
+    )
     assert bool((spec_overlap(weights, x0) > 0).all())
     limit = long_flow_limit(weights, x0, tau=0.7, rtol=1e-8)  # (one attractor: the path's accuracy is not tested)
     expected = weights.delta + 1.3 * math.sqrt(D) * centred / centred.norm()
@@ -60,8 +64,9 @@ def test_an_inward_flow_settles_at_its_finite_scale_fixed_point():
     k, gamma, eps = 0.8, 0.9, 0.5
     delta = torch.tensor([0.7, -0.2, 0.4, -0.6, 0.3], dtype=torch.float64)
     WK = math.sqrt(k) * torch.eye(D, dtype=torch.float64)[None]
-    model = EnergyTransformer.from_tensors(WK, -WK, torch.zeros(1, D, dtype=torch.float64), gamma, delta, eps=eps,
-                                           self_attention=True)
+    model = EnergyTransformer.from_tensors(
+        WK, -WK, torch.zeros(1, D, dtype=torch.float64), gamma, delta, eps=eps, self_attention=True
+    )
     weights = SpecWeights.from_model(model)
     x0 = torch.tensor([[3.0, 1.0, -2.0, 0.5, 0.2], [-1.0, 4.0, 0.0, 2.0, -3.0]], dtype=torch.float64)
     mask = torch.eye(2, dtype=torch.bool)

@@ -20,17 +20,44 @@ import torch
 
 from et_ode import Adaptive, Adjoint, EnergyTransformer, ETField, EulerET, Fixed, SolveError, Status, SteadyState, solve
 from et_ode.cli import build_parser, main
-from et_ode.io import FORMAT, load_model, model_config, save_model
 from et_ode.models.image import ImageET
-from et_ode.runs import LOCK_NAME, RunFolderError, claim
 from et_ode.tasks.image import ImageRunConfig, demo
-from et_ode.train import CHECKPOINT_NAME, TrainConfig, fit, load_checkpoint, save_checkpoint
+from et_ode.training.io import FORMAT, load_model, model_config, save_model
+from et_ode.training.runs import LOCK_NAME, RunFolderError, claim
+from et_ode.training.train import CHECKPOINT_NAME, TrainConfig, fit, load_checkpoint, save_checkpoint
 from tests.conftest import random_model
 from tests.test_train import NoisyRegression, linear, regression_data
 
-TINY = ["--train-limit", "32", "--test-limit", "16", "--val-size", "8", "--dim", "8", "--heads", "2", "--head-dim",
-        "4", "--solver", "et", "--step", "0.1", "--steps", "2", "--gradient", "direct", "--epochs", "2", "--batch-size",
-        "16", "--no-progress", "--threads", "1", "--no-baselines"]
+TINY = [
+    "--train-limit",
+    "32",
+    "--test-limit",
+    "16",
+    "--val-size",
+    "8",
+    "--dim",
+    "8",
+    "--heads",
+    "2",
+    "--head-dim",
+    "4",
+    "--solver",
+    "et",
+    "--step",
+    "0.1",
+    "--steps",
+    "2",
+    "--gradient",
+    "direct",
+    "--epochs",
+    "2",
+    "--batch-size",
+    "16",
+    "--no-progress",
+    "--threads",
+    "1",
+    "--no-baselines",
+]
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
@@ -61,15 +88,25 @@ def test_payload_in_a_training_checkpoint_is_refused_unrun(tmp_path):
     run.mkdir()
     planted(run / CHECKPOINT_NAME, marker, {"model": {}})
     with pytest.raises(ValueError, match="refused"):
-        fit(linear(), NoisyRegression(), regression_data(), None,
-            TrainConfig(epochs=1, out_dir=str(run), resume=True, progress=False))
+        fit(
+            linear(),
+            NoisyRegression(),
+            regression_data(),
+            None,
+            TrainConfig(epochs=1, out_dir=str(run), resume=True, progress=False),
+        )
     assert not marker.exists()
     legacy = tmp_path / "legacy"  # an old run folder: resuming it must not silently start afresh
     legacy.mkdir()
     planted(legacy / "checkpoint.pt", marker, {"model": {}})
     with pytest.raises(ValueError, match="holds checkpoint.pt, a pickle checkpoint of an older et-ode"):
-        fit(linear(), NoisyRegression(), regression_data(), None,
-            TrainConfig(epochs=1, out_dir=str(legacy), resume=True, progress=False))
+        fit(
+            linear(),
+            NoisyRegression(),
+            regression_data(),
+            None,
+            TrainConfig(epochs=1, out_dir=str(legacy), resume=True, progress=False),
+        )
     assert not marker.exists() and sorted(p.name for p in legacy.iterdir()) == ["checkpoint.pt"]
 
 
@@ -93,8 +130,9 @@ def test_payload_in_a_model_file_or_states_file_is_refused_unrun(tmp_path):
 
     marker = tmp_path / "pwned"
     model = random_model()
-    path = planted(tmp_path / "m.pt", marker, {"format": FORMAT, "config": model_config(model),
-                                               "state_dict": model.state_dict()})
+    path = planted(
+        tmp_path / "m.pt", marker, {"format": FORMAT, "config": model_config(model), "state_dict": model.state_dict()}
+    )
     with pytest.raises(ValueError, match="refused unread by weights_only=True"):
         load_model(path)
     states = tmp_path / "x0.pt"
@@ -109,9 +147,8 @@ def test_a_crafted_safetensors_header_cannot_reach_anything_but_data(tmp_path):
 
     path = tmp_path / CHECKPOINT_NAME
     deep = "[" * 100_000 + "]" * 100_000  # json.loads would raise RecursionError
-    for state in ('{"model": {"__tensor__": "missing"}}', '[1, 2]', "not json", deep, '{"__items__": [1]}'):
-        path.write_bytes(save({"t0": torch.ones(1)}, metadata={"format": "et-ode/training-checkpoint/2",
-                                                                 "state": state}))
+    for state in ('{"model": {"__tensor__": "missing"}}', "[1, 2]", "not json", deep, '{"__items__": [1]}'):
+        path.write_bytes(save({"t0": torch.ones(1)}, metadata={"format": "et-ode/training-checkpoint/2", "state": state}))
         with pytest.raises(ValueError, match="corrupt|does not hold a dict"):
             load_checkpoint(path)
     path.write_bytes(save({"t0": torch.ones(1)}, metadata={"format": "something/else"}))
@@ -124,10 +161,16 @@ def test_checkpoint_state_round_trips_exactly(tmp_path):
 
     import numpy as np
 
-    state = {"model": {"w": torch.randn(3, dtype=torch.float64)}, "python": random.getstate(),
-             "numpy": np.random.get_state(), "torch": torch.get_rng_state(), "float": 0.1 + 0.2,
-             "optimizer": {"state": {0: {"step": torch.tensor(3.0)}}, "param_groups": [{"betas": (0.9, 0.999)}]},
-             "nothing": None, "inf": float("inf")}
+    state = {
+        "model": {"w": torch.randn(3, dtype=torch.float64)},
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "float": 0.1 + 0.2,
+        "optimizer": {"state": {0: {"step": torch.tensor(3.0)}}, "param_groups": [{"betas": (0.9, 0.999)}]},
+        "nothing": None,
+        "inf": float("inf"),
+    }
     save_checkpoint(tmp_path / "c", state)
     back = load_checkpoint(tmp_path / "c")
     assert back["python"] == state["python"] and back["float"] == 0.1 + 0.2 and back["inf"] == float("inf")
@@ -139,7 +182,7 @@ def test_checkpoint_state_round_trips_exactly(tmp_path):
 
 def test_model_file_and_checkpoint_mixed_up_say_what_they_are(tmp_path):
     save_model(random_model(), tmp_path / "et_block.pt")
-    with pytest.raises(ValueError, match=r"is an et-ode model file .* et_ode\.io\.load_model"):
+    with pytest.raises(ValueError, match=r"is an et-ode model file .* et_ode\.training\.io\.load_model"):
         load_checkpoint(tmp_path / "et_block.pt")
     save_checkpoint(tmp_path / CHECKPOINT_NAME, {"model": {}})
     with pytest.raises(ValueError, match=r"training checkpoint .*load_trained"):
@@ -160,8 +203,11 @@ def test_model_file_and_checkpoint_mixed_up_say_what_they_are(tmp_path):
 
 # ============================================================================================ runs never clobber
 def snapshot(folder: Path) -> dict[str, str]:
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -177,8 +223,12 @@ def test_a_finished_run_is_not_overwritten_or_mixed(finished, tmp_path, capsys):
     before = snapshot(run)
     assert main(["train", "image", *TINY, "--out", str(run)]) == 2
     assert "is not empty" in capsys.readouterr().err and snapshot(run) == before
-    for change, setting in ((["--hopfield", "softmax"], "hopfield"), (["--mask-ratio", "0.3"], "ratio"),
-                            (["--solver", "rk4"], "integration.solver.method"), (["--lr", "0.01"], "train.lr")):
+    for change, setting in (
+        (["--hopfield", "softmax"], "hopfield"),
+        (["--mask-ratio", "0.3"], "ratio"),
+        (["--solver", "rk4"], "integration.solver.method"),
+        (["--lr", "0.01"], "train.lr"),
+    ):
         assert main(["train", "image", *TINY, *change, "--out", str(run), "--resume"]) == 2
         err = capsys.readouterr().err
         assert "the set-up differs" in err and f"\n  {setting} " in err, err
@@ -216,8 +266,10 @@ def test_fit_refuses_an_out_dir_with_another_run(tmp_path):
     assert [json.loads(line)["epoch"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1]
 
 
-HOLD = ("import sys, time\nfrom et_ode import runs\nwith runs.lock(sys.argv[1]):\n    print('held', flush=True)\n"
-        "    time.sleep(120)\n")
+HOLD = (
+    "import sys, time\nfrom et_ode.training import runs\nwith runs.lock(sys.argv[1]):\n    print('held', flush=True)\n"
+    "    time.sleep(120)\n"
+)
 
 
 def test_a_second_concurrent_run_is_refused_naming_the_first(tmp_path, capsys):
@@ -227,8 +279,13 @@ def test_a_second_concurrent_run_is_refused_naming_the_first(tmp_path, capsys):
         assert main(["train", "image", *TINY, "--out", str(tmp_path)]) == 2
         assert f"in use by another run: process {holder.pid} on host" in capsys.readouterr().err
         with pytest.raises(RunFolderError, match=f"process {holder.pid}"):
-            fit(linear(), NoisyRegression(), regression_data(), None,
-                TrainConfig(epochs=1, out_dir=str(tmp_path), progress=False))
+            fit(
+                linear(),
+                NoisyRegression(),
+                regression_data(),
+                None,
+                TrainConfig(epochs=1, out_dir=str(tmp_path), progress=False),
+            )
         assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK_NAME]
     finally:
         holder.kill()
@@ -238,11 +295,17 @@ def test_a_second_concurrent_run_is_refused_naming_the_first(tmp_path, capsys):
 def test_a_stale_lock_of_a_dead_process_is_taken_over(tmp_path):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    (tmp_path / LOCK_NAME).write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname(),
-                                                  "started": "earlier", "command": "et-ode train"}))
+    (tmp_path / LOCK_NAME).write_text(
+        json.dumps({"pid": dead.pid, "host": socket.gethostname(), "started": "earlier", "command": "et-ode train"})
+    )
     with pytest.warns(UserWarning, match=f"taking over the lock of process {dead.pid}"):
-        fit(linear(), NoisyRegression(), regression_data(), None,
-            TrainConfig(epochs=1, out_dir=str(tmp_path), progress=False))
+        fit(
+            linear(),
+            NoisyRegression(),
+            regression_data(),
+            None,
+            TrainConfig(epochs=1, out_dir=str(tmp_path), progress=False),
+        )
     assert sorted(p.name for p in tmp_path.iterdir()) == [CHECKPOINT_NAME, "metrics.jsonl"]
 
 
@@ -365,8 +428,14 @@ def test_step_budgets_are_checked_before_any_work(field64):
 
 def test_the_adjoint_backward_solve_has_its_own_step_budget(field64):
     x0 = torch.randn(2, 5, 8, dtype=torch.float64)
-    solution = solve(field64, x0, (0.0, 1.0), solver=Adaptive(rtol=1e-2, atol=1e-2),
-                     gradient=Adjoint(rtol=1e-12, atol=1e-12), max_steps=15)
+    solution = solve(
+        field64,
+        x0,
+        (0.0, 1.0),
+        solver=Adaptive(rtol=1e-2, atol=1e-2),
+        gradient=Adjoint(rtol=1e-12, atol=1e-12),
+        max_steps=15,
+    )
     assert solution.stats.accepted_steps + solution.stats.rejected_steps <= 15
     with pytest.raises(SolveError, match="adjoint's backward solve failed .* more than max_steps=15"):
         solution.x.square().sum().backward()

@@ -11,9 +11,9 @@ import socket
 import numpy as np
 import pytest
 
-from et_ode import runs
 from et_ode.cli import main
-from et_ode.runs import CONFIG_NAME, LOCK_NAME, RunFolderError, RunWriteError, claim, lock
+from et_ode.training import runs
+from et_ode.training.runs import CONFIG_NAME, LOCK_NAME, RunFolderError, RunWriteError, claim, lock
 
 
 def _full_disk(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -23,9 +23,19 @@ def _full_disk(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(runs.os, "fsync", no_space)
 
 
-@pytest.mark.parametrize("content", [b"", b"   \n", b"\x00\xff garbage", b"[1, 2]", b'{"pid": "12"}',
-                                     b'{"pid": -4, "host": "x"}', b'{"pid": true}',
-                                     json.dumps({"pid": 2**70, "host": socket.gethostname()}).encode()])
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"",
+        b"   \n",
+        b"\x00\xff garbage",
+        b"[1, 2]",
+        b'{"pid": "12"}',
+        b'{"pid": -4, "host": "x"}',
+        b'{"pid": true}',
+        json.dumps({"pid": 2**70, "host": socket.gethostname()}).encode(),
+    ],
+)
 def test_an_empty_garbage_or_impossible_lock_is_taken_over(tmp_path, content):
     (tmp_path / LOCK_NAME).write_bytes(content)
     with pytest.warns(UserWarning, match="taking over the lock"), lock(tmp_path):
@@ -76,8 +86,12 @@ def test_a_full_disk_while_writing_the_setup_releases_the_lock(tmp_path, monkeyp
 
 def test_temporary_files_of_killed_writes_are_cleaned_at_the_next_start(tmp_path):
     (tmp_path / "fold0").mkdir()
-    stray = [tmp_path / ".checkpoint.safetensors.ab12cd_9.tmp", tmp_path / "fold0" / ".metrics.csv.k3j9x_2a.tmp",
-             tmp_path / ".config.json.4242.tmp", tmp_path / f"{LOCK_NAME}.999999999.ffffffff.tmp"]
+    stray = [
+        tmp_path / ".checkpoint.safetensors.ab12cd_9.tmp",
+        tmp_path / "fold0" / ".metrics.csv.k3j9x_2a.tmp",
+        tmp_path / ".config.json.4242.tmp",
+        tmp_path / f"{LOCK_NAME}.999999999.ffffffff.tmp",
+    ]
     for path in stray:
         path.write_bytes(b"partial")
     mine = tmp_path / f"{LOCK_NAME}.{os.getpid()}.beefbeef.tmp"  # a lock being written by a live process
@@ -155,7 +169,7 @@ def test_overwrite_and_resume_accept_only_a_run_of_the_same_command(tmp_path):
 
 
 def test_written_files_keep_the_usual_permissions(tmp_path):
-    from et_ode.statefile import atomic_write
+    from et_ode.training.statefile import atomic_write
 
     mask = os.umask(0o022)
     try:
@@ -211,15 +225,16 @@ def test_a_run_without_a_data_fingerprint_is_resumed_with_a_warning(tmp_path):
 def test_a_disk_that_fills_mid_training_stops_with_a_named_error_and_resumes_exactly(tmp_path, monkeypatch):
     import torch
 
-    from et_ode import statefile
-    from et_ode.train import CHECKPOINT_NAME, TrainConfig, fit
+    from et_ode.training import statefile
+    from et_ode.training.train import CHECKPOINT_NAME, TrainConfig, fit
     from tests.test_train import NoisyRegression, linear, regression_data
 
     data = regression_data()
 
     def config(out):
-        return TrainConfig(epochs=2, batch_size=10, lr=0.02, checkpoint_every=3, out_dir=str(out), resume=True,
-                           progress=False, seed=3)
+        return TrainConfig(
+            epochs=2, batch_size=10, lr=0.02, checkpoint_every=3, out_dir=str(out), resume=True, progress=False, seed=3
+        )
 
     full = linear()
     fit(full, NoisyRegression(), data, None, config(tmp_path / "full"))
@@ -276,8 +291,9 @@ def test_graph_runs_fingerprint_the_files_they_read(tmp_path):
     raw.mkdir(parents=True)
     for kind in ("A", "graph_indicator", "graph_labels"):
         (raw / f"T_{kind}.txt").write_text("1, 2\n")
-    args = build_parser().parse_args(["train", "graph", "classify", "--root", str(tmp_path), "--name", "T",
-                                      "--out", str(tmp_path / "run")])
+    args = build_parser().parse_args(
+        ["train", "graph", "classify", "--root", str(tmp_path), "--name", "T", "--out", str(tmp_path / "run")]
+    )
     files = _data_files(args)
     assert [f.name for f in files] == ["T_A.txt", "T_graph_indicator.txt", "T_graph_labels.txt"]
     before = files_fingerprint(files, "graph")

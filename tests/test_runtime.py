@@ -2,15 +2,18 @@
 
 import pytest
 
-from et_ode import runtime
+from et_ode.backend import runtime
 
 
-@pytest.mark.parametrize("flags,expected", [
-    ({"avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq"}, "AVX-512"),
-    ({"avx", "avx2", "fma", "f16c"}, "AVX2"),  # the AMD EPYC hosts without AVX-512
-    ({"avx"}, "AVX"),
-    (set(), "none known"),  # not Linux, or not x86
-])
+@pytest.mark.parametrize(
+    "flags,expected",
+    [
+        ({"avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq"}, "AVX-512"),
+        ({"avx", "avx2", "fma", "f16c"}, "AVX2"),  # the AMD EPYC hosts without AVX-512
+        ({"avx"}, "AVX"),
+        (set(), "none known"),  # not Linux, or not x86
+    ],
+)
 def test_vector_extensions_follow_the_flags(monkeypatch, flags, expected):
     monkeypatch.setattr(runtime, "cpu_flags", lambda: frozenset(flags))
     assert runtime.vector_extensions() == expected

@@ -53,8 +53,10 @@ def test_adaptive_solve_agrees_with_fine_fixed_step_reference(method):
 
 
 # explicit Adams (high order, small stability region) is unstable on this field above a step of about 0.003
-@pytest.mark.parametrize("method, step", [("euler", 0.02), ("midpoint", 0.02), ("rk4", 0.02),
-                                          ("explicit_adams", 0.0025), ("implicit_adams", 0.02)])
+@pytest.mark.parametrize(
+    "method, step",
+    [("euler", 0.02), ("midpoint", 0.02), ("rk4", 0.02), ("explicit_adams", 0.0025), ("implicit_adams", 0.02)],
+)
 def test_fixed_step_methods_converge_to_the_reference(method, step):
     _, field, x0 = setup()
     reference = solve(field, x0, (0.0, 1.0), solver=Adaptive("dopri8", rtol=1e-12, atol=1e-13)).x
@@ -102,8 +104,9 @@ def test_steady_state_stops_early_below_tolerance_with_finite_difference_gradien
     target = torch.randn_like(x0)
 
     def loss(scale: torch.Tensor) -> torch.Tensor:
-        out = solve(field, x0 * scale, (0.0, 1e3), stop=SteadyState(tol), solver=Adaptive(rtol=1e-10, atol=1e-12),
-                    save="final")
+        out = solve(
+            field, x0 * scale, (0.0, 1e3), stop=SteadyState(tol), solver=Adaptive(rtol=1e-10, atol=1e-12), save="final"
+        )
         return ((out.g - target) ** 2).sum()
 
     scale = torch.tensor(1.0, dtype=torch.float64, requires_grad=True)
@@ -114,12 +117,17 @@ def test_steady_state_stops_early_below_tolerance_with_finite_difference_gradien
     assert abs(float(grad) - float(fd)) <= 1e-3 * max(abs(float(fd)), 1e-3)
 
 
-@pytest.mark.parametrize("method, measure, tol, per_sample", [
-    ("dopri5", "dg_dt", 1e-3, False), ("bosh3", "dg_dt", 1e-3, True), ("dopri5", "tangent_gradient", 0.1, False),
-    ("et", "dg_dt", 1e-2, False)])
-def test_steady_state_test_and_solver_share_evaluations_at_the_same_state(monkeypatch, method, measure, tol,
-                                                                         per_sample):
-    integrate_module = importlib.import_module("et_ode._loop")
+@pytest.mark.parametrize(
+    "method, measure, tol, per_sample",
+    [
+        ("dopri5", "dg_dt", 1e-3, False),
+        ("bosh3", "dg_dt", 1e-3, True),
+        ("dopri5", "tangent_gradient", 0.1, False),
+        ("et", "dg_dt", 1e-2, False),
+    ],
+)
+def test_steady_state_test_and_solver_share_evaluations_at_the_same_state(monkeypatch, method, measure, tol, per_sample):
+    integrate_module = importlib.import_module("et_ode.integrators.loop")
     _, field, x0 = setup(batch=3)
     kwargs = dict(stop=SteadyState(tol, measure=measure, per_sample=per_sample), save="final")
     kwargs.update(dict(solver=EulerET(0.1, 3000)) if method == "et" else dict(t=(0.0, 1e3), solver=method))
@@ -167,19 +175,22 @@ def test_unknown_method_lists_the_valid_ones():
         assert name in str(info.value)
 
 
-@pytest.mark.parametrize("kwargs, word", [
-    (dict(t=(1.0, 0.0)), "increasing"),
-    (dict(t=(0.0,)), "at least 2"),
-    (dict(t=None), "t is required"),
-    (dict(t=(0.0, 1.0), gradient="magic"), "gradient"),
-    (dict(t=(0.0, 1.0), gradient="implicit"), "stop=SteadyState"),
-    (dict(t=(0.0, 1.0), gradient=Implicit()), "stop=SteadyState"),
-    (dict(t=(0.0, 1.0), save="some"), "save"),
-    (dict(t=(0.0, 1.0), max_steps=0), "max_steps"),
-    (dict(t=(0.0, 1.0), solver="rk4", stop=SteadyState(1e-3)), "step_size"),
-    (dict(t=torch.tensor([0.0, 1.0]), solver=EulerET()), "t=None"),
-    (dict(t=(0.0, 1.0), stop=SteadyState(1e-3, per_sample=True)), "per_sample"),
-])
+@pytest.mark.parametrize(
+    "kwargs, word",
+    [
+        (dict(t=(1.0, 0.0)), "increasing"),
+        (dict(t=(0.0,)), "at least 2"),
+        (dict(t=None), "t is required"),
+        (dict(t=(0.0, 1.0), gradient="magic"), "gradient"),
+        (dict(t=(0.0, 1.0), gradient="implicit"), "stop=SteadyState"),
+        (dict(t=(0.0, 1.0), gradient=Implicit()), "stop=SteadyState"),
+        (dict(t=(0.0, 1.0), save="some"), "save"),
+        (dict(t=(0.0, 1.0), max_steps=0), "max_steps"),
+        (dict(t=(0.0, 1.0), solver="rk4", stop=SteadyState(1e-3)), "step_size"),
+        (dict(t=torch.tensor([0.0, 1.0]), solver=EulerET()), "t=None"),
+        (dict(t=(0.0, 1.0), stop=SteadyState(1e-3, per_sample=True)), "per_sample"),
+    ],
+)
 def test_bad_arguments_are_named(kwargs, word):
     _, field, x0 = setup()
     with pytest.raises(ValueError, match=word):
@@ -238,8 +249,9 @@ def test_per_sample_stopping_matches_solving_each_sample_alone():
 def test_per_sample_stopping_is_differentiable_with_the_adjoint():
     model = random_model(hopfield="softmax")
     x0 = torch.randn(3, 3, 8, dtype=torch.float64) * torch.tensor([0.3, 1.0, 3.0], dtype=torch.float64)[:, None, None]
-    solution = solve(ETField(model), x0, (0.0, 1e4), stop=SteadyState(1e-3, per_sample=True), save="final",
-                     gradient=Adjoint())
+    solution = solve(
+        ETField(model), x0, (0.0, 1e4), stop=SteadyState(1e-3, per_sample=True), save="final", gradient=Adjoint()
+    )
     solution.g.square().sum().backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
     with pytest.raises(ValueError, match="per_sample"):
@@ -247,13 +259,14 @@ def test_per_sample_stopping_is_differentiable_with_the_adjoint():
 
 
 def test_tangent_gradient_measure_stops_on_the_energy_gradient_along_the_spheres():
-    from et_ode.manifold import radial_direction, tangent_projection
+    from et_ode.dynamics.manifold import radial_direction, tangent_projection
 
     model = random_model(hopfield="softmax", seed=2)
     field = ETField(model)
     x0 = torch.randn(2, 1, 8, dtype=torch.float64)
-    solution = solve(field, x0, (0.0, 1e6), stop=SteadyState(1e-2, measure="tangent_gradient"),
-                     solver=Adaptive(rtol=1e-9, atol=1e-11))
+    solution = solve(
+        field, x0, (0.0, 1e6), stop=SteadyState(1e-2, measure="tangent_gradient"), solver=Adaptive(rtol=1e-9, atol=1e-11)
+    )
     assert solution.status is Status.STEADY_STATE
     g = solution.g.detach()
     s, _ = radial_direction(g, model.neuron.delta.detach())
@@ -272,5 +285,5 @@ def test_per_sample_stop_on_a_graph_mask():
     assert out.stats.stop_times is not None and bool((out.stats.stop_times < 100.0).all())
     assert torch.allclose(field.rms_dg_dt(out.x), torch.full((2,), 1e-3, dtype=torch.float64), rtol=1e-4)
     for b in range(2):
-        alone = solve(field, x0[b:b + 1], (0.0, 100.0), **settings)
-        assert torch.allclose(alone.stats.stop_times, out.stats.stop_times[b:b + 1], rtol=1e-6)
+        alone = solve(field, x0[b : b + 1], (0.0, 100.0), **settings)
+        assert torch.allclose(alone.stats.stop_times, out.stats.stop_times[b : b + 1], rtol=1e-6)

@@ -31,11 +31,12 @@ def test_progress_must_be_a_bool() -> None:
         solve(field, torch.randn(1, 4, 8, dtype=torch.float64), (0.0, 1.0), progress="yes")  # type: ignore[arg-type]
 
 
-def test_the_command_lines_default_shows_the_bar_of_a_slow_solve(monkeypatch: pytest.MonkeyPatch,
-                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_command_lines_default_shows_the_bar_of_a_slow_solve(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """``show_solve_progress(True)`` (what ``et-ode`` does) turns the bar on for solves left at ``progress=None``,
     drawn once a solve has run ``SLOW_SOLVE_SECONDS`` (zero here, so that this quick solve counts as slow)."""
-    from et_ode import runtime
+    from et_ode.backend import runtime
 
     field = _field()
     x0 = torch.randn(1, 4, 8, dtype=torch.float64)

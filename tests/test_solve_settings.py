@@ -24,9 +24,9 @@ from et_ode import (
     SteadyState,
     solve,
 )
-from et_ode.adjoints import as_gradient
-from et_ode.integration import settings_from_dict, settings_to_dict
-from et_ode.solvers import as_solver
+from et_ode.integrators.solvers import as_solver
+from et_ode.solving.gradients import as_gradient
+from et_ode.solving.integration import settings_from_dict, settings_to_dict
 from tests.conftest import hand_rk4, random_model
 
 
@@ -37,36 +37,39 @@ def setup(seed: int = 0, batch: int = 2, n: int = 4, dtype: torch.dtype = torch.
 
 
 # ------------------------------------------------------------------------------------------- validation
-@pytest.mark.parametrize("make, error, name", [
-    (lambda: Adaptive("rk4"), ValueError, "Adaptive.method"),
-    (lambda: Adaptive(rtol=0.0), ValueError, "Adaptive.rtol"),
-    (lambda: Adaptive(atol=math.nan), ValueError, "Adaptive.atol"),
-    (lambda: Adaptive(rtol=True), ValueError, "Adaptive.rtol"),
-    (lambda: Adaptive(options=[1]), TypeError, "Adaptive.options"),
-    (lambda: Fixed("dopri5"), ValueError, "Fixed.method"),
-    (lambda: Fixed("et"), ValueError, "EulerET"),
-    (lambda: Fixed(step_size=-0.1), ValueError, "Fixed.step_size"),
-    (lambda: Fixed(step_size=math.inf), ValueError, "Fixed.step_size"),
-    (lambda: Fixed(options={"step_size": 0.1}), ValueError, "step_size"),
-    (lambda: EulerET(alpha=0.0), ValueError, "EulerET.alpha"),
-    (lambda: EulerET(steps=0), ValueError, "EulerET.steps"),
-    (lambda: EulerET(steps=2.5), ValueError, "EulerET.steps"),
-    (lambda: Adjoint(rtol=-1.0), ValueError, "Adjoint.rtol"),
-    (lambda: Adjoint(atol=math.nan), ValueError, "Adjoint.atol"),
-    (lambda: Adjoint(method="et"), ValueError, "Adjoint.method"),
-    (lambda: Adjoint(seminorm=1), TypeError, "Adjoint.seminorm"),
-    (lambda: Implicit(tol=0.0), ValueError, "Implicit.tol"),
-    (lambda: Implicit(max_iter=0), ValueError, "Implicit.max_iter"),
-    (lambda: SteadyState(0.0), ValueError, "SteadyState.tol"),
-    (lambda: SteadyState(math.inf), ValueError, "SteadyState.tol"),
-    (lambda: SteadyState(1e-3, measure="energy"), ValueError, "SteadyState.measure"),
-    (lambda: SteadyState(1e-3, per_sample="yes"), TypeError, "SteadyState.per_sample"),
-    (lambda: Integration(t1=0.0), ValueError, "Integration.t1"),
-    (lambda: Integration(max_steps=0), ValueError, "Integration.max_steps"),
-    (lambda: Integration(stop=1e-3), TypeError, "Integration.stop"),
-    (lambda: Integration(solver="rk45"), ValueError, "solver"),
-    (lambda: Integration(gradient="backprop"), ValueError, "gradient"),
-])
+@pytest.mark.parametrize(
+    "make, error, name",
+    [
+        (lambda: Adaptive("rk4"), ValueError, "Adaptive.method"),
+        (lambda: Adaptive(rtol=0.0), ValueError, "Adaptive.rtol"),
+        (lambda: Adaptive(atol=math.nan), ValueError, "Adaptive.atol"),
+        (lambda: Adaptive(rtol=True), ValueError, "Adaptive.rtol"),
+        (lambda: Adaptive(options=[1]), TypeError, "Adaptive.options"),
+        (lambda: Fixed("dopri5"), ValueError, "Fixed.method"),
+        (lambda: Fixed("et"), ValueError, "EulerET"),
+        (lambda: Fixed(step_size=-0.1), ValueError, "Fixed.step_size"),
+        (lambda: Fixed(step_size=math.inf), ValueError, "Fixed.step_size"),
+        (lambda: Fixed(options={"step_size": 0.1}), ValueError, "step_size"),
+        (lambda: EulerET(alpha=0.0), ValueError, "EulerET.alpha"),
+        (lambda: EulerET(steps=0), ValueError, "EulerET.steps"),
+        (lambda: EulerET(steps=2.5), ValueError, "EulerET.steps"),
+        (lambda: Adjoint(rtol=-1.0), ValueError, "Adjoint.rtol"),
+        (lambda: Adjoint(atol=math.nan), ValueError, "Adjoint.atol"),
+        (lambda: Adjoint(method="et"), ValueError, "Adjoint.method"),
+        (lambda: Adjoint(seminorm=1), TypeError, "Adjoint.seminorm"),
+        (lambda: Implicit(tol=0.0), ValueError, "Implicit.tol"),
+        (lambda: Implicit(max_iter=0), ValueError, "Implicit.max_iter"),
+        (lambda: SteadyState(0.0), ValueError, "SteadyState.tol"),
+        (lambda: SteadyState(math.inf), ValueError, "SteadyState.tol"),
+        (lambda: SteadyState(1e-3, measure="energy"), ValueError, "SteadyState.measure"),
+        (lambda: SteadyState(1e-3, per_sample="yes"), TypeError, "SteadyState.per_sample"),
+        (lambda: Integration(t1=0.0), ValueError, "Integration.t1"),
+        (lambda: Integration(max_steps=0), ValueError, "Integration.max_steps"),
+        (lambda: Integration(stop=1e-3), TypeError, "Integration.stop"),
+        (lambda: Integration(solver="rk45"), ValueError, "solver"),
+        (lambda: Integration(gradient="backprop"), ValueError, "gradient"),
+    ],
+)
 def test_each_object_validates_itself_naming_the_argument(make, error, name):
     with pytest.raises(error, match=name):
         make()
@@ -230,8 +233,9 @@ def test_torchdiffeq_event_loop_cap_is_a_solve_error():
     tiny = random_model(4, 1, 2, 3, hopfield="softmax", seed=5)
     x = torch.randn(1, 1, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     with pytest.raises(SolveError, match="torchdiffeq stopped") as caught:
-        solve(ETField(tiny), x, (0.0, 2.5), solver=Fixed("euler", step_size=1e-4), stop=SteadyState(1e-300),
-              max_steps=30_000)
+        solve(
+            ETField(tiny), x, (0.0, 2.5), solver=Fixed("euler", step_size=1e-4), stop=SteadyState(1e-300), max_steps=30_000
+        )
     assert caught.value.solution is not None and caught.value.solution.status is Status.FAILED
 
 
@@ -250,8 +254,13 @@ def test_gradient_strategies_run_their_own_loops():
 
 # ------------------------------------------------------------------------------------------- Integration
 def test_integration_round_trips_as_plain_data_and_solves_as_solve():
-    integration = Integration(solver=Fixed("midpoint", step_size=0.05), gradient=Adjoint(seminorm=True),
-                              stop=SteadyState(1e-2, measure="tangent_gradient"), t1=3.0, max_steps=500)
+    integration = Integration(
+        solver=Fixed("midpoint", step_size=0.05),
+        gradient=Adjoint(seminorm=True),
+        stop=SteadyState(1e-2, measure="tangent_gradient"),
+        t1=3.0,
+        max_steps=500,
+    )
     data = json.loads(json.dumps(integration.to_dict()))
     assert Integration.from_dict(data) == integration
     assert settings_from_dict(settings_to_dict(EulerET(0.2, 5))) == EulerET(0.2, 5)
@@ -269,10 +278,24 @@ def test_flat_options_become_the_objects():
     paper = Integration.from_options("et", step=0.2, steps=5)
     assert paper == Integration(solver=EulerET(0.2, 5), gradient=Direct())
     assert Integration.from_options("et").solver == EulerET()
-    adaptive = Integration.from_options("bosh3", t1=0.6, rtol=1e-2, atol=1e-3, gradient="adjoint", seminorm=True,
-                                        adjoint_rtol=1e-3, steady_state=1e-4, max_steps=50)
-    assert adaptive == Integration(solver=Adaptive("bosh3", 1e-2, 1e-3), gradient=Adjoint(rtol=1e-3, seminorm=True),
-                                   stop=SteadyState(1e-4), t1=0.6, max_steps=50)
+    adaptive = Integration.from_options(
+        "bosh3",
+        t1=0.6,
+        rtol=1e-2,
+        atol=1e-3,
+        gradient="adjoint",
+        seminorm=True,
+        adjoint_rtol=1e-3,
+        steady_state=1e-4,
+        max_steps=50,
+    )
+    assert adaptive == Integration(
+        solver=Adaptive("bosh3", 1e-2, 1e-3),
+        gradient=Adjoint(rtol=1e-3, seminorm=True),
+        stop=SteadyState(1e-4),
+        t1=0.6,
+        max_steps=50,
+    )
     assert Integration.from_options("rk4", step=0.05).solver == Fixed("rk4", step_size=0.05)
     assert Integration.from_options("implicit_adams").solver == Fixed("implicit_adams")
     with pytest.raises(ValueError, match="step is for fixed-step methods"):

@@ -12,8 +12,15 @@ from tests.conftest import random_model
 
 def stopped_loss(model, x0, weights, gradient="direct", **kwargs):
     gradient = Adjoint(rtol=1e-13, atol=1e-15) if gradient == "adjoint" else gradient
-    out = solve(ETField(model, tau=1.5), x0, (0.0, 1e4), solver=Adaptive(rtol=1e-11, atol=1e-13), gradient=gradient,
-                save="final", **kwargs)
+    out = solve(
+        ETField(model, tau=1.5),
+        x0,
+        (0.0, 1e4),
+        solver=Adaptive(rtol=1e-11, atol=1e-13),
+        gradient=gradient,
+        save="final",
+        **kwargs,
+    )
     assert out.status.value == "steady_state" and 0 < out.stats.t_final < 1e4
     return (weights * out.g).sum(), out
 
@@ -21,15 +28,20 @@ def stopped_loss(model, x0, weights, gradient="direct", **kwargs):
 slow = pytest.mark.slow
 
 
-@pytest.mark.parametrize("hopfield, grad, measure, tol, bound", [
-    ("softmax", "direct", "dg_dt", 1e-3, 1e-6), ("softmax", "direct", "tangent_gradient", 0.05, 1e-6),
-    pytest.param("softmax", "adjoint", "dg_dt", 1e-3, 1e-6, marks=slow),
-    pytest.param("softmax", "adjoint", "tangent_gradient", 0.05, 1e-6, marks=slow),
-    # ReLU kinks: adaptive steps make the solve only piecewise smooth in the parameters (README): ~2e-4 here,
-    # against 28% without the stop test's parameter term
-    pytest.param("relu", "direct", "tangent_gradient", 0.2, 1e-3, marks=slow),
-    pytest.param("relu", "direct", "dg_dt", 1e-3, 1e-3, marks=slow),
-    pytest.param("relu", "adjoint", "dg_dt", 1e-3, 1e-3, marks=slow)])
+@pytest.mark.parametrize(
+    "hopfield, grad, measure, tol, bound",
+    [
+        ("softmax", "direct", "dg_dt", 1e-3, 1e-6),
+        ("softmax", "direct", "tangent_gradient", 0.05, 1e-6),
+        pytest.param("softmax", "adjoint", "dg_dt", 1e-3, 1e-6, marks=slow),
+        pytest.param("softmax", "adjoint", "tangent_gradient", 0.05, 1e-6, marks=slow),
+        # ReLU kinks: adaptive steps make the solve only piecewise smooth in the parameters (README): ~2e-4 here,
+        # against 28% without the stop test's parameter term
+        pytest.param("relu", "direct", "tangent_gradient", 0.2, 1e-3, marks=slow),
+        pytest.param("relu", "direct", "dg_dt", 1e-3, 1e-3, marks=slow),
+        pytest.param("relu", "adjoint", "dg_dt", 1e-3, 1e-3, marks=slow),
+    ],
+)
 def test_gradient_through_the_stop_equals_finite_differences(hopfield, grad, measure, tol, bound):
     model = random_model(hopfield=hopfield, seed=1, beta=0.6, eps=1e-3)
     x0 = torch.randn(2, 3, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))

@@ -54,13 +54,14 @@ def test_anomaly_detection_at_small_size():
     another CPU's rounding and sits far above what a broken model scores."""
     from et_ode.cli.graph import load_anomaly_graph
     from et_ode.tasks.graph import detect_anomalies
-    from et_ode.train import TrainConfig
+    from et_ode.training.train import TrainConfig
 
     torch.manual_seed(0)
     graph = load_anomaly_graph(anomaly_arguments("--seed", "0", "--pe-dim", "8"))
     config = TrainConfig(epochs=20, lr=5e-3, device="cpu", progress=False, seed=0)
-    results = detect_anomalies(graph, dict(dim=16, heads=2, head_dim=8, memories=32, pe_dim=8), config, seed=0,
-                               baselines=False)
+    results = detect_anomalies(
+        graph, dict(dim=16, heads=2, head_dim=8, memories=32, pe_dim=8), config, seed=0, baselines=False
+    )
     assert results["nodes"] == 1797 and results["anomalies"] == 60
     assert results["et"]["auc"] > 0.78, results["et"]
 

@@ -10,7 +10,8 @@ import warnings
 import pytest
 import torch
 
-from et_ode import cli, runtime
+from et_ode import cli
+from et_ode.backend import runtime
 
 
 @pytest.fixture
@@ -23,6 +24,7 @@ def machine(monkeypatch):
 
     def set_load(load: float) -> None:
         monkeypatch.setattr(runtime.os, "getloadavg", lambda: (load, load, load))
+
     return set_load
 
 
@@ -62,6 +64,7 @@ def test_the_warning_comes_once_and_can_be_silenced(machine, monkeypatch):
 def test_no_load_average_means_no_verdict(machine, monkeypatch):
     def unavailable():
         raise OSError("no load average here")
+
     monkeypatch.setattr(runtime.os, "getloadavg", unavailable)
     assert runtime.load_average() is None and runtime.oversubscription(threads=2) is None
 
@@ -80,8 +83,11 @@ COMPUTING = {("train", "image"), ("train", "graph"), ("complete",), ("evaluate",
 
 
 def test_every_computing_command_takes_threads():
-    found = {words for words, parser in _subcommands(cli.build_parser())
-             if any("--threads" in a.option_strings for a in parser._actions)}
+    found = {
+        words
+        for words, parser in _subcommands(cli.build_parser())
+        if any("--threads" in a.option_strings for a in parser._actions)
+    }
     assert COMPUTING <= found, COMPUTING - found
 
 

@@ -9,7 +9,7 @@ from torch import nn
 from et_ode import Adaptive, Integration
 from et_ode.data import load_digits
 from et_ode.models import CompletionTask, ImageET
-from et_ode.train import CHECKPOINT_NAME, TrainConfig, fit, load_checkpoint, training_cost
+from et_ode.training.train import CHECKPOINT_NAME, TrainConfig, fit, load_checkpoint, training_cost
 
 STEP_SECONDS = 0.01
 
@@ -35,8 +35,9 @@ def regression_data(n=100, seed=0):
 
 def test_max_time_plans_the_cosine_and_stops_with_a_checkpoint(tmp_path):
     budget, lr = 1.5, 0.05
-    config = TrainConfig(epochs=10_000, batch_size=10, lr=lr, warmup=0.1, out_dir=str(tmp_path), progress=False,
-                         max_time=budget)
+    config = TrainConfig(
+        epochs=10_000, batch_size=10, lr=lr, warmup=0.1, out_dir=str(tmp_path), progress=False, max_time=budget
+    )
     torch.manual_seed(0)
     model = nn.Linear(5, 1)
     history = fit(model, SlowRegression(), regression_data(), regression_data(20, seed=1), config)
@@ -53,8 +54,13 @@ def test_max_time_plans_the_cosine_and_stops_with_a_checkpoint(tmp_path):
     cost = training_cost(history)
     assert cost["steps"] == state["step"] and STEP_SECONDS <= cost["seconds_per_step"] < 10 * STEP_SECONDS + 0.05
     # a resume with the budget spent takes no step and changes nothing
-    resumed = fit(model, SlowRegression(), regression_data(), regression_data(20, seed=1),
-                  TrainConfig(**{**config.to_dict(), "resume": True}))
+    resumed = fit(
+        model,
+        SlowRegression(),
+        regression_data(),
+        regression_data(20, seed=1),
+        TrainConfig(**{**config.to_dict(), "resume": True}),
+    )
     assert load_checkpoint(tmp_path / CHECKPOINT_NAME)["step"] == state["step"]
     assert len(resumed.records) == len(history.records)
     with pytest.raises(ValueError, match=r"max_time must be None or a positive number of seconds \(--max-time, in"):
@@ -67,8 +73,13 @@ def test_training_records_evaluations_per_step(gradient, backward):
     torch.manual_seed(0)
     integration = Integration(solver=Adaptive("bosh3", rtol=1e-2, atol=1e-3), gradient=gradient, t1=0.3)
     model = ImageET((1, 8, 8), 4, 8, 2, 4, integration=integration)
-    history = fit(model, CompletionTask(0.5), load_digits("train").images[:16], None,
-                  TrainConfig(epochs=1, batch_size=8, progress=False))
+    history = fit(
+        model,
+        CompletionTask(0.5),
+        load_digits("train").images[:16],
+        None,
+        TrainConfig(epochs=1, batch_size=8, progress=False),
+    )
     record = history.records[-1]
     assert record["batches"] == 2 and record["train_nfe"] >= 4  # bosh3: at least one step of 3 stages + the first
     assert (record["train_nfe_backward"] > 0) == backward
@@ -79,7 +90,15 @@ def test_training_records_evaluations_per_step(gradient, backward):
 def test_the_demo_report_states_the_cost_of_a_step():
     from et_ode.tasks.image import _cost_line
 
-    line = _cost_line({"train_cost": {"steps": 1575, "seconds_per_step": 0.0612, "nfe_forward_per_step": 20.25,
-                                      "nfe_backward_per_step": 38.5}})
+    line = _cost_line(
+        {
+            "train_cost": {
+                "steps": 1575,
+                "seconds_per_step": 0.0612,
+                "nfe_forward_per_step": 20.25,
+                "nfe_backward_per_step": 38.5,
+            }
+        }
+    )
     assert line == "1575 steps of 0.061 s, with 20.2 forward and 38.5 backward field evaluations per step."
     assert _cost_line({}) == ""

@@ -9,12 +9,12 @@ import torch
 from torch import nn
 
 from et_ode import EulerET, Integration
+from et_ode.backend.devices import move_to
 from et_ode.data import load_digits
-from et_ode.devices import move_to
-from et_ode.io import load_model, save_model
 from et_ode.models import CompletionTask, ImageET, evaluate_completion, fixed_mask_set
 from et_ode.tasks.baselines import MeanImage
-from et_ode.train import (
+from et_ode.training.io import load_model, save_model
+from et_ode.training.train import (
     CHECKPOINT_NAME,
     METRICS_NAME,
     TrainConfig,
@@ -100,8 +100,17 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path, interrupt_at):
     data, val = regression_data(), regression_data(30, seed=1)
 
     def config(out):
-        return TrainConfig(epochs=3, batch_size=8, lr=0.02, warmup=0.1, checkpoint_every=4, out_dir=str(out),
-                           resume=True, progress=False, seed=3)
+        return TrainConfig(
+            epochs=3,
+            batch_size=8,
+            lr=0.02,
+            warmup=0.1,
+            checkpoint_every=4,
+            out_dir=str(out),
+            resume=True,
+            progress=False,
+            seed=3,
+        )
 
     full = linear()
     fit(full, NoisyRegression(), data, val, config(tmp_path / "full"))
@@ -120,11 +129,21 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path, interrupt_at):
 
 
 def test_resume_with_other_settings_is_refused(tmp_path):
-    fit(linear(), NoisyRegression(), regression_data(), None,
-        TrainConfig(epochs=1, batch_size=10, out_dir=str(tmp_path), progress=False))
+    fit(
+        linear(),
+        NoisyRegression(),
+        regression_data(),
+        None,
+        TrainConfig(epochs=1, batch_size=10, out_dir=str(tmp_path), progress=False),
+    )
     with pytest.raises(ValueError, match="batch_size: checkpoint 10 vs now 20"):
-        fit(linear(), NoisyRegression(), regression_data(), None,
-            TrainConfig(epochs=2, batch_size=20, out_dir=str(tmp_path), resume=True, progress=False))
+        fit(
+            linear(),
+            NoisyRegression(),
+            regression_data(),
+            None,
+            TrainConfig(epochs=2, batch_size=20, out_dir=str(tmp_path), resume=True, progress=False),
+        )
 
 
 def test_corrupt_and_truncated_checkpoints(tmp_path):
@@ -153,8 +172,13 @@ def test_corrupt_and_truncated_checkpoints(tmp_path):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / CHECKPOINT_NAME).write_bytes(raw[:100])
     with pytest.raises(ValueError, match="truncated or corrupt"):
-        fit(linear(), NoisyRegression(), regression_data(), None,
-            TrainConfig(epochs=1, out_dir=str(tmp_path / "run"), resume=True, progress=False))
+        fit(
+            linear(),
+            NoisyRegression(),
+            regression_data(),
+            None,
+            TrainConfig(epochs=1, out_dir=str(tmp_path / "run"), resume=True, progress=False),
+        )
 
 
 def test_atomic_save_keeps_the_old_file_when_writing_fails(tmp_path):
@@ -196,13 +220,16 @@ def test_model_files_and_checkpoints_reach_the_disk_before_they_replace_the_old_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.safetensors", "m.pt"]
 
 
-@pytest.mark.parametrize("field, value, message", [
-    ("epochs", 0, "epochs must be a positive integer"),
-    ("lr", -1.0, "lr must be positive"),
-    ("warmup", -0.5, "warmup must be >= 0"),
-    ("device", "tpu", "device must be"),
-    ("grad_clip", -1.0, "grad_clip"),
-])
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("epochs", 0, "epochs must be a positive integer"),
+        ("lr", -1.0, "lr must be positive"),
+        ("warmup", -0.5, "warmup must be >= 0"),
+        ("device", "tpu", "device must be"),
+        ("grad_clip", -1.0, "grad_clip"),
+    ],
+)
 def test_config_validation(field, value, message):
     with pytest.raises(ValueError, match=message):
         TrainConfig(**{field: value})
@@ -254,8 +281,9 @@ def test_image_run_resumes_exactly(tmp_path):
         return ImageET((1, 8, 8), 4, 8, 2, 4, integration=EULER)
 
     def config(out):
-        return TrainConfig(epochs=2, batch_size=8, lr=1e-2, checkpoint_every=4, out_dir=str(out), resume=True,
-                           progress=False, seed=1)
+        return TrainConfig(
+            epochs=2, batch_size=8, lr=1e-2, checkpoint_every=4, out_dir=str(out), resume=True, progress=False, seed=1
+        )
 
     class InterruptedCompletion(CompletionTask):
         calls = 0
@@ -266,7 +294,7 @@ def test_image_run_resumes_exactly(tmp_path):
                 raise Interrupt
             return super().loss(model, batch)
 
-    # et_ode.fused times its GEMM back ends on the first call of each size with torch.randn on the *global*
+    # et_ode.kernels.fused times its GEMM back ends on the first call of each size with torch.randn on the *global*
     # generator (reported to its owner); make that first call here, so it cannot shift the RNG stream below.
     with torch.no_grad():
         model()(images[:8], torch.zeros(8, 4, dtype=torch.bool))

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from et_ode.cli import main
-from et_ode.integration import Integration
+from et_ode.integrators.solvers import EulerET
 from et_ode.models.image import ImageET
-from et_ode.runs import COMMAND_KEY, CONFIG_NAME
-from et_ode.solvers import EulerET
+from et_ode.solving.integration import Integration
 from et_ode.tasks.image import ImageRunConfig
-from et_ode.train import save_checkpoint
+from et_ode.training.runs import COMMAND_KEY, CONFIG_NAME
+from et_ode.training.train import save_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +34,7 @@ def _snapshot(folder):
 
 
 def _complete(checkpoint, out, *extra):
-    return main(["complete", str(checkpoint), "--index", "0", "--frames", "3", "--threads", "1", "--out", str(out),
-                 *extra])
+    return main(["complete", str(checkpoint), "--index", "0", "--frames", "3", "--threads", "1", "--out", str(out), *extra])
 
 
 @pytest.mark.slow  # two completions end to end (pictures included)
@@ -90,14 +89,20 @@ def test_a_refused_complete_leaves_no_folder(checkpoint, tmp_path, capsys):
     assert "index" in capsys.readouterr().err and not out.exists()
 
 
-@pytest.mark.parametrize("argv", [
-    ["complete", "CKPT", "--index", "0", "--frames", "10000000", "--out", "o"],
-    ["complete", "CKPT", "--index", "0", "--frames", "1", "--out", "o"],
-    ["train", "image", "--train-limit", "0", "--out", "o"], ["train", "image", "--train-limit", "-1", "--out", "o"],
-    ["train", "image", "--test-limit", "0", "--out", "o"], ["train", "image", "--memories", "0", "--out", "o"],
-    ["train", "image", "--val-size", "-1", "--out", "o"], ["evaluate", "CKPT", "--grid", "-1", "--out", "o"],
-    ["evaluate", "CKPT", "--limit", "0", "--out", "o"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["complete", "CKPT", "--index", "0", "--frames", "10000000", "--out", "o"],
+        ["complete", "CKPT", "--index", "0", "--frames", "1", "--out", "o"],
+        ["train", "image", "--train-limit", "0", "--out", "o"],
+        ["train", "image", "--train-limit", "-1", "--out", "o"],
+        ["train", "image", "--test-limit", "0", "--out", "o"],
+        ["train", "image", "--memories", "0", "--out", "o"],
+        ["train", "image", "--val-size", "-1", "--out", "o"],
+        ["evaluate", "CKPT", "--grid", "-1", "--out", "o"],
+        ["evaluate", "CKPT", "--limit", "0", "--out", "o"],
+    ],
+)
 def test_count_flags_have_ranges(argv, capsys):
     with pytest.raises(SystemExit) as caught:
         main(argv)

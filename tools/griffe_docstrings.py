@@ -17,8 +17,7 @@ from typing import Any
 
 import griffe
 
-SECTIONS = {"Args:", "Arguments:", "Parameters:", "Params:", "Keyword Args:", "Keyword Arguments:",
-            "Other Parameters:"}
+SECTIONS = {"Args:", "Arguments:", "Parameters:", "Params:", "Keyword Args:", "Keyword Arguments:", "Other Parameters:"}
 ROLE = re.compile(r":(?:class|func|meth|mod|attr|data|exc|obj):`~?([^`]+)`")
 GROUPED = re.compile(r"^(?P<indent>\s*)(?P<names>\*{0,2}\w+(?:,\s*\*{0,2}\w+)+)(?P<rest>(?:\s*\([^)]*\))?:.*)$")
 
@@ -54,7 +53,7 @@ def split_grouped(text: str) -> str:
             end += 1
         while end > i + 1 and not lines[end - 1].strip():
             end -= 1  # trailing blank lines stay outside the entry
-        continuation = lines[i + 1:end]
+        continuation = lines[i + 1 : end]
         for name in re.split(r",\s*", match["names"]):
             out.append(f"{match['indent']}{name}{match['rest']}")
             out.extend(continuation)

@@ -6,7 +6,7 @@ run, so a module imported by a name computed at run time (``importlib.import_mod
 commands) is not seen.
 
     python tools/import_graph.py             # each module and the modules it imports (L: late, T: types only)
-    python tools/import_graph.py --mermaid   # a mermaid flowchart, one box per layer (analysis/ as one node)
+    python tools/import_graph.py --mermaid   # a mermaid flowchart, one box per package
     python tools/import_graph.py --cycles    # the import cycles; exit status 1 if there is one
     python tools/import_graph.py --write-docs  # refresh the graph between the markers of docs/architecture.md
 
@@ -27,20 +27,15 @@ REPO = Path(__file__).resolve().parent.parent
 PACKAGES = {"et_ode": "et_ode", "analysis": "et_ode.analysis"}
 DOC = REPO / "docs" / "architecture.md"
 
-# The layers of the target layout (issue 13), lowest first: a module may import modules of its own layer or of a
-# lower one, never of a higher one (docs/architecture.md explains each). "x.*" stands for the submodules of x.
+# The packages of et_ode, lowest first: a module may import modules of its own package or of a lower one, never of a
+# higher one (docs/architecture.md explains each). "et_ode" is the package's __init__, the public API. "x.*" stands
+# for the submodules of x.
+PACKAGE_ORDER = (
+    "backend", "linalg", "data", "energy", "kernels", "dynamics", "integrators", "equilibrium", "solving", "api",
+    "models", "training", "analysis", "tasks", "cli",
+)  # fmt: skip
 LAYERS: dict[str, tuple[str, ...]] = {
-    "leaf": ("et_ode.masks", "et_ode.devices", "et_ode.runtime", "et_ode.neurons", "et_ode.krylov"),
-    "model": ("et_ode._checks", "et_ode.energies", "et_ode.model", "et_ode.fused"),
-    "field": ("et_ode.field", "et_ode.manifold"),
-    "solve": ("et_ode.solvers", "et_ode.stopping", "et_ode.solution", "et_ode.integration", "et_ode._loop",
-              "et_ode.adjoints", "et_ode.solve", "et_ode.fixed_step", "et_ode.adaptive_loop", "et_ode.gradients",
-              "et_ode.certify", "et_ode.attractor", "et_ode"),
-    "models": ("et_ode.models", "et_ode.models.*", "et_ode.fill", "et_ode.data", "et_ode.data.*"),
-    "runs": ("et_ode.io", "et_ode.statefile", "et_ode.runs", "et_ode.train", "et_ode.distributed"),
-    "analysis": ("et_ode.analysis", "et_ode.analysis.*"),
-    "tasks": ("et_ode.tasks", "et_ode.tasks.*"),
-    "cli": ("et_ode.cli", "et_ode.cli.*"),
+    name: ("et_ode",) if name == "api" else (f"et_ode.{name}", f"et_ode.{name}.*") for name in PACKAGE_ORDER
 }
 BEGIN, END = "<!-- import graph: begin (tools/import_graph.py --write-docs) -->", "<!-- import graph: end -->"
 
@@ -60,7 +55,7 @@ class Import:
 
 
 def module_files(repo: Path = REPO) -> dict[str, Path]:
-    """Every module of the packages, by its installed name: ``{"et_ode.field": Path(".../et_ode/field.py"), ...}``."""
+    """Every module of the packages, by its installed name: ``{"et_ode.dynamics.field": Path(...), ...}``."""
     modules: dict[str, Path] = {}
     for folder, package in PACKAGES.items():
         for path in sorted((repo / folder).rglob("*.py")):
@@ -90,7 +85,8 @@ def layer_rank(module: str) -> int:
 
 def _is_type_checking(test: ast.expr) -> bool:
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def _statements(tree: ast.Module) -> Iterable[tuple[ast.stmt, str]]:
@@ -139,13 +135,14 @@ def imports(repo: Path = REPO) -> list[Import]:
                 if statement.level:
                     base = module.split(".")
                     base = base if is_package else base[:-1]
-                    base = base[:len(base) - (statement.level - 1)]
+                    base = base[: len(base) - (statement.level - 1)]
                     prefix = ".".join(base + ([statement.module] if statement.module else []))
                 else:
                     prefix = statement.module or ""
                 # `from package import submodule` imports the submodule; `from module import name` the module
-                targets = [f"{prefix}.{alias.name}" if f"{prefix}.{alias.name}" in known else prefix
-                           for alias in statement.names]
+                targets = [
+                    f"{prefix}.{alias.name}" if f"{prefix}.{alias.name}" in known else prefix for alias in statement.names
+                ]
             for name in targets:
                 target = _resolve(name, known)
                 if target is not None and target != module:
@@ -197,34 +194,18 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     return sorted(components)
 
 
-def _node(module: str) -> str:
-    """The node a module is drawn as: the analysis modules are one node."""
-    return "et_ode.analysis" if module.startswith("et_ode.analysis") else module
-
-
 def mermaid(found: Iterable[Import]) -> str:
-    """A mermaid flowchart of the imports, one box per layer of :data:`LAYERS` (dotted arrows: late or type-only
-    imports only)."""
+    """A mermaid flowchart of the imports between packages, one box per package of :data:`LAYERS` (dotted arrows:
+    late or type-only imports only)."""
     kinds: dict[tuple[str, str], set[str]] = {}
-    nodes: set[str] = set()
     for item in found:
-        source, target = _node(item.source), _node(item.target)
-        nodes |= {source, target}
+        source, target = layer_of(item.source) or item.source, layer_of(item.target) or item.target
         if source != target:
             kinds.setdefault((source, target), set()).add(item.kind)
-
-    def ident(module: str) -> str:
-        return module.replace(".", "_")
-
     lines = ["```mermaid", "flowchart BT"]
-    for layer in [*LAYERS, None]:
-        members = sorted(node for node in nodes if layer_of(node) == layer)
-        if members:
-            lines.append(f"  subgraph {layer or 'unplaced'}")
-            lines += [f"    {ident(node)}[{node}]" for node in members]
-            lines.append("  end")
+    lines += [f"  {layer}[{LAYERS[layer][0]}]" for layer in LAYERS]
     for (source, target), seen in sorted(kinds.items()):
-        lines.append(f"  {ident(source)} {'-->' if 'top' in seen else '-.->'} {ident(target)}")
+        lines.append(f"  {source} {'-->' if 'top' in seen else '-.->'} {target}")
     lines.append("```")
     return "\n".join(lines)
 

@@ -32,38 +32,77 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-FIELD_TESTS = ["tests/test_neurons.py", "tests/test_energies.py", "tests/test_model.py", "tests/test_field.py",
-               "tests/test_fused.py", "tests/test_fused_heads.py", "tests/test_lean_checks.py",
-               "tests/test_graph_attention.py", "tests/test_exact_values.py",
-               "tests/test_fd_gradients.py::test_field_matches_the_spec_at_non_default_settings",
-               "tests/test_fd_gradients.py::test_field_and_its_backward_match_the_spec",
-               "tests/test_fd_gradients.py::test_solve_follows_the_spec_dynamics_at_two_time_constants",
-               "tests/test_mutation_gaps.py", "-k", "not small_euler_steps and not solve_and_adjoint"]
-SOLVE_TESTS = ["tests/test_solve.py", "tests/test_solve_settings.py", "tests/test_exact_values.py",
-               "tests/test_fd_gradients.py::test_steady_state_stop_gradient_of_the_initial_state",
-               "tests/test_fd_gradients.py::test_steady_state_stop_gradient_of_the_parameters",
-               "tests/test_steady_state_gradients.py",
-               "tests/test_gradients.py::test_gradcheck_through_the_solve",
-               "tests/test_gradients.py::test_implicit_needs_a_converged_solve", "tests/test_mutation_gaps.py",
-               "-k", "not adaptive_solve_agrees and not adaptive_heun and not dopri8 and not adams "
-                     "and not per_sample_stopping_matches"]
-ATTRACTOR_TESTS = ["tests/test_exact_values.py",
-                   "tests/test_attractor.py::test_the_convex_one_token_attractor_is_a_fixed_point_in_x",
-                   "tests/test_attractor.py::test_implicit_gradient_at_a_fixed_point_in_x_equals_finite_differences",
-                   "tests/test_fd_gradients.py::test_implicit_gradient_matches_finite_differences_of_the_attractor_map",
-                   "tests/test_gradients.py::test_implicit_equals_direct_through_a_long_converged_solve",
-                   "tests/test_gradients.py::test_implicit_needs_a_converged_solve", "tests/test_mutation_gaps.py"]
-ENERGY_TESTS = ["tests/test_neurons.py", "tests/test_energies.py", "tests/test_graph_attention.py",
-                "tests/test_exact_values.py",
-                "tests/test_fd_gradients.py::test_field_matches_the_spec_at_non_default_settings",
-                "tests/test_fd_gradients.py::test_field_and_its_backward_match_the_spec", "tests/test_mutation_gaps.py"]
+FIELD_TESTS = [
+    "tests/test_neurons.py",
+    "tests/test_energies.py",
+    "tests/test_model.py",
+    "tests/test_field.py",
+    "tests/test_fused.py",
+    "tests/test_fused_heads.py",
+    "tests/test_lean_checks.py",
+    "tests/test_graph_attention.py",
+    "tests/test_exact_values.py",
+    "tests/test_fd_gradients.py::test_field_matches_the_spec_at_non_default_settings",
+    "tests/test_fd_gradients.py::test_field_and_its_backward_match_the_spec",
+    "tests/test_fd_gradients.py::test_solve_follows_the_spec_dynamics_at_two_time_constants",
+    "tests/test_mutation_gaps.py",
+    "-k",
+    "not small_euler_steps and not solve_and_adjoint",
+]
+SOLVE_TESTS = [
+    "tests/test_solve.py",
+    "tests/test_solve_settings.py",
+    "tests/test_exact_values.py",
+    "tests/test_fd_gradients.py::test_steady_state_stop_gradient_of_the_initial_state",
+    "tests/test_fd_gradients.py::test_steady_state_stop_gradient_of_the_parameters",
+    "tests/test_steady_state_gradients.py",
+    "tests/test_gradients.py::test_gradcheck_through_the_solve",
+    "tests/test_gradients.py::test_implicit_needs_a_converged_solve",
+    "tests/test_mutation_gaps.py",
+    "-k",
+    "not adaptive_solve_agrees and not adaptive_heun and not dopri8 and not adams and not per_sample_stopping_matches",
+]
+ATTRACTOR_TESTS = [
+    "tests/test_exact_values.py",
+    "tests/test_attractor.py::test_the_convex_one_token_attractor_is_a_fixed_point_in_x",
+    "tests/test_attractor.py::test_implicit_gradient_at_a_fixed_point_in_x_equals_finite_differences",
+    "tests/test_fd_gradients.py::test_implicit_gradient_matches_finite_differences_of_the_attractor_map",
+    "tests/test_gradients.py::test_implicit_equals_direct_through_a_long_converged_solve",
+    "tests/test_gradients.py::test_implicit_needs_a_converged_solve",
+    "tests/test_mutation_gaps.py",
+]
+ENERGY_TESTS = [
+    "tests/test_neurons.py",
+    "tests/test_energies.py",
+    "tests/test_graph_attention.py",
+    "tests/test_exact_values.py",
+    "tests/test_fd_gradients.py::test_field_matches_the_spec_at_non_default_settings",
+    "tests/test_fd_gradients.py::test_field_and_its_backward_match_the_spec",
+    "tests/test_mutation_gaps.py",
+]
 GROUPS: dict[str, tuple[list[str], list[str]]] = {
-    "energies": (["et_ode/neurons.py", "et_ode/energies.py"], ENERGY_TESTS),
-    "field": (["et_ode/model.py", "et_ode/_checks.py", "et_ode/masks.py", "et_ode/field.py",
-               "et_ode/fused.py"], FIELD_TESTS),
-    "attractor": (["et_ode/manifold.py", "et_ode/gradients.py"], ATTRACTOR_TESTS),
-    "solve": (["et_ode/solve.py", "et_ode/_loop.py", "et_ode/solvers.py", "et_ode/stopping.py", "et_ode/adjoints.py"],
-              SOLVE_TESTS),
+    "energies": (["et_ode/energy/neurons.py", "et_ode/energy/energies.py"], ENERGY_TESTS),
+    "field": (
+        [
+            "et_ode/energy/model.py",
+            "et_ode/energy/checks.py",
+            "et_ode/energy/masks.py",
+            "et_ode/dynamics/field.py",
+            "et_ode/kernels/fused.py",
+        ],
+        FIELD_TESTS,
+    ),
+    "attractor": (["et_ode/dynamics/manifold.py", "et_ode/equilibrium/implicit.py"], ATTRACTOR_TESTS),
+    "solve": (
+        [
+            "et_ode/solving/solve.py",
+            "et_ode/integrators/loop.py",
+            "et_ode/integrators/solvers.py",
+            "et_ode/integrators/stopping.py",
+            "et_ode/solving/gradients.py",
+        ],
+        SOLVE_TESTS,
+    ),
 }
 KILLED = {"killed", "timeout", "caught by type check"}
 HARNESS_ERROR = 255  # the fork server's code for "running the tests raised": nothing was tested
@@ -72,8 +111,13 @@ HARNESS_ERROR = 255  # the fork server's code for "running the tests raised": no
 def scratch_copy(work: Path, group: str, modules: list[str], tests: list[str]) -> Path:
     """A copy of the tracked and untracked (not ignored) files, with a setup.cfg naming this group's modules."""
     target = work / group
-    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT, check=True,
-                           capture_output=True, text=True).stdout.split()
+    files = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.split()
     for name in files:
         source = ROOT / name
         if source.is_file():
@@ -81,16 +125,23 @@ def scratch_copy(work: Path, group: str, modules: list[str], tests: list[str]) -
             shutil.copy2(source, target / name)
     # mutmut's default timeout (15x a mutant's clean test time in CPU, half that in wall time): 3x gave false
     # timeouts on the loaded shared machine (equivalent mutants filed as killed)
-    lines = ["[mutmut]", "source_paths = et_ode/", "process_isolation = forkserver",
-             "only_mutate =", *(f"    {m}" for m in modules), "pytest_add_cli_args_test_selection =",
-             *(f"    {t}" for t in tests)]
+    lines = [
+        "[mutmut]",
+        "source_paths = et_ode/",
+        "process_isolation = forkserver",
+        "only_mutate =",
+        *(f"    {m}" for m in modules),
+        "pytest_add_cli_args_test_selection =",
+        *(f"    {t}" for t in tests),
+    ]
     (target / "setup.cfg").write_text("\n".join(lines) + "\n")
     return target
 
 
 def results(folder: Path) -> dict[str, str]:
-    out = subprocess.run([sys.executable, "-m", "mutmut", "results", "--all", "true"], cwd=folder,
-                         capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "mutmut", "results", "--all", "true"], cwd=folder, capture_output=True, text=True
+    ).stdout
     return dict(re.findall(r"^\s*(\S+): (.+)$", out, flags=re.M))
 
 
@@ -120,8 +171,10 @@ def main() -> None:
         parser.error(f"--sample must be a digit or 'all', got {args.sample!r}")
     pattern = [] if args.sample == "all" else [f"*__mutmut_*{args.sample}"]
     deadline = time.monotonic() + 60 * args.budget_minutes
-    table = ["| module | mutants | killed | of which timeouts | survived | not covered | not tested (error) | not run | "
-             "score |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    table = [
+        "| module | mutants | killed | of which timeouts | survived | not covered | not tested (error) | not run | score |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     survivors: list[str] = []
     for index, group in enumerate(groups):
         modules, tests = GROUPS[group]
@@ -131,8 +184,12 @@ def main() -> None:
             share = (deadline - time.monotonic()) / (len(groups) - index)
             print(f"[mutate] group {group}: {len(modules)} modules, up to {share / 60:.1f} min", flush=True)
             try:
-                subprocess.run([sys.executable, "-m", "mutmut", "run", "--max-children", str(args.jobs), *pattern],
-                               cwd=folder, timeout=max(share, 60), stdout=subprocess.DEVNULL)
+                subprocess.run(
+                    [sys.executable, "-m", "mutmut", "run", "--max-children", str(args.jobs), *pattern],
+                    cwd=folder,
+                    timeout=max(share, 60),
+                    stdout=subprocess.DEVNULL,
+                )
             except subprocess.TimeoutExpired:
                 print(f"[mutate] group {group}: budget spent; scoring the mutants run so far", flush=True)
         by_module: dict[str, Counter] = defaultdict(Counter)
@@ -141,8 +198,17 @@ def main() -> None:
             if pattern and not name.endswith(args.sample):
                 continue
             module = re.split(r"\.x[_\u01c1]", name)[0]
-            kind = ("error" if codes.get(name) == HARNESS_ERROR else "killed" if status in KILLED else
-                    "survived" if status == "survived" else "not covered" if status == "no tests" else "not run")
+            kind = (
+                "error"
+                if codes.get(name) == HARNESS_ERROR
+                else "killed"
+                if status in KILLED
+                else "survived"
+                if status == "survived"
+                else "not covered"
+                if status == "no tests"
+                else "not run"
+            )
             by_module[module][kind] += 1
             by_module[module]["timeout"] += kind == "killed" and status == "timeout"
             if kind in ("survived", "not covered", "error"):
@@ -151,8 +217,10 @@ def main() -> None:
             scored = counts["killed"] + counts["survived"] + counts["not covered"] + counts["error"]
             score = f"{100 * counts['killed'] / scored:.1f}%" if scored else "-"
             total = sum(counts[k] for k in ("killed", "survived", "not covered", "error", "not run"))
-            table.append(f"| {module} | {total} | {counts['killed']} | {counts['timeout']} | {counts['survived']} | "
-                         f"{counts['not covered']} | {counts['error']} | {counts['not run']} | {score} |")
+            table.append(
+                f"| {module} | {total} | {counts['killed']} | {counts['timeout']} | {counts['survived']} | "
+                f"{counts['not covered']} | {counts['error']} | {counts['not run']} | {score} |"
+            )
     summary = "\n".join(table + ["", "Surviving / not covered mutants:", *survivors])
     print(summary)
     if args.out:

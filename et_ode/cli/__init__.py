@@ -30,19 +30,21 @@ import importlib
 import sys
 from collections.abc import Callable, Sequence
 
-from .. import runtime
-from ..solve import SolveError
-from .evaluate import add_evaluate
-from .image import add_complete, add_demo, add_train_image
-from .options import HelpFormatter
+from et_ode.backend import runtime
+from et_ode.cli.evaluate import add_evaluate
+from et_ode.cli.image import add_complete, add_demo, add_train_image
+from et_ode.cli.options import HelpFormatter
+from et_ode.solving.solve import SolveError
 
 
 def _add_train_graph(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "graph", help="graph classification (cross-validated) or node anomaly detection",
+        "graph",
+        help="graph classification (cross-validated) or node anomaly detection",
         formatter_class=HelpFormatter,
         description="Train a graph ET (et_ode.tasks.graph): `classify` runs k-fold cross-validation on a TU data set; "
-                    "`anomaly` scores the nodes of one graph against feature and GCN baselines.")
+        "`anomaly` scores the nodes of one graph against feature and GCN baselines.",
+    )
     _wire_lazily(parser, "et-ode train graph", "et_ode.cli.graph", "add_graph_train_arguments", "run_graph_train")
 
 
@@ -63,28 +65,34 @@ def _missing(command: str, module: str, reason: str) -> None:
     raise ValueError(f"{command} needs {module}, which could not be imported ({reason})")
 
 
-TRAIN_TASKS: dict[str, Callable[[argparse._SubParsersAction], None]] = {"image": add_train_image,
-                                                                        "graph": _add_train_graph}
+TRAIN_TASKS: dict[str, Callable[[argparse._SubParsersAction], None]] = {"image": add_train_image, "graph": _add_train_graph}
 
 
 def _add_analyze(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser("analyze", help="convergence, Lyapunov and stability report of a trained ET",
-                                 formatter_class=HelpFormatter,
-                                 description="Study the attractors of a trained ET block (e.g. OUT/et_block.pt with "
-                                             "the token states OUT/tokens.pt written by `et-ode train`), or "
-                                             "the official release's checkpoint on the tokens of photos "
-                                             "(--official CKPT.npz --image A.png).")
+    parser = commands.add_parser(
+        "analyze",
+        help="convergence, Lyapunov and stability report of a trained ET",
+        formatter_class=HelpFormatter,
+        description="Study the attractors of a trained ET block (e.g. OUT/et_block.pt with "
+        "the token states OUT/tokens.pt written by `et-ode train`), or "
+        "the official release's checkpoint on the tokens of photos "
+        "(--official CKPT.npz --image A.png).",
+    )
     _wire_lazily(parser, "et-ode analyze", "et_ode.cli.analyze", "add_arguments", "run")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="et-ode", description="The Energy Transformer as a continuous-time "
-                                     "dynamical system: train, complete images, analyze attractors, run the demo.")
+    parser = argparse.ArgumentParser(
+        prog="et-ode",
+        description="The Energy Transformer as a continuous-time "
+        "dynamical system: train, complete images, analyze attractors, run the demo.",
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    train = commands.add_parser("train", help="train a model: et-ode train TASK ... (tasks: "
-                                + ", ".join(TRAIN_TASKS) + ")",
-                                description="Train a model. The first word is the task; `et-ode train TASK --help` "
-                                            "lists its options.")
+    train = commands.add_parser(
+        "train",
+        help="train a model: et-ode train TASK ... (tasks: " + ", ".join(TRAIN_TASKS) + ")",
+        description="Train a model. The first word is the task; `et-ode train TASK --help` lists its options.",
+    )
     tasks = train.add_subparsers(dest="task", required=True, metavar="TASK")
     for add in TRAIN_TASKS.values():
         add(tasks)
@@ -111,4 +119,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"et-ode {args.command}: error: {error}", file=sys.stderr)
         return 2
     return 0
-

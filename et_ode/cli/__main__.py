@@ -1,5 +1,5 @@
 """``python -m et_ode.cli ...`` (e.g. under ``torchrun``): the ``et-ode`` console script."""
 
-from . import main
+from et_ode.cli import main
 
 raise SystemExit(main())

@@ -12,13 +12,13 @@ from pathlib import Path
 
 import torch
 
-from .. import runs
-from ..analysis.report import ANALYZE_SOLVER, DTYPES, analyze
-from ..integration import Integration
-from ..solvers import FIXED_METHODS
-from .dynamics import add_dynamics_arguments, integration_from
-from .image import add_official_arguments
-from .options import add_threads_argument, count_in
+from et_ode.analysis.report import ANALYZE_SOLVER, DTYPES, analyze
+from et_ode.cli.dynamics import add_dynamics_arguments, integration_from
+from et_ode.cli.image import add_official_arguments
+from et_ode.cli.options import add_threads_argument, count_in
+from et_ode.integrators.solvers import FIXED_METHODS
+from et_ode.solving.integration import Integration
+from et_ode.training import runs
 
 #: the analysis report's solve: its solver options (no gradient, no stop; the horizon is --t-end)
 DYNAMICS = Integration(solver=ANALYZE_SOLVER)
@@ -28,8 +28,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``et-ode analyze``: :func:`add_analyze_arguments` and the official checkpoint's."""
     add_analyze_arguments(parser)
     official = add_official_arguments(parser, masks=False)
-    official.add_argument("--image", action="append", default=None,
-                          help="with --official: an RGB photo whose tokens are the initial states (repeat for more)")
+    official.add_argument(
+        "--image",
+        action="append",
+        default=None,
+        help="with --official: an RGB photo whose tokens are the initial states (repeat for more)",
+    )
 
 
 def run(args: argparse.Namespace) -> Path:
@@ -39,34 +43,47 @@ def run(args: argparse.Namespace) -> Path:
 
 def add_analyze_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the options of ``et-ode analyze`` to ``parser``."""
-    parser.add_argument("--model", type=Path, default=None,
-                        help="model file written by et_ode.io.save_model (default: a built-in random model)")
-    parser.add_argument("--x0", type=Path, default=None,
-                        help="torch-saved tensor of initial states (batch, N, D) (default: random)")
-    parser.add_argument("--out", type=Path, default=Path("runs/analyze"),
-                        help="output folder, new or empty")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="replace the report in --out (a folder written by et-ode analyze)")
+    parser.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="model file written by et_ode.training.io.save_model (default: a built-in random model)",
+    )
+    parser.add_argument(
+        "--x0", type=Path, default=None, help="torch-saved tensor of initial states (batch, N, D) (default: random)"
+    )
+    parser.add_argument("--out", type=Path, default=Path("runs/analyze"), help="output folder, new or empty")
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace the report in --out (a folder written by et-ode analyze)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the random model and states")
     parser.add_argument("--dim", type=count_in(1, 4096), default=16, help="random model: token size D")
     parser.add_argument("--heads", type=count_in(1, 256), default=2, help="random model: attention heads H")
     parser.add_argument("--head-dim", type=count_in(1, 4096), default=8, help="random model: head dimension Y")
     parser.add_argument("--memories", type=count_in(1, 65536), default=32, help="random model: Hopfield memories K")
-    parser.add_argument("--hopfield", choices=("relu", "softplus", "softmax"), default="relu",
-                        help="random model: Hopfield form")
+    parser.add_argument(
+        "--hopfield", choices=("relu", "softplus", "softmax"), default="relu", help="random model: Hopfield form"
+    )
     parser.add_argument("--tokens", type=count_in(1, 4096), default=8, help="random states: tokens N per sample")
     parser.add_argument("--batch", type=count_in(1, 4096), default=3, help="random states: number of samples")
-    parser.add_argument("--dtype", choices=tuple(DTYPES), default="float64",
-                        help="precision of the model and the states (float64: the landscape tools need it)")
+    parser.add_argument(
+        "--dtype",
+        choices=tuple(DTYPES),
+        default="float64",
+        help="precision of the model and the states (float64: the landscape tools need it)",
+    )
     parser.add_argument("--tau", type=float, default=1.0, help="time constant")
     add_dynamics_arguments(parser, DYNAMICS, options=("solver", "rtol", "atol", "step", "steps"))
     parser.add_argument("--t-end", type=float, default=30.0, help="end of the time span")
     parser.add_argument("--points", type=count_in(2, 100_000), default=61, help="saved times")
     parser.add_argument("--tol", type=float, default=1e-3, help="convergence tolerance on RMS |dg/dt|")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    parser.add_argument("--landscape", action="store_true",
-                        help="add the landscape study of sample 0 (critical points, saddles, basins, asymptotic rate, "
-                             "Lyapunov spectrum, continuation) and the Hessian along the trajectories; small models")
+    parser.add_argument(
+        "--landscape",
+        action="store_true",
+        help="add the landscape study of sample 0 (critical points, saddles, basins, asymptotic rate, "
+        "Lyapunov spectrum, continuation) and the Hessian along the trajectories; small models",
+    )
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
     add_threads_argument(parser)
     return parser
@@ -75,23 +92,43 @@ def add_analyze_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
 def run_analyze(args: argparse.Namespace) -> Path:
     """Run :func:`analyze` from parsed ``et-ode analyze`` arguments; returns the report folder.
 
-    ``--out`` is taken with :func:`et_ode.runs.claim`: a folder holding files needs ``--overwrite``
-    (:class:`et_ode.runs.RunFolderError` otherwise, and while another process writes there).
+    ``--out`` is taken with :func:`et_ode.training.runs.claim`: a folder holding files needs ``--overwrite``
+    (:class:`et_ode.training.runs.RunFolderError` otherwise, and while another process writes there).
     """
     if args.solver in FIXED_METHODS and args.step is None:
         raise ValueError(f"--solver {args.solver} is a fixed-step method: give --step")
-    setup = {k: str(v) if isinstance(v, Path) else v for k, v in sorted(vars(args).items())
-             if isinstance(v, (str, int, float, bool, type(None), Path)) and k not in ("command", "overwrite")}
+    setup = {
+        k: str(v) if isinstance(v, Path) else v
+        for k, v in sorted(vars(args).items())
+        if isinstance(v, (str, int, float, bool, type(None), Path)) and k not in ("command", "overwrite")
+    }
     with runs.claim(args.out, setup, overwrite=getattr(args, "overwrite", False), command="analyze"):
         return _run_analyze(args)
 
 
 def _run_analyze(args: argparse.Namespace) -> Path:
-    return analyze(args.model, args.x0, out=args.out, seed=args.seed, dim=args.dim, heads=args.heads,
-                   head_dim=args.head_dim, memories=args.memories, hopfield=args.hopfield, tokens=args.tokens,
-                   batch=args.batch, dtype=args.dtype, tau=args.tau,
-                   solver=integration_from(args, DYNAMICS).solver, t_end=args.t_end, points=args.points,
-                   tol=args.tol, landscape=args.landscape, device=args.device, progress=not args.no_progress)
+    return analyze(
+        args.model,
+        args.x0,
+        out=args.out,
+        seed=args.seed,
+        dim=args.dim,
+        heads=args.heads,
+        head_dim=args.head_dim,
+        memories=args.memories,
+        hopfield=args.hopfield,
+        tokens=args.tokens,
+        batch=args.batch,
+        dtype=args.dtype,
+        tau=args.tau,
+        solver=integration_from(args, DYNAMICS).solver,
+        t_end=args.t_end,
+        points=args.points,
+        tol=args.tol,
+        landscape=args.landscape,
+        device=args.device,
+        progress=not args.no_progress,
+    )
 
 
 def _official_states(args: argparse.Namespace) -> argparse.Namespace:
@@ -104,11 +141,17 @@ def _official_states(args: argparse.Namespace) -> argparse.Namespace:
         raise ValueError("--official replaces --model and --x0; give one or the other")
     if not args.image:
         raise ValueError("--official needs at least one --image (the photos whose tokens are analysed)")
-    from ..tasks.photos import official_tokens
+    from et_ode.tasks.photos import official_tokens
 
-    model, _, images, hidden = official_tokens(args.official, args.image, image_shape=tuple(args.image_shape),
-                                               patch=args.patch, masked=args.masked, seed=args.mask_seed,
-                                               dtype=getattr(torch, args.dtype))
+    model, _, images, hidden = official_tokens(
+        args.official,
+        args.image,
+        image_shape=tuple(args.image_shape),
+        patch=args.patch,
+        masked=args.masked,
+        seed=args.mask_seed,
+        dtype=getattr(torch, args.dtype),
+    )
     with torch.no_grad():
         states = model.tokens(images, hidden)
     return argparse.Namespace(**{**vars(args), "model": model.block, "x0": states, "tau": model.tau})

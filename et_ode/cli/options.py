@@ -13,18 +13,24 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
-        if ("default" in text or action.required or action.default in (None, False, argparse.SUPPRESS)
-                or not action.option_strings):
+        if (
+            "default" in text
+            or action.required
+            or action.default in (None, False, argparse.SUPPRESS)
+            or not action.option_strings
+        ):
             return text
         return super()._get_help_string(action)
 
 
-def add_command(commands: argparse._SubParsersAction, name: str, *, summary: str,
-                description: str) -> argparse.ArgumentParser:
+def add_command(
+    commands: argparse._SubParsersAction, name: str, *, summary: str, description: str
+) -> argparse.ArgumentParser:
     """A subcommand ``name`` whose ``--help`` shows ``description`` and every option's default (``summary`` is its
     line in the parent's list of commands)."""
-    parser: argparse.ArgumentParser = commands.add_parser(name, help=summary, description=description,
-                                                          formatter_class=HelpFormatter)
+    parser: argparse.ArgumentParser = commands.add_parser(
+        name, help=summary, description=description, formatter_class=HelpFormatter
+    )
     return parser
 
 
@@ -42,20 +48,29 @@ def thread_count(text: str) -> int:
 
 def add_threads_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     """``--threads N``: PyTorch's CPU threads for the command (applied by :func:`et_ode.cli.main` before it runs)."""
-    parser.add_argument("--threads", type=thread_count, default=None,
-                        help="torch CPU threads, 1 to this machine's CPU count (default: torch's choice; on a busy "
-                             "machine use 1, see et_ode.runtime.oversubscription)")
+    parser.add_argument(
+        "--threads",
+        type=thread_count,
+        default=None,
+        help="torch CPU threads, 1 to this machine's CPU count (default: torch's choice; on a busy "
+        "machine use 1, see et_ode.backend.runtime.oversubscription)",
+    )
 
 
 def add_run_folder_arguments(parser: argparse.ArgumentParser) -> None:
     """``--resume`` and ``--overwrite`` (mutually exclusive): what to do when ``--out`` already holds a run
-    (:func:`et_ode.runs.claim`)."""
+    (:func:`et_ode.training.runs.claim`)."""
     group = parser.add_mutually_exclusive_group()
-    group.add_argument("--resume", action="store_true",
-                       help="continue the run in OUT (its config.json must match these settings); a new or empty OUT "
-                            "starts afresh")
-    group.add_argument("--overwrite", action="store_true",
-                       help="delete the run in OUT (a folder with an et-ode config.json) and start afresh")
+    group.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run in OUT (its config.json must match these settings); a new or empty OUT starts afresh",
+    )
+    group.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="delete the run in OUT (a folder with an et-ode config.json) and start afresh",
+    )
 
 
 def count_in(low: int, high: int | None = None) -> Callable[[str], int]:

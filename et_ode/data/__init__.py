@@ -1,6 +1,6 @@
 """Data sets, read from local files only (nothing is downloaded at run time)."""
 
-from .images import (
+from et_ode.data.images import (
     SOURCES,
     ImageSet,
     assign_sources,

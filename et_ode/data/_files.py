@@ -61,26 +61,35 @@ def check_file(path: str | os.PathLike[str], what: str, max_bytes: int = MAX_FIL
     if not stat.S_ISREG(info.st_mode):
         raise FileFormatError(path, None, f"the {what} is not a regular file (a folder, a device or a pipe)")
     if info.st_size > max_bytes:
-        raise FileFormatError(path, None, f"the {what} holds {info.st_size} bytes, more than the {max_bytes} "
-                                          f"et-ode reads")
+        raise FileFormatError(path, None, f"the {what} holds {info.st_size} bytes, more than the {max_bytes} et-ode reads")
     return info.st_size
 
 
-def check_elements(path: str | os.PathLike[str], key: str, shape: Sequence[int],
-                   max_elements: int = MAX_ARRAY_ELEMENTS) -> int:
+def check_elements(
+    path: str | os.PathLike[str], key: str, shape: Sequence[int], max_elements: int = MAX_ARRAY_ELEMENTS
+) -> int:
     """The element count of an array of ``shape`` declared in a file's header: FileFormatError naming ``path`` and
     ``key`` if a dimension is not a non-negative integer or the count exceeds ``max_elements``."""
     if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
         raise FileFormatError(path, key, f"its shape {list(shape)!r} is not a list of non-negative integers")
     count = math.prod(shape)
     if count > max_elements:
-        raise FileFormatError(path, key, f"its header declares {count} elements (shape {tuple(shape)}), more than "
-                                         f"the {max_elements} et-ode reads")
+        raise FileFormatError(
+            path,
+            key,
+            f"its header declares {count} elements (shape {tuple(shape)}), more than the {max_elements} et-ode reads",
+        )
     return count
 
 
-def read_npz(path: str | os.PathLike[str], keys: Sequence[str], *, what: str,
-             max_elements: int = MAX_ARRAY_ELEMENTS, allow_empty: bool = False) -> dict[str, np.ndarray]:
+def read_npz(
+    path: str | os.PathLike[str],
+    keys: Sequence[str],
+    *,
+    what: str,
+    max_elements: int = MAX_ARRAY_ELEMENTS,
+    allow_empty: bool = False,
+) -> dict[str, np.ndarray]:
     """The arrays ``keys`` of the ``.npz`` archive ``path``, in native byte order; never runs code.
 
     Each member's ``.npy`` header is read first: its dtype (numbers and booleans only: no objects, so no pickle),
@@ -102,8 +111,11 @@ def read_npz(path: str | os.PathLike[str], keys: Sequence[str], *, what: str,
             members = {info.filename[:-4]: info for info in archive.infolist() if info.filename.endswith(".npy")}
             missing = [key for key in keys if key not in members]
             if missing:
-                raise FileFormatError(path, missing[0], f"key(s) {', '.join(missing)} missing (found: "
-                                                        f"{', '.join(sorted(members)) or 'no arrays'})")
+                raise FileFormatError(
+                    path,
+                    missing[0],
+                    f"key(s) {', '.join(missing)} missing (found: {', '.join(sorted(members)) or 'no arrays'})",
+                )
             total, arrays = 0, {}
             for key in keys:
                 arrays[key] = _read_member(archive, members[key], path, key, max_elements, allow_empty)
@@ -123,13 +135,14 @@ def _read_exactly(stream: BinaryIO | Any, size: int) -> bytearray | None:
         chunk = stream.read(min(size - filled, 1 << 24))
         if not chunk:
             return None
-        view[filled:filled + len(chunk)] = chunk
+        view[filled : filled + len(chunk)] = chunk
         filled += len(chunk)
     return data
 
 
-def _read_member(archive: zipfile.ZipFile, info: zipfile.ZipInfo, path: Path, key: str, max_elements: int,
-                 allow_empty: bool) -> np.ndarray:
+def _read_member(
+    archive: zipfile.ZipFile, info: zipfile.ZipInfo, path: Path, key: str, max_elements: int, allow_empty: bool
+) -> np.ndarray:
     """One ``.npy`` member, its header checked before its data is read (see :func:`read_npz`)."""
     with archive.open(info) as stream:
         try:
@@ -139,18 +152,30 @@ def _read_member(archive: zipfile.ZipFile, info: zipfile.ZipInfo, path: Path, ke
         except ValueError as error:
             raise FileFormatError(path, key, f"not a valid .npy array header: {error}") from None
         if dtype.hasobject or dtype.kind not in "biufc":
-            raise FileFormatError(path, key, f"holds {dtype} values, not numbers: object arrays are pickles, which "
-                                             f"et-ode never loads (they can run code)")
+            raise FileFormatError(
+                path,
+                key,
+                f"holds {dtype} values, not numbers: object arrays are pickles, which "
+                f"et-ode never loads (they can run code)",
+            )
         count = check_elements(path, key, shape, max_elements)
         if count == 0 and not allow_empty:
             raise FileFormatError(path, key, f"is empty (shape {tuple(shape)})")
         header = stream.tell()
         if info.file_size > MAX_EXPANSION_BYTES and info.file_size > MAX_EXPANSION * max(info.compress_size, 1):
-            raise FileFormatError(path, key, f"{info.compress_size} compressed bytes expand to {info.file_size} (more "
-                                             f"than {MAX_EXPANSION} times: a zip bomb?); refused unread")
+            raise FileFormatError(
+                path,
+                key,
+                f"{info.compress_size} compressed bytes expand to {info.file_size} (more "
+                f"than {MAX_EXPANSION} times: a zip bomb?); refused unread",
+            )
         if info.file_size - header != count * dtype.itemsize:
-            raise FileFormatError(path, key, f"its header declares shape {tuple(shape)} of {dtype} "
-                                             f"({count * dtype.itemsize} bytes) but it holds {info.file_size - header}")
+            raise FileFormatError(
+                path,
+                key,
+                f"its header declares shape {tuple(shape)} of {dtype} "
+                f"({count * dtype.itemsize} bytes) but it holds {info.file_size - header}",
+            )
         data = _read_exactly(stream, count * dtype.itemsize)
         if data is None:
             raise FileFormatError(path, key, "its data is truncated")

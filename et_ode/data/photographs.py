@@ -32,14 +32,28 @@ import numpy as np
 
 # name -> (split, is it a colour photograph)
 PHOTOGRAPHS: dict[str, tuple[str, bool]] = {
-    "rocket": ("train", True), "hubble_deep_field": ("train", True), "immunohistochemistry": ("train", True),
-    "retina": ("train", True), "motorcycle": ("train", True), "china": ("train", True),
-    "moon": ("train", False), "page": ("train", False), "clock": ("train", False), "grass": ("train", False),
-    "cell": ("train", False), "microaneurysms": ("train", False),
-    "chelsea": ("validation", True), "flower": ("validation", True),
-    "text": ("validation", False), "gravel": ("validation", False),
-    "astronaut": ("test", True), "coffee": ("test", True), "grace_hopper": ("test", True),
-    "camera": ("test", False), "coins": ("test", False), "brick": ("test", False),
+    "rocket": ("train", True),
+    "hubble_deep_field": ("train", True),
+    "immunohistochemistry": ("train", True),
+    "retina": ("train", True),
+    "motorcycle": ("train", True),
+    "china": ("train", True),
+    "moon": ("train", False),
+    "page": ("train", False),
+    "clock": ("train", False),
+    "grass": ("train", False),
+    "cell": ("train", False),
+    "microaneurysms": ("train", False),
+    "chelsea": ("validation", True),
+    "flower": ("validation", True),
+    "text": ("validation", False),
+    "gravel": ("validation", False),
+    "astronaut": ("test", True),
+    "coffee": ("test", True),
+    "grace_hopper": ("test", True),
+    "camera": ("test", False),
+    "coins": ("test", False),
+    "brick": ("test", False),
 }
 
 
@@ -59,8 +73,7 @@ def photograph(name: str) -> np.ndarray:
     try:
         from skimage import data
     except ImportError:
-        raise ImportError("the photos data set needs scikit-image: pip install scikit-image (or et-ode[images])") \
-            from None
+        raise ImportError("the photos data set needs scikit-image: pip install scikit-image (or et-ode[images])") from None
     if name == "motorcycle":
         return np.asarray(data.stereo_motorcycle()[0])
     return np.asarray(getattr(data, name)())

@@ -1,7 +1,7 @@
 """Task models built on the ET block: image completion and graphs (classification, node scoring)."""
 
-from .graph import GraphET
-from .image import (
+from et_ode.models.graph import GraphET
+from et_ode.models.image import (
     DEFAULT_INTEGRATION,
     CompletionTask,
     ImageET,
@@ -12,7 +12,7 @@ from .image import (
     random_masks,
     unpatchify,
 )
-from .official import (
+from et_ode.models.official import (
     IMAGENET_MEAN,
     IMAGENET_STD,
     OFFICIAL_KEYS,

@@ -4,7 +4,7 @@ Tokens: ``x0_A = W_x x_A + W_pe (s * pe_A)`` for each node ``A``, with ``pe`` th
 (:func:`et_ode.data.graphs.add_laplacian_pe`) and ``s`` a random sign per graph and eigenvector while training
 (eigenvectors are defined up to sign). For graph readout a learned CLS token per graph is linked to every node of
 its graph in both directions. Attention is restricted to the edges (plus the CLS links) with a
-:class:`~et_ode.masks.GraphMask`, so memory grows with the number of edges, not nodes squared.
+:class:`~et_ode.energy.masks.GraphMask`, so memory grows with the number of edges, not nodes squared.
 
 A batch of graphs of different sizes (a PyG ``Batch``) is one disjoint graph: the state has shape
 ``(N_total + G, D)`` (the ``N_total`` nodes of all graphs, then one CLS token per graph), and ``solve`` integrates
@@ -20,14 +20,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..adjoints import Direct
-from ..field import ETField
-from ..integration import Integration
-from ..masks import GraphMask
-from ..model import EnergyTransformer
-from ..solution import Solution
-from ..solvers import EulerET
-from .image import check_model_size
+from et_ode.dynamics.field import ETField
+from et_ode.energy.masks import GraphMask
+from et_ode.energy.model import EnergyTransformer
+from et_ode.integrators.solution import Solution
+from et_ode.integrators.solvers import EulerET
+from et_ode.models.image import check_model_size
+from et_ode.solving.gradients import Direct
+from et_ode.solving.integration import Integration
 
 READOUTS = ("graph", "node")
 POOLS = ("cls", "cls+mean", "cls+sum")
@@ -45,7 +45,7 @@ class GraphET(nn.Module):
         pe_dim: Laplacian eigenvectors per node ``k`` (0: none).
         readout: ``"graph"`` (CLS tokens) or ``"node"`` (no CLS token).
         hopfield, self_attention: passed to :class:`~et_ode.EnergyTransformer`.
-        integration: how the dynamics are solved (:class:`et_ode.integration.Integration`; default the paper's block,
+        integration: how the dynamics are solved (:class:`et_ode.solving.integration.Integration`; default the paper's block,
             ``EulerET(alpha=0.1, steps=12)`` with ``Direct()`` gradients; any other solver runs on ``(0, t1)``).
         dropout: dropout on the encoded node features while training.
         tau: the field's time constant.
@@ -57,10 +57,25 @@ class GraphET(nn.Module):
     for several graphs, ``batch (N,)``; it returns logits.
     """
 
-    def __init__(self, in_features: int, classes: int, *, dim: int = 64, heads: int = 4, head_dim: int = 16,
-                 memories: int = 128, pe_dim: int = 15, readout: str = "graph", hopfield: str = "relu",
-                 self_attention: bool = False, integration: Integration = PAPER_INTEGRATION, dropout: float = 0.0,
-                 tau: float = 1.0, head_hidden: int = 0, pool: str = "cls"):
+    def __init__(
+        self,
+        in_features: int,
+        classes: int,
+        *,
+        dim: int = 64,
+        heads: int = 4,
+        head_dim: int = 16,
+        memories: int = 128,
+        pe_dim: int = 15,
+        readout: str = "graph",
+        hopfield: str = "relu",
+        self_attention: bool = False,
+        integration: Integration = PAPER_INTEGRATION,
+        dropout: float = 0.0,
+        tau: float = 1.0,
+        head_hidden: int = 0,
+        pool: str = "cls",
+    ):
         super().__init__()
         if readout not in READOUTS:
             raise ValueError(f"readout must be one of {READOUTS}, got {readout!r}")
@@ -77,12 +92,27 @@ class GraphET(nn.Module):
             extra = 0
         check_model_size(dim, heads, head_dim, memories, extra)
         if not isinstance(integration, Integration):
-            raise TypeError(f"integration must be an et_ode.integration.Integration, got {type(integration).__name__}")
+            raise TypeError(
+                f"integration must be an et_ode.solving.integration.Integration, got {type(integration).__name__}"
+            )
         self.integration = integration
         self.config: dict[str, Any] = dict(
-            in_features=in_features, classes=classes, dim=dim, heads=heads, head_dim=head_dim, memories=memories,
-            pe_dim=pe_dim, readout=readout, hopfield=hopfield, self_attention=self_attention,
-            integration=integration.to_dict(), dropout=dropout, tau=tau, head_hidden=head_hidden, pool=pool)
+            in_features=in_features,
+            classes=classes,
+            dim=dim,
+            heads=heads,
+            head_dim=head_dim,
+            memories=memories,
+            pe_dim=pe_dim,
+            readout=readout,
+            hopfield=hopfield,
+            self_attention=self_attention,
+            integration=integration.to_dict(),
+            dropout=dropout,
+            tau=tau,
+            head_hidden=head_hidden,
+            pool=pool,
+        )
         self.readout, self.pe_dim, self.pool = readout, pe_dim, pool
         self.encoder = nn.Linear(in_features, dim)
         self.pe_encoder = nn.Linear(pe_dim, dim, bias=False) if pe_dim else None
@@ -91,8 +121,11 @@ class GraphET(nn.Module):
         self.et = EnergyTransformer(dim, heads, head_dim, memories, hopfield=hopfield, self_attention=self_attention)
         self.field = ETField(self.et, tau=tau)
         width = dim if readout == "node" or pool == "cls" else 2 * dim
-        self.head = nn.Linear(width, classes) if not head_hidden else nn.Sequential(
-            nn.Linear(width, head_hidden), nn.GELU(), nn.Linear(head_hidden, classes))
+        self.head = (
+            nn.Linear(width, classes)
+            if not head_hidden
+            else nn.Sequential(nn.Linear(width, head_hidden), nn.GELU(), nn.Linear(head_hidden, classes))
+        )
         self.last_solution: Solution | None = None
 
     def tokens(self, batch: Any) -> tuple[Tensor, GraphMask]:
@@ -110,8 +143,10 @@ class GraphET(nn.Module):
             pe = getattr(batch, "pe", None)
             if pe is None or tuple(pe.shape) != (n, self.pe_dim):
                 shape = None if pe is None else tuple(pe.shape)
-                raise ValueError(f"batch.pe must have shape (N, pe_dim) = ({n}, {self.pe_dim}), got {shape}; "
-                                 f"add it with et_ode.data.graphs.add_laplacian_pe(data, k={self.pe_dim})")
+                raise ValueError(
+                    f"batch.pe must have shape (N, pe_dim) = ({n}, {self.pe_dim}), got {shape}; "
+                    f"add it with et_ode.data.graphs.add_laplacian_pe(data, k={self.pe_dim})"
+                )
             pe = pe.to(tokens.dtype)
             if self.training:  # eigenvectors have no preferred sign: a random one per graph and eigenvector
                 sign = torch.randint(0, 2, (graphs, self.pe_dim), device=x.device).to(pe.dtype) * 2 - 1

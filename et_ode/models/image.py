@@ -26,7 +26,7 @@ Public API::
     patchify(images, patch) -> (B, N, C*P*P);  unpatchify(patches, patch, image_shape) -> (B, C, H, W)
     random_masks(batch, num_patches, ratio, *, visible_fraction=0.0, generator=None, device=None)
         -> (hidden, scored)
-    masked_mse(pred, target, scored) -> scalar;  CompletionTask(ratio, visible_fraction=0.0) (for et_ode.train.fit)
+    masked_mse(pred, target, scored) -> scalar;  CompletionTask(ratio, visible_fraction=0.0) (for et_ode.training.train.fit)
 """
 
 from __future__ import annotations
@@ -39,14 +39,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .. import devices
-from ..adjoints import Adjoint, Direct
-from ..field import ETField
-from ..fill import biharmonic_fill
-from ..integration import Integration
-from ..model import EnergyTransformer
-from ..solution import Solution
-from ..solvers import Adaptive, EulerET
+from et_ode.backend import devices
+from et_ode.dynamics.field import ETField
+from et_ode.energy.model import EnergyTransformer
+from et_ode.integrators.solution import Solution
+from et_ode.integrators.solvers import Adaptive, EulerET
+from et_ode.models.fill import biharmonic_fill
+from et_ode.solving.gradients import Adjoint, Direct
+from et_ode.solving.integration import Integration
 
 FILLS = (None, "biharmonic")  # by name; a callable (images, hidden) -> filled images is the third kind
 Fill = Callable[[Tensor, Tensor], Tensor]
@@ -61,16 +61,22 @@ def check_model_size(dim: object, heads: object, head_dim: object, memories: obj
         ValueError: a size that is not a positive integer (``memories`` may be None: ``4 dim``), or more than
             ``MAX_PARAMETERS`` parameters in all, naming the sizes.
     """
-    sizes = {"dim": dim, "heads": heads, "head_dim": head_dim,
-             "memories": 4 * dim if memories is None and isinstance(dim, int) else memories}
+    sizes = {
+        "dim": dim,
+        "heads": heads,
+        "head_dim": head_dim,
+        "memories": 4 * dim if memories is None and isinstance(dim, int) else memories,
+    }
     for name, value in sizes.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     d, h, y, k = (int(v) for v in sizes.values())  # type: ignore[call-overload]
     count = 2 * h * y * d + k * d + 2 * d + h + extra
     if count > MAX_PARAMETERS:
-        raise ValueError(f"dim={d}, heads={h}, head_dim={y}, memories={k} make {count} parameters, more than the "
-                         f"{MAX_PARAMETERS} et-ode builds")
+        raise ValueError(
+            f"dim={d}, heads={h}, head_dim={y}, memories={k} make {count} parameters, more than the "
+            f"{MAX_PARAMETERS} et-ode builds"
+        )
     return count
 
 
@@ -93,8 +99,9 @@ def _check_images(images: object, shape: Sequence[int] | None = None) -> Tensor:
     if images.dim() != 4:
         raise ValueError(f"images must have shape (B, C, H, W), got {tuple(images.shape)}")
     if shape is not None and tuple(images.shape[1:]) != tuple(shape):
-        raise ValueError(f"images must have shape (B, {', '.join(map(str, shape))}) (C, H, W) for this model, "
-                         f"got {tuple(images.shape)}")
+        raise ValueError(
+            f"images must have shape (B, {', '.join(map(str, shape))}) (C, H, W) for this model, got {tuple(images.shape)}"
+        )
     if not images.is_floating_point():
         raise TypeError(f"images must be floating point (values in [0, 1]), got {images.dtype}")
     return images
@@ -117,9 +124,15 @@ def unpatchify(patches: Tensor, patch: int, image_shape: Sequence[int]) -> Tenso
     return grid.permute(0, 3, 1, 4, 2, 5).reshape(*lead, c, h, w)
 
 
-def random_masks(batch: int, num_patches: int, ratio: float, *, visible_fraction: float = 0.0,
-                 generator: torch.Generator | None = None, device: torch.device | str | None = None
-                 ) -> tuple[Tensor, Tensor]:
+def random_masks(
+    batch: int,
+    num_patches: int,
+    ratio: float,
+    *,
+    visible_fraction: float = 0.0,
+    generator: torch.Generator | None = None,
+    device: torch.device | str | None = None,
+) -> tuple[Tensor, Tensor]:
     """Random patch masks ``(hidden, scored)``, boolean ``(batch, num_patches)``.
 
     Each image scores ``round(ratio * num_patches)`` patches drawn uniformly; of those,
@@ -152,8 +165,17 @@ def masked_mse(pred: Tensor, target: Tensor, scored: Tensor) -> Tensor:
 
 # ----------------------------------------------------------------------------------------------- the model
 DESCRIPTION_REQUIRED = ("image_shape", "patch", "dim", "heads", "head_dim")
-DESCRIPTION_OPTIONAL = ("memories", "hopfield", "self_attention", "cls_token", "tau", "integration", "cls_position",
-                        "renormalize", "fill")
+DESCRIPTION_OPTIONAL = (
+    "memories",
+    "hopfield",
+    "self_attention",
+    "cls_token",
+    "tau",
+    "integration",
+    "cls_position",
+    "renormalize",
+    "fill",
+)
 
 
 class ImageET(nn.Module):
@@ -166,7 +188,7 @@ class ImageET(nn.Module):
         cls_token: prepend a learned CLS token (it is not decoded).
         hopfield, self_attention: passed to :class:`et_ode.EnergyTransformer`.
         tau: time constant of the dynamics.
-        integration: how the block is integrated (:class:`et_ode.integration.Integration`: solver, gradient, stop,
+        integration: how the block is integrated (:class:`et_ode.solving.integration.Integration`: solver, gradient, stop,
             horizon ``t1``, step budget); ``forward(..., integration=...)`` overrides it.
         cls_position: the positional embedding has a row for the CLS token too, ``(1 + N, D)``, added after the CLS
             token is put in front (the official release's order); needs ``cls_token``. Default: ``(N, D)``, added to
@@ -175,7 +197,7 @@ class ImageET(nn.Module):
             LayerNorm twice before the decoder: once after the dynamics, once more inside its ``decode``).
         fill: ``None`` (default): a hidden patch starts as the MASK token and the decoder's output is the answer.
             ``"biharmonic"``: the hidden patches are first filled by biharmonic inpainting of the visible pixels
-            (:func:`et_ode.fill.biharmonic_fill`, scikit-image's system, batched); a hidden token starts as the
+            (:func:`et_ode.models.fill.biharmonic_fill`, scikit-image's system, batched); a hidden token starts as the
             encoded fill plus the MASK token (which marks it as hidden) plus its position, and the answer is the
             fill plus the decoder's output, a correction computed from the final state. The decoder starts at zero,
             so the untrained model returns the fill and training teaches the dynamics to refine it.
@@ -185,10 +207,24 @@ class ImageET(nn.Module):
             model with one has no :meth:`config` (a function is not data): rebuild it with the same callable.
     """
 
-    def __init__(self, image_shape: Sequence[int], patch: int, dim: int, heads: int, head_dim: int,
-                 memories: int | None = None, *, cls_token: bool = False, hopfield: str = "relu",
-                 self_attention: bool = False, tau: float = 1.0, integration: Integration = DEFAULT_INTEGRATION,
-                 cls_position: bool = False, renormalize: bool = False, fill: str | Fill | None = None):
+    def __init__(
+        self,
+        image_shape: Sequence[int],
+        patch: int,
+        dim: int,
+        heads: int,
+        head_dim: int,
+        memories: int | None = None,
+        *,
+        cls_token: bool = False,
+        hopfield: str = "relu",
+        self_attention: bool = False,
+        tau: float = 1.0,
+        integration: Integration = DEFAULT_INTEGRATION,
+        cls_position: bool = False,
+        renormalize: bool = False,
+        fill: str | Fill | None = None,
+    ):
         super().__init__()
         if not callable(fill) and fill not in FILLS:
             raise ValueError(f"fill must be one of {FILLS} or a callable (images, hidden) -> filled images, got {fill!r}")
@@ -215,15 +251,19 @@ class ImageET(nn.Module):
         self.dim = dim
         self.tau = float(tau)
         if not isinstance(integration, Integration):
-            raise TypeError(f"integration must be an et_ode.integration.Integration, got {type(integration).__name__}")
+            raise TypeError(
+                f"integration must be an et_ode.solving.integration.Integration, got {type(integration).__name__}"
+            )
         self.integration = integration
         self.cls_position = bool(cls_position)
         self.renormalize = bool(renormalize)
         self.fill = fill
-        self._block_args = dict(heads=heads, head_dim=head_dim, memories=memories or 4 * dim, hopfield=hopfield,
-                                self_attention=self_attention)
-        self.block = EnergyTransformer(dim, heads, head_dim, memories or 4 * dim, hopfield=hopfield,
-                                       self_attention=self_attention)
+        self._block_args = dict(
+            heads=heads, head_dim=head_dim, memories=memories or 4 * dim, hopfield=hopfield, self_attention=self_attention
+        )
+        self.block = EnergyTransformer(
+            dim, heads, head_dim, memories or 4 * dim, hopfield=hopfield, self_attention=self_attention
+        )
         self.encoder = nn.Linear(self.patch_dim, dim)
         self.decoder = nn.Linear(dim, self.patch_dim)
         if fill is not None:  # start from the classical fill: the decoder's correction is zero
@@ -243,11 +283,22 @@ class ImageET(nn.Module):
         """Constructor arguments, JSON-friendly: ``ImageET.from_config(model.config())`` rebuilds it (a
         ``TypeError`` for a callable ``fill``, which a config cannot hold)."""
         if callable(self.fill):
-            raise TypeError(f"config(): fill={self.fill!r} is a callable, which a config cannot hold; build the model "
-                            "with ImageET(..., fill=...) again and load its state_dict")
-        return dict(image_shape=list(self.image_shape), patch=self.patch, dim=self.dim, **self._block_args,
-                    cls_token=self.cls is not None, tau=self.tau, integration=self.integration.to_dict(),
-                    cls_position=self.cls_position, renormalize=self.renormalize, fill=self.fill)
+            raise TypeError(
+                f"config(): fill={self.fill!r} is a callable, which a config cannot hold; build the model "
+                "with ImageET(..., fill=...) again and load its state_dict"
+            )
+        return dict(
+            image_shape=list(self.image_shape),
+            patch=self.patch,
+            dim=self.dim,
+            **self._block_args,
+            cls_token=self.cls is not None,
+            tau=self.tau,
+            integration=self.integration.to_dict(),
+            cls_position=self.cls_position,
+            renormalize=self.renormalize,
+            fill=self.fill,
+        )
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> ImageET:
@@ -268,8 +319,9 @@ class ImageET(nn.Module):
             try:
                 integration = Integration.from_dict(config.pop("integration"))
             except (KeyError, TypeError, AttributeError) as error:
-                raise ValueError(f"the model description's 'integration' cannot be rebuilt: "
-                                 f"{type(error).__name__}: {error}") from None
+                raise ValueError(
+                    f"the model description's 'integration' cannot be rebuilt: {type(error).__name__}: {error}"
+                ) from None
         else:
             integration = DEFAULT_INTEGRATION
         image_shape = config.pop("image_shape")
@@ -295,8 +347,10 @@ class ImageET(nn.Module):
 
     def _check_hidden(self, hidden: object, batch: int) -> Tensor:
         if not isinstance(hidden, Tensor) or hidden.dtype != torch.bool:
-            raise TypeError(f"hidden must be a boolean tensor (B, N) with N={self.num_patches}, got "
-                            f"{type(hidden).__name__ if not isinstance(hidden, Tensor) else hidden.dtype}")
+            raise TypeError(
+                f"hidden must be a boolean tensor (B, N) with N={self.num_patches}, got "
+                f"{type(hidden).__name__ if not isinstance(hidden, Tensor) else hidden.dtype}"
+            )
         if tuple(hidden.shape) != (batch, self.num_patches):
             raise ValueError(f"hidden must have shape ({batch}, {self.num_patches}), got {tuple(hidden.shape)}")
         return hidden
@@ -312,8 +366,10 @@ class ImageET(nn.Module):
             with torch.no_grad():
                 filled = self.fill(images, hidden)
             if not isinstance(filled, Tensor) or filled.shape != images.shape:
-                raise ValueError(f"fill must return the filled images of shape {tuple(images.shape)}, got "
-                                 f"{tuple(filled.shape) if isinstance(filled, Tensor) else type(filled).__name__}")
+                raise ValueError(
+                    f"fill must return the filled images of shape {tuple(images.shape)}, got "
+                    f"{tuple(filled.shape) if isinstance(filled, Tensor) else type(filled).__name__}"
+                )
             visible = ~hidden[..., None]
             if not torch.equal(patchify(filled, self.patch) * visible, patchify(images, self.patch) * visible):
                 raise ValueError("fill must keep the visible patches of the images unchanged")
@@ -360,8 +416,14 @@ class ImageET(nn.Module):
         """The patches ``(..., N, C P P)``: the decoder's output, added to the fill's patches when there is a fill."""
         return decoded if self.fill is None else decoded + patchify(filled, self.patch)
 
-    def film(self, images: Tensor, hidden: Tensor, times: Tensor | Sequence[float] | None = None,
-             integration: Integration | None = None, keep_visible: bool = True) -> tuple[Tensor, Solution]:
+    def film(
+        self,
+        images: Tensor,
+        hidden: Tensor,
+        times: Tensor | Sequence[float] | None = None,
+        integration: Integration | None = None,
+        keep_visible: bool = True,
+    ) -> tuple[Tensor, Solution]:
         """The completion over time: images ``(T, B, C, H, W)`` decoded at the saved times, and the solution.
 
         ``times``: from 0 to the horizon (default 9 equal steps to ``integration.t1``); :class:`et_ode.EulerET`
@@ -376,7 +438,8 @@ class ImageET(nn.Module):
         with torch.no_grad():
             filled = self.filled(images, hidden)
             solution = integration.replace(gradient=Direct(), stop=None, attractor=None).solve(
-                self.field(), self._tokens(filled, hidden), times, save="all")
+                self.field(), self._tokens(filled, hidden), times, save="all"
+            )
             frames = self._answer(self.decode(self.block.neuron(solution.xs)), filled)  # (T, B, N, C P P)
             if keep_visible:
                 frames = torch.where(hidden[..., None], frames, patchify(images, self.patch))
@@ -394,11 +457,11 @@ def _images_of(batch: Any) -> Tensor:
 
 
 class CompletionTask:
-    """Masked-patch completion for :func:`et_ode.train.fit`.
+    """Masked-patch completion for :func:`et_ode.training.train.fit`.
 
     Training batches are images ``(B, C, H, W)`` (or tuples whose first item is the images); masks are
     drawn with the global RNG (restored on resume). Under data parallelism each of the ``W`` ranks holds every
-    ``W``-th example of the global batch (see :func:`et_ode.train.fit`): every rank draws the masks of the whole
+    ``W``-th example of the global batch (see :func:`et_ode.training.train.fit`): every rank draws the masks of the whole
     global batch (their RNGs agree) and keeps its examples' ones, so ``W`` processes draw exactly the masks one
     process would on the global batch (not ``W`` copies of the same masks). Evaluation batches are
     ``(images, hidden, scored)`` with fixed masks (:func:`fixed_mask_set`), so every model and baseline is
@@ -418,8 +481,13 @@ class CompletionTask:
         images = _images_of(batch)
         core = _unwrap(model)
         rank, world = devices.rank(), devices.world_size()
-        hidden, scored = random_masks(images.shape[0] * world, core.num_patches, self.ratio,
-                                      visible_fraction=self.visible_fraction, device=images.device)
+        hidden, scored = random_masks(
+            images.shape[0] * world,
+            core.num_patches,
+            self.ratio,
+            visible_fraction=self.visible_fraction,
+            device=images.device,
+        )
         hidden, scored = hidden[rank::world], scored[rank::world]
         out = model(images, hidden)
         loss = masked_mse(out.patches, patchify(images, core.patch), scored)
@@ -439,8 +507,9 @@ class CompletionTask:
         return evaluate_completion(model, batches)
 
 
-def evaluate_completion(model: nn.Module, batches: Iterable[Any], integration: Integration | None = None
-                        ) -> dict[str, float]:
+def evaluate_completion(
+    model: nn.Module, batches: Iterable[Any], integration: Integration | None = None
+) -> dict[str, float]:
     """Masked-patch MSE over all scored pixels of ``batches`` of ``(images, hidden, scored)``.
 
     ``model(images, hidden)`` returns a :class:`Completion` (an :class:`ImageET` or a baseline). Also returns,
@@ -467,15 +536,22 @@ def evaluate_completion(model: nn.Module, batches: Iterable[Any], integration: I
         raise ValueError("evaluation saw no scored patch (empty data?)")
     metrics = {"mse": squared / count}
     if solves:
-        metrics.update(nfe=nfe / solves, energy=energy / images_seen, residual=residual / images_seen,
-                       solve_seconds=seconds, t_final=t_final / solves)
+        metrics.update(
+            nfe=nfe / solves,
+            energy=energy / images_seen,
+            residual=residual / images_seen,
+            solve_seconds=seconds,
+            t_final=t_final / solves,
+        )
     return metrics
 
 
-def fixed_mask_set(images: Tensor, num_patches: int, ratio: float, visible_fraction: float = 0.0, seed: int = 0
-                   ) -> torch.utils.data.TensorDataset:
+def fixed_mask_set(
+    images: Tensor, num_patches: int, ratio: float, visible_fraction: float = 0.0, seed: int = 0
+) -> torch.utils.data.TensorDataset:
     """``TensorDataset(images, hidden, scored)`` with masks fixed by ``seed``: a reproducible evaluation set."""
     generator = torch.Generator().manual_seed(seed)
-    hidden, scored = random_masks(images.shape[0], num_patches, ratio, visible_fraction=visible_fraction,
-                                  generator=generator)
+    hidden, scored = random_masks(
+        images.shape[0], num_patches, ratio, visible_fraction=visible_fraction, generator=generator
+    )
     return torch.utils.data.TensorDataset(images, hidden, scored)

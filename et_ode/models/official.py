@@ -19,7 +19,7 @@ Euler steps ``x <- x - 0.1 dE/dg``, ``g = LayerNorm(x)``, with energy attention 
 release normalizes once after the steps and once more inside its ``decode``); unpatchify. :func:`load_official`
 builds the :class:`ImageET` that does exactly this (``cls_position=True``, ``renormalize=True``, the official
 solver as its default), so that ``unpatchify(model(images, hidden).patches, patch, image_shape)`` is the release's
-output; any other solver, horizon or steady state is an :class:`et_ode.integration.Integration` away.
+output; any other solver, horizon or steady state is an :class:`et_ode.solving.integration.Integration` away.
 
 Photos are normalized as the release does: pixel values ``0..255`` minus ``255 * mean``, divided by ``255 * std``
 (ImageNet's mean and standard deviation per channel), see :func:`normalize_pixels`. Its masks hide a given
@@ -49,15 +49,27 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
-from ..adjoints import Direct
-from ..data._files import FileFormatError, read_npz
-from ..integration import Integration
-from ..neurons import inverse_softplus
-from ..solvers import EulerET
-from .image import ImageET
+from et_ode.data._files import FileFormatError, read_npz
+from et_ode.energy.neurons import inverse_softplus
+from et_ode.integrators.solvers import EulerET
+from et_ode.models.image import ImageET
+from et_ode.solving.gradients import Direct
+from et_ode.solving.integration import Integration
 
-OFFICIAL_KEYS = ("Wk", "Wq", "Xi", "Wenc", "Benc", "Wdec", "Bdec", "LNORM_gamma", "LNORM_bias", "CLS_token",
-                 "MASK_token", "POS_embed")
+OFFICIAL_KEYS = (
+    "Wk",
+    "Wq",
+    "Xi",
+    "Wenc",
+    "Benc",
+    "Wdec",
+    "Bdec",
+    "LNORM_gamma",
+    "LNORM_bias",
+    "CLS_token",
+    "MASK_token",
+    "POS_embed",
+)
 OFFICIAL_EPS = 1e-5
 OFFICIAL_STEPS = 12
 OFFICIAL_ALPHA = 0.1
@@ -76,12 +88,12 @@ def official_integration() -> Integration:
 def read_official(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
     """The arrays of an official-format checkpoint, by key (keys other than :data:`OFFICIAL_KEYS` are ignored).
 
-    Reads with :func:`et_ode.statefile.read_npz`: each array's header (dtype, shape, size) is checked before its
+    Reads with :func:`et_ode.training.statefile.read_npz`: each array's header (dtype, shape, size) is checked before its
     data is read; a file holding pickled objects is refused, never run; big-endian arrays come back native.
 
     Raises:
         FileNotFoundError: no file at ``path``.
-        et_ode.statefile.FileFormatError (a ValueError): not an ``.npz`` archive, a key missing, an array that is
+        et_ode.training.statefile.FileFormatError (a ValueError): not an ``.npz`` archive, a key missing, an array that is
             empty, too large, not floating point or not finite; naming the file and the key.
     """
     path = Path(path)
@@ -122,22 +134,34 @@ def official_sizes(arrays: dict[str, np.ndarray], image_shape: Sequence[int], pa
     heads, head_dim, dim = wk.shape
     xi = arrays["Xi"]
     if xi.ndim != 2 or xi.shape[0] != dim:
-        hint = (f"; it looks like our (K, D) layout: the official file stores Xi transposed, ({dim}, {xi.shape[0]})"
-                if xi.ndim == 2 and xi.shape[1] == dim else "")
-        raise ValueError(f"official checkpoint: Xi must have shape (D, M) = ({dim}, M) with D from Wk, "
-                         f"found {xi.shape}{hint}")
+        hint = (
+            f"; it looks like our (K, D) layout: the official file stores Xi transposed, ({dim}, {xi.shape[0]})"
+            if xi.ndim == 2 and xi.shape[1] == dim
+            else ""
+        )
+        raise ValueError(
+            f"official checkpoint: Xi must have shape (D, M) = ({dim}, M) with D from Wk, found {xi.shape}{hint}"
+        )
     memories = xi.shape[1]
     patch_dim = c * patch * patch
     wenc = arrays["Wenc"]
     if wenc.ndim == 2 and wenc.shape[1] == dim and wenc.shape[0] != patch_dim:
         side = math.isqrt(wenc.shape[0] // c) if wenc.shape[0] % c == 0 else None
-        fits = (f"; a checkpoint for {c}-channel patches of side {side}?"
-                if side and side * side * c == wenc.shape[0] else "")
-        raise ValueError(f"official checkpoint: Wenc must have shape (C P P, D) = ({patch_dim}, {dim}) for "
-                         f"image_shape {(c, h, w)} and patch {patch}, found {wenc.shape}{fits}")
+        fits = f"; a checkpoint for {c}-channel patches of side {side}?" if side and side * side * c == wenc.shape[0] else ""
+        raise ValueError(
+            f"official checkpoint: Wenc must have shape (C P P, D) = ({patch_dim}, {dim}) for "
+            f"image_shape {(c, h, w)} and patch {patch}, found {wenc.shape}{fits}"
+        )
     expected = {
-        "Wq": (heads, head_dim, dim), "Wenc": (patch_dim, dim), "Benc": (dim,), "Wdec": (dim, patch_dim),
-        "Bdec": (patch_dim,), "LNORM_gamma": (), "LNORM_bias": (dim,), "CLS_token": (dim,), "MASK_token": (dim,),
+        "Wq": (heads, head_dim, dim),
+        "Wenc": (patch_dim, dim),
+        "Benc": (dim,),
+        "Wdec": (dim, patch_dim),
+        "Bdec": (patch_dim,),
+        "LNORM_gamma": (),
+        "LNORM_bias": (dim,),
+        "CLS_token": (dim,),
+        "MASK_token": (dim,),
         "POS_embed": (1 + num_patches, dim),
     }
     for key, shape in expected.items():
@@ -145,14 +169,18 @@ def official_sizes(arrays: dict[str, np.ndarray], image_shape: Sequence[int], pa
         if found != shape:
             why = ""
             if key == "POS_embed" and len(found) == 2 and found[1] == dim:
-                why = (f" (1 + {num_patches} patches of image_shape {(c, h, w)} with patch {patch}; a checkpoint "
-                       f"for {found[0] - 1} patches?)" if found[0] != num_patches else
-                       " (the CLS token's row is missing: 1 + patches rows)")
+                why = (
+                    f" (1 + {num_patches} patches of image_shape {(c, h, w)} with patch {patch}; a checkpoint "
+                    f"for {found[0] - 1} patches?)"
+                    if found[0] != num_patches
+                    else " (the CLS token's row is missing: 1 + patches rows)"
+                )
             raise ValueError(f"official checkpoint: {key} must have shape {shape}, found {found}{why}")
     gamma = float(arrays["LNORM_gamma"])
     if not gamma > 0:
-        raise ValueError(f"official checkpoint: LNORM_gamma must be positive (the energy is then a Lyapunov "
-                         f"function), found {gamma}")
+        raise ValueError(
+            f"official checkpoint: LNORM_gamma must be positive (the energy is then a Lyapunov function), found {gamma}"
+        )
     return dict(dim=dim, heads=heads, head_dim=head_dim, memories=memories, num_patches=num_patches)
 
 
@@ -174,8 +202,13 @@ def _exact_gamma_raw(gamma: float, dtype: torch.dtype) -> Tensor:
     return best
 
 
-def load_official(path: str | os.PathLike[str], image_shape: Sequence[int] = (3, 224, 224), patch: int = 16, *,
-                  dtype: torch.dtype = torch.float32) -> ImageET:
+def load_official(
+    path: str | os.PathLike[str],
+    image_shape: Sequence[int] = (3, 224, 224),
+    patch: int = 16,
+    *,
+    dtype: torch.dtype = torch.float32,
+) -> ImageET:
     """An :class:`ImageET` holding the weights of an official-format checkpoint, its default integration the official one.
 
     The model: CLS token with its own position (``cls_position``), attention including the diagonal, ``beta =
@@ -186,7 +219,7 @@ def load_official(path: str | os.PathLike[str], image_shape: Sequence[int] = (3,
     Raises:
         FileNotFoundError: no file at ``path``.
         ValueError: a bad ``image_shape``, ``patch`` or ``dtype``.
-        et_ode.statefile.FileFormatError (a ValueError): see :func:`read_official`; a shape that does not fit
+        et_ode.training.statefile.FileFormatError (a ValueError): see :func:`read_official`; a shape that does not fit
             the others or ``image_shape`` and ``patch`` (:func:`official_sizes`), naming the file and the key.
     """
     if dtype not in (torch.float32, torch.float64):
@@ -200,10 +233,21 @@ def load_official(path: str | os.PathLike[str], image_shape: Sequence[int] = (3,
         key = next((k for k in OFFICIAL_KEYS if problem.startswith(f"{k} ")), None)
         raise FileFormatError(path, key, problem) from None
     with torch.random.fork_rng(devices=[]):
-        model = ImageET(tuple(image_shape), patch, sizes["dim"], sizes["heads"], sizes["head_dim"], sizes["memories"],
-                        cls_token=True, hopfield="relu", self_attention=True, tau=1.0,
-                        integration=official_integration(),
-                        cls_position=True, renormalize=True)
+        model = ImageET(
+            tuple(image_shape),
+            patch,
+            sizes["dim"],
+            sizes["heads"],
+            sizes["head_dim"],
+            sizes["memories"],
+            cls_token=True,
+            hopfield="relu",
+            self_attention=True,
+            tau=1.0,
+            integration=official_integration(),
+            cls_position=True,
+            renormalize=True,
+        )
     model = model.to(dtype)
     block = model.block
 
@@ -242,16 +286,29 @@ def official_arrays(model: ImageET) -> dict[str, np.ndarray]:
     block = model.block
     attention, hopfield, neuron = block.attention, block.hopfield, block.neuron
     beta = 1.0 / math.sqrt(attention.head_dim)
-    problems = [name for name, ok in (
-        ("cls_token=True", model.cls is not None), ("cls_position=True", model.cls_position),
-        ("renormalize=True", model.renormalize), ("self_attention=True", attention.self_attention),
-        ("fill=None", model.fill is None),
-        ("hopfield='relu'", hopfield.form == "relu"), ("eps=1e-5", neuron.eps == OFFICIAL_EPS),
-        ("tau=1", model.tau == 1.0), ("positive gamma", neuron.positive_gamma),
-        (f"beta=1/sqrt(Y)={beta:.6g} for every head", bool(torch.allclose(attention.beta.double().cpu(),
-                                                                            torch.tensor(beta, dtype=torch.float64),
-                                                                            rtol=1e-6, atol=0.0))),
-    ) if not ok]
+    problems = [
+        name
+        for name, ok in (
+            ("cls_token=True", model.cls is not None),
+            ("cls_position=True", model.cls_position),
+            ("renormalize=True", model.renormalize),
+            ("self_attention=True", attention.self_attention),
+            ("fill=None", model.fill is None),
+            ("hopfield='relu'", hopfield.form == "relu"),
+            ("eps=1e-5", neuron.eps == OFFICIAL_EPS),
+            ("tau=1", model.tau == 1.0),
+            ("positive gamma", neuron.positive_gamma),
+            (
+                f"beta=1/sqrt(Y)={beta:.6g} for every head",
+                bool(
+                    torch.allclose(
+                        attention.beta.double().cpu(), torch.tensor(beta, dtype=torch.float64), rtol=1e-6, atol=0.0
+                    )
+                ),
+            ),
+        )
+        if not ok
+    ]
     if problems:
         raise ValueError(f"the official format cannot hold this model: it needs {', '.join(problems)}")
 
@@ -261,11 +318,18 @@ def official_arrays(model: ImageET) -> dict[str, np.ndarray]:
     assert model.cls is not None  # "cls_token=True" is among the checks above
 
     return {
-        "Wk": array(attention.WK), "Wq": array(attention.WQ), "Xi": array(hopfield.xi.T),
-        "Wenc": array(model.encoder.weight.T), "Benc": array(model.encoder.bias),
-        "Wdec": array(model.decoder.weight.T), "Bdec": array(model.decoder.bias),
-        "LNORM_gamma": array(neuron.gamma), "LNORM_bias": array(neuron.delta),
-        "CLS_token": array(model.cls[0]), "MASK_token": array(model.mask_token), "POS_embed": array(model.position),
+        "Wk": array(attention.WK),
+        "Wq": array(attention.WQ),
+        "Xi": array(hopfield.xi.T),
+        "Wenc": array(model.encoder.weight.T),
+        "Benc": array(model.encoder.bias),
+        "Wdec": array(model.decoder.weight.T),
+        "Bdec": array(model.decoder.bias),
+        "LNORM_gamma": array(neuron.gamma),
+        "LNORM_bias": array(neuron.delta),
+        "CLS_token": array(model.cls[0]),
+        "MASK_token": array(model.mask_token),
+        "POS_embed": array(model.position),
     }
 
 
@@ -297,8 +361,10 @@ def normalize_pixels(pixels: Tensor) -> Tensor:
     ``pixels``: ``(..., 3, H, W)`` with values 0..255 (uint8 or any real type).
     """
     if not isinstance(pixels, Tensor) or pixels.dim() < 3 or pixels.shape[-3] != 3:
-        raise ValueError(f"pixels must be a tensor (..., 3, H, W) of RGB values 0..255, got "
-                         f"{tuple(pixels.shape) if isinstance(pixels, Tensor) else type(pixels).__name__}")
+        raise ValueError(
+            f"pixels must be a tensor (..., 3, H, W) of RGB values 0..255, got "
+            f"{tuple(pixels.shape) if isinstance(pixels, Tensor) else type(pixels).__name__}"
+        )
     mean = torch.tensor(IMAGENET_MEAN, dtype=torch.float64)[:, None, None] * 255
     std = torch.tensor(IMAGENET_STD, dtype=torch.float64)[:, None, None] * 255
     return (pixels.to(torch.float64) - mean) / std

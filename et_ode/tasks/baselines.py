@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..models.image import Completion, _check_images, patchify, unpatchify
+from et_ode.models.image import Completion, _check_images, patchify, unpatchify
 
 
 class MeanImage(nn.Module):
@@ -65,8 +65,8 @@ class NearestNeighbour(nn.Module):
         best_dist = torch.full((a.shape[0],), float("inf"), device=a.device)
         best_index = torch.zeros(a.shape[0], dtype=torch.long, device=a.device)
         for start in range(0, self.train_patches.shape[0], self.chunk):
-            b = self.train_patches[start:start + self.chunk].flatten(1)
-            b_sq = self.train_sq[start:start + self.chunk].flatten(1)
+            b = self.train_patches[start : start + self.chunk].flatten(1)
+            b_sq = self.train_sq[start : start + self.chunk].flatten(1)
             # |v * (a - b)|^2 = v.a^2 - 2 (v a).b + v.b^2  for the 0/1 visibility v
             dist = (visible * a.square()).sum(1, keepdim=True) - 2 * (visible * a) @ b.T + visible @ b_sq.T
             value, index = dist.min(dim=1)
@@ -93,8 +93,9 @@ class Biharmonic(nn.Module):
         try:
             from skimage.restoration import inpaint_biharmonic
         except ImportError:
-            raise ImportError("the biharmonic baseline needs scikit-image: pip install scikit-image "
-                              "(or et-ode[images])") from None
+            raise ImportError(
+                "the biharmonic baseline needs scikit-image: pip install scikit-image (or et-ode[images])"
+            ) from None
         self._inpaint = inpaint_biharmonic
         self.image_shape = tuple(image_shape)
         self.patch = patch
@@ -104,8 +105,12 @@ class Biharmonic(nn.Module):
         c, h, w = self.image_shape
         pixels = images.detach().to("cpu", torch.float64)
         # the pixel mask of the hidden patches: (B, N) -> (B, 1, H, W)
-        mask = unpatchify(hidden.to("cpu", torch.float64)[..., None].expand(-1, -1, self.patch * self.patch),
-                          self.patch, (1, h, w))[:, 0] > 0.5
+        mask = (
+            unpatchify(
+                hidden.to("cpu", torch.float64)[..., None].expand(-1, -1, self.patch * self.patch), self.patch, (1, h, w)
+            )[:, 0]
+            > 0.5
+        )
         filled = pixels.clone()
         for i in range(images.shape[0]):
             if not bool(mask[i].any()):

@@ -16,7 +16,7 @@ evaluation's ``completions.npz`` (``masks=``), so two checkpoints evaluated on t
 patches.
 
 Files written to ``out_dir`` (a new or empty folder; an earlier evaluation is replaced only with ``overwrite``, see
-:func:`et_ode.runs.claim`):
+:func:`et_ode.training.runs.claim`):
 
 * ``config.json``: what was evaluated (checkpoint, data, masks, integration);
 * ``evaluation.json``: the MSE, seconds and (the model) solver statistics of each predictor;
@@ -41,26 +41,42 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from .. import runs
-from ..data.images import ImageSet
-from ..integration import Integration
-from ..models.image import fixed_mask_set, masked_mse, patchify, unpatchify
-from ..statefile import read_npz
-from .baselines import Biharmonic, MeanImage, NearestNeighbour
-from .image import ImageRunConfig, load_run_split, load_trained, masked_picture
+from et_ode.data.images import ImageSet
+from et_ode.models.image import fixed_mask_set, masked_mse, patchify, unpatchify
+from et_ode.solving.integration import Integration
+from et_ode.tasks.baselines import Biharmonic, MeanImage, NearestNeighbour
+from et_ode.tasks.image import ImageRunConfig, load_run_split, load_trained, masked_picture
+from et_ode.training import runs
+from et_ode.training.statefile import read_npz
 
 PREDICTORS = ("et", "mean", "nearest", "biharmonic")
-TITLES = {"et": "ET (the checkpoint)", "mean": "per-position mean of the training images",
-          "nearest": "nearest training image on the visible patches",
-          "biharmonic": "biharmonic inpainting (scikit-image)"}
+TITLES = {
+    "et": "ET (the checkpoint)",
+    "mean": "per-position mean of the training images",
+    "nearest": "nearest training image on the visible patches",
+    "biharmonic": "biharmonic inpainting (scikit-image)",
+}
 
 
-def evaluate_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, data: str | None = None,
-                        data_path: str | Path | None = None, test_path: str | Path | None = None, split: str = "test",
-                        limit: int | None = None, mask_seed: int | None = None, masks: str | Path | None = None,
-                        integration: Integration | None = None, predictors: tuple[str, ...] = PREDICTORS,
-                        batch_size: int = 250, grid: int = 8, overwrite: bool = False, device: str = "cpu",
-                        progress: bool = True) -> dict[str, Any]:
+def evaluate_checkpoint(
+    checkpoint: str | Path,
+    out_dir: str | Path,
+    *,
+    data: str | None = None,
+    data_path: str | Path | None = None,
+    test_path: str | Path | None = None,
+    split: str = "test",
+    limit: int | None = None,
+    mask_seed: int | None = None,
+    masks: str | Path | None = None,
+    integration: Integration | None = None,
+    predictors: tuple[str, ...] = PREDICTORS,
+    batch_size: int = 250,
+    grid: int = 8,
+    overwrite: bool = False,
+    device: str = "cpu",
+    progress: bool = True,
+) -> dict[str, Any]:
     """Score ``checkpoint`` (``OUT/checkpoint.safetensors`` of ``et-ode train image``) and the baselines on one split.
 
     Args:
@@ -88,7 +104,7 @@ def evaluate_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, data: st
         The dictionary written to ``evaluation.json``.
 
     Raises:
-        et_ode.runs.RunFolderError: ``out_dir`` is a file or holds files, and ``overwrite`` is not set.
+        et_ode.training.runs.RunFolderError: ``out_dir`` is a file or holds files, and ``overwrite`` is not set.
         ValueError: images of another shape than the model's, masks of another shape, an unknown predictor, or
             any data error (the flag named).
     """
@@ -105,18 +121,25 @@ def evaluate_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, data: st
     if limit is not None:
         evaluated = evaluated.subset(slice(0, limit))
     integration = integration or run.integration
-    setup = {"checkpoint": str(Path(checkpoint).resolve()), **source, "limit": limit,
-             "mask_seed": run.mask_seed if mask_seed is None else mask_seed,
-             "masks": str(Path(masks).resolve()) if masks is not None else None, "ratio": run.ratio,
-             "visible_fraction": run.visible_fraction, "integration": integration.to_dict(),
-             "predictors": list(predictors)}
+    setup = {
+        "checkpoint": str(Path(checkpoint).resolve()),
+        **source,
+        "limit": limit,
+        "mask_seed": run.mask_seed if mask_seed is None else mask_seed,
+        "masks": str(Path(masks).resolve()) if masks is not None else None,
+        "ratio": run.ratio,
+        "visible_fraction": run.visible_fraction,
+        "integration": integration.to_dict(),
+        "predictors": list(predictors),
+    }
     with runs.claim(Path(out_dir), setup, overwrite=overwrite, command="evaluate") as out:
         images = evaluated.images
         if masks is not None:
             hidden, scored = _read_masks(masks, images.shape[0], model.num_patches)
         else:
-            hidden, scored = fixed_mask_set(images, model.num_patches, run.ratio, run.visible_fraction,
-                                            seed=setup["mask_seed"]).tensors[1:]
+            hidden, scored = fixed_mask_set(
+                images, model.num_patches, run.ratio, run.visible_fraction, seed=setup["mask_seed"]
+            ).tensors[1:]
         train_images = _training_images(run) if {"mean", "nearest"} & set(predictors) else None
         model_device = next(model.parameters()).device
 
@@ -125,19 +148,26 @@ def evaluate_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, data: st
             return train_images
 
         makers: dict[str, Callable[[], nn.Module]] = {
-            "et": lambda: model, "mean": lambda: MeanImage(reference(), model.patch).to(model_device),
+            "et": lambda: model,
+            "mean": lambda: MeanImage(reference(), model.patch).to(model_device),
             "nearest": lambda: NearestNeighbour(reference(), model.patch).to(model_device),
-            "biharmonic": lambda: Biharmonic(model.image_shape, model.patch)}
+            "biharmonic": lambda: Biharmonic(model.image_shape, model.patch),
+        }
         truth = patchify(images, model.patch)
-        results: dict[str, Any] = {"checkpoint": setup["checkpoint"], "data": source, "images": images.shape[0],
-                                   "image_shape": list(model.image_shape), "patches": model.num_patches,
-                                   "hidden_per_image": float(hidden.sum(1).float().mean()),
-                                   "mask_seed": setup["mask_seed"], "predictors": {}}
+        results: dict[str, Any] = {
+            "checkpoint": setup["checkpoint"],
+            "data": source,
+            "images": images.shape[0],
+            "image_shape": list(model.image_shape),
+            "patches": model.num_patches,
+            "hidden_per_image": float(hidden.sum(1).float().mean()),
+            "mask_seed": setup["mask_seed"],
+            "predictors": {},
+        }
         arrays: dict[str, np.ndarray] = {"images": images.numpy(), "hidden": hidden.numpy(), "scored": scored.numpy()}
         completions: dict[str, Tensor] = {}
         for name in predictors:
-            patches, entry = _predict(name, makers[name](), images, hidden, batch_size, integration, model_device,
-                                      progress)
+            patches, entry = _predict(name, makers[name](), images, hidden, batch_size, integration, model_device, progress)
             entry["mse"] = float(masked_mse(patches, truth, scored))
             results["predictors"][name] = entry
             completion = unpatchify(torch.where(hidden[..., None], patches, truth), model.patch, model.image_shape)
@@ -151,37 +181,55 @@ def evaluate_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, data: st
         (out / "evaluation.md").write_text(_table(results, setup))
         files = ["config.json", "evaluation.json", "evaluation.md", "completions.npz"]
         if grid:
-            _picture(images[:grid], hidden[:grid], {n: c[:grid] for n, c in completions.items()}, model.patch,
-                     out / "completions.png")
+            _picture(
+                images[:grid],
+                hidden[:grid],
+                {n: c[:grid] for n, c in completions.items()},
+                model.patch,
+                out / "completions.png",
+            )
             files.append("completions.png")
         results["files"] = files
     return results
 
 
-def _source(run: ImageRunConfig, data: str | None, data_path: str | Path | None, test_path: str | Path | None,
-            split: str) -> dict[str, Any]:
+def _source(
+    run: ImageRunConfig, data: str | None, data_path: str | Path | None, test_path: str | Path | None, split: str
+) -> dict[str, Any]:
     """What is evaluated: the given source, else the run's. Another ``data`` drops the run's folders; another
     ``data_path`` drops the run's test folder; a ``test_path`` replaces the test split."""
     if data is None:
         data = run.data
         data_path = run.data_path if data_path is None else data_path
         test_path = run.test_path if test_path is None and data_path == run.data_path else test_path
-    return {"data": data, "data_path": None if data_path is None else str(data_path),
-            "test_path": None if test_path is None else str(test_path), "split": split}
+    return {
+        "data": data,
+        "data_path": None if data_path is None else str(data_path),
+        "test_path": None if test_path is None else str(test_path),
+        "split": split,
+    }
 
 
 def _evaluated_images(run: ImageRunConfig, source: dict[str, Any], shape: tuple[int, int, int]) -> ImageSet:
     """The images of ``source`` (data, data_path, test_path, split), tiled like the run's and of its channels."""
     tiled = source["data"] in ("png", "photos") or source["test_path"] is not None
-    where = dataclasses.replace(run, data=source["data"], data_path=source["data_path"], test_path=source["test_path"],
-                                channels=shape[0] if tiled else None,
-                                tile=run.tile if tiled else None, stride=run.stride if tiled else None,
-                                validation_fraction=run.validation_fraction if source["data"] == run.data else 0.0)
+    where = dataclasses.replace(
+        run,
+        data=source["data"],
+        data_path=source["data_path"],
+        test_path=source["test_path"],
+        channels=shape[0] if tiled else None,
+        tile=run.tile if tiled else None,
+        stride=run.stride if tiled else None,
+        validation_fraction=run.validation_fraction if source["data"] == run.data else 0.0,
+    )
     images = load_run_split(where, source["split"])
     if tuple(images.shape) != tuple(shape):
-        raise ValueError(f"the evaluated images have shape {images.shape} (C, H, W); the model completes {tuple(shape)}: "
-                         f"give data of that size (--data, --data-path, --test-path; PNG photos are cut into tiles of "
-                         f"the run's --tile, {run.tile})")
+        raise ValueError(
+            f"the evaluated images have shape {images.shape} (C, H, W); the model completes {tuple(shape)}: "
+            f"give data of that size (--data, --data-path, --test-path; PNG photos are cut into tiles of "
+            f"the run's --tile, {run.tile})"
+        )
     return images
 
 
@@ -200,15 +248,25 @@ def _read_masks(path: str | Path, count: int, num_patches: int) -> tuple[Tensor,
         if mask.dtype != torch.bool:
             raise ValueError(f"--masks {path}: {key!r} holds {mask.dtype} values; masks are boolean arrays")
         if tuple(mask.shape) != (count, num_patches):
-            raise ValueError(f"--masks {path}: {key!r} has shape {tuple(mask.shape)}; these {count} images of "
-                             f"{num_patches} patches need ({count}, {num_patches})")
+            raise ValueError(
+                f"--masks {path}: {key!r} has shape {tuple(mask.shape)}; these {count} images of "
+                f"{num_patches} patches need ({count}, {num_patches})"
+            )
     if not bool(scored.any()):
         raise ValueError(f"--masks {path}: 'scored' marks no patch, so there is nothing to score")
     return hidden, scored
 
 
-def _predict(name: str, predictor: nn.Module, images: Tensor, hidden: Tensor, batch_size: int,
-             integration: Integration, device: torch.device, progress: bool) -> tuple[Tensor, dict[str, Any]]:
+def _predict(
+    name: str,
+    predictor: nn.Module,
+    images: Tensor,
+    hidden: Tensor,
+    batch_size: int,
+    integration: Integration,
+    device: torch.device,
+    progress: bool,
+) -> tuple[Tensor, dict[str, Any]]:
     """``predictor``'s patches ``(n, N, C P P)`` on the CPU, and its seconds (and solver statistics)."""
     parts, entry = [], {"seconds": 0.0}
     nfe, solves = 0.0, 0
@@ -216,8 +274,8 @@ def _predict(name: str, predictor: nn.Module, images: Tensor, hidden: Tensor, ba
     predictor.eval()
     with torch.no_grad():
         for start in tqdm(range(0, images.shape[0], batch_size), desc=name, disable=not progress, leave=False):
-            batch = images[start:start + batch_size].to(device)
-            mask = hidden[start:start + batch_size].to(device)
+            batch = images[start : start + batch_size].to(device)
+            mask = hidden[start : start + batch_size].to(device)
             out = predictor(batch, mask, integration) if name == "et" else predictor(batch, mask)
             parts.append(out.patches.float().cpu())
             if out.solution is not None:
@@ -236,11 +294,16 @@ def _per_image_mse(patches: Tensor, truth: Tensor, scored: Tensor) -> Tensor:
 
 def _table(results: dict[str, Any], setup: dict[str, Any]) -> str:
     where = setup["test_path"] or f"{setup['data']} ({setup['data_path'] or 'built in'}), {setup['split']} split"
-    lines = [f"# Evaluation of {setup['checkpoint']}", "",
-             f"{results['images']} images of shape {tuple(results['image_shape'])} from {where}; "
-             f"{results['hidden_per_image']:.1f} of {results['patches']} patches hidden per image "
-             f"({'masks of ' + setup['masks'] if setup['masks'] else 'mask seed ' + str(setup['mask_seed'])}).", "",
-             "| predictor | masked-patch MSE | seconds |", "| --- | --- | --- |"]
+    lines = [
+        f"# Evaluation of {setup['checkpoint']}",
+        "",
+        f"{results['images']} images of shape {tuple(results['image_shape'])} from {where}; "
+        f"{results['hidden_per_image']:.1f} of {results['patches']} patches hidden per image "
+        f"({'masks of ' + setup['masks'] if setup['masks'] else 'mask seed ' + str(setup['mask_seed'])}).",
+        "",
+        "| predictor | masked-patch MSE | seconds |",
+        "| --- | --- | --- |",
+    ]
     for name, entry in results["predictors"].items():
         mark = "**" if name == results["best"] else ""
         lines.append(f"| {TITLES[name]} | {mark}{entry['mse']:.5f}{mark} | {entry['seconds']:.1f} |")

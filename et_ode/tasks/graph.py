@@ -1,4 +1,5 @@
-"""Graph tasks on top of :func:`et_ode.train.fit`: graph classification with cross-validation, node anomaly detection.
+"""Graph tasks on top of :func:`et_ode.training.train.fit`:
+graph classification with cross-validation, node anomaly detection.
 
 Graph classification (e.g. MUTAG, any TU-format data set): stratified ``folds``-fold cross-validation
 (scikit-learn's ``StratifiedKFold``, shuffled with ``seed``). In each fold a fresh :class:`GraphET` (seeded with
@@ -34,10 +35,10 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from ..devices import move_to, resolve_device, seed_everything
-from ..integration import Integration
-from ..models.graph import GraphET
-from ..train import TrainConfig, fit
+from et_ode.backend.devices import move_to, resolve_device, seed_everything
+from et_ode.models.graph import GraphET
+from et_ode.solving.integration import Integration
+from et_ode.training.train import TrainConfig, fit
 
 
 def collate_graphs(items: list) -> Any:
@@ -71,8 +72,12 @@ class GraphClassificationTask:
 DATA_OPTIONS = ("pe_dim", "max_degree", "rw_steps")
 #: the flat dynamics options a model's arguments may hold (:meth:`et_ode.Integration.from_options`), and their
 #: defaults here: the paper's graph block, 12 Euler steps of 0.1 (GraphET's default); adaptive methods at rtol 1e-4
-INTEGRATION_DEFAULTS = {**{name: p.default for name, p in inspect.signature(Integration.from_options).parameters.items()},
-                        "solver": "et", "rtol": 1e-4, "atol": 1e-5}
+INTEGRATION_DEFAULTS = {
+    **{name: p.default for name, p in inspect.signature(Integration.from_options).parameters.items()},
+    "solver": "et",
+    "rtol": 1e-4,
+    "atol": 1e-5,
+}
 
 
 def graph_model(in_features: int, classes: int, readout: str, model_kwargs: Mapping[str, Any]) -> GraphET:
@@ -94,17 +99,27 @@ def expand_grid(grid: Mapping[str, Sequence[Any]] | None, config: TrainConfig) -
     """
     if not grid:
         return [{}]
-    defaults = {name: p.default for name, p in inspect.signature(GraphET).parameters.items()
-                if name not in ("in_features", "classes", "readout", "integration")}
+    defaults = {
+        name: p.default
+        for name, p in inspect.signature(GraphET).parameters.items()
+        if name not in ("in_features", "classes", "readout", "integration")
+    }
     defaults.update(INTEGRATION_DEFAULTS)
-    defaults.update({name: value for name, value in config.to_dict().items()
-                     if name not in ("seed", "out_dir", "resume", "device", "progress")})
+    defaults.update(
+        {
+            name: value
+            for name, value in config.to_dict().items()
+            if name not in ("seed", "out_dir", "resume", "device", "progress")
+        }
+    )
     for key, values in grid.items():
         if key in DATA_OPTIONS:
             raise ValueError(f"grid option {key!r} changes the data encoding; set it for the whole run instead")
         if key not in defaults:
-            raise ValueError(f"grid option {key!r} is neither a GraphET argument, a dynamics option nor a TrainConfig "
-                             f"field; choose from {sorted(defaults)}")
+            raise ValueError(
+                f"grid option {key!r} is neither a GraphET argument, a dynamics option nor a TrainConfig "
+                f"field; choose from {sorted(defaults)}"
+            )
         if not isinstance(values, Sequence) or isinstance(values, str) or not values:
             raise ValueError(f"grid option {key!r} needs a non-empty list of values, got {values!r}")
         numeric = isinstance(defaults[key], (int, float)) and not isinstance(defaults[key], bool)
@@ -114,17 +129,26 @@ def expand_grid(grid: Mapping[str, Sequence[Any]] | None, config: TrainConfig) -
     return [dict(zip(grid, values, strict=True)) for values in itertools.product(*grid.values())]
 
 
-def _split_options(options: Mapping[str, Any], model_kwargs: dict[str, Any],
-                   config: TrainConfig) -> tuple[dict[str, Any], TrainConfig]:
+def _split_options(
+    options: Mapping[str, Any], model_kwargs: dict[str, Any], config: TrainConfig
+) -> tuple[dict[str, Any], TrainConfig]:
     """``model_kwargs`` and ``config`` with ``options`` (GraphET arguments and TrainConfig fields) applied."""
     fields = config.to_dict()
     train = {k: v for k, v in options.items() if k in fields}
     return {**model_kwargs, **{k: v for k, v in options.items() if k not in fields}}, TrainConfig(**{**fields, **train})
 
 
-def _train_and_score(graphs: list, train_index: np.ndarray, test_index: np.ndarray, model_kwargs: dict[str, Any],
-                     config: TrainConfig, seed: int, run_dir: Path | None, meta: dict[str, Any],
-                     ensemble: int = 1) -> dict[str, Any]:
+def _train_and_score(
+    graphs: list,
+    train_index: np.ndarray,
+    test_index: np.ndarray,
+    model_kwargs: dict[str, Any],
+    config: TrainConfig,
+    seed: int,
+    run_dir: Path | None,
+    meta: dict[str, Any],
+    ensemble: int = 1,
+) -> dict[str, Any]:
     """Train ``ensemble`` fresh :class:`GraphET` (member ``j`` seeded with ``seed + 1000 j``) on
     ``graphs[train_index]`` for ``config.epochs`` and score them once on ``graphs[test_index]``: the prediction
     is the mean of the members' class probabilities. With ``run_dir`` the runs checkpoint there (``member_j/``
@@ -142,26 +166,51 @@ def _train_and_score(graphs: list, train_index: np.ndarray, test_index: np.ndarr
         member_dir = run_dir if run_dir is None or ensemble == 1 else run_dir / f"member_{member}"
         torch.manual_seed(member_seed)
         model = graph_model(graphs[0].x.shape[1], max(labels) + 1, "graph", model_kwargs)
-        run_config = TrainConfig(**{**config.to_dict(), "seed": member_seed, "resume": member_dir is not None,
-                                    "out_dir": None if member_dir is None else str(member_dir)})
-        fit(model, GraphClassificationTask(), [graphs[i] for i in train_index], None, run_config,
-            collate_fn=collate_graphs, meta={"model": model.config, **meta, "member": member})
+        run_config = TrainConfig(
+            **{
+                **config.to_dict(),
+                "seed": member_seed,
+                "resume": member_dir is not None,
+                "out_dir": None if member_dir is None else str(member_dir),
+            }
+        )
+        fit(
+            model,
+            GraphClassificationTask(),
+            [graphs[i] for i in train_index],
+            None,
+            run_config,
+            collate_fn=collate_graphs,
+            meta={"model": model.config, **meta, "member": member},
+        )
         with torch.no_grad():
             probabilities.append(torch.softmax(model.eval()(test_batch).double(), dim=-1).cpu())
     mean = torch.stack(probabilities).mean(dim=0)
     target = test_batch.y.cpu()
-    result = {"test_acc": float((mean.argmax(-1) == target).double().mean()),
-              "test_loss": float(F.nll_loss(mean.clamp_min(1e-300).log(), target)), "test_size": len(test_index)}
+    result = {
+        "test_acc": float((mean.argmax(-1) == target).double().mean()),
+        "test_loss": float(F.nll_loss(mean.clamp_min(1e-300).log(), target)),
+        "test_size": len(test_index),
+    }
     if result_file is not None:
         result_file.parent.mkdir(parents=True, exist_ok=True)
         result_file.write_text(json.dumps(result))
     return result
 
 
-def cross_validate(graphs: list, model_kwargs: dict[str, Any], config: TrainConfig, *, folds: int = 10,
-                   seed: int = 0, out_dir: str | Path | None = None, verbose: bool = True,
-                   grid: Mapping[str, Sequence[Any]] | None = None, inner_folds: int = 3,
-                   ensemble: int = 1) -> dict[str, Any]:
+def cross_validate(
+    graphs: list,
+    model_kwargs: dict[str, Any],
+    config: TrainConfig,
+    *,
+    folds: int = 10,
+    seed: int = 0,
+    out_dir: str | Path | None = None,
+    verbose: bool = True,
+    grid: Mapping[str, Sequence[Any]] | None = None,
+    inner_folds: int = 3,
+    ensemble: int = 1,
+) -> dict[str, Any]:
     """Stratified ``folds``-fold cross-validation of :class:`GraphET` on ``graphs`` (PyG ``Data`` with ``pe``),
     nested when a ``grid`` of candidates is given.
 
@@ -193,8 +242,10 @@ def cross_validate(graphs: list, model_kwargs: dict[str, Any], config: TrainConf
     if not (isinstance(ensemble, int) and ensemble >= 1):
         raise ValueError(f"ensemble must be a positive integer, got {ensemble!r}")
     if len(graphs) < folds or np.bincount(labels).min() < folds:
-        raise ValueError(f"{folds}-fold stratified cross-validation needs at least {folds} graphs of every class; "
-                         f"class counts: {np.bincount(labels).tolist()}")
+        raise ValueError(
+            f"{folds}-fold stratified cross-validation needs at least {folds} graphs of every class; "
+            f"class counts: {np.bincount(labels).tolist()}"
+        )
     candidates = expand_grid(grid, config)
     classes = int(labels.max()) + 1
     splitter = StratifiedKFold(folds, shuffle=True, random_state=seed)
@@ -211,19 +262,33 @@ def cross_validate(graphs: list, model_kwargs: dict[str, Any], config: TrainConf
                 splits = list(inner.split(np.zeros(len(train_index)), labels[train_index]))
                 for j, options in enumerate(candidates):
                     kwargs, options_config = _split_options(options, model_kwargs, config)
-                    scores = [_train_and_score(
-                        graphs, train_index[fit_part], train_index[val_part], kwargs, options_config, seed + fold,
-                        None if fold_dir is None else fold_dir / "selection" / f"candidate_{j}" / f"inner_{i}",
-                        {"fold": fold, "candidate": j, "inner_fold": i}, ensemble)["test_acc"]
-                        for i, (fit_part, val_part) in enumerate(splits)]
+                    scores = [
+                        _train_and_score(
+                            graphs,
+                            train_index[fit_part],
+                            train_index[val_part],
+                            kwargs,
+                            options_config,
+                            seed + fold,
+                            None if fold_dir is None else fold_dir / "selection" / f"candidate_{j}" / f"inner_{i}",
+                            {"fold": fold, "candidate": j, "inner_fold": i},
+                            ensemble,
+                        )["test_acc"]
+                        for i, (fit_part, val_part) in enumerate(splits)
+                    ]
                     selection.append({"options": options, "val_acc": float(np.mean(scores))})
             best = max(range(len(candidates)), key=lambda j: (selection[j]["val_acc"] if selection else 0.0, -j))
             kwargs, best_config = _split_options(candidates[best], model_kwargs, config)
-            result = _train_and_score(graphs, train_index, test_index, kwargs, best_config, seed + fold, fold_dir,
-                                      {"fold": fold}, ensemble)
+            result = _train_and_score(
+                graphs, train_index, test_index, kwargs, best_config, seed + fold, fold_dir, {"fold": fold}, ensemble
+            )
             common = np.bincount(labels[train_index], minlength=classes).argmax()
-            result.update(fold=fold, majority=float((labels[test_index] == common).mean()),
-                          chosen=candidates[best], selection=selection)
+            result.update(
+                fold=fold,
+                majority=float((labels[test_index] == common).mean()),
+                chosen=candidates[best],
+                selection=selection,
+            )
             if result_file is not None:
                 result_file.write_text(json.dumps(result))
         accuracies.append(result["test_acc"])
@@ -231,10 +296,19 @@ def cross_validate(graphs: list, model_kwargs: dict[str, Any], config: TrainConf
         chosen.append(result.get("chosen", {}))
         if verbose:
             choice = f", chose {result['chosen']}" if result.get("chosen") else ""
-            print(f"fold {fold + 1}/{folds}: test accuracy {result['test_acc']:.4f} "
-                  f"(majority class {result['majority']:.4f}{choice})", flush=True)
-    summary = {"accuracies": accuracies, "mean": float(np.mean(accuracies)), "std": float(np.std(accuracies)),
-               "folds": folds, "majority": float(np.mean(majority)), "chosen": chosen}
+            print(
+                f"fold {fold + 1}/{folds}: test accuracy {result['test_acc']:.4f} "
+                f"(majority class {result['majority']:.4f}{choice})",
+                flush=True,
+            )
+    summary = {
+        "accuracies": accuracies,
+        "mean": float(np.mean(accuracies)),
+        "std": float(np.std(accuracies)),
+        "folds": folds,
+        "majority": float(np.mean(majority)),
+        "chosen": chosen,
+    }
     if out_dir is not None:
         (Path(out_dir) / "cv_results.json").write_text(json.dumps(summary, indent=2))
     return summary
@@ -272,9 +346,12 @@ def anomaly_metrics(scores: Tensor, labels: Tensor, masks: dict[str, Tensor]) ->
     s, y = scores.detach().cpu().double().numpy(), labels.cpu().numpy()
     val, test = masks["val"].cpu().numpy(), masks["test"].cpu().numpy()
     threshold, _ = best_macro_f1_threshold(s[val], y[val])
-    return {"auc": float(roc_auc_score(y[test], s[test])),
-            "macro_f1": float(f1_score(y[test], s[test] >= threshold, average="macro", zero_division=0)),
-            "val_auc": float(roc_auc_score(y[val], s[val])), "threshold": threshold}
+    return {
+        "auc": float(roc_auc_score(y[test], s[test])),
+        "macro_f1": float(f1_score(y[test], s[test] >= threshold, average="macro", zero_division=0)),
+        "val_auc": float(roc_auc_score(y[val], s[val])),
+        "threshold": threshold,
+    }
 
 
 class NodeAnomalyTask:
@@ -310,8 +387,9 @@ def feature_baseline(graph: Any, masks: dict[str, Tensor], *, seed: int = 0) -> 
 
     x, y = graph.x.cpu().numpy(), graph.y.cpu().numpy()
     train = masks["train"].numpy()
-    classifier = make_pipeline(StandardScaler(), LogisticRegression(class_weight="balanced", max_iter=2000,
-                                                                    random_state=seed))
+    classifier = make_pipeline(
+        StandardScaler(), LogisticRegression(class_weight="balanced", max_iter=2000, random_state=seed)
+    )
     classifier.fit(x[train], y[train])
     return anomaly_metrics(torch.from_numpy(classifier.predict_proba(x)[:, 1]), graph.y, masks)
 
@@ -331,8 +409,17 @@ class GCN(nn.Module):
         return self.conv2(h, graph.edge_index)
 
 
-def gcn_baseline(graph: Any, masks: dict[str, Tensor], *, hidden: int = 64, epochs: int = 300, lr: float = 0.01,
-                 weight_decay: float = 5e-4, seed: int = 0, device: str = "auto") -> dict[str, float]:
+def gcn_baseline(
+    graph: Any,
+    masks: dict[str, Tensor],
+    *,
+    hidden: int = 64,
+    epochs: int = 300,
+    lr: float = 0.01,
+    weight_decay: float = 5e-4,
+    seed: int = 0,
+    device: str = "auto",
+) -> dict[str, float]:
     """A 2-layer GCN trained full-batch with Adam on the train nodes (class-weighted), scored like the ET."""
     seed_everything(seed)
     target = resolve_device(device)
@@ -364,15 +451,21 @@ class _OneGraph(torch.utils.data.Dataset):
         return self.graph
 
 
-def detect_anomalies(graph: Any, model_kwargs: dict[str, Any], config: TrainConfig, *,
-                     split: tuple[float, float, float] = (0.6, 0.2, 0.2), seed: int = 0,
-                     baselines: bool = True) -> dict[str, Any]:
+def detect_anomalies(
+    graph: Any,
+    model_kwargs: dict[str, Any],
+    config: TrainConfig,
+    *,
+    split: tuple[float, float, float] = (0.6, 0.2, 0.2),
+    seed: int = 0,
+    baselines: bool = True,
+) -> dict[str, Any]:
     """Train a node-readout :class:`GraphET` to score anomalies on ``graph`` (``x``, ``edge_index``, ``pe``, ``y``).
 
     Returns ``{"et": metrics, "logistic_regression": ..., "gcn": ..., "nodes": n, "anomalies": count}``, each
     metrics dict holding the test ``auc``, ``macro_f1``, ``val_auc`` and the chosen ``threshold``.
     """
-    from ..data.graphs import node_split
+    from et_ode.data.graphs import node_split
 
     if getattr(graph, "y", None) is None or graph.y.shape != (graph.num_nodes,):
         raise ValueError("graph.y must hold a 0/1 label per node (from inject_anomalies or a labels file)")
@@ -381,8 +474,7 @@ def detect_anomalies(graph: Any, model_kwargs: dict[str, Any], config: TrainConf
     model = graph_model(graph.x.shape[1], 2, "node", model_kwargs)
     task = NodeAnomalyTask(masks, graph.y)
     config = TrainConfig(**{**config.to_dict(), "batch_size": 1, "seed": seed})
-    fit(model, task, _OneGraph(graph), [graph], config, collate_fn=lambda items: items[0],
-        meta={"model": model.config})
+    fit(model, task, _OneGraph(graph), [graph], config, collate_fn=lambda items: items[0], meta={"model": model.config})
     device = resolve_device(config.device)
     with torch.no_grad():
         results: dict[str, Any] = {"et": anomaly_metrics(task.scores(model.eval(), graph.to(device)), graph.y, masks)}

@@ -1,0 +1,260 @@
+"""The ET vector field ``tau dx/dt = -dE/dg``: a plain ``nn.Module`` ``f(t, x)`` for any ODE solver."""
+
+from __future__ import annotations
+
+import copy
+import math
+import numbers
+import threading
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from et_ode.energy.checks import check_mask, check_tokens
+from et_ode.energy.masks import GraphMask, Mask
+from et_ode.energy.model import EnergyTransformer
+from et_ode.energy.neurons import LayerNormNeuron, radial_direction, tangent_projection
+from et_ode.kernels.fused import FusedGrad
+
+DERIVATIVES = ("analytic", "autograd")
+BACKENDS = ("auto", "fused", "reference")
+
+
+class Evaluations:
+    """How many times a field was evaluated, per thread. Shared by copies of the field made by ``with_mask``.
+
+    Each thread adds to a count of its own (only that thread writes it, so concurrent solves never lose or share an
+    evaluation): :meth:`made` is the calling thread's running total (it never goes down, whatever ``reset_nfe``
+    does), :meth:`made_by` another thread's, ``count`` the evaluations of all threads since the last reset.
+    """
+
+    def __init__(self) -> None:
+        self._made: dict[int, int] = {}  # thread id -> evaluations that thread made
+        self._reset_at = 0
+
+    def add(self, evaluations: int = 1) -> None:
+        """Count ``evaluations`` made by the calling thread."""
+        thread = threading.get_ident()
+        self._made[thread] = self._made.get(thread, 0) + evaluations
+
+    def made(self) -> int:
+        """Evaluations the calling thread has made, since the field was built (monotonic)."""
+        return self._made.get(threading.get_ident(), 0)
+
+    def made_by(self, thread: int) -> int:
+        """Evaluations the thread ``thread`` (a ``threading.get_ident()``) has made, since the field was built."""
+        return self._made.get(thread, 0)
+
+    def _total(self) -> int:
+        return sum(list(self._made.values()))
+
+    @property
+    def count(self) -> int:
+        """Evaluations of all threads since the last reset."""
+        return self._total() - self._reset_at
+
+    @count.setter
+    def count(self, value: int) -> None:
+        self._reset_at = self._total() - value
+
+
+class ETField(nn.Module):
+    """``f(t, x) = -(1/tau) dE/dg(g(x))`` for a state ``x`` of shape ``(..., N, D)``: the one owner of the dynamics.
+
+    Args:
+        model: the energy.
+        tau: time constant, a positive finite real number (TypeError for another type, ValueError otherwise).
+        derivative: how ``dE/dg`` is computed: ``"analytic"`` (closed form, the default) or ``"autograd"``
+            (differentiates the energy; the reference, also correct under ``torch.no_grad()``).
+        mask: the attention mask bound to the field (see :class:`EnergyTransformer`); a field holds its mask,
+            and :meth:`with_mask` makes a copy bound to another.
+        backend: how ``derivative="analytic"`` evaluates ``dE/dg``: ``"fused"`` (:mod:`et_ode.kernels.fused`: two large
+            matrix products on the fastest GEMM back end, and a closed-form Hessian-vector product as its
+            backward), ``"reference"`` (the model's own closed form, differentiated by autograd), or
+            ``"auto"`` (the default: fused wherever it applies). The fused path applies to masks that are
+            ``None`` or dense boolean tensors; any other mask falls back to the model's closed form.
+            Its backward is first-order (no double backward through the field).
+
+    Everything downstream (``solve``, the attractor finder, ``et_ode.analysis``) reads the dynamics through the
+    public methods below, never through the model's internals:
+
+    ============================  ==============================================================
+    ``forward(t, x)``             ``dx/dt``, counted in ``nfe`` (what solvers call)
+    ``velocity(x)``               ``dx/dt = -(1/tau) dE/dg``, not counted
+    ``activation(x)``             ``g = LayerNorm(x)``
+    ``energy(x)``, ``energy_g(g)``  ``E`` per sample, with the bound mask
+    ``dE_dg(g)``                  ``dE/dg`` by the chosen derivative and back end, not counted
+    ``dg_dt(x)``                  ``M dx/dt``, the motion of ``g``
+    ``tangent_gradient(x)``       ``T dE/dg``: ``dE/dg`` along the per-token spheres
+    ``rms_dg_dt``, ``rms_tangent_gradient``  their RMS per sample (the steady-state measures)
+    ``dE_dt(x)``                  the exact energy rate ``-(1/tau) sum_A dE/dg_A . M_A dE/dg_A``
+    ============================  ==============================================================
+
+    The field counts its evaluations in ``nfe`` (``reset_nfe()`` zeroes it; ``count_evaluations(n)`` adds work
+    done through :meth:`dE_dg`, such as Hessian-vector products). ``forward`` does not validate its input,
+    since solvers call it thousands of times; ``solve`` validates once, and the diagnostics validate theirs
+    unless they are handed the velocity already computed at ``x`` (the solver's hot path).
+    """
+
+    def __init__(
+        self,
+        model: EnergyTransformer,
+        tau: float = 1.0,
+        derivative: str = "analytic",
+        mask: Mask = None,
+        backend: str = "auto",
+    ):
+        super().__init__()
+        if not isinstance(model, EnergyTransformer):
+            raise TypeError(f"model must be an EnergyTransformer, got {type(model).__name__}")
+        if isinstance(tau, bool) or not isinstance(tau, (int, float, numbers.Real)):
+            raise TypeError(f"tau must be a real number, got {type(tau).__name__} {tau!r}")
+        if not (0 < float(tau) < math.inf):
+            raise ValueError(f"tau must be positive and finite, got {tau!r}")
+        if derivative not in DERIVATIVES:
+            raise ValueError(f"derivative must be one of {DERIVATIVES}, got {derivative!r}")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if backend == "fused" and derivative != "analytic":
+            raise ValueError(f"backend='fused' is the closed form of derivative='analytic', got derivative={derivative!r}")
+        self.model = model
+        self.tau = float(tau)
+        self.derivative = derivative
+        self.mask = mask
+        self.backend = backend
+        self.fused = FusedGrad(model) if backend != "reference" and derivative == "analytic" else None
+        self.evaluations = Evaluations()
+
+    @property
+    def nfe(self) -> int:
+        """Number of evaluations of ``forward`` (and counted work) since the last reset, by all threads (a solve's own
+        count is in its ``Solution.stats``)."""
+        return self.evaluations.count
+
+    def reset_nfe(self) -> None:
+        self.evaluations.count = 0
+
+    def count_evaluations(self, evaluations: int = 1) -> None:
+        """Add ``evaluations`` to ``nfe``: for methods that evaluate ``dE/dg`` (or a Hessian-vector product) through
+        :meth:`dE_dg` rather than ``forward``, so that ``nfe`` counts all the work done with this field."""
+        self.evaluations.add(evaluations)
+
+    def with_mask(self, mask: Mask) -> ETField:
+        """A copy of this field bound to ``mask``, sharing the model and the evaluation counter."""
+        bound = copy.copy(self)
+        bound.__dict__["mask"] = mask
+        return bound
+
+    # -- the dynamics ------------------------------------------------------------------------------
+    def activation(self, x: Tensor) -> Tensor:
+        """``g = LayerNorm(x)``: ``(..., N, D) -> (..., N, D)``; on the fused path by the one-kernel ``layer_norm``
+        (the same formula as the neuron)."""
+        neuron = self.model.neuron
+        if self.fused is None or type(neuron) is not LayerNormNeuron:
+            return neuron(x)
+        return F.layer_norm(x, (neuron.dim,), neuron.gamma.expand(neuron.dim), neuron.delta, neuron.eps)
+
+    def energy_g(self, g: Tensor) -> Tensor:
+        """Total energy per sample as a function of ``g``, with the bound mask: ``(..., N, D) -> (...)``."""
+        return self.model._energy_g(g, self.mask)
+
+    def energy(self, x: Tensor) -> Tensor:
+        """Total energy per sample of the state ``x``, with the bound mask: ``(..., N, D) -> (...)``."""
+        return self.energy_g(self.model.neuron(x))
+
+    def dE_dg(self, g: Tensor) -> Tensor:
+        """``dE/dg`` by the chosen derivative and back end, with the bound mask: ``(..., N, D) -> (..., N, D)``.
+        Not counted in ``nfe`` (see :meth:`count_evaluations`)."""
+        if self.derivative == "analytic":
+            mask = self.mask
+            if self.fused is not None and not isinstance(mask, GraphMask) and self.fused.supports(g, mask):
+                return self.fused(g, mask)
+            return self.model._dE_dg(g, self.mask)
+        create_graph = torch.is_grad_enabled()
+        with torch.enable_grad():
+            if not g.requires_grad:
+                g = g.detach().requires_grad_(True)
+            energy = self.model._energy_g(g, self.mask).sum()
+            (grad,) = torch.autograd.grad(energy, g, create_graph=create_graph)
+        return grad
+
+    def forward(self, t: Tensor | None, x: Tensor) -> Tensor:
+        """``dx/dt``, shape of ``x``. Counted in ``nfe``."""
+        self.evaluations.add()
+        return self.velocity(x)
+
+    def velocity(self, x: Tensor) -> Tensor:
+        """``dx/dt = -(1/tau) dE/dg`` at ``x`` (shape of ``x``), not counted in ``nfe``."""
+        g = self.activation(x)
+        mask = self.mask
+        if (
+            self.tau == 1.0
+            and self.derivative == "analytic"
+            and self.fused is not None
+            and not isinstance(mask, GraphMask)
+            and self.fused.supports(g, mask)
+        ):
+            return self.fused(g, mask, negate=True)  # the sign folded into the weights: one pass less
+        grad = self.dE_dg(g)
+        if grad.requires_grad or self.fused is None:
+            return grad / -self.tau
+        return grad.div_(-self.tau)  # a fresh tensor of the fused path: scaled in place, the same bits as above
+
+    def _checked(self, x: Tensor) -> Tensor:
+        check_tokens("x", x, self.model.dim, like=self.model.neuron.delta)
+        check_mask(self.mask, x)
+        return x
+
+    # -- diagnostics (not counted in ``nfe``) ------------------------------------------------------
+    def dg_dt(self, x: Tensor, velocity: Tensor | None = None) -> Tensor:
+        """``dg/dt = M dx/dt`` (the motion of the attractor's coordinates): shape of ``x``. ``velocity``: ``dx/dt``
+        at ``x`` when already computed (then ``x`` is not validated again)."""
+        if velocity is None:
+            velocity = self.velocity(self._checked(x))
+        return self.model.neuron.hessian_vector(x, velocity)
+
+    def tangent_gradient(self, x: Tensor, velocity: Tensor | None = None) -> Tensor:
+        """``T dE/dg``: ``dE/dg`` with each token's mean and radial component (along ``s_A = (g_A - delta) / r_A``)
+        removed, the gradient of ``E`` on the product of per-token spheres where the attractors lie (see
+        :mod:`et_ode.dynamics.manifold`): shape of ``x``. ``velocity`` as in :meth:`dg_dt`."""
+        g = self.model.neuron(x if velocity is not None else self._checked(x))
+        grad = self.dE_dg(g) if velocity is None else velocity * -self.tau
+        s, _ = radial_direction(g, self.model.neuron.delta)
+        return tangent_projection(grad, s)
+
+    def rms_dg_dt(self, x: Tensor, velocity: Tensor | None = None) -> Tensor:
+        """Root-mean-square of ``dg/dt`` over tokens and elements, per sample: ``(..., N, D) -> (...)``."""
+        return _rms(self.dg_dt(x, velocity))
+
+    def rms_tangent_gradient(self, x: Tensor, velocity: Tensor | None = None) -> Tensor:
+        """Root-mean-square of ``T dE/dg`` over tokens and elements, per sample: ``(..., N, D) -> (...)``."""
+        return _rms(self.tangent_gradient(x, velocity))
+
+    def dE_dt(self, x: Tensor, velocity: Tensor | None = None) -> Tensor:
+        """The exact ``dE/dt = -(1/tau) sum_A (dE/dg_A)^T M_A (dE/dg_A)`` per sample, shape ``x.shape[:-2]``.
+        ``velocity`` as in :meth:`dg_dt` (then ``dE/dt = -tau sum_A dx/dt_A . M_A dx/dt_A``, no evaluation)."""
+        if velocity is not None:
+            return -self.tau * (velocity * self.dg_dt(x, velocity)).sum(dim=(-1, -2))
+        self._checked(x)
+        grad = self.dE_dg(self.model.neuron(x))
+        return -(grad * self.model.neuron.hessian_vector(x, grad)).sum(dim=(-1, -2)) / self.tau
+
+    def check_weights(self) -> None:
+        """Every floating-point parameter of the field's model is finite: a ValueError naming the first that holds NaN or
+        infinite values (the dynamics are then undefined, and a solve would fail far from the cause)."""
+        named = [(name, p) for name, p in self.model.named_parameters() if p.is_floating_point() and p.numel()]
+        with torch.no_grad():
+            finite = torch.stack([torch.isfinite(p).all() for _, p in named]) if named else None
+        if finite is None or bool(finite.all()):  # one synchronisation for all the parameters
+            return
+        name = named[int((~finite).nonzero()[0])][0]
+        raise ValueError(
+            f"the model's parameter {name!r} holds NaN or infinite values, so the dynamics are "
+            f"undefined; reload the weights (a diverged training step?)"
+        )
+
+
+def _rms(v: Tensor) -> Tensor:
+    """RMS over the last two dimensions (tokens and elements): ``(..., N, D) -> (...)``."""
+    return v.square().mean(dim=(-1, -2)).sqrt()

@@ -1,0 +1,78 @@
+"""Where the attractors live: each normalized token on a sphere, and the Hessian along it.
+
+``g_A - delta`` has zero mean and norm ``gamma sqrt(D) |xt| / sqrt(|xt|^2 + D eps)``: up to O(eps)
+it lies on the sphere of radius ``r = gamma sqrt(D)`` in the centered subspace. The energy almost
+always decreases outward (``s_A . dE/dg_A < 0``, ``s_A`` the unit radial direction), so along a
+trajectory ``x`` keeps drifting: along the all-ones vector (the exact zero mode of ``M``) and
+radially (``|xt|`` grows about linearly in time, the radial eigenvalue ``gamma eps / sigma^3`` of ``M``
+vanishes, and the tangential rate ``gamma / sigma`` decays like ``1/t``). ``g`` converges, at a
+rate set by the time change ``ds = gamma / (tau sigma) dt``, to a critical point of ``E`` on the
+product of spheres. Its stability, and the implicit gradient through it, are read from the
+Riemannian Hessian of ``E`` on those spheres, per token:
+
+    Hess_R w = T (H w) - (s . dE/dg) / r * w        for tangent ``w`` (T removes mean and radial part),
+
+whose curvature term is what the Euclidean ``M^(1/2) H M^(1/2)`` misses.
+Shapes: ``(..., N, D)`` throughout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from et_ode.dynamics.field import ETField
+from et_ode.energy.neurons import radial_direction, tangent_projection
+
+__all__ = ["euclidean_hessian", "radial_direction", "riemannian_hessian", "tangent_projection"]
+
+
+def riemannian_hessian(field: ETField, g: Tensor) -> tuple[Callable[[Tensor], Tensor], Tensor]:
+    """The operator ``w -> Hess_R w`` at ``g`` (Hessian-vector products by autograd of the field's
+    ``dE/dg``, never forming the matrix), and the tangent projection of ``dE/dg`` (zero at a critical point).
+
+    The returned operator is symmetric on the tangent space and maps into it.
+    """
+    s, radius = radial_direction(g.detach(), field.model.neuron.delta.detach())
+    with torch.enable_grad():
+        point = g.detach().requires_grad_(True)
+        grad_e = field.dE_dg(point)
+    curvature = ((grad_e.detach() * s).sum(dim=-1, keepdim=True) / radius).detach()
+
+    def apply(w: Tensor) -> Tensor:
+        w = tangent_projection(w, s)
+        (hw,) = torch.autograd.grad(grad_e, point, w, retain_graph=True)
+        field.count_evaluations()
+        return tangent_projection(hw, s) - curvature * w
+
+    return apply, tangent_projection(grad_e.detach(), s)
+
+
+def euclidean_hessian(field: ETField, x: Tensor) -> tuple[Callable[[Tensor], Tensor], Tensor]:
+    """The Hessian of ``F(x) = E(LayerNorm(x))`` on centred ``x`` as an operator, and ``dF/dx = M dE/dg``.
+
+    ``Hess F u = M H M u + d/dx[M(x) c] u`` with ``c = dE/dg`` held fixed (the third derivative of the
+    Lagrangian, by autograd of :meth:`LayerNormNeuron.hessian_vector`). Where ``x`` is a fixed point of the flow
+    (``dE/dg`` along the all-ones vector only, which every ``M`` annihilates) the second term vanishes and
+    ``Hess F = M H M``, congruent to the flow's Jacobian ``-(1/tau) H M`` on centred ``x``: the same inertia.
+    The operator is symmetric and maps centred vectors to centred vectors.
+    """
+    x = x.detach()
+    neuron = field.model.neuron
+    with torch.enable_grad():
+        point = neuron(x).detach().requires_grad_(True)
+        grad_e = field.dE_dg(point)
+        state = x.clone().requires_grad_(True)
+        gradient = neuron.hessian_vector(state, grad_e.detach())
+
+    def apply(u: Tensor) -> Tensor:
+        u = u - u.mean(dim=-1, keepdim=True)
+        (h_mu,) = torch.autograd.grad(grad_e, point, neuron.hessian_vector(x, u), retain_graph=True)
+        (third,) = torch.autograd.grad(gradient, state, u, retain_graph=True)
+        field.count_evaluations()
+        out = neuron.hessian_vector(x, h_mu.detach()) + third.detach()
+        return out - out.mean(dim=-1, keepdim=True)
+
+    return apply, gradient.detach()

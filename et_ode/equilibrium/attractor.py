@@ -1,0 +1,312 @@
+"""The attractor a flow ends in, found fast and certified: ``find_attractor``.
+
+The ET's flow ``tau dx/dt = -dE/dg`` reaches its answer only as a power law in ``t``: ``x`` drifts outward, each
+token's ``g_A - delta`` tends to the sphere of radius ``gamma sqrt(D)``, and ``g`` tends to a critical point of
+``E`` on the product of those spheres (:mod:`et_ode.dynamics.manifold`). ``find_attractor`` gets there in a loop of three
+phases, per sample:
+
+1. **Flow** to a hand-off level: dopri5 until RMS ``|T dE/dg| <= level``, with a common rescaling of each sample
+   between segments (same path of ``g``, undone slow-down).
+2. **Newton** from there: trust-region Riemannian Newton (never climbing to a saddle), in the geometry the outward
+   forces ``rho_A = -s_A . dE/dg_A`` choose: on the spheres when every token pushes outward, in ``x`` (a fixed
+   point at finite scale, ``geometry="x"``) when one does not; ``"mixed"`` when neither holds.
+3. **Certificate and basin test**: the residual, the Hessian's smallest eigenvalue (Lanczos) and kind, and the
+   linear-regime test (:func:`et_ode.equilibrium.certify.basin_settled`), which ties the Newton point to the flow from the
+   hand-off point. A sample that is not certified flows on to a level ten times lower and is examined again.
+
+A sample still not certified after the last level keeps its status (``"unsettled"``, ``"saddle"``, ...):
+``find_attractor`` never reports another point as the flow's own. On the spheres the returned ``x`` has every token
+centred at a scale ``S`` where ``eps / S^2`` is below rounding, so ``g`` lies on the limit spheres (a flow continued
+from it is slowed by ``1/S``: rescale first).
+
+``Attractor.g`` is differentiable with respect to the model's parameters by the implicit function theorem at
+certified points (:func:`et_ode.equilibrium.implicit.implicit_attractor`); other samples refuse (:class:`AttractorError`).
+``x0`` gets no gradient. Shapes: ``x0`` is ``(*batch, N, D)``; per-sample results are ``(*batch,)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from torchdiffeq import odeint
+
+from et_ode.backend.validation import check_positive
+from et_ode.dynamics.field import ETField
+from et_ode.energy.checks import check_mask, check_tokens
+from et_ode.equilibrium.certify import (
+    FLOW_ATOL,
+    FLOW_RTOL,
+    HANDOFF,
+    HANDOFFS,
+    MAX_SEGMENTS,
+    METHODS,
+    SEGMENT,
+    Attractor,
+    certify,
+    default_tol,
+    differentiable,
+    flatten,
+    limit_scale,
+    settle,
+)
+from et_ode.equilibrium.implicit import AttractorError, default_implicit_tol
+from et_ode.integrators.loop import Integrated, Problem, integrate
+from et_ode.integrators.solution import Solution, SolveError, SolveStats, Status
+from et_ode.integrators.stopping import SteadyState
+
+__all__ = ["Attractor", "AttractorError", "AttractorReadout", "default_tol", "find_attractor", "limit_scale"]
+
+
+# -- the public entry point ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Implicit:
+    """The implicit function theorem at the fixed point a stop reaches (:mod:`et_ode.equilibrium.implicit`).
+
+    Args:
+        tol: relative residual of the conjugate-gradient solve of the adjoint system, positive; None (the default):
+            :func:`~et_ode.equilibrium.implicit.default_implicit_tol` of the state's dtype,
+            1e-8 in float64 and 1e-3 in float32
+            (the rounding of float32 Hessian-vector products stalls the solve near 1e-6 to 1e-4).
+        max_iter: its iteration cap, a positive integer.
+    """
+
+    tol: float | None = None
+    max_iter: int = 200
+
+    def __post_init__(self) -> None:
+        check_positive("Implicit.tol", self.tol, optional=True)
+        check_positive("Implicit.max_iter", self.max_iter, integer=True)
+
+    def check(self, stop: SteadyState | None) -> None:
+        """A stopping rule is needed: the gradient is defined at a fixed point (ValueError naming ``stop``)."""
+        if stop is None:
+            raise ValueError("gradient=Implicit() differentiates at a fixed point: give stop=SteadyState(tol)")
+
+    def run(self, problem: Problem) -> Integrated:
+        problem.field.check_weights()
+        with torch.no_grad():
+            result = integrate(problem, odeint, problem.torchdiffeq_arguments())
+        t_final = float(result.ts[-1])
+        if result.status is not Status.STEADY_STATE:
+            tested = problem.stop.description if problem.stop is not None else "a stop"
+            raise SolveError(
+                f"gradient=Implicit() needs a converged fixed point, but the solve reached t={t_final:.6g} "
+                f"without {tested}; integrate longer or loosen the stop's tol",
+                time=t_final,
+                solution=None,
+            )
+        # polish the end state into the flow's certified attractor (flowing on where its basin is not yet settled),
+        # and differentiate there (exactly)
+        x_end = result.x.detach()
+        implicit_tol = default_implicit_tol(x_end.dtype) if self.tol is None else self.tol
+        attractor = certify(
+            problem.field,
+            x_end,
+            tol=default_tol(x_end.dtype),
+            flow=True,
+            implicit_tol=implicit_tol,
+            implicit_max_iter=self.max_iter,
+        )
+        if not bool(attractor.certified.all()):
+            raise SolveError(
+                f"gradient=Implicit(): the end state did not polish into a certified stable attractor of its flow "
+                f"(statuses {attractor.status}, RMS gradient {attractor.gradient.flatten().tolist()}); the implicit "
+                "gradient is defined only there",
+                time=t_final,
+                solution=None,
+            )
+        xs = None if result.xs is None else torch.cat([result.xs[:-1], attractor.x.detach()[None]])
+        return dataclasses.replace(result, xs=xs, x=attractor.x, g=attractor.g)
+
+
+def _check_arguments(
+    field: ETField, x0: Tensor, numbers: dict[str, float | None], counts: dict[str, int], method: str
+) -> None:
+    """ValueError / TypeError naming the first bad argument of :func:`find_attractor`."""
+    if not isinstance(field, ETField):
+        raise TypeError(f"field must be an et_ode.ETField, got {type(field).__name__}")
+    check_tokens("x0", x0, field.model.dim)  # a dense, finite floating tensor (..., N, D)
+    if x0.shape[:-2].numel() == 0:
+        raise ValueError(f"x0 has an empty batch: shape {tuple(x0.shape)} (*batch, N, D); give at least one sample")
+    check_mask(field.mask, x0)
+    for name, value in numbers.items():
+        if isinstance(value, bool) or not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
+            raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    for name, count in counts.items():
+        if isinstance(count, bool) or not (isinstance(count, int) and count >= 1):
+            raise ValueError(f"{name} must be a positive integer, got {count!r}")
+    if not float(field.model.neuron.gamma.detach()) > 0:  # (before the flow; certify checks it too)
+        raise ValueError("find_attractor needs gamma > 0 (the energy is then a Lyapunov function)")
+
+
+def find_attractor(
+    field: ETField,
+    x0: Tensor,
+    *,
+    tol: float | None = None,
+    handoff: float = HANDOFF,
+    handoffs: int = HANDOFFS,
+    flow: bool = True,
+    method: str = "newton",
+    max_iter: int = 200,
+    cg_max_iter: int = 100,
+    lanczos_iterations: int = 32,
+    zero_tol: float = 1e-6,
+    segment: float = SEGMENT,
+    max_segments: int = MAX_SEGMENTS,
+    rtol: float = FLOW_RTOL,
+    atol: float = FLOW_ATOL,
+    implicit: Implicit | None = None,
+    seed: int = 0,
+) -> Attractor:
+    """The attractor of the flow ``tau dx/dt = -dE/dg`` that starts at ``x0``, certified, or a status saying why not.
+
+    Args:
+        field: the vector field (its bound mask is used: ``(N, N)`` or ``(*batch, N, N)``).
+        x0: initial states ``(*batch, N, D)``.
+        tol: the certificate's tolerance on the RMS gradient (``T dE/dg`` on the spheres, the centred ``dE/dg`` in
+            ``x``); default :func:`default_tol` (1e-8 in float64, 1e-4 in float32).
+        handoff: the first hand-off level: the flow runs until RMS ``|T dE/dg| <= handoff`` before Newton.
+        handoffs: hand-off levels at most (``handoff``, ``handoff / 10``, ...): a sample whose Newton point is not
+            certified (not tied to the flow by the basin test, a saddle, ...) flows on to the next level and is
+            examined again; after the last level it keeps its status (e.g. ``"unsettled"``).
+        flow: ``False`` skips the flow phase: ``x0`` is held to be in the basin of the point Newton reaches from it
+            (e.g. a critical point already), so the status does not wait on the basin test; ``settled`` still
+            reports it, made from ``x0``.
+        method: ``"newton"`` (trust-region Riemannian Newton, gradient descent as the fallback) or
+            ``"gradient"`` (Riemannian gradient descent only, for comparison).
+        max_iter, cg_max_iter: Newton iterations, and conjugate-gradient steps per Newton iteration.
+        lanczos_iterations: Krylov vectors of the certificate (at most the tangent dimension); the smallest Ritz
+            value bounds the smallest eigenvalue from above, so a saddle whose negative curvature Lanczos has not
+            resolved could pass as stable: raise it for large states.
+        zero_tol: an eigenvalue ``|lambda| <= zero_tol * max |lambda|`` counts as zero (kind ``"degenerate"``).
+        segment, max_segments, rtol, atol: the flow phase: dopri5 tolerances, segments of ``segment * tau``
+            between rescalings, at most ``max_segments`` of them per hand-off level.
+        implicit: the conjugate-gradient solve of the implicit backward pass, an :class:`~et_ode.Implicit`
+            (default ``Implicit()``: its dtype-aware tolerance and iteration cap).
+        seed: the Lanczos start vector.
+
+    Returns an :class:`Attractor`. Raises ``ValueError`` / ``TypeError`` for bad arguments (naming them).
+    """
+    tol = default_tol(x0.dtype) if tol is None and isinstance(x0, Tensor) else tol
+    implicit = Implicit() if implicit is None else implicit
+    if not isinstance(implicit, Implicit):
+        raise TypeError(f"implicit must be an et_ode.Implicit, got {type(implicit).__name__}")
+    _check_arguments(
+        field,
+        x0,
+        dict(tol=tol, handoff=handoff, zero_tol=zero_tol, segment=segment),
+        dict(
+            handoffs=handoffs,
+            max_iter=max_iter,
+            cg_max_iter=cg_max_iter,
+            max_segments=max_segments,
+            lanczos_iterations=lanczos_iterations,
+        ),
+        method,
+    )
+    assert tol is not None
+    evaluations_before = field.nfe
+    flat, flat_field = flatten(field, x0)
+    found, flow_evaluations = settle(
+        flat_field,
+        flat,
+        flow=flow,
+        handoff=handoff,
+        handoffs=handoffs,
+        segment=segment,
+        max_segments=max_segments,
+        rtol=rtol,
+        atol=atol,
+        tol=tol,
+        method=method,
+        max_iter=max_iter,
+        cg_max_iter=cg_max_iter,
+        lanczos_iterations=lanczos_iterations,
+        zero_tol=zero_tol,
+        seed=seed,
+    )
+    return differentiable(
+        flat_field,
+        found,
+        x0.shape[:-2],
+        implicit_tol=implicit.tol or default_implicit_tol(x0.dtype),
+        implicit_max_iter=implicit.max_iter,
+        flow_evaluations=flow_evaluations,
+        evaluations=field.nfe - evaluations_before,
+    )
+
+
+# -- reading a model's answer at the attractor ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AttractorReadout:
+    """Read the answer at the attractor: ``Integration(attractor=AttractorReadout(...))`` (the models' forward
+    pass then returns :func:`find_attractor`'s ``g`` instead of the end of a solve).
+
+    The answer is the certified attractor of the flow from ``x0``; parameter gradients are the implicit ones at that
+    point, so a training step's memory and backward cost do not depend on how long the flow takes. ``x0`` (and so
+    the encoder, positions and MASK token that make it) gets no gradient: an attractor depends on where the flow
+    starts only through its basin. Samples that are not certified (any status but ``"certified"``) keep their value
+    in the loss but give no gradient (``g`` detached there, instead of :class:`AttractorError`); the solution's
+    ``status`` is then reached-end, and the :class:`Attractor` that :meth:`read` also returns says which.
+
+    Args:
+        tol: the certificate's tolerance on the RMS gradient (None: :func:`default_tol`, 1e-4 in float32).
+        handoff: the flow phase's first hand-off level (:func:`find_attractor`).
+        max_iter: Newton iterations per sample.
+        implicit: the conjugate-gradient solve of the implicit backward pass (:class:`~et_ode.Implicit`).
+    """
+
+    tol: float | None = None
+    handoff: float = HANDOFF
+    max_iter: int = 200
+    implicit: Implicit = Implicit()
+
+    def __post_init__(self) -> None:
+        for name in ("tol", "handoff"):
+            value = getattr(self, name)
+            if value is None and name == "tol":
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value < math.inf):
+                raise ValueError(f"AttractorReadout.{name} must be a positive finite number, got {value!r}")
+        if isinstance(self.max_iter, bool) or not isinstance(self.max_iter, int) or self.max_iter < 1:
+            raise ValueError(f"AttractorReadout.max_iter must be a positive integer, got {self.max_iter!r}")
+        if not isinstance(self.implicit, Implicit):
+            raise TypeError(f"AttractorReadout.implicit must be an et_ode.Implicit, got {type(self.implicit).__name__}")
+
+    def read(self, field: ETField, x0: Tensor) -> tuple[Solution, Attractor]:
+        """The attractor from ``x0 (*batch, N, D)`` as a one-state :class:`~et_ode.Solution` (``t_final`` is
+        infinite; ``status`` is steady state when every sample is certified, else reached-end; ``nfe_forward``
+        counts every evaluation and Hessian-vector product of the search) and the :class:`Attractor` itself."""
+        started = time.perf_counter()
+        found = find_attractor(field, x0, tol=self.tol, handoff=self.handoff, max_iter=self.max_iter, implicit=self.implicit)
+        certified = found.certified
+        g = found.g
+        if g.requires_grad and not bool(certified.all()):
+            g = torch.where(certified[..., None, None], g, g.detach())
+        status = Status.STEADY_STATE if bool(certified.all()) else Status.REACHED_END
+        stats = SolveStats(
+            nfe_forward=found.evaluations,
+            accepted_steps=int(found.iterations.sum()),
+            rejected_steps=0,
+            wall_time=time.perf_counter() - started,
+            t_final=math.inf,
+            status=status,
+            field=field,
+            nfe_at_return=field.nfe,
+            stop_times=torch.full(x0.shape[:-2], math.inf, dtype=torch.float64),
+            steady_state_measure="tangent_gradient",
+        )
+        ts = torch.tensor([math.inf], dtype=torch.float64)
+        return Solution(ts=ts, xs=found.x[None], x=found.x, g=g, stats=stats, field=field), found

@@ -1,0 +1,819 @@
+"""et-ode's own embedded Runge-Kutta loop (dopri5, tsit5, bosh3), step-size control per sample or shared by the batch.
+
+The state is held as ``G`` groups of ``M`` numbers, ``(G, 1, M)``: per sample (``per_sample=True``) a group is one
+sample (``G = batch``, ``M = N * D``); shared, the whole batch is one group (``G = 1``: one step size, one error norm
+over the whole state, torchdiffeq's semantics). A step forms every stage input in one fused ``baddbmm`` of the step's
+weights ``dt * a`` (per group) with the stages so far, kept in one preallocated buffer ``(G, S, M)``; without
+gradients nothing state-sized is allocated per step except the field's own outputs. Each group has its own time,
+step size, error norm ``RMS(err / (atol + rtol max(|y0|, |y1|)))`` and accept/reject; a group that reaches the end,
+or passes a steady-state stop, leaves the active batch (compaction), so later steps only evaluate the samples still
+running. Every operation on a
+group reads that group's numbers only, so a sample's trajectory does not depend on the batch around it wherever the
+field's own evaluation does not (see the tests for the ET field's last-bit differences across batch sizes).
+
+The controller is diffrax's PID form (Soderlind): ``factor = safety * e_n^-(p+i+d)/k * e_{n-1}^(p+2d)/k *
+e_{n-2}^-d/k`` with ``k`` the error order, clipped to ``[1, 10]`` after an accepted step and ``[0.2, safety]`` after a
+rejected one; ``(p, i, d) = (0, 1, 0)`` is torchdiffeq's I-controller. The first step is chosen per group as
+torchdiffeq and diffrax do (Hairer, Norsett and Wanner, II.4). The last step of a group ends exactly at the end of the
+span; the states at the output times inside a step come from the method's interpolant (dopri5: Shampine's quartic
+through the midpoint, as torchdiffeq; tsit5: Tsitouras' own; bosh3: the Hermite cubic), so saving costs no extra
+steps, and a stop's crossing is located on it (then refined with the field). Gradients: autograd through the loop
+(the step sizes constants to it, as in torchdiffeq and diffrax), the stop time's own term added by the implicit
+function theorem; no adjoint.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any, NamedTuple, Protocol
+
+import torch
+from torch import Tensor
+
+from et_ode.dynamics.field import ETField
+from et_ode.integrators.solution import Status
+from et_ode.integrators.solvers import BUDGET_ADVICE, Adaptive, SolverFailure
+from et_ode.integrators.stopping import SteadyState
+
+SAFETY, FACTOR_MIN, FACTOR_MAX = 0.9, 0.2, 10.0
+BISECTIONS = 30  # a stop's crossing is first located to 2^-30 of its step on the interpolant,
+NEWTON = 3  # then refined by Newton steps with the field's velocity,
+CROSSING_SLACK = 1e-6  # and kept where the test's value log(measure / tol) is at most this
+I_CONTROLLER = (0.0, 1.0, 0.0)  # (pcoeff, icoeff, dcoeff)
+PID_COEFFICIENTS = (0.4, 0.3, 0.0)  # one of diffrax's suggestions for error estimates that do not vary smoothly
+UNDERFLOW_ADVICE = (
+    "the dynamics overflowed or became too stiff for the solver there: use float64 (x0 and model), "
+    "tighter rtol/atol, or smaller weights"
+)
+
+Progress = Callable[[Tensor, Tensor], None]
+StopTest = Callable[[Tensor, Tensor], Tensor]
+
+
+@dataclass(frozen=True)
+class Tableau:
+    """An explicit embedded pair whose last stage is evaluated at the solution (first same as last).
+
+    ``c``: the stage times ``(S,)`` as fractions of the step; ``a``: the weights of the stage inputs of stages
+    ``1 .. S-1`` (row ``i-1`` has ``i`` entries; the last row gives the solution); ``e``: the error weights ``(S,)``
+    (solution minus embedded solution); ``error_order``: the order of the embedded solution plus one; ``mid``: the
+    weights of the midpoint state of the quartic interpolant; ``dense``: the method's own interpolant as the
+    polynomials ``b_j(theta)`` of ``y(t0 + theta h) = y0 + h sum_j b_j(theta) k_j``, one tuple of monomial
+    coefficients (lowest first) per stage; neither: the Hermite cubic.
+    """
+
+    c: tuple[float, ...]
+    a: tuple[tuple[float, ...], ...]
+    e: tuple[float, ...]
+    error_order: int
+    mid: tuple[float, ...] | None = None
+    dense: tuple[tuple[float, ...], ...] | None = None
+
+    @property
+    def stages(self) -> int:
+        return len(self.c)
+
+    def matrix(self, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """``(S + 1, S)``: rows ``0 .. S-2`` the stage inputs (zero-padded), row ``S-1`` the error, row ``S`` the
+        midpoint (zeros without one); a step's weights are ``dt`` times these."""
+        s = self.stages
+        rows = [list(row) + [0.0] * (s - len(row)) for row in self.a]
+        rows += [list(self.e), list(self.mid) if self.mid is not None else [0.0] * s]
+        return torch.tensor(rows, dtype=torch.float64).to(dtype=dtype, device=device)
+
+
+DOPRI5 = Tableau(  # Dormand and Prince (1980), with Shampine's (1986) error estimate and midpoint weights (torchdiffeq's)
+    c=(0.0, 1 / 5, 3 / 10, 4 / 5, 8 / 9, 1.0, 1.0),
+    a=(
+        (1 / 5,),
+        (3 / 40, 9 / 40),
+        (44 / 45, -56 / 15, 32 / 9),
+        (19372 / 6561, -25360 / 2187, 64448 / 6561, -212 / 729),
+        (9017 / 3168, -355 / 33, 46732 / 5247, 49 / 176, -5103 / 18656),
+        (35 / 384, 0.0, 500 / 1113, 125 / 192, -2187 / 6784, 11 / 84),
+    ),
+    e=(
+        35 / 384 - 1951 / 21600,
+        0.0,
+        500 / 1113 - 22642 / 50085,
+        125 / 192 - 451 / 720,
+        -2187 / 6784 + 12231 / 42400,
+        11 / 84 - 649 / 6300,
+        -1 / 60,
+    ),
+    error_order=5,
+    mid=(
+        6025192743 / 30085553152 / 2,
+        0.0,
+        51252292925 / 65400821598 / 2,
+        -2691868925 / 45128329728 / 2,
+        187940372067 / 1594534317056 / 2,
+        -1776094331 / 19743644256 / 2,
+        11237099 / 235043384 / 2,
+    ),
+)
+
+BOSH3 = Tableau(  # Bogacki and Shampine (1989), the 3(2) pair
+    c=(0.0, 1 / 2, 3 / 4, 1.0),
+    a=((1 / 2,), (0.0, 3 / 4), (2 / 9, 1 / 3, 4 / 9)),
+    e=(2 / 9 - 7 / 24, 1 / 3 - 1 / 4, 4 / 9 - 1 / 3, -1 / 8),
+    error_order=3,
+)
+
+
+def _product(*factors: tuple[float, ...]) -> tuple[float, ...]:
+    """The product of polynomials given by their monomial coefficients, lowest first."""
+    result: list[float] = [1.0]
+    for factor in factors:
+        grown = [0.0] * (len(result) + len(factor) - 1)
+        for i, a in enumerate(result):
+            for j, b in enumerate(factor):
+                grown[i + j] += a * b
+        result = grown
+    return tuple(result)
+
+
+_T, _T2 = (0.0, 1.0), (0.0, 0.0, 1.0)  # theta, theta^2
+TSIT5 = Tableau(  # Tsitouras (2011), the 5(4) pair with its own order-4 interpolant (diffrax's and OrdinaryDiffEq's)
+    c=(0.0, 0.161, 0.327, 0.9, 0.9800255409045097, 1.0, 1.0),
+    a=(
+        (0.161,),
+        (-0.008480655492356989, 0.335480655492357),
+        (2.8971530571054935, -6.359448489975075, 4.3622954328695815),
+        (5.325864828439257, -11.748883564062828, 7.4955393428898365, -0.09249506636175525),
+        (5.86145544294642, -12.92096931784711, 8.159367898576159, -0.071584973281401, -0.028269050394068383),
+        (0.09646076681806523, 0.01, 0.4798896504144996, 1.379008574103742, -3.290069515436081, 2.324710524099774),
+    ),
+    e=(
+        0.09646076681806523 - 0.09468075576583945,
+        0.01 - 0.009183565540343254,
+        0.4798896504144996 - 0.4877705284247616,
+        1.379008574103742 - 1.234297566930479,
+        -3.290069515436081 + 2.7077123499835256,
+        2.324710524099774 - 1.866628418170587,
+        -1 / 66,
+    ),
+    error_order=5,
+    dense=(
+        _product((-1.0530884977290216,), _T, (-1.3299890189751412, 1.0), (0.7139816917074209, -1.4364028541716351, 1.0)),
+        _product((0.1017,), _T2, (1.2949852507374631, -2.1966568338249754, 1.0)),
+        _product((2.490627285651252793,), _T2, (1.57803468208092486, -2.38535645472061657, 1.0)),
+        _product((-16.54810288924490272,), (-1.21712927295533244, 1.0), (-0.61620406037800089, 1.0), _T2),
+        _product((47.37952196281928122,), (-1.203071208372362603, 1.0), (-0.658047292653547382, 1.0), _T2),
+        _product((-34.87065786149660974,), (-1.2, 1.0), (-0.666666666666666667, 1.0), _T2),
+        _product((2.5,), (-1.0, 1.0), (-0.6, 1.0), _T2),
+    ),
+)
+
+TABLEAUX = {"dopri5": DOPRI5, "bosh3": BOSH3, "tsit5": TSIT5}
+METHODS = tuple(TABLEAUX)
+
+
+class Counter(Protocol):
+    """What the loop fills of ``solve``'s progress record."""
+
+    steps: int
+    accepted: int
+    rejected: int
+    sample_evaluations: int
+    last_dt: float | None
+    last: tuple[float, Tensor] | None
+    saved: list[tuple[float, Tensor]]
+
+
+def _per_sample_mask(field: object, batch: torch.Size) -> Tensor | None:
+    """The field's mask as one per sample ``(G, N, N)`` (broadcast over the ``batch`` shape), or None where one mask
+    serves every sample (ValueError for a mask that is not a tensor: the active batch cannot be cut out of it)."""
+    mask = getattr(field, "mask", None)
+    if mask is None:
+        return None
+    if not isinstance(mask, Tensor):
+        raise ValueError(f"step_control='per_sample' needs a dense tensor mask or None, got {type(mask).__name__}")
+    if mask.dim() <= 2 or mask.shape[:-2].numel() == 1:
+        return None
+    return mask.expand(*batch, *mask.shape[-2:]).reshape(batch.numel(), *mask.shape[-2:])
+
+
+def _rms(x: Tensor) -> Tensor:
+    """RMS of each group: ``(G, 1, M) -> (G,)``."""
+    return torch.linalg.vector_norm(x, dim=(1, 2)) / math.sqrt(x.shape[-1])
+
+
+class _WriteStage(torch.autograd.Function):
+    """``k[:, i] = f`` in place, returning ``k``, without bumping ``k``'s version: each slot of a step's stages is
+    written once, before anything reads it, so the products that saved ``k[:, :i]`` for their backward still read
+    what they read (torchdiffeq's ``_UncheckedAssign``). Gradients: ``k``'s pass through, slot ``i``'s go to ``f``."""
+
+    @staticmethod
+    def forward(ctx: Any, k: Tensor, f: Tensor, i: int) -> Tensor:
+        ctx.i = i
+        k.data[:, i : i + 1] = f
+        return k
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None]:
+        return grad, grad[:, ctx.i : ctx.i + 1], None
+
+
+class _Interpolant:
+    """The dense output of one step of the groups ``rows``: dopri5's quartic through ``y0``, the midpoint and ``y1``
+    with the slopes ``f0``, ``f1`` (Shampine), tsit5's own polynomials, or the Hermite cubic (bosh3); :meth:`at`
+    gives the state and its velocity (the derivative of the interpolant) at fractions of the step."""
+
+    def __init__(
+        self,
+        tableau: Tableau,
+        rows: Tensor,
+        y0: Tensor,
+        y1: Tensor,
+        k: Tensor,
+        weights: Tensor,
+        dt: Tensor,
+        dtype: torch.dtype,
+    ):
+        s = tableau.stages
+        self.y0, self.y1, k = y0[rows], y1[rows], k[rows]
+        self.h = dt[rows].to(dtype)[:, None, None]
+        self.dtype = dtype
+        self.f0, self.f1 = k[:, :1], k[:, s - 1 : s]
+        self.quartic: tuple[Tensor, Tensor, Tensor] | None = None
+        self.k, self.polynomials = k, tableau.dense
+        if tableau.mid is not None:
+            y_mid = torch.baddbmm(self.y0, weights[rows, s : s + 1], k)
+            y0, y1, f0, f1, h = self.y0, self.y1, self.f0, self.f1, self.h
+            self.quartic = (
+                2 * h * (f1 - f0) - 8 * (y1 + y0) + 16 * y_mid,
+                h * (5 * f0 - 3 * f1) + 18 * y0 + 14 * y1 - 32 * y_mid,
+                h * (f1 - 4 * f0) - 11 * y0 - 5 * y1 + 16 * y_mid,
+            )
+
+    def at(self, theta: Tensor) -> tuple[Tensor, Tensor]:
+        """The state ``(n, 1, M)`` (exactly ``y1`` where ``theta`` is 1) and the velocity at ``theta`` ``(n,)``."""
+        x = theta.to(self.dtype)[:, None, None]
+        y0, y1, f0, f1, h = self.y0, self.y1, self.f0, self.f1, self.h
+        if self.polynomials is not None:  # the method's own: y0 + h sum_j b_j(theta) k_j
+            powers = x ** torch.arange(len(self.polynomials[0]), dtype=self.dtype, device=x.device)
+            coefficients = torch.tensor(self.polynomials, dtype=self.dtype, device=x.device)  # (S, P)
+            slopes = coefficients[:, 1:] * torch.arange(1, coefficients.shape[1], dtype=self.dtype, device=x.device)
+            b = powers @ coefficients.T  # (n, 1, S)
+            db = powers[..., :-1] @ slopes.T
+            value = torch.baddbmm(y0, h * b, self.k)
+            velocity = torch.bmm(db, self.k)
+        elif self.quartic is None:  # Hermite cubic
+            one = 1 - x
+            value = (1 + 2 * x) * one * one * y0 + x * one * one * h * f0 + x * x * (3 - 2 * x) * y1 - x * x * one * h * f1
+            velocity = (6 * x * (x - 1) * (y0 - y1)) / h + (3 * x - 1) * (x - 1) * f0 + x * (3 * x - 2) * f1
+        else:
+            a, b, c = self.quartic
+            value = y0 + x * (h * f0 + x * (c + x * (b + x * a)))
+            velocity = f0 + x * (2 * c + x * (3 * b + x * 4 * a)) / h
+        return torch.where(x == 1, y1, value), velocity
+
+
+class _Buffers:
+    """The storage of the active groups without gradients, allocated once per batch size: the stages ``k``
+    ``(G, S, M)``; the state ``y``, the solution ``y1``, a stage input, the error and its scale, each ``(G, 1, M)``;
+    the step's weights ``(G, S + 1, S)``; and the views of them every step takes."""
+
+    def __init__(self, groups: int, stages: int, width: int, dtype: torch.dtype, device: torch.device):
+        def empty(*shape: int) -> Tensor:
+            return torch.empty(shape, dtype=dtype, device=device)
+
+        self.k = empty(groups, stages, width)
+        self.y, self.y1, self.stage, self.err, self.scale = (empty(groups, 1, width) for _ in range(5))
+        self.weights = empty(groups, stages + 1, stages)
+        self.k_first = self.k[:, :1]
+        self.k_upto = [self.k[:, :i] for i in range(stages + 1)]
+        self.k_slot = [self.k[:, i : i + 1] for i in range(stages)]
+        self.w_rows = [self.weights[:, i - 1 : i, :i] for i in range(1, stages)]
+        self.w_error = self.weights[:, stages - 1 : stages]
+
+
+@dataclass
+class _Outputs:
+    """The states kept for the output grid: rows of the flat ``(T * samples)`` index and the states ``(n, 1, M)``."""
+
+    rows: list[Tensor]
+    states: list[Tensor]
+
+
+class _Loop:
+    """One integration; :func:`integrate` is its front."""
+
+    def __init__(
+        self,
+        field: Callable[[Tensor | None, Tensor], Tensor],
+        x0: Tensor,
+        grid: Tensor,
+        tableau: Tableau,
+        rtol: float,
+        atol: float,
+        per_sample: bool,
+        pid: tuple[float, float, float],
+        max_steps: int,
+        progress: Counter,
+        callback: Progress | None,
+        stop: StopTest | None = None,
+    ):
+        self.field, self.grid, self.tableau, self.rtol, self.atol = field, grid, tableau, rtol, atol
+        self.per_sample, self.pid, self.max_steps, self.progress, self.callback = (
+            per_sample,
+            pid,
+            max_steps,
+            progress,
+            callback,
+        )
+        self.x_shape = x0.shape
+        batch = x0.shape[:-2].numel()
+        self.groups = batch if per_sample else 1
+        self.samples_per_group = 1 if per_sample else batch
+        self.event = (x0.shape[-2], x0.shape[-1]) if per_sample else tuple(x0.shape)
+        self.width = x0.numel() // self.groups
+        self.autonomous = type(field) is ETField
+        self.mask = _per_sample_mask(field, x0.shape[:-2]) if per_sample else None
+        self.field_now = field if self.mask is None else field.with_mask(self.mask)  # type: ignore[attr-defined]
+        self.matrix = tableau.matrix(x0.dtype, x0.device)
+        self.dtype, self.device = x0.dtype, x0.device
+        self.in_place = not torch.is_grad_enabled()
+        self.t_end = grid[-1]
+        self.stop = stop
+        self.t_now = grid[:1]  # the active groups' times during a step
+        self.stop_times = torch.full((self.groups,), float(grid[-1]), dtype=torch.float64)
+        self.finals = _Outputs([], [])
+        self.outputs = _Outputs([], [])
+
+    # -- evaluations -------------------------------------------------------------------------------
+    def evaluate(self, t: Tensor | None, y: Tensor) -> Tensor:
+        """The field at the groups ``y`` ``(G, 1, M)`` at their times ``t`` ``(G,)`` (float64): ``(G, 1, M)``. The ET
+        field is autonomous and gets no time (``t`` None); another field gets ``t`` per sample, or the shared 0-d
+        time."""
+        groups = y.shape[0]
+        self.progress.sample_evaluations += groups * self.samples_per_group
+        time = None if t is None or self.autonomous else (t.to(self.dtype) if self.per_sample else t[0].to(self.dtype))
+        return self.field_now(time, y.view(groups, *self.event) if self.per_sample else y.view(self.event)).reshape(
+            groups, 1, self.width
+        )
+
+    def first_step(self, t: Tensor, y0: Tensor, f0: Tensor) -> Tensor:
+        """torchdiffeq's and diffrax's starting step per group (one evaluation): ``(G,)`` float64."""
+        with torch.no_grad():
+            scale = self.atol + y0.abs() * self.rtol
+            d0, d1 = _rms(y0 / scale), _rms(f0 / scale)
+            h0 = torch.where((d0 < 1e-5) | (d1 < 1e-5), torch.full_like(d0, 1e-6), 0.01 * d0 / d1)
+            f1 = self.evaluate(None if self.autonomous else t + h0.double(), y0 + h0[:, None, None] * f0)
+            d2 = _rms((f1 - f0) / scale) / h0
+            largest = torch.maximum(d1, d2)
+            h1 = torch.where(
+                largest <= 1e-15, torch.clamp(h0 * 1e-3, min=1e-6), (0.01 / largest) ** (1.0 / self.tableau.error_order)
+            )
+            return torch.minimum(100 * h0, h1).double()
+
+    # -- one step of every active group ------------------------------------------------------------
+    def stages(
+        self, t: Tensor, dt: Tensor, y0: Tensor, f0: Tensor, buffers: _Buffers | None
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """The stages ``(G, S, M)`` and the solution ``(G, 1, M)`` of a step of ``dt`` ``(G,)`` from ``y0``, and the
+        step's weights ``(G, S + 1, S)``. Without gradients (``buffers``, whose first stage is ``f0``) the weights,
+        stages and stage inputs are written into the buffers; with gradients each step has a stage tensor of its own,
+        written slot by slot (autograd keeps it): the same operations on the same numbers either way."""
+        s, c = self.tableau.stages, self.tableau.c
+        scaled = dt.to(self.dtype).view(-1, 1, 1)
+        y = y0
+        if buffers is None:  # one new stage tensor per step, each slot written once (autograd keeps it)
+            weights = scaled * self.matrix
+            k = _WriteStage.apply(torch.empty(y0.shape[0], s, self.width, dtype=self.dtype, device=self.device), f0, 0)
+            for i in range(1, s):
+                y = torch.baddbmm(y0, weights[:, i - 1 : i, :i], k[:, :i])
+                k = _WriteStage.apply(k, self.evaluate(None if self.autonomous else t + c[i] * dt, y), i)
+            return k, y, weights
+        weights = torch.mul(scaled, self.matrix, out=buffers.weights)
+        for i in range(1, s):
+            y = torch.baddbmm(y0, buffers.w_rows[i - 1], buffers.k_upto[i], out=buffers.y1 if i == s - 1 else buffers.stage)
+            buffers.k_slot[i].copy_(self.evaluate(None if self.autonomous else t + c[i] * dt, y))
+        return buffers.k, y, weights
+
+    def error_ratio(self, k: Tensor, y0: Tensor, y1: Tensor, weights: Tensor, buffers: _Buffers | None) -> Tensor:
+        """``RMS(err / (atol + rtol max(|y0|, |y1|)))`` per group, ``(G,)`` float64 (no gradients)."""
+        s = self.tableau.stages
+        with torch.no_grad():
+            if buffers is None:
+                err = torch.bmm(weights[:, s - 1 : s].detach(), k.detach())
+                scale = torch.maximum(y0.detach().abs(), y1.detach().abs())
+            else:
+                err = torch.bmm(buffers.w_error, k, out=buffers.err)
+                scale = torch.abs(y0, out=buffers.scale)
+                torch.maximum(scale, torch.abs(y1, out=buffers.stage), out=scale)
+            err.div_(scale.mul_(self.rtol).add_(self.atol))
+            return _rms(err).double()
+
+    def control(self, ratio: Tensor, dt: Tensor, history: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Accept (``ratio <= 1``, finite) and the next step size per group; ``history`` ``(G, 2)`` holds the two
+        previous accepted inverse errors (the PID terms). Returns (accepted, next dt, next history)."""
+        p, i, d = self.pid
+        order = self.tableau.error_order
+        finite = torch.isfinite(ratio)
+        accepted = finite & (ratio <= 1)
+        inverse = torch.where(finite, 1 / ratio, torch.zeros_like(ratio))  # a non-finite error: the smallest factor
+        factor = SAFETY * inverse ** ((p + i + d) / order)
+        if p or d:
+            factor = factor * history[:, 0] ** (-(p + 2 * d) / order) * history[:, 1] ** (d / order)
+            kept = torch.where((inverse == 0) | torch.isinf(inverse), torch.ones_like(inverse), inverse)
+            history = torch.where(accepted[:, None], torch.stack([kept, history[:, 0]], dim=1), history)
+        ones = torch.ones_like(ratio)
+        factor = torch.clamp(
+            factor,
+            min=torch.where(accepted, ones, ones * FACTOR_MIN),
+            max=torch.where(accepted, ones * FACTOR_MAX, ones * SAFETY),
+        )
+        return accepted, dt * factor, history
+
+    def dense(self, rows: Tensor, theta: Tensor, y0: Tensor, y1: Tensor, k: Tensor, weights: Tensor, dt: Tensor) -> Tensor:
+        """The interpolant of the step of the groups ``rows`` at the fractions ``theta`` ``(n,)``: ``(n, 1, M)``;
+        exactly ``y1`` where ``theta`` is 1."""
+        return _Interpolant(self.tableau, rows, y0, y1, k, weights, dt, self.dtype).at(theta)[0]
+
+    def crossing(
+        self, rows: Tensor, y0: Tensor, y1: Tensor, k: Tensor, weights: Tensor, dt: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """Where inside their accepted steps the groups ``rows`` (whose step starts fail the stop's test and ends
+        pass it) cross it: bisection on the interpolant with the interpolant's own velocity (no field evaluations) to
+        ``2^-BISECTIONS`` of the step, then :data:`NEWTON` Newton steps on the test's value with the field's velocity
+        at the interpolated state (one evaluation of those groups each; the slope from the interpolant), so that the
+        crossing moves smoothly with the parameters. A group whose last state does not pass (its value above
+        :data:`CROSSING_SLACK`) ends at its step's end, which passes. Returns the fractions ``(n,)`` float64 and the
+        states there ``(n, 1, M)``."""
+        interpolant = _Interpolant(self.tableau, rows, y0, y1, k, weights, dt, self.dtype)
+        low = torch.zeros(len(rows), dtype=torch.float64, device=self.device)
+        high = torch.ones_like(low)
+        for _ in range(BISECTIONS):
+            middle = (low + high) / 2
+            with torch.no_grad():
+                value, velocity = interpolant.at(middle)
+                passes = self._converged(value, velocity)
+            high, low = torch.where(passes, middle, high), torch.where(passes, low, middle)
+        theta, reach = high, 1e-4
+        with torch.no_grad():
+            for _ in range(NEWTON):
+                value = interpolant.at(theta)[0]
+                time = None if self.autonomous else self.t_now[rows] + theta * dt[rows]
+                exact = self._test(value, self.evaluate(time, value))
+                ahead, behind = (theta + reach).clamp(max=1.0), (theta - reach).clamp(min=0.0)
+                slope = (self._test(*interpolant.at(ahead)) - self._test(*interpolant.at(behind))) / (ahead - behind)
+                step = torch.where(slope < 0, exact / slope, torch.zeros_like(slope))
+                theta = (theta - step).clamp(0.0, 1.0)
+            value = interpolant.at(theta)[0]
+            time = None if self.autonomous else self.t_now[rows] + theta * dt[rows]
+            passes = self._test(value, self.evaluate(time, value)) <= CROSSING_SLACK
+        theta = torch.where(passes, theta, torch.ones_like(theta))  # the step's end passes (tested with f1)
+        return theta, interpolant.at(theta)[0]
+
+    def save(
+        self, state: dict[str, Any], t1: Tensor, accepted: Tensor, y1: Tensor, k: Tensor, weights: Tensor, dt: Tensor
+    ) -> None:
+        """Keep the interpolated states at the output times inside each accepted step ``(t, t1]``."""
+        grid, last = self.grid, len(self.grid) - 1
+        following = state["next_output"]
+        pending = accepted & (grid[following.clamp(max=last)] <= t1) & (following <= last)
+        while bool(pending.any()):
+            rows = torch.nonzero(pending).flatten()
+            outputs = following[rows]
+            theta = (grid[outputs] - state["t"][rows]) / dt[rows]
+            self.outputs.states.append(self.dense(rows, theta, state["y"], y1, k, weights, dt))
+            self.outputs.rows.append(outputs * self.groups + state["ids"][rows])
+            following = following + pending.long()
+            pending = accepted & (following <= last) & (grid[following.clamp(max=last)] <= t1)
+        state["next_output"] = following
+
+    # -- the loop ------------------------------------------------------------------------------------
+    def run(self, x0: Tensor, first_step: float | None, save_all: bool, keep_steps: bool) -> tuple[Tensor, Tensor | None]:
+        g = self.groups
+        y = x0.reshape(g, 1, self.width)
+        t = torch.full((g,), float(self.grid[0]), dtype=torch.float64, device=self.device)
+        f0 = self.evaluate(None if self.autonomous else t, y)
+        dt = self.first_step(t, y, f0) if first_step is None else torch.full_like(t, float(first_step))
+        buffers = self._buffers(g) if self.in_place else None
+        if buffers is not None:  # the loop writes its state in place
+            y, f0 = buffers.y.copy_(y), buffers.k_first.copy_(f0)
+        state: dict[str, Any] = dict(
+            y=y,
+            f0=f0,
+            t=t,
+            dt=dt,
+            ids=torch.arange(g, device=self.device),
+            history=torch.ones((g, 2), dtype=torch.float64, device=self.device),
+            next_output=torch.ones(g, dtype=torch.long, device=self.device),
+        )
+        if save_all:
+            self.outputs.rows.append(state["ids"])
+            self.outputs.states.append(x0.reshape(g, 1, self.width))
+        totals = (torch.full((g,), float(self.grid[0]), dtype=torch.float64), torch.zeros(g, dtype=torch.long))
+        if self.stop is not None:  # samples at rest from the start stop there
+            done = self._converged(y, f0)
+            if bool(done.any()):
+                self._finish(state, done, y, state["t"])
+                buffers = self._compact(state, done, buffers)
+        while len(state["t"]):
+            self._count_step(state)
+            done = self.step(state, buffers, save_all, keep_steps, totals)
+            if bool(done.any()):
+                buffers = self._compact(state, done, buffers)
+        x = self._gather(self.finals, g).view(self.x_shape)
+        xs = self._gather(self.outputs, g * len(self.grid)).view(len(self.grid), *self.x_shape) if save_all else None
+        return x, xs
+
+    def step(
+        self,
+        state: dict[str, Any],
+        buffers: _Buffers | None,
+        save_all: bool,
+        keep_steps: bool,
+        totals: tuple[Tensor, Tensor],
+    ) -> Tensor:
+        """One step of every active group; returns which groups reached the end ``(G,)``."""
+        t, y0, f0 = state["t"], state["y"], state["f0"]
+        remaining = self.t_end - t
+        last = state["dt"] >= remaining
+        dt = torch.where(last, remaining, state["dt"])
+        t1 = torch.where(last, self.t_end, t + dt)
+        if not bool((t1 > t).all()):
+            self._fail(state, f"underflow in the step size {float(dt.min()):.3g}", float(t.min()), UNDERFLOW_ADVICE)
+        self.t_now = t
+        k, y1, weights = self.stages(t, dt, y0, f0, buffers)
+        ratio = self.error_ratio(k, y0, y1, weights, buffers)
+        accepted, state["dt"], state["history"] = self.control(ratio, dt, state["history"])
+        count = int(accepted.sum())
+        self.progress.accepted += count
+        self.progress.rejected += len(t) - count
+        self.progress.last_dt = float(state["dt"].min())
+        if keep_steps and count:  # shared mode: the start of each accepted step
+            self.progress.saved.append((float(t[0]), y0.detach().reshape(self.x_shape).clone()))
+        if save_all:
+            self.save(state, t1, accepted, y1, k, weights, dt)
+        s = self.tableau.stages
+        done = accepted & last
+        if self.stop is not None and count:
+            crossed = accepted & self._converged(y1, k[:, s - 1 : s])
+            if bool(crossed.any()):  # those end where they first pass the test inside the step
+                rows = torch.nonzero(crossed).flatten()
+                theta, at = self.crossing(rows, y0, y1, k, weights, dt)
+                self._finish(state, crossed, at, t[rows] + theta * dt[rows], rows_given=True)
+                done = done & ~crossed
+        if bool(done.any()):
+            self._finish(state, done, y1, t1)
+        if self.stop is not None and count:
+            done = done | crossed
+        self._advance(state, accepted, count == len(t), y1, k[:, s - 1 : s], t1, buffers)
+        if self.callback is not None:
+            ids = state["ids"].cpu()
+            totals[0][ids] = state["t"].cpu()
+            totals[1][ids] += accepted.long().cpu()
+            shape = (-1,) if self.per_sample else (self.samples_per_group,)  # shared: the batch's one time
+            self.callback(totals[0].expand(shape).clone(), totals[1].expand(shape).clone())
+        return done
+
+    def _test(self, y: Tensor, f: Tensor) -> Tensor:
+        """The stop's value at the groups ``y`` with the velocity ``f`` there, ``(G,)`` float64 (negative: passes;
+        no gradients)."""
+        assert self.stop is not None
+        groups = y.shape[0]
+        shape = (groups, *self.event) if self.per_sample else self.event
+        with torch.no_grad():
+            return self.stop(y.detach().view(shape), f.detach().view(shape)).reshape(groups).double()
+
+    def _converged(self, y: Tensor, f: Tensor) -> Tensor:
+        """Whether the groups ``y`` pass the stop's test, ``(G,)`` bool."""
+        return self._test(y, f) < 0
+
+    def _finish(self, state: dict[str, Any], done: Tensor, y: Tensor, t: Tensor, rows_given: bool = False) -> None:
+        """The groups ``done`` end at ``y`` at the times ``t`` (of every group, or of the ``done`` ones alone)."""
+        ids = state["ids"][done]
+        self.finals.rows.append(ids)
+        self.finals.states.append(y if rows_given else y[done])
+        self.stop_times[ids.cpu()] = (t if rows_given else t[done]).cpu()
+
+    def _advance(
+        self,
+        state: dict[str, Any],
+        accepted: Tensor,
+        every: bool,
+        y1: Tensor,
+        f1: Tensor,
+        t1: Tensor,
+        buffers: _Buffers | None,
+    ) -> None:
+        """The accepted groups move to ``t1``, ``y1``, ``f1``; the others stay."""
+        state["t"] = torch.where(accepted, t1, state["t"])
+        mask = accepted[:, None, None]
+        if buffers is None:
+            state["y"] = torch.where(mask, y1, state["y"])
+            state["f0"] = torch.where(mask, f1, state["f0"])
+            return
+        k0 = buffers.k_first
+        if every:  # the two state buffers trade places
+            buffers.y, buffers.y1 = buffers.y1, buffers.y
+            k0.copy_(f1)
+        else:
+            torch.where(mask, y1, buffers.y, out=buffers.y)
+            torch.where(mask, f1, k0, out=k0)
+        state["y"], state["f0"] = buffers.y, k0
+
+    def _buffers(self, groups: int) -> _Buffers:
+        return _Buffers(groups, self.tableau.stages, self.width, self.dtype, self.device)
+
+    def _compact(self, state: dict[str, Any], done: Tensor, buffers: _Buffers | None) -> _Buffers | None:
+        """The groups that reached the end leave the active batch (their state buffers shrink with them)."""
+        keep = ~done
+        for name in ("t", "dt", "ids", "history", "next_output"):
+            state[name] = state[name][keep]
+        remaining = len(state["t"])
+        if self.mask is not None and remaining:
+            self.field_now = self.field.with_mask(self.mask[state["ids"]])  # type: ignore[attr-defined]
+        if buffers is None:
+            state["y"], state["f0"] = state["y"][keep], state["f0"][keep]
+            return None
+        if not remaining:
+            return buffers
+        y, f0 = state["y"][keep], state["f0"][keep]
+        buffers = self._buffers(remaining)
+        state["y"], state["f0"] = buffers.y.copy_(y), buffers.k_first.copy_(f0)
+        return buffers
+
+    def _gather(self, kept: _Outputs, count: int) -> Tensor:
+        """The kept states in the order of their rows ``0 .. count-1`` (each row once): ``(count, 1, M)``."""
+        rows, states = torch.cat(kept.rows), torch.cat(kept.states)
+        order = torch.empty_like(rows)
+        order[rows] = torch.arange(len(rows), device=rows.device)
+        if len(rows) != count:
+            raise RuntimeError(f"adaptive loop: {len(rows)} states kept for {count} places")
+        return states.index_select(0, order)
+
+    def _count_step(self, state: dict[str, Any]) -> None:
+        self.progress.steps += 1
+        if self.progress.steps > self.max_steps:
+            self._fail(state, f"max_steps={self.max_steps} solver steps exceeded", float(state["t"].min()), BUDGET_ADVICE)
+
+    def _fail(self, state: dict[str, Any], message: str, time: float, advice: str) -> None:
+        """Record the latest state of every sample (the partial solution) and raise :class:`SolverFailure`."""
+        with torch.no_grad():
+            rows = [*self.finals.rows, state["ids"]]
+            states = [*self.finals.states, state["y"]]
+            x = torch.cat(states).detach()[torch.argsort(torch.cat(rows))]
+        self.progress.last = (time, x.reshape(self.x_shape).clone())
+        raise SolverFailure(f"{message} at t={time:.6g}", time, advice)
+
+
+class Result(NamedTuple):
+    """What :func:`integrate` returns: the final state ``x`` ``(*batch, N, D)``, the states at the grid's times ``xs``
+    ``(T, *batch, N, D)`` (or None), and each sample's end time ``ends`` ``(*batch,)`` float64 on the CPU (the end
+    of the grid, or where the stop test first passed)."""
+
+    x: Tensor
+    xs: Tensor | None
+    ends: Tensor
+
+
+def integrate(
+    field: Callable[[Tensor | None, Tensor], Tensor],
+    x0: Tensor,
+    grid: Tensor,
+    *,
+    method: str = "dopri5",
+    rtol: float = 1e-5,
+    atol: float = 1e-6,
+    per_sample: bool = True,
+    pid: tuple[float, float, float] = I_CONTROLLER,
+    first_step: float | None = None,
+    max_steps: int = 10_000,
+    save_all: bool = True,
+    progress: Counter | None = None,
+    keep_steps: bool = False,
+    callback: Progress | None = None,
+    stop: StopTest | None = None,
+) -> Result:
+    """Integrate ``dx/dt = field(t, x)`` from ``x0`` ``(*batch, N, D)`` over the float64 ``grid`` ``(T,)``.
+
+    Args:
+        method: one of :data:`METHODS`.
+        per_sample: each sample its own step size, error norm, accept/reject and end (else one for the batch).
+        pid: the controller's ``(pcoeff, icoeff, dcoeff)``; :data:`I_CONTROLLER` by default.
+        first_step: the first step size, or None to choose it (one evaluation more).
+        save_all: return the states at every time of ``grid`` (by the interpolant), else only the final one.
+        progress: a record whose ``steps`` (batched steps), ``accepted`` and ``rejected`` (per sample steps, summed),
+            ``sample_evaluations``, ``last_dt``, ``last`` (set on failure) and ``saved`` (``keep_steps``: the start
+            of every accepted shared step) are filled.
+        callback: called after every step with each sample's time ``(B,)`` float64 and its number of accepted steps
+            ``(B,)`` int64 (CPU tensors, B the flattened batch).
+        stop: a test ``(x, velocity) -> (G,)`` on the groups' states (per sample: ``(G, N, D)``; shared: the whole
+            ``x0``-shaped state, one value), negative where it passes: a group that passes at the start ends there;
+            one whose accepted step ends passing ends where the test crosses zero inside the step (see
+            :meth:`_Loop.crossing`). Needs ``save_all=False``.
+
+    Returns the :class:`Result`. Gradients
+    flow through the stages and the interpolant (the step sizes are constants to autograd, as in torchdiffeq and
+    diffrax). Raises :class:`~et_ode.integrators.solvers.SolverFailure` past ``max_steps`` steps or on a step-size underflow;
+    ValueError naming a bad ``method``, ``per_sample`` with ``keep_steps``, a ``stop`` with ``save_all``, or a bad
+    ``pid``.
+    """
+    if method not in TABLEAUX:
+        raise ValueError(f"method must be one of {METHODS} for et-ode's adaptive loop, got {method!r}")
+    if per_sample and keep_steps:
+        raise ValueError("save='steps' needs one step sequence for the batch: use step_control='shared'")
+    if stop is not None and (save_all or keep_steps):
+        raise ValueError("a stop with et-ode's adaptive loop needs save='final'")
+    if len(pid) != 3 or not all(isinstance(c, (int, float)) and c >= 0 for c in pid) or sum(pid) <= 0:
+        raise ValueError(f"pid must be three non-negative coefficients (pcoeff, icoeff, dcoeff), not all zero; got {pid!r}")
+    if progress is None:
+        progress = SimpleNamespace(steps=0, accepted=0, rejected=0, sample_evaluations=0, last_dt=None, last=None, saved=[])
+    loop = _Loop(field, x0, grid, TABLEAUX[method], rtol, atol, per_sample, pid, max_steps, progress, callback, stop)
+    x, xs = loop.run(x0, first_step, save_all, keep_steps)
+    ends = loop.stop_times if per_sample else loop.stop_times.expand(x0.shape[:-2].numel())
+    return Result(x, xs, ends.reshape(x0.shape[:-2]).clone())
+
+
+def solve_adaptive(
+    solver: Adaptive,
+    field: ETField,
+    x0: Tensor,
+    grid: Tensor,
+    arguments: dict[str, Any],
+    max_steps: int,
+    save: str,
+    progress: Counter,
+    stop: SteadyState | None = None,
+) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None, Status]:
+    """``solve``'s entry: integrate with the settings of ``solver`` (et-ode's loop), ``save`` one of ``"all"``,
+    ``"steps"``, ``"final"``, filling ``progress``; a ``stop`` ends each sample (per-sample control) or the batch
+    (shared) at the end of the first accepted step where it passes. ``arguments`` are the gradient strategy's
+    torchdiffeq arguments: an adjoint's are refused (ValueError naming the gradient). Under gradients a stop's time
+    is differentiated too (:func:`_through_the_stop_time`).
+
+    Returns the final state, the saved states (or None), their times ``ts`` (the grid; with a stop, its start and the
+    latest stop), each sample's stop time ``(*batch,)`` (with a stop, else None) and the status."""
+    if "adjoint_params" in arguments:
+        raise ValueError(
+            "gradient=Adjoint() needs Adaptive(loop='torchdiffeq'): et-ode's adaptive loop is "
+            "differentiated directly (gradient='direct')"
+        )
+    options = dict(solver.options or {})
+    per_sample = solver.step_control == "per_sample"
+    test = None if stop is None else functools.partial(_stop_value, stop, field, per_sample)
+    result = integrate(
+        field,
+        x0,
+        grid,
+        method=solver.method,
+        rtol=solver.rtol,
+        atol=solver.atol,
+        per_sample=per_sample,
+        pid=PID_COEFFICIENTS if solver.controller == "pid" else I_CONTROLLER,
+        first_step=options.get("first_step"),
+        max_steps=max_steps,
+        save_all=save == "all",
+        progress=progress,
+        keep_steps=save == "steps",
+        callback=solver.progress,
+        stop=test,
+    )
+    if stop is None:
+        return result.x, result.xs, grid, None, Status.REACHED_END
+    last_stop = float(result.ends.max())
+    x = result.x
+    if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in field.parameters())):
+        ends = result.ends.to(x.device)
+        crossed = (ends > float(grid[0])) & (ends < float(grid[-1]))  # stopped inside the span, not at its start
+        x = _through_the_stop_time(stop, field, per_sample, x, crossed if per_sample else crossed.all())
+    with torch.no_grad():
+        reached = bool((stop.rms(field, result.x, field.velocity(result.x)) < stop.tol * (1 + 1e-6)).all())
+    status = Status.STEADY_STATE if reached and last_stop < float(grid[-1]) else Status.REACHED_END
+    ts = torch.tensor([float(grid[0]), last_stop], dtype=grid.dtype, device=grid.device)
+    return x, None, ts, result.ends, status
+
+
+def _through_the_stop_time(stop: SteadyState, field: ETField, per_sample: bool, x: Tensor, crossed: Tensor) -> Tensor:
+    """``x`` (the states where the stop's value ``c`` crossed zero, ``(*batch, N, D)``) with the stop time's own
+    dependence on the start and the parameters added to its gradient: ``x + f (tau - tau.detach())``, ``tau =
+    -c(x, theta) / (dc/dt)``, the implicit function theorem on ``c(x(t*), theta) = 0`` (``dc/dt = dc/dx . f``, the
+    field autonomous). Its value is ``x``; backpropagating ``v`` through it adds ``(v . f) dt*/d(x, theta)``.
+    ``crossed``: the samples ``(*batch,)`` (per sample) or the batch (one bool) whose stop is a crossing."""
+    with torch.no_grad():
+        f = field.velocity(x.detach())
+    with torch.enable_grad():
+        probe = x.detach().requires_grad_(True)
+        (slope,) = torch.autograd.grad(_stop_value(stop, field, per_sample, probe, field.velocity(probe)).sum(), probe)
+    rate = (slope * f).sum(dim=(-1, -2)) if per_sample else (slope * f).sum()
+    value = _stop_value(stop, field, per_sample, x, field.velocity(x))
+    usable = crossed & (rate != 0)
+    tau = torch.where(usable, -value / torch.where(usable, rate, torch.ones_like(rate)), torch.zeros_like(value))
+    shift = tau - tau.detach()
+    return x + f * (shift[..., None, None] if per_sample else shift)
+
+
+def _stop_value(stop: SteadyState, field: ETField, per_sample: bool, x: Tensor, velocity: Tensor) -> Tensor:
+    """The stop's value ``log(measure / tol)`` (negative: the test passes): per sample ``(G,)``, or of the largest
+    measure of the batch (one value)."""
+    measure = stop.rms(field, x, velocity)
+    return torch.log((measure if per_sample else measure.max()) / stop.tol)

@@ -1,0 +1,356 @@
+"""The solver settings of :func:`et_ode.solve`: small frozen objects that validate themselves on construction.
+
+Three kinds, each naming what it needs and nothing else:
+
+- :class:`Adaptive` (``method``, ``rtol``, ``atol``): torchdiffeq's embedded Runge-Kutta methods with step control.
+- :class:`Fixed` (``method``, ``step_size``): torchdiffeq's fixed-step methods; without a ``step_size`` they step on
+  the output grid ``t`` itself.
+- :class:`EulerET` (``alpha``, ``steps``): the paper's scheme, ``steps`` updates ``x <- x - alpha dE/dg``, i.e.
+  Euler steps of size ``alpha * tau``; it builds its own time grid.
+
+A plain string names one where that is unambiguous (:func:`as_solver`): an adaptive method's name gives
+``Adaptive(name)``, a fixed method's ``Fixed(name)``, ``"et"`` gives ``EulerET()``. The rules between a solver and
+the other arguments of ``solve`` are methods of the solver (:meth:`~Adaptive.time_grid` checks ``t`` and the step
+budget, :meth:`~Adaptive.check_stop` the stopping rule, :meth:`~Adaptive.check_state` the state's precision).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+import torch
+from torch import Tensor
+
+ADAPTIVE_METHODS = ("dopri5", "dopri8", "bosh3", "fehlberg2", "adaptive_heun")
+FIXED_METHODS = ("euler", "midpoint", "rk4", "explicit_adams", "implicit_adams")
+METHODS = (*ADAPTIVE_METHODS, *FIXED_METHODS, "et")
+# implicit_adams iterates its corrector to these tolerances; the other fixed methods ignore them
+CORRECTOR_RTOL, CORRECTOR_ATOL = 1e-5, 1e-6
+
+
+class SolverFailure(Exception):
+    """An integration that cannot go on (a step budget exceeded, a non-finite state, a step-size underflow):
+    raised by the solvers' checks and ``solve``'s step recorder; ``solve`` turns it into
+    :class:`et_ode.SolveError` with the partial solution. ``time``: where it happened; ``advice``: what to try."""
+
+    def __init__(self, message: str, time: float, advice: str = ""):
+        super().__init__(message)
+        self.time = time
+        self.advice = advice
+
+
+BUDGET_ADVICE = "raise max_steps, loosen rtol/atol, or shorten the horizon"
+
+
+def _positive(owner: str, name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value < math.inf):
+        raise ValueError(f"{owner}.{name} must be a positive finite number, got {value!r}")
+
+
+def _check_options(owner: str, options: object) -> None:
+    if options is not None and not isinstance(options, Mapping):
+        raise TypeError(
+            f"{owner}.options must be a dict of torchdiffeq solver options or None, got {type(options).__name__}"
+        )
+
+
+def output_grid(t: Tensor | Sequence[float] | None, device: torch.device) -> Tensor:
+    """``t`` as a float64 grid ``(T,)`` of at least 2 finite, strictly increasing times (ValueError naming ``t``;
+    TypeError naming it for values that are not numbers)."""
+    if t is None:
+        raise ValueError("t is required: a 1-D tensor of output times or a pair (t0, t1)")
+    if isinstance(t, (str, bytes)) or (isinstance(t, Sequence) and any(isinstance(v, (str, bytes)) for v in t)):
+        raise TypeError(f"t must hold numbers, got {t!r}")
+    try:
+        grid = torch.as_tensor(t, dtype=torch.float64).to(device).detach()
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise TypeError(f"t must be a 1-D tensor or sequence of numbers, got {t!r} ({error})") from None
+    if grid.dim() != 1 or grid.numel() < 2:
+        raise ValueError(f"t must be a 1-D tensor of at least 2 times or a pair (t0, t1), got shape {tuple(grid.shape)}")
+    if not bool(torch.isfinite(grid).all()) or not bool((grid[1:] > grid[:-1]).all()):
+        raise ValueError(f"t must be finite and strictly increasing, got {grid.tolist()}")
+    return grid
+
+
+@dataclass(frozen=True)
+class Adaptive:
+    """An adaptive embedded Runge-Kutta method with step-size control, run by torchdiffeq or by et-ode's own loop
+    (:mod:`et_ode.integrators.adaptive_loop`).
+
+    Args:
+        method: one of :data:`ADAPTIVE_METHODS` (dopri5, dopri8, bosh3, fehlberg2, adaptive_heun); et-ode's loop
+            runs :attr:`OWN_METHODS` (dopri5, bosh3, and tsit5, which only it runs).
+        rtol, atol: the local error tolerances, positive.
+        options: further torchdiffeq options (e.g. ``first_step``, ``max_num_steps``), or None; et-ode's loop takes
+            ``first_step`` only.
+        loop: ``"torchdiffeq"``, ``"et_ode"`` or ``"auto"`` (the default: et-ode's loop where ``step_control``,
+            ``controller`` or ``progress`` asks for it, torchdiffeq's otherwise).
+        step_control: ``"shared"`` (one step size and error norm for the whole batch, torchdiffeq's semantics) or
+            ``"per_sample"`` (et-ode's loop: each sample its own step size, accept/reject and end, and samples that
+            are done leave the batch; ``stats.accepted_steps`` then adds up the samples' accepted steps).
+        controller: ``"i"`` (the I-controller, torchdiffeq's) or ``"pid"`` (et-ode's loop: diffrax's PID form with
+            the coefficients ``(pcoeff, icoeff, dcoeff) = (0.4, 0.3, 0)``).
+        progress: et-ode's loop calls it after every step with each sample's time ``(B,)`` and number of accepted
+            steps ``(B,)`` (CPU tensors, the batch flattened), or None.
+
+    et-ode's loop runs the gradient ``Direct`` (``solve`` refuses ``Adjoint`` with it); for stops see
+    :meth:`check_stop`.
+    """
+
+    method: str = "dopri5"
+    rtol: float = 1e-5
+    atol: float = 1e-6
+    options: Mapping[str, Any] | None = None
+    loop: Literal["auto", "torchdiffeq", "et_ode"] = "auto"
+    step_control: Literal["shared", "per_sample"] = "shared"
+    controller: Literal["i", "pid"] = "i"
+    progress: Callable[[Tensor, Tensor], None] | None = None
+
+    adaptive: ClassVar[bool] = True
+    OWN_METHODS: ClassVar[tuple[str, ...]] = ("dopri5", "bosh3", "tsit5")
+    LOOPS: ClassVar[tuple[str, ...]] = ("auto", "torchdiffeq", "et_ode")
+    STEP_CONTROLS: ClassVar[tuple[str, ...]] = ("shared", "per_sample")
+    CONTROLLERS: ClassVar[tuple[str, ...]] = ("i", "pid")
+
+    def __post_init__(self) -> None:
+        if self.method not in ADAPTIVE_METHODS and self.method not in self.OWN_METHODS:
+            raise ValueError(
+                f"Adaptive.method must be one of {(*ADAPTIVE_METHODS, 'tsit5')}, got {self.method!r}"
+                + (" (a fixed-step method: use Fixed)" if self.method in METHODS else "")
+            )
+        _positive("Adaptive", "rtol", self.rtol)
+        _positive("Adaptive", "atol", self.atol)
+        _check_options("Adaptive", self.options)
+        for name, valid in (("loop", self.LOOPS), ("step_control", self.STEP_CONTROLS), ("controller", self.CONTROLLERS)):
+            if getattr(self, name) not in valid:
+                raise ValueError(f"Adaptive.{name} must be one of {valid}, got {getattr(self, name)!r}")
+        if self.progress is not None and not callable(self.progress):
+            raise TypeError(f"Adaptive.progress must be a callable or None, got {type(self.progress).__name__}")
+        wanted = [
+            f"{name}={value!r}"
+            for name, value, default in (
+                ("step_control", self.step_control, "shared"),
+                ("controller", self.controller, "i"),
+                ("progress", self.progress, None),
+            )
+            if value != default
+        ]
+        if self.loop == "torchdiffeq" and self.method not in ADAPTIVE_METHODS:
+            wanted.append(f"method={self.method!r}")
+        if self.loop == "torchdiffeq" and wanted:
+            raise ValueError(f"Adaptive: {', '.join(wanted)} needs loop='et_ode' (or 'auto'), got loop='torchdiffeq'")
+        if self.own_loop and self.method not in self.OWN_METHODS:
+            raise ValueError(
+                f"Adaptive.method must be one of {self.OWN_METHODS} with et-ode's loop, got "
+                f"{self.method!r} (use loop='torchdiffeq' for it)"
+            )
+        if self.own_loop and set(self.options or {}) - {"first_step"}:
+            raise ValueError(f"Adaptive.options of et-ode's loop may hold first_step only, got {sorted(self.options or {})}")
+
+    @property
+    def name(self) -> str:
+        return self.method
+
+    @property
+    def own_loop(self) -> bool:
+        """Whether et-ode's loop integrates (``loop="et_ode"``, or ``"auto"`` with a method or option only it has)."""
+        return self.loop == "et_ode" or (
+            self.loop == "auto"
+            and (
+                self.step_control != "shared"
+                or self.controller != "i"
+                or self.progress is not None
+                or self.method not in ADAPTIVE_METHODS
+            )
+        )
+
+    def check_stop(self, stop: object) -> None:
+        """Any stopping rule works with torchdiffeq's loop. et-ode's loop stops each sample on its own with
+        ``step_control="per_sample"`` and ``SteadyState(per_sample=True)``, the batch at once with shared control and
+        ``per_sample=False`` (ValueError naming ``stop`` otherwise), where the test's crossing lies inside the step
+        (located on the step's interpolant, refined with the field), its time differentiated under gradients."""
+        per_sample = getattr(stop, "per_sample", None)
+        if stop is not None and self.own_loop and per_sample != (self.step_control == "per_sample"):
+            raise ValueError(
+                f"stop=SteadyState(per_sample={per_sample}) with Adaptive(step_control="
+                f"{self.step_control!r}): et-ode's loop stops each sample on its own with "
+                f"step_control='per_sample' and per_sample=True, the whole batch with 'shared' and False"
+            )
+
+    def check_state(self, x0: Tensor) -> None:
+        """``x0`` must not be half precision: step control's error estimate and step size underflow there (ValueError
+        naming ``x0``, up front instead of an "underflow in dt" after the first step)."""
+        if x0.dtype in (torch.float16, torch.bfloat16):
+            raise ValueError(
+                f"x0 is {x0.dtype}, too coarse for the adaptive method {self.method!r}: its error estimate "
+                f"and step size underflow. Use float32/float64 (x0.float() and model.float()), or a "
+                f"fixed-step solver (EulerET(...), Fixed('rk4', step_size=...))"
+            )
+
+    def time_grid(self, t: Tensor | Sequence[float] | None, tau: float, device: torch.device, max_steps: int) -> Tensor:
+        """The output times ``(T,)``, float64 (the step budget is checked while stepping)."""
+        return output_grid(t, device)
+
+    def torchdiffeq_arguments(self, tau: float, stepping_to_event: bool) -> dict[str, Any]:
+        """``method``, ``rtol``, ``atol`` and ``options`` for torchdiffeq."""
+        return dict(method=self.method, rtol=self.rtol, atol=self.atol, options=dict(self.options or {}))
+
+
+@dataclass(frozen=True)
+class Fixed:
+    """A fixed-step torchdiffeq method.
+
+    Args:
+        method: one of :data:`FIXED_METHODS` (euler, midpoint, rk4, explicit_adams, implicit_adams).
+        step_size: the step, positive; None steps on the output grid ``t`` itself (then no stopping rule: the event
+            loop of fixed-step methods needs a step size).
+        options: further torchdiffeq options (e.g. ``perturb``, ``interp``), or None.
+    """
+
+    method: str = "rk4"
+    step_size: float | None = None
+    options: Mapping[str, Any] | None = None
+
+    adaptive: ClassVar[bool] = False
+
+    def __post_init__(self) -> None:
+        if self.method not in FIXED_METHODS:
+            raise ValueError(
+                f"Fixed.method must be one of {FIXED_METHODS}, got {self.method!r}"
+                + (" (an adaptive method: use Adaptive)" if self.method in ADAPTIVE_METHODS else "")
+                + (" (the paper's scheme: use EulerET)" if self.method == "et" else "")
+            )
+        if self.step_size is not None:
+            _positive("Fixed", "step_size", self.step_size)
+        _check_options("Fixed", self.options)
+        if self.options and "step_size" in self.options:
+            raise ValueError("Fixed.options must not hold step_size: give Fixed(step_size=...)")
+
+    @property
+    def name(self) -> str:
+        return self.method
+
+    def check_stop(self, stop: object) -> None:
+        """A stopping rule needs a ``step_size`` (ValueError naming it)."""
+        if stop is not None and self.step_size is None:
+            raise ValueError(
+                f"a stop with the fixed-step method {self.method!r} needs Fixed(step_size=...): "
+                "torchdiffeq's fixed-step event loop steps by a step size, not on the grid t"
+            )
+
+    def check_state(self, x0: Tensor) -> None:
+        """Every floating-point state works (fixed steps need no error estimate)."""
+
+    def time_grid(self, t: Tensor | Sequence[float] | None, tau: float, device: torch.device, max_steps: int) -> Tensor:
+        """The output times ``(T,)``, float64; :class:`SolverFailure` if the steps they take exceed ``max_steps``;
+        ValueError naming ``t`` if its span is below the float64 resolution of ``step_size`` (no step to take)."""
+        grid = output_grid(t, device)
+        if self.step_size is not None and float((grid[-1] - grid[0]) / self.step_size) + 1.0 == 1.0:
+            raise ValueError(
+                f"t spans {float(grid[-1] - grid[0]):.3g}, below the float64 resolution of "
+                f"step_size={self.step_size}: its step grid would hold no step; lengthen t or "
+                f"shorten step_size"
+            )
+        planned = len(grid) - 1 if self.step_size is None else int(torch.ceil((grid[-1] - grid[0]) / self.step_size))
+        if planned > max_steps:
+            raise SolverFailure(
+                f"{planned} fixed steps planned from t={float(grid[0]):.6g} to {float(grid[-1]):.6g}, "
+                f"more than max_steps={max_steps}",
+                float(grid[0]),
+                BUDGET_ADVICE,
+            )
+        return grid
+
+    def torchdiffeq_arguments(self, tau: float, stepping_to_event: bool) -> dict[str, Any]:
+        options = dict(self.options or {})
+        if self.step_size is not None:
+            options["step_size"] = float(self.step_size)
+        return dict(method=self.method, rtol=CORRECTOR_RTOL, atol=CORRECTOR_ATOL, options=options)
+
+
+@dataclass(frozen=True)
+class EulerET:
+    """The paper's scheme: ``steps`` updates ``x <- x - alpha dE/dg``, i.e. Euler steps of size ``alpha * tau``.
+
+    Args:
+        alpha: the step in units of ``tau``, positive (the paper: 0.1).
+        steps: the number of steps, a positive integer (the paper: 12); the horizon is ``steps * alpha * tau``.
+
+    The time grid is built here: give ``solve`` ``t=None`` (start at 0) or ``t=(t0,)``.
+    """
+
+    alpha: float = 0.1
+    steps: int = 12
+
+    adaptive: ClassVar[bool] = False
+    method: ClassVar[str] = "euler"  # the torchdiffeq method it is
+
+    def __post_init__(self) -> None:
+        _positive("EulerET", "alpha", self.alpha)
+        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
+            raise ValueError(f"EulerET.steps must be a positive integer, got {self.steps!r}")
+
+    @property
+    def name(self) -> str:
+        return "et"
+
+    def check_stop(self, stop: object) -> None:
+        """Every stopping rule works (steps of ``alpha * tau`` until the stop or the last step)."""
+
+    def check_state(self, x0: Tensor) -> None:
+        """Every floating-point state works."""
+
+    def time_grid(self, t: Tensor | Sequence[float] | None, tau: float, device: torch.device, max_steps: int) -> Tensor:
+        """``t0 + k alpha tau`` for ``k = 0 .. steps``, float64; ``t`` must be None or ``(t0,)`` with a finite ``t0``
+        (anything else, an end time included, is a ValueError naming ``t``); :class:`SolverFailure` before anything is
+        built if ``steps`` exceeds ``max_steps``."""
+        t0 = _euler_start(t)
+        if self.steps > max_steps:
+            raise SolverFailure(
+                f"steps={self.steps} is more than max_steps={max_steps}", t0, "raise max_steps or take fewer, larger steps"
+            )
+        return t0 + torch.arange(self.steps + 1, dtype=torch.float64, device=device) * (self.alpha * tau)
+
+    def torchdiffeq_arguments(self, tau: float, stepping_to_event: bool) -> dict[str, Any]:
+        """Without a stop the steps are the grid itself; the event loop of a stop needs the step size."""
+        options = dict(step_size=self.alpha * tau) if stepping_to_event else {}
+        return dict(method="euler", rtol=CORRECTOR_RTOL, atol=CORRECTOR_ATOL, options=options)
+
+
+def _euler_start(t: object) -> float:
+    """The start time of an :class:`EulerET` grid: 0 for ``t=None``, ``t0`` for ``t=(t0,)`` (a finite real number);
+    ValueError naming ``t`` for anything else (an end time, a grid, a tensor)."""
+    if t is None:
+        return 0.0
+    if not isinstance(t, (tuple, list)) or len(t) != 1:
+        raise ValueError(
+            f"EulerET builds its grid from alpha and steps (horizon steps * alpha * tau); give t=None or "
+            f"t=(t0,), got t={t!r}; for an end time use Fixed('euler', step_size=...) with t=(t0, t1)"
+        )
+    (start,) = t
+    if isinstance(start, bool) or not isinstance(start, (int, float)) or not math.isfinite(start):
+        raise ValueError(f"t=(t0,) needs a finite real t0 with EulerET, got t={t!r}")
+    return float(start)
+
+
+Solver = Adaptive | Fixed | EulerET
+
+
+def as_solver(solver: Solver | str) -> Solver:
+    """A solver object from itself or a method's name (``"dopri5"`` -> ``Adaptive("dopri5")``, ``"rk4"`` ->
+    ``Fixed("rk4")`` stepping on the grid, ``"et"`` -> ``EulerET()``); ValueError listing the valid names."""
+    if isinstance(solver, (Adaptive, Fixed, EulerET)):
+        return solver
+    if solver in ADAPTIVE_METHODS:
+        return Adaptive(solver)
+    if solver in FIXED_METHODS:
+        return Fixed(solver)
+    if solver == "et":
+        return EulerET()
+    raise ValueError(
+        f"solver must be Adaptive(...), Fixed(...), EulerET(...) or a method name; valid methods: "
+        f"{', '.join(METHODS)}; got {solver!r}"
+    )

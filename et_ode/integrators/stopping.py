@@ -1,0 +1,61 @@
+"""The stopping rule of :func:`et_ode.solve`: stop at the attractor, once a measure of motion falls below a tolerance."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from et_ode.dynamics.field import ETField
+
+MEASURES = ("dg_dt", "tangent_gradient")
+_MEASURE_NAMES = {"dg_dt": "RMS |dg/dt|", "tangent_gradient": "RMS |T dE/dg|"}
+
+
+@dataclass(frozen=True)
+class SteadyState:
+    """Stop once every sample's measure is below ``tol`` (or at the end of ``t``, whichever is first); gradients flow
+    through the stopping time.
+
+    Args:
+        tol: the tolerance, positive and finite.
+        measure: ``"dg_dt"`` (RMS of ``dg/dt``, :meth:`et_ode.ETField.rms_dg_dt`) or ``"tangent_gradient"`` (RMS of
+            the energy gradient along the per-token spheres, ``T dE/dg``, :meth:`et_ode.ETField.rms_tangent_gradient`:
+            scale-free, since ``|dg/dt|`` also shrinks as ``|x|`` drifts outward; see :mod:`et_ode.dynamics.manifold`).
+        per_sample: every sample stops at its own crossing and leaves the batch, so converged samples stop costing
+            work (``stats.sample_evaluations``, ``stats.stop_times``); needs ``x0`` of shape ``(batch, N, D)`` and
+            ``save="final"`` (:meth:`check`).
+    """
+
+    tol: float
+    measure: str = "dg_dt"
+    per_sample: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.tol, bool) or not isinstance(self.tol, (int, float)) or not (0 < self.tol < math.inf):
+            raise ValueError(f"SteadyState.tol must be a positive finite tolerance, got {self.tol!r}")
+        if self.measure not in MEASURES:
+            raise ValueError(f"SteadyState.measure must be one of {MEASURES}, got {self.measure!r}")
+        if not isinstance(self.per_sample, bool):
+            raise TypeError(f"SteadyState.per_sample must be a bool, got {self.per_sample!r}")
+
+    @property
+    def description(self) -> str:
+        """What is tested, e.g. ``"RMS |dg/dt| < 0.001"``."""
+        return f"{_MEASURE_NAMES[self.measure]} < {self.tol:g}"
+
+    def check(self, x0: Tensor, save: str) -> None:
+        """``per_sample=True`` needs ``save="final"`` and ``x0`` of shape ``(batch, N, D)`` (ValueError naming both)."""
+        if self.per_sample and (save != "final" or x0.dim() != 3):
+            raise ValueError(
+                f"SteadyState(per_sample=True) needs save='final' and x0 of shape (batch, N, D); got "
+                f"save={save!r}, x0 shape {tuple(x0.shape)}"
+            )
+
+    def rms(self, field: ETField, x: Tensor, velocity: Tensor) -> Tensor:
+        """The measure per sample, ``(*batch, N, D) -> (*batch,)``, from the velocity ``dx/dt`` already computed at
+        ``x`` (the solver's hot path: unchecked, not counted)."""
+        if self.measure == "dg_dt":
+            return field.rms_dg_dt(x, velocity)
+        return field.rms_tangent_gradient(x, velocity)

@@ -1,0 +1,99 @@
+"""How :func:`et_ode.solve` differentiates: three gradient strategies, each running its own integration.
+
+- :class:`Direct`: backpropagate through the solver's operations (exact for the discrete solve; memory grows with
+  the steps). Fixed steps without a stop run in :mod:`et_ode.integrators.fixed_step`'s lean loop.
+- :class:`Adjoint`: torchdiffeq's adjoint method, a backward ODE solve (memory independent of the steps), with its
+  own tolerances, method and an optional seminorm.
+- :class:`Implicit`: the implicit function theorem at the fixed point reached by a stop (memory and cost independent
+  of the steps); the forward solve runs without gradients and its end is polished into the certified attractor of
+  its flow (:func:`~et_ode.equilibrium.certify.certify`, the
+hand-off loop of :func:`et_ode.find_attractor`). Gradients flow through
+  ``Solution.g`` only.
+
+A plain string names each (:func:`as_gradient`): ``"direct"``, ``"adjoint"``, ``"implicit"``. A strategy's
+:meth:`check` holds its rule with the stopping rule (``Implicit`` needs one). Each strategy first checks that the
+model's parameters are finite (:func:`check_weights`: a ValueError naming the first that is not).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torchdiffeq import odeint, odeint_adjoint
+
+from et_ode.backend.validation import check_positive
+from et_ode.equilibrium.attractor import Implicit
+from et_ode.integrators.loop import Integrated, Problem, integrate
+from et_ode.integrators.solvers import ADAPTIVE_METHODS, FIXED_METHODS
+from et_ode.integrators.stopping import SteadyState
+
+GRADIENTS = ("direct", "adjoint", "implicit")
+
+
+@dataclass(frozen=True)
+class Direct:
+    """Backpropagate through the solver's operations: ``Solution.x`` and ``Solution.g`` are differentiable."""
+
+    def check(self, stop: SteadyState | None) -> None:
+        """Any stopping rule (gradients flow through the stopping time)."""
+
+    def run(self, problem: Problem) -> Integrated:
+        problem.field.check_weights()
+        return integrate(problem, odeint, problem.torchdiffeq_arguments(), lean=True)
+
+
+@dataclass(frozen=True)
+class Adjoint:
+    """torchdiffeq's adjoint: the gradient by a backward ODE solve, memory independent of the steps.
+
+    Args:
+        rtol, atol: the backward solve's tolerances (None: the forward solve's).
+        method: the backward solve's torchdiffeq method (None: the forward's).
+        seminorm: drop the parameter-gradient channels from the backward step-size control (often halves its cost).
+
+    The backward solve has a step budget of its own of ``max_steps``; beyond it :class:`et_ode.SolveError` comes out
+    of ``loss.backward()``.
+    """
+
+    rtol: float | None = None
+    atol: float | None = None
+    method: str | None = None
+    seminorm: bool = False
+
+    def __post_init__(self) -> None:
+        check_positive("Adjoint.rtol", self.rtol, optional=True)
+        check_positive("Adjoint.atol", self.atol, optional=True)
+        methods = (*ADAPTIVE_METHODS, *FIXED_METHODS)
+        if self.method is not None and self.method not in methods:
+            raise ValueError(f"Adjoint.method must be None or one of {methods}, got {self.method!r}")
+        if not isinstance(self.seminorm, bool):
+            raise TypeError(f"Adjoint.seminorm must be a bool, got {self.seminorm!r}")
+
+    def check(self, stop: SteadyState | None) -> None:
+        """Any stopping rule."""
+
+    def run(self, problem: Problem) -> Integrated:
+        problem.field.check_weights()
+        arguments = problem.torchdiffeq_arguments()
+        arguments.update(
+            adjoint_params=tuple(problem.field.parameters()),
+            adjoint_rtol=self.rtol or arguments["rtol"],
+            adjoint_atol=self.atol or arguments["atol"],
+            adjoint_method=self.method,
+            adjoint_options=dict(norm="seminorm") if self.seminorm else None,
+        )
+        return integrate(problem, odeint_adjoint, arguments)
+
+
+Gradient = Direct | Adjoint | Implicit
+_BY_NAME = {"direct": Direct, "adjoint": Adjoint, "implicit": Implicit}
+
+
+def as_gradient(gradient: Gradient | str) -> Gradient:
+    """A gradient strategy from itself or its name (``"direct"``, ``"adjoint"``, ``"implicit"``: default settings);
+    ValueError naming ``gradient`` otherwise."""
+    if isinstance(gradient, (Direct, Adjoint, Implicit)):
+        return gradient
+    if isinstance(gradient, str) and gradient in _BY_NAME:
+        return _BY_NAME[gradient]()
+    raise ValueError(f"gradient must be Direct(), Adjoint(...), Implicit(...) or one of {GRADIENTS}, got {gradient!r}")

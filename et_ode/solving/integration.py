@@ -1,0 +1,211 @@
+"""How a model integrates its ET block: the settings objects of :func:`et_ode.solve` with a horizon, in one place.
+
+The image and graph models, the CLI and ``analyze`` hold an :class:`Integration`: the same :class:`~et_ode.Adaptive`
+/ :class:`~et_ode.Fixed` / :class:`~et_ode.EulerET` solver, :class:`~et_ode.Direct` / :class:`~et_ode.Adjoint` /
+:class:`~et_ode.Implicit` gradient and :class:`~et_ode.SteadyState` stop that ``solve`` takes, plus the horizon ``t1``
+and the step budget. :meth:`Integration.to_dict` and :meth:`Integration.from_dict` write and read it as plain data
+(for checkpoints and JSON reports).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from torch import Tensor
+
+from et_ode.dynamics.field import ETField
+from et_ode.equilibrium.attractor import AttractorReadout
+from et_ode.integrators.solution import Solution
+from et_ode.integrators.solvers import ADAPTIVE_METHODS, FIXED_METHODS, Adaptive, EulerET, Fixed, Solver, as_solver
+from et_ode.integrators.stopping import SteadyState
+from et_ode.solving.gradients import Adjoint, Direct, Gradient, Implicit, as_gradient
+from et_ode.solving.solve import solve
+
+T = TypeVar("T")
+_KINDS: dict[str, type] = {
+    kind.__name__: kind for kind in (Adaptive, Fixed, EulerET, Direct, Adjoint, Implicit, SteadyState, AttractorReadout)
+}
+
+
+def settings_to_dict(settings: Any) -> dict[str, Any]:
+    """A settings object (a solver, gradient strategy, stop or attractor readout) as plain data: ``{"kind": class
+    name, **fields}``, a field that is itself a settings object nested the same way."""
+    fields = {f.name: getattr(settings, f.name) for f in dataclasses.fields(settings)}
+    return {
+        "kind": type(settings).__name__,
+        **{
+            name: settings_to_dict(value) if isinstance(value, tuple(_KINDS.values())) else value
+            for name, value in fields.items()
+        },
+    }
+
+
+def settings_from_dict(data: Mapping[str, Any]) -> Any:
+    """The settings object that :func:`settings_to_dict` wrote (ValueError naming an unknown ``kind``)."""
+    fields = dict(data)
+    kind = fields.pop("kind", None)
+    if kind not in _KINDS:
+        raise ValueError(f"settings kind must be one of {tuple(_KINDS)}, got {kind!r}")
+    nested = {
+        name: settings_from_dict(value) for name, value in fields.items() if isinstance(value, Mapping) and "kind" in value
+    }
+    return _KINDS[kind](**{**fields, **nested})
+
+
+def _named(options: str, make: Callable[[], T]) -> T:
+    """``make()``, its ValueError or TypeError prefixed with the flat ``options`` it was built from (the names a
+    command line or a grid search knows)."""
+    try:
+        return make()
+    except (ValueError, TypeError) as error:
+        raise type(error)(f"{options}: {error}") from None
+
+
+@dataclass(frozen=True)
+class Integration:
+    """The arguments of :func:`et_ode.solve` that a model fixes, and its horizon.
+
+    Args:
+        solver: a solver object or a method's name (:func:`et_ode.integrators.solvers.as_solver`).
+        gradient: a gradient strategy or its name (:func:`et_ode.solving.gradients.as_gradient`).
+        stop: a :class:`~et_ode.SteadyState` (``t1`` is then the longest time allowed), or None.
+        t1: the horizon, from 0, positive and finite; :class:`~et_ode.EulerET` ignores it (its horizon is
+            ``steps * alpha * tau``).
+        max_steps: the solver's step budget.
+        attractor: an :class:`~et_ode.AttractorReadout`: :meth:`solve` then returns the certified attractor of the
+            flow from ``x0`` (:func:`~et_ode.find_attractor`, implicit gradients) instead of integrating; ``solver``,
+            ``gradient``, ``stop`` and ``t1`` serve only solves that save a trajectory (films, energy checks), which
+            drop it: ``replace(attractor=None)``. None (default): integrate.
+    """
+
+    solver: Solver = Adaptive()  # a method's name is accepted too (as_solver)
+    gradient: Gradient = Direct()  # a strategy's name is accepted too (as_gradient)
+    stop: SteadyState | None = None
+    t1: float = 1.0
+    max_steps: int = 10_000
+    attractor: AttractorReadout | None = None
+
+    def __post_init__(self) -> None:
+        solver, gradient = as_solver(self.solver), as_gradient(self.gradient)
+        object.__setattr__(self, "solver", solver)  # a name becomes its object: fields hold objects only
+        object.__setattr__(self, "gradient", gradient)
+        if self.stop is not None and not isinstance(self.stop, SteadyState):
+            raise TypeError(f"Integration.stop must be an et_ode.SteadyState or None, got {type(self.stop).__name__}")
+        if isinstance(self.t1, bool) or not isinstance(self.t1, (int, float)) or not (0 < self.t1 < math.inf):
+            raise ValueError(f"Integration.t1 must be positive and finite, got {self.t1!r}")
+        if isinstance(self.max_steps, bool) or not isinstance(self.max_steps, int) or self.max_steps < 1:
+            raise ValueError(f"Integration.max_steps must be a positive integer, got {self.max_steps!r}")
+        if self.attractor is not None and not isinstance(self.attractor, AttractorReadout):
+            raise TypeError(
+                f"Integration.attractor must be an et_ode.AttractorReadout or None, got {type(self.attractor).__name__}"
+            )
+        gradient.check(self.stop)
+        solver.check_stop(self.stop)
+
+    @classmethod
+    def from_options(
+        cls,
+        solver: str = "dopri5",
+        *,
+        t1: float = 1.0,
+        rtol: float = 1e-5,
+        atol: float = 1e-6,
+        step: float | None = None,
+        steps: int | None = None,
+        gradient: str = "direct",
+        adjoint_rtol: float | None = None,
+        adjoint_atol: float | None = None,
+        seminorm: bool = False,
+        steady_state: float | None = None,
+        max_steps: int = 10_000,
+        attractor: bool = False,
+    ) -> Integration:
+        """The settings objects from flat options, as a command line or a grid search gives them.
+
+        ``solver``: a method's name (:data:`~et_ode.integrators.solvers.METHODS`);
+        ``rtol``, ``atol`` for an adaptive one (ignored
+        by the others); ``step``: a fixed method's step size (None: on the grid) or the alpha of ``"et"``, refused by
+        an adaptive method (ValueError); ``steps``: the number of steps of ``"et"`` (``step`` and ``steps`` default to
+        :class:`~et_ode.EulerET`'s); ``gradient``: ``"direct"``, ``"adjoint"`` (with ``adjoint_rtol``,
+        ``adjoint_atol``, ``seminorm``) or ``"implicit"``; ``steady_state``: the tolerance of a
+        :class:`~et_ode.SteadyState` stop (None: none); ``t1``, ``max_steps`` as in :class:`Integration`;
+        ``attractor``: read the answer at the attractor (a default :class:`~et_ode.AttractorReadout`).
+        """
+        solver_object: Solver
+        if solver in ADAPTIVE_METHODS:
+            if step is not None:
+                raise ValueError(f"step is for fixed-step methods; {solver!r} is adaptive (use rtol/atol)")
+            solver_object = _named(f"solver={solver!r} with rtol={rtol}, atol={atol}", lambda: Adaptive(solver, rtol, atol))
+        elif solver == "et":
+            alpha = EulerET.alpha if step is None else step  # (the class attributes are the defaults)
+            count = EulerET.steps if steps is None else steps
+            solver_object = _named(f"solver='et' with step={step}, steps={steps}", lambda: EulerET(alpha, count))
+        elif solver in FIXED_METHODS:
+            solver_object = _named(f"solver={solver!r} with step={step}", lambda: Fixed(solver, step))
+        else:
+            solver_object = as_solver(solver)  # ValueError listing the methods
+        gradient_object: Gradient = (
+            as_gradient(gradient)
+            if gradient != "adjoint"
+            else _named(
+                f"gradient='adjoint' with adjoint_rtol={adjoint_rtol}, adjoint_atol={adjoint_atol}",
+                lambda: Adjoint(adjoint_rtol, adjoint_atol, seminorm=seminorm),
+            )
+        )
+        stop = None if steady_state is None else _named(f"steady_state={steady_state}", lambda: SteadyState(steady_state))
+        return _named(
+            f"gradient={gradient!r}, steady_state={steady_state}, t1={t1}, max_steps={max_steps}",
+            lambda: cls(
+                solver=solver_object,
+                gradient=gradient_object,
+                stop=stop,
+                t1=t1,
+                max_steps=max_steps,
+                attractor=AttractorReadout() if attractor else None,
+            ),
+        )
+
+    def replace(self, **changes: Any) -> Integration:
+        return dataclasses.replace(self, **changes)
+
+    def solve(self, field: ETField, x0: Tensor, times: Tensor | None = None, save: str = "final") -> Solution:
+        """:func:`et_ode.solve` with these settings, on ``(0, t1)`` or the given ``times`` (from 0 to the horizon,
+        saved with ``save="all"``); :class:`~et_ode.EulerET` builds its own grid. With an ``attractor`` readout: the
+        attractor (:meth:`et_ode.AttractorReadout.read`), which saves no trajectory (ValueError naming ``times`` or
+        ``save`` otherwise)."""
+        if self.attractor is not None:
+            if times is not None or save != "final":
+                raise ValueError(
+                    f"an attractor readout saves only the attractor (save='final', no times; got save="
+                    f"{save!r}{'' if times is None else ' and times'}): integrate a trajectory with "
+                    "integration.replace(attractor=None)"
+                )
+            return self.attractor.read(field, x0)[0]
+        t = None if isinstance(self.solver, EulerET) else (times if times is not None else (0.0, self.t1))
+        return solve(
+            field, x0, t, solver=self.solver, gradient=self.gradient, stop=self.stop, save=save, max_steps=self.max_steps
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (JSON-ready): each settings object as :func:`settings_to_dict`."""
+        return {
+            "solver": settings_to_dict(self.solver),
+            "gradient": settings_to_dict(self.gradient),
+            "stop": None if self.stop is None else settings_to_dict(self.stop),
+            "t1": self.t1,
+            "max_steps": self.max_steps,
+            "attractor": None if self.attractor is None else settings_to_dict(self.attractor),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Integration:
+        """The inverse of :meth:`to_dict`."""
+        fields = dict(data)
+        for name in ("solver", "gradient", "stop", "attractor"):
+            if isinstance(fields.get(name), Mapping):
+                fields[name] = settings_from_dict(fields[name])
+        return cls(**fields)

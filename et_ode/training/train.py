@@ -1,0 +1,716 @@
+"""One training loop for every task: AdamW, warm-up then cosine, clipping, checkpoints, exact resume.
+
+The loop knows nothing of images or graphs. A *task* supplies the loss and the evaluation::
+
+    class Task(Protocol):
+        def loss(self, model: nn.Module, batch: Any) -> tuple[Tensor, dict[str, float]]: ...
+            # scalar loss to minimise, plus metrics to show and log (e.g. {"mse": ..., "nfe": ..., "energy": ...})
+        def evaluate(self, model: nn.Module, batches: Iterable[Any]) -> dict[str, float]: ...
+            # metrics on a held-out split; called under torch.no_grad() with model.eval()
+        # optional: metrics known only once the loss's backward pass has run (e.g. {"nfe_backward": ...})
+        def after_backward(self) -> dict[str, float]: ...
+
+Public API::
+
+    TrainConfig(epochs=10, batch_size=64, lr=1e-3, weight_decay=1e-4, betas=(0.9, 0.999), warmup=0.05,
+                min_lr_ratio=0.0, grad_clip=1.0, seed=0, device="auto", out_dir=None, resume=False,
+                overwrite=False, eval_every=1, checkpoint_every=0, eval_batch_size=None, max_train_batches=None,
+                num_workers=0, progress=True, max_time=None)
+    fit(model, task, train_data, val_data=None, config=TrainConfig(), *, collate_fn=None, meta=None,
+        callback=None) -> History
+    History.records: list[dict]  (one per epoch: epoch, step, lr, train_<metric> means, val_<metric>, time)
+    training_cost(history) -> dict   # steps, seconds per step, evaluations per step (forward, backward)
+    save_checkpoint(path, state: dict) -> None          # atomic; TypeError naming an entry that is not data
+    load_checkpoint(path, map_location="cpu") -> dict    # ValueError naming the file: corrupt, pickle, model file
+
+``train_data`` / ``val_data``: a ``torch.utils.data.Dataset`` (batched by ``fit`` with ``collate_fn``) or,
+for ``val_data`` only, any iterable of ready batches. Batches are moved to the device by
+:func:`et_ode.backend.devices.move_to`.
+
+Files written to ``config.out_dir`` (when set): ``checkpoint.safetensors`` (model, optimizer, scheduler, RNG
+states, epoch, step within the epoch, config, history, ``meta``; tensors in safetensors, the rest JSON, see
+:mod:`et_ode.training.statefile`: loading it never runs code), ``metrics.jsonl`` (one JSON object per epoch and per
+checkpoint-interval log line). The folder is locked while ``fit`` runs (:func:`et_ode.training.runs.lock`), and a
+folder that already holds a checkpoint or metrics is refused unless ``resume`` or ``overwrite`` is set.
+Resume (``config.resume=True`` reads ``out_dir/checkpoint.safetensors``, or give a path) continues mid-epoch
+exactly: the order of each epoch is a fixed function of ``(seed, epoch)`` and the
+global RNG states are restored, so a resumed run ends with the same parameters as an uninterrupted one
+(bit for bit on CPU).
+
+Cost: every training step is timed (``train_step_seconds``: the loss, its backward pass and the update, data
+loading excluded) and, when the task reports them, its evaluations of the vector field (``train_nfe``: the
+forward solve; ``train_nfe_backward``: the adjoint's or implicit gradient's, from ``task.after_backward()``);
+:func:`training_cost` sums them over a run.
+
+Time budget: ``max_time`` (seconds) bounds the wall clock of the loop (training and evaluation, from the first step,
+summed over resumes; the set-up before it is not counted).
+The warm-up + cosine schedule is then planned for the steps that fit in the budget, never more than ``epochs``
+allow: after :data:`CALIBRATION_STEPS` steps from the measured seconds per step, and again at the end of every
+epoch from the seconds per step so far, evaluations included. The run ends when the planned steps are done or
+the clock reaches ``max_time``, whichever comes first, with a final evaluation and a checkpoint; the last record
+says ``"stopped": "max_time"`` (or ``"planned_steps"``). Such a run is not reproducible step for step (the plan
+depends on the machine's speed); its plan is saved, and a resume continues it.
+
+Distributed data parallel (see :mod:`et_ode.training.distributed`): when ``torch.distributed`` is initialised before
+``fit``, ``batch_size`` is the global batch, split evenly over the ranks (each rank takes every ``W``-th example
+of the epoch's permutation, so global batch ``k`` holds the same examples on any number of processes ``W``);
+the model is wrapped in ``DistributedDataParallel`` (``task.loss`` receives the wrapper: call ``model(...)``
+for the forward pass, ``model.module`` for attributes); the training metrics are averaged over the ranks and
+the evaluation runs on the unwrapped model, each rank on its part of ``val_data`` (a ``Dataset``), the results
+averaged weighted by example counts; only rank 0 reads the checkpoint to resume (and broadcasts it), writes
+files and shows progress. A checkpoint resumes on any number of processes that divides ``batch_size``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import random
+import time
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, cast
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, Dataset, Sampler
+from tqdm.auto import tqdm
+
+from et_ode.backend import devices
+from et_ode.backend.devices import move_to, resolve_device, seed_everything
+from et_ode.training import distributed, runs
+from et_ode.training.statefile import FileFormatError, describe, load_state, save_state, torch_file_format
+
+CHECKPOINT_NAME = "checkpoint.safetensors"
+CHECKPOINT_FORMAT = "et-ode/training-checkpoint/2"
+CALIBRATION_STEPS = 10  # steps timed before a run with max_time plans its schedule
+LEGACY_CHECKPOINT_NAME = "checkpoint.pt"  # the pickle checkpoints of et-ode before the safetensors format
+METRICS_NAME = "metrics.jsonl"
+# Fields that change the sequence of parameter updates: a resumed run must keep them.
+_TRAJECTORY_FIELDS = (
+    "batch_size",
+    "lr",
+    "weight_decay",
+    "betas",
+    "warmup",
+    "min_lr_ratio",
+    "grad_clip",
+    "seed",
+    "max_train_batches",
+)
+
+
+class MapData(Protocol):
+    """A map-style data set: a ``Dataset``, a list of examples, or a tensor indexed along its first dimension."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int) -> Any: ...
+
+
+class Task(Protocol):
+    """What ``fit`` needs from a task (see the module docstring)."""
+
+    def loss(self, model: nn.Module, batch: Any) -> tuple[Tensor, dict[str, float]]: ...
+
+    def evaluate(self, model: nn.Module, batches: Iterable[Any]) -> dict[str, float]: ...
+
+
+@dataclass
+class TrainConfig:
+    """Settings of one training run.
+
+    Args:
+        epochs: passes over the training set.
+        batch_size: training batch size (the global batch under DDP: ``batch_size / world_size`` per rank).
+        lr: peak learning rate of AdamW.
+        weight_decay: AdamW's decoupled weight decay.
+        betas: AdamW's moment coefficients.
+        warmup: linear warm-up length: a fraction of all steps if < 1, else a number of steps.
+        min_lr_ratio: the cosine decays from ``lr`` to ``lr * min_lr_ratio``.
+        grad_clip: clip the global gradient norm to this value (None or 0: no clipping).
+        seed: seeds parameters' initialisation by the caller's choice, data order, and the global RNGs.
+        device: ``"auto"`` (CUDA when available), ``"cpu"``, ``"cuda"`` or ``"cuda:i"``.
+        out_dir: folder for the checkpoint and the metrics (None: write nothing).
+        resume: False, True (``out_dir/checkpoint.safetensors`` if it exists) or a checkpoint path.
+        overwrite: start afresh in an ``out_dir`` that holds a checkpoint or metrics, deleting them (without
+            it, or ``resume``, such a folder is refused).
+        eval_every: evaluate on ``val_data`` every this many epochs (and after the last).
+        checkpoint_every: also checkpoint every this many steps within an epoch (0: only at epoch ends).
+        eval_batch_size: batch size of the evaluation (default ``batch_size``).
+        max_train_batches: cap on batches per epoch (quick runs); None for the whole set.
+        num_workers: DataLoader workers.
+        progress: show tqdm bars.
+        max_time: wall-clock budget of the run in seconds (None: no budget); the schedule is planned to fit it
+            (see the module docstring).
+    """
+
+    epochs: int = 10
+    batch_size: int = 64
+    lr: float = 1e-3
+    weight_decay: float = 1e-4
+    betas: tuple[float, float] = (0.9, 0.999)
+    warmup: float = 0.05
+    min_lr_ratio: float = 0.0
+    grad_clip: float | None = 1.0
+    seed: int = 0
+    device: str = "auto"
+    out_dir: str | None = None
+    resume: bool | str = False
+    overwrite: bool = False
+    eval_every: int = 1
+    checkpoint_every: int = 0
+    eval_batch_size: int | None = None
+    max_train_batches: int | None = None
+    num_workers: int = 0
+    progress: bool = True
+    max_time: float | None = None
+
+    def __post_init__(self) -> None:
+        positive_ints = {"epochs": self.epochs, "batch_size": self.batch_size, "eval_every": self.eval_every}
+        for name, value in positive_ints.items():
+            if not (isinstance(value, int) and value >= 1):
+                raise ValueError(
+                    f"TrainConfig.{name} must be a positive integer (--{name.replace('_', '-')}), got {value!r}"
+                )
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"TrainConfig.lr must be positive and finite (--lr), got {self.lr!r}")
+        if self.weight_decay < 0:
+            raise ValueError(f"TrainConfig.weight_decay must be >= 0 (--weight-decay), got {self.weight_decay!r}")
+        if self.warmup < 0:
+            raise ValueError(
+                f"TrainConfig.warmup must be >= 0 (--warmup: a fraction < 1 or a number of steps), got {self.warmup!r}"
+            )
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"TrainConfig.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
+        if self.grad_clip is not None and self.grad_clip < 0:
+            raise ValueError(f"TrainConfig.grad_clip must be None or >= 0 (--grad-clip), got {self.grad_clip!r}")
+        if not (isinstance(self.checkpoint_every, int) and self.checkpoint_every >= 0):
+            raise ValueError(
+                f"TrainConfig.checkpoint_every must be an integer >= 0 (--checkpoint-every), got {self.checkpoint_every!r}"
+            )
+        if self.max_train_batches is not None and not (
+            isinstance(self.max_train_batches, int) and self.max_train_batches >= 1
+        ):
+            raise ValueError(
+                f"TrainConfig.max_train_batches must be None or a positive integer (--max-train-batches), "
+                f"got {self.max_train_batches!r}"
+            )
+        if self.max_time is not None and not (isinstance(self.max_time, (int, float)) and 0 < self.max_time < math.inf):
+            raise ValueError(
+                f"TrainConfig.max_time must be None or a positive number of seconds (--max-time, in minutes), "
+                f"got {self.max_time!r}"
+            )
+        beta1, beta2 = self.betas
+        self.betas = (float(beta1), float(beta2))
+        resolve_device(self.device)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class History:
+    """Per-epoch records of a run (also appended to ``metrics.jsonl``)."""
+
+    records: list[dict[str, Any]] = field(default_factory=list)
+
+    def last(self, key: str) -> Any:
+        """The most recent value of ``key`` (e.g. ``"val_mse"``); KeyError if never logged."""
+        for record in reversed(self.records):
+            if key in record:
+                return record[key]
+        raise KeyError(f"{key!r} was never logged; keys: {sorted({k for r in self.records for k in r})}")
+
+
+def training_cost(history: History) -> dict[str, float]:
+    """What the training steps of ``history`` cost: ``steps``, ``seconds_per_step`` and, where logged, the field
+    evaluations per step ``nfe_forward_per_step`` and ``nfe_backward_per_step`` (means over all steps)."""
+    records = [r for r in history.records if r.get("kind") == "epoch" and r.get("batches")]
+    steps = sum(r["batches"] for r in records)
+    cost: dict[str, float] = {"steps": steps}
+    for key, name in (
+        ("train_step_seconds", "seconds_per_step"),
+        ("train_nfe", "nfe_forward_per_step"),
+        ("train_nfe_backward", "nfe_backward_per_step"),
+    ):
+        if steps and all(key in r for r in records):
+            cost[name] = sum(r[key] * r["batches"] for r in records) / steps
+    return cost
+
+
+# ----------------------------------------------------------------------------------------------- utilities
+def _rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(path: str | os.PathLike, state: dict[str, Any]) -> None:
+    """Write ``state`` (tensors, NumPy arrays, numbers, strings, and lists/tuples/dicts of them) as safetensors +
+    JSON (:mod:`et_ode.training.statefile`), atomically: a crash mid-write leaves the previous checkpoint intact.
+
+    Raises:
+        TypeError: ``state`` holds an object that is not data, naming where.
+        et_ode.training.runs.RunWriteError: a full or read-only disk, naming ``path`` (the previous checkpoint is intact).
+    """
+    save_state(path, state, CHECKPOINT_FORMAT)
+
+
+def load_checkpoint(
+    path: str | os.PathLike, map_location: str | torch.device = "cpu", required: Iterable[str] = ("model",)
+) -> dict[str, Any]:
+    """Read a checkpoint written by :func:`save_checkpoint`. Data only: nothing in the file can run code.
+
+    Raises:
+        FileNotFoundError: no file at ``path``.
+        et_ode.training.statefile.FileFormatError (a ValueError): the file is empty, truncated or corrupt, too large, a
+            pickle (refused, never unpickled), not a checkpoint, or lacks one of ``required`` keys (named).
+        ValueError: an et-ode model file (the message says how to load it).
+    """
+    path = Path(path)
+    try:
+        state = load_state(path, CHECKPOINT_FORMAT, map_location, what="checkpoint")
+    except ValueError:
+        if (
+            path.is_file()
+            and describe(path).startswith("a pickle")
+            and (torch_file_format(path) or "").startswith("et-ode/energy-transformer")
+        ):
+            raise ValueError(
+                f"{path} is an et-ode model file (et_ode.training.io.save_model: an EnergyTransformer and its "
+                f"settings), not a training checkpoint: read it with et_ode.training.io.load_model(path). A "
+                f"checkpoint is the {CHECKPOINT_NAME} that training writes in its --out folder"
+            ) from None
+        raise
+    missing = [key for key in required if key not in state]
+    if missing:
+        raise FileFormatError(
+            path, missing[0], f"checkpoint {path} lacks the entries {missing}; it has {sorted(state)}", named=True
+        )
+    return state
+
+
+# ----------------------------------------------------------------------------------------------- schedule
+def _warmup_steps(config: TrainConfig, total_steps: int) -> int:
+    return int(round(config.warmup * total_steps)) if config.warmup < 1 else int(config.warmup)
+
+
+def lr_factor(step: int, total_steps: int, warmup_steps: int, min_lr_ratio: float = 0.0) -> float:
+    """Multiplier of the peak learning rate at ``step``: linear warm-up to 1, then cosine to ``min_lr_ratio``."""
+    if warmup_steps > 0 and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    span = max(total_steps - warmup_steps, 1)
+    progress = min((step - warmup_steps) / span, 1.0)
+    return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class _EpochSampler(Sampler[int]):
+    """A permutation fixed by ``(seed, epoch)``, this rank's shard of it, from batch ``start_batch`` on."""
+
+    def __init__(self, size: int, seed: int, rank: int = 0, world: int = 1):
+        self.size, self.seed, self.rank, self.world = size, seed, rank, world
+        self.epoch = 0
+        self.start = 0
+
+    def indices(self) -> list[int]:
+        generator = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
+        order = torch.randperm(self.size, generator=generator).tolist()
+        if self.world > 1:
+            per_rank = math.ceil(self.size / self.world)
+            order = (order + order[: per_rank * self.world - self.size])[self.rank :: self.world]
+        return order
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices()[self.start :])
+
+    def __len__(self) -> int:
+        return len(self.indices()) - self.start
+
+
+def _format(metrics: dict[str, float]) -> dict[str, str]:
+    return {k: (f"{v:.4g}" if isinstance(v, float) else str(v)) for k, v in metrics.items()}
+
+
+# ----------------------------------------------------------------------------------------------- the loop
+def fit(
+    model: nn.Module,
+    task: Task,
+    train_data: MapData,
+    val_data: MapData | Iterable[Any] | None = None,
+    config: TrainConfig | None = None,
+    *,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
+    meta: dict[str, Any] | None = None,
+    callback: Callable[[dict[str, Any]], None] | None = None,
+) -> History:
+    """Train ``model`` on ``task`` with AdamW and a warm-up + cosine schedule; return the :class:`History`.
+
+    Args:
+        model: any ``nn.Module``; moved to ``config.device``. Initialise it (seeded) before calling.
+        task: supplies ``loss(model, batch)`` and ``evaluate(model, batches)``.
+        train_data: a map-style ``Dataset`` of examples, batched with ``collate_fn``.
+        val_data: a ``Dataset`` (batched like ``train_data``) or an iterable of batches; None: no evaluation.
+        config: :class:`TrainConfig`.
+        collate_fn: the DataLoader's ``collate_fn`` (default: PyTorch's).
+        meta: anything JSON/pickle-able stored in the checkpoint under ``"meta"`` (e.g. how to rebuild the model).
+        callback: called with each epoch record after it is logged.
+
+    Raises:
+        TypeError: ``model``, ``task`` or ``train_data`` of the wrong kind.
+        ValueError: empty ``train_data``; a batch size the processes do not divide; a checkpoint to resume that
+            is damaged, a pickle (refused unread), or of another model or other training settings (named).
+        et_ode.training.runs.RunFolderError: ``out_dir`` is a file, is in use by another live process (named), or already
+            holds a run while neither ``resume`` nor ``overwrite`` is set.
+        FloatingPointError: the loss became non-finite (the message gives the epoch, step and learning rate).
+    """
+    config = config or TrainConfig()
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    for method in ("loss", "evaluate"):
+        if not callable(getattr(task, method, None)):
+            raise TypeError(f"task must have a callable {method}(model, ...) method; got {type(task).__name__}")
+    if not hasattr(train_data, "__getitem__") or not hasattr(train_data, "__len__"):
+        raise TypeError(
+            f"train_data must be a map-style Dataset (with __len__ and __getitem__), got {type(train_data).__name__}"
+        )
+    if len(train_data) == 0:
+        raise ValueError("train_data is empty")
+    device = distributed.local_device(resolve_device(config.device))
+    rank, world = devices.rank(), devices.world_size()
+    is_main = rank == 0
+    if config.batch_size % world:
+        raise ValueError(
+            f"TrainConfig.batch_size={config.batch_size} is the global batch and must be divisible by "
+            f"the number of processes, {world}"
+        )
+    local_batch = config.batch_size // world
+    environment = distributed.detect()
+    if world == 1 and environment is not None and environment.world_size > 1:
+        raise ValueError(
+            f"this process is rank {environment.rank} of {environment.world_size} (torchrun "
+            f"environment) but torch.distributed is not initialised: call fit inside "
+            f"`with et_ode.training.distributed.session():` so that the ranks train together"
+        )
+    out_dir = Path(config.out_dir) if config.out_dir else None
+    with runs.lock(out_dir) if out_dir is not None and is_main else contextlib.nullcontext():
+        if out_dir is not None and is_main:
+            _check_fresh(config, out_dir)
+
+        seed_everything(config.seed)
+        model.to(device)
+        net = distributed.wrap(model, device)
+
+        sampler = _EpochSampler(len(train_data), config.seed, rank, world)
+        loader = DataLoader(
+            cast(Dataset, train_data),
+            batch_size=local_batch,
+            sampler=sampler,
+            collate_fn=collate_fn,
+            num_workers=config.num_workers,
+            pin_memory=device.type == "cuda",
+            generator=torch.Generator().manual_seed(config.seed),
+        )  # keeps the global RNG untouched
+        batches_per_epoch = math.ceil(len(sampler.indices()) / local_batch)
+        if config.max_train_batches is not None:
+            batches_per_epoch = min(batches_per_epoch, config.max_train_batches)
+        total_steps = batches_per_epoch * config.epochs
+        plan = {"steps": total_steps, "warmup": _warmup_steps(config, total_steps)}  # max_time re-plans "steps"
+        optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: lr_factor(step, plan["steps"], plan["warmup"], config.min_lr_ratio)
+        )
+        val_share: int | None = None  # examples of val_data evaluated by this rank (None: all ranks see all batches)
+        if isinstance(val_data, Dataset):
+            own = distributed.shard(len(cast(MapData, val_data)))
+            part = val_data if world == 1 else torch.utils.data.Subset(val_data, own)
+            val_share = len(cast(MapData, part))
+            val_batches: Iterable[Any] | None = DataLoader(
+                part,
+                batch_size=config.eval_batch_size or config.batch_size,
+                shuffle=False,
+                collate_fn=collate_fn,
+                num_workers=config.num_workers,
+            )
+        else:  # ready batches (a list or any other iterable)
+            val_batches = cast("Iterable[Any] | None", val_data)
+
+        history = History()
+        epoch, batch_in_epoch, step = 0, 0, 0
+        running: dict[str, float] = {}
+        count = 0
+        elapsed = 0.0  # training seconds before this process (a resumed run continues the clock)
+        resume_path = _resume_path(config, out_dir) if is_main else None
+        state = None
+        if resume_path is not None:
+            state = load_checkpoint(
+                resume_path,
+                map_location="cpu",
+                required=("model", "optimizer", "scheduler", "rng", "epoch", "batch", "config"),
+            )
+            _check_resumable(state["config"], config, resume_path)
+        state = distributed.broadcast_object(state)
+        if state is not None:
+            try:
+                model.load_state_dict(state["model"])
+                optimizer.load_state_dict(state["optimizer"])
+            except (RuntimeError, ValueError, KeyError) as error:
+                raise ValueError(
+                    f"cannot resume from {resume_path or 'the checkpoint'}: it holds a different model "
+                    f"or optimizer ({str(error).splitlines()[0][:300]}); resume with the run's model "
+                    f"settings or start a new out_dir"
+                ) from None
+            scheduler.load_state_dict(state["scheduler"])
+            _set_rng_state(state["rng"])
+            epoch, batch_in_epoch, step = state["epoch"], state["batch"], state["step"]
+            running, count = dict(state.get("running", {})), int(state.get("count", 0))
+            elapsed = float(state.get("elapsed", 0.0))
+            history.records = list(state.get("history", []))
+            if config.max_time is not None and "planned_steps" in state:
+                _replan(plan, config, int(state["planned_steps"]), total_steps)
+        calibrated = config.max_time is None or (state is not None and "planned_steps" in state)
+        step_seconds = 0.0  # seconds of the steps timed in this process (calibration)
+        steps_here = 0
+
+        def checkpoint() -> None:
+            if out_dir is None or not is_main:
+                return
+            save_checkpoint(
+                out_dir / CHECKPOINT_NAME,
+                {
+                    "model": model.state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict(),
+                    "rng": _rng_state(),
+                    "epoch": epoch,
+                    "batch": batch_in_epoch,
+                    "step": step,
+                    "running": running,
+                    "count": count,
+                    "elapsed": elapsed + time.perf_counter() - started,
+                    "config": config.to_dict(),
+                    "world_size": world,
+                    "history": history.records,
+                    "meta": meta or {},
+                    **({"planned_steps": plan["steps"]} if config.max_time is not None else {}),
+                },
+            )
+
+        def log(record: dict[str, Any]) -> None:
+            if out_dir is None or not is_main:
+                return
+            try:
+                out_dir.mkdir(parents=True, exist_ok=True)
+                with open(out_dir / METRICS_NAME, "a") as file:
+                    file.write(json.dumps(record) + "\n")
+            except OSError as error:  # a full or read-only disk: named, the lock released by the caller's claim
+                raise runs.RunWriteError(out_dir / METRICS_NAME, error) from None
+
+        def clock() -> float:  # seconds of this run so far, over resumes
+            return elapsed + time.perf_counter() - started
+
+        def stop_reason() -> str | None:
+            if config.max_time is None:
+                return None
+            reason = (
+                "max_time"
+                if clock() >= config.max_time
+                else ("planned_steps" if step >= plan["steps"] and step < total_steps else None)
+            )
+            return distributed.broadcast_object(reason)  # rank 0's clock decides for every rank
+
+        def replan(seconds_per_step: float) -> None:  # the steps that fit in the rest of the budget, rank 0's guess
+            budget = config.max_time
+            if budget is None:
+                return
+            steps = step + int((budget - clock()) / max(seconds_per_step, 1e-9))
+            _replan(plan, config, int(distributed.broadcast_object(steps)), total_steps)
+
+        started = time.perf_counter()
+        stopped = stop_reason()
+        while epoch < config.epochs and stopped is None:
+            sampler.epoch, sampler.start = epoch, batch_in_epoch * local_batch
+            net.train()
+            bar = tqdm(
+                total=batches_per_epoch,
+                initial=batch_in_epoch,
+                desc=f"epoch {epoch + 1}/{config.epochs}",
+                disable=not (config.progress and is_main),
+                leave=False,
+                dynamic_ncols=True,
+            )
+            for batch in loader:
+                if batch_in_epoch >= batches_per_epoch:
+                    break
+                batch = move_to(batch, device)
+                step_started = time.perf_counter()
+                loss, metrics = task.loss(net, batch)
+                if not bool(torch.isfinite(loss)):
+                    raise FloatingPointError(
+                        f"the training loss became {float(loss.detach())} at epoch {epoch + 1}, "
+                        f"step {step}; lower lr (now {scheduler.get_last_lr()[0]:.3g}) or the solver "
+                        f"tolerances"
+                    )
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                if config.grad_clip:
+                    metrics = {**metrics, "grad_norm": float(nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip))}
+                after_backward = getattr(task, "after_backward", None)
+                if callable(after_backward):
+                    metrics = {**metrics, **after_backward()}
+                optimizer.step()
+                scheduler.step()
+                seconds = time.perf_counter() - step_started
+                step += 1
+                batch_in_epoch += 1
+                metrics = {
+                    "loss": float(loss.detach()),
+                    **{k: float(v) for k, v in metrics.items()},
+                    "step_seconds": seconds,
+                }
+                for key, value in metrics.items():
+                    running[key] = running.get(key, 0.0) + value
+                count += 1
+                bar.set_postfix(_format(metrics), refresh=False)
+                bar.update(1)
+                steps_here += 1
+                if steps_here > 1:  # the first step pays one-off costs (allocation, lazy initialisation)
+                    step_seconds += seconds
+                if not calibrated and steps_here > CALIBRATION_STEPS:
+                    calibrated = True
+                    replan(step_seconds / (steps_here - 1))
+                stopped = stop_reason()
+                if stopped is not None:
+                    break
+                if config.checkpoint_every and step % config.checkpoint_every == 0 and batch_in_epoch < batches_per_epoch:
+                    checkpoint()
+                    means = distributed.reduce_mean({k: v / count for k, v in running.items()})
+                    log(
+                        {
+                            "kind": "step",
+                            "epoch": epoch + 1,
+                            "step": step,
+                            "lr": scheduler.get_last_lr()[0],
+                            "time": clock(),
+                            **{f"train_{k}": v for k, v in means.items()},
+                        }
+                    )
+            bar.close()
+
+            means = distributed.reduce_mean({k: v / max(count, 1) for k, v in running.items()})
+            record: dict[str, Any] = {
+                "kind": "epoch",
+                "epoch": epoch + 1,
+                "step": step,
+                "batches": count,
+                "lr": scheduler.get_last_lr()[0],
+                **{f"train_{k}": v for k, v in means.items()},
+            }
+            last_epoch = epoch + 1 == config.epochs or stopped is not None
+            if val_batches is not None and ((epoch + 1) % config.eval_every == 0 or last_epoch):
+                model.eval()
+                with torch.no_grad():
+                    evaluated = task.evaluate(model, (move_to(b, device) for b in val_batches)) if val_share != 0 else {}
+                if val_share is not None:
+                    evaluated = distributed.reduce_mean(evaluated, weight=val_share)
+                record.update({f"val_{k}": float(v) for k, v in evaluated.items()})
+            record["time"] = clock()
+            if stopped is not None:
+                record["stopped"] = stopped
+            history.records.append(record)
+            log(record)
+            if callback is not None and is_main:
+                callback(record)
+            if config.progress and is_main:
+                tqdm.write(" ".join(f"{k}={v}" for k, v in _format(record).items() if k != "kind"))
+            if batch_in_epoch >= batches_per_epoch:
+                epoch, batch_in_epoch = epoch + 1, 0
+            running, count = {}, 0
+            if config.max_time is not None and stopped is None and step:
+                replan(clock() / step)  # seconds per step so far, evaluations included
+            checkpoint()
+        model.eval()
+        return history
+
+
+def _replan(plan: dict[str, int], config: TrainConfig, steps: int, total_steps: int) -> None:
+    """Plan the schedule for ``steps`` (at most ``total_steps``, at least 1) with the warm-up of that length."""
+    plan["steps"] = max(1, min(total_steps, steps))
+    plan["warmup"] = _warmup_steps(config, plan["steps"])
+
+
+def _check_fresh(config: TrainConfig, out_dir: Path) -> None:
+    """A run that does not resume must not mix with another's checkpoint and metrics in ``out_dir``."""
+    if config.resume is not False and config.resume is not None:
+        return
+    found = [name for name in (CHECKPOINT_NAME, METRICS_NAME) if (out_dir / name).exists()]
+    if not found:
+        return
+    if not config.overwrite:
+        raise runs.RunFolderError(
+            f"{out_dir} already holds a run ({', '.join(found)}): resume it "
+            f"(TrainConfig.resume=True, --resume), replace it (overwrite=True, --overwrite) "
+            f"or choose another out_dir"
+        )
+    for name in found:
+        (out_dir / name).unlink()
+
+
+def _resume_path(config: TrainConfig, out_dir: Path | None) -> Path | None:
+    if config.resume is False or config.resume is None:
+        return None
+    if config.resume is True:
+        if out_dir is None:
+            raise ValueError(f"TrainConfig.resume=True needs out_dir (it reads out_dir/{CHECKPOINT_NAME})")
+        path = out_dir / CHECKPOINT_NAME
+        if not path.is_file() and (out_dir / LEGACY_CHECKPOINT_NAME).is_file():
+            raise ValueError(
+                f"cannot resume {out_dir}: it holds {LEGACY_CHECKPOINT_NAME}, a pickle checkpoint of an "
+                f"older et-ode, which is never loaded (it could run code). If you trust it, convert it "
+                f"once: save_checkpoint(out_dir / {CHECKPOINT_NAME!r}, torch.load(out_dir / "
+                f"{LEGACY_CHECKPOINT_NAME!r}, weights_only=False)); or start a new out_dir"
+            )
+        return path if path.is_file() else None  # nothing to resume yet: start fresh
+    path = Path(config.resume)
+    if not path.is_file():
+        raise FileNotFoundError(f"TrainConfig.resume: no checkpoint at {path.resolve()}")
+    return path
+
+
+def _check_resumable(saved: dict[str, Any], config: TrainConfig, path: Path) -> None:
+    differ = {
+        name: (saved.get(name), getattr(config, name))
+        for name in _TRAJECTORY_FIELDS
+        if _normal(saved.get(name)) != _normal(getattr(config, name))
+    }
+    if differ:
+        detail = ", ".join(f"{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in differ.items())
+        raise ValueError(
+            f"cannot resume from {path}: the training settings differ ({detail}); "
+            f"use the same settings or start a new out_dir"
+        )
+    if saved.get("epochs") != config.epochs:
+        warnings.warn(
+            f"resuming {path} with epochs={config.epochs} (checkpoint: {saved.get('epochs')}); "
+            f"the cosine schedule is stretched to the new length",
+            stacklevel=3,
+        )
+
+
+def _normal(value: Any) -> Any:
+    return list(value) if isinstance(value, (list, tuple)) else value

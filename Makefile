@@ -40,7 +40,7 @@ demo: $(STAMP)
 
 # The fuzz suite's long profile: 1,000 fresh random cases per entry point (the default run tries 30, derandomised)
 fuzz: $(STAMP)
-	ET_ODE_FUZZ=long $(BIN)/python -m pytest -q tests/test_fuzz.py --hypothesis-show-statistics
+	ET_ODE_FUZZ=long $(BIN)/python -m pytest -q tests/project/test_fuzz.py --hypothesis-show-statistics
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/field.py

@@ -13,7 +13,7 @@ import et_ode
 # (and explodes when the cores are shared).
 torch.set_num_threads(1)
 
-SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 
 def random_model(
@@ -50,7 +50,6 @@ def hand_rk4(field: et_ode.ETField, x: torch.Tensor, times: torch.Tensor) -> tor
 
 
 @pytest.fixture
-def shared_data() -> Path:
-    if not SHARED_DATA.is_dir():
-        pytest.skip(f"shared data folder not found at {SHARED_DATA}")
-    return SHARED_DATA
+def fixtures() -> Path:
+    """The small data files the tests read (``tests/fixtures/``: MUTAG, an official-format checkpoint)."""
+    return FIXTURES

@@ -10,7 +10,7 @@ commands) is not seen.
     python tools/import_graph.py --cycles    # the import cycles; exit status 1 if there is one
     python tools/import_graph.py --write-docs  # refresh the graph between the markers of docs/architecture.md
 
-tests/test_architecture.py uses the same functions to enforce the layering described in docs/architecture.md.
+tests/project/test_architecture.py uses the same functions to enforce the layering described in docs/architecture.md.
 """
 
 from __future__ import annotations

@@ -1,0 +1,90 @@
+"""Lyapunov exponents in intrinsic time and the QR spectrum against -(gamma / tau) times the Riemannian Hessian's
+eigenvalues (torch.func matrices); the Hessian along a trajectory against the dense stability analysis."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from et_ode import Adaptive, ETField, solve
+from et_ode.analysis.spectra import hessian_along, lyapunov_spectrum
+from et_ode.analysis.sphere import FixedScaleField, unit_scale
+from et_ode.analysis.stability import find_fixed_point, fixed_point_stability, lyapunov_exponent
+from tests.analysis.test_stability import U3, closed_form, one_token_model
+from tests.conftest import random_model
+
+TAU = 0.7
+
+
+@pytest.fixture(scope="module")
+def minimum():
+    model = random_model(dim=5, heads=2, head_dim=3, memories=8, hopfield="softmax", seed=1)
+    field = ETField(model, tau=TAU)
+    x = torch.randn(1, 2, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    found = find_fixed_point(field, x, tol=1e-11, max_iter=5000)
+    report = fixed_point_stability(field, found.x, method="dense")  # torch.func Hessian of E, independent
+    assert report.samples[0].kind == "stable attractor"
+    eigenvalues = torch.tensor(report.samples[0].eigenvalues, dtype=torch.float64)
+    return field, found.x, eigenvalues
+
+
+def test_fixed_scale_field_keeps_sigma_and_moves_g_like_the_et_field(minimum):
+    field, _, _ = minimum
+    x = unit_scale(torch.randn(2, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(3)), 1e-5)
+    fixed = FixedScaleField(field)
+    neuron = field.model.neuron
+    with torch.no_grad():
+        velocity = fixed(0.0, x)
+        assert float((velocity * x).sum(-1).abs().max()) < 1e-12 and float(velocity.sum(-1).abs().max()) < 1e-12
+        # dg/dt = M dx/dt is the ET field's up to the radial eigenvalue gamma eps / sigma^3 of M
+        assert torch.allclose(neuron.hessian_vector(x, velocity), field.dg_dt(x), atol=1e-9)
+
+
+def test_restarted_lyapunov_exponent_is_unbiased_at_a_minimum(minimum):
+    """-(gamma / tau) lambda_min; restarting only per span was biased toward zero (-0.658 for -1.146)."""
+    field, x_star, eigenvalues = minimum
+    gamma = float(field.model.neuron.gamma.detach())
+    expected = -gamma * float(eigenvalues[0]) / TAU
+    result = lyapunov_exponent(field, x_star, duration=60.0, renormalizations=20, restart=True)
+    assert float(result.late[0]) == pytest.approx(expected, rel=1e-4)
+    assert float(result.exponent[0]) == pytest.approx(expected, rel=0.2)  # carries the start's transient, ~1/T
+    assert float(result.exponent[0]) < float(result.late[0])
+
+
+def test_qr_spectrum_at_a_minimum_is_minus_gamma_over_tau_times_the_hessian(minimum):
+    field, x_star, eigenvalues = minimum
+    gamma = float(field.model.neuron.gamma.detach())
+    expected = -gamma * eigenvalues / TAU  # descending
+    spectrum = lyapunov_spectrum(field, x_star[0], duration=40.0, renormalizations=80)
+    assert spectrum.late.tolist() == pytest.approx(expected.tolist(), rel=2e-3)
+    top = lyapunov_spectrum(field, x_star[0], count=2, duration=40.0, renormalizations=80)
+    assert top.late.tolist() == pytest.approx(expected[:2].tolist(), rel=2e-3)
+
+
+def test_qr_spectrum_at_a_saddle_has_one_positive_exponent():
+    model = one_token_model()
+    field = ETField(model)
+    x = U3[None] * 3.0
+    spectrum = lyapunov_spectrum(field, x, duration=40.0, renormalizations=20, d0=1e-8)
+    r = float(model.neuron(unit_scale(x, model.neuron.eps)).detach().norm())
+    gamma = float(model.neuron.gamma.detach())
+    expected = sorted((-gamma * v for v in closed_form("u3", r)), reverse=True)
+    assert spectrum.late.tolist() == pytest.approx(expected, rel=1e-3)
+    assert float(spectrum.late[0]) > 0 > float(spectrum.late[1])
+
+
+def test_hessian_along_a_trajectory_matches_the_dense_analysis():
+    model = random_model(dim=5, heads=2, head_dim=3, memories=8, hopfield="softmax", seed=1, eps=1e-12)
+    field = ETField(model)
+    x0 = torch.randn(2, 2, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    solution = solve(field, x0, torch.linspace(0, 30, 16, dtype=torch.float64), solver=Adaptive(rtol=1e-8, atol=1e-10))
+    trace = hessian_along(solution, max_times=4)
+    assert trace.ts.tolist() == pytest.approx([0.0, 10.0, 20.0, 30.0])
+    for k, t in enumerate(trace.ts.tolist()):
+        state = solution.xs[int(round(t / 2))]
+        report = fixed_point_stability(field, state, method="dense")
+        for b, sample in enumerate(report.samples):
+            assert float(trace.smallest[k, b]) == pytest.approx(sample.smallest, abs=1e-8)
+            assert float(trace.largest[k, b]) == pytest.approx(sample.largest, abs=1e-8)
+            assert int(trace.index[k, b]) == sum(v < -1e-8 for v in sample.eigenvalues)
+            assert float(trace.rms_tangent_gradient[k, b]) == pytest.approx(sample.rms_tangent_gradient, rel=1e-8)

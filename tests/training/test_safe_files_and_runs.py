@@ -1,0 +1,503 @@
+"""Reliability and security (issue 14): no file the library reads can run code; runs never clobber each other;
+every bad input gets a documented exception that names the argument."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from et_ode import Adaptive, Adjoint, EnergyTransformer, ETField, EulerET, Fixed, SolveError, Status, SteadyState, solve
+from et_ode.cli import build_parser, main
+from et_ode.models.image import ImageET
+from et_ode.tasks.image import ImageRunConfig, demo
+from et_ode.training.io import FORMAT, load_model, model_config, save_model
+from et_ode.training.runs import LOCK_NAME, RunFolderError, claim
+from et_ode.training.train import CHECKPOINT_NAME, TrainConfig, fit, load_checkpoint, save_checkpoint
+from tests.conftest import random_model
+from tests.training.test_train import NoisyRegression, linear, regression_data
+
+TINY = [
+    "--train-limit",
+    "32",
+    "--test-limit",
+    "16",
+    "--val-size",
+    "8",
+    "--dim",
+    "8",
+    "--heads",
+    "2",
+    "--head-dim",
+    "4",
+    "--solver",
+    "et",
+    "--step",
+    "0.1",
+    "--steps",
+    "2",
+    "--gradient",
+    "direct",
+    "--epochs",
+    "2",
+    "--batch-size",
+    "16",
+    "--no-progress",
+    "--threads",
+    "1",
+    "--no-baselines",
+]
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+# ============================================================================================ files hold data only
+class Payload:
+    """Unpickling this creates ``marker``: what an attacker's ``__reduce__`` would do (with os.system instead)."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def planted(path: Path, marker: Path, content: dict | None = None) -> Path:
+    torch.save({**(content or {}), "payload": Payload(marker)}, path)
+    return path
+
+
+def test_payload_in_a_training_checkpoint_is_refused_unrun(tmp_path):
+    marker = tmp_path / "pwned"
+    for name in (CHECKPOINT_NAME, "checkpoint.pt"):  # today's name and the old pickle one
+        path = planted(tmp_path / name, marker, {"model": {"w": torch.ones(2)}})
+        with pytest.raises(ValueError, match="refused: it is a pickle"):
+            load_checkpoint(path)
+        assert not marker.exists()
+    run = tmp_path / "run"  # resume: fit reads the planted checkpoint of its out_dir
+    run.mkdir()
+    planted(run / CHECKPOINT_NAME, marker, {"model": {}})
+    with pytest.raises(ValueError, match="refused"):
+        fit(
+            linear(),
+            NoisyRegression(),
+            regression_data(),
+            None,
+            TrainConfig(epochs=1, out_dir=str(run), resume=True, progress=False),
+        )
+    assert not marker.exists()
+    legacy = tmp_path / "legacy"  # an old run folder: resuming it must not silently start afresh
+    legacy.mkdir()
+    planted(legacy / "checkpoint.pt", marker, {"model": {}})
+    with pytest.raises(ValueError, match="holds checkpoint.pt, a pickle checkpoint of an older et-ode"):
+        fit(
+            linear(),
+            NoisyRegression(),
+            regression_data(),
+            None,
+            TrainConfig(epochs=1, out_dir=str(legacy), resume=True, progress=False),
+        )
+    assert not marker.exists() and sorted(p.name for p in legacy.iterdir()) == ["checkpoint.pt"]
+
+
+def test_payload_through_the_cli_is_refused_unrun(tmp_path, capsys):
+    marker = tmp_path / "pwned"
+    path = planted(tmp_path / CHECKPOINT_NAME, marker, {"model": {}, "meta": {}})
+    assert main(["complete", str(path), "--index", "0", "--out", str(tmp_path / "c")]) == 2
+    assert "refused: it is a pickle" in capsys.readouterr().err and not marker.exists()
+    model_file = planted(tmp_path / "et_block.pt", marker, {"format": FORMAT})
+    states = tmp_path / "tokens.pt"
+    torch.save(Payload(marker), states)
+    for options in (["--model", str(model_file)], ["--x0", str(states)]):
+        code = main(["analyze", *options, "--out", str(tmp_path / f"a{len(options[1])}"), "--no-progress"])
+        assert code == 2 and not marker.exists()
+    err = capsys.readouterr().err
+    assert "not a readable model file" in err and "x0:" in err
+
+
+def test_payload_in_a_model_file_or_states_file_is_refused_unrun(tmp_path):
+    from et_ode.analysis.report import analyze
+
+    marker = tmp_path / "pwned"
+    model = random_model()
+    path = planted(
+        tmp_path / "m.pt", marker, {"format": FORMAT, "config": model_config(model), "state_dict": model.state_dict()}
+    )
+    with pytest.raises(ValueError, match="refused unread by weights_only=True"):
+        load_model(path)
+    states = tmp_path / "x0.pt"
+    torch.save(Payload(marker), states)
+    with pytest.raises(ValueError, match="x0"):
+        analyze(None, states, out=tmp_path / "a", dim=8, heads=2, head_dim=4, memories=8, progress=False)
+    assert not marker.exists()
+
+
+def test_a_crafted_safetensors_header_cannot_reach_anything_but_data(tmp_path):
+    from safetensors.torch import save
+
+    path = tmp_path / CHECKPOINT_NAME
+    deep = "[" * 100_000 + "]" * 100_000  # json.loads would raise RecursionError
+    for state in ('{"model": {"__tensor__": "missing"}}', "[1, 2]", "not json", deep, '{"__items__": [1]}'):
+        path.write_bytes(save({"t0": torch.ones(1)}, metadata={"format": "et-ode/training-checkpoint/2", "state": state}))
+        with pytest.raises(ValueError, match="corrupt|does not hold a dict"):
+            load_checkpoint(path)
+    path.write_bytes(save({"t0": torch.ones(1)}, metadata={"format": "something/else"}))
+    with pytest.raises(ValueError, match="expected format 'et-ode/training-checkpoint/2', found format"):
+        load_checkpoint(path)
+
+
+def test_checkpoint_state_round_trips_exactly(tmp_path):
+    import random
+
+    import numpy as np
+
+    state = {
+        "model": {"w": torch.randn(3, dtype=torch.float64)},
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "float": 0.1 + 0.2,
+        "optimizer": {"state": {0: {"step": torch.tensor(3.0)}}, "param_groups": [{"betas": (0.9, 0.999)}]},
+        "nothing": None,
+        "inf": float("inf"),
+    }
+    save_checkpoint(tmp_path / "c", state)
+    back = load_checkpoint(tmp_path / "c")
+    assert back["python"] == state["python"] and back["float"] == 0.1 + 0.2 and back["inf"] == float("inf")
+    assert back["numpy"][0] == "MT19937" and np.array_equal(back["numpy"][1], state["numpy"][1])
+    assert back["numpy"][1].dtype == state["numpy"][1].dtype and back["numpy"][2:] == state["numpy"][2:]
+    assert torch.equal(back["torch"], state["torch"]) and torch.equal(back["model"]["w"], state["model"]["w"])
+    assert list(back["optimizer"]["state"]) == [0] and back["optimizer"]["param_groups"][0]["betas"] == (0.9, 0.999)
+
+
+def test_model_file_and_checkpoint_mixed_up_say_what_they_are(tmp_path):
+    save_model(random_model(), tmp_path / "et_block.pt")
+    with pytest.raises(ValueError, match=r"is an et-ode model file .* et_ode\.training\.io\.load_model"):
+        load_checkpoint(tmp_path / "et_block.pt")
+    save_checkpoint(tmp_path / CHECKPOINT_NAME, {"model": {}})
+    with pytest.raises(ValueError, match=r"training checkpoint .*load_trained"):
+        load_model(tmp_path / CHECKPOINT_NAME)
+    model = random_model()
+    torch.save({"format": FORMAT, "config": model_config(model)}, tmp_path / "half.pt")
+    with pytest.raises(ValueError, match=r"incomplete et-ode model file: \['state_dict'\]"):
+        load_model(tmp_path / "half.pt")
+    state = dict(model.state_dict())
+    state.pop("hopfield.xi")
+    torch.save({"format": FORMAT, "config": model_config(model), "state_dict": state}, tmp_path / "keys.pt")
+    with pytest.raises(ValueError, match="do not make an EnergyTransformer.*hopfield.xi"):
+        load_model(tmp_path / "keys.pt")
+    image = ImageET((1, 8, 8), 2, 8, 2, 4)
+    with pytest.raises(TypeError, match=r"got ImageET; save its ET block: save_model\(model.block"):
+        save_model(image, tmp_path / "image.pt")
+
+
+# ============================================================================================ runs never clobber
+def snapshot(folder: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    out = tmp_path_factory.mktemp("run")
+    assert main(["train", "image", *TINY, "--out", str(out)]) == 0
+    return out
+
+
+def test_a_finished_run_is_not_overwritten_or_mixed(finished, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(finished, run)
+    before = snapshot(run)
+    assert main(["train", "image", *TINY, "--out", str(run)]) == 2
+    assert "is not empty" in capsys.readouterr().err and snapshot(run) == before
+    for change, setting in (
+        (["--hopfield", "softmax"], "hopfield"),
+        (["--mask-ratio", "0.3"], "ratio"),
+        (["--solver", "rk4"], "integration.solver.method"),
+        (["--lr", "0.01"], "train.lr"),
+    ):
+        assert main(["train", "image", *TINY, *change, "--out", str(run), "--resume"]) == 2
+        err = capsys.readouterr().err
+        assert "the set-up differs" in err and f"\n  {setting} " in err, err
+        assert snapshot(run) == before  # nothing touched, config.json included
+    argv = [*TINY, "--dim", "16", "--out", str(run), "--resume"]  # the last --dim counts
+    assert main(["train", "image", *argv]) == 2  # a raw "size mismatch" before
+    assert "  dim " in capsys.readouterr().err and snapshot(run) == before
+    assert main(["train", "image", *TINY, "--out", str(run), "--overwrite"]) == 0
+    epochs = [json.loads(line)["epoch"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert epochs == [1, 2]  # replaced, not appended (1, 2, 1, 2)
+    assert not (run / LOCK_NAME).exists()
+
+
+def test_out_naming_a_file_and_overwrite_of_a_foreign_folder(tmp_path, capsys):
+    (tmp_path / "file").write_text("mine")
+    assert main(["train", "image", *TINY, "--out", str(tmp_path / "file")]) == 2
+    assert "is an existing file, not a folder" in capsys.readouterr().err
+    foreign = tmp_path / "home"
+    foreign.mkdir()
+    (foreign / "thesis.tex").write_text("precious")
+    assert main(["train", "image", *TINY, "--out", str(foreign), "--overwrite"]) == 2
+    assert "not an et-ode run folder" in capsys.readouterr().err and (foreign / "thesis.tex").read_text() == "precious"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train", "image", "--out", "x", "--resume", "--overwrite"])
+
+
+def test_fit_refuses_an_out_dir_with_another_run(tmp_path):
+    config = dict(epochs=1, batch_size=10, out_dir=str(tmp_path), progress=False)
+    fit(linear(), NoisyRegression(), regression_data(), None, TrainConfig(**config))
+    before = snapshot(tmp_path)
+    with pytest.raises(RunFolderError, match="already holds a run"):
+        fit(linear(), NoisyRegression(), regression_data(), None, TrainConfig(**config))
+    assert snapshot(tmp_path) == before
+    fit(linear(), NoisyRegression(), regression_data(), None, TrainConfig(**config, overwrite=True))
+    assert [json.loads(line)["epoch"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1]
+
+
+HOLD = (
+    "import sys, time\nfrom et_ode.training import runs\nwith runs.lock(sys.argv[1]):\n    print('held', flush=True)\n"
+    "    time.sleep(120)\n"
+)
+
+
+def test_a_second_concurrent_run_is_refused_naming_the_first(tmp_path, capsys):
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert main(["train", "image", *TINY, "--out", str(tmp_path)]) == 2
+        assert f"in use by another run: process {holder.pid} on host" in capsys.readouterr().err
+        with pytest.raises(RunFolderError, match=f"process {holder.pid}"):
+            fit(
+                linear(),
+                NoisyRegression(),
+                regression_data(),
+                None,
+                TrainConfig(epochs=1, out_dir=str(tmp_path), progress=False),
+            )
+        assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK_NAME]
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_stale_lock_of_a_dead_process_is_taken_over(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / LOCK_NAME).write_text(
+        json.dumps({"pid": dead.pid, "host": socket.gethostname(), "started": "earlier", "command": "et-ode train"})
+    )
+    with pytest.warns(UserWarning, match=f"taking over the lock of process {dead.pid}"):
+        fit(
+            linear(),
+            NoisyRegression(),
+            regression_data(),
+            None,
+            TrainConfig(epochs=1, out_dir=str(tmp_path), progress=False),
+        )
+    assert sorted(p.name for p in tmp_path.iterdir()) == [CHECKPOINT_NAME, "metrics.jsonl"]
+
+
+def test_graph_demo_and_analyze_folders_are_claimed_too(tmp_path, capsys):
+    occupied = tmp_path / "occupied"
+    occupied.mkdir()
+    (occupied / "config.json").write_text(json.dumps({"some": "run"}))
+    before = snapshot(occupied)
+    with pytest.raises(RunFolderError, match="is not empty"):
+        demo(occupied, quick=True)
+    assert main(["analyze", "--out", str(occupied), "--no-progress"]) == 2
+    assert "is not empty" in capsys.readouterr().err
+    pytest.importorskip("torch_geometric")
+    from et_ode.cli.graph import add_graph_train_arguments, run_graph_train
+
+    parser = argparse.ArgumentParser()
+    add_graph_train_arguments(parser)
+    with pytest.raises(RunFolderError, match="is not empty"):
+        run_graph_train(parser.parse_args(["classify", "--root", str(tmp_path), "--out", str(occupied)]))
+    with pytest.raises(RunFolderError, match=r"set-up differs(.|\n)*\n  some +'run' +\(absent\)"):
+        run_graph_train(parser.parse_args(["classify", "--root", str(tmp_path), "--out", str(occupied), "--resume"]))
+    assert snapshot(occupied) == before
+
+
+def test_claim_writes_config_only_once_accepted(tmp_path):
+    with claim(tmp_path / "a", {"x": 1}) as out:
+        assert json.loads((out / "config.json").read_text()) == {"x": 1} and (out / LOCK_NAME).is_file()
+    assert not (tmp_path / "a" / LOCK_NAME).exists()
+    with pytest.raises(RunFolderError, match=r"\n  x +1 +2"):
+        with claim(tmp_path / "a", {"x": 2}, resume=True):
+            pass
+    assert json.loads((tmp_path / "a" / "config.json").read_text()) == {"x": 1}
+    with claim(tmp_path / "a", {"x": 1, "threads": 4}, resume=True, may_change=("threads",)):
+        pass
+
+
+# ============================================================================================ named errors
+@pytest.fixture
+def field64() -> ETField:
+    return ETField(random_model())
+
+
+def test_dtype_mismatch_names_x0(field64):
+    x0 = torch.randn(2, 5, 8)
+    with pytest.raises(TypeError, match=r"x0 has dtype torch.float32 but the model's parameters are torch.float64"):
+        solve(field64, x0, (0.0, 1.0))
+    with pytest.raises(TypeError, match="x has dtype torch.float32"):
+        field64.model.energy(x0)
+    with pytest.raises(TypeError, match="x0 has dtype torch.float64"):
+        solve(ETField(EnergyTransformer(8, 2, 4, 12)), x0.double(), (0.0, 1.0))
+    with pytest.raises(ValueError, match="x0 is on meta but the model is on cpu"):  # (cuda: the same check)
+        solve(field64, x0.double().to("meta"), (0.0, 1.0))
+
+
+@pytest.mark.parametrize("stop", [None, SteadyState(1e-3)])
+def test_empty_batch_and_no_tokens(field64, stop):
+    with pytest.raises(ValueError, match=r"x0 has an empty batch: shape \(0, 5, 8\)"):
+        solve(field64, torch.zeros(0, 5, 8, dtype=torch.float64), (0.0, 1.0), stop=stop)
+    with pytest.raises(ValueError, match=r"x0 has no tokens: N=0"):
+        solve(field64, torch.zeros(2, 0, 8, dtype=torch.float64), (0.0, 1.0), stop=stop)
+    with pytest.raises(ValueError, match="x has no tokens"):
+        field64.model.energy(torch.zeros(2, 0, 8, dtype=torch.float64))
+    field32 = ETField(EnergyTransformer(8, 2, 4, 12))  # the fused path had a ZeroDivisionError at N = 0
+    assert field32(None, torch.zeros(2, 0, 8)).shape == (2, 0, 8)
+
+
+def test_overflowing_states_name_where_and_suggest_float64():
+    field = ETField(EnergyTransformer(8, 2, 4, 12))
+    x0 = torch.randn(2, 5, 8)
+    x0[1, 3] *= 1e30
+    with pytest.raises(ValueError, match=r"x0 is too large for torch.float32: .* token \(1, 3\) .* use float64"):
+        solve(field, x0, (0.0, 1.0))
+    torch.manual_seed(0)
+    model = EnergyTransformer(8, 2, 4, 12)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.mul_(1e20)  # the Hopfield energy overflows float32 within a step
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        with pytest.raises(SolveError, match="non-finite.*use float64.*smaller step") as caught:
+            solve(ETField(model), torch.randn(2, 5, 8), solver=EulerET(0.1, 5))
+    assert caught.value.solution is not None and caught.value.solution.status is Status.FAILED
+
+
+def test_a_runaway_fixed_step_solve_warns():
+    torch.manual_seed(0)
+    model = EnergyTransformer(8, 2, 4, 12)
+    x0 = torch.randn(2, 5, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        solve(ETField(model), x0, solver=EulerET(0.1, 12))  # healthy: no warning
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.mul_(1e6)
+    with pytest.warns(RuntimeWarning, match="fixed step grew the state .*-fold"):
+        solution = solve(ETField(model), x0, solver=EulerET(0.1, 12))
+    assert solution.status is Status.REACHED_END
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_with_an_adaptive_method_is_refused_up_front(dtype):
+    model = EnergyTransformer(8, 2, 4, 12).to(dtype)
+    x0 = torch.randn(2, 5, 8, dtype=dtype)
+    with pytest.raises(ValueError, match=f"x0 is {dtype}, too coarse for the adaptive method 'dopri5'"):
+        solve(ETField(model), x0, (0.0, 1.0))
+    assert torch.isfinite(solve(ETField(model), x0, solver=EulerET(0.1, 3)).x).all()
+
+
+def test_step_budgets_are_checked_before_any_work(field64):
+    x0 = torch.randn(2, 5, 8, dtype=torch.float64)
+    started = time.perf_counter()
+    with pytest.raises(SolveError, match="steps=1000000000 is more than max_steps=100") as caught:
+        solve(field64, x0, solver=EulerET(0.1, 10**9), max_steps=100)
+    assert time.perf_counter() - started < 5.0  # it built a grid of 10^9 times before
+    assert caught.value.solution.status is Status.FAILED and field64.nfe == 0
+    with pytest.raises(SolveError, match="1000 fixed steps planned") as caught:
+        solve(field64, x0, (0.0, 10.0), solver=Fixed("euler", step_size=0.01), max_steps=100)
+    assert caught.value.solution is not None and caught.value.solution.status == "failed"  # the README's use
+
+
+def test_the_adjoint_backward_solve_has_its_own_step_budget(field64):
+    x0 = torch.randn(2, 5, 8, dtype=torch.float64)
+    solution = solve(
+        field64,
+        x0,
+        (0.0, 1.0),
+        solver=Adaptive(rtol=1e-2, atol=1e-2),
+        gradient=Adjoint(rtol=1e-12, atol=1e-12),
+        max_steps=15,
+    )
+    assert solution.stats.accepted_steps + solution.stats.rejected_steps <= 15
+    with pytest.raises(SolveError, match="adjoint's backward solve failed .* more than max_steps=15"):
+        solution.x.square().sum().backward()
+
+
+def test_tau_must_be_finite(field64):
+    for tau in (float("inf"), float("nan"), 0.0):
+        with pytest.raises(ValueError, match="tau must be positive and finite"):
+            ETField(field64.model, tau=tau)
+        with pytest.raises(ValueError, match="tau must be positive and finite"):
+            ImageET((1, 8, 8), 2, 8, 2, 4, tau=tau)
+    with pytest.raises(ValueError, match="tau must be positive and finite"):
+        ImageRunConfig(tau=float("inf"))
+
+
+@pytest.mark.parametrize("threads", ["0", str((os.cpu_count() or 1) + 1), "two"])
+def test_threads_out_of_range_are_refused_by_the_parser(threads, capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train", "image", "--out", "x", "--threads", threads])
+    assert "--threads" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="threads must be None or a positive integer"):
+        ImageRunConfig(threads=0 if threads.isdigit() else "two")
+
+
+def test_png_files_are_read_whatever_the_case_of_their_suffix(tmp_path):
+    from matplotlib.image import imsave
+
+    from et_ode.data.images import load_png_folder
+
+    for name in ("a.png", "B.PNG", "c.Png"):
+        imsave(tmp_path / name, torch.rand(8, 8).numpy(), cmap="gray")
+    assert load_png_folder(tmp_path, channels=1).images.shape == (3, 1, 8, 8)
+
+
+def test_readme_commands_use_existing_options():
+    parser = build_parser()
+    for line in README.read_text().splitlines():
+        if line.startswith("et-ode analyze"):
+            parser.parse_args(line.split("#")[0].split()[1:])  # SystemExit on an unknown option (--states)
+
+
+@pytest.fixture
+def mutag(fixtures, tmp_path) -> Path:
+    pytest.importorskip("torch_geometric")
+    shutil.copytree(fixtures / "MUTAG" / "raw", tmp_path / "MUTAG" / "raw")
+    return tmp_path / "MUTAG" / "raw"
+
+
+def test_tu_empty_edges_blank_lines_and_huge_labels(mutag, fixtures):
+    from et_ode.data.graphs import read_tu
+
+    edges = mutag / "MUTAG_A.txt"
+    lines = edges.read_text().splitlines()
+    edges.write_text("\n".join(lines[:3] + ["", "   "] + lines[3:]) + "\n\n")  # blank lines: PyG's int() failed
+    original, spaced = read_tu(fixtures, "MUTAG", pe_dim=None), read_tu(mutag.parents[1], "MUTAG", pe_dim=None)
+    assert all(torch.equal(a.edge_index, b.edge_index) and torch.equal(a.x, b.x) for a, b in zip(original, spaced))
+    labels = mutag / "MUTAG_node_labels.txt"
+    rows = labels.read_text().splitlines()
+    rows[9] = "1000000"
+    labels.write_text("\n".join(rows) + "\n")
+    with pytest.raises(ValueError, match=r"MUTAG_node_labels.txt:10: node label 1000000 spans 1000001 category"):
+        read_tu(mutag.parents[1], "MUTAG")
+    edges.write_text("")
+    with pytest.raises(ValueError, match=r"MUTAG_A.txt: no edges"):
+        read_tu(mutag.parents[1], "MUTAG")

@@ -17,10 +17,12 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# ruff's lint rules and its formatter (pyproject.toml's [tool.ruff]); `ruff format .` applies the format
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
-# mypy on et_ode/ and analysis/ (settings in pyproject.toml's [tool.mypy])
+# mypy on et_ode/ and analysis/, the latter under its installed name et_ode.analysis (pyproject.toml's [tool.mypy])
 typecheck: $(STAMP)
 	$(BIN)/mypy
 

@@ -79,7 +79,8 @@ def follow_down(
     with torch.no_grad():
         ends = solve(field, starts, (0.0, t_end), solver=Adaptive(rtol=rtol, atol=atol), save="final", max_steps=100_000).x
     descended = find_fixed_point(field, ends, tol=1e-7, max_iter=5000).x
-    return tuple(newton_critical_point(field, x) for x in descended)
+    plus, minus = (newton_critical_point(field, x) for x in descended)
+    return plus, minus
 
 
 def saddle_network(

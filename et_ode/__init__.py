@@ -1,5 +1,7 @@
 """et-ode: the Energy Transformer as a continuous-time dynamical system."""
 
+from importlib.metadata import version as _version
+
 from et_ode.dynamics.field import ETField
 from et_ode.energy.energies import EnergyAttention, HopfieldMemory
 from et_ode.energy.masks import GraphMask
@@ -39,7 +41,7 @@ __all__ = [
     "find_attractor",
     "solve",
 ]
-__version__ = "0.1.0"
+__version__ = _version("et-ode")  # pyproject.toml's, read from the installed metadata
 
 
 def _check_threads() -> None:

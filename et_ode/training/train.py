@@ -176,37 +176,27 @@ class TrainConfig:
         positive_ints = {"epochs": self.epochs, "batch_size": self.batch_size, "eval_every": self.eval_every}
         for name, value in positive_ints.items():
             if not (isinstance(value, int) and value >= 1):
-                raise ValueError(
-                    f"TrainConfig.{name} must be a positive integer (--{name.replace('_', '-')}), got {value!r}"
-                )
+                raise ValueError(f"TrainConfig.{name} must be a positive integer, got {value!r}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise ValueError(f"TrainConfig.lr must be positive and finite (--lr), got {self.lr!r}")
+            raise ValueError(f"TrainConfig.lr must be positive and finite, got {self.lr!r}")
         if self.weight_decay < 0:
-            raise ValueError(f"TrainConfig.weight_decay must be >= 0 (--weight-decay), got {self.weight_decay!r}")
+            raise ValueError(f"TrainConfig.weight_decay must be >= 0, got {self.weight_decay!r}")
         if self.warmup < 0:
-            raise ValueError(
-                f"TrainConfig.warmup must be >= 0 (--warmup: a fraction < 1 or a number of steps), got {self.warmup!r}"
-            )
+            raise ValueError(f"TrainConfig.warmup must be >= 0 (a fraction < 1 or a number of steps), got {self.warmup!r}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"TrainConfig.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
         if self.grad_clip is not None and self.grad_clip < 0:
-            raise ValueError(f"TrainConfig.grad_clip must be None or >= 0 (--grad-clip), got {self.grad_clip!r}")
+            raise ValueError(f"TrainConfig.grad_clip must be None or >= 0, got {self.grad_clip!r}")
         if not (isinstance(self.checkpoint_every, int) and self.checkpoint_every >= 0):
-            raise ValueError(
-                f"TrainConfig.checkpoint_every must be an integer >= 0 (--checkpoint-every), got {self.checkpoint_every!r}"
-            )
+            raise ValueError(f"TrainConfig.checkpoint_every must be an integer >= 0, got {self.checkpoint_every!r}")
         if self.max_train_batches is not None and not (
             isinstance(self.max_train_batches, int) and self.max_train_batches >= 1
         ):
             raise ValueError(
-                f"TrainConfig.max_train_batches must be None or a positive integer (--max-train-batches), "
-                f"got {self.max_train_batches!r}"
+                f"TrainConfig.max_train_batches must be None or a positive integer, got {self.max_train_batches!r}"
             )
         if self.max_time is not None and not (isinstance(self.max_time, (int, float)) and 0 < self.max_time < math.inf):
-            raise ValueError(
-                f"TrainConfig.max_time must be None or a positive number of seconds (--max-time, in minutes), "
-                f"got {self.max_time!r}"
-            )
+            raise ValueError(f"TrainConfig.max_time must be None or a positive number of seconds, got {self.max_time!r}")
         beta1, beta2 = self.betas
         self.betas = (float(beta1), float(beta2))
         resolve_device(self.device)
@@ -295,7 +285,7 @@ def load_checkpoint(
             raise ValueError(
                 f"{path} is an et-ode model file (et_ode.training.io.save_model: an EnergyTransformer and its "
                 f"settings), not a training checkpoint: read it with et_ode.training.io.load_model(path). A "
-                f"checkpoint is the {CHECKPOINT_NAME} that training writes in its --out folder"
+                f"checkpoint is the {CHECKPOINT_NAME} that training writes in its out_dir"
             ) from None
         raise
     missing = [key for key in required if key not in state]
@@ -380,6 +370,21 @@ def fit(
         FloatingPointError: the loss became non-finite (the message gives the epoch, step and learning rate).
     """
     config = config or TrainConfig()
+    _check_inputs(model, task, train_data)
+    device = distributed.local_device(resolve_device(config.device))
+    _check_processes(config)
+    out_dir = Path(config.out_dir) if config.out_dir else None
+    is_main = devices.rank() == 0
+    with runs.lock(out_dir) if out_dir is not None and is_main else contextlib.nullcontext():
+        if out_dir is not None and is_main:
+            _check_fresh(config, out_dir)
+        seed_everything(config.seed)
+        loop = _Loop(model, task, train_data, val_data, config, device, out_dir, collate_fn, meta or {}, callback)
+        loop.restore()
+        return loop.run()
+
+
+def _check_inputs(model: nn.Module, task: Task, train_data: MapData) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     for method in ("loss", "evaluate"):
@@ -391,15 +396,17 @@ def fit(
         )
     if len(train_data) == 0:
         raise ValueError("train_data is empty")
-    device = distributed.local_device(resolve_device(config.device))
-    rank, world = devices.rank(), devices.world_size()
-    is_main = rank == 0
+
+
+def _check_processes(config: TrainConfig) -> None:
+    """The processes of this run can share its batches: ``batch_size`` divides among them, and a process that
+    ``torchrun`` started is part of an initialised process group."""
+    world = devices.world_size()
     if config.batch_size % world:
         raise ValueError(
             f"TrainConfig.batch_size={config.batch_size} is the global batch and must be divisible by "
             f"the number of processes, {world}"
         )
-    local_batch = config.batch_size // world
     environment = distributed.detect()
     if world == 1 and environment is not None and environment.world_size > 1:
         raise ValueError(
@@ -407,245 +414,334 @@ def fit(
             f"environment) but torch.distributed is not initialised: call fit inside "
             f"`with et_ode.training.distributed.session():` so that the ranks train together"
         )
-    out_dir = Path(config.out_dir) if config.out_dir else None
-    with runs.lock(out_dir) if out_dir is not None and is_main else contextlib.nullcontext():
-        if out_dir is not None and is_main:
-            _check_fresh(config, out_dir)
 
-        seed_everything(config.seed)
+
+@dataclass
+class _Position:
+    """Where a run stands: what a checkpoint saves besides the model, optimizer, scheduler and RNG states."""
+
+    epoch: int = 0
+    batch: int = 0  # batches done in this epoch
+    step: int = 0
+    running: dict[str, float] = field(default_factory=dict)  # this epoch's training metrics, summed
+    count: int = 0  # the steps summed in ``running``
+    elapsed: float = 0.0  # seconds of the loop before this process (a resumed run continues the clock)
+
+
+@dataclass
+class _Calibration:
+    """This process's step times, from which a run with ``max_time`` plans its schedule."""
+
+    done: bool
+    seconds: float = 0.0  # of the steps after the first (which pays one-off costs: allocation, lazy set-up)
+    steps: int = 0
+
+
+def _validation(
+    val_data: MapData | Iterable[Any] | None, config: TrainConfig, collate_fn: Callable[[list[Any]], Any] | None
+) -> tuple[Iterable[Any] | None, int | None]:
+    """The batches this rank evaluates, and how many examples they hold (None: every rank sees all batches)."""
+    if not isinstance(val_data, Dataset):  # ready batches (a list or any other iterable)
+        return cast("Iterable[Any] | None", val_data), None
+    own = distributed.shard(len(cast(MapData, val_data)))
+    part = val_data if devices.world_size() == 1 else torch.utils.data.Subset(val_data, own)
+    batches = DataLoader(
+        part,
+        batch_size=config.eval_batch_size or config.batch_size,
+        shuffle=False,
+        collate_fn=collate_fn,
+        num_workers=config.num_workers,
+    )
+    return batches, len(cast(MapData, part))
+
+
+class _Loop:
+    """One run of :func:`fit`: the objects it trains with, where it stands (:class:`_Position`), and its parts:
+    restore, train an epoch, evaluate, save."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        task: Task,
+        train_data: MapData,
+        val_data: MapData | Iterable[Any] | None,
+        config: TrainConfig,
+        device: torch.device,
+        out_dir: Path | None,
+        collate_fn: Callable[[list[Any]], Any] | None,
+        meta: dict[str, Any],
+        callback: Callable[[dict[str, Any]], None] | None,
+    ):
+        self.model, self.task, self.config, self.device, self.out_dir = model, task, config, device, out_dir
+        self.meta, self.callback = meta, callback
+        self.world = devices.world_size()
+        self.is_main = devices.rank() == 0
+        self.local_batch = config.batch_size // self.world
         model.to(device)
-        net = distributed.wrap(model, device)
-
-        sampler = _EpochSampler(len(train_data), config.seed, rank, world)
-        loader = DataLoader(
+        self.net = distributed.wrap(model, device)
+        self.sampler = _EpochSampler(len(train_data), config.seed, devices.rank(), self.world)
+        self.loader = DataLoader(
             cast(Dataset, train_data),
-            batch_size=local_batch,
-            sampler=sampler,
+            batch_size=self.local_batch,
+            sampler=self.sampler,
             collate_fn=collate_fn,
             num_workers=config.num_workers,
             pin_memory=device.type == "cuda",
             generator=torch.Generator().manual_seed(config.seed),
         )  # keeps the global RNG untouched
-        batches_per_epoch = math.ceil(len(sampler.indices()) / local_batch)
-        if config.max_train_batches is not None:
-            batches_per_epoch = min(batches_per_epoch, config.max_train_batches)
-        total_steps = batches_per_epoch * config.epochs
-        plan = {"steps": total_steps, "warmup": _warmup_steps(config, total_steps)}  # max_time re-plans "steps"
-        optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: lr_factor(step, plan["steps"], plan["warmup"], config.min_lr_ratio)
+        batches = math.ceil(len(self.sampler.indices()) / self.local_batch)
+        self.batches_per_epoch = batches if config.max_train_batches is None else min(batches, config.max_train_batches)
+        self.total_steps = self.batches_per_epoch * config.epochs
+        self.plan = {"steps": self.total_steps, "warmup": _warmup_steps(config, self.total_steps)}  # max_time re-plans
+        self.optimizer = torch.optim.AdamW(
+            model.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay
         )
-        val_share: int | None = None  # examples of val_data evaluated by this rank (None: all ranks see all batches)
-        if isinstance(val_data, Dataset):
-            own = distributed.shard(len(cast(MapData, val_data)))
-            part = val_data if world == 1 else torch.utils.data.Subset(val_data, own)
-            val_share = len(cast(MapData, part))
-            val_batches: Iterable[Any] | None = DataLoader(
-                part,
-                batch_size=config.eval_batch_size or config.batch_size,
-                shuffle=False,
-                collate_fn=collate_fn,
-                num_workers=config.num_workers,
-            )
-        else:  # ready batches (a list or any other iterable)
-            val_batches = cast("Iterable[Any] | None", val_data)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: lr_factor(step, self.plan["steps"], self.plan["warmup"], config.min_lr_ratio)
+        )
+        self.val_batches, self.val_share = _validation(val_data, config, collate_fn)
+        self.history = History()
+        self.position = _Position()
+        self.calibration = _Calibration(done=config.max_time is None)
+        self.started = time.perf_counter()
 
-        history = History()
-        epoch, batch_in_epoch, step = 0, 0, 0
-        running: dict[str, float] = {}
-        count = 0
-        elapsed = 0.0  # training seconds before this process (a resumed run continues the clock)
-        resume_path = _resume_path(config, out_dir) if is_main else None
+    # -- restore and save
+    def restore(self) -> None:
+        """Continue the checkpoint that ``config.resume`` names, if any (rank 0 reads it, every rank loads it)."""
+        path = _resume_path(self.config, self.out_dir) if self.is_main else None
         state = None
-        if resume_path is not None:
+        if path is not None:
             state = load_checkpoint(
-                resume_path,
-                map_location="cpu",
-                required=("model", "optimizer", "scheduler", "rng", "epoch", "batch", "config"),
+                path, map_location="cpu", required=("model", "optimizer", "scheduler", "rng", "epoch", "batch", "config")
             )
-            _check_resumable(state["config"], config, resume_path)
+            _check_resumable(state["config"], self.config, path)
         state = distributed.broadcast_object(state)
-        if state is not None:
-            try:
-                model.load_state_dict(state["model"])
-                optimizer.load_state_dict(state["optimizer"])
-            except (RuntimeError, ValueError, KeyError) as error:
-                raise ValueError(
-                    f"cannot resume from {resume_path or 'the checkpoint'}: it holds a different model "
-                    f"or optimizer ({str(error).splitlines()[0][:300]}); resume with the run's model "
-                    f"settings or start a new out_dir"
-                ) from None
-            scheduler.load_state_dict(state["scheduler"])
-            _set_rng_state(state["rng"])
-            epoch, batch_in_epoch, step = state["epoch"], state["batch"], state["step"]
-            running, count = dict(state.get("running", {})), int(state.get("count", 0))
-            elapsed = float(state.get("elapsed", 0.0))
-            history.records = list(state.get("history", []))
-            if config.max_time is not None and "planned_steps" in state:
-                _replan(plan, config, int(state["planned_steps"]), total_steps)
-        calibrated = config.max_time is None or (state is not None and "planned_steps" in state)
-        step_seconds = 0.0  # seconds of the steps timed in this process (calibration)
-        steps_here = 0
+        if state is None:
+            return
+        try:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+        except (RuntimeError, ValueError, KeyError) as error:
+            raise ValueError(
+                f"cannot resume from {path or 'the checkpoint'}: it holds a different model "
+                f"or optimizer ({str(error).splitlines()[0][:300]}); resume with the run's model "
+                f"settings or start a new out_dir"
+            ) from None
+        self.scheduler.load_state_dict(state["scheduler"])
+        _set_rng_state(state["rng"])
+        self.position = _Position(
+            epoch=state["epoch"],
+            batch=state["batch"],
+            step=state["step"],
+            running=dict(state.get("running", {})),
+            count=int(state.get("count", 0)),
+            elapsed=float(state.get("elapsed", 0.0)),
+        )
+        self.history.records = list(state.get("history", []))
+        if self.config.max_time is not None and "planned_steps" in state:
+            _replan(self.plan, self.config, int(state["planned_steps"]), self.total_steps)
+            self.calibration.done = True
 
-        def checkpoint() -> None:
-            if out_dir is None or not is_main:
-                return
-            save_checkpoint(
-                out_dir / CHECKPOINT_NAME,
-                {
-                    "model": model.state_dict(),
-                    "optimizer": optimizer.state_dict(),
-                    "scheduler": scheduler.state_dict(),
-                    "rng": _rng_state(),
-                    "epoch": epoch,
-                    "batch": batch_in_epoch,
-                    "step": step,
-                    "running": running,
-                    "count": count,
-                    "elapsed": elapsed + time.perf_counter() - started,
-                    "config": config.to_dict(),
-                    "world_size": world,
-                    "history": history.records,
-                    "meta": meta or {},
-                    **({"planned_steps": plan["steps"]} if config.max_time is not None else {}),
-                },
-            )
+    def save(self) -> None:
+        """Write the checkpoint (rank 0, when the run has an ``out_dir``)."""
+        if self.out_dir is None or not self.is_main:
+            return
+        position = self.position
+        save_checkpoint(
+            self.out_dir / CHECKPOINT_NAME,
+            {
+                "model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "rng": _rng_state(),
+                "epoch": position.epoch,
+                "batch": position.batch,
+                "step": position.step,
+                "running": position.running,
+                "count": position.count,
+                "elapsed": self.clock(),
+                "config": self.config.to_dict(),
+                "world_size": self.world,
+                "history": self.history.records,
+                "meta": self.meta,
+                **({"planned_steps": self.plan["steps"]} if self.config.max_time is not None else {}),
+            },
+        )
 
-        def log(record: dict[str, Any]) -> None:
-            if out_dir is None or not is_main:
-                return
-            try:
-                out_dir.mkdir(parents=True, exist_ok=True)
-                with open(out_dir / METRICS_NAME, "a") as file:
-                    file.write(json.dumps(record) + "\n")
-            except OSError as error:  # a full or read-only disk: named, the lock released by the caller's claim
-                raise runs.RunWriteError(out_dir / METRICS_NAME, error) from None
+    def log(self, record: dict[str, Any]) -> None:
+        """Append ``record`` to the metrics file (rank 0, when the run has an ``out_dir``)."""
+        if self.out_dir is None or not self.is_main:
+            return
+        try:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            with open(self.out_dir / METRICS_NAME, "a") as file:
+                file.write(json.dumps(record) + "\n")
+        except OSError as error:  # a full or read-only disk: named, the lock released by the caller's claim
+            raise runs.RunWriteError(self.out_dir / METRICS_NAME, error) from None
 
-        def clock() -> float:  # seconds of this run so far, over resumes
-            return elapsed + time.perf_counter() - started
+    # -- the clock and the time budget
+    def clock(self) -> float:
+        """Seconds of this run so far, over resumes."""
+        return self.position.elapsed + time.perf_counter() - self.started
 
-        def stop_reason() -> str | None:
-            if config.max_time is None:
-                return None
-            reason = (
-                "max_time"
-                if clock() >= config.max_time
-                else ("planned_steps" if step >= plan["steps"] and step < total_steps else None)
-            )
-            return distributed.broadcast_object(reason)  # rank 0's clock decides for every rank
+    def stop_reason(self) -> str | None:
+        """``"max_time"`` or ``"planned_steps"`` when a run with a budget must end now (rank 0 decides), else None."""
+        if self.config.max_time is None:
+            return None
+        step = self.position.step
+        reason = (
+            "max_time"
+            if self.clock() >= self.config.max_time
+            else ("planned_steps" if self.plan["steps"] <= step < self.total_steps else None)
+        )
+        return distributed.broadcast_object(reason)
 
-        def replan(seconds_per_step: float) -> None:  # the steps that fit in the rest of the budget, rank 0's guess
-            budget = config.max_time
-            if budget is None:
-                return
-            steps = step + int((budget - clock()) / max(seconds_per_step, 1e-9))
-            _replan(plan, config, int(distributed.broadcast_object(steps)), total_steps)
+    def replan(self, seconds_per_step: float) -> None:
+        """Plan the schedule for the steps that fit in the rest of the budget (rank 0's guess)."""
+        budget = self.config.max_time
+        if budget is None:
+            return
+        steps = self.position.step + int((budget - self.clock()) / max(seconds_per_step, 1e-9))
+        _replan(self.plan, self.config, int(distributed.broadcast_object(steps)), self.total_steps)
 
-        started = time.perf_counter()
-        stopped = stop_reason()
-        while epoch < config.epochs and stopped is None:
-            sampler.epoch, sampler.start = epoch, batch_in_epoch * local_batch
-            net.train()
-            bar = tqdm(
-                total=batches_per_epoch,
-                initial=batch_in_epoch,
-                desc=f"epoch {epoch + 1}/{config.epochs}",
-                disable=not (config.progress and is_main),
-                leave=False,
-                dynamic_ncols=True,
-            )
-            for batch in loader:
-                if batch_in_epoch >= batches_per_epoch:
-                    break
-                batch = move_to(batch, device)
-                step_started = time.perf_counter()
-                loss, metrics = task.loss(net, batch)
-                if not bool(torch.isfinite(loss)):
-                    raise FloatingPointError(
-                        f"the training loss became {float(loss.detach())} at epoch {epoch + 1}, "
-                        f"step {step}; lower lr (now {scheduler.get_last_lr()[0]:.3g}) or the solver "
-                        f"tolerances"
-                    )
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                if config.grad_clip:
-                    metrics = {**metrics, "grad_norm": float(nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip))}
-                after_backward = getattr(task, "after_backward", None)
-                if callable(after_backward):
-                    metrics = {**metrics, **after_backward()}
-                optimizer.step()
-                scheduler.step()
-                seconds = time.perf_counter() - step_started
-                step += 1
-                batch_in_epoch += 1
-                metrics = {
-                    "loss": float(loss.detach()),
-                    **{k: float(v) for k, v in metrics.items()},
-                    "step_seconds": seconds,
-                }
-                for key, value in metrics.items():
-                    running[key] = running.get(key, 0.0) + value
-                count += 1
-                bar.set_postfix(_format(metrics), refresh=False)
-                bar.update(1)
-                steps_here += 1
-                if steps_here > 1:  # the first step pays one-off costs (allocation, lazy initialisation)
-                    step_seconds += seconds
-                if not calibrated and steps_here > CALIBRATION_STEPS:
-                    calibrated = True
-                    replan(step_seconds / (steps_here - 1))
-                stopped = stop_reason()
-                if stopped is not None:
-                    break
-                if config.checkpoint_every and step % config.checkpoint_every == 0 and batch_in_epoch < batches_per_epoch:
-                    checkpoint()
-                    means = distributed.reduce_mean({k: v / count for k, v in running.items()})
-                    log(
-                        {
-                            "kind": "step",
-                            "epoch": epoch + 1,
-                            "step": step,
-                            "lr": scheduler.get_last_lr()[0],
-                            "time": clock(),
-                            **{f"train_{k}": v for k, v in means.items()},
-                        }
-                    )
-            bar.close()
+    def calibrate(self, seconds: float) -> None:
+        """Count a step of ``seconds``; after :data:`CALIBRATION_STEPS` of them, plan the schedule once."""
+        calibration = self.calibration
+        calibration.steps += 1
+        if calibration.steps > 1:
+            calibration.seconds += seconds
+        if not calibration.done and calibration.steps > CALIBRATION_STEPS:
+            calibration.done = True
+            self.replan(calibration.seconds / (calibration.steps - 1))
 
-            means = distributed.reduce_mean({k: v / max(count, 1) for k, v in running.items()})
-            record: dict[str, Any] = {
-                "kind": "epoch",
-                "epoch": epoch + 1,
-                "step": step,
-                "batches": count,
-                "lr": scheduler.get_last_lr()[0],
-                **{f"train_{k}": v for k, v in means.items()},
-            }
-            last_epoch = epoch + 1 == config.epochs or stopped is not None
-            if val_batches is not None and ((epoch + 1) % config.eval_every == 0 or last_epoch):
-                model.eval()
-                with torch.no_grad():
-                    evaluated = task.evaluate(model, (move_to(b, device) for b in val_batches)) if val_share != 0 else {}
-                if val_share is not None:
-                    evaluated = distributed.reduce_mean(evaluated, weight=val_share)
-                record.update({f"val_{k}": float(v) for k, v in evaluated.items()})
-            record["time"] = clock()
+    # -- training
+    def run(self) -> History:
+        """Train epoch after epoch until the last one or the budget ends the run."""
+        self.started = time.perf_counter()
+        stopped = self.stop_reason()
+        while self.position.epoch < self.config.epochs and stopped is None:
+            stopped = self.train_epoch()
+            self.end_epoch(stopped)
+        self.model.eval()
+        return self.history
+
+    def train_epoch(self) -> str | None:
+        """Train from the position to the end of the epoch; the reason the budget stopped it early, if it did."""
+        position, config = self.position, self.config
+        self.sampler.epoch, self.sampler.start = position.epoch, position.batch * self.local_batch
+        self.net.train()
+        bar = tqdm(
+            total=self.batches_per_epoch,
+            initial=position.batch,
+            desc=f"epoch {position.epoch + 1}/{config.epochs}",
+            disable=not (config.progress and self.is_main),
+            leave=False,
+            dynamic_ncols=True,
+        )
+        stopped = None
+        for batch in self.loader:
+            if position.batch >= self.batches_per_epoch:
+                break
+            metrics = self.train_step(move_to(batch, self.device))
+            bar.set_postfix(_format(metrics), refresh=False)
+            bar.update(1)
+            self.calibrate(metrics["step_seconds"])
+            stopped = self.stop_reason()
             if stopped is not None:
-                record["stopped"] = stopped
-            history.records.append(record)
-            log(record)
-            if callback is not None and is_main:
-                callback(record)
-            if config.progress and is_main:
-                tqdm.write(" ".join(f"{k}={v}" for k, v in _format(record).items() if k != "kind"))
-            if batch_in_epoch >= batches_per_epoch:
-                epoch, batch_in_epoch = epoch + 1, 0
-            running, count = {}, 0
-            if config.max_time is not None and stopped is None and step:
-                replan(clock() / step)  # seconds per step so far, evaluations included
-            checkpoint()
-        model.eval()
-        return history
+                break
+            if config.checkpoint_every and position.step % config.checkpoint_every == 0:
+                if position.batch < self.batches_per_epoch:
+                    self.save()
+                    self.log_step()
+        bar.close()
+        return stopped
+
+    def train_step(self, batch: Any) -> dict[str, float]:
+        """One update on ``batch``; its metrics (the loss, the task's, ``step_seconds``), added to the running sums."""
+        position = self.position
+        started = time.perf_counter()
+        loss, metrics = self.task.loss(self.net, batch)
+        if not bool(torch.isfinite(loss)):
+            raise FloatingPointError(
+                f"the training loss became {float(loss.detach())} at epoch {position.epoch + 1}, "
+                f"step {position.step}; lower lr (now {self.scheduler.get_last_lr()[0]:.3g}) or the solver "
+                f"tolerances"
+            )
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if self.config.grad_clip:
+            metrics = {
+                **metrics,
+                "grad_norm": float(nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)),
+            }
+        after_backward = getattr(self.task, "after_backward", None)
+        if callable(after_backward):
+            metrics = {**metrics, **after_backward()}
+        self.optimizer.step()
+        self.scheduler.step()
+        seconds = time.perf_counter() - started
+        position.step += 1
+        position.batch += 1
+        metrics = {"loss": float(loss.detach()), **{k: float(v) for k, v in metrics.items()}, "step_seconds": seconds}
+        for key, value in metrics.items():
+            position.running[key] = position.running.get(key, 0.0) + value
+        position.count += 1
+        return metrics
+
+    def train_means(self) -> dict[str, float]:
+        """The mean training metrics of the epoch so far, averaged over the ranks: ``{"train_<metric>": mean}``."""
+        position = self.position
+        means = distributed.reduce_mean({k: v / max(position.count, 1) for k, v in position.running.items()})
+        return {f"train_{k}": v for k, v in means.items()}
+
+    def log_step(self) -> None:
+        """Log the training metrics within an epoch (at a checkpoint)."""
+        position = self.position
+        means = self.train_means()
+        lr = self.scheduler.get_last_lr()[0]
+        self.log(
+            {"kind": "step", "epoch": position.epoch + 1, "step": position.step, "lr": lr, "time": self.clock(), **means}
+        )
+
+    def evaluate(self) -> dict[str, float]:
+        """The task's metrics on the validation batches (averaged over the ranks, weighted by their examples)."""
+        self.model.eval()
+        with torch.no_grad():
+            batches = (move_to(b, self.device) for b in cast("Iterable[Any]", self.val_batches))
+            evaluated = self.task.evaluate(self.model, batches) if self.val_share != 0 else {}
+        if self.val_share is not None:
+            evaluated = distributed.reduce_mean(evaluated, weight=self.val_share)
+        return {f"val_{k}": float(v) for k, v in evaluated.items()}
+
+    def end_epoch(self, stopped: str | None) -> None:
+        """Record the epoch (evaluated when due), move to the next one, re-plan a budget, save."""
+        position, config = self.position, self.config
+        record: dict[str, Any] = {
+            "kind": "epoch",
+            "epoch": position.epoch + 1,
+            "step": position.step,
+            "batches": position.count,
+            "lr": self.scheduler.get_last_lr()[0],
+            **self.train_means(),
+        }
+        last_epoch = position.epoch + 1 == config.epochs or stopped is not None
+        if self.val_batches is not None and ((position.epoch + 1) % config.eval_every == 0 or last_epoch):
+            record.update(self.evaluate())
+        record["time"] = self.clock()
+        if stopped is not None:
+            record["stopped"] = stopped
+        self.history.records.append(record)
+        self.log(record)
+        if self.callback is not None and self.is_main:
+            self.callback(record)
+        if config.progress and self.is_main:
+            tqdm.write(" ".join(f"{k}={v}" for k, v in _format(record).items() if k != "kind"))
+        if position.batch >= self.batches_per_epoch:
+            position.epoch, position.batch = position.epoch + 1, 0
+        position.running, position.count = {}, 0
+        if config.max_time is not None and stopped is None and position.step:
+            self.replan(self.clock() / position.step)  # seconds per step so far, evaluations included
+        self.save()
 
 
 def _replan(plan: dict[str, int], config: TrainConfig, steps: int, total_steps: int) -> None:
@@ -663,9 +759,8 @@ def _check_fresh(config: TrainConfig, out_dir: Path) -> None:
         return
     if not config.overwrite:
         raise runs.RunFolderError(
-            f"{out_dir} already holds a run ({', '.join(found)}): resume it "
-            f"(TrainConfig.resume=True, --resume), replace it (overwrite=True, --overwrite) "
-            f"or choose another out_dir"
+            f"{out_dir} already holds a run ({', '.join(found)}): resume it (resume=True), "
+            f"replace it (overwrite=True) or choose another out_dir"
         )
     for name in found:
         (out_dir / name).unlink()

@@ -39,6 +39,7 @@ from et_ode import Adaptive, ETField, find_attractor, solve
 from et_ode.analysis.convergence import RateFit, fit_decay
 from et_ode.analysis.plots import _finish
 from et_ode.analysis.sphere import hessian_in_frame, unit_scale
+from et_ode.backend.validation import check_positive
 from et_ode.dynamics.manifold import radial_direction
 
 PathLike = str | os.PathLike[str]
@@ -233,8 +234,7 @@ def measured_exponent(
         ("min_decades", min_decades),
         ("floor", floor),
     ):
-        if not (isinstance(value, (int, float)) and 0 < value < math.inf):
-            raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+        check_positive(name, value)
     grid = torch.cat(
         [torch.zeros(1, dtype=torch.float64), torch.logspace(-2, math.log10(t_end), points - 1, dtype=torch.float64)]
     )

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from et_ode import ETField, Solution
+from et_ode.backend.validation import check_positive
 from et_ode.energy.masks import Mask
 
 
@@ -241,11 +242,9 @@ def analyze_convergence(
         tail: fraction of the time span in log time, at the end, over which the decay of RMS ``|dg/dt|`` is
             fitted (exponential and power law; ``better_fit`` is the one with the smaller log residual).
     """
-    if not tol > 0:
-        raise ValueError(f"tol must be positive, got {tol!r}")
+    check_positive("tol", tol)
     tangent_tol = tol if tangent_tol is None else tangent_tol
-    if not tangent_tol > 0:
-        raise ValueError(f"tangent_tol must be positive, got {tangent_tol!r}")
+    check_positive("tangent_tol", tangent_tol)
     traces = convergence_traces(solution)
     samples = []
     for b in range(traces.energy.shape[1]):

@@ -27,6 +27,7 @@ from torch import Tensor
 
 from et_ode import ETField
 from et_ode.analysis.sphere import hessian_in_frame, retract, unit_scale
+from et_ode.backend.validation import check_positive
 
 
 @dataclass
@@ -103,11 +104,10 @@ def newton_critical_point(
     (relative to the largest ``|lambda|``) decides the index.
     """
     x = _check_state(field, x)
-    if not (tol > 0 and radius > 0 and isinstance(max_iter, int) and max_iter >= 0):
-        raise ValueError(
-            f"tol and radius must be positive and max_iter a non-negative integer, got tol={tol}, "
-            f"radius={radius}, max_iter={max_iter}"
-        )
+    check_positive("tol", tol)
+    check_positive("radius", radius)
+    if isinstance(max_iter, bool) or not (isinstance(max_iter, int) and max_iter >= 0):
+        raise ValueError(f"max_iter must be a non-negative integer, got {max_iter!r}")
     size = math.sqrt(x.numel())
     iterations = 0
     matrix, gradient, frame = hessian_in_frame(field, x)
@@ -160,8 +160,8 @@ def saddle_from_minimum(
     x = _check_state(field, x_min)
     if direction not in (1, -1):
         raise ValueError(f"direction must be +1 or -1, got {direction!r}")
-    if not (push > 0 and radius > 0):
-        raise ValueError(f"push and radius must be positive, got push={push}, radius={radius}")
+    check_positive("push", push)
+    check_positive("radius", radius)
     matrix, gradient, frame = hessian_in_frame(field, x)
     values, vectors = torch.linalg.eigh(matrix)
     x = _step_in_g(field, x, frame, direction * push * vectors[:, 0])

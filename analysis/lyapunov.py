@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 
 from et_ode import ETField, Solution, SolveError
 from et_ode.analysis.convergence import flat_field, flat_states
+from et_ode.backend.validation import check_positive
 
 KINDS = ("energy rise", "dE/dt mismatch", "dE/dt > 0", "M not PSD")
 
@@ -160,8 +161,7 @@ def bounded_odeint(
         et_ode.SolveError: the integration exceeds the budget or cannot go on (step-size underflow, a state too
             large): the message names ``what`` and the interval, instead of torchdiffeq's AssertionError.
     """
-    if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
-        raise ValueError(f"max_steps must be a positive integer, got {max_steps!r}")
+    check_positive("max_steps", max_steps, integer=True)
     options = {"max_num_steps": max_steps} if method in _ADAPTIVE else None
     try:
         return odeint(func, y0, grid, method=method, rtol=rtol, atol=atol, options=options)
@@ -222,8 +222,7 @@ def check_lyapunov(
         )
     if not (isinstance(dense_points, int) and dense_points >= 2 and dense_points % 2 == 0):
         raise ValueError(f"dense_points must be an even integer >= 2, got {dense_points!r}")
-    if not match_rtol > 0:
-        raise ValueError(f"match_rtol must be positive, got {match_rtol!r}")
+    check_positive("match_rtol", match_rtol)
     finfo = torch.finfo(xs.dtype)
     energy_rtol = 100 * finfo.eps if energy_rtol is None else energy_rtol
     field = flat_field(solution)

@@ -24,6 +24,7 @@ from torch import Tensor
 
 from et_ode import Adaptive, ETField, Solution, solve
 from et_ode.analysis.convergence import convergence_traces, flat_field, flat_states, sample_field
+from et_ode.backend.validation import check_positive
 from et_ode.dynamics.manifold import radial_direction, tangent_projection
 
 PathLike = str | os.PathLike[str]
@@ -522,8 +523,7 @@ def plot_film_strip(
     low = min(float(p.min()) for _, p in panels)
     high = max(float(p.max()) for _, p in panels)
     high = high if high > low else low + 1.0
-    if not (isinstance(columns, int) and columns >= 1):
-        raise ValueError(f"columns must be a positive integer, got {columns!r}")
+    check_positive("columns", columns, integer=True)
     cols = min(columns, len(panels))
     rows = -(-len(panels) // cols)
     figsize = figsize or (2.0 * cols + 1.0, 2.4 * rows + 0.5)

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from et_ode.backend.validation import check_positive
 from et_ode.data._files import check_file
 
 if TYPE_CHECKING:  # an optional dependency (extra `graph`), imported where a function needs it
@@ -273,8 +274,7 @@ def add_laplacian_pe(data: Data, k: int = 15, *, seed: int = 0) -> Data:
     _require_pyg()
     from torch_geometric.transforms import AddLaplacianEigenvectorPE
 
-    if not (isinstance(k, int) and k >= 1):
-        raise ValueError(f"k (pe_dim) must be a positive integer, got {k!r}")
+    check_positive("k (pe_dim)", k, integer=True)
     n = data.num_nodes
     if n <= 1:
         data.pe = torch.zeros(n, k)
@@ -291,8 +291,7 @@ def add_laplacian_pe(data: Data, k: int = 15, *, seed: int = 0) -> Data:
 
 def add_degree_features(data: Data, max_degree: int) -> Data:
     """Append a one-hot of each node's in-degree (clamped to ``max_degree``) to ``data.x``: ``F -> F + max_degree + 1``."""
-    if not (isinstance(max_degree, int) and max_degree >= 1):
-        raise ValueError(f"max_degree must be a positive integer, got {max_degree!r}")
+    check_positive("max_degree", max_degree, integer=True)
     degree = torch.bincount(data.edge_index[1], minlength=data.num_nodes).clamp(max=max_degree)
     data.x = torch.cat([data.x, torch.nn.functional.one_hot(degree, max_degree + 1).to(data.x.dtype)], dim=1)
     return data
@@ -305,8 +304,7 @@ def add_random_walk_features(data: Data, steps: int) -> Data:
     _require_pyg()
     from torch_geometric.transforms import AddRandomWalkPE
 
-    if not (isinstance(steps, int) and steps >= 1):
-        raise ValueError(f"rw_steps must be a positive integer, got {steps!r}")
+    check_positive("rw_steps", steps, integer=True)
     walk = AddRandomWalkPE(steps, attr_name="rw")(data.clone()).rw
     data.x = torch.cat([data.x, walk.to(data.x.dtype)], dim=1)
     return data

@@ -51,6 +51,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from et_ode.backend.validation import check_positive
 from et_ode.data import photographs
 from et_ode.data._files import FileFormatError, check_elements, check_file
 
@@ -176,8 +177,7 @@ def tile_images(images: Tensor, tile: int, stride: int | None = None) -> Tensor:
     ``(n * rows * cols, C, tile, tile)``. Pixels past the last whole tile (right and bottom) are dropped."""
     stride = tile if stride is None else stride
     for name, value in (("tile", tile), ("stride", stride)):
-        if not (isinstance(value, int) and value >= 1):
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        check_positive(name, value, integer=True)
     n, c, h, w = images.shape
     if h < tile or w < tile:
         raise ValueError(f"tile {tile} is larger than the images ({h}x{w})")
@@ -569,8 +569,7 @@ def load_photographs(split: str = "train", *, channels: int = 1, tile: int = 16,
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     if channels not in (1, 3):
         raise ValueError(f"channels must be 1 (grey) or 3 (RGB, the colour photographs only), got {channels!r}")
-    if not (isinstance(tile, int) and tile >= 1):
-        raise ValueError(f"tile must be a positive integer, got {tile!r}")
+    check_positive("tile", tile, integer=True)
     parts = []
     for name, (assigned, colour) in photographs.PHOTOGRAPHS.items():
         if (split != "all" and assigned != split) or (channels == 3 and not colour):

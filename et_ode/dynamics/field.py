@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import math
 import numbers
 import threading
 
@@ -11,6 +10,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from et_ode.backend.validation import check_positive
 from et_ode.energy.checks import check_mask, check_tokens
 from et_ode.energy.masks import GraphMask, Mask
 from et_ode.energy.model import EnergyTransformer
@@ -110,8 +110,7 @@ class ETField(nn.Module):
             raise TypeError(f"model must be an EnergyTransformer, got {type(model).__name__}")
         if isinstance(tau, bool) or not isinstance(tau, (int, float, numbers.Real)):
             raise TypeError(f"tau must be a real number, got {type(tau).__name__} {tau!r}")
-        if not (0 < float(tau) < math.inf):
-            raise ValueError(f"tau must be positive and finite, got {tau!r}")
+        check_positive("tau", float(tau))
         if derivative not in DERIVATIVES:
             raise ValueError(f"derivative must be one of {DERIVATIVES}, got {derivative!r}")
         if backend not in BACKENDS:

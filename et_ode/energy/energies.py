@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor, nn
 
+from et_ode.backend.validation import check_positive
 from et_ode.energy.masks import GraphMask, Mask, key_query
 
 
@@ -69,8 +70,7 @@ class EnergyAttention(nn.Module):
     ):
         super().__init__()
         for name, value in (("dim", dim), ("heads", heads), ("head_dim", head_dim)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            check_positive(name, value, integer=True)
         self.dim, self.heads, self.head_dim = dim, heads, head_dim
         self.self_attention = self_attention
         std = init_std if init_std is not None else 1.0 / math.sqrt(dim)
@@ -248,12 +248,10 @@ class HopfieldMemory(nn.Module):
         super().__init__()
         if form not in HOPFIELD_FORMS:
             raise ValueError(f"hopfield form must be one of {HOPFIELD_FORMS}, got {form!r}")
-        if not isinstance(memories, int) or memories < 1:
-            raise ValueError(f"memories must be a positive integer, got {memories!r}")
+        check_positive("memories", memories, integer=True)
         default = {"relu": 1.0, "softmax": 1.0, "softplus": 4.0}[form]
         beta = default if beta is None else float(beta)
-        if not (beta > 0 and math.isfinite(beta)):
-            raise ValueError(f"beta_hn must be positive and finite, got {beta!r}")
+        check_positive("beta_hn", beta)
         self.dim, self.memories, self.form, self.beta = dim, memories, form, beta
         std = init_std if init_std is not None else 1.0 / math.sqrt(dim)
         self.xi = nn.Parameter(torch.randn(memories, dim, dtype=dtype, device=device) * std)

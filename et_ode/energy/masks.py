@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from et_ode.backend.validation import check_positive
+
 
 class GraphMask:
     """An attention mask as a coalesced edge list (sorted by query, then key; duplicates removed).
@@ -40,8 +42,7 @@ class GraphMask:
             raise TypeError(f"edge_index must have dtype torch.long (int64), got {edge_index.dtype}")
         if edge_index.dim() != 2 or edge_index.shape[0] != 2:
             raise ValueError(f"edge_index must have shape (2, E), got shape {tuple(edge_index.shape)}")
-        if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1:
-            raise ValueError(f"num_nodes must be a positive integer, got {num_nodes!r}")
+        check_positive("num_nodes", num_nodes, integer=True)
         bad = (edge_index < 0) | (edge_index >= num_nodes)
         if bool(bad.any()):
             row, column = (int(i) for i in bad.nonzero()[0])

@@ -16,6 +16,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from et_ode.backend.validation import check_positive
+
 
 def radial_direction(g: Tensor, delta: Tensor | float) -> tuple[Tensor, Tensor]:
     """Unit radial direction ``s_A = (g_A - delta) / r_A`` (centered) and the radius ``r_A``: ``(..., N, D)`` ->
@@ -70,10 +72,9 @@ class LayerNormNeuron(nn.Module):
         super().__init__()
         if not isinstance(dim, int) or dim < 2:
             raise ValueError(f"dim must be an integer >= 2, got {dim!r}")
-        if not (eps > 0 and math.isfinite(eps)):
-            raise ValueError(f"eps must be a positive finite number, got {eps!r}")
-        if positive_gamma and not (gamma > 0 and math.isfinite(gamma)):
-            raise ValueError(f"gamma must be a positive finite number, got {gamma!r}")
+        check_positive("eps", eps)
+        if positive_gamma:
+            check_positive("gamma", gamma)
         self.dim = dim
         self.eps = float(eps)
         self.positive_gamma = positive_gamma

@@ -44,7 +44,7 @@ from et_ode.equilibrium.certify import (
     HANDOFF,
     HANDOFFS,
     MAX_SEGMENTS,
-    METHODS,
+    SEARCH_METHODS,
     SEGMENT,
     Attractor,
     certify,
@@ -137,13 +137,11 @@ def _check_arguments(
         raise ValueError(f"x0 has an empty batch: shape {tuple(x0.shape)} (*batch, N, D); give at least one sample")
     check_mask(field.mask, x0)
     for name, value in numbers.items():
-        if isinstance(value, bool) or not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
-            raise ValueError(f"{name} must be a positive finite number, got {value!r}")
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+        check_positive(name, value)
+    if method not in SEARCH_METHODS:
+        raise ValueError(f"method must be one of {SEARCH_METHODS}, got {method!r}")
     for name, count in counts.items():
-        if isinstance(count, bool) or not (isinstance(count, int) and count >= 1):
-            raise ValueError(f"{name} must be a positive integer, got {count!r}")
+        check_positive(name, count, integer=True)
     if not float(field.model.neuron.gamma.detach()) > 0:  # (before the flow; certify checks it too)
         raise ValueError("find_attractor needs gamma > 0 (the energy is then a Lyapunov function)")
 
@@ -274,14 +272,9 @@ class AttractorReadout:
     implicit: Implicit = Implicit()
 
     def __post_init__(self) -> None:
-        for name in ("tol", "handoff"):
-            value = getattr(self, name)
-            if value is None and name == "tol":
-                continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value < math.inf):
-                raise ValueError(f"AttractorReadout.{name} must be a positive finite number, got {value!r}")
-        if isinstance(self.max_iter, bool) or not isinstance(self.max_iter, int) or self.max_iter < 1:
-            raise ValueError(f"AttractorReadout.max_iter must be a positive integer, got {self.max_iter!r}")
+        check_positive("AttractorReadout.tol", self.tol, optional=True)
+        check_positive("AttractorReadout.handoff", self.handoff)
+        check_positive("AttractorReadout.max_iter", self.max_iter, integer=True)
         if not isinstance(self.implicit, Implicit):
             raise TypeError(f"AttractorReadout.implicit must be an et_ode.Implicit, got {type(self.implicit).__name__}")
 

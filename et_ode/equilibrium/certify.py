@@ -25,7 +25,7 @@ from et_ode.integrators.solvers import Adaptive, SolverFailure
 from et_ode.integrators.stopping import SteadyState
 from et_ode.linalg.krylov import lanczos
 
-METHODS = ("newton", "gradient")
+SEARCH_METHODS = ("newton", "gradient")  # find_attractor's method: Newton with a descent fallback, or descent
 HANDOFF, HANDOFFS = 0.1, 6  # the first hand-off level (RMS |T dE/dg|), and how many levels at most (each 10x lower)
 SEGMENT, MAX_SEGMENTS = 20.0, 50  # the flow phase: segments of SEGMENT * tau between rescalings, per level
 FLOW_RTOL, FLOW_ATOL = 1e-4, 1e-8  # the flow phase's dopri5 tolerances

@@ -169,8 +169,7 @@ TSIT5 = Tableau(  # Tsitouras (2011), the 5(4) pair with its own order-4 interpo
     ),
 )
 
-TABLEAUX = {"dopri5": DOPRI5, "bosh3": BOSH3, "tsit5": TSIT5}
-METHODS = tuple(TABLEAUX)
+TABLEAUX = {"dopri5": DOPRI5, "bosh3": BOSH3, "tsit5": TSIT5}  # by method: Adaptive.OWN_METHODS
 
 
 class Counter(Protocol):
@@ -697,7 +696,7 @@ def integrate(
     """Integrate ``dx/dt = field(t, x)`` from ``x0`` ``(*batch, N, D)`` over the float64 ``grid`` ``(T,)``.
 
     Args:
-        method: one of :data:`METHODS`.
+        method: a key of :data:`TABLEAUX` (:attr:`~et_ode.Adaptive.OWN_METHODS`).
         per_sample: each sample its own step size, error norm, accept/reject and end (else one for the batch).
         pid: the controller's ``(pcoeff, icoeff, dcoeff)``; :data:`I_CONTROLLER` by default.
         first_step: the first step size, or None to choose it (one evaluation more).
@@ -719,7 +718,7 @@ def integrate(
     ``pid``.
     """
     if method not in TABLEAUX:
-        raise ValueError(f"method must be one of {METHODS} for et-ode's adaptive loop, got {method!r}")
+        raise ValueError(f"method must be one of {tuple(TABLEAUX)} for et-ode's adaptive loop, got {method!r}")
     if per_sample and keep_steps:
         raise ValueError("save='steps' needs one step sequence for the batch: use step_control='shared'")
     if stop is not None and (save_all or keep_steps):

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from et_ode.dynamics.field import ETField
 
-METHODS = ("euler", "midpoint", "rk4")
+LEAN_METHODS = ("euler", "midpoint", "rk4")  # the fixed-step methods this loop runs
 
 # the stage times of a step, as fractions of ``dt`` in torchdiffeq's expressions (``t0 + dt * c``)
 _ONE_THIRD, _TWO_THIRDS = 1 / 3, 2 / 3
@@ -43,7 +43,7 @@ class StepRecorder(Protocol):
 def applies(method: str, options: dict[str, Any]) -> bool:
     """Whether the lean loop integrates ``method`` with these torchdiffeq ``options`` (only ``step_size``; no
     ``perturb``, ``interp`` or ``grid_constructor``, which keep torchdiffeq's own loop)."""
-    return method in METHODS and set(options) <= {"step_size"}
+    return method in LEAN_METHODS and set(options) <= {"step_size"}
 
 
 def step_grid(grid: Tensor, step_size: float | None) -> Tensor:

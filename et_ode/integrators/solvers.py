@@ -24,6 +24,8 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import Tensor
 
+from et_ode.backend.validation import check_positive
+
 ADAPTIVE_METHODS = ("dopri5", "dopri8", "bosh3", "fehlberg2", "adaptive_heun")
 FIXED_METHODS = ("euler", "midpoint", "rk4", "explicit_adams", "implicit_adams")
 METHODS = (*ADAPTIVE_METHODS, *FIXED_METHODS, "et")
@@ -43,11 +45,6 @@ class SolverFailure(Exception):
 
 
 BUDGET_ADVICE = "raise max_steps, loosen rtol/atol, or shorten the horizon"
-
-
-def _positive(owner: str, name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value < math.inf):
-        raise ValueError(f"{owner}.{name} must be a positive finite number, got {value!r}")
 
 
 def _check_options(owner: str, options: object) -> None:
@@ -121,8 +118,8 @@ class Adaptive:
                 f"Adaptive.method must be one of {(*ADAPTIVE_METHODS, 'tsit5')}, got {self.method!r}"
                 + (" (a fixed-step method: use Fixed)" if self.method in METHODS else "")
             )
-        _positive("Adaptive", "rtol", self.rtol)
-        _positive("Adaptive", "atol", self.atol)
+        check_positive("Adaptive.rtol", self.rtol)
+        check_positive("Adaptive.atol", self.atol)
         _check_options("Adaptive", self.options)
         for name, valid in (("loop", self.LOOPS), ("step_control", self.STEP_CONTROLS), ("controller", self.CONTROLLERS)):
             if getattr(self, name) not in valid:
@@ -223,8 +220,7 @@ class Fixed:
                 + (" (an adaptive method: use Adaptive)" if self.method in ADAPTIVE_METHODS else "")
                 + (" (the paper's scheme: use EulerET)" if self.method == "et" else "")
             )
-        if self.step_size is not None:
-            _positive("Fixed", "step_size", self.step_size)
+        check_positive("Fixed.step_size", self.step_size, optional=True)
         _check_options("Fixed", self.options)
         if self.options and "step_size" in self.options:
             raise ValueError("Fixed.options must not hold step_size: give Fixed(step_size=...)")
@@ -289,9 +285,8 @@ class EulerET:
     method: ClassVar[str] = "euler"  # the torchdiffeq method it is
 
     def __post_init__(self) -> None:
-        _positive("EulerET", "alpha", self.alpha)
-        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
-            raise ValueError(f"EulerET.steps must be a positive integer, got {self.steps!r}")
+        check_positive("EulerET.alpha", self.alpha)
+        check_positive("EulerET.steps", self.steps, integer=True)
 
     @property
     def name(self) -> str:

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from torch import Tensor
 
+from et_ode.backend.validation import check_positive
 from et_ode.dynamics.field import ETField
 
 MEASURES = ("dg_dt", "tangent_gradient")
@@ -33,8 +33,7 @@ class SteadyState:
     per_sample: bool = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.tol, bool) or not isinstance(self.tol, (int, float)) or not (0 < self.tol < math.inf):
-            raise ValueError(f"SteadyState.tol must be a positive finite tolerance, got {self.tol!r}")
+        check_positive("SteadyState.tol", self.tol)
         if self.measure not in MEASURES:
             raise ValueError(f"SteadyState.measure must be one of {MEASURES}, got {self.measure!r}")
         if not isinstance(self.per_sample, bool):

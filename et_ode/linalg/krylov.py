@@ -12,6 +12,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from et_ode.backend.validation import check_positive
+
 Operator = Callable[[Tensor], Tensor]
 
 
@@ -45,8 +47,7 @@ def lanczos(
     Returns ``(ritz_values, residuals)``, each ``(B, m)``, values ascending; ``residuals[b, i]`` bounds
     the distance of ``ritz_values[b, i]`` from an eigenvalue of the operator.
     """
-    if not (isinstance(iterations, int) and iterations >= 1):
-        raise ValueError(f"iterations must be a positive integer, got {iterations!r}")
+    check_positive("iterations", iterations, integer=True)
     project = project or (lambda v: v)
     tiny = torch.finfo(v0.dtype).eps ** 0.75
 

@@ -24,6 +24,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from et_ode.backend.validation import check_positive
+
 __all__ = ["biharmonic_fill", "biharmonic_matrix"]
 
 
@@ -52,8 +54,8 @@ def _matrix(height: int, width: int) -> np.ndarray:
 def biharmonic_matrix(height: int, width: int) -> Tensor:
     """The biharmonic operator ``K (H W, H W)`` (float64, row-major pixels) whose rows are the equations of the
     hidden pixels; interior rows hold the stencil 20 / -8 (edge neighbours) / 2 (diagonals) / 1 (two away)."""
-    if not (isinstance(height, int) and isinstance(width, int) and height >= 1 and width >= 1):
-        raise ValueError(f"height and width must be positive integers, got {height!r}, {width!r}")
+    check_positive("height", height, integer=True)
+    check_positive("width", width, integer=True)
     return torch.from_numpy(_matrix(height, width).copy())
 
 

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from et_ode.backend.validation import check_positive
 from et_ode.dynamics.field import ETField
 from et_ode.energy.masks import GraphMask
 from et_ode.energy.model import EnergyTransformer
@@ -82,8 +83,7 @@ class GraphET(nn.Module):
         if pool not in POOLS:
             raise ValueError(f"pool must be one of {POOLS}, got {pool!r}")
         for name, value in (("in_features", in_features), ("classes", classes)):
-            if not (isinstance(value, int) and value >= 1):
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            check_positive(name, value, integer=True)
         if not (isinstance(pe_dim, int) and pe_dim >= 0):
             raise ValueError(f"pe_dim must be an integer >= 0, got {pe_dim!r}")
         if isinstance(dim, int) and not isinstance(dim, bool):

@@ -40,6 +40,7 @@ import torch
 from torch import Tensor, nn
 
 from et_ode.backend import devices
+from et_ode.backend.validation import check_positive
 from et_ode.dynamics.field import ETField
 from et_ode.energy.model import EnergyTransformer
 from et_ode.integrators.solution import Solution
@@ -68,8 +69,7 @@ def check_model_size(dim: object, heads: object, head_dim: object, memories: obj
         "memories": 4 * dim if memories is None and isinstance(dim, int) else memories,
     }
     for name, value in sizes.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        check_positive(name, value, integer=True)
     d, h, y, k = (int(v) for v in sizes.values())  # type: ignore[call-overload]
     count = 2 * h * y * d + k * d + 2 * d + h + extra
     if count > MAX_PARAMETERS:
@@ -235,8 +235,7 @@ class ImageET(nn.Module):
             raise ValueError(f"patch must be a positive integer dividing H={h} and W={w}, got {patch!r}")
         if isinstance(tau, bool) or not isinstance(tau, (int, float, numbers.Real)):
             raise TypeError(f"tau must be a real number, got {type(tau).__name__} {tau!r}")
-        if not 0 < float(tau) < float("inf"):
-            raise ValueError(f"tau must be positive and finite, got {tau!r}")
+        check_positive("tau", float(tau))
         if cls_position and not cls_token:
             raise ValueError("cls_position=True puts a position on the CLS token: it needs cls_token=True")
         self.image_shape = (c, h, w)

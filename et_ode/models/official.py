@@ -49,6 +49,7 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
+from et_ode.backend.validation import check_positive
 from et_ode.data._files import FileFormatError, read_npz
 from et_ode.energy.neurons import inverse_softplus
 from et_ode.integrators.solvers import EulerET
@@ -388,8 +389,7 @@ def official_masks(batch: int, num_patches: int, masked: int | None = None, *, s
     masked = default_masked(num_patches) if masked is None else masked
     if not (isinstance(masked, int) and 1 <= masked <= num_patches):
         raise ValueError(f"masked must be an integer in [1, {num_patches}] (patches hidden per image), got {masked!r}")
-    if not (isinstance(batch, int) and batch >= 1):
-        raise ValueError(f"batch must be a positive integer, got {batch!r}")
+    check_positive("batch", batch, integer=True)
     generator = torch.Generator().manual_seed(seed)
     order = torch.rand(batch, num_patches, generator=generator).argsort(dim=1)
     hidden = torch.zeros(batch, num_patches, dtype=torch.bool)

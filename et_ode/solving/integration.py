@@ -10,13 +10,13 @@ and the step budget. :meth:`Integration.to_dict` and :meth:`Integration.from_dic
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from torch import Tensor
 
+from et_ode.backend.validation import check_positive
 from et_ode.dynamics.field import ETField
 from et_ode.equilibrium.attractor import AttractorReadout
 from et_ode.integrators.solution import Solution
@@ -95,10 +95,8 @@ class Integration:
         object.__setattr__(self, "gradient", gradient)
         if self.stop is not None and not isinstance(self.stop, SteadyState):
             raise TypeError(f"Integration.stop must be an et_ode.SteadyState or None, got {type(self.stop).__name__}")
-        if isinstance(self.t1, bool) or not isinstance(self.t1, (int, float)) or not (0 < self.t1 < math.inf):
-            raise ValueError(f"Integration.t1 must be positive and finite, got {self.t1!r}")
-        if isinstance(self.max_steps, bool) or not isinstance(self.max_steps, int) or self.max_steps < 1:
-            raise ValueError(f"Integration.max_steps must be a positive integer, got {self.max_steps!r}")
+        check_positive("Integration.t1", self.t1)
+        check_positive("Integration.max_steps", self.max_steps, integer=True)
         if self.attractor is not None and not isinstance(self.attractor, AttractorReadout):
             raise TypeError(
                 f"Integration.attractor must be an et_ode.AttractorReadout or None, got {type(self.attractor).__name__}"

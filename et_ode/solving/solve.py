@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from et_ode.backend import runtime
+from et_ode.backend.validation import check_positive
 from et_ode.dynamics.field import ETField
 from et_ode.energy.checks import check_mask, check_tokens
 from et_ode.integrators.loop import Problem, Progress
@@ -81,8 +82,7 @@ def solve(
         raise TypeError(f"stop must be an et_ode.SteadyState or None, got {type(stop).__name__}")
     if save not in SAVES:
         raise ValueError(f"save must be one of {SAVES}, got {save!r}")
-    if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
-        raise ValueError(f"max_steps must be a positive integer, got {max_steps!r}")
+    check_positive("max_steps", max_steps, integer=True)
     check_tokens("x0", x0, field.model.dim, like=field.model.neuron.delta, normalisable=True)
     if x0.shape[:-2].numel() == 0:
         raise ValueError(f"x0 has an empty batch: shape {tuple(x0.shape)} (*batch, N, D); give at least one sample")

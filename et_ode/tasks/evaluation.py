@@ -41,6 +41,7 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from et_ode.backend.validation import check_positive
 from et_ode.data.images import ImageSet
 from et_ode.models.image import fixed_mask_set, masked_mse, patchify, unpatchify
 from et_ode.solving.integration import Integration
@@ -113,8 +114,7 @@ def evaluate_checkpoint(
         raise ValueError(f"--predictors must name some of {', '.join(PREDICTORS)}, got {', '.join(predictors) or 'none'}")
     if split not in ("test", "validation"):
         raise ValueError(f"--split must be test or validation, got {split!r}")
-    if limit is not None and not (isinstance(limit, int) and limit >= 1):
-        raise ValueError(f"--limit must be a positive integer, got {limit!r}")
+    check_positive("limit", limit, integer=True, optional=True)
     model, run = load_trained(checkpoint, device)
     source = _source(run, data, data_path, test_path, split)
     evaluated = _evaluated_images(run, source, model.image_shape)

@@ -36,6 +36,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from et_ode.backend.devices import move_to, resolve_device, seed_everything
+from et_ode.backend.validation import check_positive
 from et_ode.models.graph import GraphET
 from et_ode.solving.integration import Integration
 from et_ode.training.train import TrainConfig, fit
@@ -239,8 +240,7 @@ def cross_validate(
     from sklearn.model_selection import StratifiedKFold
 
     labels = np.array([int(graph.y) for graph in graphs])
-    if not (isinstance(ensemble, int) and ensemble >= 1):
-        raise ValueError(f"ensemble must be a positive integer, got {ensemble!r}")
+    check_positive("ensemble", ensemble, integer=True)
     if len(graphs) < folds or np.bincount(labels).min() < folds:
         raise ValueError(
             f"{folds}-fold stratified cross-validation needs at least {folds} graphs of every class; "

@@ -509,3 +509,13 @@ def _directional_derivatives(
         return result
 
     return float(analytic), (shifted(1.0) - shifted(-1.0)) / (2 * eps)
+
+
+def test_the_loop_runs_exactly_the_methods_adaptive_routes_to_it():
+    """``Adaptive.OWN_METHODS`` (what the settings send to et-ode's loop) are the loop's tableaux, and a method
+    outside them is refused by name."""
+    assert tuple(adaptive_loop.TABLEAUX) == et_ode.Adaptive.OWN_METHODS
+    with pytest.raises(ValueError, match=r"method must be one of \('dopri5', 'bosh3', 'tsit5'\)"):
+        adaptive_loop.integrate(
+            _tiny_field(), torch.ones(1, 3, 8, dtype=F64), torch.tensor([0.0, 1.0], dtype=F64), method="rk4"
+        )

@@ -443,9 +443,9 @@ def test_the_adjoint_backward_solve_has_its_own_step_budget(field64):
 
 def test_tau_must_be_finite(field64):
     for tau in (float("inf"), float("nan"), 0.0):
-        with pytest.raises(ValueError, match="tau must be positive and finite"):
+        with pytest.raises(ValueError, match="tau must be a positive finite number"):
             ETField(field64.model, tau=tau)
-        with pytest.raises(ValueError, match="tau must be positive and finite"):
+        with pytest.raises(ValueError, match="tau must be a positive finite number"):
             ImageET((1, 8, 8), 2, 8, 2, 4, tau=tau)
     with pytest.raises(ValueError, match="tau must be positive and finite"):
         ImageRunConfig(tau=float("inf"))

@@ -1,11 +1,6 @@
-"""Where and how a run computes: the device, the seeds, this process's rank. A leaf: imports only torch and NumPy.
-
-Public API::
-
-    resolve_device(device) -> torch.device   # "auto" | "cpu" | "cuda" | "cuda:1"; ValueError for an absent device
-    seed_everything(seed) -> None            # Python's, NumPy's and torch's global generators
-    move_to(batch, device) -> batch          # tensors, tuples, lists, dicts, objects with .to()
-    rank() -> int;  world_size() -> int      # 0 and 1 outside a process group (et_ode.training.distributed opens one)
+"""Where and how a run computes: the device (:func:`resolve_device`, :func:`move_to`), the seeds
+(:func:`seed_everything`) and this process's rank (:func:`rank` and :func:`world_size`: 0 and 1 outside a process
+group, which :mod:`et_ode.training.distributed` opens). A leaf: imports only torch and NumPy.
 """
 
 from __future__ import annotations

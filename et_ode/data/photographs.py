@@ -1,29 +1,10 @@
 """Photographs that Python packages ship, each assigned to one split (nothing is downloaded).
 
-22 photographs: 19 bundled with scikit-image (``skimage.data``: only files inside the installed package, none of
-the functions that fetch with pooch), 2 with scikit-learn (``load_sample_images``) and 1 with matplotlib (its
-``sample_data``). Each photograph belongs to one split, fixed here (:data:`PHOTOGRAPHS`), so the tiles of a
-photograph never straddle two splits:
-
-========== ======================================================================== ================================
-split      colour photographs                                                      grey photographs
-========== ======================================================================== ================================
-train      rocket, hubble_deep_field, immunohistochemistry, retina,                moon, page, clock, grass, cell,
-           motorcycle (the left view of stereo_motorcycle), china                  microaneurysms
-validation chelsea, flower                                                          text, gravel
-test       astronaut, coffee, grace_hopper                                          camera, coins, brick
-========== ======================================================================== ================================
-
-``channels=1`` uses all 22 (colour ones converted to grey with the ITU-R BT.601 weights ``0.299 R + 0.587 G +
-0.114 B``, like :func:`et_ode.data.load_png_folder`); ``channels=3`` the 11 colour ones. Photographs are kept at
-their own resolution (from 102x102, microaneurysms, to 1411x1411, retina) and cut into ``tile x tile`` tiles
-``stride`` apart (default ``tile``). Values in ``[0, 1]``; labels ``-1``; :attr:`ImageSet.sources` names each
-tile's photograph (the tiling is :func:`et_ode.data.load_photographs`).
-
-Public API (the tiles: :func:`et_ode.data.load_photographs`)::
-
-    PHOTOGRAPHS: dict[str, tuple[str, bool]]     # name -> (split, colour?)
-    photograph(name) -> np.ndarray (H, W) or (H, W, 3), uint8
+22 photographs: 19 bundled with scikit-image (only files inside the installed package, none that it fetches), 2 with
+scikit-learn and 1 with matplotlib. :data:`PHOTOGRAPHS` fixes the split of each (``name -> (split, colour?)``), so
+the tiles of a photograph never straddle two splits; :func:`photograph` reads one as ``uint8`` pixels ``(H, W)`` or
+``(H, W, 3)`` at its own resolution. The tiles, grey (all 22, ITU-R BT.601 weights) or RGB (the 11 colour ones),
+are :func:`et_ode.data.load_photographs`.
 """
 
 from __future__ import annotations

@@ -1,0 +1,1 @@
+"""Krylov methods on per-sample symmetric operators: Lanczos and conjugate gradients."""

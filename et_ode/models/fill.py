@@ -2,18 +2,12 @@
 
 :func:`biharmonic_fill` solves, for every image, the linear system of scikit-image's
 ``skimage.restoration.inpaint_biharmonic`` (one region, no splitting): at each hidden pixel ``p``,
-``sum_q K[p, q] u[q] = 0``, where row ``p`` of ``K`` is the discrete biharmonic operator (the 5-point Laplacian
-applied twice, a 13-point stencil) computed on the window of radius 2 around ``p`` cut at the image border, with
-reflected borders inside the window (scikit-image's rule); visible pixels keep their values. The result is then
-clipped to the range of the visible pixels of each image and channel, as scikit-image does. The systems of a batch
-are solved together by a dense solve over the hidden pixels (float64), so a batch of 16x16 tiles takes milliseconds
-and no scikit-image is needed: it is fast enough to fill every training batch. The ET image model uses it to start
-hidden tokens from a smooth guess (``ImageET(..., fill="biharmonic")``).
-
-Public API::
-
-    biharmonic_matrix(height, width) -> K (H W, H W) float64   (cached per shape)
-    biharmonic_fill(images (B, C, H, W), hidden (B, H, W) bool) -> filled images (B, C, H, W)
+``sum_q K[p, q] u[q] = 0``, where row ``p`` of ``K`` (:func:`biharmonic_matrix`) is the discrete biharmonic operator
+(the 5-point Laplacian applied twice, a 13-point stencil) computed on the window of radius 2 around ``p`` cut at the
+image border, with reflected borders inside the window (scikit-image's rule); visible pixels keep their values. The
+result is clipped to the range of the visible pixels of each image and channel, as scikit-image does. The systems of
+a batch are solved together by one dense solve over the hidden pixels (float64), without scikit-image, so every
+training batch can be filled: ``ImageET(..., fill="biharmonic")`` starts the hidden tokens from this smooth guess.
 """
 
 from __future__ import annotations

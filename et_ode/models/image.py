@@ -1,32 +1,15 @@
-"""Masked image completion with an Energy Transformer (SPEC section 6).
+"""Masked image completion with an Energy Transformer.
 
-An image ``(C, H, W)`` is cut into ``N = (H/P)(W/P)`` patches of ``C P P`` pixels. Each patch is encoded
-linearly into ``R^D`` and gets a learned positional embedding; a masked (hidden) patch is replaced by a
-learned MASK token plus its position; an optional CLS token comes first. The ET block then evolves the
-tokens by ``tau dx/dt = -dE/dg`` with :func:`et_ode.solve` (any solver, a time horizon or a steady state,
-any gradient mode), and a linear decoder maps each final normalized token ``g`` back to a patch.
+An image ``(C, H, W)`` is cut into ``N = (H/P)(W/P)`` patches of ``C P P`` pixels (:func:`patchify`). Each patch is
+encoded linearly into ``R^D`` and gets a learned positional embedding; a hidden patch is replaced by a learned MASK
+token plus its position; an optional CLS token comes first. The ET block evolves the tokens by
+``tau dx/dt = -dE/dg`` with :func:`et_ode.solve` (any solver, a time horizon or a steady state, any gradient mode),
+and a linear decoder maps each final normalised token ``g`` back to a patch (:class:`ImageET`).
 
-Masks are two boolean tensors ``(B, N)``: ``hidden`` (replaced by MASK) and ``scored`` (counted in the
-loss). Random masks score a fraction of the patches and hide them all; the paper's scheme leaves some of
-the scored patches visible (ImageNet: 100 of 196 scored, 90 hidden, 10 visible): :func:`random_masks`.
-
-Public API::
-
-    ImageET(image_shape, patch, dim, heads, head_dim, memories=None, *, cls_token=False, hopfield="relu",
-            self_attention=False, tau=1.0, integration=DEFAULT_INTEGRATION, cls_position=False, renormalize=False,
-            fill=None)
-        (DEFAULT_INTEGRATION = Integration(Adaptive(rtol=1e-3, atol=1e-4), Adjoint(), t1=1.2, max_steps=2000))
-        .forward(images (B,C,H,W), hidden (B,N), integration=None) -> Completion(patches (B,N,C*P*P), solution)
-        .tokens(images, hidden) -> x0 (B, N(+1), D);  .decode(g) -> (B, N, C*P*P)
-        .filled(images, hidden) -> (B,C,H,W) (the hidden patches by the classical fill; the images without one)
-        (fill: None, "biharmonic" or a callable (images (B,C,H,W), hidden (B,N)) -> filled images (B,C,H,W))
-        .film(images, hidden, times, integration=None, keep_visible=True) -> (frames (T,B,C,H,W), solution)
-        .config() -> dict;  ImageET.from_config(dict)
-        (the official release's plain-dict .npz checkpoint: load_official / save_official, :mod:`et_ode.models.official`)
-    patchify(images, patch) -> (B, N, C*P*P);  unpatchify(patches, patch, image_shape) -> (B, C, H, W)
-    random_masks(batch, num_patches, ratio, *, visible_fraction=0.0, generator=None, device=None)
-        -> (hidden, scored)
-    masked_mse(pred, target, scored) -> scalar;  CompletionTask(ratio, visible_fraction=0.0) (for et_ode.training.train.fit)
+Masks are two boolean tensors ``(B, N)``: ``hidden`` (replaced by MASK) and ``scored`` (counted in the loss,
+:func:`masked_mse`). Random masks score a fraction of the patches and hide them all; the paper's scheme leaves some
+of the scored patches visible (ImageNet: 100 of 196 scored, 90 hidden, 10 visible): :func:`random_masks`.
+:class:`CompletionTask` is the task that :func:`et_ode.training.train.fit` trains.
 """
 
 from __future__ import annotations

@@ -1,0 +1,1 @@
+"""One solve function, its gradient strategies, and the integration settings a model fixes."""

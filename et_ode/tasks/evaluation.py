@@ -1,30 +1,11 @@
-"""Score a trained image-completion checkpoint on any data, beside the classical baselines, with fixed, saved masks.
+"""Score a trained image-completion checkpoint on any data beside the classical baselines, with fixed, saved masks.
 
-``et-ode evaluate CKPT --out DIR`` calls :func:`evaluate_checkpoint`. The checkpoint's model and four classical
-predictors complete the same images with the same masks, and each is scored by the masked-patch MSE (the mean
-squared error over the pixels of the scored patches, :func:`et_ode.models.image.masked_mse`, the training loss):
-
-* ``et``: the trained model (integrated as trained, or as given);
-* ``mean``: the per-position mean of the run's training images (:class:`~et_ode.tasks.baselines.MeanImage`);
-* ``nearest``: the training image nearest on the visible patches (:class:`~et_ode.tasks.baselines.NearestNeighbour`);
-* ``biharmonic``: scikit-image's biharmonic inpainting of each image, no training
-  (:class:`~et_ode.tasks.baselines.Biharmonic`).
-
-The baselines that learn from data use the run's training split, never the evaluated images. The masks are drawn
-from ``mask_seed`` (default: the run's) for the evaluated images in their order, or read from an earlier
-evaluation's ``completions.npz`` (``masks=``), so two checkpoints evaluated on the same data are scored on the same
-patches.
-
-Files written to ``out_dir`` (a new or empty folder; an earlier evaluation is replaced only with ``overwrite``, see
-:func:`et_ode.training.runs.claim`):
-
-* ``config.json``: what was evaluated (checkpoint, data, masks, integration);
-* ``evaluation.json``: the MSE, seconds and (the model) solver statistics of each predictor;
-* ``evaluation.md``: the same as a markdown table;
-* ``completions.npz``: ``images (n, C, H, W)``, ``hidden``, ``scored`` (boolean ``(n, N)``), for each predictor
-  ``completion_<name> (n, C, H, W)`` (its patches where hidden, the input elsewhere) and ``mse_<name> (n,)`` (the
-  per-image MSE over the scored pixels), all float32;
-* ``completions.png``: the first ``grid`` images: masked input, each predictor's completion, the truth.
+:func:`evaluate_checkpoint` lets the checkpoint's model and the classical predictors of :data:`PREDICTORS` (the
+per-position mean, the nearest training image, biharmonic inpainting: :mod:`et_ode.tasks.baselines`) complete the
+same images with the same masks, and scores each by the masked-patch MSE, the training loss
+(:func:`et_ode.models.image.masked_mse`). The baselines that learn from data use the run's training split, never the
+evaluated images; the masks come from a seed or from an earlier evaluation, so two checkpoints evaluated on the same
+data are scored on the same patches.
 """
 
 from __future__ import annotations
@@ -80,9 +61,19 @@ def evaluate_checkpoint(
 ) -> dict[str, Any]:
     """Score ``checkpoint`` (``OUT/checkpoint.safetensors`` of ``et-ode train image``) and the baselines on one split.
 
+    The files written to ``out_dir`` (a new or empty folder, :func:`et_ode.training.runs.claim`):
+
+    * ``config.json``: what is evaluated (checkpoint, data, masks, integration);
+    * ``evaluation.json``: the MSE, seconds and (the model) solver statistics of each predictor;
+    * ``evaluation.md``: the same as a markdown table;
+    * ``completions.npz``: ``images (n, C, H, W)``, ``hidden``, ``scored`` (boolean ``(n, N)``), for each predictor
+      ``completion_<name> (n, C, H, W)`` (its patches where hidden, the input elsewhere) and ``mse_<name> (n,)`` (the
+      per-image MSE over the scored pixels), all float32;
+    * ``completions.png``: the first ``grid`` images: masked input, each predictor's completion, the truth.
+
     Args:
         checkpoint: the training checkpoint.
-        out_dir: the folder of the files listed in the module docstring.
+        out_dir: the folder of the files listed above.
         data, data_path: the evaluated source and its folder [``--data``, ``--data-path``] (default: the run's;
             the run's tile, stride and channels apply).
         test_path: a folder of PNG images evaluated instead [``--test-path``] (default: the run's, if it had one).

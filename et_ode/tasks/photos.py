@@ -1,21 +1,11 @@
 """Photos in, pictures out: the official release's pretrained model on real images, studied as an ODE.
 
 :func:`complete_photos` loads an official-format checkpoint (:mod:`et_ode.models.official`), reads RGB photos
-(scaled and center-cropped to the model's size, normalized as the release does), hides a reproducible set of
-patches (the release's scheme: a given number of them, 100 of 196 by default), and completes every photo three
-ways: the release's 12 Euler steps of 0.1, an adaptive solver (dopri5) to the same time ``t = 1.2 tau``, and
-dopri5 to the steady state. It writes the reconstructions side by side with the energy against time and the
-Lyapunov verdict (:func:`et_ode.analysis.check_lyapunov`) of each solve, and ``report.md``. It is the
-``et-ode complete --official`` command; :func:`official_tokens` gives the initial states of photos for
-``et-ode analyze --official``.
-
-Public API::
-
-    official_tokens(checkpoint, photos, *, image_shape=(3, 224, 224), patch=16, masked=None, seed=0,
-                    dtype=torch.float32) -> (ImageET, pixels (B, 3, H, W) uint8, images (B, 3, H, W), hidden (B, N))
-    complete_photos(checkpoint, photos, out_dir, *, image_shape=(3, 224, 224), patch=16, masked=None, seed=0,
-                    dtype=torch.float32, rtol=1e-5, atol=1e-7, steady_state=1e-3, t_max=100.0, device="cpu",
-                    overwrite=False, progress=True) -> dict
+(scaled and centre-cropped to the model's size, normalised as the release does), hides a reproducible set of patches
+(the release's scheme) and completes every photo three ways: the release's 12 Euler steps of 0.1, dopri5 to the same
+time ``t = 1.2 tau``, and dopri5 to the steady state. It writes the reconstructions side by side with the energy
+against time, the Lyapunov verdict of each solve (:func:`et_ode.analysis.check_lyapunov`) and ``report.md``.
+:func:`official_tokens` gives the initial states of photos, for the analysis report.
 """
 
 from __future__ import annotations

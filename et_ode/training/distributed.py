@@ -1,34 +1,13 @@
 """Training on several processes: ``torchrun`` detection, process-group set-up, metric reduction, DDP wrapping.
 
-:func:`et_ode.training.train.fit` needs nothing from here when run in one process. Under ``torchrun`` (or any launcher
-that sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), open a session first::
-
-    with et_ode.training.distributed.session() as device:   # gloo on CPU, NCCL on CUDA (cuda:LOCAL_RANK)
-        fit(model, task, train_data, val_data, TrainConfig(device=str(device), ...))
-
-and ``fit`` shards every epoch, wraps the model in ``DistributedDataParallel``, averages the metrics over the
-ranks and lets rank 0 alone write files and show progress. Gradients are averaged over the ranks, so one step
-on ``W`` processes with ``batch_size / W`` examples each equals one step of a single process on the global batch
-of ``batch_size`` examples with a mean loss; a checkpoint therefore resumes on any number of processes.
-
-A rank that raises exits; ``torchrun`` then stops the others, and without it the survivors' next collective
-fails once the peer's sockets close (gloo) or after ``timeout`` (NCCL's watchdog): no run waits forever.
-
-Public API::
-
-    DistributedEnv(rank, world_size, local_rank, master_addr, master_port)
-    detect(environ=os.environ) -> DistributedEnv | None       # None outside torchrun; ValueError if incomplete
-    session(enabled=None, *, device="auto", backend="auto", timeout=DEFAULT_TIMEOUT) -> context of torch.device
-    init(env=None, *, device="auto", backend="auto", timeout=DEFAULT_TIMEOUT) -> torch.device
-    shutdown() -> None
-    rank() -> int;  world_size() -> int       # from et_ode.backend.devices (a leaf: the models ask it, not this module)
-    is_main() -> bool;  barrier() -> None
-    local_device(device) -> torch.device      # "cuda" without index -> this rank's cuda:LOCAL_RANK
-    wrap(model, device, *, find_unused_parameters=True) -> nn.Module   # DDP when world_size() > 1, else model
-    reduce_mean(metrics, weight=1.0) -> dict  # weighted mean of per-rank metric dicts, the same on every rank
-    broadcast_object(obj, src=0) -> obj       # rank src's picklable object on every rank (a checkpoint to resume)
-    shard(size, rank=None, world=None) -> range   # contiguous split without padding (evaluation)
-    free_port(host="127.0.0.1") -> int
+:func:`et_ode.training.train.fit` needs nothing from here in one process. Under ``torchrun`` (or any launcher that
+sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) open a :func:`session` first (gloo on
+CPU, NCCL on CUDA at ``cuda:LOCAL_RANK``); ``fit`` then shards every epoch, wraps the model in
+``DistributedDataParallel`` (:func:`wrap`), averages the metrics over the ranks (:func:`reduce_mean`) and lets rank 0
+alone write files and show progress. Gradients are averaged over the ranks, so a step on ``W`` processes equals a
+step of one process on the whole global batch with a mean loss, and a checkpoint resumes on any number of processes.
+A rank that raises exits; the others are stopped by ``torchrun``, or fail once the peer's sockets close (gloo) or
+after ``timeout`` (NCCL's watchdog): no run waits forever. The distributed-training guide shows the commands.
 """
 
 from __future__ import annotations

@@ -1,33 +1,9 @@
 """Run folders that never clobber one another: a lock per folder, and a set-up that a resume must keep.
 
-A *run folder* (``--out``) holds one run: ``config.json`` (its set-up), the checkpoint, metrics and results.
-:func:`claim` takes a folder for a run, in this order, before the run writes anything:
-
-1. ``out`` must not be an existing file.
-2. The lock ``out/.et-ode.lock`` is created complete in one step (a temporary file hard-linked into place) and
-   holds the pid, host, start time and command line. A lock held by a live process refuses the run, naming that
-   process; a lock left by a dead process on this host (a killed run), an empty one or one without a valid
-   record is taken over with a warning. Once it is held, temporary files (``.*.tmp``) of killed writes are deleted.
-3. A folder with files needs ``resume=True`` or ``overwrite=True``. A resume compares the whole set-up with
-   the folder's ``config.json`` and refuses any change (a table of the differences), except in the settings
-   named ``may_change`` (how a run executes: device, threads, progress bars, ...). An overwrite empties the
-   folder, and only a folder that holds an et-ode run (a ``config.json``) of the same command: one rule for every
-   command that writes a folder (train, complete, evaluate, analyze, demo), and none replaces another's run.
-4. ``config.json`` is written once the run is accepted (a resume keeps the original); a run that fails before
-   writing anything else takes it back, leaving the folder as it found it.
-
-The lock is released when the ``with`` block ends, however it ends (a full disk included). Within one process the lock is
-re-entrant, so the training loop (:func:`et_ode.training.train.fit`) can lock the folder its caller claimed, and a nested
-claim of a folder the process holds is accepted without the checks (the outer claim made them).
-
-Public API::
-
-    with claim(out, setup, *, resume=False, overwrite=False, may_change=()) as out: ...
-    with lock(out): ...
-    RunFolderError      # ValueError: the folder is a file, not empty, in use, or holds another set-up
-    RunWriteError       # RunFolderError: a full or read-only disk, naming the file (errno kept)
-
-The command-line flags ``--resume`` / ``--overwrite`` are :func:`et_ode.cli.options.add_run_folder_arguments`.
+A run folder holds one run: ``config.json`` (its set-up), the checkpoint, metrics and results. :func:`claim` takes a
+folder for a run before the run writes anything (the lock, the resume and overwrite rules, ``config.json``) and
+:func:`lock` holds a folder's lock; :class:`RunFolderError` and its subclasses name what is refused. One rule serves
+every command that writes a folder (train, complete, evaluate, analyze, demo), and none replaces another's run.
 """
 
 from __future__ import annotations
@@ -335,7 +311,23 @@ def claim(
     command: str | None = None,
     data: dict[str, Any] | None = None,
 ) -> Iterator[Path]:
-    """Take ``out`` for a run whose set-up is ``setup`` (JSON-like); see the module docstring.
+    """Take ``out`` for a run whose set-up is ``setup`` (JSON-like), in this order, before the run writes anything:
+
+    1. ``out`` must not be an existing file.
+    2. The lock ``out/.et-ode.lock`` is created complete in one step (a temporary file hard-linked into place) and
+       holds the pid, host, start time and command line. A lock held by a live process refuses the run, naming that
+       process; a lock left by a dead process on this host (a killed run), an empty one or one without a valid
+       record is taken over with a warning. Once it is held, temporary files (``.*.tmp``) of killed writes are
+       deleted.
+    3. A folder with files needs ``resume`` or ``overwrite``. A resume compares the whole set-up with the folder's
+       ``config.json`` and refuses any change (a table of the differences), except in the settings named
+       ``may_change`` (how a run executes: device, threads, progress bars, ...). An overwrite empties the folder,
+       and only a folder that holds an et-ode run (a ``config.json``) of the same ``command``.
+    4. ``config.json`` is written once the run is accepted (a resume keeps the original).
+
+    The lock is released when the ``with`` block ends, however it ends (a full disk included). Within one process
+    the lock is re-entrant: :func:`et_ode.training.train.fit` can lock the folder its caller claimed, and a nested
+    claim of a folder the process holds is accepted without the checks (the outer claim made them).
 
     ``command`` names the et-ode command that writes the folder (e.g. ``"complete"``; None: a training run); it is
     kept in ``config.json`` under ``"et_ode_command"``, and ``overwrite`` or ``resume`` accept only a folder the same

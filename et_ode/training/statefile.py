@@ -1,20 +1,12 @@
 """Data-only files: a nested state (dicts, lists, tuples, numbers, strings, tensors, NumPy arrays) in one
 safetensors file.
 
-The tensors go into the safetensors body; everything else becomes JSON in the header's ``__metadata__``, with
-each tensor replaced by a reference to its name. Reading such a file parses JSON and copies bytes: unlike a
-pickle (``torch.save``), it cannot run code, whoever wrote it. Used for training checkpoints
-(:mod:`et_ode.training.train`).
-
-Public API::
-
-    atomic_write(path, write) -> Path           # write(stream) into a temporary file beside path, fsync, os.replace
-    save_state(path, state, format) -> Path     # atomic (atomic_write)
-    load_state(path, format, map_location="cpu") -> dict
-    describe(path) -> str                       # what a file is, for error messages (never unpickles)
-    FileFormatError, check_file, check_elements, read_npz   # the file limits of every loader (et_ode.data._files)
-
-Python floats round-trip exactly (JSON keeps their ``repr``), so a resumed run continues bit for bit.
+The tensors go into the safetensors body; everything else becomes JSON in the header's ``__metadata__``, each
+tensor replaced by a reference to its name. Reading such a file parses JSON and copies bytes: unlike a pickle
+(``torch.save``) it cannot run code, whoever wrote it. Python floats round-trip exactly (JSON keeps their ``repr``),
+so a resumed run continues bit for bit. :func:`save_state` writes atomically (:func:`atomic_write`), :func:`load_state`
+reads, and :func:`describe` says what a file is, for error messages. The file limits of every loader
+(``FileFormatError``, ``check_file``, ``check_elements``, ``read_npz``) are :mod:`et_ode.data._files`'s, named here.
 """
 
 from __future__ import annotations

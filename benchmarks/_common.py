@@ -96,9 +96,9 @@ def gemm_candidates(m: int, d: int, r: int, dtype: torch.dtype = torch.float32) 
     """The float32 matrix products torch offers for ``(m, d) @ (d, r)``: MKL's and oneDNN's (packed weight)."""
     x, w = torch.randn(m, d, dtype=dtype), torch.randn(r, d, dtype=dtype)
     candidates: dict[str, Callable[[], object]] = {"GEMM torch.matmul": lambda: x @ w.T}
-    if et_ode.kernels.fused.supports_onednn(dtype, x.device):
+    if et_ode.kernels.gemm.supports_onednn(dtype, x.device):
         packed = torch.ops.mkldnn._reorder_linear_weight(w, m)
-        candidates["GEMM oneDNN packed"] = lambda: et_ode.kernels.fused._onednn_linear(x, packed)
+        candidates["GEMM oneDNN packed"] = lambda: et_ode.kernels.gemm.onednn_linear(x, packed)
     return candidates
 
 
@@ -131,7 +131,7 @@ def environment() -> str:
     load = f", load average {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else ""
     return (
         f"{et_ode.backend.runtime.cpu_description()}; torch {torch.__version__}, {torch.get_num_threads()} threads on "
-        f"{len(_cores())} cores, oneDNN {'available' if et_ode.kernels.fused.onednn_available() else 'unavailable'}{load}"
+        f"{len(_cores())} cores, oneDNN {'available' if et_ode.kernels.gemm.onednn_available() else 'unavailable'}{load}"
     )
 
 

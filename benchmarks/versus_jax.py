@@ -142,7 +142,7 @@ def compare_size(size: Size, reps: int, statistic: str, clock: str) -> list[list
     t0 = torch.zeros(())
     with torch.no_grad():  # the two codes compute the same field
         error = float((torch.from_numpy(np.array(jax_code["field"](xj))) - field(t0, x)).abs().max())
-    heads = et_ode.kernels.fused.choose_head_products(size.batch * size.h, size.n, size.y, x.dtype, x.device)
+    heads = et_ode.kernels.gemm.choose_head_products(size.batch * size.h, size.n, size.y, x.dtype, x.device)
     print(f"  {size.name}: max |JAX field - et_ode field| = {error:.2e}; per-head products on {heads}", flush=True)
 
     def bare_loop() -> torch.Tensor:

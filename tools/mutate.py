@@ -89,6 +89,7 @@ GROUPS: dict[str, tuple[list[str], list[str]]] = {
             "et_ode/energy/masks.py",
             "et_ode/dynamics/field.py",
             "et_ode/kernels/fused.py",
+            "et_ode/kernels/gemm.py",
         ],
         FIELD_TESTS,
     ),

@@ -1,7 +1,7 @@
 """What the machine offers: the CPU's vector extensions and the code paths PyTorch takes on them (a leaf module).
 
 Machines of the same kind differ (some AMD EPYC hosts have AVX-512, some only AVX2), so nothing in et-ode assumes a
-CPU feature: the fused field asks oneDNN whether it packs a dtype (:func:`et_ode.kernels.fused.supports_onednn`), and
+CPU feature: the fused field asks oneDNN whether it packs a dtype (:func:`et_ode.kernels.gemm.supports_onednn`), and
 timings name the path they were measured on (:func:`cpu_description`).
 """
 

@@ -9,14 +9,9 @@ All three linear maps of ``g`` (keys, queries, memory overlaps) are one product 
 
 where ``phi`` is ``relu(h)``, ``softplus(s h)/s * sigmoid(s h)`` or ``softmax(beta h)`` (SPEC sections 2-3).
 Everything else (per-head score products ``N x N x Y``, softmax, the rectifier) is small next to these two
-products at the paper's sizes, so the evaluation runs at the speed of the machine's best matrix product.
-(The code indexes ``S`` key-major, ``S[h, B, C]``, with the softmax over the keys' axis -2. Below
-:data:`QUERY_MAJOR_FROM` tokens it is also stored so: PyTorch's softmax over a non-last axis vectorizes across the
-queries, twice as fast on rows as short as the 8x8 digits' 17 tokens. From there on it is stored query-major, a
-transposed view of ``Q K^T``, and the softmax runs along the contiguous rows: as fast at 32 tokens, up to 2x
-faster beyond, 1.4-2x from 32 on under AVX2. There, with one beta for all heads in float32 or float64, it is
-``exp2`` of the scores shifted by each head's largest, not PyTorch's softmax, whose ``exp`` is 2.4-4.4x slower than
-``exp2``: see :func:`_key_softmax`.)
+products at the paper's sizes. The code indexes ``S`` key-major, ``S[h, B, C]``, with the softmax over the keys'
+axis -2; from :data:`QUERY_MAJOR_FROM` tokens on it is stored query-major, a transposed view of ``Q K^T``, so that
+the softmax runs along contiguous rows (:func:`_key_softmax`).
 
 Backward. For a cotangent ``u`` of ``dE/dg`` (shape ``(M, D)``), ``L = <u, dE/dg> = -<U, c>`` with
 ``U = u W^T = [uK | uQ | uh]``, and ``R_ = -dL/dP`` has the blocks
@@ -29,29 +24,15 @@ Backward. For a cotangent ``u`` of ``dE/dg`` (shape ``(M, D)``), ``L = <u, dE/dg
 and ``beta p (uh - p.uh)`` for softmax.) ``dL/dg`` is the Hessian of ``E`` applied to ``u``: a VJP of the field
 costs two more large products for ``g`` and two for the weights, never a double backward.
 
-GEMM back ends on CPU: ``torch.matmul`` (MKL) or oneDNN's ``mkldnn._linear_pointwise`` on dense tensors with
-a pre-packed weight, which on this project's machines runs about twice as fast in float32. ``gemm="auto"``
-times both once per problem size and keeps the faster. CUDA and float64 use ``torch.matmul``.
-
-The per-head products (``K Q^T``, ``S Q``, ``S^T K`` and the backward's like them: thousands of small matrices)
-have the same two candidates. ATen sends a float32 batched product to oneDNN's matmul instead of MKL's batched GEMM
-only while reduced precision is allowed for it (``torch.backends.mkldnn.matmul.fp32_precision = "bf16"``); oneDNN
-then computes in float32 unless the CPU has bfloat16 matrix hardware for the shape (AMX). MKL does not recognise
-AMD processors and runs its generic code there, 2-2.8x slower than oneDNN on this project's AVX-512 machine. So the
-permission is never assumed harmless: :func:`choose_head_products` runs the three products once per shape with it,
-keeps oneDNN only where every entry is within float32 rounding of a float64 product (``k eps |A||B|``; bfloat16
-inputs miss that by a factor of hundreds) and, for ``gemm="auto"``, only where it is clearly faster; the permission is
-granted around those products alone and restored after them.
+The products run on the GEMM back end that :mod:`et_ode.kernels.gemm` chooses for the machine.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-import time
 import weakref
-from collections.abc import Callable, Iterator
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -60,130 +41,14 @@ from torch.autograd.function import once_differentiable
 from et_ode.energy.energies import EnergyAttention, HopfieldMemory, softplus
 from et_ode.energy.masks import is_dense, key_query
 from et_ode.energy.model import EnergyTransformer
+from et_ode.kernels import gemm as backends
 
-GEMMS = ("auto", "matmul", "onednn")
 _NO_BLOCK = contextlib.nullcontext()  # reusable
 
 
-def onednn_available() -> bool:
-    """Whether oneDNN's dense linear with pre-packed weights is available in this PyTorch build."""
-    return (
-        torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-    )
-
-
-def _onednn_linear(x: Tensor, weight: Tensor) -> Tensor:
-    """``x @ weight^T`` by oneDNN; ``weight`` ``(out, in)`` is dense or pre-packed."""
-    return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
-
-
-_ONEDNN_PROBES: dict[torch.dtype, bool] = {}
-
-
-def supports_onednn(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether oneDNN can pack and multiply a weight of ``dtype`` on this CPU.
-
-    Asked of the library, not assumed from the dtype: a tiny pack-and-multiply is tried once per dtype and
-    the answer remembered. PyTorch's oneDNN refuses bfloat16 packing on CPUs without AVX-512 (BW, VL, DQ) or
-    AVX-NE-CONVERT, and the answer differs between machines of the same kind; where it refuses, the field
-    uses ``torch.matmul`` for that dtype (slower on such hardware, never wrong). float64 is never packed.
-    """
-    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        return False
-    if dtype not in _ONEDNN_PROBES:
-        _ONEDNN_PROBES[dtype] = onednn_available() and _probe_onednn(dtype)
-    return _ONEDNN_PROBES[dtype]
-
-
-def _probe_onednn(dtype: torch.dtype) -> bool:
-    """Pack a small weight and multiply by it; False where oneDNN refuses this dtype on this CPU."""
-    weight = torch.arange(48, dtype=torch.float32).reshape(6, 8).div_(48).to(dtype)
-    x = torch.ones(4, 8, dtype=dtype)
-    try:
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, x.shape[0])
-        out = _onednn_linear(x, packed)
-    except (RuntimeError, NotImplementedError):
-        return False
-    return out.shape == (4, 6) and bool(torch.allclose(out.float(), x.float() @ weight.float().T, rtol=2e-2, atol=2e-2))
-
-
-_GEMM_CHOICE: dict[tuple[Any, ...], str] = {}
-
-
-def choose_gemm(m: int, d: int, r: int, dtype: torch.dtype, device: torch.device, reps: int = 7) -> str:
-    """The faster of ``"matmul"`` and ``"onednn"`` for ``(m, d) @ (d, r)`` products, timed once (the fastest of
-    ``reps`` interleaved runs of the projection and its transpose: on a machine shared with other jobs the minimum
-    stays near the unloaded time, a median does not) and remembered for the process."""
-    if not supports_onednn(dtype, device):
-        return "matmul"
-    key = (m, d, r, dtype, str(device))
-    if key not in _GEMM_CHOICE:
-        local = torch.Generator().manual_seed(0)  # the global random stream stays untouched (reproducible training)
-        x, y, w = (torch.randn(*shape, dtype=dtype, generator=local) for shape in ((m, d), (m, r), (r, d)))
-        w_t = w.T.contiguous()
-        packed, packed_t = (torch.ops.mkldnn._reorder_linear_weight(a, m) for a in (w, w_t))
-        candidates: dict[str, Callable[[], Any]] = {
-            "matmul": lambda: (x @ w.T, y @ w),
-            "onednn": lambda: (_onednn_linear(x, packed), _onednn_linear(y, packed_t)),
-        }
-        times: dict[str, list[float]] = {name: [] for name in candidates}
-        for rep in range(reps + 2):
-            for name, run in candidates.items():
-                start = time.perf_counter()
-                run()
-                if rep >= 2:  # the first two are warm-up
-                    times[name].append(time.perf_counter() - start)
-        _GEMM_CHOICE[key] = min(times, key=lambda name: min(times[name]))
-    return _GEMM_CHOICE[key]
-
-
-def onednn_matmul_available() -> bool:
-    """Whether this PyTorch build can send float32 batched products to oneDNN's matmul (see :func:`onednn_matmul`)."""
-    matmul = getattr(torch.backends.mkldnn, "matmul", None)
-    return torch.backends.mkldnn.is_available() and hasattr(matmul, "fp32_precision")
-
-
-@contextlib.contextmanager
-def onednn_matmul() -> Iterator[None]:
-    """Within this block, ATen's float32 ``matmul``/``bmm`` on CPU go to oneDNN's matmul (reduced precision allowed
-    for oneDNN alone); the previous setting is restored on exit. Only for products that :func:`choose_head_products`
-    found within float32 rounding at their shape. The setting is global: a float32 product of another thread during
-    the block gets the same permission."""
-    matmul = cast(Any, torch.backends.mkldnn).matmul  # set at import by PyTorch; absent from its type stubs
-    previous = matmul.fp32_precision
-    matmul.fp32_precision = "bf16"
-    try:
-        yield
-    finally:
-        matmul.fp32_precision = previous
-
-
-def _head_products(keys: Tensor, queries: Tensor, attn: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """The three per-head product patterns of the field and its backward: ``K Q^T``, ``S Q`` and ``S^T K`` for
-    ``keys``, ``queries`` ``(G, N, Y)`` and ``attn`` ``(G, N, N)``."""
-    return (
-        torch.matmul(keys, queries.transpose(-1, -2)),
-        torch.matmul(attn, queries),
-        torch.matmul(attn.transpose(-1, -2), keys),
-    )
-
-
-def _within_float_rounding(got: tuple[Tensor, ...], operands: tuple[tuple[Tensor, Tensor], ...]) -> bool:
-    """Whether every entry of each product ``a @ b`` in ``got`` is within ``k eps |a| @ |b|`` of the float64 product
-    (``k`` the inner dimension, ``eps`` of ``got``'s dtype): the worst case of float32 summation, far below the
-    error of any product that rounds its inputs to bfloat16 or tf32."""
-    for product, (a, b) in zip(got, operands, strict=True):
-        a64, b64 = a.double(), b.double()
-        bound = (a.shape[-1] * torch.finfo(product.dtype).eps) * (a64.abs() @ b64.abs())
-        if not bool(((product.double() - a64 @ b64).abs() <= bound).all()):
-            return False
-    return True
-
-
-# From this many tokens the scores are stored query-major (see the module's docstring); measured on AVX-512 and
-# AVX2 code paths: below, key-major storage's softmax is faster (2x at 17 tokens), from 32 on the query-major one.
+# From this many tokens the scores are stored query-major (see the module's docstring): below it, the softmax over a
+# non-last axis of key-major storage vectorizes across the queries and is the faster one; from it on, the softmax
+# along the contiguous query-major rows is.
 QUERY_MAJOR_FROM = 32
 
 
@@ -196,8 +61,8 @@ def _scores(a: Tensor, b: Tensor, query_major: bool) -> Tensor:
 
 
 # The row sum below which the shifted softmax of _key_softmax declines: at or above it a row's largest term exceeds
-# tiny ** 0.5 / N, so every term that counts at the dtype's precision is a normal number. (exp2 is 2.4-4.4x faster
-# than exp in PyTorch's CPU kernels, on AVX-512 and AVX2, in float32 and float64; its softmax uses exp.)
+# tiny ** 0.5 / N, so every term that counts at the dtype's precision is a normal number. (PyTorch's CPU exp2 is
+# faster than its exp, which its softmax uses.)
 _SAFE_ROW_SUM = {dtype: torch.finfo(dtype).tiny ** 0.5 for dtype in (torch.float32, torch.float64)}
 
 
@@ -228,58 +93,6 @@ def _key_softmax(scores: Tensor, beta: float | Tensor, query_major: bool, shifte
     return torch.softmax(scores.mul_(beta), dim=-2)  # contiguous along the queries: vectorised across them
 
 
-# oneDNN's per-head products are kept only where they take less than this fraction of MKL's: where the two are close
-# (the 8x8 digits' 17x16 blocks) a training step measured 8% slower with oneDNN's, a cost the three timed products
-# do not show.
-HEAD_MARGIN = 0.8
-
-_HEAD_ACCURATE: dict[tuple[Any, ...], bool] = {}
-_HEAD_CHOICE: dict[tuple[Any, ...], str] = {}
-
-
-def _head_operands(groups: int, n: int, y: int, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
-    """Random keys, queries ``(groups, n, y)`` and attention ``(groups, n, n)`` of a shape, the same on every call
-    (the global random stream stays untouched)."""
-    local = torch.Generator().manual_seed(0)
-    keys, queries = (torch.randn(groups, n, y, dtype=dtype, generator=local) for _ in range(2))
-    return keys, queries, torch.softmax(torch.randn(groups, n, n, dtype=dtype, generator=local), dim=-2)
-
-
-def choose_head_products(
-    groups: int, n: int, y: int, dtype: torch.dtype, device: torch.device, *, timed: bool = True, reps: int = 9
-) -> str:
-    """The back end of the per-head products at this shape (``groups`` = batch x heads matrices of ``n x y``):
-    ``"onednn"`` where :func:`onednn_matmul` computes all three patterns within float32 rounding (checked once per
-    shape on random data) and, if ``timed``, clearly faster (the fastest of ``reps`` interleaved runs each, below
-    :data:`HEAD_MARGIN` of MKL's, timed only when first asked for); else ``"matmul"``.
-    Remembered for the process; float32 on CPU only (float64 never leaves MKL)."""
-    if device.type != "cpu" or dtype != torch.float32 or not onednn_matmul_available():
-        return "matmul"
-    key = (groups, n, y, dtype, str(device))
-    if key not in _HEAD_ACCURATE:
-        keys, queries, attn = _head_operands(groups, n, y, dtype)
-        with onednn_matmul():
-            got = _head_products(keys, queries, attn)
-        operands = ((keys, queries.transpose(-1, -2)), (attn, queries), (attn.transpose(-1, -2), keys))
-        _HEAD_ACCURATE[key] = _within_float_rounding(got, operands)
-    if not _HEAD_ACCURATE[key]:
-        return "matmul"
-    if not timed:
-        return "onednn"
-    if key not in _HEAD_CHOICE:
-        keys, queries, attn = _head_operands(groups, n, y, dtype)
-        times: dict[str, list[float]] = {"matmul": [], "onednn": []}
-        for rep in range(reps + 2):
-            for name in times:
-                start = time.perf_counter()
-                with onednn_matmul() if name == "onednn" else contextlib.nullcontext():
-                    _head_products(keys, queries, attn)
-                if rep >= 2:  # the first two are warm-up
-                    times[name].append(time.perf_counter() - start)
-        _HEAD_CHOICE[key] = "onednn" if min(times["onednn"]) < HEAD_MARGIN * min(times["matmul"]) else "matmul"
-    return _HEAD_CHOICE[key]
-
-
 def _version_key(*tensors: Tensor) -> tuple[Any, ...]:
     return tuple((t.data_ptr(), t._version, t.dtype, t.device, tuple(t.shape)) for t in tensors)
 
@@ -304,8 +117,8 @@ class FusedGrad:
     """
 
     def __init__(self, model: EnergyTransformer, gemm: str = "auto"):
-        if gemm not in GEMMS:
-            raise ValueError(f"gemm must be one of {GEMMS}, got {gemm!r}")
+        if gemm not in backends.GEMMS:
+            raise ValueError(f"gemm must be one of {backends.GEMMS}, got {gemm!r}")
         self.model = model
         self.gemm = gemm
         self._cache_key: tuple[Any, ...] | None = None
@@ -347,14 +160,15 @@ class FusedGrad:
     def _backend(self, m: int, weights: Tensor) -> str:
         if self.gemm == "auto":  # timed once per power-of-two bucket of the row count
             bucket = 1 << max(m - 1, 1).bit_length()
-            return choose_gemm(bucket, weights.shape[1], weights.shape[0], weights.dtype, weights.device)
-        if self.gemm == "onednn" and not supports_onednn(weights.dtype, weights.device):
+            return backends.choose_gemm(bucket, weights.shape[1], weights.shape[0], weights.dtype, weights.device)
+        if self.gemm == "onednn" and not backends.supports_onednn(weights.dtype, weights.device):
             return "matmul"
         return self.gemm
 
     def _head_product_block(self, groups: int, n: int, like: Tensor) -> contextlib.AbstractContextManager[None]:
-        """The block in which the per-head products run: :func:`onednn_matmul` where :func:`choose_head_products`
-        picks oneDNN for ``groups`` matrices of ``n`` tokens (dtype and device of ``like``), else a no-op."""
+        """The block in which the per-head products run: :func:`~et_ode.kernels.gemm.onednn_matmul` where
+        :func:`~et_ode.kernels.gemm.choose_head_products` picks oneDNN for ``groups`` matrices of ``n`` tokens (dtype
+        and device of ``like``), else a no-op."""
         key = (groups, n, self.gemm, like.dtype, like.device)
         choice = self._head_choices.get(key)
         if choice is None:
@@ -363,9 +177,9 @@ class FusedGrad:
             choice = self._head_choices[key] = (
                 "matmul"
                 if self.gemm == "matmul"
-                else choose_head_products(groups, n, head_dim, like.dtype, like.device, timed=timed)
+                else backends.choose_head_products(groups, n, head_dim, like.dtype, like.device, timed=timed)
             )
-        return onednn_matmul() if choice == "onednn" else _NO_BLOCK
+        return backends.onednn_matmul() if choice == "onednn" else _NO_BLOCK
 
     def _project(self, x: Tensor, weights: Tensor, backend: str) -> Tensor:
         """``x @ W^T``: ``(M, D) -> (M, R)``."""
@@ -374,7 +188,7 @@ class FusedGrad:
         packed = self._packed.get("forward")  # packed for the first row count seen; valid for any
         if packed is None:
             packed = self._packed["forward"] = torch.ops.mkldnn._reorder_linear_weight(weights, x.shape[0])
-        return _onednn_linear(x, packed)
+        return backends.onednn_linear(x, packed)
 
     def _back_project(self, y: Tensor, weights: Tensor, backend: str, negate: bool = True) -> Tensor:
         """``-y @ W`` (``y @ W`` with ``negate=False``): ``(M, R) -> (M, D)``, the sign folded into a cached copy of
@@ -392,7 +206,7 @@ class FusedGrad:
         if packed is None:
             signed_t = (-weights.T if negate else weights.T).contiguous()
             packed = self._packed[f"back_{sign}"] = torch.ops.mkldnn._reorder_linear_weight(signed_t, y.shape[0])
-        return _onednn_linear(y, packed)
+        return backends.onednn_linear(y, packed)
 
     # -- the computation ------------------------------------------------------------------------
     def _allowed(self, mask: Tensor | None, batch: tuple[int, ...], n: int) -> Tensor | None:
@@ -537,7 +351,7 @@ class FusedGrad:
         grad_w = None
         if need_w:
             if backend == "onednn":
-                grad_w = _onednn_linear(coefficient.T, u2.T).add_(_onednn_linear(big_u.T, g2.T)).neg_()
+                grad_w = backends.onednn_linear(coefficient.T, u2.T).add_(backends.onednn_linear(big_u.T, g2.T)).neg_()
             else:
                 grad_w = torch.addmm(coefficient.T @ u2, big_u.T, g2).neg_()
         return grad_g, grad_w

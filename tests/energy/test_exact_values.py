@@ -48,14 +48,14 @@ def test_a_graph_of_one_node_is_a_valid_mask():
 
 def test_onednn_packs_float32_where_it_is_available():
     """float32 packing is what oneDNN does on every x86 CPU; a broken probe would silently fall back to matmul."""
-    from et_ode.kernels import fused
+    from et_ode.kernels import gemm
 
     if not (torch.backends.mkldnn.is_available() and platform.machine().lower() in ("x86_64", "amd64")):
         pytest.skip("oneDNN is not built into this PyTorch, or this is not an x86 CPU")
-    assert fused.onednn_available() and fused._probe_onednn(torch.float32)
+    assert gemm.onednn_available() and gemm.probe_onednn(torch.float32)
     weight = torch.randn(6, 8)
     x = torch.randn(4, 8)
-    torch.testing.assert_close(fused._onednn_linear(x, weight), x @ weight.T, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gemm.onednn_linear(x, weight), x @ weight.T, rtol=1e-5, atol=1e-5)
 
 
 def test_onednn_backward_of_every_weight_matches_float64():
@@ -63,10 +63,10 @@ def test_onednn_backward_of_every_weight_matches_float64():
     import copy
 
     from et_ode import ETField
-    from et_ode.kernels import fused
+    from et_ode.kernels import gemm
     from tests.conftest import random_model
 
-    if not fused.supports_onednn(torch.float32, torch.device("cpu")):
+    if not gemm.supports_onednn(torch.float32, torch.device("cpu")):
         pytest.skip("oneDNN does not pack float32 here")
     model64 = random_model(dim=16, heads=2, head_dim=8, memories=24, hopfield="softmax", beta_hn=3.0)
     model32 = copy.deepcopy(model64).float()
@@ -83,13 +83,13 @@ def test_onednn_backward_of_every_weight_matches_float64():
 
 
 def test_timing_the_gemm_back_ends_leaves_the_global_random_stream_alone():
-    from et_ode.kernels import fused
+    from et_ode.kernels import gemm
 
-    if not fused.supports_onednn(torch.float32, torch.device("cpu")):
+    if not gemm.supports_onednn(torch.float32, torch.device("cpu")):
         pytest.skip("oneDNN does not pack float32 here")
     torch.manual_seed(0)
     state = torch.get_rng_state()
-    fused.choose_gemm(37, 11, 29, torch.float32, torch.device("cpu"), reps=1)
+    gemm.choose_gemm(37, 11, 29, torch.float32, torch.device("cpu"), reps=1)
     assert torch.equal(torch.get_rng_state(), state)
 
 

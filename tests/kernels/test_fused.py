@@ -10,8 +10,9 @@ from torchdiffeq import odeint_adjoint
 from et_ode import ETField
 from et_ode.dynamics.manifold import riemannian_hessian
 from et_ode.energy.masks import GraphMask
-from et_ode.kernels import fused as fused_module
-from et_ode.kernels.fused import FusedGrad, choose_gemm, onednn_available
+from et_ode.kernels import gemm as gemm_module
+from et_ode.kernels.fused import FusedGrad
+from et_ode.kernels.gemm import choose_gemm, onednn_available
 from tests.conftest import random_model
 
 FORMS = ["relu", "softplus", "softmax"]
@@ -216,10 +217,10 @@ def test_field_falls_back_to_matmul_where_onednn_refuses_the_dtype(monkeypatch, 
             "mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx_ne_convert or avx512bw, avx512vl and avx512dq"
         )
 
-    monkeypatch.setattr(fused_module, "_ONEDNN_PROBES", {})
-    monkeypatch.setattr(fused_module, "_GEMM_CHOICE", {})
+    monkeypatch.setattr(gemm_module, "_ONEDNN_PROBES", {})
+    monkeypatch.setattr(gemm_module, "_GEMM_CHOICE", {})
     monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", refuse, raising=False)
-    assert not fused_module.supports_onednn(dtype, torch.device("cpu"))
+    assert not gemm_module.supports_onednn(dtype, torch.device("cpu"))
     assert choose_gemm(64, 64, 576, dtype, torch.device("cpu")) == "matmul"
     model = random_model(dim=64, heads=4, head_dim=16, memories=256)
     mask = _mask("batched", 12)

@@ -9,7 +9,8 @@ import torch
 
 from et_ode import ETField
 from et_ode.kernels import fused as fused_module
-from et_ode.kernels.fused import choose_head_products, onednn_matmul_available
+from et_ode.kernels import gemm as gemm_module
+from et_ode.kernels.gemm import choose_head_products, onednn_matmul_available
 from tests.conftest import random_model
 
 CPU = torch.device("cpu")
@@ -18,8 +19,8 @@ CPU = torch.device("cpu")
 @pytest.fixture
 def fresh_choices(monkeypatch):
     """Forget the choices other tests made, so that each test probes anew."""
-    monkeypatch.setattr(fused_module, "_HEAD_ACCURATE", {})
-    monkeypatch.setattr(fused_module, "_HEAD_CHOICE", {})
+    monkeypatch.setattr(gemm_module, "_HEAD_ACCURATE", {})
+    monkeypatch.setattr(gemm_module, "_HEAD_CHOICE", {})
 
 
 def _model64(**kwargs):
@@ -54,13 +55,13 @@ def _check_against_float64(model64, gemm: str, mask=None, tol: float = 2e-6) -> 
 def test_head_products_on_onednn_match_float64(fresh_choices, monkeypatch, self_attention, masked):
     if choose_head_products(5 * 3, 11, 8, torch.float32, CPU, timed=False) != "onednn":
         pytest.skip("oneDNN's matmul is not within float32 rounding on this CPU (the field keeps MKL's)")
-    real, entered = fused_module.onednn_matmul, []
+    real, entered = gemm_module.onednn_matmul, []
 
     def counted():
         entered.append(True)
         return real()
 
-    monkeypatch.setattr(fused_module, "onednn_matmul", counted)
+    monkeypatch.setattr(gemm_module, "onednn_matmul", counted)
     mask = torch.rand(11, 11, generator=torch.Generator().manual_seed(1)) > 0.4 if masked else None
     _check_against_float64(_model64(self_attention=self_attention), "onednn", mask)
     assert len(entered) == 6  # forward and backward of the float32 field: two blocks each, called three times
@@ -80,16 +81,16 @@ def test_products_rounded_to_bfloat16_are_refused(fresh_choices, monkeypatch):
         finally:
             inside.pop()
 
-    exact_products = fused_module._head_products
+    exact_products = gemm_module._head_products
 
     def rounding_products(keys, queries, attn):
         if inside:
             keys, queries, attn = (t.bfloat16().float() for t in (keys, queries, attn))
         return exact_products(keys, queries, attn)
 
-    monkeypatch.setattr(fused_module, "onednn_matmul_available", lambda: True)
-    monkeypatch.setattr(fused_module, "onednn_matmul", permission)
-    monkeypatch.setattr(fused_module, "_head_products", rounding_products)
+    monkeypatch.setattr(gemm_module, "onednn_matmul_available", lambda: True)
+    monkeypatch.setattr(gemm_module, "onednn_matmul", permission)
+    monkeypatch.setattr(gemm_module, "_head_products", rounding_products)
     for timed in (False, True):
         assert choose_head_products(15, 11, 8, torch.float32, CPU, timed=timed) == "matmul"
     entered.clear()
@@ -100,16 +101,16 @@ def test_products_rounded_to_bfloat16_are_refused(fresh_choices, monkeypatch):
 def test_float32_rounding_bound_separates_float32_from_bfloat16_products():
     generator = torch.Generator().manual_seed(0)
     a, b = torch.randn(6, 30, 16, generator=generator), torch.randn(6, 16, 30, generator=generator)
-    assert fused_module._within_float_rounding((a @ b,), ((a, b),))
+    assert gemm_module._within_float_rounding((a @ b,), ((a, b),))
     rounded = a.bfloat16().float() @ b.bfloat16().float()
-    assert not fused_module._within_float_rounding((rounded,), ((a, b),))
+    assert not gemm_module._within_float_rounding((rounded,), ((a, b),))
     # an error of 1e-3 of the largest entry is far beyond float32 summation of 16 terms
-    assert not fused_module._within_float_rounding((a @ b + 1e-3 * (a @ b).abs().amax(),), ((a, b),))
+    assert not gemm_module._within_float_rounding((a @ b + 1e-3 * (a @ b).abs().amax(),), ((a, b),))
 
 
 @pytest.mark.parametrize("gemm", ["auto", "onednn"])
 def test_fallback_where_onednn_matmul_is_missing(fresh_choices, monkeypatch, gemm):
-    monkeypatch.setattr(fused_module, "onednn_matmul_available", lambda: False)
+    monkeypatch.setattr(gemm_module, "onednn_matmul_available", lambda: False)
     assert choose_head_products(15, 11, 8, torch.float32, CPU) == "matmul"
     _check_against_float64(_model64(), gemm)
 
@@ -137,7 +138,7 @@ def test_precision_setting_restored_and_random_stream_untouched(fresh_choices):
     x = torch.randn(5, 11, 24, requires_grad=True)
     field(0.0, x).square().sum().backward()
     assert torch.backends.mkldnn.matmul.fp32_precision == setting
-    with pytest.raises(ZeroDivisionError), fused_module.onednn_matmul():
+    with pytest.raises(ZeroDivisionError), gemm_module.onednn_matmul():
         raise ZeroDivisionError  # restored after an exception too
     assert torch.backends.mkldnn.matmul.fp32_precision == setting
 
@@ -262,6 +263,6 @@ def test_gemm_matmul_keeps_every_product_off_onednn(fresh_choices, monkeypatch):
     def refuse():
         raise AssertionError("gemm='matmul' entered oneDNN's matmul")
 
-    monkeypatch.setattr(fused_module, "choose_head_products", lambda *args, **kwargs: "onednn")
-    monkeypatch.setattr(fused_module, "onednn_matmul", refuse)
+    monkeypatch.setattr(gemm_module, "choose_head_products", lambda *args, **kwargs: "onednn")
+    monkeypatch.setattr(gemm_module, "onednn_matmul", refuse)
     _check_against_float64(_model64(), "matmul")

@@ -306,10 +306,10 @@ def test_a_state_too_large_for_float32_names_the_token():
 def test_a_onednn_giving_wrong_products_is_refused_by_the_probe(monkeypatch):
     """The fused field uses oneDNN's packed GEMM only where a probe product is right: a build returning the right
     shape with wrong values (here zeros) must make the probe fail, so that the field falls back to ``matmul``."""
-    from et_ode.kernels import fused
+    from et_ode.kernels import gemm
 
-    monkeypatch.setattr(fused, "_onednn_linear", lambda x, weight: x.new_zeros(x.shape[0], weight.shape[0]))
-    assert not fused._probe_onednn(torch.float32)
+    monkeypatch.setattr(gemm, "onednn_linear", lambda x, weight: x.new_zeros(x.shape[0], weight.shape[0]))
+    assert not gemm.probe_onednn(torch.float32)
 
 
 @pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan])

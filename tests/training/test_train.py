@@ -294,7 +294,7 @@ def test_image_run_resumes_exactly(tmp_path):
                 raise Interrupt
             return super().loss(model, batch)
 
-    # et_ode.kernels.fused times its GEMM back ends on the first call of each size with torch.randn on the *global*
+    # et_ode.kernels.gemm times its GEMM back ends on the first call of each size with torch.randn on the *global*
     # generator (reported to its owner); make that first call here, so it cannot shift the RNG stream below.
     with torch.no_grad():
         model()(images[:8], torch.zeros(8, 4, dtype=torch.bool))

@@ -12,7 +12,7 @@ Every search works on one unit-scale state ``x`` ``(N, D)`` (see :mod:`et_ode.an
   its softest mode; ends at an index-1 saddle, polished by Newton.
 - :func:`census`: Newton (or descent) from many random starts; the critical points found, deduplicated
   modulo token permutations (an exact symmetry of the energy without a mask or positions), with their
-  energies, indices and how often each was reached.
+  energies, indices and how often each is reached.
 
 Distances between critical points are RMS per element in ``g`` (``(N, D)``).
 """
@@ -154,8 +154,8 @@ def saddle_from_minimum(
     Starts ``push`` (``g`` units) from the minimum along ``direction`` (+1 / -1) times its softest Hessian mode,
     then takes partitioned rational-function steps (at most ``radius`` long): the lowest mode of the current
     Hessian is maximised, every other minimised. Once the Hessian has one negative eigenvalue and the step
-    falls below ``radius / 10``, :func:`newton_critical_point` polishes. The result's ``index`` says whether an
-    index-1 saddle was reached (``converged`` and ``index == 1``).
+    falls below ``radius / 10``, :func:`newton_critical_point` polishes. The result's ``index`` says whether it
+    reaches an index-1 saddle (``converged`` and ``index == 1``).
     """
     x = _check_state(field, x_min)
     if direction not in (1, -1):

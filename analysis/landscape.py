@@ -42,7 +42,7 @@ PathLike = str | os.PathLike[str]
 
 @dataclass
 class LandscapeStudy:
-    """Everything :func:`landscape_study` found (``None`` where a step did not apply), and notes on what was skipped."""
+    """Everything :func:`landscape_study` found (``None`` where a step did not apply), and notes on the steps skipped."""
 
     census: Census
     network: Network | None

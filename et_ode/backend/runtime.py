@@ -2,7 +2,7 @@
 
 Machines of the same kind differ (some AMD EPYC hosts have AVX-512, some only AVX2), so nothing in et-ode assumes a
 CPU feature: the fused field asks oneDNN whether it packs a dtype (:func:`et_ode.kernels.gemm.supports_onednn`), and
-timings name the path they were measured on (:func:`cpu_description`).
+the benchmarks name the code path they run on (:func:`cpu_description`).
 """
 
 from __future__ import annotations
@@ -90,9 +90,9 @@ def oversubscription(threads: int | None = None) -> str | None:
 
     The cores are oversubscribed when the load average (other processes' runnable threads) plus PyTorch's
     ``threads`` (default :func:`torch.get_num_threads`) exceed the available cores by more than half a core:
-    OpenMP's threads then spin waiting for each other at every parallel region. On a 2-core machine under a load of
-    2-6 this made small solves 18-60x slower at 2 threads than at 1. One thread, or ``OMP_WAIT_POLICY=PASSIVE``
-    (threads sleep instead of spinning), is never flagged.
+    OpenMP's threads then spin waiting for each other at every parallel region, which slows small solves many times
+    over (figures in the getting-started guide). One thread, or ``OMP_WAIT_POLICY=PASSIVE`` (threads sleep instead of
+    spinning), is never flagged.
     """
     threads = torch.get_num_threads() if threads is None else threads
     if threads <= 1 or os.environ.get("OMP_WAIT_POLICY", "").strip().upper() == "PASSIVE":
@@ -133,5 +133,5 @@ def show_solve_progress(on: bool) -> None:
 
 
 def solve_progress_default() -> bool:
-    """The default that :func:`show_solve_progress` set (off unless it was called)."""
+    """The default that :func:`show_solve_progress` set (off until it is called)."""
     return _SOLVE_PROGRESS["default"]

@@ -44,7 +44,7 @@ SOURCE_SEPARATOR = "__"  # <source>__<anything>.png: the part before it names th
 @dataclass
 class ImageSet:
     """Images ``(n, C, H, W)`` in ``[0, 1]`` (float32), labels ``(n,)`` (int64, ``-1`` if unknown) and, where known,
-    the name of the source image (photograph) each image was cut from, ``sources`` (a tuple of ``n`` names)."""
+    the name of the source image (photograph) each image comes from, ``sources`` (a tuple of ``n`` names)."""
 
     images: Tensor
     labels: Tensor

@@ -22,7 +22,7 @@ BACKENDS = ("auto", "fused", "reference")
 
 
 class Evaluations:
-    """How many times a field was evaluated, per thread. Shared by copies of the field made by ``with_mask``.
+    """How many times a field has been evaluated, per thread. Shared by copies of the field made by ``with_mask``.
 
     Each thread adds to a count of its own (only that thread writes it, so concurrent solves never lose or share an
     evaluation): :meth:`made` is the calling thread's running total (it never goes down, whatever ``reset_nfe``
@@ -39,11 +39,11 @@ class Evaluations:
         self._made[thread] = self._made.get(thread, 0) + evaluations
 
     def made(self) -> int:
-        """Evaluations the calling thread has made, since the field was built (monotonic)."""
+        """Evaluations the calling thread has made since the field's construction (monotonic)."""
         return self._made.get(threading.get_ident(), 0)
 
     def made_by(self, thread: int) -> int:
-        """Evaluations the thread ``thread`` (a ``threading.get_ident()``) has made, since the field was built."""
+        """Evaluations the thread ``thread`` (a ``threading.get_ident()``) has made since the field's construction."""
         return self._made.get(thread, 0)
 
     def _total(self) -> int:

@@ -27,7 +27,7 @@ from et_ode.linalg.krylov import conjugate_gradient, token_dot
 
 
 class AttractorError(RuntimeError):
-    """A gradient was asked of a point that is not a certified stable attractor (or the search failed)."""
+    """A gradient asked of a point that is not a certified stable attractor (or the search failed)."""
 
 
 def default_implicit_tol(dtype: torch.dtype) -> float:

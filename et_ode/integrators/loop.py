@@ -207,7 +207,7 @@ class AdaptiveRecorder(Recorder):
 
 
 def _raised_by_torchdiffeq(error: BaseException) -> bool:
-    """Whether ``error`` was raised by torchdiffeq's own code (its innermost frame), not by the field it called."""
+    """Whether torchdiffeq's own code (its innermost frame) raised ``error``, not the field it called."""
     frame = error.__traceback__
     while frame is not None and frame.tb_next is not None:
         frame = frame.tb_next
@@ -421,7 +421,7 @@ def _to_steady_state(
                 stop_times.fill_(stop_value)
         keep = ~converged
         active, x = active[keep], (x[keep] if per_sample else x)
-    stopped = [x for x in finals if x is not None]  # every sample has stopped by now
+    stopped = [x for x in finals if x is not None]  # every sample has stopped
     x_final = torch.stack(stopped) if per_sample else stopped[0]
     with torch.no_grad():
         reached = bool((stop.rms(field, x_final, recorder.velocity(x_final)) < tol * (1 + 1e-6)).all())

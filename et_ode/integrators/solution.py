@@ -134,7 +134,7 @@ class Solution:
         g: final normalized state ``LayerNorm(x)``, ``(*batch, N, D)``; differentiable with every gradient.
         residual: RMS of ``dg/dt`` per sample at the final state, ``(*batch,)`` (detached, computed when first read).
         stats: :class:`SolveStats`.
-        field: the field that was integrated; its mask is ``mask``.
+        field: the integrated field; its mask is ``mask``.
     """
 
     ts: Tensor
@@ -172,8 +172,8 @@ class Solution:
 
 
 class SolveError(RuntimeError):
-    """A solve that could not finish. ``solution`` holds what was computed up to ``time`` (None where nothing
-    useful was: the adjoint's backward solve, an implicit gradient without a fixed point)."""
+    """A solve that could not finish. ``solution`` holds the states computed up to ``time`` (None where there are none
+    to give: the adjoint's backward solve, an implicit gradient without a fixed point)."""
 
     def __init__(self, message: str, *, time: float, solution: Solution | None):
         super().__init__(message)

@@ -215,7 +215,7 @@ def load_official(
     The model: CLS token with its own position (``cls_position``), attention including the diagonal, ``beta =
     1/sqrt(Y)`` for every head, eps = 1e-5, ReLU memories ``Xi^T``, the decoder reading ``LayerNorm(g)``
     (``renormalize``), tau = 1, :func:`official_integration`. ``dtype``: float32 (the file's precision) or float64
-    (the weights converted exactly; beta and eps are then float64 values). Loading leaves the global RNG as it was.
+    (the weights converted exactly; beta and eps are then float64 values). Loading leaves the global RNG's state unchanged.
 
     Raises:
         FileNotFoundError: no file at ``path``.

@@ -57,7 +57,7 @@ def settings_from_dict(data: Mapping[str, Any]) -> Any:
 
 
 def _named(options: str, make: Callable[[], T]) -> T:
-    """``make()``, its ValueError or TypeError prefixed with the flat ``options`` it was built from (the names a
+    """``make()``, its ValueError or TypeError prefixed with the flat ``options`` it is built from (the names a
     command line or a grid search knows)."""
     try:
         return make()

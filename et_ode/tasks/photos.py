@@ -128,7 +128,7 @@ def complete_photos(
             ``overwrite`` is False, or ``overwrite`` names a folder that is not a run of ``et-ode complete``.
         et_ode.training.runs.RunFolderError: ``out_dir`` is a file, a dangling link or in use (RunWriteError: a full disk).
         FileNotFoundError, ValueError: a missing or unreadable checkpoint or photo, bad sizes or settings. A
-            refused call leaves ``out_dir`` as it was.
+            refused call leaves ``out_dir`` unchanged.
     """
     if not (steady_state > 0 and t_max > 0 and rtol > 0 and atol > 0):
         raise ValueError(

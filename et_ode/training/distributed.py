@@ -200,8 +200,8 @@ def wrap(model: nn.Module, device: torch.device, *, find_unused_parameters: bool
     ``find_unused_parameters=True`` (the default) suits every gradient mode: with ``gradient=Implicit()`` the start
     ``x0`` gets no gradient (the fixed point does not depend on it), so parameters that only make ``x0`` (an
     encoder, positions) are unused and DDP must know it. With the other modes it costs one walk over the autograd
-    graph per step, small next to an ODE solve, and PyTorch prints a one-time warning on each rank that no unused
-    parameter was found.
+    graph per step, small next to an ODE solve, and PyTorch prints a one-time warning on each rank when it finds no
+    unused parameter.
     """
     if world_size() == 1:
         return model
@@ -260,7 +260,7 @@ def shard(size: int, rank_: int | None = None, world: int | None = None) -> rang
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` right now (for MASTER_PORT on one machine)."""
+    """A TCP port free on ``host`` at the time of the call (for MASTER_PORT on one machine)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]

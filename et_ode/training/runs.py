@@ -232,10 +232,10 @@ def _clean_temporaries(out: Path) -> None:
 
 @contextlib.contextmanager
 def lock(out: str | os.PathLike[str]) -> Iterator[Path]:
-    """Hold ``out/.et-ode.lock`` while the block runs (see the module docstring); re-entrant in one process.
+    """Hold ``out/.et-ode.lock`` while the block runs (the lock of :func:`claim`); re-entrant in one process.
 
     The lock file is created complete in one step (a temporary file hard-linked into place). A lock that is empty,
-    holds no valid record, or names a process of this host that no longer runs is taken over with a warning.
+    holds no valid record, or names a process of this host that has exited is taken over with a warning.
     Once held, the temporary files (``.*.tmp``) that killed writes left in ``out`` are deleted.
 
     Raises:
@@ -335,14 +335,14 @@ def claim(
     (e.g. :func:`et_ode.data.images.data_fingerprint`), kept under ``"data_fingerprint"``; a resume whose data
     differ from the run's is refused with a table of the differences (a run without one is resumed with a warning).
 
-    A run that raises before it writes anything (bad arguments, missing data) leaves ``out`` as it was: the
+    A run that raises before it writes anything (bad arguments, missing data) leaves ``out`` unchanged: the
     ``config.json`` written here is removed, and so is the folder if this claim created it.
 
     Raises:
         RunFolderError: ``out`` is a file or a dangling link; another live process holds the lock; a resume with
             a set-up that differs from ``out/config.json`` (a table of the differences). Its subclass
-            :class:`RunFolderInUse` (also a FileExistsError): ``out`` holds files and neither ``resume`` nor
-            ``overwrite`` was given, or they were given for a folder that is not a run of ``command``.
+            :class:`RunFolderInUse` (also a FileExistsError): ``out`` holds files and the call gives neither
+            ``resume`` nor ``overwrite``, or gives them for a folder that is not a run of ``command``.
             Nothing in ``out`` has changed when it is raised.
         RunWriteError: a full or read-only disk, naming the file: while the folder is taken, or any write of the
             run inside the ``with`` block that fails for lack of space or a read-only disk (an OSError of those
@@ -389,7 +389,7 @@ def _prepare(
     command: str | None,
     data: dict[str, Any] | None,
 ) -> bool:
-    """The checks of :func:`claim` in the locked folder, then its ``config.json``: whether it was written here."""
+    """The checks of :func:`claim` in the locked folder, then its ``config.json``: whether this call writes it."""
     entries = sorted(p.name for p in out.iterdir() if p.name != LOCK_NAME)
     config = out / CONFIG_NAME
     if entries and resume:

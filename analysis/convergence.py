@@ -1,6 +1,6 @@
 """Convergence of ET trajectories: traces against time, convergence times, decay rates, zero-mode drift.
 
-The attractor lives in ``g``-space (SPEC section 5), so convergence is measured there: RMS ``|dg/dt|``
+The attractor lives in ``g``-space (see the mathematics page), so convergence is measured there: RMS ``|dg/dt|``
 (``dg/dt = M dx/dt``) and the tangential gradient RMS ``|T dE/dg|`` (see :mod:`et_ode.dynamics.manifold`): the
 first falls like a power of ``t`` even far from a critical point, because the token scale ``sigma``
 grows about linearly and slows the motion of ``g`` down; the second is scale-free and vanishes

@@ -1,4 +1,4 @@
-"""Is the energy a Lyapunov function along this trajectory? (SPEC section 5)
+"""Is the energy a Lyapunov function along this trajectory?
 
 Three checks, on the saved states of a solution:
 

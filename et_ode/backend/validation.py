@@ -8,7 +8,10 @@ import math
 def check_positive(name: str, value: object, *, integer: bool = False, optional: bool = False) -> None:
     """``value`` is a positive finite number (a positive ``int`` when ``integer``; None allowed when ``optional``).
 
-    Raises ValueError naming ``name`` (e.g. ``"Adjoint.rtol"``) otherwise; a bool is never a number here.
+    A bool is never a number here.
+
+    Raises:
+        ValueError: ``value`` is anything else; the message names ``name`` (e.g. ``"Adjoint.rtol"``).
     """
     if optional and value is None:
         return

@@ -95,6 +95,11 @@ class ETField(nn.Module):
     done through :meth:`dE_dg`, such as Hessian-vector products). ``forward`` does not validate its input,
     since solvers call it thousands of times; ``solve`` validates once, and the diagnostics validate theirs
     unless they are handed the velocity already computed at ``x`` (the solver's hot path).
+
+    Raises:
+        TypeError: ``model`` is not an EnergyTransformer, or ``tau`` not a real number.
+        ValueError: ``tau`` is not positive and finite, ``derivative`` or ``backend`` is unknown, or
+            ``backend="fused"`` with ``derivative="autograd"``.
     """
 
     def __init__(

@@ -33,7 +33,7 @@ def _per_head(value: float | Sequence[float] | Tensor | None, heads: int, defaul
 
 
 class EnergyAttention(nn.Module):
-    """Multi-head energy attention (SPEC section 2), no value matrix.
+    """Multi-head energy attention, no value matrix.
 
     ``E_ATT = -sum_h (1/beta_h) sum_C log sum_{B allowed for C} exp(beta_h K_hB . Q_hC)``
 
@@ -223,7 +223,7 @@ def softplus(x: Tensor) -> Tensor:
 
 
 class HopfieldMemory(nn.Module):
-    """Hopfield memories acting on each token alone (SPEC section 3).
+    """Hopfield memories acting on each token alone.
 
     With overlaps ``h[B, mu] = xi_mu . g_B``:
 

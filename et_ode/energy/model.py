@@ -15,7 +15,7 @@ from et_ode.energy.neurons import LayerNormNeuron, inverse_softplus
 
 
 class EnergyTransformer(nn.Module):
-    """``E(g) = E_ATT(g) + E_HN(g)`` with ``g = LayerNorm(x)`` (SPEC sections 1-4).
+    """``E(g) = E_ATT(g) + E_HN(g)`` with ``g = LayerNorm(x)`` (the mathematics page: neurons and energies).
 
     Args:
         dim: token size ``D``.
@@ -34,11 +34,14 @@ class EnergyTransformer(nn.Module):
     Shapes: ``x`` and ``g`` are ``(..., N, D)``; energies are per sample, shape ``(...)``;
     ``mask`` is a boolean ``(N, N)`` or ``(*batch, N, N)``, True where query ``C`` may attend to key ``B``.
 
-    Raises (construction): ValueError naming the setting (``dim``, ``heads``, ``head_dim``, ``memories``,
-    ``hopfield``, ``beta``, ``beta_hn``, ``eps``, a ``device`` this machine does not have); TypeError for a ``dtype``
-    that is not floating. Raises (the public methods): TypeError for a state ``x``/``g``
-    that is not a floating tensor of the model's dtype or a mask of the wrong type; ValueError for a wrong shape,
-    N = 0, NaN/inf entries, a state on another device, or a mask of the wrong shape, each naming the argument.
+    The public methods refuse, naming the argument, a state ``x``/``g`` that is not a floating tensor of the model's
+    dtype or a mask of the wrong type (TypeError), and a wrong shape, N = 0, NaN/inf entries, a state on another
+    device or a mask of the wrong shape (ValueError).
+
+    Raises:
+        ValueError: a bad setting, named (``dim``, ``heads``, ``head_dim``, ``memories``, ``hopfield``, ``beta``,
+            ``beta_hn``, ``eps``), or a ``device`` this machine does not have.
+        TypeError: a ``dtype`` that is not floating.
     """
 
     def __init__(

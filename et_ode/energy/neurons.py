@@ -40,7 +40,7 @@ def inverse_softplus(y: float) -> float:
 
 
 class LayerNormNeuron(nn.Module):
-    """The LayerNorm Lagrangian ``L(x_A) = D gamma sigma_A + delta . x_A`` (SPEC section 1).
+    """The LayerNorm Lagrangian ``L(x_A) = D gamma sigma_A + delta . x_A``.
 
     Its gradient is the layer-normalized token ``g = dL/dx`` and its Hessian ``M_A = dg_A/dx_A``
     is positive semi-definite exactly when ``gamma >= 0``: that is what makes the energy a

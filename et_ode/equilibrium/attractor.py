@@ -75,6 +75,9 @@ class Implicit:
             1e-8 in float64 and 1e-3 in float32
             (the rounding of float32 Hessian-vector products stalls the solve near 1e-6 to 1e-4).
         max_iter: its iteration cap, a positive integer.
+
+    Raises:
+        ValueError: ``tol`` or ``max_iter`` is not positive (named); at :func:`et_ode.solve`, a solve without a stop.
     """
 
     tol: float | None = None
@@ -193,7 +196,15 @@ def find_attractor(
             (default ``Implicit()``: its dtype-aware tolerance and iteration cap).
         seed: the Lanczos start vector.
 
-    Returns an :class:`Attractor`. Raises ``ValueError`` / ``TypeError`` for bad arguments (naming them).
+    Returns:
+        An :class:`Attractor`, per sample: the point (``x``, ``g``), its status (``"certified"`` or why not), its
+        kind and certificate.
+
+    Raises:
+        TypeError: ``field`` is not an ETField, ``implicit`` not an Implicit, or ``x0`` not a floating tensor.
+        ValueError: a bad argument, named: ``x0`` of the wrong shape, empty or not finite, a mask that does not fit
+            it, a count or tolerance that is not positive, an unknown ``method``, or a model whose ``gamma`` is not
+            positive.
     """
     tol = default_tol(x0.dtype) if tol is None and isinstance(x0, Tensor) else tol
     implicit = Implicit() if implicit is None else implicit
@@ -264,6 +275,10 @@ class AttractorReadout:
         handoff: the flow phase's first hand-off level (:func:`find_attractor`).
         max_iter: Newton iterations per sample.
         implicit: the conjugate-gradient solve of the implicit backward pass (:class:`~et_ode.Implicit`).
+
+    Raises:
+        ValueError: ``tol``, ``handoff`` or ``max_iter`` is not positive (named).
+        TypeError: ``implicit`` is not an Implicit.
     """
 
     tol: float | None = None

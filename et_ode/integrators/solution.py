@@ -74,17 +74,26 @@ def tally_backward(x: Tensor | None, tally: BackwardTally) -> None:
 class SolveStats:
     """Statistics of one solve.
 
-    ``nfe_forward`` counts the field evaluations until ``solve`` returned, made by the thread that called it (so
-    solves in other threads sharing the field are not counted), the stopping test's and, with
-    :class:`~et_ode.Implicit`, the polishing of the end state into an attractor included; ``wall_time`` is the
-    same span's. ``nfe_backward`` counts the field evaluations of the backward passes through the solution (the
-    adjoint's backward solve, or the implicit solver's Hessian-vector products): 0 until a backward pass through
-    ``Solution.x``, ``Solution.g`` or ``Solution.xs`` has finished, then fixed (see :class:`BackwardTally`).
-    ``sample_evaluations`` adds up the batch size of every forward evaluation: with
-    ``SteadyState(per_sample=True)`` converged samples leave the batch, so it falls below ``nfe_forward * batch``.
-    ``stop_times`` (with a stop) holds the time at which each sample stopped, shape ``(*batch,)``;
-    ``steady_state_measure`` names the quantity the stop tested (``"dg_dt"``: RMS ``|dg/dt|``;
-    ``"tangent_gradient"``: RMS ``|T dE/dg|``), ``None`` without a stop.
+    Attributes:
+        nfe_forward: the field evaluations until ``solve`` returned, made by the thread that called it (solves in
+            other threads sharing the field are not counted), the stopping test's and, with
+            :class:`~et_ode.Implicit`, the polishing of the end state into an attractor included.
+        accepted_steps: the solver's accepted steps (every step of a fixed-step method).
+        rejected_steps: the adaptive solver's rejected steps.
+        wall_time: the seconds of the same span as ``nfe_forward``.
+        t_final: the time of the final state.
+        status: how the solve ended (:class:`Status`).
+        field: the integrated field.
+        nfe_at_return: the field's ``nfe`` when the solve returned.
+        sample_evaluations: the batch sizes of every forward evaluation, added up: with
+            ``SteadyState(per_sample=True)`` converged samples leave the batch, so it falls below
+            ``nfe_forward * batch``.
+        stop_times: with a stop, the time at which each sample stopped, ``(*batch,)``; else None.
+        steady_state_measure: the quantity the stop tested (``"dg_dt"``: RMS ``|dg/dt|``; ``"tangent_gradient"``:
+            RMS ``|T dE/dg|``), None without a stop.
+        nfe_backward: the field evaluations of the backward passes through the solution (the adjoint's backward
+            solve, or the implicit solver's Hessian-vector products): 0 until a backward pass through
+            ``Solution.x``, ``Solution.g`` or ``Solution.xs`` has finished, then fixed (:class:`BackwardTally`).
     """
 
     nfe_forward: int

@@ -95,6 +95,11 @@ class Adaptive:
 
     et-ode's loop runs the gradient ``Direct`` (``solve`` refuses ``Adjoint`` with it); for stops see
     :meth:`check_stop`.
+
+    Raises:
+        ValueError: an unknown ``method``, ``loop``, ``step_control`` or ``controller``; ``rtol`` or ``atol`` not
+            positive; a setting of et-ode's loop with ``loop="torchdiffeq"``, or ``options`` it does not take.
+        TypeError: ``progress`` is not a callable or None.
     """
 
     method: str = "dopri5"
@@ -205,6 +210,9 @@ class Fixed:
         step_size: the step, positive; None steps on the output grid ``t`` itself (then no stopping rule: the event
             loop of fixed-step methods needs a step size).
         options: further torchdiffeq options (e.g. ``perturb``, ``interp``), or None.
+
+    Raises:
+        ValueError: an unknown ``method``, a ``step_size`` that is not positive, or ``options`` holding a step size.
     """
 
     method: str = "rk4"
@@ -276,6 +284,9 @@ class EulerET:
         steps: the number of steps, a positive integer (the paper: 12); the horizon is ``steps * alpha * tau``.
 
     The time grid is built here: give ``solve`` ``t=None`` (start at 0) or ``t=(t0,)``.
+
+    Raises:
+        ValueError: ``alpha`` is not positive and finite, or ``steps`` not a positive integer.
     """
 
     alpha: float = 0.1

@@ -26,6 +26,10 @@ class SteadyState:
         per_sample: every sample stops at its own crossing and leaves the batch, so converged samples stop costing
             work (``stats.sample_evaluations``, ``stats.stop_times``); needs ``x0`` of shape ``(batch, N, D)`` and
             ``save="final"`` (:meth:`check`).
+
+    Raises:
+        ValueError: ``tol`` is not positive and finite, or ``measure`` is unknown.
+        TypeError: ``per_sample`` is not a bool.
     """
 
     tol: float

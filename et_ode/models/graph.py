@@ -1,4 +1,4 @@
-"""The Energy Transformer on graphs: nodes are tokens, attention follows the edges (SPEC section 6).
+"""The Energy Transformer on graphs: nodes are tokens, attention follows the edges.
 
 Tokens: ``x0_A = W_x x_A + W_pe (s * pe_A)`` for each node ``A``, with ``pe`` the ``k`` Laplacian eigenvectors
 (:func:`et_ode.data.graphs.add_laplacian_pe`) and ``s`` a random sign per graph and eigenvector while training

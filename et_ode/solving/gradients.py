@@ -49,10 +49,15 @@ class Adjoint:
     Args:
         rtol, atol: the backward solve's tolerances (None: the forward solve's).
         method: the backward solve's torchdiffeq method (None: the forward's).
-        seminorm: drop the parameter-gradient channels from the backward step-size control (often halves its cost).
+        seminorm: drop the parameter-gradient channels from the backward step-size control (a cheaper backward
+            solve).
 
     The backward solve has a step budget of its own of ``max_steps``; beyond it :class:`et_ode.SolveError` comes out
     of ``loss.backward()``.
+
+    Raises:
+        ValueError: ``rtol`` or ``atol`` is not positive, or ``method`` is not a torchdiffeq method.
+        TypeError: ``seminorm`` is not a bool.
     """
 
     rtol: float | None = None

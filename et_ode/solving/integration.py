@@ -80,6 +80,11 @@ class Integration:
             flow from ``x0`` (:func:`~et_ode.find_attractor`, implicit gradients) instead of integrating; ``solver``,
             ``gradient``, ``stop`` and ``t1`` serve only solves that save a trajectory (films, energy checks), which
             drop it: ``replace(attractor=None)``. None (default): integrate.
+
+    Raises:
+        ValueError: an unknown solver or gradient name, ``t1`` or ``max_steps`` not positive, or settings that do not
+            go together (the rules of the gradient strategy and the solver, e.g. ``Implicit`` without a stop).
+        TypeError: ``stop`` is not a SteadyState or None, or ``attractor`` not an AttractorReadout or None.
     """
 
     solver: Solver = Adaptive()  # a method's name is accepted too (as_solver)

@@ -64,6 +64,10 @@ def solve(
             with :class:`~et_ode.Adjoint` the backward solve has a budget of its own of as many steps (its SolveError
             comes out of ``loss.backward()``).
 
+    Returns:
+        A :class:`~et_ode.Solution`: the saved times and states, the final state ``x`` and ``g = LayerNorm(x)``,
+        how the solve ended and its :class:`~et_ode.SolveStats`.
+
     Raises:
         TypeError: ``field`` is not an ETField; ``stop`` is not a SteadyState; ``x0`` or the mask of the wrong type or
             dtype (``x0`` must have the model's dtype).

@@ -24,11 +24,11 @@ function theorem; no adjoint.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Any, NamedTuple, Protocol
 
 import torch
@@ -173,7 +173,7 @@ TABLEAUX = {"dopri5": DOPRI5, "bosh3": BOSH3, "tsit5": TSIT5}  # by method: Adap
 
 
 class Counter(Protocol):
-    """What the loop fills of ``solve``'s progress record."""
+    """What the loop fills of ``solve``'s progress record, and tells it of the time reached."""
 
     steps: int
     accepted: int
@@ -182,6 +182,24 @@ class Counter(Protocol):
     last_dt: float | None
     last: tuple[float, Tensor] | None
     saved: list[tuple[float, Tensor]]
+
+    def reached(self, t: float) -> None: ...
+
+
+@dataclass
+class Count:
+    """A :class:`Counter` of its own for :func:`integrate` called without one."""
+
+    steps: int = 0
+    accepted: int = 0
+    rejected: int = 0
+    sample_evaluations: int = 0
+    last_dt: float | None = None
+    last: tuple[float, Tensor] | None = None
+    saved: list[tuple[float, Tensor]] = dataclasses.field(default_factory=list)
+
+    def reached(self, t: float) -> None:
+        """Nothing follows the time reached."""
 
 
 def _per_sample_mask(field: object, batch: torch.Size) -> Tensor | None:
@@ -341,6 +359,7 @@ class _Loop:
         self.t_end = grid[-1]
         self.stop = stop
         self.t_now = grid[:1]  # the active groups' times during a step
+        self.next_dt: Tensor | None = None  # the step sizes the latest step proposed
         self.stop_times = torch.full((self.groups,), float(grid[-1]), dtype=torch.float64)
         self.finals = _Outputs([], [])
         self.outputs = _Outputs([], [])
@@ -410,24 +429,20 @@ class _Loop:
             return _rms(err).double()
 
     def control(self, ratio: Tensor, dt: Tensor, history: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Accept (``ratio <= 1``, finite) and the next step size per group; ``history`` ``(G, 2)`` holds the two
-        previous accepted inverse errors (the PID terms). Returns (accepted, next dt, next history)."""
+        """Accept (``ratio <= 1``: a NaN or infinite error is rejected) and the next step size per group; ``history``
+        ``(G, 2)`` holds the two previous accepted inverse errors (the PID terms). Returns (accepted, next dt, next
+        history)."""
         p, i, d = self.pid
         order = self.tableau.error_order
-        finite = torch.isfinite(ratio)
-        accepted = finite & (ratio <= 1)
-        inverse = torch.where(finite, 1 / ratio, torch.zeros_like(ratio))  # a non-finite error: the smallest factor
-        factor = SAFETY * inverse ** ((p + i + d) / order)
+        accepted = ratio <= 1
+        factor = SAFETY * ratio ** (-(p + i + d) / order)  # an error of 0 gives inf, an infinite one 0
         if p or d:
+            inverse = 1 / ratio
             factor = factor * history[:, 0] ** (-(p + 2 * d) / order) * history[:, 1] ** (d / order)
             kept = torch.where((inverse == 0) | torch.isinf(inverse), torch.ones_like(inverse), inverse)
             history = torch.where(accepted[:, None], torch.stack([kept, history[:, 0]], dim=1), history)
-        ones = torch.ones_like(ratio)
-        factor = torch.clamp(
-            factor,
-            min=torch.where(accepted, ones, ones * FACTOR_MIN),
-            max=torch.where(accepted, ones * FACTOR_MAX, ones * SAFETY),
-        )
+        factor = torch.nan_to_num(factor, nan=FACTOR_MIN)  # a NaN error: the smallest factor
+        factor = torch.where(accepted, factor.clamp(1.0, FACTOR_MAX), factor.clamp(FACTOR_MIN, SAFETY))
         return accepted, dt * factor, history
 
     def dense(self, rows: Tensor, theta: Tensor, y0: Tensor, y1: Tensor, k: Tensor, weights: Tensor, dt: Tensor) -> Tensor:
@@ -470,22 +485,37 @@ class _Loop:
         theta = torch.where(passes, theta, torch.ones_like(theta))  # the step's end passes (tested with f1)
         return theta, interpolant.at(theta)[0]
 
-    def save(
-        self, state: dict[str, Any], t1: Tensor, accepted: Tensor, y1: Tensor, k: Tensor, weights: Tensor, dt: Tensor
-    ) -> None:
-        """Keep the interpolated states at the output times inside each accepted step ``(t, t1]``."""
+    def _pending(self, state: dict[str, Any], accepted: Tensor, t1: Tensor) -> Tensor:
+        """Which accepted groups have their next output time inside the step ``(t, t1]``, ``(G,)`` bool."""
         grid, last = self.grid, len(self.grid) - 1
         following = state["next_output"]
-        pending = accepted & (grid[following.clamp(max=last)] <= t1) & (following <= last)
-        while bool(pending.any()):
+        return accepted & (following <= last) & (grid[following.clamp(max=last)] <= t1)
+
+    def save(
+        self,
+        state: dict[str, Any],
+        t1: Tensor,
+        accepted: Tensor,
+        pending: Tensor,
+        y1: Tensor,
+        k: Tensor,
+        weights: Tensor,
+        dt: Tensor,
+    ) -> None:
+        """Keep the interpolated states at the output times inside each accepted step ``(t, t1]``, starting with
+        the groups ``pending`` (:meth:`_pending`)."""
+        grid = self.grid
+        while True:
+            following = state["next_output"]
             rows = torch.nonzero(pending).flatten()
             outputs = following[rows]
             theta = (grid[outputs] - state["t"][rows]) / dt[rows]
             self.outputs.states.append(self.dense(rows, theta, state["y"], y1, k, weights, dt))
             self.outputs.rows.append(outputs * self.groups + state["ids"][rows])
-            following = following + pending.long()
-            pending = accepted & (following <= last) & (grid[following.clamp(max=last)] <= t1)
-        state["next_output"] = following
+            state["next_output"] = following + pending.long()
+            pending = self._pending(state, accepted, t1)
+            if not bool(pending.any()):
+                return
 
     # -- the loop ------------------------------------------------------------------------------------
     def run(self, x0: Tensor, first_step: float | None, save_all: bool, keep_steps: bool) -> tuple[Tensor, Tensor | None]:
@@ -517,9 +547,11 @@ class _Loop:
                 buffers = self._compact(state, done, buffers)
         while len(state["t"]):
             self._count_step(state)
-            done = self.step(state, buffers, save_all, keep_steps, totals)
-            if bool(done.any()):
-                buffers = self._compact(state, done, buffers)
+            left = self.step(state, buffers, save_all, keep_steps, totals)
+            if left is not None:
+                buffers = self._compact(state, left, buffers)
+        if self.next_dt is not None:
+            self.progress.last_dt = float(self.next_dt.min())
         x = self._gather(self.finals, g).view(self.x_shape)
         xs = self._gather(self.outputs, g * len(self.grid)).view(len(self.grid), *self.x_shape) if save_all else None
         return x, xs
@@ -531,48 +563,76 @@ class _Loop:
         save_all: bool,
         keep_steps: bool,
         totals: tuple[Tensor, Tensor],
-    ) -> Tensor:
-        """One step of every active group; returns which groups reached the end ``(G,)``."""
+    ) -> Tensor | None:
+        """One step of every active group; returns which groups leave the batch ``(G,)`` (reached the end or passed
+        the stop), or None where none does. One host synchronisation (:meth:`_summary`), plus those of a stop's
+        crossing, the saved outputs and the progress callback where they occur."""
         t, y0, f0 = state["t"], state["y"], state["f0"]
         remaining = self.t_end - t
         last = state["dt"] >= remaining
         dt = torch.where(last, remaining, state["dt"])
         t1 = torch.where(last, self.t_end, t + dt)
-        if not bool((t1 > t).all()):
-            self._fail(state, f"underflow in the step size {float(dt.min()):.3g}", float(t.min()), UNDERFLOW_ADVICE)
         self.t_now = t
         k, y1, weights = self.stages(t, dt, y0, f0, buffers)
         ratio = self.error_ratio(k, y0, y1, weights, buffers)
-        accepted, state["dt"], state["history"] = self.control(ratio, dt, state["history"])
-        count = int(accepted.sum())
+        accepted, next_dt, history = self.control(ratio, dt, state["history"])
+        s = self.tableau.stages
+        crossed = accepted & self._converged(y1, k[:, s - 1 : s]) if self.stop is not None else None
+        done = accepted & last if crossed is None else accepted & last & ~crossed
+        pending = self._pending(state, accepted, t1) if save_all else None
+        stalled, count, finished, crossings, outputs, reached = self._summary(
+            t1 <= t, accepted, done, crossed, pending, torch.where(accepted, t1, t)
+        )
+        if stalled:
+            self._fail(state, f"underflow in the step size {float(dt.min()):.3g}", float(t.min()), UNDERFLOW_ADVICE)
+        state["dt"], state["history"], self.next_dt = next_dt, history, next_dt
         self.progress.accepted += count
         self.progress.rejected += len(t) - count
-        self.progress.last_dt = float(state["dt"].min())
+        self.progress.reached(reached)
         if keep_steps and count:  # shared mode: the start of each accepted step
             self.progress.saved.append((float(t[0]), y0.detach().reshape(self.x_shape).clone()))
-        if save_all:
-            self.save(state, t1, accepted, y1, k, weights, dt)
-        s = self.tableau.stages
-        done = accepted & last
-        if self.stop is not None and count:
-            crossed = accepted & self._converged(y1, k[:, s - 1 : s])
-            if bool(crossed.any()):  # those end where they first pass the test inside the step
-                rows = torch.nonzero(crossed).flatten()
-                theta, at = self.crossing(rows, y0, y1, k, weights, dt)
-                self._finish(state, crossed, at, t[rows] + theta * dt[rows], rows_given=True)
-                done = done & ~crossed
-        if bool(done.any()):
+        if outputs:
+            self.save(state, t1, accepted, pending, y1, k, weights, dt)  # type: ignore[arg-type]
+        if crossings:  # those end where they first pass the test inside the step
+            rows = torch.nonzero(crossed).flatten()
+            theta, at = self.crossing(rows, y0, y1, k, weights, dt)
+            self._finish(state, crossed, at, t[rows] + theta * dt[rows], rows_given=True)  # type: ignore[arg-type]
+        if finished:
             self._finish(state, done, y1, t1)
-        if self.stop is not None and count:
-            done = done | crossed
         self._advance(state, accepted, count == len(t), y1, k[:, s - 1 : s], t1, buffers)
         if self.callback is not None:
-            ids = state["ids"].cpu()
-            totals[0][ids] = state["t"].cpu()
-            totals[1][ids] += accepted.long().cpu()
-            shape = (-1,) if self.per_sample else (self.samples_per_group,)  # shared: the batch's one time
-            self.callback(totals[0].expand(shape).clone(), totals[1].expand(shape).clone())
-        return done
+            self._report(state, accepted, totals)
+        if not (finished or crossings):
+            return None
+        return done if crossed is None else done | crossed
+
+    @staticmethod
+    def _summary(
+        stalled: Tensor,
+        accepted: Tensor,
+        done: Tensor,
+        crossed: Tensor | None,
+        pending: Tensor | None,
+        times: Tensor,
+    ) -> tuple[int, int, int, int, int, float]:
+        """What the host needs of a step, in one synchronisation: the number of groups whose step underflowed, were
+        accepted, reached the end, crossed the stop and have outputs inside the step, and the earliest time reached."""
+        flags = [stalled, accepted, done, stalled if crossed is None else crossed, stalled if pending is None else pending]
+        counts = torch.stack([flag.sum() for flag in flags]).to(torch.float64)
+        values = torch.cat([counts, times.min().reshape(1)]).tolist()
+        stalls, count, finished = int(values[0]), int(values[1]), int(values[2])
+        crossings = int(values[3]) if crossed is not None else 0
+        outputs = int(values[4]) if pending is not None else 0
+        return stalls, count, finished, crossings, outputs, values[5]
+
+    def _report(self, state: dict[str, Any], accepted: Tensor, totals: tuple[Tensor, Tensor]) -> None:
+        """Call the progress callback with every sample's time and accepted steps (the batch's one time when shared)."""
+        assert self.callback is not None
+        ids = state["ids"].cpu()
+        totals[0][ids] = state["t"].cpu()
+        totals[1][ids] += accepted.long().cpu()
+        shape = (-1,) if self.per_sample else (self.samples_per_group,)
+        self.callback(totals[0].expand(shape).clone(), totals[1].expand(shape).clone())
 
     def _test(self, y: Tensor, f: Tensor) -> Tensor:
         """The stop's value at the groups ``y`` with the velocity ``f`` there, ``(G,)`` float64 (negative: passes;
@@ -726,7 +786,7 @@ def integrate(
     if len(pid) != 3 or not all(isinstance(c, (int, float)) and c >= 0 for c in pid) or sum(pid) <= 0:
         raise ValueError(f"pid must be three non-negative coefficients (pcoeff, icoeff, dcoeff), not all zero; got {pid!r}")
     if progress is None:
-        progress = SimpleNamespace(steps=0, accepted=0, rejected=0, sample_evaluations=0, last_dt=None, last=None, saved=[])
+        progress = Count()
     loop = _Loop(field, x0, grid, TABLEAUX[method], rtol, atol, per_sample, pid, max_steps, progress, callback, stop)
     x, xs = loop.run(x0, first_step, save_all, keep_steps)
     ends = loop.stop_times if per_sample else loop.stop_times.expand(x0.shape[:-2].numel())

@@ -118,14 +118,17 @@ def test_api_reference_builds_strictly(site: Path) -> None:
         "math/index.html",
         "performance/index.html",
         "api/et_ode/index.html",
-        "api/model/index.html",
-        "api/field/index.html",
-        "api/solve/index.html",
-        "api/attractor/index.html",
-        "api/analysis/index.html",
+        "api/energy/index.html",
+        "api/kernels/index.html",
+        "api/dynamics/index.html",
+        "api/integrators/index.html",
+        "api/linalg/index.html",
+        "api/equilibrium/index.html",
+        "api/solving/index.html",
         "api/models/index.html",
+        "api/training/index.html",
+        "api/analysis/index.html",
         "api/tasks/index.html",
-        "api/runs/index.html",
         "api/cli/index.html",
     ]:
         assert (site / page).is_file(), page
@@ -134,12 +137,12 @@ def test_api_reference_builds_strictly(site: Path) -> None:
 def test_reference_documents_each_parameter_with_its_type(site: Path) -> None:
     """The docstrings reach the pages: each parameter of a grouped entry (``dtype, device: ...``) on its own, with
     its type from the signature; Sphinx roles as plain code."""
-    model = _text(site / "api" / "model" / "index.html")
+    model = _text(site / "api" / "energy" / "index.html")
     assert "EnergyTransformer" in model and "Multi-head energy attention" in model
     assert re.search(r"dtype \( dtype \| None , default: None \) – of the parameters, as in PyTorch's modules", model)
     assert re.search(r"device \( device \| str \| None , default: None \) – of the parameters, as in PyTorch's", model)
     assert ":class:" not in model
-    field = _text(site / "api" / "field" / "index.html")
+    field = _text(site / "api" / "dynamics" / "index.html")
     assert "ETField" in field and "dE_dt" in field
     analysis = _text(site / "api" / "analysis" / "index.html")
     assert "analyze_convergence" in analysis and "check_lyapunov" in analysis
@@ -268,3 +271,16 @@ def test_every_et_ode_command_on_the_pages_parses() -> None:
             parser.parse_args(line.split()[1:])
         except SystemExit:
             pytest.fail(f"{page.relative_to(REPO)}: `{line}` does not parse")
+
+
+def test_the_top_level_page_names_every_export_where_it_is_defined() -> None:
+    """docs/api/et_ode.md lists each name of ``et_ode.__all__`` once, beside the module that holds it."""
+    import importlib
+
+    import et_ode
+
+    rows = re.findall(r"^\| (`[^|]+`) \| \[`([\w.]+)`\]\(\w+\.md\) \|", (DOCS / "api" / "et_ode.md").read_text(), flags=re.M)
+    listed = {name: module for names, module in rows for name in re.findall(r"`(\w+)`", names)}
+    assert sorted(listed) == sorted(et_ode.__all__)
+    for name, module in listed.items():
+        assert getattr(importlib.import_module(module), name) is getattr(et_ode, name), (name, module)

@@ -23,7 +23,7 @@ from matplotlib.figure import Figure
 from torch import Tensor
 
 from et_ode import Adaptive, ETField, Solution, solve
-from et_ode.analysis.convergence import convergence_traces, flat_field, flat_states, sample_field
+from et_ode.analysis.convergence import convergence_traces, flat_field, flat_states
 from et_ode.backend.validation import check_positive
 from et_ode.dynamics.manifold import radial_direction, tangent_projection
 
@@ -201,7 +201,7 @@ def plot_trajectories(
         values, label = times.to(torch.float64).cpu().numpy(), "time t"
     else:
         with torch.no_grad():
-            energies = sample_field(flat_field(solution), b).energy(xs[:, b])
+            energies = flat_field(solution).select(b).energy(xs[:, b])
         values, label = energies.to(torch.float64).cpu().numpy(), "energy E"
     norm = Normalize(values.min(), values.max() if values.max() > values.min() else values.min() + 1)
     if color_by == "time" and len(values) > 2 and values[1] > 0 and values[-1] / values[1] > 50:
@@ -372,7 +372,7 @@ def plot_energy_slice(
     xf = x_fixed.detach().reshape(-1, *x_fixed.shape[-2:])
     b = _sample_index(sample, xf.shape[0])
     model = field.model
-    bound = sample_field(field, b)
+    bound = field.select(b)
     states = None
     if trajectories is not None:
         states = trajectories.xs if isinstance(trajectories, Solution) else trajectories
@@ -448,7 +448,7 @@ def plot_attention(
     first to last). Each requested time uses the nearest saved one. Default size: 3.6 inches per map, 4 tall."""
     xs = flat_states(solution)
     b = _sample_index(sample, xs.shape[1])
-    field = sample_field(flat_field(solution), b)
+    field = flat_field(solution).select(b)
     heads = field.model.attention.heads
     if not isinstance(head, int) or not 0 <= head < heads:
         raise ValueError(f"head must be an integer in [0, {heads}), got {head!r}")

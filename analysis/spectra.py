@@ -23,7 +23,7 @@ from torch import Tensor
 from torchdiffeq import odeint
 
 from et_ode import Adaptive, ETField, Solution, solve
-from et_ode.analysis.convergence import flat_field, flat_states, sample_field
+from et_ode.analysis.convergence import flat_field, flat_states
 from et_ode.analysis.plots import _finish
 from et_ode.analysis.sphere import FixedScaleField, hessian_in_frame, tangent_frame, unit_scale
 from et_ode.dynamics.manifold import radial_direction, tangent_projection
@@ -59,7 +59,7 @@ def hessian_along(solution: Solution, *, max_times: int = 25, zero_tol: float = 
     for k in picks.tolist():
         small, large, index, rms = [], [], [], []
         for b in range(xs.shape[1]):
-            matrix, gradient, _ = hessian_in_frame(sample_field(field, b), unit_scale(xs[k, b], eps))
+            matrix, gradient, _ = hessian_in_frame(field.select(b), unit_scale(xs[k, b], eps))
             values = torch.linalg.eigvalsh(matrix)
             small.append(values[0])
             large.append(values[-1])

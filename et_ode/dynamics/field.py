@@ -81,6 +81,7 @@ class ETField(nn.Module):
 
     ============================  ==============================================================
     ``forward(t, x)``             ``dx/dt``, counted in ``nfe`` (what solvers call)
+    ``with_mask(mask)``           a copy bound to another mask; ``select(index)`` the field of some samples
     ``velocity(x)``               ``dx/dt = -(1/tau) dE/dg``, not counted
     ``activation(x)``             ``g = LayerNorm(x)``
     ``energy(x)``, ``energy_g(g)``  ``E`` per sample, with the bound mask
@@ -149,6 +150,14 @@ class ETField(nn.Module):
         bound = copy.copy(self)
         bound.__dict__["mask"] = mask
         return bound
+
+    def select(self, index: Tensor | int | slice) -> ETField:
+        """This field for the samples ``index`` of the leading batch dimension (a flattened batch ``(B, N, D)``):
+        a per-sample mask ``(B, N, N)`` is cut to ``mask[index]``; a shared mask (``(N, N)``, a
+        :class:`~et_ode.GraphMask`, None) serves every sample and is kept. Shares the model and the evaluation
+        counter (:meth:`with_mask`)."""
+        mask = self.mask
+        return self.with_mask(mask[index]) if isinstance(mask, Tensor) and mask.dim() > 2 else self
 
     # -- the dynamics ------------------------------------------------------------------------------
     def activation(self, x: Tensor) -> Tensor:

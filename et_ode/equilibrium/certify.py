@@ -313,7 +313,7 @@ def _descend(
     counters["energy"] += 1
     active = torch.arange(batch)
     while len(active):
-        bound = restrict(field, active)
+        bound = field.select(active)
         xa = x[active]
         newton = ~fallback[active]
         if bool(newton.any()):
@@ -388,12 +388,6 @@ def flatten(field: ETField, x: Tensor) -> tuple[Tensor, ETField]:
     return x.detach().reshape(-1, n, d).clone(), field.with_mask(mask)
 
 
-def restrict(field: ETField, index: Tensor) -> ETField:
-    """``field`` for the samples ``index`` of a flattened batch (its per-sample mask, if any, cut to match)."""
-    mask = field.mask
-    return field.with_mask(mask[index]) if isinstance(mask, Tensor) and mask.dim() == 3 else field
-
-
 @dataclass
 class _Search:
     """Per-sample results of the Newton phase over a flattened batch ``(B, N, D)``."""
@@ -418,7 +412,7 @@ def _descend_where(
     index = torch.nonzero(selected).flatten()
     if not len(index):
         return
-    found, rms, its = _descend(geometry, restrict(field, index), starts[index], counters=counters, **options)
+    found, rms, its = _descend(geometry, field.select(index), starts[index], counters=counters, **options)
     search.x[index], search.gradient[index] = found, rms
     search.iterations[index] += its
     for i in index.tolist():
@@ -480,7 +474,7 @@ def basin_settled(
         index = torch.nonzero(torch.tensor([k == name for k in geometry]) & (smallest > 0)).flatten()
         if not len(index):
             continue
-        bound = restrict(field, index)
+        bound = field.select(index)
         if name == "spheres":
             settled[index] = _linear_regime(_Spheres(bound), start[index], found[index], smallest[index], tol)
         else:
@@ -556,7 +550,7 @@ def _spectrum(field: ETField, search: _Search, *, lanczos_iterations: int, seed:
         index = torch.nonzero(selected).flatten()
         if not len(index):
             continue
-        bound = restrict(field, index)
+        bound = field.select(index)
         apply, _, project = geometry_class(bound).hessian(bound, x[index])
         dimension = n * (d - 2) if name == "spheres" else n * (d - 1)
         start = torch.randn(x[index].shape, generator=generator, dtype=x.dtype).to(x.device)
@@ -749,7 +743,7 @@ def flow_to(
     for _ in range(max_segments):
         if not len(active):
             break
-        problem = Problem(restrict(field, active), _mean_scale(x[active]), grid, solver, stop, "final", 100_000)
+        problem = Problem(field.select(active), _mean_scale(x[active]), grid, solver, stop, "final", 100_000)
         try:
             with torch.no_grad():
                 result = integrate(problem, odeint, problem.torchdiffeq_arguments())
@@ -785,7 +779,7 @@ def settle(
     flow_evaluations, level = 0, handoff
     x = x.detach().clone()
     for _ in range(handoffs if flow else 1):
-        bound = restrict(field, pending)
+        bound = field.select(pending)
         if flow:
             flow_started = field.nfe
             x[pending] = flow_to(

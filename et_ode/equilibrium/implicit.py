@@ -83,12 +83,11 @@ class _AttractorRerouting(torch.autograd.Function):
                 "degenerate point or a search that did not converge); see Attractor.kind and Attractor.converged"
             )
         w_out = torch.zeros_like(v)
-        mask = field.mask
         for geometry in (False, True):
             index = torch.nonzero(asked & (in_x == geometry)).flatten()
             if not len(index):
                 continue
-            bound = field.with_mask(mask[index]) if isinstance(mask, Tensor) and mask.dim() == 3 else field
+            bound = field.select(index)
             x, vi = x_star[index], v[index]
             neuron = field.model.neuron
             if geometry:

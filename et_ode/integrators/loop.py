@@ -368,9 +368,7 @@ def _to_steady_state(
     x, t_start, end_index = x0, t0, 0
     while len(active):
         t_end = ends[end_index]
-        segment_field = field
-        if per_sample and isinstance(field.mask, Tensor) and field.mask.dim() == 3:  # one mask per sample
-            segment_field = field.with_mask(field.mask[active])
+        segment_field = field.select(active) if per_sample else field
         segment = type(recorder)(segment_field, recorder.max_steps, recorder.keep_steps, recorder.progress)
         with torch.no_grad():
             converged = stop.rms(segment_field, x, segment.velocity(x)) < tol

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from et_ode import ETField
+from et_ode import ETField, GraphMask
 from tests.conftest import random_model
 
 
@@ -18,6 +18,31 @@ def test_analytic_field_equals_autograd_field(hopfield):
     torch.testing.assert_close(analytic(0.0, x), reference(0.0, x), rtol=1e-10, atol=1e-12)
     with torch.no_grad():  # how odeint_adjoint calls the field
         torch.testing.assert_close(analytic(0.0, x), reference(0.0, x), rtol=1e-10, atol=1e-12)
+
+
+def test_select_gives_the_field_of_some_samples():
+    """``select(index)`` of a field with one mask per sample evaluates each chosen sample with its own mask (checked
+    against the model's energy and dE/dg with that mask alone); a shared mask is kept; the counter is shared."""
+    model = random_model()
+    masks = torch.rand(4, 6, 6) > 0.4
+    x = torch.randn(4, 6, 8, dtype=torch.float64)
+    field = ETField(model, tau=0.7, mask=masks)
+    index = torch.tensor([3, 1])
+    chosen = field.select(index)
+    assert chosen.mask.shape == (2, 6, 6)
+    for row, sample in enumerate(index.tolist()):
+        g = model.neuron(x[sample])
+        expected_energy = model.energy_g(g, masks[sample])
+        torch.testing.assert_close(chosen.energy(x[index])[row], expected_energy, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(chosen.velocity(x[index])[row], -model.dE_dg(g, masks[sample]) / 0.7)
+    torch.testing.assert_close(field.select(2).energy(x[2]), model.energy_g(model.neuron(x[2]), masks[2]))
+    chosen(0.0, x[index])
+    assert field.nfe == 1  # one evaluation, counted once, on the shared counter
+    shared = masks[0]
+    graph = GraphMask(torch.tensor([[0, 1, 2], [1, 2, 0]]), 6)
+    for mask in (None, shared, graph):
+        kept = ETField(model, mask=mask).select(index)
+        assert kept.mask is mask
 
 
 def test_autograd_field_is_differentiable_in_parameters():

@@ -1,64 +1,11 @@
 """One training loop for every task: AdamW, warm-up then cosine, clipping, checkpoints, exact resume.
 
-The loop knows nothing of images or graphs. A *task* supplies the loss and the evaluation::
-
-    class Task(Protocol):
-        def loss(self, model: nn.Module, batch: Any) -> tuple[Tensor, dict[str, float]]: ...
-            # scalar loss to minimise, plus metrics to show and log (e.g. {"mse": ..., "nfe": ..., "energy": ...})
-        def evaluate(self, model: nn.Module, batches: Iterable[Any]) -> dict[str, float]: ...
-            # metrics on a held-out split; called under torch.no_grad() with model.eval()
-        # optional: metrics known only once the loss's backward pass has run (e.g. {"nfe_backward": ...})
-        def after_backward(self) -> dict[str, float]: ...
-
-Public API::
-
-    TrainConfig(epochs=10, batch_size=64, lr=1e-3, weight_decay=1e-4, betas=(0.9, 0.999), warmup=0.05,
-                min_lr_ratio=0.0, grad_clip=1.0, seed=0, device="auto", out_dir=None, resume=False,
-                overwrite=False, eval_every=1, checkpoint_every=0, eval_batch_size=None, max_train_batches=None,
-                num_workers=0, progress=True, max_time=None)
-    fit(model, task, train_data, val_data=None, config=TrainConfig(), *, collate_fn=None, meta=None,
-        callback=None) -> History
-    History.records: list[dict]  (one per epoch: epoch, step, lr, train_<metric> means, val_<metric>, time)
-    training_cost(history) -> dict   # steps, seconds per step, evaluations per step (forward, backward)
-    save_checkpoint(path, state: dict) -> None          # atomic; TypeError naming an entry that is not data
-    load_checkpoint(path, map_location="cpu") -> dict    # ValueError naming the file: corrupt, pickle, model file
-
-``train_data`` / ``val_data``: a ``torch.utils.data.Dataset`` (batched by ``fit`` with ``collate_fn``) or,
-for ``val_data`` only, any iterable of ready batches. Batches are moved to the device by
-:func:`et_ode.backend.devices.move_to`.
-
-Files written to ``config.out_dir`` (when set): ``checkpoint.safetensors`` (model, optimizer, scheduler, RNG
-states, epoch, step within the epoch, config, history, ``meta``; tensors in safetensors, the rest JSON, see
-:mod:`et_ode.training.statefile`: loading it never runs code), ``metrics.jsonl`` (one JSON object per epoch and per
-checkpoint-interval log line). The folder is locked while ``fit`` runs (:func:`et_ode.training.runs.lock`), and a
-folder that already holds a checkpoint or metrics is refused unless ``resume`` or ``overwrite`` is set.
-Resume (``config.resume=True`` reads ``out_dir/checkpoint.safetensors``, or give a path) continues mid-epoch
-exactly: the order of each epoch is a fixed function of ``(seed, epoch)`` and the
-global RNG states are restored, so a resumed run ends with the same parameters as an uninterrupted one
-(bit for bit on CPU).
-
-Cost: every training step is timed (``train_step_seconds``: the loss, its backward pass and the update, data
-loading excluded) and, when the task reports them, its evaluations of the vector field (``train_nfe``: the
-forward solve; ``train_nfe_backward``: the adjoint's or implicit gradient's, from ``task.after_backward()``);
-:func:`training_cost` sums them over a run.
-
-Time budget: ``max_time`` (seconds) bounds the wall clock of the loop (training and evaluation, from the first step,
-summed over resumes; the set-up before it is not counted).
-The warm-up + cosine schedule is then planned for the steps that fit in the budget, never more than ``epochs``
-allow: after :data:`CALIBRATION_STEPS` steps from the measured seconds per step, and again at the end of every
-epoch from the seconds per step so far, evaluations included. The run ends when the planned steps are done or
-the clock reaches ``max_time``, whichever comes first, with a final evaluation and a checkpoint; the last record
-says ``"stopped": "max_time"`` (or ``"planned_steps"``). Such a run is not reproducible step for step (the plan
-depends on the machine's speed); its plan is saved, and a resume continues it.
-
-Distributed data parallel (see :mod:`et_ode.training.distributed`): when ``torch.distributed`` is initialised before
-``fit``, ``batch_size`` is the global batch, split evenly over the ranks (each rank takes every ``W``-th example
-of the epoch's permutation, so global batch ``k`` holds the same examples on any number of processes ``W``);
-the model is wrapped in ``DistributedDataParallel`` (``task.loss`` receives the wrapper: call ``model(...)``
-for the forward pass, ``model.module`` for attributes); the training metrics are averaged over the ranks and
-the evaluation runs on the unwrapped model, each rank on its part of ``val_data`` (a ``Dataset``), the results
-averaged weighted by example counts; only rank 0 reads the checkpoint to resume (and broadcasts it), writes
-files and shows progress. A checkpoint resumes on any number of processes that divides ``batch_size``.
+The loop knows nothing of images or graphs: a :class:`Task` supplies the loss and the evaluation, and :func:`fit`
+trains any ``nn.Module`` on it with the settings of a :class:`TrainConfig`, returning the :class:`History` of its
+epochs. A run writes data-only checkpoints (:func:`save_checkpoint`, :mod:`et_ode.training.statefile`) and
+``metrics.jsonl`` to its folder, resumes mid-epoch bit for bit, times every step and counts its field evaluations
+(:func:`training_cost`), plans its schedule for a time budget, and runs unchanged on several processes
+(:mod:`et_ode.training.distributed`); :func:`fit` states each in full.
 """
 
 from __future__ import annotations
@@ -90,7 +37,7 @@ from et_ode.training.statefile import FileFormatError, describe, load_state, sav
 CHECKPOINT_NAME = "checkpoint.safetensors"
 CHECKPOINT_FORMAT = "et-ode/training-checkpoint/2"
 CALIBRATION_STEPS = 10  # steps timed before a run with max_time plans its schedule
-LEGACY_CHECKPOINT_NAME = "checkpoint.pt"  # the pickle checkpoints of et-ode before the safetensors format
+LEGACY_CHECKPOINT_NAME = "checkpoint.pt"  # a pickle checkpoint: refused unread, with how to convert it
 METRICS_NAME = "metrics.jsonl"
 # Fields that change the sequence of parameter updates: a resumed run must keep them.
 _TRAJECTORY_FIELDS = (
@@ -115,7 +62,13 @@ class MapData(Protocol):
 
 
 class Task(Protocol):
-    """What ``fit`` needs from a task (see the module docstring)."""
+    """What ``fit`` needs from a task.
+
+    ``loss(model, batch)`` returns the scalar loss to minimise and metrics to show and log (e.g.
+    ``{"mse": ..., "nfe": ..., "energy": ...}``); ``evaluate(model, batches)`` returns the metrics on a held-out split
+    and is called under ``torch.no_grad()`` with ``model.eval()``. A task may also define ``after_backward()``: the
+    metrics known only once the loss's backward pass has run (e.g. ``{"nfe_backward": ...}``).
+    """
 
     def loss(self, model: nn.Module, batch: Any) -> tuple[Tensor, dict[str, float]]: ...
 
@@ -351,6 +304,35 @@ def fit(
 ) -> History:
     """Train ``model`` on ``task`` with AdamW and a warm-up + cosine schedule; return the :class:`History`.
 
+    Batches of ``train_data`` (and of a ``val_data`` data set) are made by a ``DataLoader`` with ``collate_fn`` and
+    moved to the device by :func:`et_ode.backend.devices.move_to`.
+
+    Files: with ``config.out_dir``, ``checkpoint.safetensors`` (model, optimizer, scheduler, RNG states, epoch, step
+    within the epoch, config, history, ``meta``: data only, loading it never runs code) and ``metrics.jsonl`` (one
+    JSON object per epoch and per checkpoint-interval line). The folder is locked while ``fit`` runs
+    (:func:`et_ode.training.runs.lock`); one that holds a checkpoint or metrics is refused unless ``resume`` or
+    ``overwrite`` is set. A resume continues mid-epoch exactly: each epoch's order is a fixed function of
+    ``(seed, epoch)`` and the RNG states are restored, so a resumed run ends with the parameters of an uninterrupted
+    one (bit for bit on CPU).
+
+    Cost: every step is timed (``train_step_seconds``: the loss, its backward pass and the update, data loading
+    excluded) and, when the task reports them, its field evaluations (``train_nfe``: the forward solve;
+    ``train_nfe_backward``: the adjoint's or implicit gradient's, from ``task.after_backward()``).
+
+    Time budget: ``config.max_time`` (seconds) bounds the loop's wall clock (training and evaluation, summed over
+    resumes). The schedule is planned for the steps that fit, never more than ``epochs`` allow: after
+    :data:`CALIBRATION_STEPS` steps from their measured time, and again at the end of every epoch. The run ends when
+    the planned steps are done or the clock reaches ``max_time``, with a final evaluation and a checkpoint; the last
+    record says ``"stopped": "max_time"`` (or ``"planned_steps"``). Such a run depends on the machine's speed; its
+    plan is saved, and a resume continues it.
+
+    Several processes: when ``torch.distributed`` is initialised, ``batch_size`` is the global batch, split evenly
+    (rank ``r`` takes every ``W``-th example of the epoch's permutation, so global batch ``k`` holds the same examples
+    on any number of processes); ``task.loss`` receives the ``DistributedDataParallel`` wrapper (``model(...)`` for
+    the forward pass, ``model.module`` for attributes); metrics are averaged over the ranks, each rank evaluates its
+    part of ``val_data`` (a ``Dataset``), and rank 0 alone reads the checkpoint to resume, writes files and shows
+    progress. A checkpoint resumes on any number of processes that divides ``batch_size``.
+
     Args:
         model: any ``nn.Module``; moved to ``config.device``. Initialise it (seeded) before calling.
         task: supplies ``loss(model, batch)`` and ``evaluate(model, batches)``.
@@ -585,7 +567,7 @@ class _Loop:
         return self.position.elapsed + time.perf_counter() - self.started
 
     def stop_reason(self) -> str | None:
-        """``"max_time"`` or ``"planned_steps"`` when a run with a budget must end now (rank 0 decides), else None."""
+        """``"max_time"`` or ``"planned_steps"`` when a run with a budget must stop here (rank 0 decides), else None."""
         if self.config.max_time is None:
             return None
         step = self.position.step

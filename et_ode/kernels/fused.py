@@ -7,11 +7,10 @@ All three linear maps of ``g`` (keys, queries, memory overlaps) are one product 
     c = [S Q | S^T K | phi(h)]     (S: softmax over keys of beta K Q^T, per head; phi: the Hopfield form)
     dE/dg = -c W                                               (M, D)
 
-where ``phi`` is ``relu(h)``, ``softplus(s h)/s * sigmoid(s h)`` or ``softmax(beta h)`` (SPEC sections 2-3).
-Everything else (per-head score products ``N x N x Y``, softmax, the rectifier) is small next to these two
-products at the paper's sizes. The code indexes ``S`` key-major, ``S[h, B, C]``, with the softmax over the keys'
-axis -2; from :data:`QUERY_MAJOR_FROM` tokens on it is stored query-major, a transposed view of ``Q K^T``, so that
-the softmax runs along contiguous rows (:func:`_key_softmax`).
+where ``phi`` is ``relu(h)``, ``softplus(s h)/s * sigmoid(s h)`` or ``softmax(beta h)``. The rest (per-head score
+products ``N x N x Y``, softmax, the rectifier) is small next to these two products at the paper's sizes. ``S`` is
+indexed key-major, ``S[h, B, C]``, the softmax over axis -2; from :data:`QUERY_MAJOR_FROM` tokens on it is stored
+query-major, a transposed view of ``Q K^T``, so the softmax runs along contiguous rows (:func:`_key_softmax`).
 
 Backward. For a cotangent ``u`` of ``dE/dg`` (shape ``(M, D)``), ``L = <u, dE/dg> = -<U, c>`` with
 ``U = u W^T = [uK | uQ | uh]``, and ``R_ = -dL/dP`` has the blocks
@@ -22,9 +21,8 @@ Backward. For a cotangent ``u`` of ``dE/dg`` (shape ``(M, D)``), ``L = <u, dE/dg
 
 (``phi'(h)[uh]`` is ``1[h>0] uh`` for relu, ``(sigma^2 + softplus(s h) sigma (1 - sigma)) uh`` for softplus
 and ``beta p (uh - p.uh)`` for softmax.) ``dL/dg`` is the Hessian of ``E`` applied to ``u``: a VJP of the field
-costs two more large products for ``g`` and two for the weights, never a double backward.
-
-The products run on the GEMM back end that :mod:`et_ode.kernels.gemm` chooses for the machine.
+costs two more large products for ``g`` and two for the weights, never a double backward. The products run on the
+GEMM back end that :mod:`et_ode.kernels.gemm` chooses for the machine.
 """
 
 from __future__ import annotations
@@ -317,7 +315,7 @@ class FusedGrad:
         u2 = u.reshape(m, dim)
         if not u2.is_contiguous():
             u2 = u2.contiguous()
-        # the weights of the forward pass; if they were changed in place since, the packed copies are stale
+        # the weights of the forward pass; weights changed in place since then make the packed copies stale
         backend = self._backend(m, weights) if weights is self._stacked() else "matmul"
 
         def per_head(t: Tensor, lo: int, hi: int) -> Tensor:

@@ -321,7 +321,7 @@ def fit(
 
     Time budget: ``config.max_time`` (seconds) bounds the loop's wall clock (training and evaluation, summed over
     resumes). The schedule is planned for the steps that fit, never more than ``epochs`` allow: after
-    :data:`CALIBRATION_STEPS` steps from their measured time, and again at the end of every epoch. The run ends when
+    :data:`CALIBRATION_STEPS` steps from the time they took, and again at the end of every epoch. The run ends when
     the planned steps are done or the clock reaches ``max_time``, with a final evaluation and a checkpoint; the last
     record says ``"stopped": "max_time"`` (or ``"planned_steps"``). Such a run depends on the machine's speed; its
     plan is saved, and a resume continues it.

@@ -508,9 +508,19 @@ def _validation_split(data: ImageSet, split: str, validation_fraction: float, se
 
 
 def load_images(name: str, path: str | Path | None = None, split: str = "train", **kwargs: Any) -> ImageSet:
-    """Load the source ``name`` (one of :data:`SOURCES`); ``path`` is the folder of file-based sources.
+    """Load one split of the image source ``name``.
 
-    ``kwargs`` go to the source's loader (e.g. ``validation_fraction``, ``tile``, ``channels``).
+    Args:
+        name: one of :data:`SOURCES`.
+        path: the folder of a file-based source (``"fashion-mnist"``: its default folder when None).
+        split: ``"train"``, ``"validation"``, ``"test"`` or ``"all"``.
+        **kwargs: the source's loader's options (e.g. ``validation_fraction``, ``tile``, ``channels``).
+
+    Returns:
+        An :class:`ImageSet`.
+
+    Raises:
+        ValueError: an unknown source, a file-based source without its folder, or a bad option (named).
     """
     if name == "digits":
         return load_digits(split, **kwargs)

@@ -329,14 +329,24 @@ def claim(
     the lock is re-entrant: :func:`et_ode.training.train.fit` can lock the folder its caller claimed, and a nested
     claim of a folder the process holds is accepted without the checks (the outer claim made them).
 
-    ``command`` names the et-ode command that writes the folder (e.g. ``"complete"``; None: a training run); it is
-    kept in ``config.json`` under ``"et_ode_command"``, and ``overwrite`` or ``resume`` accept only a folder the same
-    command wrote, so that no command replaces another's run. ``data``: a fingerprint of the data the run reads
-    (e.g. :func:`et_ode.data.images.data_fingerprint`), kept under ``"data_fingerprint"``; a resume whose data
-    differ from the run's is refused with a table of the differences (a run without one is resumed with a warning).
-
     A run that raises before it writes anything (bad arguments, missing data) leaves ``out`` unchanged: the
     ``config.json`` written here is removed, and so is the folder if this claim created it.
+
+    Args:
+        out: the run folder, created if missing.
+        setup: the run's set-up (JSON-like), written to ``out/config.json``.
+        resume: continue the run in ``out``; its set-up must equal ``setup`` but for ``may_change``.
+        overwrite: empty ``out`` first (a run of the same ``command``).
+        may_change: the dotted settings a resume may change (how a run executes: device, threads, progress bars).
+        command: the et-ode command that writes the folder (e.g. ``"complete"``; None: a training run), kept in
+            ``config.json`` under ``"et_ode_command"``; ``overwrite`` or ``resume`` accept only a folder the same
+            command wrote, so that no command replaces another's run.
+        data: a fingerprint of the data the run reads (e.g. :func:`et_ode.data.images.data_fingerprint`), kept under
+            ``"data_fingerprint"``; a resume whose data differ from the run's is refused with a table of the
+            differences (a run without one is resumed with a warning).
+
+    Yields:
+        ``out`` as a ``Path``, locked while the block runs.
 
     Raises:
         RunFolderError: ``out`` is a file or a dangling link; another live process holds the lock; a resume with

@@ -108,6 +108,14 @@ def _hashable(key: Any) -> Any:
 def save_state(path: str | os.PathLike[str], state: dict[str, Any], format: str) -> Path:
     """Write ``state`` to ``path`` as safetensors + JSON, tagged with ``format``, atomically.
 
+    Args:
+        path: the file to write (replaced whole, or left as it is if the write fails).
+        state: nested dicts, lists and tuples of numbers, strings, None, tensors and NumPy arrays.
+        format: the tag :func:`load_state` checks (e.g. ``"et-ode/training-checkpoint/2"``).
+
+    Returns:
+        ``path`` as a ``Path``.
+
     Raises:
         TypeError: ``state`` holds something that is not data (an object, a function), naming where.
         et_ode.training.runs.RunWriteError: the disk refused (:func:`atomic_write`).
@@ -211,6 +219,15 @@ def load_state(
     path: str | os.PathLike[str], format: str, map_location: str | torch.device = "cpu", what: str = "state file"
 ) -> dict[str, Any]:
     """Read a file written by :func:`save_state` with ``format``; never runs code from the file.
+
+    Args:
+        path: the file.
+        format: the tag the file must carry.
+        map_location: where the tensors go.
+        what: what the file is, for the messages (e.g. ``"checkpoint"``).
+
+    Returns:
+        The state as :func:`save_state` received it (tuples and NumPy arrays included), tensors on ``map_location``.
 
     Raises:
         FileNotFoundError: no file at ``path``.

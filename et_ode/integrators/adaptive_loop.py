@@ -17,9 +17,13 @@ rejected one; ``(p, i, d) = (0, 1, 0)`` is torchdiffeq's I-controller. The first
 torchdiffeq and diffrax do (Hairer, Norsett and Wanner, II.4). The last step of a group ends exactly at the end of the
 span; the states at the output times inside a step come from the method's interpolant (dopri5: Shampine's quartic
 through the midpoint, as torchdiffeq; tsit5: Tsitouras' own; bosh3: the Hermite cubic), so saving costs no extra
-steps, and a stop's crossing is located on it (then refined with the field). Gradients: autograd through the loop
-(the step sizes constants to it, as in torchdiffeq and diffrax), the stop time's own term added by the implicit
-function theorem; no adjoint.
+steps, and a stop's crossing is located on it (then refined with the field). Each step costs one host
+synchronisation (a stop's crossing, the saved outputs and a progress callback add theirs where they occur).
+
+Gradients: autograd through the loop (the step sizes constants to it, as in torchdiffeq and diffrax), or the adjoint
+(:class:`_Adjoint`): the backward solve of ``[x; a]`` on this same loop, per sample or shared as the forward, from
+each sample's end back to the start, the parameter gradient a quadrature along its accepted steps; either way the
+stop time's own term is added by the implicit function theorem.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ import torch
 from torch import Tensor
 
 from et_ode.dynamics.field import ETField
-from et_ode.integrators.solution import Status
+from et_ode.integrators.solution import SolveError, Status
 from et_ode.integrators.solvers import BUDGET_ADVICE, Adaptive, SolverFailure
 from et_ode.integrators.stopping import SteadyState
 
@@ -52,6 +56,9 @@ UNDERFLOW_ADVICE = (
 
 Progress = Callable[[Tensor, Tensor], None]
 StopTest = Callable[[Tensor, Tensor], Tensor]
+# a quantity integrated along the accepted steps, outside step control: called with the accepted groups' ids (n,),
+# the inputs of the stages the solution weighs ((n, 1, M) each) and their weights b_j * dt ((n,) each)
+Quadrature = Callable[[Tensor, list[Tensor], list[Tensor]], None]
 
 
 @dataclass(frozen=True)
@@ -335,6 +342,7 @@ class _Loop:
         progress: Counter,
         callback: Progress | None,
         stop: StopTest | None = None,
+        quadrature: Quadrature | None = None,
     ):
         self.field, self.grid, self.tableau, self.rtol, self.atol = field, grid, tableau, rtol, atol
         self.per_sample, self.pid, self.max_steps, self.progress, self.callback = (
@@ -357,7 +365,7 @@ class _Loop:
         self.dtype, self.device = x0.dtype, x0.device
         self.in_place = not torch.is_grad_enabled()
         self.t_end = grid[-1]
-        self.stop = stop
+        self.stop, self.quadrature = stop, quadrature
         self.t_now = grid[:1]  # the active groups' times during a step
         self.next_dt: Tensor | None = None  # the step sizes the latest step proposed
         self.stop_times = torch.full((self.groups,), float(grid[-1]), dtype=torch.float64)
@@ -518,10 +526,14 @@ class _Loop:
                 return
 
     # -- the loop ------------------------------------------------------------------------------------
-    def run(self, x0: Tensor, first_step: float | None, save_all: bool, keep_steps: bool) -> tuple[Tensor, Tensor | None]:
+    def run(
+        self, x0: Tensor, first_step: float | None, save_all: bool, keep_steps: bool, starts: Tensor | None = None
+    ) -> tuple[Tensor, Tensor | None]:
         g = self.groups
         y = x0.reshape(g, 1, self.width)
         t = torch.full((g,), float(self.grid[0]), dtype=torch.float64, device=self.device)
+        if starts is not None:
+            t = starts.to(t).reshape(g).clone()
         f0 = self.evaluate(None if self.autonomous else t, y)
         dt = self.first_step(t, y, f0) if first_step is None else torch.full_like(t, float(first_step))
         buffers = self._buffers(g) if self.in_place else None
@@ -539,9 +551,9 @@ class _Loop:
         if save_all:
             self.outputs.rows.append(state["ids"])
             self.outputs.states.append(x0.reshape(g, 1, self.width))
-        totals = (torch.full((g,), float(self.grid[0]), dtype=torch.float64), torch.zeros(g, dtype=torch.long))
-        if self.stop is not None:  # samples at rest from the start stop there
-            done = self._converged(y, f0)
+        totals = (t.to("cpu", copy=True), torch.zeros(g, dtype=torch.long))
+        if self.stop is not None or starts is not None:  # samples at rest or at the end from the start stop there
+            done = t >= self.t_end if self.stop is None else self._converged(y, f0) | (t >= self.t_end)
             if bool(done.any()):
                 self._finish(state, done, y, state["t"])
                 buffers = self._compact(state, done, buffers)
@@ -593,6 +605,8 @@ class _Loop:
             self.progress.saved.append((float(t[0]), y0.detach().reshape(self.x_shape).clone()))
         if outputs:
             self.save(state, t1, accepted, pending, y1, k, weights, dt)  # type: ignore[arg-type]
+        if self.quadrature is not None and count:
+            self._accumulate(state, accepted, y0, k, weights)
         if crossings:  # those end where they first pass the test inside the step
             rows = torch.nonzero(crossed).flatten()
             theta, at = self.crossing(rows, y0, y1, k, weights, dt)
@@ -605,6 +619,20 @@ class _Loop:
         if not (finished or crossings):
             return None
         return done if crossed is None else done | crossed
+
+    def _accumulate(self, state: dict[str, Any], accepted: Tensor, y0: Tensor, k: Tensor, weights: Tensor) -> None:
+        """Hand the quadrature the accepted groups' inputs of the stages whose solution weight ``b_j`` is not 0, with
+        the weights ``b_j dt`` (row ``S - 2`` of the step's weights)."""
+        assert self.quadrature is not None
+        rows = torch.nonzero(accepted).flatten()
+        y0, k, weights = y0[rows], k[rows], weights[rows]
+        solution = self.tableau.stages - 2
+        inputs, scales = [], []
+        for j, b in enumerate(self.tableau.a[-1]):
+            if b != 0:
+                inputs.append(y0 if j == 0 else torch.baddbmm(y0, weights[:, j - 1 : j, :j], k[:, :j]))
+                scales.append(weights[:, solution, j])
+        self.quadrature(state["ids"][rows], inputs, scales)
 
     @staticmethod
     def _summary(
@@ -752,6 +780,8 @@ def integrate(
     keep_steps: bool = False,
     callback: Progress | None = None,
     stop: StopTest | None = None,
+    starts: Tensor | None = None,
+    quadrature: Quadrature | None = None,
 ) -> Result:
     """Integrate ``dx/dt = field(t, x)`` from ``x0`` ``(*batch, N, D)`` over the float64 ``grid`` ``(T,)``.
 
@@ -770,6 +800,11 @@ def integrate(
             ``x0``-shaped state, one value), negative where it passes: a group that passes at the start ends there;
             one whose accepted step ends passing ends where the test crosses zero inside the step (see
             :meth:`_Loop.crossing`). Needs ``save_all=False``.
+        starts: each sample's start time ``(*batch,)`` (per sample only; a sample starting at or after the grid's end
+            ends there at once), or None: the grid's first time. Needs ``save_all=False``.
+        quadrature: called after every step with the accepted groups and their stages (see :data:`Quadrature`), for
+            a quantity integrated beside the state whose error does not control the steps (the adjoint's parameter
+            gradient).
 
     Returns the :class:`Result`. Gradients
     flow through the stages and the interpolant (the step sizes are constants to autograd, as in torchdiffeq and
@@ -785,10 +820,14 @@ def integrate(
         raise ValueError("a stop with et-ode's adaptive loop needs save='final'")
     if len(pid) != 3 or not all(isinstance(c, (int, float)) and c >= 0 for c in pid) or sum(pid) <= 0:
         raise ValueError(f"pid must be three non-negative coefficients (pcoeff, icoeff, dcoeff), not all zero; got {pid!r}")
+    if starts is not None and (not per_sample or save_all):
+        raise ValueError("starts (a start time per sample) needs per_sample=True and save_all=False")
     if progress is None:
         progress = Count()
-    loop = _Loop(field, x0, grid, TABLEAUX[method], rtol, atol, per_sample, pid, max_steps, progress, callback, stop)
-    x, xs = loop.run(x0, first_step, save_all, keep_steps)
+    loop = _Loop(
+        field, x0, grid, TABLEAUX[method], rtol, atol, per_sample, pid, max_steps, progress, callback, stop, quadrature
+    )
+    x, xs = loop.run(x0, first_step, save_all, keep_steps, starts)
     ends = loop.stop_times if per_sample else loop.stop_times.expand(x0.shape[:-2].numel())
     return Result(x, xs, ends.reshape(x0.shape[:-2]).clone())
 
@@ -807,41 +846,43 @@ def solve_adaptive(
     """``solve``'s entry: integrate with the settings of ``solver`` (et-ode's loop), ``save`` one of ``"all"``,
     ``"steps"``, ``"final"``, filling ``progress``; a ``stop`` ends each sample (per-sample control) or the batch
     (shared) at the end of the first accepted step where it passes. ``arguments`` are the gradient strategy's
-    torchdiffeq arguments: an adjoint's are refused (ValueError naming the gradient). Under gradients a stop's time
-    is differentiated too (:func:`_through_the_stop_time`).
+    torchdiffeq arguments: with an adjoint's (``adjoint_params``, ``adjoint_method``, ``adjoint_rtol``,
+    ``adjoint_atol``) the gradient is the backward solve of :class:`_Adjoint` on this loop, else autograd through
+    the loop. Under gradients a stop's time is differentiated too (:func:`_through_the_stop_time`).
 
     Returns the final state, the saved states (or None), their times ``ts`` (the grid; with a stop, its start and the
-    latest stop), each sample's stop time ``(*batch,)`` (with a stop, else None) and the status."""
-    if "adjoint_params" in arguments:
-        raise ValueError(
-            "gradient=Adjoint() needs Adaptive(loop='torchdiffeq'): et-ode's adaptive loop is "
-            "differentiated directly (gradient='direct')"
-        )
-    options = dict(solver.options or {})
+    latest stop), each sample's stop time ``(*batch,)`` (with a stop, else None) and the status. ValueError naming
+    ``Adjoint.method`` for a backward method this loop does not run."""
     per_sample = solver.step_control == "per_sample"
-    test = None if stop is None else functools.partial(_stop_value, stop, field, per_sample)
-    result = integrate(
-        field,
-        x0,
-        grid,
+    settings: dict[str, Any] = dict(
         method=solver.method,
         rtol=solver.rtol,
         atol=solver.atol,
         per_sample=per_sample,
         pid=PID_COEFFICIENTS if solver.controller == "pid" else I_CONTROLLER,
-        first_step=options.get("first_step"),
+        first_step=dict(solver.options or {}).get("first_step"),
         max_steps=max_steps,
         save_all=save == "all",
         progress=progress,
         keep_steps=save == "steps",
         callback=solver.progress,
-        stop=test,
+        stop=None if stop is None else functools.partial(_stop_value, stop, field, per_sample),
     )
+    params = tuple(p for p in field.parameters() if p.requires_grad)
+    if "adjoint_params" in arguments and torch.is_grad_enabled() and (x0.requires_grad or params):
+        method = arguments.get("adjoint_method") or solver.method
+        if method not in TABLEAUX:
+            raise ValueError(f"Adjoint.method must be None or one of {tuple(TABLEAUX)} with et-ode's loop, got {method!r}")
+        adjoint = _Adjoint(field, grid, settings, method, arguments["adjoint_rtol"], arguments["adjoint_atol"])
+        x, xs = _AdjointSolve.apply(x0, adjoint, *params)
+        result = Result(x, xs if save == "all" else None, adjoint.ends)
+    else:
+        result = integrate(field, x0, grid, **settings)
     if stop is None:
         return result.x, result.xs, grid, None, Status.REACHED_END
     last_stop = float(result.ends.max())
     x = result.x
-    if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in field.parameters())):
+    if torch.is_grad_enabled() and (x.requires_grad or params):
         ends = result.ends.to(x.device)
         crossed = (ends > float(grid[0])) & (ends < float(grid[-1]))  # stopped inside the span, not at its start
         x = _through_the_stop_time(stop, field, per_sample, x, crossed if per_sample else crossed.all())
@@ -850,6 +891,156 @@ def solve_adaptive(
     status = Status.STEADY_STATE if reached and last_stop < float(grid[-1]) else Status.REACHED_END
     ts = torch.tensor([float(grid[0]), last_stop], dtype=grid.dtype, device=grid.device)
     return x, None, ts, result.ends, status
+
+
+class _AdjointField:
+    """The adjoint's backward dynamics in reversed time ``s = -t`` on ``z = [x; a]`` (the tokens stacked, ``(..., 2N,
+    D)``): ``dx/ds = -f(x)`` and ``da/ds = a^T df/dx`` (a vector-Jacobian product of the field), which the loop
+    integrates from each sample's end back to the start. It carries the field's mask, so that the loop binds each
+    sample's own as samples leave the batch."""
+
+    def __init__(self, field: ETField):
+        self.field = field
+
+    @property
+    def mask(self) -> object:
+        return self.field.mask
+
+    def with_mask(self, mask: Tensor) -> _AdjointField:
+        return _AdjointField(self.field.with_mask(mask))
+
+    def __call__(self, t: Tensor | None, z: Tensor) -> Tensor:
+        tokens = z.shape[-2] // 2
+        x, a = z[..., :tokens, :], z[..., tokens:, :]
+        with torch.enable_grad():
+            x = x.detach().requires_grad_(True)
+            velocity = self.field(None, x)
+            (pullback,) = torch.autograd.grad(velocity, x, a)
+        return torch.cat([-velocity.detach(), pullback], dim=-2)
+
+
+class _ParameterGradient:
+    """The adjoint's parameter gradient ``integral a^T df/dtheta dt``, a quadrature along each sample's accepted
+    backward steps with the method's solution weights: ``sum_j b_j dt a_j^T df/dtheta(x_j)`` at the stage inputs
+    ``[x_j; a_j]``, one vector-Jacobian product per stage (a :data:`Quadrature` for the loop). ``masks``: the
+    flattened batch's masks ``(B, N, N)`` per sample, bound to the accepted samples (per-sample control), or None."""
+
+    def __init__(self, field: ETField, params: tuple[Tensor, ...], masks: Tensor | None, tokens: int, dim: int):
+        self.field, self.params, self.masks, self.shape = field, params, masks, (2 * tokens, dim)
+        self.total = [torch.zeros_like(p) for p in params]
+
+    def __call__(self, ids: Tensor, inputs: list[Tensor], scales: list[Tensor]) -> None:
+        field = self.field if self.masks is None else self.field.with_mask(self.masks[ids])
+        tokens = self.shape[0] // 2
+        for z, scale in zip(inputs, scales, strict=True):
+            z = z.reshape(-1, *self.shape)  # (samples, 2N, D)
+            weight = scale.to(z.dtype).repeat_interleave(z.shape[0] // len(ids))[:, None, None]
+            with torch.enable_grad():
+                velocity = field(None, z[:, :tokens])
+                grads = torch.autograd.grad(velocity, self.params, z[:, tokens:] * weight, allow_unused=True)
+            for total, grad in zip(self.total, grads, strict=True):
+                if grad is not None:
+                    total.add_(grad)
+
+
+class _Adjoint:
+    """One adjoint solve on this loop: the forward integration of ``settings`` (:func:`integrate`'s arguments) without
+    a graph, then (:meth:`backward`) the backward solve of :class:`_AdjointField` with the backward ``method``,
+    ``rtol``, ``atol`` and the forward's step control, from each sample's end (the grid's end or its stop) back to the
+    start: through every saved time of the grid, where the adjoint takes that time's cotangent and the state is reset
+    to the forward's (as torchdiffeq's adjoint does), or in one span per sample. The parameters' channels never
+    control the steps (a seminorm, always)."""
+
+    def __init__(self, field: ETField, grid: Tensor, settings: dict[str, Any], method: str, rtol: float, atol: float):
+        self.field, self.grid, self.settings = field, grid, settings
+        self.backward_settings = dict(
+            method=method,
+            rtol=rtol,
+            atol=atol,
+            per_sample=settings["per_sample"],
+            pid=settings["pid"],
+            max_steps=settings["max_steps"],
+            save_all=False,
+        )
+        self.ends = torch.empty(0, dtype=torch.float64)
+        self.x = self.xs = torch.empty(0)
+
+    def forward(self, x0: Tensor) -> tuple[Tensor, Tensor]:
+        """The final states and the saved ones (an empty tensor where none are saved)."""
+        with torch.no_grad():
+            result = integrate(self.field, x0, self.grid, **self.settings)
+        self.ends, self.x = result.ends, result.x
+        self.xs = result.xs if result.xs is not None else x0.new_empty(0)
+        return self.x, self.xs
+
+    def backward(
+        self, params: tuple[Tensor, ...], grad_x: Tensor | None, grad_xs: Tensor | None
+    ) -> tuple[Tensor, list[Tensor]]:
+        """The gradient of the start ``(*batch, N, D)`` and of ``params`` given the cotangents of the final and saved
+        states (None: zero). SolveError past ``max_steps`` backward steps or on a step-size underflow."""
+        shape = self.x.shape
+        tokens, dim = shape[-2], shape[-1]
+        x = self.x.reshape(-1, tokens, dim)
+        a = torch.zeros_like(x) if grad_x is None else grad_x.reshape(x.shape).clone()
+        per_sample = self.settings["per_sample"]
+        masks = _per_sample_mask(self.field, shape[:-2]) if per_sample else None
+        field = self.field if masks is None else self.field.with_mask(masks)
+        parameters = _ParameterGradient(field, params, masks, tokens, dim)
+        dynamics = _AdjointField(field)
+        grid = self.grid
+        try:
+            if self.settings["save_all"]:
+                saved = self.xs.reshape(len(grid), *x.shape)
+                cotangents = torch.zeros_like(saved) if grad_xs is None else grad_xs.reshape(saved.shape)
+                a = a + cotangents[-1]
+                for k in range(len(grid) - 1, 0, -1):
+                    span = torch.stack([-grid[k], -grid[k - 1]])
+                    a = self._solve(dynamics, saved[k], a, span, None, parameters) + cotangents[k - 1]
+            elif float(self.ends.max()) > float(grid[0]):
+                ends = self.ends.reshape(-1).to(grid)
+                span = torch.stack([-ends.max(), -grid[0]])
+                a = self._solve(dynamics, x, a, span, -ends if per_sample else None, parameters)
+        except SolverFailure as failure:
+            raise SolveError(
+                f"the adjoint's backward solve failed at t={-failure.time:.6g}: {failure}; {failure.advice}, or "
+                f"gradient=Direct()",
+                time=-failure.time,
+                solution=None,
+            ) from failure
+        return a.reshape(shape), parameters.total
+
+    def _solve(
+        self,
+        dynamics: _AdjointField,
+        x: Tensor,
+        a: Tensor,
+        span: Tensor,
+        starts: Tensor | None,
+        parameters: _ParameterGradient,
+    ) -> Tensor:
+        """The adjoint ``a`` carried back over ``span`` (reversed time) from the states ``x``, ``(B, N, D)``."""
+        z = torch.cat([x, a], dim=-2)
+        end = integrate(dynamics, z, span, starts=starts, quadrature=parameters, **self.backward_settings).x
+        return end[:, x.shape[-2] :]
+
+
+class _AdjointSolve(torch.autograd.Function):
+    """The forward solve of an :class:`_Adjoint` as one autograd node of the start and the parameters: its backward
+    is the adjoint's backward solve."""
+
+    @staticmethod
+    def forward(ctx: Any, x0: Tensor, adjoint: _Adjoint, *params: Tensor) -> tuple[Tensor, Tensor]:
+        ctx.adjoint, ctx.params = adjoint, params
+        x, xs = adjoint.forward(x0)
+        if not xs.numel():
+            ctx.mark_non_differentiable(xs)
+        return x, xs
+
+    @staticmethod
+    def backward(ctx: Any, grad_x: Tensor | None, grad_xs: Tensor | None) -> tuple[Tensor | None, ...]:
+        grad_xs = grad_xs if grad_xs is not None and grad_xs.numel() else None
+        grad_x0, grad_params = ctx.adjoint.backward(ctx.params, grad_x, grad_xs)
+        return (grad_x0, None, *grad_params)
 
 
 def _through_the_stop_time(stop: SteadyState, field: ETField, per_sample: bool, x: Tensor, crossed: Tensor) -> Tensor:

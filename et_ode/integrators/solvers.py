@@ -19,16 +19,22 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, get_args
 
 import torch
 from torch import Tensor
 
 from et_ode.backend.validation import check_positive
 
-ADAPTIVE_METHODS = ("dopri5", "dopri8", "bosh3", "fehlberg2", "adaptive_heun")
-FIXED_METHODS = ("euler", "midpoint", "rk4", "explicit_adams", "implicit_adams")
-METHODS = (*ADAPTIVE_METHODS, *FIXED_METHODS, "et")
+#: torchdiffeq's adaptive methods; et-ode's own loop runs dopri5, bosh3 and tsit5 (Adaptive.OWN_METHODS)
+AdaptiveMethod = Literal["dopri5", "dopri8", "bosh3", "fehlberg2", "adaptive_heun"]
+#: torchdiffeq's fixed-step methods
+FixedMethod = Literal["euler", "midpoint", "rk4", "explicit_adams", "implicit_adams"]
+#: the methods a name selects (as_solver); "et" is the paper's scheme (EulerET); tsit5 needs Adaptive("tsit5")
+Method = Literal[AdaptiveMethod, FixedMethod, "et"]
+ADAPTIVE_METHODS: tuple[AdaptiveMethod, ...] = get_args(AdaptiveMethod)
+FIXED_METHODS: tuple[FixedMethod, ...] = get_args(FixedMethod)
+METHODS: tuple[Method, ...] = get_args(Method)
 # implicit_adams iterates its corrector to these tolerances; the other fixed methods ignore them
 CORRECTOR_RTOL, CORRECTOR_ATOL = 1e-5, 1e-6
 
@@ -93,7 +99,7 @@ class Adaptive:
         progress: et-ode's loop calls it after every step with each sample's time ``(B,)`` and number of accepted
             steps ``(B,)`` (CPU tensors, the batch flattened), or None.
 
-    et-ode's loop runs the gradient ``Direct`` (``solve`` refuses ``Adjoint`` with it); for stops see
+    et-ode's loop runs the gradients ``Direct`` and ``Adjoint`` (its backward solve on the same loop); for stops see
     :meth:`check_stop`.
 
     Raises:
@@ -102,7 +108,7 @@ class Adaptive:
         TypeError: ``progress`` is not a callable or None.
     """
 
-    method: str = "dopri5"
+    method: AdaptiveMethod | Literal["tsit5"] = "dopri5"
     rtol: float = 1e-5
     atol: float = 1e-6
     options: Mapping[str, Any] | None = None
@@ -112,7 +118,7 @@ class Adaptive:
     progress: Callable[[Tensor, Tensor], None] | None = None
 
     adaptive: ClassVar[bool] = True
-    OWN_METHODS: ClassVar[tuple[str, ...]] = ("dopri5", "bosh3", "tsit5")
+    OWN_METHODS: ClassVar[tuple[str, ...]] = ("dopri5", "bosh3", "tsit5")  # the methods et-ode's loop runs
     LOOPS: ClassVar[tuple[str, ...]] = ("auto", "torchdiffeq", "et_ode")
     STEP_CONTROLS: ClassVar[tuple[str, ...]] = ("shared", "per_sample")
     CONTROLLERS: ClassVar[tuple[str, ...]] = ("i", "pid")
@@ -215,7 +221,7 @@ class Fixed:
         ValueError: an unknown ``method``, a ``step_size`` that is not positive, or ``options`` holding a step size.
     """
 
-    method: str = "rk4"
+    method: FixedMethod = "rk4"
     step_size: float | None = None
     options: Mapping[str, Any] | None = None
 
@@ -345,7 +351,7 @@ def _euler_start(t: object) -> float:
 Solver = Adaptive | Fixed | EulerET
 
 
-def as_solver(solver: Solver | str) -> Solver:
+def as_solver(solver: Solver | Method) -> Solver:
     """A solver object from itself or a method's name (``"dopri5"`` -> ``Adaptive("dopri5")``, ``"rk4"`` ->
     ``Fixed("rk4")`` stepping on the grid, ``"et"`` -> ``EulerET()``); ValueError listing the valid names."""
     if isinstance(solver, (Adaptive, Fixed, EulerET)):

@@ -1,6 +1,7 @@
 """et-ode's own adaptive Runge-Kutta loop (et_ode.integrators.adaptive_loop) and its settings on ``Adaptive``: order against
 analytic solutions, agreement with torchdiffeq, per-sample step control (batch-composition independence,
-compaction), dense output, direct gradients against finite differences, progress, bad arguments."""
+compaction), dense output, direct gradients against finite differences (the adjoint's: test_adaptive_adjoint.py),
+progress, bad arguments."""
 
 from __future__ import annotations
 
@@ -328,11 +329,8 @@ def test_bad_settings_are_named(arguments: dict[str, object], error: type[Except
 def test_bad_combinations_with_solve_are_named() -> None:
     field = _tiny_field()
     x0 = _states(2)
-    own = et_ode.Adaptive(loop="et_ode")
     with pytest.raises(ValueError, match="save='steps'"):
         et_ode.solve(field, x0, (0.0, 1.0), solver=et_ode.Adaptive(step_control="per_sample"), save="steps")
-    with pytest.raises(ValueError, match="Adjoint"):
-        et_ode.solve(field, x0, (0.0, 1.0), solver=own, gradient="adjoint")
     with pytest.raises(ValueError, match="pid"):
         adaptive_loop.integrate(field, x0, torch.tensor([0.0, 1.0], dtype=F64), pid=(0.0, 0.0, 0.0))
     with pytest.raises(ValueError, match="method"):

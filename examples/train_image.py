@@ -15,7 +15,8 @@ import argparse
 import json
 
 from et_ode import EulerET, Integration
-from et_ode.tasks.image import ImageRunConfig, complete, train_image
+from et_ode.tasks.film import complete
+from et_ode.tasks.image import ImageRunConfig, train_image
 from et_ode.training.train import TrainConfig
 
 

@@ -1,9 +1,9 @@
-"""``et-ode train image``, ``et-ode complete`` and ``et-ode demo``: options in, :mod:`et_ode.tasks.image` calls out.
+"""``et-ode train image``, ``et-ode complete`` and ``et-ode demo``: options in, :mod:`et_ode.tasks` calls out.
 
 ``add_train_image``, ``add_complete`` and ``add_demo`` each add one subcommand's parser; its ``run`` default turns
 the parsed options into :class:`et_ode.tasks.image.ImageRunConfig` / :class:`et_ode.Integration`
-and calls :func:`~et_ode.tasks.image.train_image`, :func:`~et_ode.tasks.image.complete` (or, with ``--official``,
-:func:`et_ode.tasks.photos.complete_photos`) or :func:`~et_ode.tasks.image.demo`.
+and calls :func:`~et_ode.tasks.image.train_image`, :func:`~et_ode.tasks.film.complete` (or, with ``--official``,
+:func:`et_ode.tasks.photos.complete_photos`) or :func:`~et_ode.tasks.demo.demo`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ from et_ode.cli.dynamics import add_dynamics_arguments, integration_from
 from et_ode.cli.options import add_command, add_run_folder_arguments, add_threads_argument, count_in
 from et_ode.data.images import SOURCES
 from et_ode.integrators.solvers import METHODS
-from et_ode.tasks.image import DEMO_EPOCHS, DEMO_TIME, ImageRunConfig, complete, demo, train_image
+from et_ode.tasks.demo import DEMO_EPOCHS, DEMO_TIME, demo
+from et_ode.tasks.film import complete
+from et_ode.tasks.image import ImageRunConfig, train_image
 from et_ode.training import distributed, runs
 from et_ode.training.train import TrainConfig
 
@@ -300,7 +302,6 @@ def add_complete(commands: argparse._SubParsersAction) -> None:
     official.add_argument(
         "--steady-state", type=float, default=1e-3, metavar="TOL", help="the steady state: RMS |dg/dt| < TOL"
     )
-    official.add_argument("--t-max", type=float, default=100.0, help="longest time of the steady-state solve")
     official.add_argument(
         "--overwrite",
         action="store_true",
@@ -311,7 +312,12 @@ def add_complete(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--mask-ratio", type=float, default=None, help="fraction of patches hidden (default: the run's)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random mask")
     parser.add_argument("--frames", type=count_in(2, MAX_FRAMES), default=9, help="saved times from 0 to the horizon")
-    parser.add_argument("--t1", type=float, default=None, help="horizon (default: the run's)")
+    parser.add_argument(
+        "--t1",
+        type=float,
+        default=None,
+        help="horizon (default: the run's; with --official the longest time of the steady-state solve, 100)",
+    )
     parser.add_argument("--solver", default=None, choices=METHODS, help="ODE method (default: the run's)")
     parser.add_argument("--device", default="cpu", help="auto, cpu, cuda or cuda:i")
     add_threads_argument(parser)
@@ -381,14 +387,12 @@ def _run_complete_official(args: argparse.Namespace) -> None:
     if args.checkpoint is not None or args.index is not None:
         raise ValueError("--official completes photos (--image); it takes no CHECKPOINT or --index")
     trained_only = [
-        flag
-        for flag, value in (("--mask-ratio", args.mask_ratio), ("--t1", args.t1), ("--solver", args.solver))
-        if value is not None
+        flag for flag, value in (("--mask-ratio", args.mask_ratio), ("--solver", args.solver)) if value is not None
     ]
     if trained_only:
         raise ValueError(
             f"{', '.join(trained_only)} apply to trained checkpoints; with --official use --masked, "
-            f"--steady-state, --t-max, --rtol, --atol (the three solves are fixed)"
+            f"--steady-state, --t1, --rtol, --atol (the three solves are fixed)"
         )
     try:
         summary = complete_photos(
@@ -403,7 +407,7 @@ def _run_complete_official(args: argparse.Namespace) -> None:
             rtol=args.rtol,
             atol=args.atol,
             steady_state=args.steady_state,
-            t_max=args.t_max,
+            **({} if args.t1 is None else {"t1": args.t1}),
             device=args.device,
             overwrite=args.overwrite,
             progress=not args.no_progress,

@@ -27,7 +27,8 @@ from et_ode.data.images import ImageSet
 from et_ode.models.image import fixed_mask_set, masked_mse, patchify, unpatchify
 from et_ode.solving.integration import Integration
 from et_ode.tasks.baselines import Biharmonic, MeanImage, NearestNeighbour
-from et_ode.tasks.image import ImageRunConfig, load_run_split, load_trained, masked_picture
+from et_ode.tasks.film import masked_picture
+from et_ode.tasks.image import ImageRunConfig, energy_descent, evaluate_model, load_run_split, load_trained
 from et_ode.training import runs
 from et_ode.training.statefile import read_npz
 
@@ -321,3 +322,36 @@ def _picture(images: Tensor, hidden: Tensor, completions: dict[str, Tensor], pat
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     plt.close(figure)
+
+
+def compare_solvers(
+    checkpoint: str | Path,
+    integrations: dict[str, Integration],
+    *,
+    test_limit: int | None = None,
+    batch_size: int = 500,
+    energy_points: int = 13,
+    device: str = "cpu",
+) -> dict[str, Any]:
+    """Evaluate one trained model under several integrations of its dynamics, on the run's fixed test masks.
+
+    For each named :class:`~et_ode.Integration`: masked-patch MSE, mean forward NFE per batch, solve seconds, mean
+    final time and residual, and the energy-descent check (:func:`energy_descent`; skipped for steady-state
+    solves, whose horizon differs per batch).
+    """
+    model, run = load_trained(checkpoint, device)
+    test_set = load_run_split(run, "test", test_limit or run.test_limit)
+    test = fixed_mask_set(test_set.images, model.num_patches, run.ratio, run.visible_fraction, seed=run.mask_seed)
+    images, hidden, _ = test.tensors
+    results: dict[str, Any] = {"checkpoint": str(checkpoint), "test_images": len(test)}
+    for name, integration in integrations.items():
+        metrics = evaluate_model(
+            model, test, batch_size=batch_size, integration=integration, device=next(model.parameters()).device
+        )
+        entry: dict[str, Any] = {"integration": integration.to_dict(), **metrics}
+        if integration.stop is None:
+            entry["energy_descent"] = energy_descent(
+                model, images, hidden, integration, points=energy_points, batch_size=batch_size
+            )
+        results[name] = entry
+    return results

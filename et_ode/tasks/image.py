@@ -1,29 +1,18 @@
-"""The image-completion task: train an :class:`~et_ode.models.image.ImageET`, score it beside the baselines,
-complete images over time, and the demo. Plain Python functions; ``et-ode train image``, ``et-ode complete`` and
-``et-ode demo`` (:mod:`et_ode.cli.image`) only translate options into these calls.
+"""The image-completion task's training recipe: a run's settings, its data and model, training, and the trained model.
 
-    train_image(config: ImageRunConfig, out_dir=None) -> dict   # trains, evaluates against baselines, writes out_dir
-    complete(checkpoint, out_dir, *, image=None, index=None, frames=9, t1=None, solver=None, ratio=None, seed=0,
-             device="cpu") -> dict                      # film.pt, energy.csv, film_strip.png, energy.png
-    demo(out_dir="runs/demo", *, quick=False) -> dict    # digits, bosh3 + adjoint, report.md with pictures
-    compare_solvers(checkpoint, {name: Integration}, *, test_limit=None, batch_size=500) -> dict
-    load_trained(checkpoint, device="cpu") -> (ImageET, ImageRunConfig)
-    energy_descent(model, images, hidden, integration, points=25) -> dict   # counts energy rises per test image
-
-Files written by ``train_image`` in ``out_dir``: ``config.json`` (the set-up, written once the folder is accepted:
-see :func:`et_ode.training.runs.claim`), ``checkpoint.safetensors`` (resumable, data only, see :mod:`et_ode.training.train`),
-``metrics.jsonl``, ``results.json`` (test MSE of the model and the baselines, NFE, energy checks),
-``et_block.pt`` (the trained block, :func:`et_ode.training.io.save_model`), ``tokens.pt`` (encoded test token states,
-a tensor ``(batch, N, D)``, for ``et-ode analyze``), ``tokens_meta.json``.
+:func:`train_image` (``et-ode train image``) trains an :class:`~et_ode.models.image.ImageET` on masked completion,
+scores it on the whole test split beside the per-position mean, the nearest training image and, when scikit-image is
+installed, biharmonic inpainting, and writes its run folder: ``config.json`` (the set-up, see
+:func:`et_ode.training.runs.claim`), ``checkpoint.safetensors`` and ``metrics.jsonl`` (:func:`et_ode.training.train.fit`),
+``results.json`` (the test scores, the energy check, the cost of training), ``et_block.pt`` and ``tokens.pt`` (the
+trained block and encoded test token states ``(batch, N, D)``, for ``et-ode analyze``).
 
 Data (:func:`et_ode.data.load_split`): the training, validation and test splits of ``config.data``; PNG folders and
 the ``photos`` data set are split by source image, and ``config.test_path`` gives a separate folder of test images.
-After each epoch the model is scored on the validation split when there is one (``validation_fraction > 0``, or
-the photos' fixed split; ``val_size`` images spread evenly over it), else on the first ``val_size`` test images
-(for watching the run only: choose settings on a validation split). The final scores are on the whole test
-split, beside the per-position mean, the nearest training image and, when scikit-image is installed, biharmonic
-inpainting. ``results.json`` also holds the cost of training (``train_cost``: steps, seconds per step, field
-evaluations per step forward and backward).
+After each epoch the model is scored on the validation split when there is one, else on the first ``val_size`` test
+images (for watching the run only: choose settings on a validation split).
+:func:`load_trained` rebuilds the model and its settings from a checkpoint; :mod:`et_ode.tasks.film` completes an
+image with it over time, :mod:`et_ode.tasks.evaluation` scores it on other data, :mod:`et_ode.tasks.demo` is the demo.
 """
 
 from __future__ import annotations
@@ -31,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -40,26 +28,16 @@ from typing import Any
 
 import torch
 
-from et_ode.backend import runtime
 from et_ode.backend.devices import resolve_device
-from et_ode.data.images import SOURCES, ImageSet, data_fingerprint, load_split, read_png
-from et_ode.integrators.solvers import Adaptive, EulerET, Solver, as_solver
-from et_ode.models.image import (
-    DEFAULT_INTEGRATION,
-    CompletionTask,
-    ImageET,
-    evaluate_completion,
-    fixed_mask_set,
-    patchify,
-    random_masks,
-    unpatchify,
-)
-from et_ode.solving.gradients import Adjoint, Direct
+from et_ode.data.images import SOURCES, ImageSet, data_fingerprint, load_split
+from et_ode.integrators.solvers import EulerET
+from et_ode.models.image import DEFAULT_INTEGRATION, CompletionTask, ImageET, evaluate_completion, fixed_mask_set
+from et_ode.solving.gradients import Direct
 from et_ode.solving.integration import Integration
 from et_ode.tasks.baselines import Biharmonic, MeanImage, NearestNeighbour
 from et_ode.training import distributed, runs
 from et_ode.training.statefile import FileFormatError
-from et_ode.training.train import CHECKPOINT_NAME, TrainConfig, fit, load_checkpoint, training_cost
+from et_ode.training.train import TrainConfig, fit, load_checkpoint, training_cost
 
 
 @dataclass
@@ -98,17 +76,15 @@ class ImageRunConfig:
 
     def __post_init__(self) -> None:
         if self.threads is not None and not (isinstance(self.threads, int) and self.threads >= 1):
-            raise ValueError(f"threads must be None or a positive integer (--threads), got {self.threads!r}")
+            raise ValueError(f"threads must be None or a positive integer, got {self.threads!r}")
         if not (isinstance(self.tau, (int, float)) and 0 < self.tau < math.inf):
-            raise ValueError(f"tau must be positive and finite (--tau), got {self.tau!r}")
+            raise ValueError(f"tau must be positive and finite, got {self.tau!r}")
         if not (isinstance(self.ratio, (int, float)) and 0 < self.ratio < 1):
-            raise ValueError(
-                f"mask ratio must be in (0, 1) (--mask-ratio: the fraction of patches scored), got {self.ratio!r}"
-            )
+            raise ValueError(f"mask ratio must be in (0, 1) (the fraction of patches scored), got {self.ratio!r}")
         if self.data not in SOURCES:
-            raise ValueError(f"data must be one of {SOURCES} (--data), got {self.data!r}")
+            raise ValueError(f"data must be one of {SOURCES}, got {self.data!r}")
         if self.channels not in (None, 1, 3):
-            raise ValueError(f"channels must be 1 or 3 (--channels), got {self.channels!r}")
+            raise ValueError(f"channels must be 1 or 3, got {self.channels!r}")
         for name, value in (
             ("tile", self.tile),
             ("stride", self.stride),
@@ -117,16 +93,14 @@ class ImageRunConfig:
             ("memories", self.memories),
         ):
             if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
-                raise ValueError(f"{name} must be a positive integer (--{name.replace('_', '-')}), got {value!r}")
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.val_size is not None and not (isinstance(self.val_size, int) and self.val_size >= 0):
-            raise ValueError(f"val_size must be a non-negative integer (--val-size), got {self.val_size!r}")
+            raise ValueError(f"val_size must be a non-negative integer, got {self.val_size!r}")
         if self.data == "photos":  # its defaults, recorded in config.json: 16x16 grey tiles
             self.tile = 16 if self.tile is None else self.tile
             self.channels = 1 if self.channels is None else self.channels
         if not (isinstance(self.validation_fraction, (int, float)) and 0 <= self.validation_fraction < 1):
-            raise ValueError(
-                f"validation_fraction must be in [0, 1) (--validation-fraction), got {self.validation_fraction!r}"
-            )
+            raise ValueError(f"validation_fraction must be in [0, 1), got {self.validation_fraction!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "integration": self.integration.to_dict()}
@@ -431,412 +405,3 @@ def load_trained(checkpoint: str | Path, device: str = "cpu") -> tuple[ImageET, 
     except ValueError as error:
         raise FileFormatError(checkpoint, "model", str(error)) from None
     return model.to(resolve_device(device)).eval(), run
-
-
-def _analysis_plots() -> Any | None:
-    """``et_ode.analysis.plots`` when it is installed, else None (pictures are then skipped)."""
-    try:
-        from et_ode.analysis import plots
-    except ImportError:
-        return None
-    return plots
-
-
-def _close(figure: Any) -> None:
-    from matplotlib import pyplot as plt
-
-    plt.close(figure)
-
-
-#: the colour of hidden patches in pictures of masked inputs (RGB): no grey level of an image can be mistaken for it
-MASK_COLOUR = (0.85, 0.1, 0.75)
-
-
-def masked_picture(images: torch.Tensor, hidden: torch.Tensor, patch: int) -> torch.Tensor:
-    """``images (B, C, H, W)`` as RGB pictures ``(B, 3, H, W)`` with their hidden patches (``hidden (B, N)``) painted
-    in :data:`MASK_COLOUR`, so a hidden patch stands out on grey and colour images alike."""
-    rgb = images.expand(-1, 3, -1, -1) if images.shape[1] == 1 else images
-    patches = patchify(rgb, patch).clone()
-    colour = torch.tensor(MASK_COLOUR, dtype=patches.dtype).repeat_interleave(patch * patch)
-    patches[hidden] = colour
-    return unpatchify(patches, patch, (3, *images.shape[2:]))
-
-
-def _masked_view(image: torch.Tensor, hidden: torch.Tensor, patch: int) -> torch.Tensor:
-    """``image (C, H, W)`` with its hidden patches (``hidden (N,)``) greyed out at 0.5."""
-    patches = patchify(image[None], patch)[0].clone()
-    patches[hidden] = 0.5
-    return unpatchify(patches[None], patch, image.shape)[0]
-
-
-def complete(
-    checkpoint: str | Path,
-    out_dir: str | Path,
-    *,
-    image: str | Path | None = None,
-    index: int | None = None,
-    frames: int = 9,
-    t1: float | None = None,
-    solver: Solver | str | None = None,
-    ratio: float | None = None,
-    seed: int = 0,
-    device: str = "cpu",
-) -> dict[str, Any]:
-    """Complete one masked image with a trained model and record the completion over time.
-
-    The image is a PNG file (``image``, the model's size) or image ``index`` of the run's test split (the split
-    ``train_image`` scored, in its order: ``--test-path`` images when the run had them). Patches are
-    hidden at random (``ratio``, default the run's) with ``seed``. The run's integration is used, with ``t1`` and
-    ``solver`` replaced when given (a method's name keeps the run's tolerances where both are adaptive); ``frames``
-    equally spaced times from 0 to ``t1`` are saved (:class:`~et_ode.EulerET` saves each of its steps). Writes to
-    ``out_dir``: ``film.pt``
-    (frames ``(T, C, H, W)``, times, target, masked input, hidden), ``energy.csv`` (time, energy), and when
-    ``et_ode.analysis.plots`` is present ``film_strip.png`` and ``energy.png``. Returns a summary.
-    """
-    if (image is None) == (index is None):
-        raise ValueError("give exactly one of image (a PNG file) and index (a test image of the run's data)")
-    if not (isinstance(frames, int) and frames >= 2):
-        raise ValueError(f"frames must be an integer >= 2 (--frames), got {frames!r}")
-    model, run = load_trained(checkpoint, device)
-    integration = run.integration.replace(attractor=None)  # a film follows the flow
-    if t1 is not None:
-        integration = integration.replace(t1=t1)
-    if solver is not None:
-        trained, chosen = integration.solver, as_solver(solver)
-        if isinstance(solver, str) and isinstance(chosen, Adaptive) and isinstance(trained, Adaptive):
-            chosen = Adaptive(solver, trained.rtol, trained.atol)  # another adaptive method at the run's tolerances
-        integration = integration.replace(solver=chosen)
-    times = None if isinstance(integration.solver, EulerET) else torch.linspace(0.0, integration.t1, frames)
-    if image is not None:
-        target: torch.Tensor = read_png(image, channels=model.image_shape[0])
-        if tuple(target.shape) != model.image_shape:
-            raise ValueError(
-                f"image {image} has shape {tuple(target.shape)} (C, H, W); this model completes "
-                f"images of shape {model.image_shape}"
-            )
-    else:
-        test = load_run_split(run, "test")
-        if not (isinstance(index, int) and 0 <= index < len(test)):
-            raise ValueError(
-                f"--index must be in [0, {len(test)}) for the test split of the run's data "
-                f"({run.test_path or run.data}), got {index}"
-            )
-        target = test.images[index]
-    ratio = run.ratio if ratio is None else ratio
-    hidden, _ = random_masks(
-        1, model.num_patches, ratio, visible_fraction=run.visible_fraction, generator=torch.Generator().manual_seed(seed)
-    )
-    target = target.to(next(model.parameters()).device)
-    film, solution = model.film(target[None], hidden.to(target.device), times, integration)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    masked = _masked_view(target.cpu(), hidden[0], model.patch)
-    ts = solution.ts.cpu()
-    torch.save(
-        {
-            "frames": film[:, 0].cpu(),
-            "times": ts,
-            "target": target.cpu(),
-            "masked": masked,
-            "hidden": hidden[0],
-            "energies": solution.energies[:, 0].cpu(),
-        },
-        out / "film.pt",
-    )
-    energies = solution.energies[:, 0].double().cpu()
-    (out / "energy.csv").write_text(
-        "time,energy\n" + "".join(f"{float(t)!r},{float(e)!r}\n" for t, e in zip(ts, energies, strict=True))
-    )
-    written = ["film.pt", "energy.csv"]
-    plots = _analysis_plots()
-    if plots is not None:
-        _close(plots.plot_film_strip(film[:, 0].cpu(), ts, target=target.cpu(), masked=masked, path=out / "film_strip.png"))
-        _close(plots.plot_convergence(solution, path=out / "energy.png"))
-        written += ["film_strip.png", "energy.png"]
-    scored = hidden[0].to(film.device)
-    error = (patchify(film[-1], model.patch)[0] - patchify(target[None], model.patch)[0])[scored]
-    return {
-        "files": written,
-        "masked_mse": float(error.square().mean()),
-        "times": ts.tolist(),
-        "energies": energies.tolist(),
-        "monotone": bool((energies[1:] <= energies[:-1]).all()),
-    }
-
-
-def demo_config(quick: bool = False) -> ImageRunConfig:
-    """The demo's run: bundled 8x8 digits, 4x4 patches, half hidden, trained through the adaptive Bogacki-Shampine
-    solver (bosh3) with the adjoint (``quick``: a smoke run). Measured time: :data:`DEMO_TIME` (bosh3 needs about
-    half of dopri5's evaluations at this tolerance)."""
-    integration = Integration(
-        solver=Adaptive("bosh3", rtol=1e-2, atol=1e-3), gradient=Adjoint(seminorm=True), t1=0.6, max_steps=2000
-    )
-    train = TrainConfig(
-        epochs=1 if quick else DEMO_EPOCHS,
-        batch_size=32,
-        lr=3e-3,
-        warmup=0.05,
-        seed=0,
-        device="auto",
-        eval_every=5,
-        progress=not quick,
-    )
-    return ImageRunConfig(
-        data="digits",
-        train_limit=64 if quick else None,
-        test_limit=32 if quick else None,
-        val_size=0,
-        patch=4,
-        dim=64,
-        heads=4,
-        head_dim=16,
-        tau=1.0,
-        ratio=0.5,
-        integration=integration,
-        train=train,
-        threads=1,
-    )
-
-
-DEMO_EPOCHS = 35
-#: what the whole `make demo` took, and where (docs/performance.md)
-DEMO_TIME = (
-    "2 min 4-10 s on an idle 2-core AMD EPYC at one thread; 4 min 16 s on the same kind of machine under "
-    "a load average of 2-6"
-)
-# the demo's second look at its model: dopri5 a thousand times tighter than the training tolerance
-TIGHT_SOLVER = Adaptive("dopri5", rtol=1e-6, atol=1e-8)
-TIGHT_INTEGRATION = Integration(solver=TIGHT_SOLVER, gradient=Direct(), max_steps=20_000)
-
-
-def demo(
-    out_dir: str | Path = "runs/demo",
-    *,
-    quick: bool = False,
-    resume: bool = False,
-    overwrite: bool = False,
-    threads: int | None = None,
-) -> dict[str, Any]:
-    """Train the demo model and write ``out_dir/report.md`` with its pictures (see :func:`demo_config`).
-
-    Pictures: completions against ground truth (``completions.png``), energy descent during inference and the
-    token trajectories up to the horizon (``convergence.png``, ``trajectories.png`` from :mod:`et_ode.analysis.plots`
-    when present), a film strip of one completion over time, and the test MSE against the baselines (``mse.png``).
-    ``threads``: PyTorch's CPU threads (default 1).
-    A folder holding files needs ``resume`` or ``overwrite`` (:func:`et_ode.training.runs.claim`; RunFolderError otherwise).
-    """
-    out = Path(out_dir)
-    config = demo_config(quick)
-    config.train.out_dir = str(out)
-    config.train.resume, config.train.overwrite = resume, overwrite
-    if threads is not None:
-        config.threads = threads
-    with runs.claim(out, config.to_dict(), resume=resume, overwrite=overwrite, may_change=RESUMABLE_CHANGES):
-        return _demo(out, config)
-
-
-def _demo(out: Path, config: ImageRunConfig) -> dict[str, Any]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
-
-    started = time.perf_counter()
-    if config.train.progress:
-        print(f"et-ode demo: measured {DEMO_TIME}. This machine: {runtime.cpu_description()}.", file=sys.stderr, flush=True)
-    results = train_image(config)
-    model, _ = load_trained(out / CHECKPOINT_NAME)
-    test_set = load_run_split(config, "test", config.test_limit)
-    test = fixed_mask_set(test_set.images, model.num_patches, config.ratio, config.visible_fraction, seed=config.mask_seed)
-    images, hidden, _ = test.tensors
-    # the same model integrated far more accurately: a continuous-time model's answer must not hinge on the solver
-    results["model_tight_solver"] = evaluate_model(
-        model, test, integration=TIGHT_INTEGRATION.replace(t1=config.integration.t1)
-    )
-    show = min(8, len(images))
-    with torch.no_grad():  # hidden patches from the predictor, visible ones from the input
-        truth = patchify(images[:show], model.patch)
-        keep = hidden[:show, :, None]
-        nearest = NearestNeighbour(load_run_split(config, "train", config.train_limit).images, model.patch)
-        completed = unpatchify(
-            torch.where(keep, model(images[:show], hidden[:show]).patches, truth), model.patch, model.image_shape
-        )
-        neighbour = unpatchify(
-            torch.where(keep, nearest(images[:show], hidden[:show]).patches, truth), model.patch, model.image_shape
-        )
-    rows = [
-        ("masked input", masked_picture(images[:show], hidden[:show], model.patch)),
-        ("ET completion", completed.clamp(0, 1)),
-        ("nearest neighbour", neighbour),
-        ("ground truth", images[:show]),
-    ]
-    figure, axes = plt.subplots(len(rows), show, figsize=(1.2 * show, 1.3 * len(rows)), squeeze=False)
-    for r, (name, row) in enumerate(rows):
-        for c in range(show):
-            axes[r][c].imshow(row[c].permute(1, 2, 0).squeeze(-1).numpy(), cmap="gray", vmin=0, vmax=1)
-            axes[r][c].set_xticks([])
-            axes[r][c].set_yticks([])
-        axes[r][0].set_ylabel(name, fontsize=8)
-    figure.tight_layout()
-    figure.savefig(out / "completions.png", dpi=120)
-    plt.close(figure)
-
-    names = ["ET", "per-position mean", "nearest neighbour"]
-    values = [results["model"]["mse"], results["mean_baseline"]["mse"], results["nearest_neighbour"]["mse"]]
-    figure, axis = plt.subplots(figsize=(4.5, 2.6))
-    axis.barh(names, values, color=["tab:blue", "tab:gray", "tab:orange"])
-    axis.set_xlabel(f"masked-patch MSE on {len(images)} test images")
-    figure.tight_layout()
-    figure.savefig(out / "mse.png", dpi=120)
-    plt.close(figure)
-
-    pictures = ["completions.png", "mse.png"]
-    plots = _analysis_plots()
-    if plots is not None:
-        with torch.no_grad():
-            solution = config.integration.replace(gradient=Direct(), attractor=None).solve(
-                model.field(),
-                model.tokens(images[:show], hidden[:show]),
-                torch.linspace(0, config.integration.t1, 25),
-                save="all",
-            )
-        _close(plots.plot_convergence(solution, path=out / "convergence.png"))
-        _close(plots.plot_trajectories(solution, sample=0, path=out / "trajectories.png"))
-        film = complete(out / CHECKPOINT_NAME, out / "film", index=0, seed=config.mask_seed)
-        del film
-        pictures += ["convergence.png", "trajectories.png", "film/film_strip.png"]
-    results["demo_seconds"] = time.perf_counter() - started
-    (out / "results.json").write_text(json.dumps(results, indent=2))
-    (out / "report.md").write_text(_demo_report(results, config, pictures))
-    return results
-
-
-def _cost_line(results: dict[str, Any]) -> str:
-    """One sentence on the cost of a training step (``results["train_cost"]``,
-    :func:`et_ode.training.train.training_cost`)."""
-    cost = results.get("train_cost", {})
-    if "seconds_per_step" not in cost:
-        return ""
-    return (
-        f"{cost['steps']} steps of {cost['seconds_per_step']:.3f} s, with {cost.get('nfe_forward_per_step', 0):.1f} "
-        f"forward and {cost.get('nfe_backward_per_step', 0):.1f} backward field evaluations per step."
-    )
-
-
-def _against_nearest(ours: float, nearest: float) -> str:
-    side = "below" if ours < nearest else "above"
-    return f"Against the nearest training image on the visible patches it is {abs(ours / nearest - 1):.1%} {side}."
-
-
-def _biharmonic_lines(results: dict[str, Any]) -> list[str]:
-    """The biharmonic baseline's score, and why it is poor on these images."""
-    if "biharmonic" not in results:
-        return []
-    score, mean = results["biharmonic"]["mse"], results["mean_baseline"]["mse"]
-    return [
-        f"Biharmonic inpainting (scikit-image, no training) scores {score:.4f} here, {score / mean:.1f}x the "
-        f"per-position mean's error. An 8x8 digit has only four 4x4 patches, so half hidden leaves two: each hole "
-        f"is a quarter of the image, bordered by a few visible pixels, and the biharmonic surface through them "
-        f"overshoots (it obeys no maximum principle) into saturated fills. On photographs, where holes are small "
-        f"among many visible pixels, it is the strongest classical baseline.",
-        "",
-    ]
-
-
-def _relative(improvement: float) -> str:
-    side = "below" if improvement >= 0 else "above"
-    return f"The ET's test error is {abs(improvement):.1%} {side} the per-position mean baseline's."
-
-
-def _demo_report(results: dict[str, Any], config: ImageRunConfig, pictures: list[str]) -> str:
-    model, mean, nearest = results["model"], results["mean_baseline"], results["nearest_neighbour"]
-    descent = results.get("energy_descent", {})
-    s = config.integration
-    lines = [
-        "# et-ode demo: masked completion of 8x8 digits with a continuous-time Energy Transformer",
-        "",
-        f"Data: scikit-learn digits, {results['train_images']} training and {results['test_images']} test images, "
-        f"{config.patch}x{config.patch} patches ({results['patches']} tokens), {config.ratio:.0%} of the patches hidden "
-        f"behind the MASK token.",
-        f"Model: D={config.dim}, H={config.heads}, Y={config.head_dim}, K={config.memories or 4 * config.dim} "
-        f"(relu Hopfield), tau={config.tau}.",
-        f"Dynamics: {s.solver} from t=0 to t={s.t1}; gradients by {s.gradient}. "
-        f"Training: {config.train.epochs} epochs of AdamW (lr {config.train.lr}, warm-up then cosine), "
-        f"{results['train_seconds']:.0f} s; whole demo {results.get('demo_seconds', 0):.0f} s. " + _cost_line(results),
-        "",
-        "## Test masked-patch MSE (same masks, same evaluation code)",
-        "",
-        "| predictor | MSE |",
-        "|---|---|",
-        f"| ET ({s.solver.name}, mean NFE {model.get('nfe', 0):.0f} per batch) | {model['mse']:.4f} |",
-        f"| the same ET integrated by dopri5 at rtol {TIGHT_SOLVER.rtol:g} (mean NFE "
-        f"{results['model_tight_solver'].get('nfe', 0):.0f}) | {results['model_tight_solver']['mse']:.4f} |",
-        f"| per-position mean of the training images | {mean['mse']:.4f} |",
-        f"| nearest training image on the visible patches | {nearest['mse']:.4f} |",
-        "",
-        _relative(results["improvement_over_mean"]) + " " + _against_nearest(model["mse"], nearest["mse"]),
-        "",
-        *_biharmonic_lines(results),
-        "## Energy during inference",
-        "",
-        f"Along the inference trajectory of every test image ({descent.get('images', 0)} images, "
-        f"{descent.get('saved_times', 0)} saved times from 0 to t1), the energy rose between two saved times on "
-        f"**{descent.get('exceptions', '?')}** images (largest relative change between saved times "
-        f"{descent.get('largest_relative_change', 0):.2e}; "
-        f"a rise counts when it exceeds {descent.get('tolerance', 0):.0e} of |E|).",
-        "",
-        "## Pictures",
-        "",
-    ]
-    captions = {
-        "completions.png": "Masked inputs (hidden patches in magenta); the hidden patches filled by the ET "
-        "and by the nearest neighbour; the truth.",
-        "mse.png": "Test MSE against the baselines.",
-        "convergence.png": "Energy descent (and convergence measures) during inference, 8 test images.",
-        "trajectories.png": f"Token trajectories of one test image from t=0 to the horizon t={s.t1}, "
-        f"where the answer is read: a transient, not an attractor (the flow goes on "
-        f"moving after t={s.t1}).",
-        "film/film_strip.png": f"One completion over time, from the MASK tokens at t=0 to the answer at the "
-        f"horizon t={s.t1}.",
-    }
-    for picture in pictures:
-        lines += [f"![{picture}]({picture})", "", captions.get(picture, ""), ""]
-    if "convergence.png" not in pictures:
-        lines += [
-            "(et_ode.analysis.plots was not installed: the convergence, attractor and film pictures were skipped.)",
-            "",
-        ]
-    return "\n".join(lines)
-
-
-def compare_solvers(
-    checkpoint: str | Path,
-    integrations: dict[str, Integration],
-    *,
-    test_limit: int | None = None,
-    batch_size: int = 500,
-    energy_points: int = 13,
-    device: str = "cpu",
-) -> dict[str, Any]:
-    """Evaluate one trained model under several integrations of its dynamics, on the run's fixed test masks.
-
-    For each named :class:`~et_ode.Integration`: masked-patch MSE, mean forward NFE per batch, solve seconds, mean
-    final time and residual, and the energy-descent check (:func:`energy_descent`; skipped for steady-state
-    solves, whose horizon differs per batch).
-    """
-    model, run = load_trained(checkpoint, device)
-    test_set = load_run_split(run, "test", test_limit or run.test_limit)
-    test = fixed_mask_set(test_set.images, model.num_patches, run.ratio, run.visible_fraction, seed=run.mask_seed)
-    images, hidden, _ = test.tensors
-    results: dict[str, Any] = {"checkpoint": str(checkpoint), "test_images": len(test)}
-    for name, integration in integrations.items():
-        metrics = evaluate_model(
-            model, test, batch_size=batch_size, integration=integration, device=next(model.parameters()).device
-        )
-        entry: dict[str, Any] = {"integration": integration.to_dict(), **metrics}
-        if integration.stop is None:
-            entry["energy_descent"] = energy_descent(
-                model, images, hidden, integration, points=energy_points, batch_size=batch_size
-            )
-        results[name] = entry
-    return results

@@ -12,7 +12,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 
 from et_ode import ETField, solve
 from et_ode.analysis.plots import plot_convergence, plot_film_strip
-from et_ode.tasks.image import MASK_COLOUR, masked_picture
+from et_ode.tasks.film import MASK_COLOUR, masked_picture
 from tests.conftest import random_model
 
 

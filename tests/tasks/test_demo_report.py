@@ -7,7 +7,7 @@ import re
 import pytest
 
 from et_ode.cli import build_parser
-from et_ode.tasks.image import DEMO_TIME, _demo_report, demo_config
+from et_ode.tasks.demo import DEMO_TIME, _demo_report, demo_config
 
 RESULTS = {
     "train_images": 1150,

@@ -8,7 +8,8 @@ import dataclasses
 import pytest
 import torch
 
-from et_ode.tasks.image import demo_config, train_image
+from et_ode.tasks.demo import demo_config
+from et_ode.tasks.image import train_image
 
 
 def test_demo_pipeline_at_small_size():

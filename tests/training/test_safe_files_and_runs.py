@@ -21,7 +21,8 @@ import torch
 from et_ode import Adaptive, Adjoint, EnergyTransformer, ETField, EulerET, Fixed, SolveError, Status, SteadyState, solve
 from et_ode.cli import build_parser, main
 from et_ode.models.image import ImageET
-from et_ode.tasks.image import ImageRunConfig, demo
+from et_ode.tasks.demo import demo
+from et_ode.tasks.image import ImageRunConfig
 from et_ode.training.io import FORMAT, load_model, model_config, save_model
 from et_ode.training.runs import LOCK_NAME, RunFolderError, claim
 from et_ode.training.train import CHECKPOINT_NAME, TrainConfig, fit, load_checkpoint, save_checkpoint

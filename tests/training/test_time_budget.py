@@ -88,7 +88,7 @@ def test_training_records_evaluations_per_step(gradient, backward):
 
 
 def test_the_demo_report_states_the_cost_of_a_step():
-    from et_ode.tasks.image import _cost_line
+    from et_ode.tasks.demo import _cost_line
 
     line = _cost_line(
         {

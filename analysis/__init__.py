@@ -51,7 +51,7 @@ from et_ode.analysis.plots import (
 )
 from et_ode.analysis.report import analyze, random_model
 from et_ode.analysis.spectra import HessianTrace, LyapunovSpectrum, hessian_along, lyapunov_spectrum, plot_hessian_along
-from et_ode.analysis.sphere import FixedScaleField, tangent_basis, unit_scale
+from et_ode.analysis.sphere import FixedScaleField, tangent_basis
 from et_ode.analysis.stability import (
     BasinProbe,
     FixedPointSearch,
@@ -148,6 +148,5 @@ __all__ = [
     "saddle_from_minimum",
     "saddle_network",
     "tangent_basis",
-    "unit_scale",
     "wilson_interval",
 ]

@@ -38,9 +38,9 @@ from torch import Tensor
 from et_ode import Adaptive, ETField, find_attractor, solve
 from et_ode.analysis.convergence import RateFit, fit_decay
 from et_ode.analysis.plots import _finish
-from et_ode.analysis.sphere import hessian_in_frame, unit_scale
+from et_ode.analysis.sphere import hessian_in_frame
 from et_ode.backend.validation import check_positive
-from et_ode.dynamics.manifold import radial_direction
+from et_ode.dynamics.manifold import radial_direction, to_limit_spheres
 
 PathLike = str | os.PathLike[str]
 
@@ -62,7 +62,7 @@ def predicted_exponent(field: ETField, x_star: Tensor) -> PredictedRate:
     ``p > 0``). Raises ValueError when some token's outward force ``rho_A`` is not positive (then its scale does
     not grow and the power law does not apply)."""
     neuron = field.model.neuron
-    x = unit_scale(x_star.detach(), neuron.eps)
+    x = to_limit_spheres(x_star.detach(), neuron.eps)
     with torch.no_grad():
         g = neuron(x)
         s, radius = radial_direction(g, neuron.delta.detach())

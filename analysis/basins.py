@@ -22,8 +22,8 @@ from torch import Tensor
 from et_ode import Adaptive, ETField, solve
 from et_ode.analysis.critical_points import CriticalPoint, match_or_append, newton_critical_point, permutation_symmetric
 from et_ode.analysis.plots import EnergySlice, _finish, energy_slice
-from et_ode.analysis.sphere import unit_scale
 from et_ode.analysis.stability import find_fixed_point
+from et_ode.dynamics.manifold import shrink_scale, to_limit_spheres
 
 PathLike = str | os.PathLike[str]
 
@@ -166,7 +166,7 @@ def basin_map(
     grid = torch.linspace(-span, span, resolution, dtype=center.dtype, device=center.device)
     b, a = torch.meshgrid(grid, grid, indexing="ij")
     g = plane.points(a, b).reshape(-1, *center.shape)
-    starts = unit_scale((g - neuron.delta.detach()) / neuron.gamma.detach(), neuron.eps)
+    starts = shrink_scale(to_limit_spheres(g - neuron.delta.detach(), neuron.eps))  # token scale 1: the flow's pace
     known = list(attractors or [])
     labels = label(field, limits(field, starts, t_end=t_end), known, match_tol=match_tol)
     with torch.no_grad():

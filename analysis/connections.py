@@ -26,6 +26,7 @@ from et_ode.analysis.critical_points import (
 )
 from et_ode.analysis.plots import _finish
 from et_ode.analysis.stability import find_fixed_point
+from et_ode.dynamics.manifold import retract, shrink_scale
 
 PathLike = str | os.PathLike[str]
 
@@ -74,8 +75,9 @@ def follow_down(
 ) -> tuple[CriticalPoint, CriticalPoint]:
     """The two critical points reached from ``saddle`` pushed ``push`` (``g`` units) along ``+-`` its lowest
     mode: :func:`et_ode.solve` to ``t_end``, then descent and Newton on the spheres."""
-    gamma = field.model.neuron.gamma.detach()
-    starts = torch.stack([saddle.x + sign * push * saddle.lowest_mode / gamma for sign in (1.0, -1.0)])
+    neuron = field.model.neuron
+    steps = torch.stack([sign * push * saddle.lowest_mode for sign in (1.0, -1.0)])
+    starts = shrink_scale(retract(saddle.x.expand_as(steps), steps, neuron.gamma.detach(), neuron.eps))
     with torch.no_grad():
         ends = solve(field, starts, (0.0, t_end), solver=Adaptive(rtol=rtol, atol=atol), save="final", max_steps=100_000).x
     descended = find_fixed_point(field, ends, tol=1e-7, max_iter=5000).x

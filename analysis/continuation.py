@@ -28,7 +28,8 @@ from torch import Tensor
 
 from et_ode import EnergyTransformer, ETField
 from et_ode.analysis.plots import _finish
-from et_ode.analysis.sphere import hessian_in_frame, retract, tangent_frame, unit_scale
+from et_ode.analysis.sphere import hessian_in_frame, tangent_frame
+from et_ode.dynamics.manifold import retract, to_limit_spheres
 
 PathLike = str | os.PathLike[str]
 Family = Callable[[float], "ETField | EnergyTransformer"]
@@ -57,7 +58,7 @@ class Bifurcation:
 
 @dataclass
 class Branch:
-    """The points of a continued branch: parameters ``mu`` ``(P,)``, states ``xs`` ``(P, N, D)`` (unit scale),
+    """The points of a continued branch: parameters ``mu`` ``(P,)``, states ``xs`` ``(P, N, D)`` (on the limit spheres),
     ``energies`` ``(P,)``, Hessian ``eigenvalues`` ``(P, n)``, ``indices`` ``(P,)``, and the bifurcations found."""
 
     mu: Tensor
@@ -126,7 +127,7 @@ def continue_branch(
         raise ValueError("mu_end must differ from mu0")
     direction = 1.0 if mu_end > mu0 else -1.0
     field0 = _field(family, mu0)
-    x = unit_scale(x0.detach(), field0.model.neuron.eps)
+    x = to_limit_spheres(x0.detach(), field0.model.neuron.eps)
     size = math.sqrt(x.numel())
 
     def solve_at(
@@ -144,7 +145,8 @@ def continue_branch(
             else:
                 derivative = _parameter_derivative(family, x, mu, frame, difference)
                 tangent_x = frame.flatten(1) @ tangent_ambient.flatten()
-                offset = (_gamma(field_mu) * (x - anchor[0])).flatten() @ tangent_ambient.flatten()
+                neuron = field_mu.model.neuron
+                offset = (neuron(x) - neuron(anchor[0])).detach().flatten() @ tangent_ambient.flatten()
                 residual = float(offset) + (mu - anchor[1]) * tangent_mu
                 bordered = torch.cat(
                     [
@@ -157,7 +159,7 @@ def continue_branch(
                 change, dmu = solution[:-1], float(solution[-1])
             if not bool(torch.isfinite(change).all()) or float(change.norm()) > 10 * step + 1.0:
                 return x, mu, False
-            x = retract(x, (change @ frame.flatten(1)).reshape(x.shape) / _gamma(field_mu), field_mu.model.neuron.eps)
+            x = retract(x, (change @ frame.flatten(1)).reshape(x.shape), _gamma(field_mu), field_mu.model.neuron.eps)
             mu = mu + dmu
         return x, mu, False
 
@@ -190,7 +192,7 @@ def continue_branch(
     low, high = min(mu0, mu_end), max(mu0, mu_end)
     while len(points) < max_points and low <= mu <= high and length > step * 1e-4:
         field_mu = _field(family, mu)
-        predicted = retract(x, length * tangent / _gamma(field_mu), field_mu.model.neuron.eps)
+        predicted = retract(x, length * tangent, _gamma(field_mu), field_mu.model.neuron.eps)
         mu_predicted = mu + length * tangent_mu
         new_x, new_mu, ok = solve_at(predicted, mu_predicted, tangent, tangent_mu, (predicted, mu_predicted))
         if not ok:
@@ -328,9 +330,10 @@ def plot_bifurcation_diagram(
 
 def branch_from(family: Family, mu: float, x: Tensor, direction: Tensor, *, offset: float = 1e-2) -> Tensor:
     """A start on another branch near a branch point: ``x`` ``(N, D)`` moved ``offset`` (``g`` units) along the
-    tangent ``direction`` ``(N, D)`` (e.g. the Hessian's null eigenvector there), at unit scale."""
+    tangent ``direction`` ``(N, D)`` (e.g. the Hessian's null eigenvector there), on the limit spheres."""
     field_mu = _field(family, mu)
-    frame = tangent_frame(unit_scale(x, field_mu.model.neuron.eps)).flatten(1)
+    x = to_limit_spheres(x, field_mu.model.neuron.eps)
+    frame = tangent_frame(x).flatten(1)
     along = (frame.T @ (frame @ direction.flatten())).reshape(x.shape)
     along = along / along.norm()
-    return retract(unit_scale(x, field_mu.model.neuron.eps), offset * along / _gamma(field_mu), field_mu.model.neuron.eps)
+    return retract(x, offset * along, _gamma(field_mu), field_mu.model.neuron.eps)

@@ -1,8 +1,9 @@
 """Critical points of any index of ``E`` on the product of spheres: Newton, minimum-mode following, a census.
 
-Every search works on one unit-scale state ``x`` ``(N, D)`` (see :mod:`et_ode.analysis.sphere`: ``g = gamma x
-+ delta``) in the orthonormal tangent frame of dimension ``n = N (D - 2)``, with the dense Riemannian Hessian
-``H`` (``n`` Hessian-vector products) and the Riemannian gradient ``grad`` (both in ``g`` units):
+Every search works on one state ``x`` ``(N, D)`` on the flow's limit spheres (radius ``gamma sqrt(D)``, placed by
+:func:`et_ode.dynamics.manifold.to_limit_spheres`, as :func:`et_ode.find_attractor` places its points) in the
+orthonormal tangent frame of dimension ``n = N (D - 2)``, with the dense Riemannian Hessian ``H`` (``n``
+Hessian-vector products) and the Riemannian gradient ``grad`` (both in ``g`` units):
 
 - :func:`newton_critical_point`: Newton on ``grad = 0`` with a trust region (a Levenberg-Marquardt step
   ``-(H^2 + mu I)^(-1) H grad``, accepted when it lowers ``|grad|``). It converges to the critical point
@@ -26,13 +27,14 @@ import torch
 from torch import Tensor
 
 from et_ode import ETField
-from et_ode.analysis.sphere import hessian_in_frame, retract, unit_scale
+from et_ode.analysis.sphere import hessian_in_frame
 from et_ode.backend.validation import check_positive
+from et_ode.dynamics.manifold import retract, to_limit_spheres
 
 
 @dataclass
 class CriticalPoint:
-    """A critical point: the unit-scale state ``x`` ``(N, D)``, its energy, Riemannian Hessian eigenvalues
+    """A critical point: the state ``x`` ``(N, D)`` on the limit spheres, its energy, Riemannian Hessian eigenvalues
     (ascending, ``(n,)``, ``g`` units), index (negative eigenvalues beyond ``zero_tol``), RMS ``|T dE/dg|``,
     whether the search converged (``rms_tangent_gradient <= tol``), and ``lowest_mode``: the unit eigenvector of the
     lowest eigenvalue as a ``g``-direction ``(N, D)`` (the unstable direction of an index-1 saddle)."""
@@ -65,7 +67,7 @@ def _check_state(field: ETField, x: Tensor) -> Tensor:
         raise ValueError("x has non-finite entries")
     if not float(field.model.neuron.gamma.detach()) > 0:
         raise ValueError("critical-point searches need gamma > 0")
-    return unit_scale(x.detach(), field.model.neuron.eps)
+    return to_limit_spheres(x.detach(), field.model.neuron.eps)
 
 
 def _describe(field: ETField, x: Tensor, iterations: int, tol: float, zero_tol: float) -> CriticalPoint:
@@ -88,9 +90,10 @@ def _describe(field: ETField, x: Tensor, iterations: int, tol: float, zero_tol: 
 
 
 def _step_in_g(field: ETField, x: Tensor, frame: Tensor, coefficients: Tensor) -> Tensor:
-    """The unit-scale state after moving ``g`` by ``frame^T coefficients`` (``g = gamma x + delta``)."""
-    step = (coefficients @ frame.flatten(1)).reshape(x.shape) / field.model.neuron.gamma.detach()
-    return retract(x, step, field.model.neuron.eps)
+    """The state on the limit spheres after moving ``g`` by ``frame^T coefficients``."""
+    step = (coefficients @ frame.flatten(1)).reshape(x.shape)
+    neuron = field.model.neuron
+    return retract(x, step, neuron.gamma.detach(), neuron.eps)
 
 
 def newton_critical_point(

@@ -233,7 +233,7 @@ def analyze(
     fixed = stability = final_stability = exponent = intrinsic = basin = None
     if gamma > 0:
         stage("fixed point")
-        fixed = find_fixed_point(field, solution.x.detach(), tol=fixed_point_tol, progress=progress)
+        fixed = find_fixed_point(field, solution.x.detach(), tol=fixed_point_tol)
         bar.update()
         stage("stability")
         stability = fixed_point_stability(field, fixed.x)
@@ -445,8 +445,8 @@ def _markdown(
         )
     if intrinsic is not None:
         lines.append(
-            "- **Lyapunov exponent at the critical point, in intrinsic time** (the token scales held at "
-            "sigma = 1, where the rates do not decay; over the second half of 20 time units): "
+            "- **Lyapunov exponent at the critical point, in intrinsic time** (the token scales held "
+            "fixed, where the rates do not decay; over the second half of 20 time units): "
             + ", ".join(f"{v:.4g}" for v in intrinsic.late.tolist())
             + " (negative: perturbations decay; at a minimum it is -(gamma / tau) lambda_min of Hess_R)."
         )

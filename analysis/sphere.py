@@ -1,15 +1,16 @@
-"""The product of spheres at unit scale: where the critical points live, in coordinates that do not drift.
+"""The product of spheres the flow ends on, in coordinates that do not drift.
 
-Every token of a state ``x`` with zero mean and ``sigma_A = sqrt(mean(x_A^2) + eps) = 1`` has
-``g_A = gamma x_A + delta`` exactly, on the sphere of radius ``r = gamma sqrt(D (1 - eps))`` around
-``delta`` in the centered subspace. The tangential eigenvalue of the metric ``M_A`` is then ``gamma`` for
-every token, so the linearised g-dynamics at a critical point is exactly ``-(gamma / tau) Hess_R``.
+The analysis places its points where the flow's limit is (:func:`et_ode.dynamics.manifold.to_limit_spheres`, the
+same placement :func:`et_ode.find_attractor` uses): every token centred at the scale ``S`` where ``eps / S^2`` is
+below rounding, so ``g_A - delta`` lies on the sphere of radius ``r = gamma sqrt(D)`` in the centred subspace. A
+tangent step of ``g`` moves there by :func:`et_ode.dynamics.manifold.retract`.
 
-:class:`FixedScaleField` is the ET field with the part of ``dx/dt`` that only moves ``x`` along its zero
-modes (each token's mean and its radial scale) removed: ``g`` moves exactly as under the ET field (up to
-the radial eigenvalue ``gamma eps / sigma^3`` of ``M``), but ``sigma`` stays 1, so the flow runs in the
-intrinsic time of the dynamics instead of slowing down like ``1/t``. It is the limit of restarting the
-flow at ``sigma = 1`` infinitely often, without the bias of finitely many restarts.
+:class:`FixedScaleField` is the ET field with the part of ``dx/dt`` that only moves ``x`` along its zero modes
+(each token's mean and its radial scale) removed, and each token's velocity multiplied by its scale ``sigma_A``:
+``g`` moves as under the ET field in the time change ``ds = dt / sigma`` (up to the radial eigenvalue
+``gamma eps / sigma^3`` of ``M``), while ``sigma`` stays fixed, so the flow runs in the intrinsic time of the
+dynamics instead of slowing down like ``1/t``: the linearised ``g``-dynamics at a critical point is
+``-(gamma / tau) Hess_R`` at any scale. It is the limit of restarting the flow infinitely often.
 
 Shapes: ``(..., N, D)`` throughout; a tangent basis at one state ``(N, D)`` is ``(n, N, D)`` with
 ``n = N (D - 2)``.
@@ -24,24 +25,15 @@ from et_ode import ETField
 from et_ode.dynamics.manifold import radial_direction, riemannian_hessian, tangent_projection
 
 
-def unit_scale(x: Tensor, eps: float) -> Tensor:
-    """Center every token and scale it to ``sigma = 1`` exactly (``mean(x_A^2) = 1 - eps``): ``(..., N, D)``."""
-    centered = x - x.mean(dim=-1, keepdim=True)
-    norm2 = centered.square().mean(dim=-1, keepdim=True).clamp_min(torch.finfo(x.dtype).tiny)
-    return centered * ((1.0 - eps) / norm2).sqrt()
-
-
-def retract(x: Tensor, step: Tensor, eps: float) -> Tensor:
-    """Move the unit-scale state ``x`` by ``step`` (units of ``x``) and put every token back at unit scale."""
-    return unit_scale(x + step, eps)
-
-
 class FixedScaleField(nn.Module):
-    """``dx/dt = P_x f(t, x)``: the ET field ``f`` with each token's mean and radial component removed.
+    """``dx_A/dt = sigma_A P_x f(t, x)_A``: the ET field ``f`` with each token's mean and radial component removed,
+    in each token's intrinsic time.
 
-    ``P_x`` is the tangent projection at ``x``; the radial and all-ones parts of ``f`` are exactly the
-    directions the metric ``M`` annihilates (up to O(eps)), so ``g`` follows the ET dynamics while ``|x_A|``
-    stays constant. Start it from :func:`unit_scale` states. A plain ``nn.Module`` ``f(t, x)`` for torchdiffeq.
+    ``P_x`` is the tangent projection at ``x``; the radial and all-ones parts of ``f`` are exactly the directions
+    the metric ``M`` annihilates (up to O(eps)), so ``g`` moves as under the ET dynamics while ``|x_A|`` stays
+    constant, and the factor ``sigma_A = sqrt(mean(xt_A^2) + eps)`` makes the tangential rate of ``g``
+    ``gamma / tau`` at every token, whatever the scale (e.g. at the limit scale of
+    :func:`~et_ode.dynamics.manifold.to_limit_spheres`). A plain ``nn.Module`` ``f(t, x)`` for torchdiffeq.
     """
 
     def __init__(self, field: ETField):
@@ -51,7 +43,9 @@ class FixedScaleField(nn.Module):
         self.field = field
 
     def forward(self, t: Tensor, x: Tensor) -> Tensor:
-        return tangent_projection(self.field(t, x), radial_direction(x, 0.0)[0])
+        xt = x - x.mean(dim=-1, keepdim=True)
+        sigma = xt.square().mean(dim=-1, keepdim=True).add(self.field.model.neuron.eps).sqrt()
+        return sigma * tangent_projection(self.field(t, x), radial_direction(x, 0.0)[0])
 
 
 def tangent_basis(g: Tensor, delta: Tensor | float) -> Tensor:
@@ -74,14 +68,16 @@ def tangent_basis(g: Tensor, delta: Tensor | float) -> Tensor:
 
 
 def tangent_frame(x: Tensor) -> Tensor:
-    """An orthonormal basis of the tangent space at the unit-scale state ``x`` ``(N, D)``: ``(N (D - 2), N, D)``
+    """An orthonormal basis of the tangent space at the state ``x`` ``(N, D)``: ``(N (D - 2), N, D)``
     (:func:`tangent_basis` of the centered ``x`` itself: vector ``A (D - 2) + j`` on token ``A`` only, orthogonal
     to the all-ones vector and to ``x_A``)."""
     return tangent_basis(x[None], 0.0)[0]
 
 
 def hessian_in_frame(field: ETField, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """The Riemannian Hessian of ``E`` at the unit-scale state ``x`` ``(N, D)`` in :func:`tangent_frame`.
+    """The Riemannian Hessian of ``E`` at ``g = LayerNorm(x)`` for the state ``x`` ``(N, D)`` in
+    :func:`tangent_frame` (on the flow's limit spheres when ``x`` is placed there by
+    :func:`~et_ode.dynamics.manifold.to_limit_spheres`).
 
     Returns ``(hessian (n, n), gradient (n,), frame (n, N, D))``: the symmetric matrix from ``n``
     Hessian-vector products of :func:`et_ode.dynamics.manifold.riemannian_hessian` (batched: ``n`` copies of the state,

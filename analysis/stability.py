@@ -23,9 +23,11 @@ symmetric operator ``w -> A w`` (for example a quadratic energy's Hessian).
 
 Since ``Lambda`` decays like ``1/t`` (``sigma`` grows linearly), a plain solve approaches ``g*`` only
 like a power of ``t``. ``find_fixed_point`` therefore descends on the spheres directly (Riemannian
-gradient descent; the same critical points, reached in far fewer steps), and the flows of
-``lyapunov_exponent`` and ``basin_probe`` can rescale ``x`` to ``sigma = 1`` between segments
-(``restart``): that leaves ``g`` unchanged (up to O(eps)) and only undoes the slowing time change.
+gradient descent by :func:`et_ode.find_attractor`; the same critical points, reached in far fewer steps),
+and the flows of ``lyapunov_exponent`` and ``basin_probe`` undo the slowing time change between segments
+(``restart``: :class:`~et_ode.analysis.sphere.FixedScaleField`, or a common shrink of each sample by
+:func:`~et_ode.dynamics.manifold.shrink_scale`, which keeps the path of ``g``). Points are placed where the
+flow's limit is: on the spheres of radius ``gamma sqrt(D)`` (:func:`~et_ode.dynamics.manifold.to_limit_spheres`).
 
 Shapes: states ``x`` are ``(B, N, D)`` (a single ``(N, D)`` is treated as ``B = 1``); vectors acted on
 by operators have the shape of the state; dot products are per sample.
@@ -40,11 +42,18 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import Tensor
 
-from et_ode import Adaptive, ETField, solve
+from et_ode import Adaptive, Attractor, ETField, find_attractor, solve
 from et_ode.analysis.convergence import sample_field
 from et_ode.analysis.lyapunov import ANALYSIS_MAX_STEPS, bounded_odeint
-from et_ode.analysis.sphere import FixedScaleField, tangent_basis, unit_scale
-from et_ode.dynamics.manifold import radial_direction, riemannian_hessian, tangent_projection
+from et_ode.analysis.sphere import FixedScaleField, tangent_basis
+from et_ode.dynamics.manifold import (
+    radial_direction,
+    retract,
+    riemannian_hessian,
+    shrink_scale,
+    tangent_projection,
+    to_limit_spheres,
+)
 from et_ode.linalg.krylov import lanczos
 
 Operator = Callable[[Tensor], Tensor]
@@ -450,8 +459,10 @@ def fixed_point_stability(
 
 @dataclass
 class FixedPointSearch:
-    """Result of :func:`find_fixed_point`: ``x`` ``(B, N, D)`` with ``sigma = 1`` per token; the RMS tangent
-    gradient per sample at the end; the iterations used; the energy before and after per sample."""
+    """Result of :func:`find_fixed_point`, a summary of the :class:`~et_ode.Attractor` it holds: ``x`` ``(B, N, D)``
+    (on the flow's limit spheres, or at a finite scale where the flow stops in ``x``); the certificate's RMS
+    residual per sample at the end (RMS ``|T dE/dg|`` on the spheres); the most iterations a sample used; whether
+    every sample converged; the energy at the start and at the end per sample."""
 
     x: Tensor
     rms_tangent_gradient: Tensor
@@ -459,71 +470,31 @@ class FixedPointSearch:
     converged: bool
     energy_start: Tensor
     energy_end: Tensor
+    attractor: Attractor
 
 
-def find_fixed_point(
-    field: ETField, x: Tensor, *, tol: float = 1e-6, max_iter: int = 5000, step: float = 0.1, progress: bool = False
-) -> FixedPointSearch:
-    """Descend from ``x`` to a nearby critical point of ``E`` on the analysis's unit-scale spheres.
+def find_fixed_point(field: ETField, x: Tensor, *, tol: float = 1e-6, max_iter: int = 5000) -> FixedPointSearch:
+    """Descend from ``x`` (``(B, N, D)`` or ``(N, D)``) to a nearby critical point of ``E``: a view of
+    ``find_attractor(field, x, flow=False, method="gradient", tol=tol, max_iter=max_iter)``.
 
-    The analysis works at ``sigma = 1`` (:func:`~et_ode.analysis.sphere.unit_scale`), on spheres of radius
-    ``gamma sqrt(D (1 - eps))``: within ``O(eps)`` of the flow's limit spheres (radius ``gamma sqrt(D)``), so its
-    critical points, energies and eigenvalues differ from the flow's by ``O(eps)``, and it descends from ``x`` itself,
-    not along the flow. For the attractor of the flow that starts at ``x``, certified, use
-    :func:`et_ode.find_attractor`; use this for the analysis's own coordinates (stability, saddles, continuation).
-
-    Riemannian gradient descent with a per-sample Armijo step (grown by 1.5 after success, halved after
-    failure): ``x <- unit_scale(x - step (sigma/gamma) T dE/dg)``, which moves ``g`` by ``-step T dE/dg``
-    and stays on the spheres. Once energy differences fall below rounding, a step is accepted when it
-    reduces ``|T dE/dg|``. Stops when every sample's RMS ``|T dE/dg| < tol`` or no step makes progress.
+    Riemannian gradient descent from ``x`` itself (not along the flow), on the flow's limit spheres of radius
+    ``gamma sqrt(D)`` (in ``x`` where a token's outward force is not positive), with the same placement, critical
+    points, energies and eigenvalues as :func:`et_ode.find_attractor`; its per-sample status, geometry and spectrum
+    are in ``attractor``. For the attractor of the flow that starts at ``x``, use :func:`et_ode.find_attractor`.
+    Raises ValueError for a non-positive ``gamma``, ``tol`` or ``max_iter``.
     """
-    from tqdm.auto import tqdm
-
     x = _batched(x, field)
-    model, eps = field.model, field.model.neuron.eps
-    gamma = float(model.neuron.gamma.detach())
-    if not gamma > 0:
-        raise ValueError(f"find_fixed_point needs gamma > 0 (a Lyapunov energy), got gamma={gamma}")
-    x = unit_scale(x, eps)
-    steps = torch.full((x.shape[0],), float(step), dtype=x.dtype, device=x.device)
-
-    def evaluate(state: Tensor) -> tuple[Tensor, Tensor]:
-        return field.energy(state), field.tangent_gradient(state)
-
-    iterations = 0
-    with torch.no_grad(), tqdm(total=max_iter, desc="fixed point", disable=not progress, leave=False) as bar:
-        energy, tangent = evaluate(x)
-        energy_start = energy.clone()
-        for iterations in range(1, max_iter + 1):
-            norm2 = tangent.square().sum(dim=(-1, -2))
-            rms = (norm2 / tangent[0].numel()).sqrt()
-            if bool((rms < tol).all()):
-                iterations -= 1
-                break
-            trial = unit_scale(x - _expand(steps, x) * tangent / gamma, eps)
-            trial_energy, trial_tangent = evaluate(trial)
-            trial_norm2 = trial_tangent.square().sum(dim=(-1, -2))
-            flat = (trial_energy - energy).abs() <= 100 * torch.finfo(x.dtype).eps * energy.abs()
-            sufficient = trial_energy <= energy - 1e-4 * steps * norm2
-            accept = (sufficient | (flat & (trial_norm2 < norm2))) & (rms >= tol)  # below rounding: |T dE/dg| decides
-            keep = _expand(accept, x)
-            x = torch.where(keep, trial, x)
-            tangent = torch.where(keep, trial_tangent, tangent)
-            energy = torch.where(accept, trial_energy, energy)
-            steps = torch.where(accept, steps * 1.5, steps * 0.5)
-            bar.update()
-            if bool(((steps < 1e-12) | (rms < tol)).all()):
-                break  # no further progress possible in this precision
-            if iterations % 50 == 0:
-                bar.set_postfix(rms_tangent_gradient=f"{float(rms.max()):.2e}")
-    rms = tangent.square().mean(dim=(-1, -2)).sqrt()
+    with torch.no_grad():
+        energy_start = field.energy(x)
+    found = find_attractor(field, x, flow=False, method="gradient", tol=tol, max_iter=max_iter)
     return FixedPointSearch(
-        x=x,
-        rms_tangent_gradient=rms,
-        iterations=iterations,
-        converged=bool((rms < tol).all()),
+        x=found.x,
+        rms_tangent_gradient=found.gradient,
+        iterations=int(found.iterations.max()),
+        converged=bool(found.converged.all()),
         energy_start=energy_start,
-        energy_end=energy,
+        energy_end=found.energy,
+        attractor=found,
     )
 
 
@@ -539,10 +510,11 @@ def flow(
     atol: float = 1e-9,
 ) -> Tensor:
     """Integrate the ET dynamics for ``segments`` consecutive spans of ``duration / segments``; with
-    ``restart`` each span starts from ``unit_scale(x, eps)`` (same ``g``, undone slow-down). Returns the final ``x``."""
+    ``restart`` each span starts from ``shrink_scale(x)`` (each sample shrunk by one factor to token scales of at
+    most 1: the same path of ``g``, undone slow-down). Returns the final ``x``."""
     for _ in range(segments):
         if restart:
-            x = unit_scale(x, field.model.neuron.eps)
+            x = shrink_scale(x)
         x = solve(field, x, (0.0, duration / segments), solver=Adaptive(method, rtol, atol), save="final").x.detach()
     return x
 
@@ -584,13 +556,14 @@ def lyapunov_exponent(
     after each, the g-distance ``d`` is measured, ``log(d / d0)`` accumulated and the perturbation of ``x``
     rescaled to ``d0``. Negative: nearby trajectories converge.
 
-    With ``restart`` the exponent is measured in intrinsic time: both states start at ``sigma = 1`` and follow
-    the :class:`~et_ode.analysis.sphere.FixedScaleField`, which keeps ``sigma = 1`` throughout (the limit of
-    rescaling continuously). At a minimum it converges to ``-(gamma / tau) lambda_min(Hess_R)``. Rescaling
-    only at the start of each span would be biased toward zero: within a span ``sigma`` grows like
-    ``1 + kappa gamma t / tau`` (``kappa = rho / r``, the outward force over the radius), which slows the decay
-    to ``-(lambda / kappa) ln(1 + kappa gamma Delta) / Delta``. Without ``restart`` the exponent is that of
-    the plain flow, whose rates decay like ``1 / t``: a finite-time exponent of the transient.
+    With ``restart`` the exponent is measured in intrinsic time: both states start on the limit spheres and
+    follow the :class:`~et_ode.analysis.sphere.FixedScaleField`, which keeps ``sigma`` fixed and the tangential
+    rates at ``gamma / tau`` throughout (the limit of rescaling continuously). At a minimum it converges to
+    ``-(gamma / tau) lambda_min(Hess_R)``. Rescaling only at the start of each span would be biased toward zero:
+    within a span ``sigma`` grows like ``1 + kappa gamma t / tau`` (``kappa = rho / r``, the outward force over
+    the radius), which slows the decay to ``-(lambda / kappa) ln(1 + kappa gamma Delta) / Delta``. Without
+    ``restart`` the exponent is that of the plain flow, whose rates decay like ``1 / t``: a finite-time exponent
+    of the transient.
 
     Each span's integration has a budget of ``max_steps`` steps (:class:`et_ode.SolveError` beyond it).
     """
@@ -601,7 +574,7 @@ def lyapunov_exponent(
         raise ValueError(f"duration and d0 must be positive, got duration={duration}, d0={d0}")
     model = field.model
     if restart:
-        x = unit_scale(x, model.neuron.eps)
+        x = to_limit_spheres(x, model.neuron.eps)
     generator = torch.Generator().manual_seed(seed)
     g = model.neuron(x).detach()
     s, _ = radial_direction(g, model.neuron.delta.detach())
@@ -615,7 +588,7 @@ def lyapunov_exponent(
     batch = x.shape[0]
     for k in tqdm(range(renormalizations), desc="Lyapunov exponent", disable=not progress, leave=False):
         if restart:
-            pair = unit_scale(pair, model.neuron.eps)
+            pair = to_limit_spheres(pair, model.neuron.eps)
             grid = torch.tensor([0.0, span], dtype=pair.dtype, device=pair.device)
             with torch.no_grad():
                 pair = bounded_odeint(
@@ -682,7 +655,7 @@ def basin_probe(
     """
     from tqdm.auto import tqdm
 
-    x = unit_scale(_batched(x_star, field, "x_star"), field.model.neuron.eps)
+    x = to_limit_spheres(_batched(x_star, field, "x_star"), field.model.neuron.eps)
     radii = [0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0] if radii is None else [float(r) for r in radii]
     if not radii or any(not r > 0 for r in radii) or sorted(radii) != radii:
         raise ValueError(f"radii must be positive and increasing, got {radii}")
@@ -700,7 +673,7 @@ def basin_probe(
     for j, radius in enumerate(tqdm(radii, desc="basin probe", disable=not progress, leave=False)):
         w = tangent_projection(torch.randn(starts.shape, generator=generator, dtype=x.dtype).to(x.device), s_all)
         w = w * radius * gamma / w.square().mean(dim=(-1, -2), keepdim=True).sqrt()
-        perturbed = unit_scale(starts + w / gamma, model.neuron.eps)  # sigma = 1: dx = dg / gamma
+        perturbed = retract(starts, w, gamma, model.neuron.eps)
         with torch.no_grad():
             initial = (model.neuron(perturbed) - target).square().mean(dim=(-1, -2)).sqrt()
         end = flow(field, perturbed, duration, segments=segments, rtol=rtol, atol=atol)

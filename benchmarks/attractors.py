@@ -25,16 +25,19 @@ formulas, followed until RMS |T dE/dg| < 1e-11) gives the limit; each seed is co
 in ``g`` < 1e-6), reported unsettled, a certified OTHER minimum (must never happen), or otherwise (not converged, a
 saddle, ...). Cost: ``find_attractor``'s evaluations against dopri5's (rtol 1e-9) to RMS |dg/dt| < 1e-6, on the
 same seeds and on the README's quick-start model (D=32, H=4, Y=8, K=128, N=17, batch 8, seed 0, in float64).
-``--table flow --seeds 3 --forms relu`` is a quick run of that table alone.
+``--table flow --seeds 3 --forms relu`` is a quick run of that table alone; ``--reference-cache DIR`` keeps the
+reference limits (the slow part) in ``DIR`` for the next run.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import statistics
 import sys
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -278,11 +281,43 @@ def statuses(found: et_ode.Attractor) -> tuple[list[str], list[bool]]:
     return list(status), certified_list
 
 
-def seed_record(form: str, seed: int) -> dict:
+@dataclass(frozen=True)
+class Reference:
+    """What the table needs of the reference's limit: ``g`` ``(N, D)``, its energy, and whether it converged."""
+
+    g: torch.Tensor
+    energy: float
+    converged: bool
+
+
+def reference_limit(model: et_ode.EnergyTransformer, x0: torch.Tensor, cache: Path | None) -> Reference:
+    """The long flow's limit from ``x0`` (:func:`tests.reference_flow.long_flow_limit`), read from ``cache`` (a
+    folder, one file per model and start, named by a hash of their tensors) when it holds it, else computed (and
+    stored there). The reference depends on the weights and the start only, so a cache is reused across changes of
+    the library."""
+    weights = SpecWeights.from_model(model)
+    path = None
+    if cache is not None:
+        digest = hashlib.sha256(f"{weights.beta_hn} {weights.form} {weights.eps} {weights.self_attention}".encode())
+        for tensor in (weights.WK, weights.WQ, weights.xi, weights.gamma, weights.delta, weights.beta, x0):
+            digest.update(tensor.detach().to(torch.float64).contiguous().numpy().tobytes())
+        path = cache / f"{digest.hexdigest()[:32]}.pt"
+        if path.exists():
+            stored = torch.load(path, weights_only=True)
+            return Reference(stored["g"], float(stored["energy"]), bool(stored["converged"]))
+    limit = long_flow_limit(weights, x0)
+    reference = Reference(limit.g, limit.energy, limit.converged)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"g": reference.g, "energy": reference.energy, "converged": reference.converged}, path)
+    return reference
+
+
+def seed_record(form: str, seed: int, cache: Path | None = None) -> dict:
     """One seed: the reference's limit, find_attractor's point and status, and both methods' evaluations."""
     model = seed_model(form, seed)
     x0 = torch.randn(6, 12, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-    reference = long_flow_limit(SpecWeights.from_model(model), x0)
+    reference = reference_limit(model, x0, cache)
     field = et_ode.ETField(model)
     field.reset_nfe()
     found = et_ode.find_attractor(field, x0[None])
@@ -384,8 +419,8 @@ def readme_cost() -> list:
     ]
 
 
-def flow_limit_tables(seeds: int, forms: list[str]) -> str:
-    records = [seed_record(form, seed) for form in forms for seed in range(seeds)]
+def flow_limit_tables(seeds: int, forms: list[str], cache: Path | None = None) -> str:
+    records = [seed_record(form, seed, cache) for form in forms for seed in range(seeds)]
     limits = _common.table(
         [
             "form",
@@ -429,11 +464,17 @@ def main() -> None:
     parser.add_argument(
         "--forms", nargs="+", choices=FORMS, default=list(FORMS), help="Hopfield forms of the flow's-limit table"
     )
+    parser.add_argument(
+        "--reference-cache",
+        type=Path,
+        default=None,
+        help="a folder keeping the reference flows' limits between runs (computed where missing)",
+    )
     args = parser.parse_args()
     _common.set_threads(args.threads)
     if args.table == "flow":
         print(_common.environment())
-        print(flow_limit_tables(args.seeds, args.forms))
+        print(flow_limit_tables(args.seeds, args.forms, args.reference_cache))
         return
     sizes = ([_common.DIGITS.with_batch(16)] if args.size != "28x28" else []) + (
         [_common.MNIST.with_batch(16)] if args.size != "digits" else []
@@ -495,7 +536,7 @@ def main() -> None:
     )
     if args.table == "all":
         print()
-        print(flow_limit_tables(args.seeds, args.forms))
+        print(flow_limit_tables(args.seeds, args.forms, args.reference_cache))
 
 
 if __name__ == "__main__":

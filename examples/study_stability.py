@@ -64,7 +64,7 @@ def main() -> None:
     plot_convergence(solution, path=args.out / "convergence.png")
 
     print("\n== 2. the critical points reached, dense vs Lanczos ==")
-    found = find_fixed_point(field, solution.x, tol=1e-9, progress=True)
+    found = find_fixed_point(field, solution.x, tol=1e-9)
     dense = fixed_point_stability(field, found.x, method="dense")
     lanczos = fixed_point_stability(field, found.x, method="lanczos", iterations=40)
     print(dense.table())

@@ -18,6 +18,7 @@ Shapes: ``(..., N, D)`` throughout.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -26,7 +27,49 @@ from torch import Tensor
 from et_ode.dynamics.field import ETField
 from et_ode.energy.neurons import radial_direction, tangent_projection
 
-__all__ = ["euclidean_hessian", "radial_direction", "riemannian_hessian", "tangent_projection"]
+__all__ = [
+    "euclidean_hessian",
+    "limit_scale",
+    "radial_direction",
+    "retract",
+    "riemannian_hessian",
+    "shrink_scale",
+    "tangent_projection",
+    "to_limit_spheres",
+]
+
+
+def limit_scale(eps: float, dtype: torch.dtype) -> float:
+    """The token scale ``S`` (``mean(xt^2) = S^2``) at which ``eps / S^2`` is below the rounding unit of ``dtype``:
+    there ``LayerNorm(x)`` lies on the flow's limit spheres (radius ``gamma sqrt(D)``) to rounding."""
+    return max(1.0, 4.0 * math.sqrt(eps / torch.finfo(dtype).eps))
+
+
+def to_limit_spheres(x: Tensor, eps: float) -> Tensor:
+    """Centre every token of ``x`` ``(..., N, D)`` and scale it to ``mean(xt^2) = S^2``, ``S =``
+    :func:`limit_scale`: the same direction of ``g - delta``, with ``g = LayerNorm(x)`` on the flow's limit sphere
+    of radius ``gamma sqrt(D)`` (to rounding). The one placement of a point on the spheres."""
+    xt = x - x.mean(dim=-1, keepdim=True)
+    rms = xt.square().mean(dim=-1, keepdim=True).sqrt().clamp_min(torch.finfo(x.dtype).tiny)
+    return xt * (limit_scale(eps, x.dtype) / rms)
+
+
+def retract(x: Tensor, step: Tensor, gamma: float | Tensor, eps: float) -> Tensor:
+    """Move ``g = LayerNorm(x)`` by the tangent ``step`` (``g`` units, ``(..., N, D)``) and put every token back on
+    its limit sphere: ``to_limit_spheres(xt + (sigma / gamma) step)`` (``sigma / gamma`` turns a tangent change of
+    ``g`` into one of ``x``)."""
+    xt = x - x.mean(dim=-1, keepdim=True)
+    sigma = xt.square().mean(dim=-1, keepdim=True).add(eps).sqrt()
+    return to_limit_spheres(xt + sigma / gamma * step, eps)
+
+
+def shrink_scale(x: Tensor) -> Tensor:
+    """Shrink each sample of ``x`` ``(B, N, D)`` by one common factor so that its tokens' RMS scale is at most 1:
+    a time change of the flow (the path of ``g`` is kept, up to ``O(eps)``) that undoes the slow-down of the outward
+    drift before a flow is continued. Never grown: a flow heading inward, to a fixed point in ``x``, is left alone."""
+    xt = x - x.mean(dim=-1, keepdim=True)
+    rms = xt.square().mean(dim=(-1, -2), keepdim=True).sqrt()
+    return x / rms.clamp_min(1.0)
 
 
 def riemannian_hessian(field: ETField, g: Tensor) -> tuple[Callable[[Tensor], Tensor], Tensor]:

@@ -51,7 +51,6 @@ from et_ode.equilibrium.certify import (
     default_tol,
     differentiable,
     flatten,
-    limit_scale,
     settle,
 )
 from et_ode.equilibrium.implicit import AttractorError, default_implicit_tol
@@ -59,7 +58,7 @@ from et_ode.integrators.loop import Integrated, Problem, integrate
 from et_ode.integrators.solution import Solution, SolveError, SolveStats, Status
 from et_ode.integrators.stopping import SteadyState
 
-__all__ = ["Attractor", "AttractorError", "AttractorReadout", "default_tol", "find_attractor", "limit_scale"]
+__all__ = ["Attractor", "AttractorError", "AttractorReadout", "default_tol", "find_attractor"]
 
 
 # -- the public entry point ---------------------------------------------------------------------------------------

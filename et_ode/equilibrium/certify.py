@@ -17,7 +17,15 @@ from torch import Tensor
 from torchdiffeq import odeint
 
 from et_ode.dynamics.field import ETField
-from et_ode.dynamics.manifold import euclidean_hessian, radial_direction, riemannian_hessian, tangent_projection
+from et_ode.dynamics.manifold import (
+    euclidean_hessian,
+    radial_direction,
+    retract,
+    riemannian_hessian,
+    shrink_scale,
+    tangent_projection,
+    to_limit_spheres,
+)
 from et_ode.equilibrium.implicit import implicit_attractor
 from et_ode.integrators.loop import Problem, integrate
 from et_ode.integrators.solution import SolveError
@@ -105,11 +113,6 @@ def default_tol(dtype: torch.dtype) -> float:
     return 1e-4 if dtype == torch.float32 else 10 * torch.finfo(dtype).eps
 
 
-def limit_scale(eps: float, dtype: torch.dtype) -> float:
-    """The token scale ``S`` (``mean(xt^2) = S^2``) at which ``eps / S^2`` is below the rounding unit."""
-    return max(1.0, 4.0 * math.sqrt(eps / torch.finfo(dtype).eps))
-
-
 def _dot(a: Tensor, b: Tensor) -> Tensor:
     """Per-sample inner product ``(B, N, D) x (B, N, D) -> (B,)``."""
     return (a * b).sum(dim=(-1, -2))
@@ -134,10 +137,8 @@ class _Spheres:
         self.gamma = float(neuron.gamma.detach())
 
     def canonical(self, x: Tensor) -> Tensor:
-        """Centre every token and scale it to ``mean(xt^2) = S^2`` (same ``g`` direction, limit radius)."""
-        xt = x - x.mean(dim=-1, keepdim=True)
-        rms = xt.square().mean(dim=-1, keepdim=True).sqrt().clamp_min(torch.finfo(x.dtype).tiny)
-        return xt * (limit_scale(self.eps, x.dtype) / rms)
+        """Every token on its limit sphere (:func:`et_ode.dynamics.manifold.to_limit_spheres`)."""
+        return to_limit_spheres(x, self.eps)
 
     def gradient(self, field: ETField, x: Tensor) -> tuple[Tensor, Tensor]:
         """``(T dE/dg, g)`` at ``x``."""
@@ -180,10 +181,8 @@ class _Spheres:
         return torch.full(x.shape[:1], self.gamma * math.sqrt(x[0].numel()), dtype=x.dtype, device=x.device)
 
     def retract(self, x: Tensor, step: Tensor) -> Tensor:
-        """Move ``g`` by the tangent ``step`` and project back: ``xt <- xt + (sigma / gamma) step``."""
-        xt = x - x.mean(dim=-1, keepdim=True)
-        sigma = xt.square().mean(dim=-1, keepdim=True).add(self.eps).sqrt()
-        return self.canonical(xt + sigma / self.gamma * step)
+        """Move ``g`` by the tangent ``step`` and back onto the limit spheres (:func:`~et_ode.dynamics.manifold.retract`)."""
+        return retract(x, step, self.gamma, self.eps)
 
 
 class _Euclidean:
@@ -713,14 +712,6 @@ def combine(parts: list[tuple[Tensor, Attractor]], batch: int) -> Attractor:
 # -- the flow phase and the hand-off --------------------------------------------------------------------------------
 
 
-def _mean_scale(x: Tensor) -> Tensor:
-    """Shrink each sample by one factor so that its tokens' RMS ``sigma`` is at most 1 (``g`` unchanged up to
-    O(eps)). Never grown: a flow heading inward, to a fixed point in ``x``, is left alone."""
-    xt = x - x.mean(dim=-1, keepdim=True)
-    rms = xt.square().mean(dim=(-1, -2), keepdim=True).sqrt()
-    return x / rms.clamp_min(1.0)
-
-
 def flow_to(
     field: ETField,
     x: Tensor,
@@ -743,7 +734,7 @@ def flow_to(
     for _ in range(max_segments):
         if not len(active):
             break
-        problem = Problem(field.select(active), _mean_scale(x[active]), grid, solver, stop, "final", 100_000)
+        problem = Problem(field.select(active), shrink_scale(x[active]), grid, solver, stop, "final", 100_000)
         try:
             with torch.no_grad():
                 result = integrate(problem, odeint, problem.torchdiffeq_arguments())

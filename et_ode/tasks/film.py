@@ -28,7 +28,7 @@ def analysis_plots() -> Any | None:
 
 
 def close_figure(figure: Any) -> None:
-    """Free a matplotlib figure that was saved (pyplot keeps it otherwise)."""
+    """Free a matplotlib figure once it is saved (pyplot keeps it otherwise)."""
     from matplotlib import pyplot as plt
 
     plt.close(figure)

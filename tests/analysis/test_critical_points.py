@@ -21,6 +21,7 @@ from et_ode.analysis.critical_points import (
     saddle_from_minimum,
 )
 from et_ode.analysis.stability import find_fixed_point
+from et_ode.dynamics.manifold import retract
 from tests.analysis.test_stability import U1, U2, U3, closed_form, one_token_model
 from tests.conftest import random_model
 
@@ -33,13 +34,12 @@ def spherical_model(seed: int = 3):
 
 class Chart:
     """``g_A = delta + r B p(theta_A, phi_A)``, ``B`` an orthonormal basis of the centered subspace of R^4,
-    ``r = gamma sqrt(D (1 - eps))`` (the radius of a unit-scale token), ``p`` the unit vector at polar angle
+    ``r = gamma sqrt(D)`` (the radius of the flow's limit spheres), ``p`` the unit vector at polar angle
     ``theta`` and azimuth ``phi``. Energy, gradient and Hessian in the angles by autograd of the model's energy."""
 
     def __init__(self, model):
         self.model = model
-        gamma, eps = float(model.neuron.gamma.detach()), model.neuron.eps
-        self.r = gamma * math.sqrt(D * (1 - eps))
+        self.r = float(model.neuron.gamma.detach()) * math.sqrt(D)
         centered = torch.eye(D, dtype=torch.float64) - 1.0 / D
         self.basis = torch.linalg.svd(centered).U[:, :3]  # (D, 3)
 
@@ -119,9 +119,8 @@ def test_newton_converges_to_a_saddle_next_to_it_where_descent_leaves():
     field = ETField(model)
     starts = torch.randn(10, N, D, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     saddle = census(field, starts, descent=False).points(2)[0]
-    gamma = float(model.neuron.gamma.detach())
     kick = torch.randn(N, D, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
-    start = saddle.x + 1e-3 * kick / gamma
+    start = retract(saddle.x, 1e-3 * kick, model.neuron.gamma.detach(), model.neuron.eps)  # 1e-3 in g
     newton = newton_critical_point(field, start)
     assert newton.converged and newton.index == 2
     assert point_distance(field, newton.x, saddle.x, permutations=False) < 1e-9
@@ -173,8 +172,8 @@ def test_saddle_network_connects_minima_through_index_one_saddles(tmp_path):
         for m, barrier in zip(connection.minima, connection.barriers, strict=True):
             assert barrier == pytest.approx(saddle.energy - network.minima[m].energy, abs=1e-12) and barrier > 0
         # a different descent (Riemannian gradient descent instead of the ODE) from the same pushes ends at the same minima
-        gamma = model.neuron.gamma.detach()
-        pushed = torch.stack([saddle.x + sign * 1e-3 * saddle.lowest_mode / gamma for sign in (1.0, -1.0)])
+        steps = torch.stack([sign * 1e-3 * saddle.lowest_mode for sign in (1.0, -1.0)])
+        pushed = retract(saddle.x.expand_as(steps), steps, model.neuron.gamma.detach(), model.neuron.eps)
         ends = find_fixed_point(field, pushed, tol=1e-9, max_iter=5000).x
         for end, m in zip(ends, connection.minima, strict=True):
             assert point_distance(field, end, network.minima[m].x) < 1e-6

@@ -5,9 +5,9 @@ The Hessian along a trajectory is the local curvature of ``E`` on the spheres at
 critical point's classification only once the trajectory has arrived); its index (the number of negative
 eigenvalues) tells when a trajectory passes near a saddle. The Lyapunov spectrum follows ``k`` orthonormal
 tangent perturbations of ``g`` and re-orthonormalises them by QR after each span (Benettin et al.); with
-``intrinsic=True`` it is measured on the :class:`~et_ode.analysis.sphere.FixedScaleField` (``sigma = 1``
-throughout), where at a critical point the exponents are exactly ``-(gamma / tau)`` times the eigenvalues of
-``Hess_R``.
+``intrinsic=True`` it is measured on the :class:`~et_ode.analysis.sphere.FixedScaleField` (``sigma`` fixed,
+tangential rates ``gamma / tau`` throughout), where at a critical point the exponents are exactly
+``-(gamma / tau)`` times the eigenvalues of ``Hess_R``.
 
 Shapes: states ``(N, D)`` (one sample) or ``(T, B, N, D)`` saved states; spectra ``(k,)``.
 """
@@ -25,8 +25,8 @@ from torchdiffeq import odeint
 from et_ode import Adaptive, ETField, Solution, solve
 from et_ode.analysis.convergence import flat_field, flat_states
 from et_ode.analysis.plots import _finish
-from et_ode.analysis.sphere import FixedScaleField, hessian_in_frame, tangent_frame, unit_scale
-from et_ode.dynamics.manifold import radial_direction, tangent_projection
+from et_ode.analysis.sphere import FixedScaleField, hessian_in_frame, tangent_frame
+from et_ode.dynamics.manifold import radial_direction, tangent_projection, to_limit_spheres
 
 PathLike = str | os.PathLike[str]
 
@@ -59,7 +59,7 @@ def hessian_along(solution: Solution, *, max_times: int = 25, zero_tol: float = 
     for k in picks.tolist():
         small, large, index, rms = [], [], [], []
         for b in range(xs.shape[1]):
-            matrix, gradient, _ = hessian_in_frame(field.select(b), unit_scale(xs[k, b], eps))
+            matrix, gradient, _ = hessian_in_frame(field.select(b), to_limit_spheres(xs[k, b], eps))
             values = torch.linalg.eigvalsh(matrix)
             small.append(values[0])
             large.append(values[-1])
@@ -112,7 +112,7 @@ def lyapunov_spectrum(
     ``count`` tangent perturbations of ``g`` (default: all ``N (D - 2)``) of size ``d0`` are integrated with
     the reference state in one batch; after each of the ``renormalizations`` spans their g-differences,
     projected on the tangent space, are QR-factorised, ``log |R_ii| / d0`` accumulated and the perturbations
-    reset to ``d0 Q``. ``intrinsic``: follow the fixed-scale flow (``sigma = 1``, see
+    reset to ``d0 Q``. ``intrinsic``: follow the fixed-scale flow from the limit spheres (see
     :mod:`et_ode.analysis.sphere`) instead of the plain solve, whose rates decay like ``1 / t``.
     """
     if not (isinstance(x0, Tensor) and x0.dim() == 2 and x0.shape[-1] == field.model.dim):
@@ -127,13 +127,13 @@ def lyapunov_spectrum(
         )
     neuron = field.model.neuron
     eps, delta = neuron.eps, neuron.delta.detach()
-    x = unit_scale(x0.detach(), eps) if intrinsic else x0.detach()
+    x = to_limit_spheres(x0.detach(), eps) if intrinsic else x0.detach()
     dimension = x.shape[0] * (x.shape[1] - 2)
     count = dimension if count is None else count
     if not (isinstance(count, int) and 1 <= count <= dimension):
         raise ValueError(f"count must be an integer in [1, {dimension}], got {count!r}")
     generator = torch.Generator().manual_seed(seed)
-    frame = tangent_frame(unit_scale(x, eps)).flatten(1)  # (n, N D)
+    frame = tangent_frame(x).flatten(1)  # (n, N D)
     mixing = torch.randn(count, dimension, generator=generator, dtype=x.dtype).to(x.device)
     q = torch.linalg.qr((mixing @ frame).T).Q.T.reshape(count, *x.shape)  # (k, N, D) orthonormal g-directions
     fixed_scale = FixedScaleField(field)

@@ -8,8 +8,9 @@ import torch
 
 from et_ode import Adaptive, ETField, solve
 from et_ode.analysis.spectra import hessian_along, lyapunov_spectrum
-from et_ode.analysis.sphere import FixedScaleField, unit_scale
+from et_ode.analysis.sphere import FixedScaleField
 from et_ode.analysis.stability import find_fixed_point, fixed_point_stability, lyapunov_exponent
+from et_ode.dynamics.manifold import to_limit_spheres
 from tests.analysis.test_stability import U3, closed_form, one_token_model
 from tests.conftest import random_model
 
@@ -28,16 +29,26 @@ def minimum():
     return field, found.x, eigenvalues
 
 
-def test_fixed_scale_field_keeps_sigma_and_moves_g_like_the_et_field(minimum):
+@pytest.mark.parametrize("scale", [1.0, None])
+def test_fixed_scale_field_keeps_sigma_and_moves_g_at_the_intrinsic_rate(minimum, scale):
+    """At token scale 1 and on the limit spheres alike: ``dx/dt`` is tangent (no mean, no radial part), and
+    ``dg/dt = M dx/dt = -(gamma / tau) T dE/dg``, the ET field's at ``sigma = 1`` (up to ``O(eps)``)."""
     field, _, _ = minimum
-    x = unit_scale(torch.randn(2, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(3)), 1e-5)
-    fixed = FixedScaleField(field)
     neuron = field.model.neuron
+    x = to_limit_spheres(torch.randn(2, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(3)), neuron.eps)
+    if scale is not None:
+        x = x * (scale / x.square().mean(dim=-1, keepdim=True).sqrt())
+    fixed = FixedScaleField(field)
+    gamma = float(neuron.gamma.detach())
     with torch.no_grad():
         velocity = fixed(0.0, x)
-        assert float((velocity * x).sum(-1).abs().max()) < 1e-12 and float(velocity.sum(-1).abs().max()) < 1e-12
-        # dg/dt = M dx/dt is the ET field's up to the radial eigenvalue gamma eps / sigma^3 of M
-        assert torch.allclose(neuron.hessian_vector(x, velocity), field.dg_dt(x), atol=1e-9)
+        size = float(velocity.abs().max())
+        assert float((velocity * x).sum(-1).abs().max()) < 1e-12 * size * float(x.abs().max())
+        assert float(velocity.sum(-1).abs().max()) < 1e-12 * size
+        expected = -gamma / TAU * field.tangent_gradient(x)
+        assert torch.allclose(neuron.hessian_vector(x, velocity), expected, atol=1e-9)
+        if scale is not None:  # sigma = sqrt(1 + eps): the ET field's own dg/dt, up to its radial part O(eps)
+            assert torch.allclose(neuron.hessian_vector(x, velocity), field.dg_dt(x), atol=1e-4)
 
 
 def test_restarted_lyapunov_exponent_is_unbiased_at_a_minimum(minimum):
@@ -66,7 +77,7 @@ def test_qr_spectrum_at_a_saddle_has_one_positive_exponent():
     field = ETField(model)
     x = U3[None] * 3.0
     spectrum = lyapunov_spectrum(field, x, duration=40.0, renormalizations=20, d0=1e-8)
-    r = float(model.neuron(unit_scale(x, model.neuron.eps)).detach().norm())
+    r = float(model.neuron(to_limit_spheres(x, model.neuron.eps)).detach().norm())
     gamma = float(model.neuron.gamma.detach())
     expected = sorted((-gamma * v for v in closed_form("u3", r)), reverse=True)
     assert spectrum.late.tolist() == pytest.approx(expected, rel=1e-3)

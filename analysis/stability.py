@@ -1,33 +1,16 @@
 """Stability of fixed points: the Riemannian Hessian's spectrum, the Jacobian of the g-dynamics,
 finite-time Lyapunov exponents and a basin probe.
 
-Near a critical point ``g*`` on the per-token spheres (:mod:`et_ode.dynamics.manifold`) the dynamics of ``g`` on
-the tangent space is, to first order,
-
-    d(dg)/dt = J dg,      J = -(1/tau) Lambda Hess_R,      Lambda = diag(gamma / sigma_A),
-
-(``Hess_R w = T H w - (s . dE/dg)/r w``, the curvature term coming from the derivative of ``M`` along
-the radial drift). ``J`` is similar to the symmetric ``-(1/tau) Lambda^(1/2) Hess_R Lambda^(1/2)`` and has
-the inertia of ``-Hess_R`` (Sylvester), so the point is classified from ``Hess_R`` on the tangent space
-(dimension ``N (D - 2)`` per sample), which excludes the two known zero modes of every token: the
-all-ones vector (exact) and the radial direction (eigenvalue ``gamma eps / sigma^3`` of ``M``):
-
-- all eigenvalues ``> zero_tol``: **stable attractor** (strict local minimum of E on the spheres);
-- some ``< -zero_tol``: **saddle** (all of them: **maximum**);
-- none negative, some ``|lambda| <= zero_tol``: **degenerate** (higher-order terms decide).
-
-Small systems: exact dense matrices by ``torch.func`` (``riemannian_hessian_matrix``, ``g_jacobian``).
-Large ones: the extreme eigenvalues by Lanczos (full reorthogonalisation) or power iteration on
-Hessian-vector products, never forming a matrix. The generic entry point ``operator_stability`` takes any
-symmetric operator ``w -> A w`` (for example a quadratic energy's Hessian).
-
-Since ``Lambda`` decays like ``1/t`` (``sigma`` grows linearly), a plain solve approaches ``g*`` only
-like a power of ``t``. ``find_fixed_point`` therefore descends on the spheres directly (Riemannian
-gradient descent by :func:`et_ode.find_attractor`; the same critical points, reached in far fewer steps),
-and the flows of ``lyapunov_exponent`` and ``basin_probe`` undo the slowing time change between segments
-(``restart``: :class:`~et_ode.analysis.sphere.FixedScaleField`, or a common shrink of each sample by
-:func:`~et_ode.dynamics.manifold.shrink_scale`, which keeps the path of ``g``). Points are placed where the
-flow's limit is: on the spheres of radius ``gamma sqrt(D)`` (:func:`~et_ode.dynamics.manifold.to_limit_spheres`).
+Near a critical point ``g*`` the tangent dynamics of ``g`` is ``d(dg)/dt = J dg``, ``J = -(1/tau) Lambda Hess_R``,
+which has the inertia of ``-Hess_R``: the point is classified from the Riemannian Hessian on the tangent space (the
+two zero modes of every token left out) as a stable attractor, a saddle, a maximum or degenerate; the analysis guide
+gives the derivation. Small systems get exact dense matrices by ``torch.func`` (``riemannian_hessian_matrix``,
+``g_jacobian``), large ones the extreme eigenvalues by Lanczos or power iteration on Hessian-vector products;
+``operator_stability`` takes any symmetric operator ``w -> A w``. ``find_fixed_point`` descends on the spheres
+(:func:`et_ode.find_attractor`), and the flows of ``lyapunov_exponent`` and ``basin_probe`` undo the plain flow's
+slowing time change between segments (``restart``: :class:`~et_ode.analysis.sphere.FixedScaleField`, or
+:func:`~et_ode.dynamics.manifold.shrink_scale`, which keeps the path of ``g``). Points are placed on the flow's limit
+spheres of radius ``gamma sqrt(D)`` (:func:`~et_ode.dynamics.manifold.to_limit_spheres`).
 
 Shapes: states ``x`` are ``(B, N, D)`` (a single ``(N, D)`` is treated as ``B = 1``); vectors acted on
 by operators have the shape of the state; dot products are per sample.

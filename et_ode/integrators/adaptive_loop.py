@@ -1,29 +1,14 @@
 """et-ode's own embedded Runge-Kutta loop (dopri5, tsit5, bosh3), step-size control per sample or shared by the batch.
 
 The state is held as ``G`` groups of ``M`` numbers, ``(G, 1, M)``: per sample (``per_sample=True``) a group is one
-sample (``G = batch``, ``M = N * D``); shared, the whole batch is one group (``G = 1``: one step size, one error norm
-over the whole state, torchdiffeq's semantics). A step forms every stage input in one fused ``baddbmm`` of the step's
-weights ``dt * a`` (per group) with the stages so far, kept in one preallocated buffer ``(G, S, M)``; without
-gradients nothing state-sized is allocated per step except the field's own outputs. Each group has its own time,
-step size, error norm ``RMS(err / (atol + rtol max(|y0|, |y1|)))`` and accept/reject; a group that reaches the end,
-or passes a steady-state stop, leaves the active batch (compaction), so later steps only evaluate the samples still
-running. Every operation on a
-group reads that group's numbers only, so a sample's trajectory does not depend on the batch around it wherever the
-field's own evaluation does not (see the tests for the ET field's last-bit differences across batch sizes).
-
-The controller is diffrax's PID form (Soderlind): ``factor = safety * e_n^-(p+i+d)/k * e_{n-1}^(p+2d)/k *
-e_{n-2}^-d/k`` with ``k`` the error order, clipped to ``[1, 10]`` after an accepted step and ``[0.2, safety]`` after a
-rejected one; ``(p, i, d) = (0, 1, 0)`` is torchdiffeq's I-controller. The first step is chosen per group as
-torchdiffeq and diffrax do (Hairer, Norsett and Wanner, II.4). The last step of a group ends exactly at the end of the
-span; the states at the output times inside a step come from the method's interpolant (dopri5: Shampine's quartic
-through the midpoint, as torchdiffeq; tsit5: Tsitouras' own; bosh3: the Hermite cubic), so saving costs no extra
-steps, and a stop's crossing is located on it (then refined with the field). Each step costs one host
-synchronisation (a stop's crossing, the saved outputs and a progress callback add theirs where they occur).
-
-Gradients: autograd through the loop (the step sizes constants to it, as in torchdiffeq and diffrax), or the adjoint
-(:class:`_Adjoint`): the backward solve of ``[x; a]`` on this same loop, per sample or shared as the forward, from
-each sample's end back to the start, the parameter gradient a quadrature along its accepted steps; either way the
-stop time's own term is added by the implicit function theorem.
+sample (``G = batch``, ``M = N * D``); shared, the whole batch is one group (``G = 1``: torchdiffeq's semantics).
+Each group has its own time, step size, error norm and accept/reject, and a group that reaches the end or passes a
+steady-state stop leaves the active batch. Every operation on a group reads that group's numbers only, so a sample's
+trajectory does not depend on the batch around it wherever the field's own evaluation does not. The controller is
+diffrax's PID form (torchdiffeq's I-controller a special case); the states at output times inside a step come from
+the method's interpolant; each step costs one host synchronisation. Gradients run through the loop by autograd or by
+the adjoint (:class:`_Adjoint`), the stop time's own term added by the implicit function theorem. The solving guide
+("et-ode's adaptive loop") gives the details.
 """
 
 from __future__ import annotations
@@ -643,8 +628,8 @@ class _Loop:
         pending: Tensor | None,
         times: Tensor,
     ) -> tuple[int, int, int, int, int, float]:
-        """What the host needs of a step, in one synchronisation: the number of groups whose step underflowed, were
-        accepted, reached the end, crossed the stop and have outputs inside the step, and the earliest time reached."""
+        """What the host needs of a step, in one synchronisation: the numbers of groups whose step underflows, is
+        accepted, reaches the end, crosses the stop or has outputs inside it, and the earliest time reached."""
         flags = [stalled, accepted, done, stalled if crossed is None else crossed, stalled if pending is None else pending]
         counts = torch.stack([flag.sum() for flag in flags]).to(torch.float64)
         values = torch.cat([counts, times.min().reshape(1)]).tolist()

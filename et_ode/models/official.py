@@ -1,40 +1,12 @@
 """The official release's checkpoint format and image pipeline (bhoov/energy-transformer-jax).
 
-The release ships its pretrained ImageNet Energy Transformer as a plain-dict ``.npz`` file (float32 arrays)::
-
-    Wk, Wq        (H, Y, D)              key and query weights (our EnergyTransformer layout)
-    Xi            (D, M)                 the Hopfield memories, TRANSPOSED with respect to our (K, D)
-    Wenc, Benc    (C P P, D), (D,)       patch encoder: tokens = patches @ Wenc + Benc (a patch flattened (c, h, w))
-    Wdec, Bdec    (D, C P P), (C P P,)   decoder
-    LNORM_gamma   ()                     the energy LayerNorm's scalar gamma (its eps is 1e-5)
-    LNORM_bias    (D,)                   its bias delta
-    CLS_token     (D,)                   token 0
-    MASK_token    (D,)                   replaces the token of every masked patch
-    POS_embed     (1 + N, D)             added to every token after masking, CLS included
-
-The official pipeline on images ``(B, C, H, W)`` (normalized photos) and masks ``(B, N)``: patchify (row-major
-patches), encode, replace the masked tokens by ``MASK_token``, put ``CLS_token`` in front, add ``POS_embed``; 12
-Euler steps ``x <- x - 0.1 dE/dg``, ``g = LayerNorm(x)``, with energy attention that includes the diagonal at
-``beta = 1/sqrt(Y)`` and the ReLU Hopfield energy; drop CLS; the decoder reads ``LayerNorm(LayerNorm(x))`` (the
-release normalizes once after the steps and once more inside its ``decode``); unpatchify. :func:`load_official`
-builds the :class:`ImageET` that does exactly this (``cls_position=True``, ``renormalize=True``, the official
-solver as its default), so that ``unpatchify(model(images, hidden).patches, patch, image_shape)`` is the release's
-output; any other solver, horizon or steady state is an :class:`et_ode.solving.integration.Integration` away.
-
-Photos are normalized as the release does: pixel values ``0..255`` minus ``255 * mean``, divided by ``255 * std``
-(ImageNet's mean and standard deviation per channel), see :func:`normalize_pixels`. Its masks hide a given
-number of patches (100 of 196) drawn at random: :func:`official_masks`.
-
-Public API::
-
-    OFFICIAL_KEYS, IMAGENET_MEAN, IMAGENET_STD, OFFICIAL_MASKED (100), OFFICIAL_PATCHES (196)
-    official_integration() -> Integration (EulerET(alpha=0.1, steps=12), Direct())
-    read_official(path) -> dict[str, np.ndarray]          # never executes code (allow_pickle=False)
-    official_sizes(arrays, image_shape, patch) -> dict     # validates every shape, names the key at fault
-    load_official(path, image_shape=(3, 224, 224), patch=16, *, dtype=torch.float32) -> ImageET
-    official_arrays(model) -> dict[str, np.ndarray];  save_official(model, path, *, overwrite=False) -> Path
-    normalize_pixels(pixels uint8 (..., C, H, W)) -> float64;  denormalize(images) -> values in [0, 1]
-    default_masked(num_patches) -> int;  official_masks(batch, num_patches, masked, *, seed=0) -> (B, N) bool
+The release ships its pretrained ImageNet Energy Transformer as a plain-dict ``.npz`` file of float32 arrays
+(:data:`OFFICIAL_KEYS`). :func:`read_official` reads one without running code and :func:`official_sizes` checks every
+shape; :func:`load_official` builds the :class:`~et_ode.models.image.ImageET` that computes the release's output
+(patches, MASK and CLS tokens, positions, 12 Euler steps ``x <- x - 0.1 dE/dg``, a decoder that reads
+``LayerNorm(LayerNorm(x))``), and :func:`save_official` writes the format back. Photos are normalised as the release
+does (:func:`normalize_pixels`) and masked with its scheme (:func:`official_masks`). The arrays' layout and the
+pipeline step by step are in the tasks guide (docs/guides/tasks.md, "The release's file and pipeline").
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 from et_ode.backend import runtime
 from et_ode.cli.evaluate import add_evaluate
 from et_ode.cli.image import add_complete, add_demo, add_train_image
-from et_ode.cli.options import HelpFormatter
+from et_ode.cli.options import HelpFormatter, command_line_words, command_options
 from et_ode.solving.solve import SolveError
 
 
@@ -104,6 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``et-ode`` command ``argv`` (default: ``sys.argv[1:]``): 0 on success; 2 when a library error refuses
+    the settings, its message printed in the command line's words (:func:`~et_ode.cli.options.command_line_words`)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     threads = getattr(args, "threads", None)
@@ -116,6 +118,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args.run(args)
     except (ValueError, FileNotFoundError, TypeError, SolveError) as error:
-        print(f"et-ode {args.command}: error: {error}", file=sys.stderr)
+        print(
+            f"et-ode {args.command}: error: {command_line_words(str(error), command_options(parser, args))}", file=sys.stderr
+        )
         return 2
     return 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from collections.abc import Callable
 
 
@@ -89,3 +90,35 @@ def count_in(low: int, high: int | None = None) -> Callable[[str], int]:
 
     parse.__name__ = "count"
     return parse
+
+
+def command_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> set[str]:
+    """The option strings (``--data-path``, ...) of the command that ``args`` were parsed for: ``parser``'s and
+    those of each subcommand on the way (``et-ode train image``: the ``train`` and ``image`` parsers')."""
+    options: set[str] = set()
+    for action in parser._actions:
+        options.update(action.option_strings)
+        if isinstance(action, argparse._SubParsersAction) and getattr(args, action.dest, None) in action.choices:
+            options |= command_options(action.choices[getattr(args, action.dest)], args)
+    return options
+
+
+# the argument a library message names: the name it starts with (``limit must ...``, ``TrainConfig.lr must ...``,
+# ``masks PATH: ...``), or a switch set to True anywhere in it (``overwrite=True``)
+_LEADING_NAME = re.compile(r"^(?:[A-Z]\w*\.)?([a-z]\w*)(?=[ :])")
+_SWITCH = re.compile(r"\b([a-z]\w*)=True\b")
+
+
+def command_line_words(message: str, options: set[str]) -> str:
+    """A library error ``message`` as the command line says it: the Python argument it starts with, and every
+    ``name=True``, become the flag (``data_path`` -> ``--data-path``) where ``options`` holds that flag; the rest
+    stays as it is."""
+
+    def flag(name: str) -> str | None:
+        candidate = "--" + name.replace("_", "-")
+        return candidate if candidate in options else None
+
+    leading = _LEADING_NAME.match(message)
+    if leading is not None and flag(leading.group(1)) is not None:
+        message = f"{flag(leading.group(1))}{message[leading.end() :]}"
+    return _SWITCH.sub(lambda match: flag(match.group(1)) or match.group(0), message)

@@ -75,21 +75,19 @@ def evaluate_checkpoint(
     Args:
         checkpoint: the training checkpoint.
         out_dir: the folder of the files listed above.
-        data, data_path: the evaluated source and its folder [``--data``, ``--data-path``] (default: the run's;
-            the run's tile, stride and channels apply).
-        test_path: a folder of PNG images evaluated instead [``--test-path``] (default: the run's, if it had one).
-        split: ``"test"`` (default) or ``"validation"`` [``--split``].
-        limit: evaluate only the first ``limit`` images [``--limit``].
-        mask_seed: seed of the masks [``--mask-seed``] (default: the run's); the run's mask ratio and visible
-            fraction apply.
-        masks: an earlier evaluation's ``completions.npz`` whose ``hidden`` and ``scored`` masks are reused
-            [``--masks``]; they must be for as many images of the model's patch grid.
-        integration: how the model integrates its dynamics (default: the run's) [``--solver``, ``--t1``,
-            ``--rtol``, ``--atol``].
-        predictors: a subset of :data:`PREDICTORS` [``--predictors``].
+        data, data_path: the evaluated source and its folder (default: the run's; the run's tile, stride and
+            channels apply).
+        test_path: a folder of PNG images evaluated instead (default: the run's, if it had one).
+        split: ``"test"`` (default) or ``"validation"``.
+        limit: evaluate only the first ``limit`` images.
+        mask_seed: seed of the masks (default: the run's); the run's mask ratio and visible fraction apply.
+        masks: an earlier evaluation's ``completions.npz`` whose ``hidden`` and ``scored`` masks are reused; they
+            must be for as many images of the model's patch grid.
+        integration: how the model integrates its dynamics (default: the run's).
+        predictors: a subset of :data:`PREDICTORS`.
         batch_size: images per batch.
         grid: images shown in ``completions.png`` (0: no picture).
-        overwrite: replace an earlier evaluation in ``out_dir`` [``--overwrite``].
+        overwrite: replace an earlier evaluation in ``out_dir``.
         device: where the model and the learned baselines run (biharmonic inpainting runs on the CPU).
         progress: tqdm bars.
 
@@ -99,13 +97,13 @@ def evaluate_checkpoint(
     Raises:
         et_ode.training.runs.RunFolderError: ``out_dir`` is a file or holds files, and ``overwrite`` is not set.
         ValueError: images of another shape than the model's, masks of another shape, an unknown predictor, or
-            any data error (the flag named).
+            any data error (the argument named).
     """
     unknown = [p for p in predictors if p not in PREDICTORS]
     if unknown or not predictors:
-        raise ValueError(f"--predictors must name some of {', '.join(PREDICTORS)}, got {', '.join(predictors) or 'none'}")
+        raise ValueError(f"predictors must name some of {', '.join(PREDICTORS)}, got {', '.join(predictors) or 'none'}")
     if split not in ("test", "validation"):
-        raise ValueError(f"--split must be test or validation, got {split!r}")
+        raise ValueError(f"split must be test or validation, got {split!r}")
     check_positive("limit", limit, integer=True, optional=True)
     model, run = load_trained(checkpoint, device)
     source = _source(run, data, data_path, test_path, split)
@@ -219,8 +217,7 @@ def _evaluated_images(run: ImageRunConfig, source: dict[str, Any], shape: tuple[
     if tuple(images.shape) != tuple(shape):
         raise ValueError(
             f"the evaluated images have shape {images.shape} (C, H, W); the model completes {tuple(shape)}: "
-            f"give data of that size (--data, --data-path, --test-path; PNG photos are cut into tiles of "
-            f"the run's --tile, {run.tile})"
+            f"give data of that size (PNG photos are cut into tiles of the run's tile size, {run.tile})"
         )
     return images
 
@@ -232,20 +229,20 @@ def _training_images(run: ImageRunConfig) -> Tensor:
 
 def _read_masks(path: str | Path, count: int, num_patches: int) -> tuple[Tensor, Tensor]:
     try:
-        saved = read_npz(path, ("hidden", "scored"), what="--masks file", allow_empty=True)
+        saved = read_npz(path, ("hidden", "scored"), what="masks file", allow_empty=True)
     except (OSError, ValueError) as error:
-        raise ValueError(f"--masks {path}: not the completions.npz of an evaluation ({error})") from None
+        raise ValueError(f"masks {path}: not the completions.npz of an evaluation ({error})") from None
     hidden, scored = torch.from_numpy(saved["hidden"]), torch.from_numpy(saved["scored"])
     for key, mask in (("hidden", hidden), ("scored", scored)):
         if mask.dtype != torch.bool:
-            raise ValueError(f"--masks {path}: {key!r} holds {mask.dtype} values; masks are boolean arrays")
+            raise ValueError(f"masks {path}: {key!r} holds {mask.dtype} values; masks are boolean arrays")
         if tuple(mask.shape) != (count, num_patches):
             raise ValueError(
-                f"--masks {path}: {key!r} has shape {tuple(mask.shape)}; these {count} images of "
+                f"masks {path}: {key!r} has shape {tuple(mask.shape)}; these {count} images of "
                 f"{num_patches} patches need ({count}, {num_patches})"
             )
     if not bool(scored.any()):
-        raise ValueError(f"--masks {path}: 'scored' marks no patch, so there is nothing to score")
+        raise ValueError(f"masks {path}: 'scored' marks no patch, so there is nothing to score")
     return hidden, scored
 
 

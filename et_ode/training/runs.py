@@ -45,7 +45,7 @@ class RunWriteError(RunFolderError):
 
     def __init__(self, path: Path, error: OSError):
         super().__init__(
-            f"cannot write {path}: {error.strerror or error} (errno {error.errno}); free space or choose a writable --out"
+            f"cannot write {path}: {error.strerror or error} (errno {error.errno}); free space or choose a writable folder"
         )
         self.errno = error.errno
         self.path = path
@@ -66,13 +66,13 @@ def _alive(pid: int) -> bool:
 def _check_folder(out: Path) -> None:
     if out.is_symlink() and not out.exists():
         raise RunFolderError(
-            f"--out/out_dir {out} is a symbolic link to {os.readlink(out)!r}, which does not exist; "
+            f"the run folder {out} is a symbolic link to {os.readlink(out)!r}, which does not exist; "
             f"create its target or give another folder"
         )
     if out.exists() and not out.is_dir():
         raise RunFolderError(
-            f"--out/out_dir {out} is an existing file, not a folder; give a folder (new or empty, "
-            f"or a run folder with --resume / --overwrite)"
+            f"the run folder {out} is an existing file, not a folder; give a folder (new or empty, "
+            f"or a run folder to resume or overwrite)"
         )
 
 
@@ -203,7 +203,7 @@ def _acquire(out: Path, path: Path) -> None:
             raise RunFolderError(
                 f"{out} is in use by another run: process {other.get('pid')} on host {other.get('host')!r}, started "
                 f"{other.get('started')} ({other.get('command', '?')!r}). Wait for it to finish or choose another "
-                f"--out; if that process is gone, delete {path}"
+                f"folder; if that process is gone, delete {path}"
             )
         if _take_over(path, raw):
             warnings.warn(f"{path}: taking over the lock of process {other.get('pid')}: {reason}", stacklevel=4)
@@ -360,7 +360,7 @@ def claim(
     """
     out = Path(out)
     if resume and overwrite:
-        raise RunFolderError("give --resume (continue the run in --out) or --overwrite (replace it), not both")
+        raise RunFolderError("give resume (continue the run in the folder) or overwrite (replace it), not both")
     _check_folder(out)
     if out.resolve() in _held:  # claimed by this process already (e.g. the demo around its training run)
         with lock(out):
@@ -405,7 +405,7 @@ def _prepare(
     if entries and resume:
         _check_resume(out, config, setup, may_change, command, data)
     elif entries and overwrite:
-        _check_owner(out, config, entries, command, "--overwrite")
+        _check_owner(out, config, entries, command, "overwrite")
         for name in entries:
             target = out / name
             if target.is_dir() and not target.is_symlink():
@@ -415,7 +415,7 @@ def _prepare(
     elif entries:
         raise RunFolderInUse(
             f"{out} is not empty ({_listing(entries)}): it holds another run. Continue it "
-            f"with --resume (same set-up), replace it with --overwrite, or choose a new --out"
+            f"with resume (the same set-up), replace it with overwrite, or choose another folder"
         )
     if resume and config.is_file():
         return False
@@ -430,21 +430,22 @@ def _what(command: str | None) -> str:
     return "a training run" if command is None else f"a run of `et-ode {command}`"
 
 
-def _check_owner(out: Path, config: Path, entries: list[str], command: str | None, flag: str) -> dict[str, Any]:
-    """The set-up in ``config`` when ``out`` is a run folder of ``command`` (RunFolderInUse otherwise). A resume
-    also accepts a set-up that names no command (a folder of an older et-ode: its set-up is compared instead)."""
+def _check_owner(out: Path, config: Path, entries: list[str], command: str | None, asked: str) -> dict[str, Any]:
+    """The set-up in ``config`` when ``out`` is a run folder of ``command`` (RunFolderInUse otherwise, naming what was
+    ``asked``: ``"resume"`` or ``"overwrite"``). A resume also accepts a set-up that names no command (a folder of
+    an older et-ode: its set-up is compared instead)."""
     if config.is_symlink() or not config.is_file():
         raise RunFolderInUse(
-            f"{flag} refused: {out} holds {_listing(entries)} but no {CONFIG_NAME}, so it is not an "
+            f"{asked} refused: {out} holds {_listing(entries)} but no {CONFIG_NAME}, so it is not an "
             f"et-ode run folder; et-ode only replaces or continues folders it wrote"
         )
     saved = read_config(config)
     found = saved.get(COMMAND_KEY)
-    if found != command and not (flag == "--resume" and found is None):
+    if found != command and not (asked == "resume" and found is None):
         held = _what(found) if isinstance(found, str) else "a training run (its config.json names no command)"
         raise RunFolderInUse(
-            f"{flag} refused: {out} holds {held}, not {_what(command)}; et-ode replaces or "
-            f"continues only a folder the same command wrote. Choose another --out"
+            f"{asked} refused: {out} holds {held}, not {_what(command)}; et-ode replaces or "
+            f"continues only a folder the same command wrote. Choose another folder"
         )
     return saved
 
@@ -463,14 +464,14 @@ def _check_resume(
             stacklevel=5,
         )
         return
-    saved = _check_owner(out, config, [CONFIG_NAME], command, "--resume")
+    saved = _check_owner(out, config, [CONFIG_NAME], command, "resume")
     saved.pop(COMMAND_KEY, None)
     _check_data(out, config, saved.pop(DATA_KEY, None), data)
     rows = differences(saved, setup, may_change)
     if rows:
         raise RunFolderError(
             f"cannot resume {out}: the set-up differs from the run's {config}:\n{_table(rows)}\n"
-            f"Resume with the run's settings, start a new --out, or replace the run with --overwrite"
+            f"Resume with the run's settings, choose another folder, or replace the run (overwrite)"
         )
 
 
@@ -489,7 +490,7 @@ def _check_data(out: Path, config: Path, saved: Any, data: dict[str, Any] | None
     if rows:
         raise RunFolderError(
             f"cannot resume {out}: the data differ from those the run read ({config}):\n"
-            f"{_table(rows)}\nResume with the run's data, or start a new --out"
+            f"{_table(rows)}\nResume with the run's data, or choose another folder"
         )
 
 

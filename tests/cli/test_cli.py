@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from et_ode.cli import build_parser, main
+from et_ode.cli.options import command_line_words, command_options
 from et_ode.tasks.image import load_trained
 from et_ode.training.io import load_model
 from et_ode.training.train import load_checkpoint
@@ -179,3 +180,22 @@ def test_help_is_complete(argv, capsys):
             "--steady-state",
         ):
             assert option in text
+
+
+def test_library_errors_are_worded_in_the_commands_flags():
+    """The library names its Python arguments; the command line shows the flag of the argument a message starts
+    with and of every ``name=True``, where the command has that flag, and leaves every other word alone."""
+    parser = build_parser()
+    train = command_options(parser, parser.parse_args(["train", "image", "--out", "o"]))
+    evaluate = command_options(parser, parser.parse_args(["evaluate", "c.safetensors", "--out", "o"]))
+    assert {"--lr", "--data-path", "--resume", "--overwrite"} <= train and "--masks" not in train
+    assert command_line_words("TrainConfig.lr must be positive and finite, got 0", train) == (
+        "--lr must be positive and finite, got 0"
+    )
+    assert command_line_words("data_path must be a folder", train) == "--data-path must be a folder"
+    assert command_line_words("o holds a run: resume it (resume=True) or set overwrite=True", train) == (
+        "o holds a run: resume it (--resume) or set --overwrite"
+    )
+    assert command_line_words("masks m.npz: 'scored' marks no patch", evaluate) == "--masks m.npz: 'scored' marks no patch"
+    for message in ("masks m.npz: not an evaluation", "the data differ", "dataset must be", "unknown=True is kept"):
+        assert command_line_words(message, train) == message  # no such flag of `train image`, or not a leading name

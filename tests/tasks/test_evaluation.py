@@ -322,7 +322,7 @@ def test_complete_by_index_reads_the_test_split(trained, tmp_path, capsys):
     film = torch.load(tmp_path / "c" / "film.pt")
     assert torch.equal(film["target"], test.images[5]) and test.sources[5] == "fjord"
     assert main(["complete", str(trained / "checkpoint.safetensors"), "--index", "8", "--out", str(tmp_path / "d")]) == 2
-    assert "index must be in [0, 8)" in capsys.readouterr().err
+    assert "--index must be in [0, 8)" in capsys.readouterr().err
 
 
 def test_evaluate_with_another_solver(trained, tmp_path):

@@ -7,8 +7,7 @@ import json
 
 import torch
 
-from et_ode.cli.image import thread_count
-from et_ode.cli.options import add_command, count_in
+from et_ode.cli.options import add_command, add_threads_argument, count_in
 from et_ode.data.images import SOURCES
 from et_ode.integrators.solvers import ADAPTIVE_METHODS, METHODS, Adaptive, as_solver
 from et_ode.solving.integration import Integration
@@ -58,12 +57,7 @@ def add_evaluate(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--batch-size", type=count_in(1, 1_000_000), default=250, help="images per batch")
     parser.add_argument("--grid", type=count_in(0, 1000), default=8, help="images in completions.png (0: none)")
     parser.add_argument("--device", default="cpu", help="auto, cpu, cuda or cuda:i")
-    parser.add_argument(
-        "--threads",
-        type=thread_count,
-        default=None,
-        help="torch CPU threads, 1 to this machine's CPU count (default: torch's choice)",
-    )
+    add_threads_argument(parser)
     parser.add_argument("--no-progress", action="store_true", help="no tqdm bars")
     parser.set_defaults(run=_run_evaluate)
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -28,21 +27,6 @@ from et_ode.training import distributed, runs
 from et_ode.training.train import TrainConfig
 
 MAX_FRAMES = 10_000  # saved times of `complete --frames`: each is a full state in film.pt
-
-
-def _max_threads() -> int:
-    return os.cpu_count() or 1
-
-
-def thread_count(text: str) -> int:
-    """argparse type of ``--threads``: an integer from 1 to the machine's CPU count."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer number of threads, got {text!r}") from None
-    if not 1 <= value <= _max_threads():
-        raise argparse.ArgumentTypeError(f"must be from 1 to {_max_threads()} (this machine's CPUs), got {value}")
-    return value
 
 
 def add_train_image(subparsers: argparse._SubParsersAction) -> None:
@@ -145,12 +129,7 @@ def add_train_image(subparsers: argparse._SubParsersAction) -> None:
         "direct phase before --attractor, which trains only the energy and the decoder",
     )
     opt.add_argument("--device", default=train.device, help="auto, cpu, cuda or cuda:i")
-    opt.add_argument(
-        "--threads",
-        type=thread_count,
-        default=None,
-        help="torch CPU threads, 1 to this machine's CPU count (default: torch's choice)",
-    )
+    add_threads_argument(opt)
     opt.add_argument("--max-train-batches", type=count_in(1), default=None, help="cap on batches per epoch")
     opt.add_argument(
         "--max-time",

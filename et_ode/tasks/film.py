@@ -90,7 +90,7 @@ def complete(
     if solver is not None:
         trained, chosen = integration.solver, as_solver(solver)
         if isinstance(solver, str) and isinstance(chosen, Adaptive) and isinstance(trained, Adaptive):
-            chosen = Adaptive(solver, trained.rtol, trained.atol)  # another adaptive method at the run's tolerances
+            chosen = Adaptive(chosen.method, trained.rtol, trained.atol)  # another adaptive method, the run's tolerances
         integration = integration.replace(solver=chosen)
     times = None if isinstance(integration.solver, EulerET) else torch.linspace(0.0, integration.t1, frames)
     if image is not None:

@@ -93,7 +93,7 @@ def count_in(low: int, high: int | None = None) -> Callable[[str], int]:
 
 
 def command_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> set[str]:
-    """The option strings (``--data-path``, ...) of the command that ``args`` were parsed for: ``parser``'s and
+    """The option strings (``--data-path``, ...) of the command that produced ``args``: ``parser``'s and
     those of each subcommand on the way (``et-ode train image``: the ``train`` and ``image`` parsers')."""
     options: set[str] = set()
     for action in parser._actions:

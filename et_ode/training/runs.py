@@ -431,9 +431,9 @@ def _what(command: str | None) -> str:
 
 
 def _check_owner(out: Path, config: Path, entries: list[str], command: str | None, asked: str) -> dict[str, Any]:
-    """The set-up in ``config`` when ``out`` is a run folder of ``command`` (RunFolderInUse otherwise, naming what was
-    ``asked``: ``"resume"`` or ``"overwrite"``). A resume also accepts a set-up that names no command (a folder of
-    an older et-ode: its set-up is compared instead)."""
+    """The set-up in ``config`` when ``out`` is a run folder of ``command`` (RunFolderInUse otherwise, naming what the
+    call ``asked``: ``"resume"`` or ``"overwrite"``). A resume also accepts a set-up that names no command (its
+    set-up is compared instead)."""
     if config.is_symlink() or not config.is_file():
         raise RunFolderInUse(
             f"{asked} refused: {out} holds {_listing(entries)} but no {CONFIG_NAME}, so it is not an "

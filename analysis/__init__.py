@@ -16,6 +16,7 @@ Or everything at once, written to a folder: ``analyze(model, x0, out="runs/analy
 """
 
 from et_ode.analysis.asymptotics import MeasuredRate, PredictedRate, measured_exponent, plot_asymptotics, predicted_exponent
+from et_ode.analysis.basin_probes import BasinProbe, basin_probe, flow
 from et_ode.analysis.basins import AttractorCensus, BasinMap, attractor_census, basin_map, plot_basin_map, wilson_interval
 from et_ode.analysis.connections import Connection, Network, disconnectivity, plot_disconnectivity, saddle_network
 from et_ode.analysis.continuation import Bifurcation, Branch, continue_branch, plot_bifurcation_diagram
@@ -37,6 +38,8 @@ from et_ode.analysis.critical_points import (
     point_distance,
     saddle_from_minimum,
 )
+from et_ode.analysis.eigensolvers import dense_eigenvalues, extreme_eigenvalues, power_iteration
+from et_ode.analysis.exponents import LyapunovExponent, lyapunov_exponent
 from et_ode.analysis.landscape import LandscapeStudy, landscape_study
 from et_ode.analysis.lyapunov import LyapunovReport, Violation, check_lyapunov, metric_spectrum
 from et_ode.analysis.plots import (
@@ -53,25 +56,17 @@ from et_ode.analysis.report import analyze, random_model
 from et_ode.analysis.spectra import HessianTrace, LyapunovSpectrum, hessian_along, lyapunov_spectrum, plot_hessian_along
 from et_ode.analysis.sphere import FixedScaleField, tangent_basis
 from et_ode.analysis.stability import (
-    BasinProbe,
     FixedPointSearch,
-    LyapunovExponent,
     SampleStability,
     StabilityReport,
-    basin_probe,
     classify,
-    dense_eigenvalues,
-    extreme_eigenvalues,
     find_fixed_point,
     fixed_point_stability,
-    flow,
     g_jacobian,
-    lanczos,
-    lyapunov_exponent,
     operator_stability,
-    power_iteration,
     riemannian_hessian_matrix,
 )
+from et_ode.linalg.krylov import lanczos
 
 __all__ = [
     "AttractorCensus",

@@ -19,21 +19,14 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from et_ode import EnergyTransformer, ETField, SolveError, solve
+from et_ode.analysis.basin_probes import BasinProbe, basin_probe
 from et_ode.analysis.convergence import ConvergenceReport, analyze_convergence, flat_field, sample_field
+from et_ode.analysis.exponents import LyapunovExponent, lyapunov_exponent
 from et_ode.analysis.landscape import landscape_study
 from et_ode.analysis.lyapunov import LyapunovReport, check_lyapunov
 from et_ode.analysis.plots import plot_attention, plot_convergence, plot_energy_slice, plot_trajectories
 from et_ode.analysis.spectra import hessian_along, plot_hessian_along
-from et_ode.analysis.stability import (
-    BasinProbe,
-    FixedPointSearch,
-    LyapunovExponent,
-    StabilityReport,
-    basin_probe,
-    find_fixed_point,
-    fixed_point_stability,
-    lyapunov_exponent,
-)
+from et_ode.analysis.stability import FixedPointSearch, StabilityReport, find_fixed_point, fixed_point_stability
 from et_ode.integrators.solvers import Adaptive, EulerET, Solver, as_solver
 from et_ode.solving.integration import settings_to_dict
 from et_ode.training.io import model_config

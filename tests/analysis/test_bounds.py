@@ -10,8 +10,8 @@ import torch
 
 from et_ode import EnergyTransformer, ETField, SolveError, solve
 from et_ode.analysis import check_lyapunov
+from et_ode.analysis.exponents import lyapunov_exponent
 from et_ode.analysis.lyapunov import bounded_odeint
-from et_ode.analysis.stability import lyapunov_exponent
 
 
 def _field() -> ETField:

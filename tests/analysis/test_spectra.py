@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from et_ode import Adaptive, ETField, solve
+from et_ode.analysis.exponents import lyapunov_exponent
 from et_ode.analysis.spectra import hessian_along, lyapunov_spectrum
 from et_ode.analysis.sphere import FixedScaleField
-from et_ode.analysis.stability import find_fixed_point, fixed_point_stability, lyapunov_exponent
+from et_ode.analysis.stability import find_fixed_point, fixed_point_stability
 from et_ode.dynamics.manifold import to_limit_spheres
 from tests.analysis.test_stability import U3, closed_form, one_token_model
 from tests.conftest import random_model

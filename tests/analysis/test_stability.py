@@ -8,19 +8,19 @@ import pytest
 import torch
 
 from et_ode import EnergyTransformer, ETField
+from et_ode.analysis.basin_probes import basin_probe
+from et_ode.analysis.eigensolvers import extreme_eigenvalues
+from et_ode.analysis.exponents import lyapunov_exponent
 from et_ode.analysis.sphere import tangent_basis
 from et_ode.analysis.stability import (
-    basin_probe,
-    extreme_eigenvalues,
     find_fixed_point,
     fixed_point_stability,
     g_jacobian,
-    lanczos,
-    lyapunov_exponent,
     operator_stability,
     riemannian_hessian_matrix,
 )
 from et_ode.dynamics.manifold import radial_direction
+from et_ode.linalg.krylov import lanczos
 from tests.conftest import random_model
 
 

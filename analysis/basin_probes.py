@@ -1,0 +1,107 @@
+"""How far a fixed point's basin reaches: random tangent perturbations of growing size, followed by the flow.
+
+:func:`basin_probe` perturbs each fixed point, follows the dynamics with :func:`flow` (which undoes the plain flow's
+slowing time change between segments by :func:`~et_ode.dynamics.manifold.shrink_scale`, keeping the path of ``g``)
+and counts the trials that come back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from et_ode import Adaptive, ETField, solve
+from et_ode.analysis.stability import batched_states
+from et_ode.dynamics.manifold import radial_direction, retract, shrink_scale, tangent_projection, to_limit_spheres
+
+
+def flow(
+    field: ETField,
+    x: Tensor,
+    duration: float,
+    *,
+    segments: int = 1,
+    restart: bool = True,
+    method: str = "dopri5",
+    rtol: float = 1e-7,
+    atol: float = 1e-9,
+) -> Tensor:
+    """Integrate the ET dynamics for ``segments`` consecutive spans of ``duration / segments``; with
+    ``restart`` each span starts from ``shrink_scale(x)`` (each sample shrunk by one factor to token scales of at
+    most 1: the same path of ``g``, undone slow-down). Returns the final ``x``."""
+    for _ in range(segments):
+        if restart:
+            x = shrink_scale(x)
+        x = solve(field, x, (0.0, duration / segments), solver=Adaptive(method, rtol, atol), save="final").x.detach()
+    return x
+
+
+@dataclass
+class BasinProbe:
+    """``returned[b, j]``: fraction of the trials at radius ``radii[j]`` that came back (final g-distance to the
+    fixed point at most ``shrink`` times the initial one); ``radius[b]``: the largest radius up to which every
+    trial came back (0 if none). Radii are RMS per element of the g-perturbation divided by ``gamma``."""
+
+    radii: list[float]
+    returned: Tensor
+    final_distance: Tensor
+    radius: list[float]
+    shrink: float
+
+
+def basin_probe(
+    field: ETField,
+    x_star: Tensor,
+    *,
+    radii: list[float] | None = None,
+    trials: int = 4,
+    duration: float = 20.0,
+    segments: int = 10,
+    shrink: float = 0.5,
+    seed: int = 0,
+    rtol: float = 1e-7,
+    atol: float = 1e-9,
+    progress: bool = False,
+) -> BasinProbe:
+    """Perturb the fixed point(s) ``x_star`` (``(B, N, D)``) with random tangent noise of growing size and
+    follow the dynamics (with scale restarts, see :func:`flow`) for ``duration``.
+
+    ``radii`` default: ``0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1``.
+    """
+    from tqdm.auto import tqdm
+
+    x = to_limit_spheres(batched_states(x_star, field, "x_star"), field.model.neuron.eps)
+    radii = [0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0] if radii is None else [float(r) for r in radii]
+    if not radii or any(not r > 0 for r in radii) or sorted(radii) != radii:
+        raise ValueError(f"radii must be positive and increasing, got {radii}")
+    model = field.model
+    gamma = float(model.neuron.gamma.detach())
+    generator = torch.Generator().manual_seed(seed)
+    batch, n, d = x.shape
+    g_star = model.neuron(x).detach()
+    s, _ = radial_direction(g_star, model.neuron.delta.detach())
+    starts = x.repeat(trials, 1, 1)  # (trials * B, N, D), trial-major
+    s_all = s.repeat(trials, 1, 1)
+    target = g_star.repeat(trials, 1, 1)
+    returned = torch.zeros(batch, len(radii), dtype=torch.float64)
+    final = torch.zeros(batch, len(radii), trials, dtype=torch.float64)
+    for j, radius in enumerate(tqdm(radii, desc="basin probe", disable=not progress, leave=False)):
+        w = tangent_projection(torch.randn(starts.shape, generator=generator, dtype=x.dtype).to(x.device), s_all)
+        w = w * radius * gamma / w.square().mean(dim=(-1, -2), keepdim=True).sqrt()
+        perturbed = retract(starts, w, gamma, model.neuron.eps)
+        with torch.no_grad():
+            initial = (model.neuron(perturbed) - target).square().mean(dim=(-1, -2)).sqrt()
+        end = flow(field, perturbed, duration, segments=segments, rtol=rtol, atol=atol)
+        with torch.no_grad():
+            distance = (model.neuron(end) - target).square().mean(dim=(-1, -2)).sqrt()
+        back = (distance <= shrink * initial).reshape(trials, batch)
+        returned[:, j] = back.to(torch.float64).mean(dim=0).cpu()
+        final[:, j] = (distance / gamma).reshape(trials, batch).T.to(torch.float64).cpu()
+    radius_per_sample = []
+    for b in range(batch):
+        full = (returned[b] == 1.0).tolist()
+        count = full.index(False) if False in full else len(full)
+        radius_per_sample.append(radii[count - 1] if count else 0.0)
+    return BasinProbe(radii=radii, returned=returned, final_distance=final, radius=radius_per_sample, shrink=shrink)

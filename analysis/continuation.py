@@ -125,141 +125,180 @@ def continue_branch(
         )
     if mu_end == mu0:
         raise ValueError("mu_end must differ from mu0")
-    direction = 1.0 if mu_end > mu0 else -1.0
-    field0 = _field(family, mu0)
-    x = to_limit_spheres(x0.detach(), field0.model.neuron.eps)
-    size = math.sqrt(x.numel())
+    x = to_limit_spheres(x0.detach(), _field(family, mu0).model.neuron.eps)
+    tracer = _Tracer(family, tol, difference, step, 1.0 if mu_end > mu0 else -1.0, math.sqrt(x.numel()))
+    x, mu, ok = tracer.newton(x, mu0)
+    if not ok:
+        raise ValueError("x0 is not close to a critical point of family(mu0): Newton did not converge")
+    points = tracer.follow(x, mu, (min(mu0, mu_end), max(mu0, mu_end)), max_points)
+    mus = torch.tensor([p.mu for p in points], dtype=torch.float64)
+    eigenvalues = torch.stack([p.eigenvalues for p in points]).to(torch.float64).cpu()
+    scale = eigenvalues.abs().amax(dim=1, keepdim=True).clamp_min(1.0)
+    indices = (eigenvalues < -zero_tol * scale).sum(dim=1)
+    bifurcations = [
+        tracer.bifurcation(points, mus, eigenvalues, k, (int(indices[k - 1]), int(indices[k])))
+        for k in range(1, len(points))
+        if int(indices[k]) != int(indices[k - 1])
+    ]
+    return Branch(
+        mu=mus,
+        xs=torch.stack([p.x for p in points]).cpu(),
+        energies=torch.tensor([p.energy for p in points], dtype=torch.float64),
+        eigenvalues=eigenvalues,
+        indices=indices,
+        bifurcations=bifurcations,
+    )
 
-    def solve_at(
-        x: Tensor, mu: float, tangent_ambient: Tensor | None, tangent_mu: float, anchor: tuple[Tensor, float]
-    ) -> tuple[Tensor, float, bool]:
-        """Newton on F = 0 (with the arclength hyperplane when a tangent is given; else at fixed mu)."""
+
+@dataclass
+class _Point:
+    """A point of the branch: the parameter, the state, its energy, the Hessian's eigenvalues, and the mu component
+    of the tangent there (its sign flips at a fold)."""
+
+    mu: float
+    x: Tensor
+    energy: float
+    eigenvalues: Tensor
+    tangent_mu: float
+
+
+Tangent = tuple[Tensor, float]  # the branch's tangent: its ambient g-direction (N, D) and its mu component
+
+
+def _nearest_zero(eigenvalues: Tensor) -> float:
+    """The eigenvalue of smallest magnitude."""
+    return float(eigenvalues[eigenvalues.abs().argmin()])
+
+
+@dataclass
+class _Tracer:
+    """The parts of one continuation of ``family``: Newton on ``F = 0``, the tangent at a point, the predictor-corrector
+    walk along the branch, and the location of a bifurcation between two of its points."""
+
+    family: Family
+    tol: float
+    difference: float
+    step: float
+    direction: float  # +1 toward larger mu at the start, -1 toward smaller
+    size: float  # sqrt of the state's size: F's norm over it is the RMS tangent gradient
+
+    def newton(self, x: Tensor, mu: float, tangent: Tangent | None = None) -> tuple[Tensor, float, bool]:
+        """Newton on ``F = 0`` from ``(x, mu)``: within the arclength hyperplane through it orthogonal to ``tangent``,
+        or at fixed ``mu`` without one. Returns the point and whether Newton converged."""
+        anchor = (x, mu)
         for _ in range(30):
-            field_mu = _field(family, mu)
+            field_mu = _field(self.family, mu)
             matrix, gradient, frame = hessian_in_frame(field_mu, x)
-            if float(gradient.norm()) / size < tol:
+            if float(gradient.norm()) / self.size < self.tol:
                 return x, mu, True
-            if tangent_ambient is None:
-                solution = torch.linalg.lstsq(matrix, -gradient[:, None]).solution[:, 0]
-                change, dmu = solution, 0.0
+            if tangent is None:
+                change, dmu = torch.linalg.lstsq(matrix, -gradient[:, None]).solution[:, 0], 0.0
             else:
-                derivative = _parameter_derivative(family, x, mu, frame, difference)
-                tangent_x = frame.flatten(1) @ tangent_ambient.flatten()
-                neuron = field_mu.model.neuron
-                offset = (neuron(x) - neuron(anchor[0])).detach().flatten() @ tangent_ambient.flatten()
-                residual = float(offset) + (mu - anchor[1]) * tangent_mu
-                bordered = torch.cat(
-                    [
-                        torch.cat([matrix, derivative[:, None]], dim=1),
-                        torch.cat([tangent_x, x.new_tensor([tangent_mu])])[None],
-                    ]
-                )
-                rhs = -torch.cat([gradient, x.new_tensor([residual])])
-                solution = torch.linalg.solve(bordered, rhs)
-                change, dmu = solution[:-1], float(solution[-1])
-            if not bool(torch.isfinite(change).all()) or float(change.norm()) > 10 * step + 1.0:
+                change, dmu = self._bordered_step(field_mu, x, mu, (matrix, gradient, frame), tangent, anchor)
+            if not bool(torch.isfinite(change).all()) or float(change.norm()) > 10 * self.step + 1.0:
                 return x, mu, False
             x = retract(x, (change @ frame.flatten(1)).reshape(x.shape), _gamma(field_mu), field_mu.model.neuron.eps)
             mu = mu + dmu
         return x, mu, False
 
-    x, mu, ok = solve_at(x, mu0, None, 0.0, (x, mu0))
-    if not ok:
-        raise ValueError("x0 is not close to a critical point of family(mu0): Newton did not converge")
+    def _bordered_step(
+        self,
+        field_mu: ETField,
+        x: Tensor,
+        mu: float,
+        hessian: tuple[Tensor, Tensor, Tensor],
+        tangent: Tangent,
+        anchor: tuple[Tensor, float],
+    ) -> tuple[Tensor, float]:
+        """The Newton step in the frame's coordinates and in ``mu`` of the system ``F = 0`` bordered by the arclength
+        condition (the distance from ``anchor`` along ``tangent`` is zero)."""
+        matrix, gradient, frame = hessian
+        ambient, tangent_mu = tangent
+        derivative = _parameter_derivative(self.family, x, mu, frame, self.difference)
+        tangent_x = frame.flatten(1) @ ambient.flatten()
+        neuron = field_mu.model.neuron
+        offset = (neuron(x) - neuron(anchor[0])).detach().flatten() @ ambient.flatten()
+        residual = float(offset) + (mu - anchor[1]) * tangent_mu
+        bordered = torch.cat(
+            [
+                torch.cat([matrix, derivative[:, None]], dim=1),
+                torch.cat([tangent_x, x.new_tensor([tangent_mu])])[None],
+            ]
+        )
+        solution = torch.linalg.solve(bordered, -torch.cat([gradient, x.new_tensor([residual])]))
+        return solution[:-1], float(solution[-1])
 
-    def describe(x: Tensor, mu: float, previous: tuple[Tensor, float] | None) -> tuple[Tensor, float, Tensor, float, float]:
-        """(tangent as ambient g-direction, its mu component, eigenvalues, bordered determinant sign, energy);
-        ``previous``: the last tangent and its mu component, which the new one must continue (None: the first)."""
-        field_mu = _field(family, mu)
+    def describe(self, x: Tensor, mu: float, previous: Tangent | None) -> tuple[Tangent, _Point]:
+        """The tangent at the critical point ``(x, mu)`` (the null vector of ``[Hess_R, dF/dmu]``, oriented to continue
+        ``previous``, or toward ``mu_end`` at the start) and the point."""
+        field_mu = _field(self.family, mu)
         matrix, _, frame = hessian_in_frame(field_mu, x)
-        derivative = _parameter_derivative(family, x, mu, frame, difference)
-        jacobian = torch.cat([matrix, derivative[:, None]], dim=1)  # (n, n + 1)
-        null = torch.linalg.svd(jacobian).Vh[-1]
+        derivative = _parameter_derivative(self.family, x, mu, frame, self.difference)
+        null = torch.linalg.svd(torch.cat([matrix, derivative[:, None]], dim=1)).Vh[-1]  # of the (n, n + 1) Jacobian
         ambient = (null[:-1] @ frame.flatten(1)).reshape(x.shape)
         if previous is None:
-            sign = direction * (1.0 if float(null[-1]) >= 0 else -1.0)
+            sign = self.direction * (1.0 if float(null[-1]) >= 0 else -1.0)
         else:
             sign = 1.0 if float((ambient * previous[0]).sum() + null[-1] * previous[1]) >= 0 else -1.0
-        null = null * sign
-        ambient = ambient * sign
-        bordered = torch.cat([jacobian, null[None]])
-        determinant_sign = float(torch.linalg.slogdet(bordered).sign)
-        return ambient, float(null[-1]), torch.linalg.eigvalsh(matrix), determinant_sign, _energy(field_mu, x)
+        tangent = (ambient * sign, float(null[-1] * sign))
+        return tangent, _Point(mu, x, _energy(field_mu, x), torch.linalg.eigvalsh(matrix), tangent[1])
 
-    tangent, tangent_mu, values, det_sign, energy = describe(x, mu, None)
-    points = [(mu, x, energy, values, tangent_mu, det_sign)]
-    length = step
-    low, high = min(mu0, mu_end), max(mu0, mu_end)
-    while len(points) < max_points and low <= mu <= high and length > step * 1e-4:
-        field_mu = _field(family, mu)
-        predicted = retract(x, length * tangent, _gamma(field_mu), field_mu.model.neuron.eps)
-        mu_predicted = mu + length * tangent_mu
-        new_x, new_mu, ok = solve_at(predicted, mu_predicted, tangent, tangent_mu, (predicted, mu_predicted))
-        if not ok:
-            length /= 2
-            continue
-        x, mu = new_x, new_mu
-        tangent, tangent_mu, values, det_sign, energy = describe(x, mu, (tangent, tangent_mu))
-        points.append((mu, x, energy, values, tangent_mu, det_sign))
-        length = min(step, length * 1.5)
-    mus = torch.tensor([p[0] for p in points], dtype=torch.float64)
-    eigenvalues = torch.stack([p[3] for p in points]).to(torch.float64).cpu()
-    scale = eigenvalues.abs().amax(dim=1, keepdim=True).clamp_min(1.0)
-    indices = (eigenvalues < -zero_tol * scale).sum(dim=1)
+    def follow(self, x: Tensor, mu: float, interval: tuple[float, float], max_points: int) -> list[_Point]:
+        """Predictor (along the tangent) and corrector (:meth:`newton` in its hyperplane) from the critical point
+        ``(x, mu)`` while ``mu`` stays in ``interval``, for at most ``max_points`` points."""
+        low, high = interval
+        tangent, point = self.describe(x, mu, None)
+        points = [point]
+        length = self.step
+        while len(points) < max_points and low <= mu <= high and length > self.step * 1e-4:
+            field_mu = _field(self.family, mu)
+            predicted = retract(x, length * tangent[0], _gamma(field_mu), field_mu.model.neuron.eps)
+            new_x, new_mu, ok = self.newton(predicted, mu + length * tangent[1], tangent)
+            if not ok:
+                length /= 2
+                continue
+            x, mu = new_x, new_mu
+            tangent, point = self.describe(x, mu, tangent)
+            points.append(point)
+            length = min(self.step, length * 1.5)
+        return points
 
-    def smallest_at(mu: float, start: Tensor) -> tuple[float, Tensor] | None:
-        """The eigenvalue of smallest magnitude at the critical point near ``start`` for fixed ``mu``."""
-        x, _, ok = solve_at(start, mu, None, 0.0, (start, mu))
-        if not ok:
-            return None
-        matrix, _, _ = hessian_in_frame(_field(family, mu), x)
-        values = torch.linalg.eigvalsh(matrix)
-        return float(values[values.abs().argmin()]), x
-
-    bifurcations = []
-    for k in range(1, len(points)):
-        if int(indices[k]) == int(indices[k - 1]):
-            continue
-        fold = points[k][4] * points[k - 1][4] < 0
-        if fold and 1 <= k < len(points) - 1:  # the extremum of mu(s): a parabola through three points
+    def bifurcation(
+        self, points: list[_Point], mus: Tensor, eigenvalues: Tensor, k: int, indices: tuple[int, int]
+    ) -> Bifurcation:
+        """The bifurcation between points ``k - 1`` and ``k``, where the index changes from ``indices[0]`` to
+        ``indices[1]``: a fold where the tangent's mu component changes sign, else a branch point."""
+        fold = points[k].tangent_mu * points[k - 1].tangent_mu < 0
+        if fold and k < len(points) - 1:  # the extremum of mu(s): a parabola through three points
             location = _parabola_extremum(mus[k - 1 : k + 2].tolist())
         else:
-            before, after = (float(v[v.abs().argmin()]) for v in (eigenvalues[k - 1], eigenvalues[k]))
+            before, after = _nearest_zero(eigenvalues[k - 1]), _nearest_zero(eigenvalues[k])
             location = float(mus[k - 1] + before / (before - after) * (mus[k] - mus[k - 1]))
         if not fold:  # a branch point lies on a smooth branch in mu: secant iterations on the eigenvalue
-            bracket = [
-                (float(mus[k - 1]), float(eigenvalues[k - 1][eigenvalues[k - 1].abs().argmin()]), points[k - 1][1]),
-                (float(mus[k]), float(eigenvalues[k][eigenvalues[k].abs().argmin()]), points[k][1]),
-            ]
-            for _ in range(20):
-                (mu_a, value_a, _), (mu_b, value_b, x_b) = bracket
-                if value_a == value_b:
-                    break
-                mu_next = mu_b - value_b * (mu_b - mu_a) / (value_b - value_a)
-                evaluated = smallest_at(mu_next, x_b)
-                if evaluated is None:
-                    break
-                bracket = [bracket[1], (mu_next, evaluated[0], evaluated[1])]
-                location = mu_next
-                if abs(evaluated[0]) < 1e-12 or abs(mu_next - mu_b) < 1e-13:
-                    break
-        bifurcations.append(
-            Bifurcation(
-                kind="fold" if fold else "branch point",
-                mu=location,
-                step=k,
-                index_before=int(indices[k - 1]),
-                index_after=int(indices[k]),
-            )
-        )
-    return Branch(
-        mu=mus,
-        xs=torch.stack([p[1] for p in points]).cpu(),
-        energies=torch.tensor([p[2] for p in points], dtype=torch.float64),
-        eigenvalues=eigenvalues,
-        indices=indices,
-        bifurcations=bifurcations,
-    )
+            start = (float(mus[k - 1]), _nearest_zero(eigenvalues[k - 1]), points[k - 1].x)
+            end = (float(mus[k]), _nearest_zero(eigenvalues[k]), points[k].x)
+            location = self._secant(start, end, location)
+        kind = "fold" if fold else "branch point"
+        return Bifurcation(kind=kind, mu=location, step=k, index_before=indices[0], index_after=indices[1])
+
+    def _secant(self, start: tuple[float, float, Tensor], end: tuple[float, float, Tensor], location: float) -> float:
+        """Secant iterations from ``start`` and ``end`` (``mu``, the eigenvalue nearest zero, the state) on the
+        eigenvalue nearest zero at fixed ``mu``: the ``mu`` where it vanishes (``location`` if no step succeeds)."""
+        bracket = [start, end]
+        for _ in range(20):
+            (mu_a, value_a, _), (mu_b, value_b, x_b) = bracket
+            if value_a == value_b:
+                break
+            mu_next = mu_b - value_b * (mu_b - mu_a) / (value_b - value_a)
+            x, _, ok = self.newton(x_b, mu_next)
+            if not ok:
+                break
+            value = _nearest_zero(torch.linalg.eigvalsh(hessian_in_frame(_field(self.family, mu_next), x)[0]))
+            bracket = [bracket[1], (mu_next, value, x)]
+            location = mu_next
+            if abs(value) < 1e-12 or abs(mu_next - mu_b) < 1e-13:
+                break
+        return location
 
 
 def _parabola_extremum(values: list[float]) -> float:

@@ -284,22 +284,31 @@ class _Interpolant:
 
 
 class _Buffers:
-    """The storage of the active groups without gradients, allocated once per batch size: the stages ``k``
-    ``(G, S, M)``; the state ``y``, the solution ``y1``, a stage input, the error and its scale, each ``(G, 1, M)``;
-    the step's weights ``(G, S + 1, S)``; and the views of them every step takes."""
+    """The storage of the active groups without gradients, allocated once per integration (compaction keeps the
+    groups still running in its first rows): the stages ``k`` ``(G, S, M)``; the state ``y``, the solution ``y1``, a
+    stage input, the error and its scale, each ``(G, 1, M)``; the step's weights ``(G, S + 1, S)``; and the views of
+    them every step takes."""
 
-    def __init__(self, groups: int, stages: int, width: int, dtype: torch.dtype, device: torch.device):
-        def empty(*shape: int) -> Tensor:
-            return torch.empty(shape, dtype=dtype, device=device)
-
-        self.k = empty(groups, stages, width)
-        self.y, self.y1, self.stage, self.err, self.scale = (empty(groups, 1, width) for _ in range(5))
-        self.weights = empty(groups, stages + 1, stages)
+    def __init__(self, k: Tensor, y: Tensor, y1: Tensor, stage: Tensor, err: Tensor, scale: Tensor, weights: Tensor):
+        self.k, self.y, self.y1, self.stage, self.err, self.scale, self.weights = k, y, y1, stage, err, scale, weights
+        stages = k.shape[1]
         self.k_first = self.k[:, :1]
         self.k_upto = [self.k[:, :i] for i in range(stages + 1)]
         self.k_slot = [self.k[:, i : i + 1] for i in range(stages)]
         self.w_rows = [self.weights[:, i - 1 : i, :i] for i in range(1, stages)]
         self.w_error = self.weights[:, stages - 1 : stages]
+
+    @classmethod
+    def empty(cls, groups: int, stages: int, width: int, dtype: torch.dtype, device: torch.device) -> _Buffers:
+        def empty(*shape: int) -> Tensor:
+            return torch.empty(shape, dtype=dtype, device=device)
+
+        states = (empty(groups, 1, width) for _ in range(5))
+        return cls(empty(groups, stages, width), *states, empty(groups, stages + 1, stages))
+
+    def first(self, groups: int) -> _Buffers:
+        """The same storage for the first ``groups`` groups."""
+        return _Buffers(*(t[:groups] for t in (self.k, self.y, self.y1, self.stage, self.err, self.scale, self.weights)))
 
 
 @dataclass
@@ -348,6 +357,7 @@ class _Loop:
         self.field_now = field if self.mask is None else field.with_mask(self.mask)  # type: ignore[attr-defined]
         self.matrix = tableau.matrix(x0.dtype, x0.device)
         self.dtype, self.device = x0.dtype, x0.device
+        self.atol_tensor = torch.tensor(atol, dtype=x0.dtype, device=x0.device)
         self.in_place = not torch.is_grad_enabled()
         self.t_end = grid[-1]
         self.stop, self.quadrature = stop, quadrature
@@ -418,7 +428,7 @@ class _Loop:
                 err = torch.bmm(buffers.w_error, k, out=buffers.err)
                 scale = torch.abs(y0, out=buffers.scale)
                 torch.maximum(scale, torch.abs(y1, out=buffers.stage), out=scale)
-            err.div_(scale.mul_(self.rtol).add_(self.atol))
+            err.div_(torch.add(self.atol_tensor, scale, alpha=self.rtol, out=scale))
             return _rms(err).double()
 
     def control(self, ratio: Tensor, dt: Tensor, history: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -521,7 +531,7 @@ class _Loop:
             t = starts.to(t).reshape(g).clone()
         f0 = self.evaluate(None if self.autonomous else t, y)
         dt = self.first_step(t, y, f0) if first_step is None else torch.full_like(t, float(first_step))
-        buffers = self._buffers(g) if self.in_place else None
+        buffers = _Buffers.empty(g, self.tableau.stages, self.width, self.dtype, self.device) if self.in_place else None
         if buffers is not None:  # the loop writes its state in place
             y, f0 = buffers.y.copy_(y), buffers.k_first.copy_(f0)
         state: dict[str, Any] = dict(
@@ -577,8 +587,9 @@ class _Loop:
         crossed = accepted & self._converged(y1, k[:, s - 1 : s]) if self.stop is not None else None
         done = accepted & last if crossed is None else accepted & last & ~crossed
         pending = self._pending(state, accepted, t1) if save_all else None
+        t_next = torch.where(accepted, t1, t)
         stalled, count, finished, crossings, outputs, reached = self._summary(
-            t1 <= t, accepted, done, crossed, pending, torch.where(accepted, t1, t)
+            t1 <= t, accepted, done, crossed, pending, t_next
         )
         if stalled:
             self._fail(state, f"underflow in the step size {float(dt.min()):.3g}", float(t.min()), UNDERFLOW_ADVICE)
@@ -598,7 +609,7 @@ class _Loop:
             self._finish(state, crossed, at, t[rows] + theta * dt[rows], rows_given=True)  # type: ignore[arg-type]
         if finished:
             self._finish(state, done, y1, t1)
-        self._advance(state, accepted, count == len(t), y1, k[:, s - 1 : s], t1, buffers)
+        self._advance(state, accepted, count == len(t), y1, k[:, s - 1 : s], t_next, buffers)
         if self.callback is not None:
             self._report(state, accepted, totals)
         if not (finished or crossings):
@@ -631,7 +642,7 @@ class _Loop:
         """What the host needs of a step, in one synchronisation: the numbers of groups whose step underflows, is
         accepted, reaches the end, crosses the stop or has outputs inside it, and the earliest time reached."""
         flags = [stalled, accepted, done, stalled if crossed is None else crossed, stalled if pending is None else pending]
-        counts = torch.stack([flag.sum() for flag in flags]).to(torch.float64)
+        counts = torch.stack(flags).sum(dim=1, dtype=torch.float64)
         values = torch.cat([counts, times.min().reshape(1)]).tolist()
         stalls, count, finished = int(values[0]), int(values[1]), int(values[2])
         crossings = int(values[3]) if crossed is not None else 0
@@ -674,11 +685,11 @@ class _Loop:
         every: bool,
         y1: Tensor,
         f1: Tensor,
-        t1: Tensor,
+        t_next: Tensor,
         buffers: _Buffers | None,
     ) -> None:
-        """The accepted groups move to ``t1``, ``y1``, ``f1``; the others stay."""
-        state["t"] = torch.where(accepted, t1, state["t"])
+        """The accepted groups move to ``y1``, ``f1`` (their times ``t_next``); the others stay."""
+        state["t"] = t_next
         mask = accepted[:, None, None]
         if buffers is None:
             state["y"] = torch.where(mask, y1, state["y"])
@@ -693,11 +704,9 @@ class _Loop:
             torch.where(mask, f1, k0, out=k0)
         state["y"], state["f0"] = buffers.y, k0
 
-    def _buffers(self, groups: int) -> _Buffers:
-        return _Buffers(groups, self.tableau.stages, self.width, self.dtype, self.device)
-
     def _compact(self, state: dict[str, Any], done: Tensor, buffers: _Buffers | None) -> _Buffers | None:
-        """The groups that reached the end leave the active batch (their state buffers shrink with them)."""
+        """The groups that reached the end leave the active batch (the rows still running move to the front of the
+        storage, whose views shrink with them)."""
         keep = ~done
         for name in ("t", "dt", "ids", "history", "next_output"):
             state[name] = state[name][keep]
@@ -709,8 +718,8 @@ class _Loop:
             return None
         if not remaining:
             return buffers
-        y, f0 = state["y"][keep], state["f0"][keep]
-        buffers = self._buffers(remaining)
+        y, f0 = state["y"][keep], state["f0"][keep]  # copies: the rows kept move to the front of the storage
+        buffers = buffers.first(remaining)
         state["y"], state["f0"] = buffers.y.copy_(y), buffers.k_first.copy_(f0)
         return buffers
 

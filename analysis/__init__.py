@@ -12,7 +12,7 @@ network (``saddle_network``), basins (``basin_map``, ``attractor_census``), the 
 (``predicted_exponent``, ``measured_exponent``), spectra along trajectories (``hessian_along``,
 ``lyapunov_spectrum``) and continuation (``continue_branch``) work on one unit-scale state ``(N, D)``.
 
-Or everything at once, written to a folder: ``analyze(model, x0, out="runs/analyze")``.
+Or everything at once, written to a folder: ``analyze(model, x0, integration, out="runs/analyze")``.
 """
 
 from et_ode.analysis.asymptotics import MeasuredRate, PredictedRate, measured_exponent, plot_asymptotics, predicted_exponent
@@ -52,7 +52,7 @@ from et_ode.analysis.plots import (
     plot_film_strip,
     plot_trajectories,
 )
-from et_ode.analysis.report import analyze, random_model
+from et_ode.analysis.report import analyze, random_model, random_states
 from et_ode.analysis.spectra import HessianTrace, LyapunovSpectrum, hessian_along, lyapunov_spectrum, plot_hessian_along
 from et_ode.analysis.sphere import FixedScaleField, tangent_basis
 from et_ode.analysis.stability import (
@@ -139,6 +139,7 @@ __all__ = [
     "power_iteration",
     "predicted_exponent",
     "random_model",
+    "random_states",
     "riemannian_hessian_matrix",
     "saddle_from_minimum",
     "saddle_network",

@@ -15,6 +15,7 @@ from torch import Tensor
 from et_ode import Adaptive, ETField, solve
 from et_ode.analysis.stability import batched_states
 from et_ode.dynamics.manifold import radial_direction, retract, shrink_scale, tangent_projection, to_limit_spheres
+from et_ode.integrators.solvers import AdaptiveMethod
 
 
 def flow(
@@ -24,7 +25,7 @@ def flow(
     *,
     segments: int = 1,
     restart: bool = True,
-    method: str = "dopri5",
+    method: AdaptiveMethod = "dopri5",
     rtol: float = 1e-7,
     atol: float = 1e-9,
 ) -> Tensor:

@@ -20,6 +20,7 @@ from et_ode.analysis.lyapunov import ANALYSIS_MAX_STEPS, bounded_odeint
 from et_ode.analysis.sphere import FixedScaleField
 from et_ode.analysis.stability import batched_states, tangent_rates
 from et_ode.dynamics.manifold import radial_direction, tangent_projection, to_limit_spheres
+from et_ode.integrators.solvers import AdaptiveMethod
 
 
 @dataclass
@@ -46,7 +47,7 @@ def lyapunov_exponent(
     renormalizations: int = 20,
     d0: float = 1e-6,
     restart: bool = False,
-    method: str = "dopri5",
+    method: AdaptiveMethod = "dopri5",
     rtol: float = 1e-9,
     atol: float = 1e-11,
     seed: int = 0,

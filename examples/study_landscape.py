@@ -19,7 +19,14 @@ from pathlib import Path
 import torch
 
 from et_ode import EnergyTransformer, ETField
-from et_ode.analysis import analyze, continue_branch, newton_critical_point, plot_bifurcation_diagram
+from et_ode.analysis import (
+    analyze,
+    continue_branch,
+    newton_critical_point,
+    plot_bifurcation_diagram,
+    random_model,
+    random_states,
+)
 
 U1 = torch.tensor([1.0, -1.0, 0.0, 0.0], dtype=torch.float64) / math.sqrt(2)
 U3 = torch.tensor([1.0, 1.0, -1.0, -1.0], dtype=torch.float64) / 2
@@ -43,23 +50,9 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
 
     print("== 1. analyze --landscape on a small random model ==")
-    folder = analyze(
-        None,
-        None,
-        out=args.out / "report",
-        seed=args.seed,
-        dim=6,
-        heads=2,
-        head_dim=3,
-        memories=12,
-        hopfield="softmax",
-        tokens=3,
-        batch=2,
-        t_end=30.0,
-        points=61,
-        landscape=True,
-        progress=False,
-    )
+    model = random_model(args.seed, dim=6, heads=2, head_dim=3, memories=12, hopfield="softmax")
+    states = random_states(model, batch=2, tokens=3, seed=args.seed + 1)
+    folder = analyze(model, states, out=args.out / "report", landscape=True, progress=False)
     text = (folder / "report.md").read_text()
     start = text.index("## The energy landscape")
     print(text[start:])

@@ -1,8 +1,10 @@
 """``et-ode analyze``: the options of :func:`et_ode.analysis.analyze` and the tokens of photos (``--official``).
 
 ``add_analyze_arguments`` / ``run_analyze`` turn the options into one :func:`et_ode.analysis.analyze` call (usable
-with any ``argparse`` parser); ``add_arguments`` / ``run`` add ``--official CKPT.npz --image A.png``, whose
-photos' tokens (:func:`et_ode.tasks.photos.official_tokens`) become the initial states.
+with any ``argparse`` parser): the model (a saved one, or the built-in random one), the initial states (a saved
+tensor, or random ones) and the :class:`~et_ode.Integration` of the dynamics options. ``add_arguments`` / ``run`` add
+``--official CKPT.npz --image A.png``, whose photos' tokens (:func:`et_ode.tasks.photos.official_tokens`) become the
+initial states.
 """
 
 from __future__ import annotations
@@ -12,16 +14,15 @@ from pathlib import Path
 
 import torch
 
-from et_ode.analysis.report import ANALYZE_SOLVER, DTYPES, analyze
+from et_ode.analysis.report import ANALYZE_INTEGRATION, analyze, random_model, random_states
 from et_ode.cli.dynamics import add_dynamics_arguments, integration_from
 from et_ode.cli.image import add_official_arguments
 from et_ode.cli.options import add_threads_argument, count_in
+from et_ode.energy.model import EnergyTransformer
 from et_ode.integrators.solvers import FIXED_METHODS
-from et_ode.solving.integration import Integration
 from et_ode.training import runs
 
-#: the analysis report's solve: its solver options (no gradient, no stop; the horizon is --t-end)
-DYNAMICS = Integration(solver=ANALYZE_SOLVER)
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -73,9 +74,8 @@ def add_analyze_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
         help="precision of the model and the states (float64: the landscape tools need it)",
     )
     parser.add_argument("--tau", type=float, default=1.0, help="time constant")
-    add_dynamics_arguments(parser, DYNAMICS, options=("solver", "rtol", "atol", "step", "steps"))
-    parser.add_argument("--t-end", type=float, default=30.0, help="end of the time span")
-    parser.add_argument("--points", type=count_in(2, 100_000), default=61, help="saved times")
+    add_dynamics_arguments(parser, ANALYZE_INTEGRATION, options=("solver", "t1", "rtol", "atol", "step", "steps"))
+    parser.add_argument("--points", type=count_in(3, 100_000), default=61, help="saved times")
     parser.add_argument("--tol", type=float, default=1e-3, help="convergence tolerance on RMS |dg/dt|")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument(
@@ -107,28 +107,57 @@ def run_analyze(args: argparse.Namespace) -> Path:
 
 
 def _run_analyze(args: argparse.Namespace) -> Path:
+    model, source = _model(args)
+    device = torch.device(args.device if args.device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    model = model.to(device)
+    states = random_states(model, args.batch, args.tokens, seed=args.seed + 1) if args.x0 is None else args.x0
+    if isinstance(states, Path):
+        states = load_states(states)
     return analyze(
-        args.model,
-        args.x0,
+        model,
+        states,
+        integration_from(args, ANALYZE_INTEGRATION),
         out=args.out,
-        seed=args.seed,
-        dim=args.dim,
-        heads=args.heads,
-        head_dim=args.head_dim,
-        memories=args.memories,
-        hopfield=args.hopfield,
-        tokens=args.tokens,
-        batch=args.batch,
-        dtype=args.dtype,
         tau=args.tau,
-        solver=integration_from(args, DYNAMICS).solver,
-        t_end=args.t_end,
         points=args.points,
         tol=args.tol,
         landscape=args.landscape,
-        device=args.device,
+        source=source,
         progress=not args.no_progress,
     )
+
+
+def _model(args: argparse.Namespace) -> tuple[EnergyTransformer, str]:
+    """The model ``args`` name (a saved one, one given by ``--official``, or the built-in random one) and how the report
+    names it."""
+    if isinstance(args.model, EnergyTransformer):
+        return args.model, "given EnergyTransformer"
+    if args.model is not None:
+        from et_ode.training.io import load_model
+
+        loaded, _ = load_model(args.model)
+        return loaded.to(DTYPES[args.dtype]), f"loaded from {args.model}"
+    size = {"dim": args.dim, "heads": args.heads, "head_dim": args.head_dim, "memories": args.memories}
+    return random_model(args.seed, hopfield=args.hopfield, dtype=DTYPES[args.dtype], **size), f"random (seed {args.seed})"
+
+
+def load_states(path: Path) -> torch.Tensor:
+    """The initial states saved at ``path`` (a torch-saved tensor, read with ``weights_only``: nothing in the file can
+    run code).
+
+    Raises:
+        FileNotFoundError: no file at ``path``.
+        ValueError: the file is not a readable torch-saved tensor (naming ``x0``).
+    """
+    if not path.is_file():
+        raise FileNotFoundError(f"x0: no file at {path.resolve()} (expected a torch-saved tensor (batch, N, D))")
+    try:
+        states = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # torch raises several types for damaged archives and refused objects
+        raise ValueError(f"x0: {path} is not a readable torch-saved tensor: {error}") from error
+    if not isinstance(states, torch.Tensor):
+        raise ValueError(f"x0: {path} holds a {type(states).__name__}, not a tensor (batch, N, D)")
+    return states
 
 
 def _official_states(args: argparse.Namespace) -> argparse.Namespace:

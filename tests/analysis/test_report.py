@@ -13,11 +13,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from et_ode import EnergyTransformer
-from et_ode.analysis.report import analyze, random_model
+from et_ode import EnergyTransformer, Integration
+from et_ode.analysis.report import ANALYZE_INTEGRATION, analyze, random_model, random_states
 from et_ode.cli.analyze import add_analyze_arguments, run_analyze
 
-SMALL = dict(dim=8, heads=2, head_dim=4, memories=16, tokens=5, batch=2, t_end=10.0, points=21, progress=False)
+SIZE = dict(dim=8, heads=2, head_dim=4, memories=16)
+
+
+def small(t1: float = 10.0) -> Integration:
+    return ANALYZE_INTEGRATION.replace(t1=t1)
 
 
 def check_folder(folder: Path) -> tuple[str, dict]:
@@ -29,7 +33,9 @@ def check_folder(folder: Path) -> tuple[str, dict]:
 
 
 def test_random_model_report_is_complete(tmp_path: Path):
-    folder = analyze(None, None, out=tmp_path / "r", seed=1, **SMALL)
+    model = random_model(1, **SIZE)
+    states = random_states(model, batch=2, tokens=5, seed=2)
+    folder = analyze(model, states, small(), out=tmp_path / "r", points=21, source="random (seed 1)", progress=False)
     text, data = check_folder(folder)
     for heading in ("## Answers", "## Convergence", "## Lyapunov checks", "## Stability", "## Basin probe"):
         assert heading in text
@@ -41,14 +47,15 @@ def test_random_model_report_is_complete(tmp_path: Path):
     assert len(kinds) == 2 and all(k in text for k in kinds)
     assert all(s["critical"] for s in data["stability"]["samples"])
     # the JSON numbers are the model's: recompute the initial energy independently
-    model = random_model(1, dim=8, heads=2, head_dim=4, memories=16)
+    assert text.startswith("# ET dynamics report\n\nModel: random (seed 1); D = 8") and data["solve"]["t1"] == 10.0
     x0 = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
-    energy = model.energy(x0).detach()
+    energy = random_model(1, **SIZE).energy(x0).detach()
     starts = [s["energy_start"] for s in data["convergence"]["samples"]]
     assert starts == pytest.approx(energy.tolist(), rel=1e-12)
 
 
 def test_model_and_states_from_files_and_broken_gamma(tmp_path: Path):
+    """The command reads the model and the states from files; a negative gamma is reported, not analysed."""
     from et_ode.training.io import save_model
 
     torch.manual_seed(0)
@@ -57,10 +64,12 @@ def test_model_and_states_from_files_and_broken_gamma(tmp_path: Path):
         model.neuron.gamma_raw.fill_(-1.0)
     save_model(model, tmp_path / "model.pt")
     torch.save(torch.randn(2, 4, 8, dtype=torch.float64), tmp_path / "x0.pt")
-    folder = analyze(
-        tmp_path / "model.pt", tmp_path / "x0.pt", out=tmp_path / "broken", t_end=2.0, points=11, progress=False
+    argv = ["--model", str(tmp_path / "model.pt"), "--x0", str(tmp_path / "x0.pt"), "--out", str(tmp_path / "broken")]
+    folder = run_analyze(
+        add_analyze_arguments(argparse.ArgumentParser()).parse_args([*argv, "--t1", "2", "--points", "11", "--no-progress"])
     )
     text, data = check_folder(folder)
+    assert f"Model: loaded from {tmp_path / 'model.pt'}; D = 8" in text and data["initial_states"] == [2, 4, 8]
     assert data["lyapunov"]["m_psd"] is False and not any(data["lyapunov"]["descends"])
     assert data["stability"] is None and "gamma <= 0" in text
     assert "| M not PSD |" in text and "| energy rise |" in text
@@ -84,7 +93,7 @@ def test_run_analyze_and_bad_inputs(tmp_path: Path):
             "4",
             "--batch",
             "1",
-            "--t-end",
+            "--t1",
             "5",
             "--points",
             "11",
@@ -100,12 +109,20 @@ def test_run_analyze_and_bad_inputs(tmp_path: Path):
     assert data["solve"]["solver"]["method"] == "rk4" and data["initial_states"] == [1, 4, 8]
     with pytest.raises(ValueError, match="--step"):
         run_analyze(parser.parse_args(["--solver", "rk4", "--out", str(tmp_path / "x")]))
-    with pytest.raises(ValueError, match="x0 must have shape"):
-        analyze(None, torch.zeros(2, 3, 5), out=tmp_path / "bad", **{k: v for k, v in SMALL.items() if k != "dim"})
-    with pytest.raises(FileNotFoundError, match="x0"):
-        analyze(None, tmp_path / "missing.pt", out=tmp_path / "bad", **SMALL)
-    with pytest.raises(TypeError, match="model"):
-        analyze(42, None, out=tmp_path / "bad", **SMALL)
+    with pytest.raises(FileNotFoundError, match="x0: no file at"):
+        run_analyze(parser.parse_args(["--x0", str(tmp_path / "missing.pt"), "--out", str(tmp_path / "y")]))
+    model = random_model(**SIZE)
+    with pytest.raises(ValueError, match=r"x0 must have shape \(batch, N, D\) with D=8, got \(2, 3, 5\)"):
+        analyze(model, torch.zeros(2, 3, 5), out=tmp_path / "bad", progress=False)
+    with pytest.raises(TypeError, match="x0 must be a tensor"):
+        analyze(model, tmp_path / "x0.pt", out=tmp_path / "bad", progress=False)
+    with pytest.raises(TypeError, match="model must be an et_ode.EnergyTransformer"):
+        analyze(42, torch.zeros(2, 3, 8), out=tmp_path / "bad", progress=False)
+    with pytest.raises(TypeError, match="integration must be an et_ode.Integration"):
+        analyze(model, torch.zeros(2, 3, 8), "dopri5", out=tmp_path / "bad", progress=False)
+    with pytest.raises(ValueError, match="points must be an integer >= 3, got 2"):
+        analyze(model, torch.zeros(2, 3, 8), out=tmp_path / "bad", points=2, progress=False)
+    assert not (tmp_path / "bad").exists()  # refused before anything is written
 
 
 def test_console_script(tmp_path: Path):
@@ -127,7 +144,7 @@ def test_console_script(tmp_path: Path):
             "4",
             "--batch",
             "1",
-            "--t-end",
+            "--t1",
             "5",
             "--points",
             "11",
@@ -146,24 +163,9 @@ def test_landscape_report_on_a_tiny_model(tmp_path: Path):
     """--landscape: critical points, saddle network, basins, asymptotic rate, Lyapunov spectrum, continuation and
     the Hessian along the trajectories, with their pictures; the intrinsic exponent at the critical point equals
     -(gamma / tau) lambda_min of the dense stability table (an independent torch.func Hessian)."""
-    folder = analyze(
-        None,
-        None,
-        out=tmp_path / "l",
-        seed=3,
-        dim=5,
-        heads=2,
-        head_dim=3,
-        memories=8,
-        hopfield="softmax",
-        tokens=2,
-        batch=1,
-        t_end=20.0,
-        points=21,
-        tau=0.8,
-        landscape=True,
-        progress=False,
-    )
+    model = random_model(3, dim=5, heads=2, head_dim=3, memories=8, hopfield="softmax")
+    states = random_states(model, batch=1, tokens=2, seed=4)
+    folder = analyze(model, states, small(20.0), out=tmp_path / "l", points=21, tau=0.8, landscape=True, progress=False)
     text, data = check_folder(folder)
     for heading in (
         "## The energy landscape of sample 0",

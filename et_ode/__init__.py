@@ -46,7 +46,7 @@ __version__ = _version("et-ode")  # pyproject.toml's, read from the installed me
 
 def _check_threads() -> None:
     """Warn once when PyTorch's threads would oversubscribe a busy machine (:func:`et_ode.backend.runtime.oversubscription`).
-    The ``et-ode`` command checks after applying its ``--threads`` instead."""
+    The ``et-ode`` command checks after applying its own thread count instead."""
     import sys
     from pathlib import Path
 

@@ -85,14 +85,15 @@ def load_average() -> float | None:
         return None
 
 
-def oversubscription(threads: int | None = None) -> str | None:
+def oversubscription(threads: int | None = None, one_thread: str = "`torch.set_num_threads(1)`") -> str | None:
     """Why PyTorch's threads would fight for this machine's cores, with the fix; ``None`` when they would not.
 
     The cores are oversubscribed when the load average (other processes' runnable threads) plus PyTorch's
     ``threads`` (default :func:`torch.get_num_threads`) exceed the available cores by more than half a core:
     OpenMP's threads then spin waiting for each other at every parallel region, which slows small solves many times
     over (figures in the getting-started guide). One thread, or ``OMP_WAIT_POLICY=PASSIVE`` (threads sleep instead of
-    spinning), is never flagged.
+    spinning), is never flagged. ``one_thread`` says how to run one thread where the message is read (the command
+    line gives its own option).
     """
     threads = torch.get_num_threads() if threads is None else threads
     if threads <= 1 or os.environ.get("OMP_WAIT_POLICY", "").strip().upper() == "PASSIVE":
@@ -103,19 +104,19 @@ def oversubscription(threads: int | None = None) -> str | None:
     return (
         f"this machine is busy (load average {load:.1f} on {cores} available core{'s' * (cores != 1)}) and "
         f"PyTorch runs {threads} threads, which then wait on each other: computations can be many times slower "
-        f"(18-60x measured on a loaded 2-core machine). Use one thread: `--threads 1` on et-ode commands, "
-        f"`torch.set_num_threads(1)` in Python, or start Python with OMP_WAIT_POLICY=PASSIVE. "
+        f"(18-60x measured on a loaded 2-core machine). Use one thread ({one_thread}), or start Python with "
+        f"OMP_WAIT_POLICY=PASSIVE. "
         f"({THREAD_CHECK_VARIABLE}=0 silences this check.)"
     )
 
 
-def warn_if_oversubscribed(threads: int | None = None) -> str | None:
+def warn_if_oversubscribed(threads: int | None = None, one_thread: str = "`torch.set_num_threads(1)`") -> str | None:
     """Warn (a ``RuntimeWarning``, once per process) when :func:`oversubscription` finds the cores oversubscribed;
     returns its message, or ``None``. Skipped when the environment sets ``ET_ODE_THREAD_CHECK=0``."""
     global _warned
     if _warned or os.environ.get(THREAD_CHECK_VARIABLE, "1").strip() == "0":
         return None
-    message = oversubscription(threads)
+    message = oversubscription(threads, one_thread)
     if message is not None:
         _warned = True
         warnings.warn(message, RuntimeWarning, stacklevel=2)

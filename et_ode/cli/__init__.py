@@ -113,7 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         import torch
 
         torch.set_num_threads(threads)
-    runtime.warn_if_oversubscribed()
+    runtime.warn_if_oversubscribed(one_thread="`--threads 1`")
     runtime.show_solve_progress(True)  # a solve that runs for more than a few seconds shows a bar
     try:
         args.run(args)

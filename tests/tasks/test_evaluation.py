@@ -206,7 +206,7 @@ def test_flag_named_errors(folders, trained, tmp_path, capsys):
     one_photo.mkdir()
     (one_photo / "alps.png").write_bytes((folders / "train" / "alps.png").read_bytes())
     cases = [
-        (["train", "image", "--data", "png", *TINY, "--out", str(tmp_path / "a")], "--data-path"),
+        (["train", "image", "--data", "png", *TINY, "--out", str(tmp_path / "a")], "png needs a folder of .png images"),
         (["train", "image", "--data", "digits", "--tile", "4", "--out", str(tmp_path / "c")], "--tile applies"),
         (
             ["train", "image", "--data", "png", "--data-path", str(one_photo), *TINY, "--out", str(tmp_path / "d")],

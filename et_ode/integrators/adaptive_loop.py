@@ -44,6 +44,7 @@ StopTest = Callable[[Tensor, Tensor], Tensor]
 # a quantity integrated along the accepted steps, outside step control: called with the accepted groups' ids (n,),
 # the inputs of the stages the solution weighs ((n, 1, M) each) and their weights b_j * dt ((n,) each)
 Quadrature = Callable[[Tensor, list[Tensor], list[Tensor]], None]
+NON_FINITE_ADVICE = "a NaN or inf in the start, the parameters or the field's output (overflow: use float64)"
 
 
 @dataclass(frozen=True)
@@ -589,10 +590,13 @@ class _Loop:
         pending = self._pending(state, accepted, t1) if save_all else None
         t_next = torch.where(accepted, t1, t)
         stalled, count, finished, crossings, outputs, reached = self._summary(
-            t1 <= t, accepted, done, crossed, pending, t_next
+            (t1 <= t) | torch.isnan(ratio), accepted, done, crossed, pending, t_next
         )
-        if stalled:
-            self._fail(state, f"underflow in the step size {float(dt.min()):.3g}", float(t.min()), UNDERFLOW_ADVICE)
+        if stalled:  # a step size underflowed, or an error is NaN: from a non-finite state nothing recovers
+            if not bool(torch.isfinite(y0).all()):
+                self._fail(state, "the state became non-finite (NaN or inf)", float(t.min()), NON_FINITE_ADVICE)
+            if not bool((t1 > t).all()):
+                self._fail(state, f"underflow in the step size {float(dt.min()):.3g}", float(t.min()), UNDERFLOW_ADVICE)
         state["dt"], state["history"], self.next_dt = next_dt, history, next_dt
         self.progress.accepted += count
         self.progress.rejected += len(t) - count
@@ -639,8 +643,9 @@ class _Loop:
         pending: Tensor | None,
         times: Tensor,
     ) -> tuple[int, int, int, int, int, float]:
-        """What the host needs of a step, in one synchronisation: the numbers of groups whose step underflows, is
-        accepted, reaches the end, crosses the stop or has outputs inside it, and the earliest time reached."""
+        """What the host needs of a step, in one synchronisation: the numbers of groups whose step is ``stalled``
+        (underflows, or has a NaN error), is accepted, reaches the end, crosses the stop or has outputs inside it, and
+        the earliest time reached."""
         flags = [stalled, accepted, done, stalled if crossed is None else crossed, stalled if pending is None else pending]
         counts = torch.stack(flags).sum(dim=1, dtype=torch.float64)
         values = torch.cat([counts, times.min().reshape(1)]).tolist()
@@ -972,6 +977,14 @@ class _Adjoint:
     ) -> tuple[Tensor, list[Tensor]]:
         """The gradient of the start ``(*batch, N, D)`` and of ``params`` given the cotangents of the final and saved
         states (None: zero). SolveError past ``max_steps`` backward steps or on a step-size underflow."""
+        end = float(self.ends.max()) if self.ends.numel() else float(self.grid[-1])
+        if not all(bool(torch.isfinite(g).all()) for g in (grad_x, grad_xs) if g is not None):
+            raise SolveError(
+                f"the adjoint's backward solve failed at t={end:.6g}: a non-finite adjoint state (the loss's "
+                f"gradient with respect to the solution holds NaN or inf)",
+                time=end,
+                solution=None,
+            )
         shape = self.x.shape
         tokens, dim = shape[-2], shape[-1]
         x = self.x.reshape(-1, tokens, dim)

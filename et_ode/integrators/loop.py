@@ -228,7 +228,8 @@ def integrate(
     stop_times, status = None, Status.REACHED_END
     saved: list[tuple[float, Tensor]] = []
     try:
-        if getattr(problem.solver, "own_loop", False):  # et-ode's adaptive loop
+        own_loop = getattr(problem.solver, "own_loop", None)
+        if own_loop is not None and own_loop(problem.stop, problem.save, arguments.get("adjoint_method")):
             from et_ode.integrators.adaptive_loop import solve_adaptive
 
             x_final, xs, ts, stop_times, status = solve_adaptive(

@@ -89,8 +89,8 @@ class Adaptive:
         rtol, atol: the local error tolerances, positive.
         options: further torchdiffeq options (e.g. ``first_step``, ``max_num_steps``), or None; et-ode's loop takes
             ``first_step`` only.
-        loop: ``"torchdiffeq"``, ``"et_ode"`` or ``"auto"`` (the default: et-ode's loop where ``step_control``,
-            ``controller`` or ``progress`` asks for it, torchdiffeq's otherwise).
+        loop: ``"torchdiffeq"``, ``"et_ode"`` or ``"auto"`` (the default: et-ode's loop for its methods wherever
+            it runs the solve, torchdiffeq's for the others; see :meth:`own_loop`).
         step_control: ``"shared"`` (one step size and error norm for the whole batch, torchdiffeq's semantics) or
             ``"per_sample"`` (et-ode's loop: each sample its own step size, accept/reject and end, and samples that
             are done leave the batch; ``stats.accepted_steps`` then adds up the samples' accepted steps).
@@ -150,12 +150,12 @@ class Adaptive:
             wanted.append(f"method={self.method!r}")
         if self.loop == "torchdiffeq" and wanted:
             raise ValueError(f"Adaptive: {', '.join(wanted)} needs loop='et_ode' (or 'auto'), got loop='torchdiffeq'")
-        if self.own_loop and self.method not in self.OWN_METHODS:
+        if self.requires_own_loop and self.method not in self.OWN_METHODS:
             raise ValueError(
                 f"Adaptive.method must be one of {self.OWN_METHODS} with et-ode's loop, got "
                 f"{self.method!r} (use loop='torchdiffeq' for it)"
             )
-        if self.own_loop and set(self.options or {}) - {"first_step"}:
+        if self.requires_own_loop and set(self.options or {}) - {"first_step"}:
             raise ValueError(f"Adaptive.options of et-ode's loop may hold first_step only, got {sorted(self.options or {})}")
 
     @property
@@ -163,8 +163,9 @@ class Adaptive:
         return self.method
 
     @property
-    def own_loop(self) -> bool:
-        """Whether et-ode's loop integrates (``loop="et_ode"``, or ``"auto"`` with a method or option only it has)."""
+    def requires_own_loop(self) -> bool:
+        """Whether only et-ode's loop runs these settings (``loop="et_ode"``, or ``"auto"`` with a method or option
+        only it has)."""
         return self.loop == "et_ode" or (
             self.loop == "auto"
             and (
@@ -175,13 +176,27 @@ class Adaptive:
             )
         )
 
+    def own_loop(self, stop: object = None, save: str = "final", backward_method: str | None = None) -> bool:
+        """Whether et-ode's loop integrates a solve with ``stop``, ``save`` and an adjoint's ``backward_method`` (None:
+        the forward's): wherever the settings require it (:attr:`requires_own_loop`), and with ``loop="auto"`` for
+        its methods (:attr:`OWN_METHODS`) wherever it runs the solve: ``options`` of ``first_step`` only, a stop with
+        ``save="final"`` paired with the step control as :meth:`check_stop` says, a backward method of its own.
+        torchdiffeq integrates the rest (``loop="torchdiffeq"`` always)."""
+        if self.requires_own_loop:
+            return True
+        if self.loop != "auto" or self.method not in self.OWN_METHODS or set(self.options or {}) - {"first_step"}:
+            return False
+        if backward_method is not None and backward_method not in self.OWN_METHODS:
+            return False
+        return stop is None or (save == "final" and getattr(stop, "per_sample", None) == (self.step_control == "per_sample"))
+
     def check_stop(self, stop: object) -> None:
         """Any stopping rule works with torchdiffeq's loop. et-ode's loop stops each sample on its own with
         ``step_control="per_sample"`` and ``SteadyState(per_sample=True)``, the batch at once with shared control and
         ``per_sample=False`` (ValueError naming ``stop`` otherwise), where the test's crossing lies inside the step
         (located on the step's interpolant, refined with the field), its time differentiated under gradients."""
         per_sample = getattr(stop, "per_sample", None)
-        if stop is not None and self.own_loop and per_sample != (self.step_control == "per_sample"):
+        if stop is not None and self.requires_own_loop and per_sample != (self.step_control == "per_sample"):
             raise ValueError(
                 f"stop=SteadyState(per_sample={per_sample}) with Adaptive(step_control="
                 f"{self.step_control!r}): et-ode's loop stops each sample on its own with "

@@ -5,6 +5,7 @@ progress, bad arguments."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Literal
 
@@ -298,12 +299,25 @@ def test_step_budget_failure_keeps_the_partial_solution() -> None:
     assert partial is not None and partial.status is et_ode.Status.FAILED and partial.x.shape == x0.shape
     with pytest.raises(SolverFailure, match="underflow"):
         adaptive_loop.integrate(lambda t, x: x * 1e300, x0.clone(), torch.tensor([0.0, 1.0], dtype=F64), first_step=1e-300)
+    progress = adaptive_loop.Count()
+    with pytest.raises(SolverFailure, match="non-finite"):  # at the first step, not after shrinking it to nothing
+        adaptive_loop.integrate(field, x0.clone().fill_(math.nan), torch.tensor([0.0, 1.0], dtype=F64), progress=progress)
+    assert progress.steps == 1
 
 
-def test_default_solve_keeps_torchdiffeq() -> None:
-    assert not et_ode.Adaptive().own_loop and not as_solver("dopri5").own_loop  # type: ignore[union-attr]
-    assert et_ode.Adaptive(step_control="per_sample").own_loop and et_ode.Adaptive(loop="et_ode").own_loop
-    assert et_ode.Adaptive("tsit5").own_loop
+def test_the_own_loop_is_the_default_for_its_methods_where_it_runs_the_solve() -> None:
+    """``loop="auto"``: et-ode's loop for dopri5, bosh3 and tsit5; torchdiffeq for its other methods and options,
+    for a stop it cannot pair with the step control or save through, and for an adjoint's backward method of its
+    own; settings only et-ode's loop has take it whatever the stop."""
+    own, per_sample = et_ode.Adaptive(), et_ode.Adaptive(step_control="per_sample")
+    assert own.own_loop() and as_solver("dopri5").own_loop() and et_ode.Adaptive("bosh3").own_loop()  # type: ignore[union-attr]
+    assert et_ode.Adaptive("tsit5").requires_own_loop and per_sample.requires_own_loop and not own.requires_own_loop
+    assert not et_ode.Adaptive(loop="torchdiffeq").own_loop() and not et_ode.Adaptive("dopri8").own_loop()
+    assert not et_ode.Adaptive(options=dict(max_num_steps=50)).own_loop()
+    assert own.own_loop(et_ode.SteadyState(1e-3)) and not own.own_loop(et_ode.SteadyState(1e-3), save="all")
+    assert not own.own_loop(et_ode.SteadyState(1e-3, per_sample=True))
+    assert per_sample.own_loop(et_ode.SteadyState(1e-3, per_sample=True))
+    assert not own.own_loop(backward_method="dopri8") and own.own_loop(backward_method="bosh3")
 
 
 @pytest.mark.parametrize(

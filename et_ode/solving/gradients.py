@@ -2,8 +2,8 @@
 
 - :class:`Direct`: backpropagate through the solver's operations (exact for the discrete solve; memory grows with
   the steps). Fixed steps without a stop run in :mod:`et_ode.integrators.fixed_step`'s lean loop.
-- :class:`Adjoint`: torchdiffeq's adjoint method, a backward ODE solve (memory independent of the steps), with its
-  own tolerances, method and an optional seminorm.
+- :class:`Adjoint`: the adjoint method, a backward ODE solve (memory independent of the steps) on et-ode's adaptive
+  loop where it runs the forward solve, else torchdiffeq's, with its own tolerances, method and an optional seminorm.
 - :class:`Implicit`: the implicit function theorem at the fixed point reached by a stop (memory and cost independent
   of the steps); the forward solve runs without gradients and its end is polished into the certified attractor of
   its flow (:func:`~et_ode.equilibrium.certify.certify`, the
@@ -44,7 +44,9 @@ class Direct:
 
 @dataclass(frozen=True)
 class Adjoint:
-    """torchdiffeq's adjoint: the gradient by a backward ODE solve, memory independent of the steps.
+    """The adjoint: the gradient by a backward ODE solve, memory independent of the steps; on et-ode's adaptive loop
+    where it runs the forward solve (the backward per sample or shared as the forward, the parameters' channels out
+    of step control whatever ``seminorm`` says), else torchdiffeq's ``odeint_adjoint``.
 
     Args:
         rtol, atol: the backward solve's tolerances (None: the forward solve's).

@@ -14,6 +14,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 
@@ -62,6 +63,57 @@ def initial_state(size: Size, *, dtype: torch.dtype = torch.float32, seed: int =
     """A random state ``(batch, n, d)``."""
     generator = torch.Generator().manual_seed(seed)
     return torch.randn(size.batch, size.n, size.d, generator=generator).to(dtype)
+
+
+class JaxET(NamedTuple):
+    """A model in JAX (see :func:`jax_field`): its parameters and pure functions of them."""
+
+    params: dict[str, Any]
+    layer_norm: Callable[[dict[str, Any], Any], Any]  # g(params, x)
+    field: Callable[[dict[str, Any], Any], Any]  # dx/dt(params, x) = -dE/dg(g(x)), x of shape (..., N, D)
+    rms_dg_dt: Callable[[dict[str, Any], Any], Any]  # RMS of dg/dt = J_g(x) dx/dt per sample, (..., N, D) -> (...)
+
+
+def jax_field(model: et_ode.EnergyTransformer) -> JaxET:
+    """``model``'s field written in JAX from the SPEC's formulas (sections 1-4: ``-grad(E)(LayerNorm(x))``), as the
+    official release computes it, with its parameters (WK, WQ, xi, delta, gamma) as JAX arrays. Covers the
+    benchmarks' default model (no self-attention, relu memories, positive gamma; ValueError otherwise)."""
+    import jax
+    import jax.numpy as jnp
+
+    params = {
+        "wk": model.attention.WK,
+        "wq": model.attention.WQ,
+        "xi": model.hopfield.xi,
+        "delta": model.neuron.delta,
+        "gamma_raw": model.neuron.gamma_raw,
+    }
+    params = {name: jnp.asarray(value.detach().numpy()) for name, value in params.items()}
+    beta, eps = float(model.attention.beta[0]), model.neuron.eps
+    if model.attention.self_attention or model.hopfield.form != "relu" or not model.neuron.positive_gamma:
+        raise ValueError("the JAX code covers the default model: no self-attention, relu memories, positive gamma")
+
+    def layer_norm(p: dict[str, Any], x: Any) -> Any:
+        xt = x - x.mean(axis=-1, keepdims=True)
+        gamma = jax.nn.softplus(p["gamma_raw"])
+        return gamma * xt / jnp.sqrt((xt**2).mean(axis=-1, keepdims=True) + eps) + p["delta"]
+
+    def energy(p: dict[str, Any], g: Any) -> Any:  # g: (..., N, D)
+        k = jnp.einsum("hyd,...nd->...hny", p["wk"], g)
+        q = jnp.einsum("hyd,...nd->...hny", p["wq"], g)
+        logits = beta * jnp.einsum("...hky,...hqy->...hkq", k, q)
+        logits = jnp.where(jnp.eye(g.shape[-2], dtype=bool), -jnp.inf, logits)
+        e_att = -jnp.sum(jax.nn.logsumexp(logits, axis=-2)) / beta
+        return e_att - 0.5 * jnp.sum(jax.nn.relu(g @ p["xi"].T) ** 2)
+
+    def field(p: dict[str, Any], x: Any) -> Any:
+        return -jax.grad(energy, argnums=1)(p, layer_norm(p, x))
+
+    def rms_dg_dt(p: dict[str, Any], x: Any) -> Any:
+        _, dg_dt = jax.jvp(lambda y: layer_norm(p, y), (x,), (field(p, x),))
+        return jnp.sqrt(jnp.mean(dg_dt**2, axis=(-1, -2)))
+
+    return JaxET(params, layer_norm, field, rms_dg_dt)
 
 
 STATISTICS = {"min": min, "median": statistics.median}

@@ -1,26 +1,34 @@
-"""et-ode's own adaptive loop (per-sample and shared step control) against torchdiffeq, on the same ET weights.
+"""et-ode's adaptive loop against torchdiffeq, torchode and diffrax, on the same ET weights.
 
-For each size and batch: dopri5 from 0 to ``--t1`` at ``--rtol``/``--atol`` (float32, no gradients), timed
+For each size: dopri5 from 0 to t1 at ``--rtol``/``--atol`` (float32, no gradients), every candidate timed
 interleaved (see ``_common.interleaved``), printing wall time, field evaluations (NFE), sample-evaluations (the
 batch size of every evaluation added up: per-sample control evaluates only the samples still running), accepted
 steps, and the largest difference of the final state from torchdiffeq's relative to its largest entry. The rows:
 
 - ``bare loop``: the field evaluated at the very states torchdiffeq evaluates it at (recorded from one of its
-  runs), in a plain Python loop: the floor any solver's machinery adds to (the field's cost depends on the state:
-  evaluating it at ``x0`` over and over runs up to 1.3x faster than along a trajectory);
+  runs), in a plain Python loop: the floor any solver's machinery adds to;
 - ``torchdiffeq``: ``torchdiffeq.odeint`` on the ET field itself (no et-ode recorder);
-- ``et-ode shared``: ``solve`` with ``Adaptive(loop="et_ode")`` (one step size for the batch);
-- ``et-ode per-sample``: ``solve`` with ``Adaptive(step_control="per_sample")``;
-- ``et-ode per-sample tsit5``: the same with Tsitouras' 5(4) pair (``Adaptive("tsit5", ...)``);
-- ``torchode`` (only where it is installed: ``pip install -e .[peers]``; never by ``make test``): its Dopri5 with
-  an integral controller, per sample.
+- ``et-ode shared``: ``solve`` with the default ``Adaptive("dopri5", ...)`` (et-ode's loop, one step size for the
+  batch);
+- ``et-ode per-sample``: ``Adaptive(step_control="per_sample")``; ``et-ode per-sample tsit5``: with Tsitouras' pair;
+- ``torchode`` (where installed): its Dopri5 with an integral controller on our field, per sample;
+- ``diffrax batched`` and ``diffrax per-sample`` (where jax and diffrax are installed): ``jax.jit`` of
+  ``diffeqsolve`` with Dopri5 and a PID controller of the I-controller's coefficients on the same weights written in
+  JAX (``_common.jax_field``), the batch as one state, or ``vmap`` over the samples (each its own steps).
 
-Then a mixed batch (``--mixed``, default on): half the samples already near their attractor (the end of a solve to
-t=50 from random states), half random, where per-sample control spends evaluations on the hard half only; its
-sample-evaluations against the shared mode's are the measure of compaction.
+The ``x own bare`` column divides an et-ode row's time by a bare loop over the states that row itself evaluated the
+field at (recorded from one of its runs): what its machinery adds. Then (``--stop``) each sample integrated to rest,
+RMS dg/dt below ``--stop-tol`` (t1 = 100): et-ode shared (``SteadyState(tol)``, one stop for the batch), per
+sample (``SteadyState(tol, per_sample=True)``), torchdiffeq's event path with per-sample stops, and diffrax with an
+event on the same measure (batched: the batch's largest; vmapped: each sample's). Then (``--mixed``) a batch of half
+easy (the end of a solve to t=50) and half hard samples, where per-sample control spends evaluations on the hard
+half only.
 
-    python benchmarks/adaptive.py                       # digits and 28x28, batch 1 and 64, one thread
-    python benchmarks/adaptive.py --size digits --batch 64 --threads 2 --reps 9
+The peers install apart from the package (never by ``make test``): ``pip install -e .[peers]`` or, in a separate
+environment, ``pip install torchdiffeq torchode jax diffrax`` beside et-ode.
+
+    python benchmarks/adaptive.py --threads 1                  # digits, 28x28 (batch 64), ImageNet (batch 4)
+    python benchmarks/adaptive.py --threads 2 --size mnist imagenet --reps 5
 """
 
 from __future__ import annotations
@@ -29,71 +37,100 @@ import argparse
 import importlib.util
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torchdiffeq import odeint
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import DIGITS, MNIST, environment, initial_state, interleaved, make_model, ms, set_threads, table  # noqa: E402
+from _common import (  # noqa: E402
+    DIGITS,
+    IMAGENET,
+    MNIST,
+    Size,
+    environment,
+    initial_state,
+    interleaved,
+    jax_field,
+    make_model,
+    ms,
+    set_threads,
+    table,
+)
 
 import et_ode  # noqa: E402
 
-SIZES = {"digits": DIGITS, "mnist": MNIST}
+CASES = {"digits": (DIGITS, 5.0), "mnist": (MNIST, 5.0), "imagenet": (IMAGENET, 1.0)}  # size (its batch), t1
+STOP_T1 = 100.0
 
 
-def candidates(
-    field: et_ode.ETField, x0: torch.Tensor, args: argparse.Namespace
-) -> tuple[dict[str, Callable[[], object]], dict[str, tuple[int, int, int, torch.Tensor]]]:
-    """The timed calls, and each one's (NFE, sample-evaluations, accepted steps, final state) from one run."""
-    t = torch.tensor([0.0, args.t1])
-    batch = x0.shape[0]
-    counts: dict[str, tuple[int, int, int, torch.Tensor]] = {}
-    runs: dict[str, Callable[[], object]] = {}
+@dataclass
+class Run:
+    """One candidate: the timed call, its NFE, sample-evaluations and accepted steps (-1: not reported), its final
+    state, and the inputs of its field evaluations (et-ode rows: for the own bare loop)."""
 
-    def torchdiffeq_run() -> torch.Tensor:
-        return odeint(field, x0, t.to(x0.dtype), method="dopri5", rtol=args.rtol, atol=args.atol)[-1]
+    call: Callable[[], object]
+    nfe: int
+    sample_evaluations: int
+    accepted: int
+    final: torch.Tensor
+    inputs: list[torch.Tensor] | None = None
+
+
+def has(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def _recorded(field: et_ode.ETField, inputs: list[torch.Tensor]) -> et_ode.ETField:
+    """A copy of ``field`` whose evaluations also keep a copy of their input in ``inputs``."""
+    recording = field.with_mask(field.mask)
+
+    def forward(t: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+        inputs.append(x.clone())
+        return et_ode.ETField.forward(recording, t, x)
+
+    recording.forward = forward  # type: ignore[method-assign]
+    return recording
+
+
+def et_ode_run(field: et_ode.ETField, x0: torch.Tensor, t1: float, solver: et_ode.Adaptive, stop: Any = None) -> Run:
+    """``solve`` with ``solver`` (and ``stop``), once recorded."""
+
+    def call(target: et_ode.ETField = field) -> et_ode.Solution:
+        return et_ode.solve(target, x0, (0.0, t1), solver=solver, stop=stop, save="final")
 
     inputs: list[torch.Tensor] = []
-
-    def recording(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        inputs.append(x.clone())
-        return field(t, x)
-
     with torch.no_grad():
-        reference = odeint(recording, x0, t.to(x0.dtype), method="dopri5", rtol=args.rtol, atol=args.atol)[-1]
-    evaluations = len(inputs)
-    counts["torchdiffeq"] = (evaluations, evaluations * batch, -1, reference)
+        solution = call(_recorded(field, inputs))
+    stats = solution.stats
+    return Run(call, stats.nfe_forward, stats.sample_evaluations, stats.accepted_steps, solution.x, inputs)
+
+
+def torchdiffeq_runs(field: et_ode.ETField, x0: torch.Tensor, t1: float, args: argparse.Namespace) -> dict[str, Run]:
+    """``torchdiffeq.odeint`` on the field, and the bare loop over the states it evaluates the field at."""
+    t = torch.tensor([0.0, t1])
+    inputs: list[torch.Tensor] = []
+    with torch.no_grad():
+        final = odeint(_recorded(field, inputs), x0, t, method="dopri5", rtol=args.rtol, atol=args.atol)[-1]
+    batch = x0.shape[0]
 
     def bare() -> None:
         for x in inputs:
             field(None, x)
 
-    runs["bare loop"] = bare
-    runs["torchdiffeq"] = torchdiffeq_run
-    counts["bare loop"] = (evaluations, evaluations * batch, -1, reference)
-    for name, solver in (
-        ("et-ode shared", et_ode.Adaptive("dopri5", args.rtol, args.atol, loop="et_ode")),
-        ("et-ode per-sample", et_ode.Adaptive("dopri5", args.rtol, args.atol, step_control="per_sample")),
-        ("et-ode per-sample tsit5", et_ode.Adaptive("tsit5", args.rtol, args.atol, step_control="per_sample")),
-    ):
+    def call() -> torch.Tensor:
+        return odeint(field, x0, t, method="dopri5", rtol=args.rtol, atol=args.atol)[-1]
 
-        def run(solver: et_ode.Adaptive = solver) -> et_ode.Solution:
-            return et_ode.solve(field, x0, (0.0, args.t1), solver=solver, save="final")
-
-        with torch.no_grad():
-            solution = run()
-        stats = solution.stats
-        counts[name] = (stats.nfe_forward, stats.sample_evaluations, stats.accepted_steps, solution.x)
-        runs[name] = run
-    if importlib.util.find_spec("torchode") is not None:
-        runs["torchode"], counts["torchode"] = _torchode(field, x0, args)
-    return runs, counts
+    count = len(inputs)
+    return {
+        "bare loop": Run(bare, count, count * batch, -1, final),
+        "torchdiffeq": Run(call, count, count * batch, -1, final),
+    }
 
 
-def _torchode(
-    field: et_ode.ETField, x0: torch.Tensor, args: argparse.Namespace
-) -> tuple[Callable[[], object], tuple[int, int, int, torch.Tensor]]:
+def torchode_run(field: et_ode.ETField, x0: torch.Tensor, t1: float, args: argparse.Namespace) -> Run:
     """torchode's Dopri5 with its integral controller on the flattened batch ``(B, N * D)``, per sample."""
     import torchode  # type: ignore[import-not-found]
 
@@ -102,147 +139,250 @@ def _torchode(
     solver = torchode.AutoDiffAdjoint(
         torchode.Dopri5(term=term), torchode.IntegralController(atol=args.atol, rtol=args.rtol, term=term)
     )
-    t_eval = torch.tensor([0.0, args.t1], dtype=x0.dtype).repeat(shape[0], 1)
+    t_eval = torch.tensor([0.0, t1], dtype=x0.dtype).repeat(shape[0], 1)
 
-    def run() -> object:
+    def call() -> Any:
         return solver.solve(torchode.InitialValueProblem(y0=x0.reshape(shape[0], -1), t_eval=t_eval))
 
     with torch.no_grad():
         before = field.nfe
-        solution = run()
+        solution = call()
         evaluations = field.nfe - before
-    final = solution.ys[:, -1].reshape(shape)  # type: ignore[attr-defined]
-    accepted = int(solution.stats["n_accepted"].sum())  # type: ignore[attr-defined]
-    return run, (evaluations, -1, accepted, final)
+    return Run(call, evaluations, -1, int(solution.stats["n_accepted"].sum()), solution.ys[:, -1].reshape(shape))
 
 
-def measure(size_name: str, batch: int, args: argparse.Namespace) -> list[list[object]]:
-    size = SIZES[size_name].with_batch(batch)
-    field = et_ode.ETField(make_model(size))
+def diffrax_runs(
+    model: et_ode.EnergyTransformer, x0: torch.Tensor, t1: float, args: argparse.Namespace, stop_tol: float | None = None
+) -> dict[str, Run]:
+    """diffrax's Dopri5 with a PID controller (the I-controller's coefficients, torchdiffeq's factor limits) under
+    ``jax.jit``: the batch as one state, and ``vmap`` over the samples; with ``stop_tol``, an event ends each solve
+    where RMS dg/dt falls below it (the batch's largest, or the sample's own)."""
+    import diffrax  # type: ignore[import-not-found]
+    import jax
+    import jax.numpy as jnp
+
+    et = jax_field(model)
+    term = diffrax.ODETerm(lambda t, y, p: et.field(p, y))
+    controller = diffrax.PIDController(rtol=args.rtol, atol=args.atol, pcoeff=0.0, icoeff=1.0, dcoeff=0.0, factormax=10.0)
+
+    def solve(y0: Any) -> Any:
+        event = None
+        if stop_tol is not None:
+            event = diffrax.Event(lambda t, y, p, **kwargs: jnp.max(et.rms_dg_dt(p, y)) < stop_tol)
+        solution = diffrax.diffeqsolve(
+            term,
+            diffrax.Dopri5(),
+            0.0,
+            t1,
+            None,
+            y0,
+            args=et.params,
+            stepsize_controller=controller,
+            saveat=diffrax.SaveAt(t1=True),
+            event=event,
+            max_steps=100_000,
+        )
+        return solution.ys[-1], solution.stats["num_steps"], solution.stats["num_accepted_steps"]
+
+    runs = {}
+    y0 = jnp.asarray(x0.numpy())
+    for name, compiled in (("diffrax batched", jax.jit(solve)), ("diffrax per-sample", jax.jit(jax.vmap(solve)))):
+        final, steps, accepted = jax.block_until_ready(compiled(y0))  # compiles
+        # first-same-as-last: six evaluations a step, two to start; vmap evaluates every sample at every step
+        nfe = int(jnp.max(steps)) * 6 + 2
+        samples = nfe * x0.shape[0]
+        runs[name] = Run(
+            lambda c=compiled: jax.block_until_ready(c(y0)),
+            nfe,
+            samples,
+            int(jnp.sum(accepted)),
+            torch.from_numpy(jax.device_get(final).copy()),
+        )
+    return runs
+
+
+def bare(field: et_ode.ETField, inputs: list[torch.Tensor]) -> Callable[[], None]:
+    def call() -> None:
+        for x in inputs:
+            field(None, x)
+
+    return call
+
+
+def measure(name: str, args: argparse.Namespace) -> list[list[object]]:
+    size, t1 = CASES[name]
+    model = make_model(size)
+    field = et_ode.ETField(model)
     x0 = initial_state(size)
-    runs, counts = candidates(field, x0, args)
+    runs = torchdiffeq_runs(field, x0, t1, args)
+    for label, solver in (
+        ("et-ode shared", et_ode.Adaptive("dopri5", args.rtol, args.atol)),
+        ("et-ode per-sample", et_ode.Adaptive("dopri5", args.rtol, args.atol, step_control="per_sample")),
+        ("et-ode per-sample tsit5", et_ode.Adaptive("tsit5", args.rtol, args.atol, step_control="per_sample")),
+    ):
+        runs[label] = et_ode_run(field, x0, t1, solver)
+    if has("torchode"):
+        runs["torchode per-sample"] = torchode_run(field, x0, t1, args)
+    if has("diffrax") and has("jax"):
+        runs.update(diffrax_runs(model, x0, t1, args))
+    calls = {label: run.call for label, run in runs.items()}
+    for label, run in list(runs.items()):
+        if run.inputs is not None:
+            calls[f"{label} (own bare loop)"] = bare(field, run.inputs)
     with torch.no_grad():
-        seconds = interleaved(runs, reps=args.reps, statistic=args.statistic, clock=args.clock)
-    reference = counts["torchdiffeq"][3]
+        seconds = interleaved(calls, reps=args.reps, statistic=args.statistic, clock=args.clock)
+    return _rows(f"{name} N={size.n} D={size.d}, t1={t1:g}", size, runs, seconds)
+
+
+def _rows(case: str, size: Size, runs: dict[str, Run], seconds: dict[str, float]) -> list[list[object]]:
+    reference = runs["torchdiffeq"].final
     scale = reference.abs().max().item()
     rows = []
-    for name, elapsed in seconds.items():
-        nfe, sample_evaluations, accepted, final = counts[name]
+    for label, run in runs.items():
+        own = seconds.get(f"{label} (own bare loop)")
         rows.append(
             [
-                f"{size_name} N={size.n} D={size.d}",
-                batch,
-                name,
-                ms(elapsed),
-                f"{elapsed / seconds['torchdiffeq']:.2f}",
-                nfe,
-                sample_evaluations if sample_evaluations >= 0 else "-",
-                accepted if accepted >= 0 else "-",
-                f"{(final - reference).abs().max().item() / scale:.1e}",
+                case,
+                size.batch,
+                label,
+                ms(seconds[label]),
+                f"{seconds['torchdiffeq'] / seconds[label]:.2f}",
+                f"{seconds[label] / own:.3f}" if own else "-",
+                run.nfe,
+                run.sample_evaluations if run.sample_evaluations >= 0 else "-",
+                run.accepted if run.accepted >= 0 else "-",
+                f"{(run.final - reference).abs().max().item() / scale:.1e}",
             ]
         )
     return rows
 
 
-def mixed(size_name: str, batch: int, args: argparse.Namespace) -> list[list[object]]:
+def to_rest(name: str, args: argparse.Namespace) -> list[list[object]]:
+    """Every sample integrated until RMS dg/dt < ``--stop-tol``: time, evaluations, the latest stop."""
+    size, _ = CASES[name]
+    model = make_model(size)
+    field = et_ode.ETField(model)
+    x0 = initial_state(size)
+    tol = args.stop_tol
+    runs = {
+        "et-ode shared": et_ode_run(
+            field, x0, STOP_T1, et_ode.Adaptive("dopri5", args.rtol, args.atol), et_ode.SteadyState(tol)
+        ),
+        "et-ode per-sample": et_ode_run(
+            field,
+            x0,
+            STOP_T1,
+            et_ode.Adaptive("dopri5", args.rtol, args.atol, step_control="per_sample"),
+            et_ode.SteadyState(tol, per_sample=True),
+        ),
+        "torchdiffeq events, per-sample stops": et_ode_run(
+            field,
+            x0,
+            STOP_T1,
+            et_ode.Adaptive("dopri5", args.rtol, args.atol, loop="torchdiffeq"),
+            et_ode.SteadyState(tol, per_sample=True),
+        ),
+    }
+    if has("diffrax") and has("jax"):
+        runs.update(diffrax_runs(model, x0, STOP_T1, args, stop_tol=tol))
+    with torch.no_grad():
+        seconds = interleaved(
+            {label: run.call for label, run in runs.items()}, args.reps, statistic=args.statistic, clock=args.clock
+        )
+        measures = {label: field.rms_dg_dt(run.final).max().item() for label, run in runs.items()}
+    return [
+        [
+            f"{name} N={size.n} D={size.d}",
+            size.batch,
+            label,
+            ms(seconds[label]),
+            run.nfe,
+            run.sample_evaluations if run.sample_evaluations >= 0 else "-",
+            f"{measures[label]:.2e}",
+        ]
+        for label, run in runs.items()
+    ]
+
+
+def mixed(name: str, args: argparse.Namespace) -> list[list[object]]:
     """Half easy, half hard: the shared and per-sample modes' time, evaluations and sample-evaluations."""
-    size = SIZES[size_name].with_batch(batch)
+    size, t1 = CASES[name]
     field = et_ode.ETField(make_model(size))
     hard = initial_state(size)
     with torch.no_grad():
         easy = et_ode.solve(
             field, initial_state(size, seed=2), (0.0, 50.0), solver=et_ode.Adaptive(rtol=1e-5), save="final"
         ).x
-    x0 = torch.cat([easy[: batch // 2], hard[batch // 2 :]])
-    rows = []
-    runs: dict[str, Callable[[], object]] = {}
-    for name, solver in (
-        ("et-ode shared", et_ode.Adaptive("dopri5", args.rtol, args.atol, loop="et_ode")),
-        ("et-ode per-sample", et_ode.Adaptive("dopri5", args.rtol, args.atol, step_control="per_sample")),
-    ):
-
-        def run(solver: et_ode.Adaptive = solver) -> et_ode.Solution:
-            return et_ode.solve(field, x0, (0.0, args.t1), solver=solver, save="final")
-
-        runs[name] = run
+    half = size.batch // 2
+    x0 = torch.cat([easy[:half], hard[half:]])
+    runs = {
+        "et-ode shared": et_ode_run(field, x0, t1, et_ode.Adaptive("dopri5", args.rtol, args.atol)),
+        "et-ode per-sample": et_ode_run(
+            field, x0, t1, et_ode.Adaptive("dopri5", args.rtol, args.atol, step_control="per_sample")
+        ),
+    }
     with torch.no_grad():
-        solutions = {name: run() for name, run in runs.items()}
-        seconds = interleaved(runs, reps=args.reps, statistic=args.statistic, clock=args.clock)
-    for name, solution in solutions.items():
-        stats = solution.stats  # type: ignore[attr-defined]
-        rows.append(
-            [
-                f"{size_name} mixed",
-                batch,
-                name,
-                ms(seconds[name]),
-                stats.nfe_forward,
-                stats.sample_evaluations,
-                stats.accepted_steps,
-            ]
+        seconds = interleaved(
+            {label: run.call for label, run in runs.items()}, args.reps, statistic=args.statistic, clock=args.clock
         )
-    return rows
+    return [
+        [f"{name} mixed", size.batch, label, ms(seconds[label]), run.nfe, run.sample_evaluations, run.accepted]
+        for label, run in runs.items()
+    ]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size", choices=[*SIZES, "all"], default="all")
-    parser.add_argument("--batch", type=int, nargs="+", default=[1, 64])
-    parser.add_argument("--t1", type=float, default=5.0)
+    parser.add_argument("--size", choices=list(CASES), nargs="+", default=list(CASES))
     parser.add_argument("--rtol", type=float, default=1e-4)
     parser.add_argument("--atol", type=float, default=1e-6)
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--statistic", choices=["min", "median"], default="min")
+    parser.add_argument("--statistic", choices=["min", "median"], default="median")
     parser.add_argument(
         "--clock",
         choices=["wall", "cpu"],
         default="wall",
         help="cpu: the process's CPU time (steadier where other jobs share the cores)",
     )
-    parser.add_argument("--threads", type=int, default=1, help="pin the process to this many cores")
-    parser.add_argument("--no-mixed", action="store_true", help="skip the mixed easy/hard batch")
+    parser.add_argument("--threads", type=int, default=1, help="pin the process (torch and XLA) to this many cores")
+    parser.add_argument("--stop", action="store_true", help="also the rows to a steady state")
+    parser.add_argument("--stop-tol", type=float, default=1e-3, help="the steady state: RMS dg/dt below this")
+    parser.add_argument("--mixed", action="store_true", help="also the batch of half easy and half hard samples")
     args = parser.parse_args()
     set_threads(args.threads)
     print(environment())
-    rows = []
-    for size_name in SIZES if args.size == "all" else [args.size]:
-        for batch in args.batch:
-            rows.extend(measure(size_name, batch, args))
+    headers = ["size", "batch", "solver", f"ms ({args.statistic}, {args.clock})", "speed-up vs torchdiffeq", "x own bare"]
+    rows = [row for name in args.size for row in measure(name, args)]
     print(
         table(
-            [
-                "size",
-                "batch",
-                "solver",
-                f"ms ({args.statistic}, {args.clock})",
-                "x torchdiffeq",
-                "NFE",
-                "sample-evals",
-                "accepted",
-                "final vs torchdiffeq",
-            ],
+            [*headers, "NFE", "sample-evals", "accepted", "final vs torchdiffeq"],
             rows,
-            title=f"dopri5, rtol={args.rtol:g}, atol={args.atol:g}, t in [0, {args.t1:g}], float32, no gradients",
+            title=f"dopri5, rtol={args.rtol:g}, atol={args.atol:g}, float32, no gradients, {args.threads} thread(s)",
         )
     )
-    if not args.no_mixed:
-        rows = [
-            row
-            for size_name in (SIZES if args.size == "all" else [args.size])
-            for row in mixed(size_name, max(args.batch), args)
-        ]
+    if args.stop:
+        rows = [row for name in args.size for row in to_rest(name, args)]
         print(
             table(
                 [
-                    "batch",
                     "size",
+                    "batch",
                     "solver",
                     f"ms ({args.statistic}, {args.clock})",
                     "NFE",
                     "sample-evals",
-                    "accepted (samples' steps added up)",
+                    "largest RMS dg/dt",
                 ],
-                [[r[1], r[0], *r[2:]] for r in rows],
+                rows,
+                title=f"to rest: RMS dg/dt < {args.stop_tol:g} (t1 = {STOP_T1:g}), dopri5, rtol={args.rtol:g}",
+            )
+        )
+    if args.mixed:
+        rows = [row for name in args.size for row in mixed(name, args)]
+        print(
+            table(
+                ["size", "batch", "solver", f"ms ({args.statistic}, {args.clock})", "NFE", "sample-evals", "accepted"],
+                rows,
                 title="a batch of half easy (near the attractor) and half hard (random) samples",
             )
         )

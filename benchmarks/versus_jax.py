@@ -1,8 +1,8 @@
 """et-ode against the official JAX formulation at the three standard sizes, and the cost of the adjoint's backward.
 
 Sizes (float32, CPU): 8x8 digits (N=17, D=64, H=4, Y=16, K=256, batch 64), 28x28 (N=50, D=128, H=4, Y=32, K=512,
-batch 64) and ImageNet (N=197, D=768, H=12, Y=64, K=3072, batch 4). The JAX code is written here from the SPEC's
-formulas (``benchmarks/field.py``: ``jit(-grad(E)(LayerNorm(x)))``), as the official release computes it; every row
+batch 64) and ImageNet (N=197, D=768, H=12, Y=64, K=3072, batch 4). The JAX code is written from the SPEC's
+formulas (``_common.jax_field``: ``jit(-grad(E)(LayerNorm(x)))``), as the official release computes it; every row
 is timed interleaved with its JAX counterpart in one run, so the ratios hold on a machine shared with other jobs.
 
 Per size, one table row each:
@@ -53,6 +53,7 @@ from _common import (  # noqa: E402
     environment,
     initial_state,
     interleaved,
+    jax_field,
     make_model,
     ms,
     set_threads,
@@ -71,33 +72,8 @@ def jax_functions(model: et_ode.EnergyTransformer) -> dict[str, Callable[..., ob
     import jax
     import jax.numpy as jnp
 
-    params = {
-        "wk": model.attention.WK,
-        "wq": model.attention.WQ,
-        "xi": model.hopfield.xi,
-        "delta": model.neuron.delta,
-        "gamma_raw": model.neuron.gamma_raw,
-    }
-    params = {name: jnp.asarray(value.detach().numpy()) for name, value in params.items()}
-    beta, eps = float(model.attention.beta[0]), model.neuron.eps
-    if model.attention.self_attention or model.hopfield.form != "relu" or not model.neuron.positive_gamma:
-        raise ValueError("the JAX code covers the default model: no self-attention, relu memories, positive gamma")
-
-    def layer_norm(p, x):
-        xt = x - x.mean(axis=-1, keepdims=True)
-        gamma = jax.nn.softplus(p["gamma_raw"])
-        return gamma * xt / jnp.sqrt((xt**2).mean(axis=-1, keepdims=True) + eps) + p["delta"]
-
-    def energy(p, g):  # g: (batch, N, D)
-        k = jnp.einsum("hyd,bnd->bhny", p["wk"], g)
-        q = jnp.einsum("hyd,bnd->bhny", p["wq"], g)
-        logits = beta * jnp.einsum("bhky,bhqy->bhkq", k, q)
-        logits = jnp.where(jnp.eye(g.shape[-2], dtype=bool), -jnp.inf, logits)
-        e_att = -jnp.sum(jax.nn.logsumexp(logits, axis=-2)) / beta
-        return e_att - 0.5 * jnp.sum(jax.nn.relu(g @ p["xi"].T) ** 2)
-
-    def field(p, x):
-        return -jax.grad(energy, argnums=1)(p, layer_norm(p, x))
+    et = jax_field(model)
+    params, layer_norm, field = et.params, et.layer_norm, et.field
 
     def euler(p, x):
         return jax.lax.fori_loop(0, STEPS, lambda i, y: y + ALPHA * field(p, y), x)

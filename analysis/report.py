@@ -137,7 +137,7 @@ class _Stages:
         self.bar.set_description(f"analyze: {name}")
 
     def seconds(self) -> dict[str, float]:
-        """Close the bar; the seconds of each stage started (until the next one began, the last until now)."""
+        """Close the bar; the seconds of each stage started (each until the next one began, the last until this call)."""
         self.bar.close()
         ends = list(self.started.values())[1:] + [time.perf_counter()]
         return {name: end - begin for (name, begin), end in zip(self.started.items(), ends, strict=True)}
@@ -239,7 +239,7 @@ def _solve(et_field: ETField, states: Tensor, integration: Integration, points: 
 
 
 def _check_flow(findings: _Findings, tol: float, stages: _Stages, progress: bool) -> None:
-    """Convergence and the Lyapunov checks along the trajectories (when more than one time was saved)."""
+    """Convergence and the Lyapunov checks along the trajectories (when the solve saved more than one time)."""
     solution = findings.solution
     stages.start("convergence")
     findings.convergence = analyze_convergence(solution, tol=tol) if len(solution.ts) > 1 else None

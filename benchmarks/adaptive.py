@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -352,14 +353,16 @@ def main() -> None:
     set_threads(args.threads)
     print(environment())
     headers = ["size", "batch", "solver", f"ms ({args.statistic}, {args.clock})", "speed-up vs torchdiffeq", "x own bare"]
-    rows = [row for name in args.size for row in measure(name, args)]
-    print(
-        table(
-            [*headers, "NFE", "sample-evals", "accepted", "final vs torchdiffeq"],
-            rows,
-            title=f"dopri5, rtol={args.rtol:g}, atol={args.atol:g}, float32, no gradients, {args.threads} thread(s)",
+    for name in args.size:  # one table per size, printed as soon as it is measured
+        print(
+            table(
+                [*headers, "NFE", "sample-evals", "accepted", "final vs torchdiffeq"],
+                measure(name, args),
+                title=f"dopri5, rtol={args.rtol:g}, atol={args.atol:g}, float32, no gradients, {args.threads} "
+                f"thread(s), load average {os.getloadavg()[0]:.1f} after the size",
+            ),
+            flush=True,
         )
-    )
     if args.stop:
         rows = [row for name in args.size for row in to_rest(name, args)]
         print(

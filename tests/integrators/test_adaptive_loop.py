@@ -290,6 +290,25 @@ def test_progress_reports_each_sample_time_and_accepted_steps() -> None:
     assert bool(((counts[1:] - counts[:-1]) <= 1).all())  # at most one accepted step per sample per call
 
 
+@pytest.mark.parametrize("per_sample", [False, True])
+def test_the_time_reached_follows_the_earliest_sample_to_the_end(per_sample: bool) -> None:
+    """The loop tells its counter (``solve``'s progress bar) the earliest time its samples have reached after every
+    step: non-decreasing, below the end while a sample still runs, and the end at last."""
+    reached: list[float] = []
+
+    class Recording(adaptive_loop.Count):
+        def reached(self, t: float) -> None:
+            reached.append(t)
+
+    progress = Recording()
+    with torch.no_grad():
+        adaptive_loop.integrate(
+            _tiny_field(), _states(3), torch.tensor([0.0, 3.0], dtype=F64), per_sample=per_sample, progress=progress
+        )
+    assert len(reached) == progress.steps and reached[-1] == 3.0
+    assert all(b >= a for a, b in zip(reached, reached[1:])) and reached[-2] < 3.0
+
+
 def test_step_budget_failure_keeps_the_partial_solution() -> None:
     field = _tiny_field()
     x0 = _states(3)

@@ -1008,9 +1008,13 @@ class _Adjoint:
                 span = torch.stack([-ends.max(), -grid[0]])
                 a = self._solve(dynamics, x, a, span, -ends if per_sample else None, parameters)
         except SolverFailure as failure:
+            what = {
+                BUDGET_ADVICE: f"more than max_steps={self.settings['max_steps']} steps",
+                NON_FINITE_ADVICE: "a non-finite adjoint state",
+            }.get(failure.advice, "an underflow in its step size")
             raise SolveError(
-                f"the adjoint's backward solve failed at t={-failure.time:.6g}: {failure}; {failure.advice}, or "
-                f"gradient=Direct()",
+                f"the adjoint's backward solve failed at t={-failure.time:.6g}: {what}; the backward dynamics are "
+                f"stiffer than the forward: raise max_steps, loosen Adjoint(rtol=..., atol=...), or gradient=Direct()",
                 time=-failure.time,
                 solution=None,
             ) from failure

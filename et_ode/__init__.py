@@ -2,6 +2,7 @@
 
 from importlib.metadata import version as _version
 
+from et_ode.backend.memory import OutOfMemoryError
 from et_ode.dynamics.field import ETField
 from et_ode.energy.energies import EnergyAttention, HopfieldMemory
 from et_ode.energy.masks import GraphMask
@@ -24,6 +25,7 @@ __all__ = [
     "Fixed",
     "Implicit",
     "Integration",
+    "OutOfMemoryError",
     "SteadyState",
     "Attractor",
     "AttractorError",

@@ -105,7 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``et-ode`` command ``argv`` (default: ``sys.argv[1:]``): 0 on success; 2 when a library error refuses
-    the settings, its message printed in the command line's words (:func:`~et_ode.cli.options.command_line_words`)."""
+    the settings or the machine's memory does not hold what they ask for, its message printed in the command line's
+    words (:func:`~et_ode.cli.options.command_line_words`)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     threads = getattr(args, "threads", None)
@@ -117,7 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     runtime.show_solve_progress(True)  # a solve that runs for more than a few seconds shows a bar
     try:
         args.run(args)
-    except (ValueError, FileNotFoundError, TypeError, SolveError) as error:
+    except (ValueError, FileNotFoundError, TypeError, SolveError, MemoryError) as error:
         print(
             f"et-ode {args.command}: error: {command_line_words(str(error), command_options(parser, args))}", file=sys.stderr
         )

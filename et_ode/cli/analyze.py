@@ -21,6 +21,7 @@ from et_ode.cli.options import add_threads_argument, count_in
 from et_ode.energy.model import EnergyTransformer
 from et_ode.integrators.solvers import FIXED_METHODS
 from et_ode.training import runs
+from et_ode.training.io import load_states
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -112,7 +113,7 @@ def _run_analyze(args: argparse.Namespace) -> Path:
     model = model.to(device)
     states = random_states(model, args.batch, args.tokens, seed=args.seed + 1) if args.x0 is None else args.x0
     if isinstance(states, Path):
-        states = load_states(states)
+        states = load_states(states, model.dim)
     return analyze(
         model,
         states,
@@ -139,25 +140,6 @@ def _model(args: argparse.Namespace) -> tuple[EnergyTransformer, str]:
         return loaded.to(DTYPES[args.dtype]), f"loaded from {args.model}"
     size = {"dim": args.dim, "heads": args.heads, "head_dim": args.head_dim, "memories": args.memories}
     return random_model(args.seed, hopfield=args.hopfield, dtype=DTYPES[args.dtype], **size), f"random (seed {args.seed})"
-
-
-def load_states(path: Path) -> torch.Tensor:
-    """The initial states saved at ``path`` (a torch-saved tensor, read with ``weights_only``: nothing in the file can
-    run code).
-
-    Raises:
-        FileNotFoundError: no file at ``path``.
-        ValueError: the file is not a readable torch-saved tensor (naming ``x0``).
-    """
-    if not path.is_file():
-        raise FileNotFoundError(f"x0: no file at {path.resolve()} (expected a torch-saved tensor (batch, N, D))")
-    try:
-        states = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:  # torch raises several types for damaged archives and refused objects
-        raise ValueError(f"x0: {path} is not a readable torch-saved tensor: {error}") from error
-    if not isinstance(states, torch.Tensor):
-        raise ValueError(f"x0: {path} holds a {type(states).__name__}, not a tensor (batch, N, D)")
-    return states
 
 
 def _official_states(args: argparse.Namespace) -> argparse.Namespace:

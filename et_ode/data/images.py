@@ -360,8 +360,8 @@ def _png_files(folder: Path) -> list[Path]:
     return files
 
 
-FINGERPRINT_SAMPLE = 16  # files whose contents a data fingerprint hashes (evenly spaced over the sorted list)
-FINGERPRINT_BYTES = 2**20  # bytes hashed of each sampled file (its start)
+FINGERPRINT_BYTES = 2**28  # bytes a data fingerprint reads in all, shared evenly by the files (256 MiB)
+FINGERPRINT_FILE_BYTES = 2**13  # bytes it reads at least of each file (its start and its end)
 
 
 def data_files(name: str, path: str | Path | None, test_path: str | Path | None = None) -> list[Path]:
@@ -381,33 +381,41 @@ def data_files(name: str, path: str | Path | None, test_path: str | Path | None 
 
 def data_fingerprint(name: str, path: str | Path | None, test_path: str | Path | None = None) -> dict[str, Any]:
     """What a run read, to compare on a resume: the number of files, their total size, a hash of the list of
-    (name, size), and a hash of the first ``FINGERPRINT_BYTES`` of ``FINGERPRINT_SAMPLE`` files spread over the
-    list (a change elsewhere in a file of the same size, outside the sample, goes unseen). The bundled sources:
-    only ``name``."""
+    (folder, name, size), and a hash of every file's content (:func:`files_fingerprint`). The bundled sources: only
+    ``name``."""
     return files_fingerprint(data_files(name, path, test_path), name)
 
 
 def files_fingerprint(files: Sequence[Path], source: str) -> dict[str, Any]:
-    """The fingerprint of :func:`data_fingerprint` for any list of ``files`` read by ``source``."""
+    """The fingerprint of :func:`data_fingerprint` for any list of ``files`` read by ``source``.
+
+    ``content_sha256`` hashes each file in turn: the whole file while the data fit ``FINGERPRINT_BYTES`` (each file
+    gets an even share, at least ``FINGERPRINT_FILE_BYTES``), else the start and the end of each file up to its share.
+    So replacing or editing any one file is seen, wherever in the file the change lies, unless the data exceed the
+    budget and the change lies only in the middle of a file of unchanged size.
+    """
     import hashlib
 
     files = sorted(files)
-    listing, sample = hashlib.sha256(), hashlib.sha256()
-    total = 0
-    for file in files:
-        size = file.stat().st_size
-        total += size
-        listing.update(f"{file.name}\0{size}\n".encode())
-    step = max(1, math.ceil(len(files) / FINGERPRINT_SAMPLE))
-    for file in files[::step]:
+    listing, content = hashlib.sha256(), hashlib.sha256()
+    sizes = [file.stat().st_size for file in files]
+    share = max(FINGERPRINT_FILE_BYTES, FINGERPRINT_BYTES // max(len(files), 1))
+    for file, size in zip(files, sizes, strict=True):
+        listing.update(f"{file.parent.name}/{file.name}\0{size}\n".encode())
         with open(file, "rb") as stream:
-            sample.update(stream.read(FINGERPRINT_BYTES))
+            if size <= share:
+                content.update(stream.read(share))
+            else:
+                content.update(stream.read(share // 2))
+                stream.seek(size - share // 2)
+                content.update(stream.read(share // 2))
+        content.update(b"\0")
     return {
         "source": source,
         "files": len(files),
-        "bytes": total,
+        "bytes": sum(sizes),
         "listing_sha256": listing.hexdigest()[:16],
-        "sample_sha256": sample.hexdigest()[:16],
+        "content_sha256": content.hexdigest()[:16],
     }
 
 

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from et_ode.backend.devices import resolve_device
+from et_ode.backend.memory import memory_named
 from et_ode.energy.checks import check_mask, check_tokens
 from et_ode.energy.energies import EnergyAttention, HopfieldMemory
 from et_ode.energy.masks import Mask
@@ -42,6 +43,7 @@ class EnergyTransformer(nn.Module):
         ValueError: a bad setting, named (``dim``, ``heads``, ``head_dim``, ``memories``, ``hopfield``, ``beta``,
             ``beta_hn``, ``eps``), or a ``device`` this machine does not have.
         TypeError: a ``dtype`` that is not floating.
+        et_ode.backend.memory.OutOfMemoryError: the weights do not fit in memory (naming the sizes).
     """
 
     def __init__(
@@ -66,11 +68,13 @@ class EnergyTransformer(nn.Module):
         if device is not None:
             resolve_device(device)  # a device this machine has (ValueError naming it otherwise)
         self.dim = dim
-        self.neuron = LayerNormNeuron(dim, eps=eps, positive_gamma=positive_gamma, dtype=dtype, device=device)
-        self.attention = EnergyAttention(
-            dim, heads, head_dim, beta=beta, self_attention=self_attention, dtype=dtype, device=device
-        )
-        self.hopfield = HopfieldMemory(dim, memories, form=hopfield, beta=beta_hn, dtype=dtype, device=device)
+        sizes = f"EnergyTransformer(dim={dim!r}, heads={heads!r}, head_dim={head_dim!r}, memories={memories!r})"
+        with memory_named(sizes, "its weights (2 H Y D + K D numbers) do not fit: choose smaller sizes"):
+            self.neuron = LayerNormNeuron(dim, eps=eps, positive_gamma=positive_gamma, dtype=dtype, device=device)
+            self.attention = EnergyAttention(
+                dim, heads, head_dim, beta=beta, self_attention=self_attention, dtype=dtype, device=device
+            )
+            self.hopfield = HopfieldMemory(dim, memories, form=hopfield, beta=beta_hn, dtype=dtype, device=device)
 
     @classmethod
     def from_tensors(

@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 from torchdiffeq import odeint
 
+from et_ode.backend.memory import memory_named
 from et_ode.backend.validation import check_positive
 from et_ode.dynamics.field import ETField
 from et_ode.energy.checks import check_mask, check_tokens
@@ -59,6 +60,7 @@ from et_ode.integrators.solution import Solution, SolveError, SolveStats, Status
 from et_ode.integrators.stopping import SteadyState
 
 __all__ = ["Attractor", "AttractorError", "AttractorReadout", "default_tol", "find_attractor"]
+MEMORY_ADVICE = "search fewer samples at a time, or use another device"
 
 
 # -- the public entry point ---------------------------------------------------------------------------------------
@@ -204,6 +206,8 @@ def find_attractor(
         ValueError: a bad argument, named: ``x0`` of the wrong shape, empty or not finite, a mask that does not fit
             it, a count or tolerance that is not positive, an unknown ``method``, or a model whose ``gamma`` is not
             positive.
+        et_ode.backend.memory.OutOfMemoryError: the search ran out of memory (naming ``x0``'s shape and the bytes
+            asked for).
     """
     tol = default_tol(x0.dtype) if tol is None and isinstance(x0, Tensor) else tol
     implicit = Implicit() if implicit is None else implicit
@@ -224,34 +228,35 @@ def find_attractor(
     )
     assert tol is not None
     evaluations_before = field.nfe
-    flat, flat_field = flatten(field, x0)
-    found, flow_evaluations = settle(
-        flat_field,
-        flat,
-        flow=flow,
-        handoff=handoff,
-        handoffs=handoffs,
-        segment=segment,
-        max_segments=max_segments,
-        rtol=rtol,
-        atol=atol,
-        tol=tol,
-        method=method,
-        max_iter=max_iter,
-        cg_max_iter=cg_max_iter,
-        lanczos_iterations=lanczos_iterations,
-        zero_tol=zero_tol,
-        seed=seed,
-    )
-    return differentiable(
-        flat_field,
-        found,
-        x0.shape[:-2],
-        implicit_tol=implicit.tol or default_implicit_tol(x0.dtype),
-        implicit_max_iter=implicit.max_iter,
-        flow_evaluations=flow_evaluations,
-        evaluations=field.nfe - evaluations_before,
-    )
+    with memory_named(f"find_attractor: x0 of shape {tuple(x0.shape)} ({x0.dtype}, {x0.device})", MEMORY_ADVICE):
+        flat, flat_field = flatten(field, x0)
+        found, flow_evaluations = settle(
+            flat_field,
+            flat,
+            flow=flow,
+            handoff=handoff,
+            handoffs=handoffs,
+            segment=segment,
+            max_segments=max_segments,
+            rtol=rtol,
+            atol=atol,
+            tol=tol,
+            method=method,
+            max_iter=max_iter,
+            cg_max_iter=cg_max_iter,
+            lanczos_iterations=lanczos_iterations,
+            zero_tol=zero_tol,
+            seed=seed,
+        )
+        return differentiable(
+            flat_field,
+            found,
+            x0.shape[:-2],
+            implicit_tol=implicit.tol or default_implicit_tol(x0.dtype),
+            implicit_max_iter=implicit.max_iter,
+            flow_evaluations=flow_evaluations,
+            evaluations=field.nfe - evaluations_before,
+        )
 
 
 # -- reading a model's answer at the attractor ----------------------------------------------------------------------

@@ -36,7 +36,8 @@ I_CONTROLLER = (0.0, 1.0, 0.0)  # (pcoeff, icoeff, dcoeff)
 PID_COEFFICIENTS = (0.4, 0.3, 0.0)  # one of diffrax's suggestions for error estimates that do not vary smoothly
 UNDERFLOW_ADVICE = (
     "the dynamics overflowed or became too stiff for the solver there: use float64 (x0 and model), "
-    "tighter rtol/atol, or smaller weights"
+    "tighter rtol/atol, or smaller weights; or t lies far from 0, where the step does not move the time in "
+    "float64 (the field does not depend on time: start t nearer 0)"
 )
 
 Progress = Callable[[Tensor, Tensor], None]

@@ -134,7 +134,14 @@ class Recorder(nn.Module):
         self._last = None
 
     def callback_step(self, t0: Tensor, y0: Tensor, dt: Tensor) -> None:
-        self.start_step(float(t0.detach()), y0)
+        time, step = float(t0.detach()), float(dt.detach())
+        if step > 0 and not time + step > time:  # torchdiffeq would assert "underflow in dt" next
+            raise SolverFailure(
+                f"the step size {step:.3g} that the error control chose does not move the time t={time:.6g}",
+                time,
+                f"{NON_FINITE_ADVICE}; or t lies far from 0 (the field does not depend on time: start t nearer 0)",
+            )
+        self.start_step(time, y0)
 
     def start_step(self, t0: float, y0: Tensor) -> None:
         """A step starts at time ``t0`` from ``y0``: counted, its start kept (the partial solution of a failure), its
@@ -366,7 +373,7 @@ def _to_steady_state(
     finals: list[Tensor | None] = [None] * (x0.shape[0] if per_sample else 1)
     active = torch.arange(len(finals))
     saved: list[tuple[float, Tensor]] = []
-    x, t_start, end_index = x0, t0, 0
+    x, t_start, end_index, restarts = x0, t0, 0, 0
     while len(active):
         t_end = ends[end_index]
         segment_field = field.select(active) if per_sample else field
@@ -406,8 +413,18 @@ def _to_steady_state(
                 saved.append((float(t_end), x.detach()))  # a saved time before the stop: keep it, go on to the next
                 end_index += 1
                 continue
-            if at_end or not bool(converged.any()):
-                ran_out = ~converged if at_end else ran_out
+            if not at_end and not bool(converged.any()):  # the test crossed at a step's end, not on its interpolant
+                restarts += 1  # (the measure at the rounding of its dtype): integrate on from the search's end
+                if restarts > recorder.max_steps:
+                    raise SolverFailure(
+                        f"the steady-state test crossed {stop.description} at step ends but not between them "
+                        f"{restarts} times, by t={float(t_start):.6g}",
+                        float(t_start),
+                        "loosen SteadyState.tol, or use float64 (x0 and model)",
+                    )
+                continue
+            if at_end:
+                ran_out = ~converged
                 converged = torch.ones_like(converged)  # the end of the time span: everyone stops
         for position in torch.nonzero(converged).flatten().tolist():
             index = int(active[position])

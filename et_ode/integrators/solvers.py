@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from et_ode.backend.validation import check_positive
+from et_ode.integrators.fixed_step import step_grid
 
 #: torchdiffeq's adaptive methods; et-ode's own loop runs dopri5, bosh3 and tsit5 (Adaptive.OWN_METHODS)
 AdaptiveMethod = Literal["dopri5", "dopri8", "bosh3", "fehlberg2", "adaptive_heun"]
@@ -271,7 +272,8 @@ class Fixed:
 
     def time_grid(self, t: Tensor | Sequence[float] | None, tau: float, device: torch.device, max_steps: int) -> Tensor:
         """The output times ``(T,)``, float64; :class:`SolverFailure` if the steps they take exceed ``max_steps``;
-        ValueError naming ``t`` if its span is below the float64 resolution of ``step_size`` (no step to take)."""
+        ValueError naming ``t`` if its span is below the float64 resolution of ``step_size`` (no step to take) or its
+        times so far from 0 that a step does not move them (:func:`check_steps_move`)."""
         grid = output_grid(t, device)
         if self.step_size is not None and float((grid[-1] - grid[0]) / self.step_size) + 1.0 == 1.0:
             raise ValueError(
@@ -287,6 +289,8 @@ class Fixed:
                 float(grid[0]),
                 BUDGET_ADVICE,
             )
+        if self.step_size is not None:
+            check_steps_move(step_grid(grid, self.step_size), self.step_size)
         return grid
 
     def torchdiffeq_arguments(self, tau: float, stepping_to_event: bool) -> dict[str, Any]:
@@ -333,18 +337,31 @@ class EulerET:
     def time_grid(self, t: Tensor | Sequence[float] | None, tau: float, device: torch.device, max_steps: int) -> Tensor:
         """``t0 + k alpha tau`` for ``k = 0 .. steps``, float64; ``t`` must be None or ``(t0,)`` with a finite ``t0``
         (anything else, an end time included, is a ValueError naming ``t``); :class:`SolverFailure` before anything is
-        built if ``steps`` exceeds ``max_steps``."""
+        built if ``steps`` exceeds ``max_steps``; ValueError naming ``t`` for a ``t0`` so far from 0 that a step does not
+        move the time (:func:`check_steps_move`)."""
         t0 = _euler_start(t)
         if self.steps > max_steps:
             raise SolverFailure(
                 f"steps={self.steps} is more than max_steps={max_steps}", t0, "raise max_steps or take fewer, larger steps"
             )
-        return t0 + torch.arange(self.steps + 1, dtype=torch.float64, device=device) * (self.alpha * tau)
+        grid = t0 + torch.arange(self.steps + 1, dtype=torch.float64) * (self.alpha * tau)
+        check_steps_move(grid, self.alpha * tau)
+        return grid.to(device)
 
     def torchdiffeq_arguments(self, tau: float, stepping_to_event: bool) -> dict[str, Any]:
         """Without a stop the steps are the grid itself; the event loop of a stop needs the step size."""
         options = dict(step_size=self.alpha * tau) if stepping_to_event else {}
         return dict(method="euler", rtol=CORRECTOR_RTOL, atol=CORRECTOR_ATOL, options=options)
+
+
+def check_steps_move(times: Tensor, step: float) -> None:
+    """Every step of the float64 step times ``times`` ``(S + 1,)`` but a last one (torchdiffeq's grid may end in a
+    step of zero) moves the time: ValueError naming ``t`` where the times lie so far from 0 that a ``step`` does not."""
+    if not bool((times[1:-1] > times[:-2]).all()):
+        raise ValueError(
+            f"t reaches {float(times.abs().max()):.6g}, where a step of {step:g} does not move the time in float64: "
+            f"start t nearer 0 (the field does not depend on time), or take larger steps"
+        )
 
 
 def _euler_start(t: object) -> float:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
 from et_ode.backend.validation import check_positive
@@ -49,7 +51,17 @@ class SteadyState:
         return f"{_MEASURE_NAMES[self.measure]} < {self.tol:g}"
 
     def check(self, x0: Tensor, save: str) -> None:
-        """``per_sample=True`` needs ``save="final"`` and ``x0`` of shape ``(batch, N, D)`` (ValueError naming both)."""
+        """``per_sample=True`` needs ``save="final"`` and ``x0`` of shape ``(batch, N, D)`` (ValueError naming both);
+        ``tol`` must be one the measure resolves in ``x0``'s dtype (ValueError naming ``SteadyState.tol``): an RMS is
+        formed from squares, which lose their precision below the dtype's smallest normal number and then vanish, so
+        nothing below its square root (1.1e-19 in float32, 1.5e-154 in float64) is told apart from 0."""
+        floor = math.sqrt(torch.finfo(x0.dtype).tiny)
+        if self.tol < floor:
+            raise ValueError(
+                f"SteadyState.tol={self.tol:g} is below what the measure resolves in x0's dtype {x0.dtype} "
+                f"({floor:.3g}: an RMS of squares cannot tell smaller values from 0), so the stop could not be "
+                f"met; use tol >= {floor:.3g}, or float64 (x0 and model)"
+            )
         if self.per_sample and (save != "final" or x0.dim() != 3):
             raise ValueError(
                 f"SteadyState(per_sample=True) needs save='final' and x0 of shape (batch, N, D); got "

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from et_ode.backend import runtime
+from et_ode.backend.memory import memory_named
 from et_ode.backend.validation import check_positive
 from et_ode.dynamics.field import ETField
 from et_ode.energy.checks import check_mask, check_tokens
@@ -27,6 +28,7 @@ from et_ode.integrators.stopping import SteadyState
 from et_ode.solving.gradients import Gradient, as_gradient
 
 SAVES = ("all", "steps", "final")
+MEMORY_ADVICE = "solve fewer samples at a time, save='final' instead of every state, or use another device"
 
 
 def solve(
@@ -75,9 +77,13 @@ def solve(
             the wrong shape, with N = 0 or an empty batch, non-finite, too large for its dtype (the LayerNorm's
             variance overflows: use float64), half precision with an adaptive method, or on another device; a
             settings object's rule (``Implicit`` without a stop, a stop with ``Fixed`` without a step size,
-            ``SteadyState(per_sample=True)`` without ``save="final"`` and a ``(batch, N, D)`` state).
+            ``SteadyState(per_sample=True)`` without ``save="final"`` and a ``(batch, N, D)`` state); what ``x0``'s
+            dtype cannot hold: times ``t`` beyond its range (or, with a stop and fixed steps, where a step does not
+            move the time), a ``SteadyState.tol`` below what the measure resolves in it.
         SolveError: too many steps, step-size underflow, or a non-finite state (the message says where and what to
             try); ``error.solution`` holds the partial solution (``status`` FAILED).
+        et_ode.backend.memory.OutOfMemoryError: the solve ran out of memory (naming ``x0``'s shape and the bytes asked
+            for).
     """
     if not isinstance(field, ETField):
         raise TypeError(f"field must be an et_ode.ETField, got {type(field).__name__}")
@@ -106,7 +112,11 @@ def solve(
     started = time.perf_counter()
     try:
         grid = solver.time_grid(t, field.tau, x0.device, max_steps)
-        with _progress_bar(progress, grid, solver.name, delay) as bar:
+        _check_times(grid, x0.dtype, solver, stop, field.tau)
+        with (
+            _progress_bar(progress, grid, solver.name, delay) as bar,
+            memory_named(f"solve: x0 of shape {tuple(x0.shape)} ({x0.dtype}, {x0.device})", MEMORY_ADVICE),
+        ):
             record.bar, record.t0 = bar, float(grid[0])
             result = gradient.run(Problem(field, x0, grid, solver, stop, save, max_steps, record))
     except SolverFailure as failure:
@@ -128,6 +138,27 @@ def solve(
         steady_state_measure=None if stop is None else stop.measure,
     )
     return Solution(ts=result.ts, xs=result.xs, x=result.x, g=result.g, stats=stats, field=field)
+
+
+def _check_times(grid: Tensor, dtype: torch.dtype, solver: Solver, stop: SteadyState | None, tau: float) -> None:
+    """The times of a solve, representable in the state's ``dtype`` (ValueError naming ``t``): the solvers hand the
+    field its times in that dtype, and a fixed-step stop (torchdiffeq's event loop) counts time in it, so each of its
+    steps must move the time at the end of the span."""
+    largest, finfo = float(grid.abs().max()), torch.finfo(dtype)
+    if largest > finfo.max:
+        raise ValueError(
+            f"t reaches {largest:.3g}, beyond the largest {dtype} number ({finfo.max:.3g}), x0's dtype, in which the "
+            f"solver hands the field its times: shorten t, or use float64 (x0 and model)"
+        )
+    step = None if stop is None or solver.adaptive else solver.torchdiffeq_arguments(tau, True)["options"].get("step_size")
+    if step is not None:
+        end = torch.tensor(largest, dtype=dtype)
+        if not bool(end + torch.tensor(step, dtype=dtype) > end):
+            raise ValueError(
+                f"t reaches {largest:.6g}, where a step of {step:g} does not move the time in x0's dtype {dtype} (a stop "
+                f"with fixed steps counts time in it): start t nearer 0 (the field does not depend on time), take "
+                f"larger steps, or use float64 (x0 and model)"
+            )
 
 
 @contextlib.contextmanager

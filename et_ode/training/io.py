@@ -10,14 +10,25 @@ the file can run code; torch >= 2.6).
 from __future__ import annotations
 
 import os
+import zipfile
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 
+from et_ode.backend.memory import is_out_of_memory, memory_named
+from et_ode.data._files import MAX_EXPANSION, MAX_EXPANSION_BYTES
 from et_ode.energy.model import EnergyTransformer
 from et_ode.models.image import check_model_size
-from et_ode.training.statefile import FileFormatError, atomic_write, check_file, describe
+from et_ode.training.statefile import (
+    MAX_ARRAY_ELEMENTS,
+    FileFormatError,
+    atomic_write,
+    check_file,
+    describe,
+    read_tensors,
+)
 
 FORMAT = "et-ode/energy-transformer/1"
 
@@ -72,6 +83,7 @@ def load_model(
             or corrupt, holds objects other than data (refused unread), or is not a complete et-ode model file
             (wrong format, missing entries, sizes beyond ``et_ode.models.image.MAX_PARAMETERS``, weights that do
             not fit the settings); naming the file and the entry.
+        et_ode.backend.memory.OutOfMemoryError: the model does not fit in memory.
     """
     path = Path(path)
     if not path.exists():
@@ -86,8 +98,11 @@ def load_model(
             f"or use the et_block.pt that `et-ode train image` writes beside the checkpoint"
         )
     try:
-        blob = torch.load(path, map_location=map_location, weights_only=True)
+        with memory_named(f"loading the model file {path}"):
+            blob = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as error:  # torch raises several types for damaged archives and refused objects
+        if isinstance(error, MemoryError):
+            raise
         reason = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
         raise FileFormatError(
             path,
@@ -117,3 +132,82 @@ def load_model(
         ) from None
     meta = blob.get("meta", {})
     return model, dict(meta) if isinstance(meta, dict) else {}
+
+
+MAX_STATE_BYTES = 8 * MAX_ARRAY_ELEMENTS + 2**20  # a states file: MAX_ARRAY_ELEMENTS float64 numbers and a header
+
+
+def load_states(path: str | os.PathLike[str], dim: int | None = None, *, name: str = "x0") -> Tensor:
+    """Token states ``(batch, N, D)`` or ``(N, D)`` saved at ``path``: a ``torch.save`` file of one tensor (read with
+    ``torch.load(weights_only=True)``) or a safetensors file of one tensor; data only, so nothing in the file runs.
+
+    Sizes are checked before anything is allocated (the file's, a compressed member's growth, the header's element
+    counts); the tensor is then checked: floating point, dense, two or three dimensions with ``D = dim`` (if given),
+    not empty, finite.
+
+    Raises:
+        FileNotFoundError: no file at ``path``.
+        et_ode.training.statefile.FileFormatError (a ValueError): a file that is not a regular file, larger than
+            ``MAX_STATE_BYTES``, unreadable, holding objects other than data (refused unread), or not one tensor of
+            states as above; the message starts with ``name`` and names the file.
+        et_ode.backend.memory.OutOfMemoryError: the states do not fit in memory.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{name}: no file at {path.resolve()} (expected token states (batch, N, D))")
+    check_file(path, f"{name} file", MAX_STATE_BYTES)
+    with memory_named(f"{name}: loading {path}"):
+        states = _read_states(path, name)
+    return _checked_states(states, path, dim, name)
+
+
+def _read_states(path: Path, name: str) -> object:
+    """The one object of a safetensors or ``torch.save`` file (a zip whose members may not expand beyond reason)."""
+    if describe(path).startswith("a safetensors file"):
+        tensors = read_tensors(path, f"{name} file")
+        if len(tensors) != 1:
+            raise FileFormatError(path, None, f"{name}: {path} holds {len(tensors)} tensors, not one", named=True)
+        return next(iter(tensors.values()))
+    if zipfile.is_zipfile(path):
+        with zipfile.ZipFile(path) as archive:
+            for info in archive.infolist():
+                if info.file_size > MAX_EXPANSION_BYTES and info.file_size > MAX_EXPANSION * max(info.compress_size, 1):
+                    raise FileFormatError(
+                        path, info.filename, f"{name}: {info.compress_size} compressed bytes expand to {info.file_size}"
+                    )
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # torch raises several types for damaged archives and refused objects
+        if is_out_of_memory(error):
+            raise
+        reason = " ".join(str(error).split())[:200] or type(error).__name__
+        raise FileFormatError(
+            path,
+            None,
+            f"{name}: {path} is not a readable torch-saved tensor (truncated or corrupt, or holding objects "
+            f"other than tensors, refused unread by weights_only=True): {reason}",
+            named=True,
+        ) from None
+
+
+def _checked_states(states: object, path: Path, dim: int | None, name: str) -> Tensor:
+    """``states`` if it is one dense, finite floating tensor ``(batch, N, D)`` or ``(N, D)`` (``D = dim``), not empty."""
+
+    def refuse(problem: str) -> FileFormatError:
+        return FileFormatError(path, None, f"{name}: {path} {problem}", named=True)
+
+    if not isinstance(states, Tensor):
+        raise refuse(f"holds a {type(states).__name__}, not a tensor of states (batch, N, D)")
+    if states.layout != torch.strided:
+        raise refuse(f"holds a {states.layout} tensor, not a dense one")
+    if not states.is_floating_point():
+        raise refuse(f"holds {states.dtype} values, not floating point")
+    shape = tuple(states.shape)
+    if states.dim() not in (2, 3) or (dim is not None and shape[-1] != dim) or states.numel() == 0:
+        wanted = f"(batch, N, D) or (N, D) with D={dim}" if dim is not None else "(batch, N, D) or (N, D)"
+        raise refuse(f"holds states of shape {shape}, not {wanted} with at least one token")
+    if states.numel() > MAX_ARRAY_ELEMENTS:
+        raise refuse(f"holds {states.numel()} numbers, more than the {MAX_ARRAY_ELEMENTS} et-ode reads")
+    if not bool(torch.isfinite(states).all()):
+        raise refuse("holds NaN or infinite values")
+    return states

@@ -281,6 +281,30 @@ def load_state(
     return state
 
 
+def read_tensors(path: str | os.PathLike[str], what: str) -> dict[str, Tensor]:
+    """The tensors of the safetensors file ``path`` (whatever its metadata), on the CPU; never runs code.
+
+    Raises:
+        FileNotFoundError: no file at ``path``.
+        FileFormatError (a ValueError): not a regular file or too large (:func:`check_file`); not a safetensors file
+            (the message says what it is); a ``__metadata__`` that is not a table of strings; a header entry that is
+            not a tensor or declares too many elements (checked before anything is allocated); truncated or corrupt
+            data; naming ``path`` (calling it ``what``) and the key at fault.
+    """
+    path = Path(path)
+    check_file(path, what)
+    raw = path.read_bytes()
+    header = _header(raw)
+    if header is None:
+        raise FileFormatError(path, None, f"the {what} is not a safetensors file: {describe(path)}")
+    _metadata(header, path)
+    _check_tensor_headers(header, path)
+    try:
+        return load_tensors(raw)
+    except SafetensorError as error:
+        raise FileFormatError(path, None, f"the {what} is truncated or corrupt: {error}") from None
+
+
 def _metadata(header: dict[str, Any], path: Path) -> dict[str, str]:
     """The ``__metadata__`` table of a safetensors header: FileFormatError naming it unless strings to strings."""
     meta = header.get("__metadata__", {})

@@ -450,6 +450,104 @@ def test_image_readers_on_generated_png_headers(tmp_path_factory, width, height,
             assert width * height <= MAX_IMAGE_PIXELS and image.numel() > 0
 
 
+STATE_DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.bool, torch.complex64]
+
+
+@st.composite
+def saved_objects(draw):
+    """What a states file may hold: a tensor of any small shape and dtype, sometimes with a special value, or another
+    object (a dict of tensors, a list, a number, a string)."""
+    kind = draw(st.sampled_from(["tensor"] * 6 + ["dict", "list", "number", "text"]))
+    if kind == "dict":
+        return {"x0": torch.zeros(1, 2, D)}
+    if kind == "list":
+        return [torch.zeros(2, D)]
+    if kind == "number":
+        return draw(st.floats(allow_nan=True))
+    if kind == "text":
+        return draw(st.text(max_size=8))
+    shape = draw(st.lists(st.integers(0, 3), max_size=4))
+    if shape and draw(st.booleans()):
+        shape[-1] = D
+    generator = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    x = torch.randn(shape, generator=generator, dtype=torch.float64) * draw(st.sampled_from([1e-3, 1.0, 1e30]))
+    if x.numel() and draw(st.booleans()):
+        x.view(-1)[draw(st.integers(0, x.numel() - 1))] = draw(SPECIAL)
+    return x.to(draw(st.sampled_from(STATE_DTYPES)))
+
+
+@FUZZ
+@given(
+    value=saved_objects(),
+    container=st.sampled_from(["torch", "torch", "safetensors"]),
+    cut=st.sampled_from([1.0, 1.0, 1.0, 0.9, 0.5, 0.0]),
+    flips=st.lists(st.integers(0, 10**6), max_size=3),
+)
+def test_states_loader_on_generated_files(tmp_path_factory, value, container, cut, flips):
+    """``load_states`` (``et-ode analyze --x0``) on any saved object, whole or damaged: dense finite floating states
+    ``(batch, N, D)`` or ``(N, D)``, or a FileFormatError naming the file; no code runs, nothing unbounded."""
+    from safetensors.torch import save_file
+
+    from et_ode.training.io import load_states
+    from et_ode.training.statefile import FileFormatError
+
+    path = tmp_path_factory.mktemp("states") / "x0.pt"
+    if container == "safetensors" and isinstance(value, torch.Tensor):
+        save_file({"x0": value.contiguous()}, path)
+    else:
+        torch.save(value, path)
+    raw = bytearray(path.read_bytes())
+    for flip in flips:
+        raw[flip % len(raw)] ^= 0xFF
+    path.write_bytes(bytes(raw[: int(len(raw) * cut)]))
+    states = expect(lambda: load_states(path, D), (FileFormatError,), (str(path),))
+    if states is not None:
+        assert isinstance(states, torch.Tensor) and states.is_floating_point() and states.layout == torch.strided
+        assert states.dim() in (2, 3) and states.shape[-1] == D and states.numel() > 0
+        assert bool(torch.isfinite(states).all())
+
+
+OFFICIAL_DTYPES = ["<f4", "<f8", ">f4", "<f2", "<i8", "|b1"]
+
+
+@FUZZ
+@given(
+    key=st.sampled_from(["Xi", "Wk", "Wq", "LNORM_gamma", "LNORM_bias", "POS_embed", "Wenc", "Bdec", "CLS_token"]),
+    reshape=st.sampled_from(["same", "same", "scalar", "empty", "grow", "transpose"]),
+    dtype=st.sampled_from(OFFICIAL_DTYPES),
+    special=st.one_of(st.none(), SPECIAL),
+    seed=st.integers(0, 2**16),
+)
+def test_official_loader_on_generated_members(tmp_path_factory, fixtures, key, reshape, dtype, special, seed):
+    """The official checkpoint with one array replaced by a generated one (another shape, dtype or byte order, a
+    special value): an ImageET whose weights are finite, or a FileFormatError naming the file."""
+    import numpy as np
+
+    from et_ode.models.official import load_official
+    from et_ode.training.statefile import FileFormatError
+
+    with np.load(fixtures / "official-format" / "plaindict_ckpt.npz", allow_pickle=False) as archive:
+        arrays = dict(archive)
+    array = arrays[key]
+    shape = {
+        "same": array.shape,
+        "scalar": (),
+        "empty": (0, *array.shape[1:]),
+        "grow": (*array.shape[:-1], array.shape[-1] + 1) if array.ndim else (2,),
+        "transpose": array.shape[::-1],
+    }[reshape]
+    generated = np.random.default_rng(seed).normal(size=shape)
+    if special is not None and generated.size:
+        generated.reshape(-1)[seed % generated.size] = special
+    with np.errstate(invalid="ignore", over="ignore"):
+        arrays[key] = generated.astype(np.dtype(dtype))
+    path = tmp_path_factory.mktemp("official") / "checkpoint.npz"
+    np.savez(path, **arrays)
+    model = expect(lambda: load_official(path, (3, 32, 32), 8), (FileFormatError,), (str(path),))
+    if model is not None:
+        assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
 # ---------------------------------------------------------------------------------------------- the CLI
 TRAIN_OPTIONS = {
     "--patch": st.sampled_from(["0", "1", "2", "3", "x"]),

@@ -201,7 +201,7 @@ def test_a_resume_on_changed_data_is_refused_with_the_difference(tmp_path):
     with claim(out, {"lr": 1}, resume=True, data=data_fingerprint("png", data)):
         pass  # the same data
     _pngs(data, 5, seed=1)  # every image replaced by another of the same size
-    with pytest.raises(RunFolderError, match=r"the data differ(.|\n)*sample_sha256"):
+    with pytest.raises(RunFolderError, match=r"the data differ(.|\n)*content_sha256"):
         with claim(out, {"lr": 1}, resume=True, data=data_fingerprint("png", data)):
             pass
     _pngs(data, 6, seed=0)  # one image more
@@ -299,4 +299,4 @@ def test_graph_runs_fingerprint_the_files_they_read(tmp_path):
     before = files_fingerprint(files, "graph")
     (raw / "T_A.txt").write_text("2, 1\n")  # same size, other edges
     after = files_fingerprint(_data_files(args), "graph")
-    assert before["bytes"] == after["bytes"] and before["sample_sha256"] != after["sample_sha256"]
+    assert before["bytes"] == after["bytes"] and before["content_sha256"] != after["content_sha256"]

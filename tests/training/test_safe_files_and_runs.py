@@ -1,5 +1,6 @@
-"""Reliability and security (issue 14): no file the library reads can run code; runs never clobber each other;
-every bad input gets a documented exception that names the argument."""
+"""Reliability and security: no file the library reads can run code, and each is checked before use; runs never
+clobber each other and resume only on the data they read; every bad input gets a documented exception that names the
+argument."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from et_ode.cli import build_parser, main
 from et_ode.models.image import ImageET
 from et_ode.tasks.demo import demo
 from et_ode.tasks.image import ImageRunConfig
-from et_ode.training.io import FORMAT, load_model, model_config, save_model
+from et_ode.training.io import FORMAT, load_model, load_states, model_config, save_model
 from et_ode.training.runs import LOCK_NAME, RunFolderError, claim
 from et_ode.training.train import CHECKPOINT_NAME, TrainConfig, fit, load_checkpoint, save_checkpoint
 from tests.conftest import random_model
@@ -127,8 +128,6 @@ def test_payload_through_the_cli_is_refused_unrun(tmp_path, capsys):
 
 
 def test_payload_in_a_model_file_or_states_file_is_refused_unrun(tmp_path):
-    from et_ode.cli.analyze import load_states
-
     marker = tmp_path / "pwned"
     model = random_model()
     path = planted(
@@ -141,6 +140,80 @@ def test_payload_in_a_model_file_or_states_file_is_refused_unrun(tmp_path):
     with pytest.raises(ValueError, match="x0: .* is not a readable torch-saved tensor"):
         load_states(states)
     assert not marker.exists()
+
+
+def _sparse_states() -> torch.Tensor:
+    return torch.eye(8, dtype=torch.float64).to_sparse()
+
+
+HOSTILE_STATES = {  # what the file holds -> what the refusal says
+    "a dict": (lambda: {"x0": torch.zeros(1, 2, 8)}, "holds a dict, not a tensor"),
+    "integers": (lambda: torch.zeros(1, 2, 8, dtype=torch.int64), "torch.int64 values, not floating point"),
+    "complex numbers": (lambda: torch.zeros(1, 2, 8, dtype=torch.complex64), "not floating point"),
+    "a sparse tensor": (_sparse_states, "sparse_coo tensor, not a dense one"),
+    "another token size": (lambda: torch.zeros(1, 2, 5), r"shape \(1, 2, 5\), not \(batch, N, D\) or \(N, D\) with D=8"),
+    "no tokens": (lambda: torch.zeros(3, 0, 8), r"shape \(3, 0, 8\)"),
+    "one dimension": (lambda: torch.zeros(8), r"shape \(8,\)"),
+    "NaN": (lambda: torch.tensor([[[float("nan")] * 8]]), "NaN or infinite"),
+    "inf": (lambda: torch.full((2, 8), float("inf")), "NaN or infinite"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(HOSTILE_STATES))
+def test_a_states_file_is_checked_before_use(tmp_path, kind):
+    from et_ode.training.statefile import FileFormatError
+
+    make, problem = HOSTILE_STATES[kind]
+    path = tmp_path / "x0.pt"
+    torch.save(make(), path)
+    with pytest.raises(FileFormatError, match=rf"^x0: {path} .*{problem}"):
+        load_states(path, 8)
+
+
+def test_states_files_within_limits_load_and_others_are_refused_unread(tmp_path, monkeypatch):
+    import zipfile
+
+    from safetensors.torch import save_file
+
+    from et_ode.training import io
+    from et_ode.training.statefile import FileFormatError
+
+    states = torch.randn(2, 3, 8, dtype=torch.float64) * 1e30  # large, but finite: loaded as it is
+    torch.save(states, tmp_path / "x0.pt")
+    save_file({"x0": states.float()}, tmp_path / "x0.safetensors")
+    assert torch.equal(load_states(tmp_path / "x0.pt", 8), states)
+    assert torch.equal(load_states(tmp_path / "x0.safetensors", 8), states.float())
+    assert load_states(tmp_path / "x0.pt").shape == (2, 3, 8)  # any token size when none is asked for
+    save_file({"a": states, "b": states.clone()}, tmp_path / "two.safetensors")
+    with pytest.raises(FileFormatError, match="holds 2 tensors, not one"):
+        load_states(tmp_path / "two.safetensors", 8)
+    header = json.dumps({"x0": {"dtype": "F64", "shape": [2**40, 8], "data_offsets": [0, 8]}}).encode()
+    (tmp_path / "huge.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + bytes(8))
+    with pytest.raises(FileFormatError, match=r"huge.safetensors, key 'x0': its header declares 8796093022208 elements"):
+        load_states(tmp_path / "huge.safetensors", 8)
+    with pytest.raises(FileNotFoundError, match="x0: no file at"):
+        load_states(tmp_path / "missing.pt", 8)
+    with pytest.raises(FileFormatError, match="not a regular file"):
+        load_states(tmp_path, 8)
+    monkeypatch.setattr(io, "MAX_STATE_BYTES", 100)
+    with pytest.raises(FileFormatError, match=r"x0.pt: the x0 file holds \d+ bytes, more than the 100"):
+        load_states(tmp_path / "x0.pt", 8)
+    monkeypatch.undo()
+    monkeypatch.setattr(io, "MAX_EXPANSION_BYTES", 2**12)  # a member of zeros that expands far beyond its size
+    with zipfile.ZipFile(tmp_path / "bomb.pt", "w", zipfile.ZIP_DEFLATED) as archive:
+        archive.writestr("archive/data/0", bytes(2**16))
+    with pytest.raises(FileFormatError, match=r"bomb.pt, key 'archive/data/0': x0: \d+ compressed bytes expand to 65536"):
+        load_states(tmp_path / "bomb.pt", 8)
+
+
+def test_the_analyze_command_reads_its_states_through_the_checks(tmp_path, capsys):
+    torch.save(torch.zeros(1, 2, 8, dtype=torch.int64), tmp_path / "ints.pt")
+    argv = ["analyze", "--x0", str(tmp_path / "ints.pt"), "--out", str(tmp_path / "a"), "--no-progress"]
+    assert main([*argv, "--dim", "8"]) == 2
+    assert "not floating point" in capsys.readouterr().err
+    torch.save(torch.zeros(1, 2, 8), tmp_path / "d8.pt")
+    assert main(["analyze", "--x0", str(tmp_path / "d8.pt"), "--out", str(tmp_path / "b"), "--dim", "6"]) == 2
+    assert "with D=6" in capsys.readouterr().err
 
 
 def test_a_crafted_safetensors_header_cannot_reach_anything_but_data(tmp_path):
@@ -502,3 +575,59 @@ def test_tu_empty_edges_blank_lines_and_huge_labels(mutag, fixtures):
     edges.write_text("")
     with pytest.raises(ValueError, match=r"MUTAG_A.txt: no edges"):
         read_tu(mutag.parents[1], "MUTAG")
+
+
+# ============================================================================================ data fingerprints
+def _noise_png(path: Path, seed: int) -> None:
+    from PIL import Image
+
+    pixels = torch.randint(0, 256, (8, 8), generator=torch.Generator().manual_seed(seed), dtype=torch.uint8)
+    Image.fromarray(pixels.numpy()).save(path, compress_level=0)  # stored, not compressed: one size for every image
+
+
+def test_replacing_any_one_file_of_a_training_set_is_caught_on_resume(tmp_path):
+    """40 images, each replaced in turn by another of the same name and size: every replacement is refused on a
+    resume (a fingerprint hashing a sample of 16 files would miss most of them)."""
+    from et_ode.data.images import data_fingerprint
+
+    data, out = tmp_path / "pngs", tmp_path / "run"
+    data.mkdir()
+    for k in range(40):
+        _noise_png(data / f"p{k:02d}__a.png", seed=k)
+    with claim(out, {"lr": 1}, data=data_fingerprint("png", data)) as folder:
+        (folder / "checkpoint.safetensors").write_bytes(b"weights")
+    for k, file in enumerate(sorted(data.iterdir())):
+        original = file.read_bytes()
+        _noise_png(file, seed=1000 + k)
+        assert file.stat().st_size == len(original) and file.read_bytes() != original
+        with pytest.raises(RunFolderError, match=r"the data differ(.|\n)*content_sha256"):
+            with claim(out, {"lr": 1}, resume=True, data=data_fingerprint("png", data)):
+                pass
+        file.write_bytes(original)
+    with claim(out, {"lr": 1}, resume=True, data=data_fingerprint("png", data)):
+        pass  # the data restored: the run resumes
+
+
+def test_a_fingerprint_beyond_its_budget_reads_the_start_and_end_of_every_file(tmp_path, monkeypatch):
+    from et_ode.data import images
+
+    monkeypatch.setattr(images, "FINGERPRINT_BYTES", 64)
+    monkeypatch.setattr(images, "FINGERPRINT_FILE_BYTES", 16)  # 4 files of 100 bytes: 16 read of each
+    files = [tmp_path / f"f{k}.bin" for k in range(4)]
+    for file in files:
+        file.write_bytes(bytes(range(100)))
+    before = images.files_fingerprint(files, "test")
+    for where, caught in ((0, True), (99, True), (7, True), (92, True), (50, False)):
+        data = bytearray(files[2].read_bytes())
+        data[where] ^= 0xFF
+        files[2].write_bytes(bytes(data))
+        after = images.files_fingerprint(files, "test")
+        assert (after["content_sha256"] != before["content_sha256"]) is caught, where
+        data[where] ^= 0xFF
+        files[2].write_bytes(bytes(data))
+    monkeypatch.undo()  # within the default budget every byte is read
+    whole = images.files_fingerprint(files, "test")
+    data = bytearray(files[2].read_bytes())
+    data[50] ^= 0xFF
+    files[2].write_bytes(bytes(data))
+    assert images.files_fingerprint(files, "test")["content_sha256"] != whole["content_sha256"]

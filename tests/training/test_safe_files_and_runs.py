@@ -216,6 +216,18 @@ def test_the_analyze_command_reads_its_states_through_the_checks(tmp_path, capsy
     assert "with D=6" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # one analysis report (half a minute on two busy cores)
+def test_analyze_on_a_state_of_1e30_finishes_within_its_budgets(tmp_path):
+    states = torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 1e30
+    torch.save(states, tmp_path / "big.pt")
+    out = tmp_path / "report"
+    size = ["--dim", "8", "--heads", "2", "--head-dim", "4", "--memories", "16", "--t1", "5", "--points", "11"]
+    started = time.perf_counter()
+    assert main(["analyze", "--x0", str(tmp_path / "big.pt"), *size, "--out", str(out), "--no-progress"]) == 0
+    assert time.perf_counter() - started < 600
+    assert json.loads((out / "report.json").read_text())["initial_states"] == [2, 4, 8]
+
+
 def test_a_crafted_safetensors_header_cannot_reach_anything_but_data(tmp_path):
     from safetensors.torch import save
 

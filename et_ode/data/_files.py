@@ -20,6 +20,8 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from et_ode.backend.memory import memory_named
+
 MAX_FILE_BYTES = 2**33  # 8 GiB: the largest state, model or archive file read
 MAX_ARRAY_ELEMENTS = 2**28  # elements of one array (1 GiB of float32), checked from the file's header before reading
 MAX_TOTAL_ELEMENTS = 2**29  # all the arrays of one file together
@@ -97,6 +99,7 @@ def read_npz(
         FileNotFoundError: no file at ``path``.
         FileFormatError: not an ``.npz`` archive, a key missing, an object (pickled) array, a header that does not
             match its data, too many elements, or an empty array without ``allow_empty``; naming ``path`` and the key.
+        et_ode.backend.memory.OutOfMemoryError: an array does not fit in memory.
     """
     path = Path(path)
     check_file(path, what)
@@ -114,7 +117,8 @@ def read_npz(
                 )
             total, arrays = 0, {}
             for key in keys:
-                arrays[key] = _read_member(archive, members[key], path, key, max_elements, allow_empty)
+                with memory_named(f"{path}, key {key!r}: reading the {what}"):
+                    arrays[key] = _read_member(archive, members[key], path, key, max_elements, allow_empty)
                 total += arrays[key].size
                 if total > MAX_TOTAL_ELEMENTS:
                     raise FileFormatError(path, key, f"the arrays hold more than {MAX_TOTAL_ELEMENTS} elements")

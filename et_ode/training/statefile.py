@@ -29,6 +29,7 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 from torch import Tensor
 
+from et_ode.backend.memory import memory_named
 from et_ode.data._files import (  # noqa: F401 (FileFormatError and the checks are part of this module's API)
     MAX_ARRAY_ELEMENTS,
     MAX_FILE_BYTES,
@@ -235,10 +236,12 @@ def load_state(
             corrupt; a pickle; a header entry that is not a tensor, declares too many elements, or a
             ``__metadata__`` that is not a table of strings; or another format (the message says which), naming
             ``path`` (calling it ``what``) and the key at fault.
+        et_ode.backend.memory.OutOfMemoryError: the file's tensors do not fit in memory.
     """
     path = Path(path)
     check_file(path, what)
-    raw = path.read_bytes()
+    with memory_named(f"loading the {what} {path}"):
+        raw = path.read_bytes()
     if not raw:
         raise FileFormatError(path, None, f"{what} {path} is empty (0 bytes): truncated or corrupt", named=True)
     header = _header(raw)
@@ -264,7 +267,8 @@ def load_state(
         )
     _check_tensor_headers(header, path)
     try:
-        tensors = load_tensors(raw)
+        with memory_named(f"loading the {what} {path}"):
+            tensors = load_tensors(raw)
         skeleton = json.loads(meta["state"])
         state = _decode(skeleton, tensors)
     except (SafetensorError, KeyError, ValueError, TypeError, RecursionError) as error:
@@ -290,17 +294,20 @@ def read_tensors(path: str | os.PathLike[str], what: str) -> dict[str, Tensor]:
             (the message says what it is); a ``__metadata__`` that is not a table of strings; a header entry that is
             not a tensor or declares too many elements (checked before anything is allocated); truncated or corrupt
             data; naming ``path`` (calling it ``what``) and the key at fault.
+        et_ode.backend.memory.OutOfMemoryError: the file's tensors do not fit in memory.
     """
     path = Path(path)
     check_file(path, what)
-    raw = path.read_bytes()
+    with memory_named(f"loading the {what} {path}"):
+        raw = path.read_bytes()
     header = _header(raw)
     if header is None:
         raise FileFormatError(path, None, f"the {what} is not a safetensors file: {describe(path)}")
     _metadata(header, path)
     _check_tensor_headers(header, path)
     try:
-        return load_tensors(raw)
+        with memory_named(f"loading the {what} {path}"):
+            return load_tensors(raw)
     except SafetensorError as error:
         raise FileFormatError(path, None, f"the {what} is truncated or corrupt: {error}") from None
 

@@ -643,3 +643,39 @@ def test_a_fingerprint_beyond_its_budget_reads_the_start_and_end_of_every_file(t
     data[50] ^= 0xFF
     files[2].write_bytes(bytes(data))
     assert images.files_fingerprint(files, "test")["content_sha256"] != whole["content_sha256"]
+
+
+def test_a_file_whose_contents_exceed_memory_is_named(tmp_path, monkeypatch):
+    """An allocation that fails while a loader reads (planted: the allocators' own errors) is an OutOfMemoryError
+    naming the file, never the allocator's message."""
+    import numpy as np
+
+    from et_ode import OutOfMemoryError
+    from et_ode.data import _files
+    from et_ode.training import io, statefile
+
+    cpu = RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 2147483648 bytes.")
+
+    def fails(*args, **kwargs):
+        raise cpu
+
+    save_checkpoint(tmp_path / "c.safetensors", {"model": {"w": torch.arange(3.0)}})
+    monkeypatch.setattr(statefile, "load_tensors", fails)
+    with pytest.raises(OutOfMemoryError, match=r"c.safetensors: out of memory \(an allocation of 2.15 GB failed\)"):
+        load_checkpoint(tmp_path / "c.safetensors")
+    np.savez(tmp_path / "a.npz", Xi=np.zeros((2, 3), dtype=np.float32))
+    monkeypatch.setattr(_files, "_read_exactly", lambda stream, size: np.empty(10**13))  # NumPy's own MemoryError
+    named = r"a.npz, key 'Xi': reading the archive: out of memory \(an allocation of 80 TB failed\)"
+    with pytest.raises(OutOfMemoryError, match=named):
+        _files.read_npz(tmp_path / "a.npz", ["Xi"], what="archive")
+    torch.save(torch.zeros(1, 2, 8), tmp_path / "x0.pt")
+
+    def cuda_fails(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.00 GiB.")
+
+    monkeypatch.setattr(io.torch, "load", cuda_fails)
+    with pytest.raises(OutOfMemoryError, match=r"x0: loading .*x0.pt: out of memory \(an allocation of 3.22 GB failed\)"):
+        load_states(tmp_path / "x0.pt", 8)
+    with pytest.raises(OutOfMemoryError, match=r"the model file .*m.pt: out of memory"):
+        save_model(random_model(), tmp_path / "m.pt")
+        load_model(tmp_path / "m.pt")

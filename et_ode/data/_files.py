@@ -3,9 +3,9 @@ anything is allocated.
 
 :class:`FileFormatError` is a ValueError naming the file and the key at fault. :func:`check_file` accepts a regular
 file (not a folder, device or pipe) within a size, :func:`check_elements` an array size declared in a header within a
-count, and :func:`read_npz` reads an ``.npz`` archive with every member's header checked first. The limits are
-``MAX_FILE_BYTES``, ``MAX_ARRAY_ELEMENTS``, ``MAX_TOTAL_ELEMENTS``, ``MAX_EXPANSION`` and ``MAX_EXPANSION_BYTES``
-(a compressed member's growth).
+count, :func:`read_npz` reads an ``.npz`` archive with every member's header checked first, and :func:`is_zip` tells
+a zip archive, damaged or not. The limits are ``MAX_FILE_BYTES``, ``MAX_ARRAY_ELEMENTS``, ``MAX_TOTAL_ELEMENTS``,
+``MAX_EXPANSION`` and ``MAX_EXPANSION_BYTES`` (a compressed member's growth).
 """
 
 from __future__ import annotations
@@ -80,6 +80,15 @@ def check_elements(
     return count
 
 
+def is_zip(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a zip archive (an ``.npz``, a ``torch.save`` file), damaged ones included: ``zipfile``'s own
+    test raises on some corrupt end records instead of answering."""
+    try:
+        return zipfile.is_zipfile(path)
+    except (zipfile.BadZipFile, ValueError):
+        return True
+
+
 def read_npz(
     path: str | os.PathLike[str],
     keys: Sequence[str],
@@ -103,7 +112,7 @@ def read_npz(
     """
     path = Path(path)
     check_file(path, what)
-    if not zipfile.is_zipfile(path):
+    if not is_zip(path):
         raise FileFormatError(path, None, f"the {what} is not an .npz archive (a zip of .npy arrays)")
     try:
         with zipfile.ZipFile(path) as archive:

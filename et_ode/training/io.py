@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from et_ode.backend.memory import is_out_of_memory, memory_named
-from et_ode.data._files import MAX_EXPANSION, MAX_EXPANSION_BYTES
+from et_ode.data._files import MAX_EXPANSION, MAX_EXPANSION_BYTES, is_zip
 from et_ode.energy.model import EnergyTransformer
 from et_ode.models.image import check_model_size
 from et_ode.training.statefile import (
@@ -168,13 +168,8 @@ def _read_states(path: Path, name: str) -> object:
         if len(tensors) != 1:
             raise FileFormatError(path, None, f"{name}: {path} holds {len(tensors)} tensors, not one", named=True)
         return next(iter(tensors.values()))
-    if zipfile.is_zipfile(path):
-        with zipfile.ZipFile(path) as archive:
-            for info in archive.infolist():
-                if info.file_size > MAX_EXPANSION_BYTES and info.file_size > MAX_EXPANSION * max(info.compress_size, 1):
-                    raise FileFormatError(
-                        path, info.filename, f"{name}: {info.compress_size} compressed bytes expand to {info.file_size}"
-                    )
+    if is_zip(path):
+        _check_members(path, name)
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # torch raises several types for damaged archives and refused objects
@@ -188,6 +183,22 @@ def _read_states(path: Path, name: str) -> object:
             f"other than tensors, refused unread by weights_only=True): {reason}",
             named=True,
         ) from None
+
+
+def _check_members(path: Path, name: str) -> None:
+    """The members of the zip archive ``path`` (a ``torch.save`` file): readable, none expanding beyond reason."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            members = archive.infolist()
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError, NotImplementedError) as error:
+        raise FileFormatError(
+            path, None, f"{name}: {path} is not a readable torch-saved tensor (a damaged zip archive: {error})", named=True
+        ) from None
+    for info in members:
+        if info.file_size > MAX_EXPANSION_BYTES and info.file_size > MAX_EXPANSION * max(info.compress_size, 1):
+            raise FileFormatError(
+                path, info.filename, f"{name}: {info.compress_size} compressed bytes expand to {info.file_size}"
+            )
 
 
 def _checked_states(states: object, path: Path, dim: int | None, name: str) -> Tensor:

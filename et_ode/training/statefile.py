@@ -16,7 +16,6 @@ import json
 import os
 import stat
 import tempfile
-import zipfile
 from collections.abc import Callable
 from numbers import Integral
 from pathlib import Path
@@ -37,6 +36,7 @@ from et_ode.data._files import (  # noqa: F401 (FileFormatError and the checks a
     FileFormatError,
     check_elements,
     check_file,
+    is_zip,
     read_npz,
 )
 from et_ode.training.runs import RunWriteError
@@ -201,7 +201,7 @@ def describe(path: str | os.PathLike[str]) -> str:
         if isinstance(meta.get("format"), str):
             return f"an et-ode state file (format {meta['format']!r})"
         return "a safetensors file without et-ode metadata"
-    if zipfile.is_zipfile(path) or raw[:1] == b"\x80":
+    if is_zip(path) or raw[:1] == b"\x80":
         return "a pickle (torch.save) file"
     return "not a file et-ode knows (neither safetensors nor torch.save)"
 

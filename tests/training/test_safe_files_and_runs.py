@@ -679,3 +679,20 @@ def test_a_file_whose_contents_exceed_memory_is_named(tmp_path, monkeypatch):
     with pytest.raises(OutOfMemoryError, match=r"the model file .*m.pt: out of memory"):
         save_model(random_model(), tmp_path / "m.pt")
         load_model(tmp_path / "m.pt")
+
+
+def test_a_zip_whose_end_record_is_corrupt_is_named_by_every_loader(tmp_path):
+    """zipfile's own test raises on some corrupt end records (here a ZIP64 locator claiming two disks) instead of
+    answering: every loader still names the file (FileFormatError), as the fuzz suite found."""
+    import struct
+    import zipfile
+
+    from et_ode.training.statefile import FileFormatError, read_npz
+
+    path = tmp_path / "span.pt"
+    path.write_bytes(b"PK\x06\x07" + struct.pack("<LQL", 0, 0, 2) + b"PK\x05\x06" + bytes(18))
+    with pytest.raises(zipfile.BadZipFile, match="span multiple disks"):
+        zipfile.is_zipfile(path)
+    for load in (load_model, load_checkpoint, lambda p: load_states(p, 8), lambda p: read_npz(p, ["Xi"], what="archive")):
+        with pytest.raises(FileFormatError, match=str(path)):
+            load(path)

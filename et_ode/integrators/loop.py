@@ -386,6 +386,13 @@ def _to_steady_state(
         if not bool(converged.any()):  # (samples converged at a segment's start stop before integrating)
             event_fn = _event_function(stop, segment_field, segment.velocity, t_end)
 
+            if float(t_start) + 1.0 == float(t_start):  # torchdiffeq's event search sets out for t_start + 1
+                raise SolverFailure(
+                    f"torchdiffeq's event search cannot set out from t={float(t_start):.6g}, where t + 1 does not "
+                    f"move the time in float64",
+                    float(t_start),
+                    "start t nearer 0 (the field does not depend on time), or use et-ode's loop (Adaptive(loop='et_ode'))",
+                )
             segment_arguments = arguments
             if recorder.progress.last_dt is not None:  # continue with the step size the last segment reached
                 options = dict(arguments["options"], first_step=recorder.progress.last_dt)

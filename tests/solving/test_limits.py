@@ -65,6 +65,9 @@ def test_steps_that_do_not_move_the_time_are_refused_naming_t():
     for loop_name in ("torchdiffeq", "et_ode"):
         with pytest.raises(SolveError, match="start t nearer 0"):
             solve(field, x0, (1e20, 1e20 + 1e6), solver=Adaptive(loop=loop_name))
+    assert 1e17 + 1.0 == 1e17  # where torchdiffeq's event search (from t0 to t0 + 1) cannot set out
+    with pytest.raises(SolveError, match=r"event search cannot set out from t=1e\+17(.|\n)*start t nearer 0"):
+        solve(field, x0, (1e17, 1e17 + 1e3), solver=Adaptive(loop="torchdiffeq"), stop=SteadyState(1e-3))
     # a fixed-step stop counts time in the state's dtype: float32 cannot step 0.1 at 1e8, float64 can
     assert float(torch.tensor(1e8, dtype=torch.float32) + 0.1) == 1e8
     stop, euler = SteadyState(1e-3), Fixed("euler", step_size=0.1)

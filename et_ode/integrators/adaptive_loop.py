@@ -305,8 +305,8 @@ class _Buffers:
         def empty(*shape: int) -> Tensor:
             return torch.empty(shape, dtype=dtype, device=device)
 
-        states = (empty(groups, 1, width) for _ in range(5))
-        return cls(empty(groups, stages, width), *states, empty(groups, stages + 1, stages))
+        y, y1, stage, err, scale = (empty(groups, 1, width) for _ in range(5))
+        return cls(empty(groups, stages, width), y, y1, stage, err, scale, empty(groups, stages + 1, stages))
 
     def first(self, groups: int) -> _Buffers:
         """The same storage for the first ``groups`` groups."""
@@ -604,14 +604,14 @@ class _Loop:
         self.progress.reached(reached)
         if keep_steps and count:  # shared mode: the start of each accepted step
             self.progress.saved.append((float(t[0]), y0.detach().reshape(self.x_shape).clone()))
-        if outputs:
-            self.save(state, t1, accepted, pending, y1, k, weights, dt)  # type: ignore[arg-type]
+        if outputs and pending is not None:
+            self.save(state, t1, accepted, pending, y1, k, weights, dt)
         if self.quadrature is not None and count:
             self._accumulate(state, accepted, y0, k, weights)
-        if crossings:  # those end where they first pass the test inside the step
+        if crossings and crossed is not None:  # those end where they first pass the test inside the step
             rows = torch.nonzero(crossed).flatten()
             theta, at = self.crossing(rows, y0, y1, k, weights, dt)
-            self._finish(state, crossed, at, t[rows] + theta * dt[rows], rows_given=True)  # type: ignore[arg-type]
+            self._finish(state, crossed, at, t[rows] + theta * dt[rows], rows_given=True)
         if finished:
             self._finish(state, done, y1, t1)
         self._advance(state, accepted, count == len(t), y1, k[:, s - 1 : s], t_next, buffers)

@@ -93,8 +93,9 @@ def riemannian_hessian(field: ETField, g: Tensor) -> tuple[Callable[[Tensor], Te
     return apply, tangent_projection(grad_e.detach(), s)
 
 
-def euclidean_hessian(field: ETField, x: Tensor) -> tuple[Callable[[Tensor], Tensor], Tensor]:
-    """The Hessian of ``F(x) = E(LayerNorm(x))`` on centred ``x`` as an operator, and ``dF/dx = M dE/dg``.
+def euclidean_hessian(field: ETField, x: Tensor) -> tuple[Callable[[Tensor], Tensor], Tensor, Tensor]:
+    """The Hessian of ``F(x) = E(LayerNorm(x))`` on centred ``x`` as an operator, ``dF/dx = M dE/dg``, and the
+    ``dE/dg`` it was made from (one evaluation for all three).
 
     ``Hess F u = M H M u + d/dx[M(x) c] u`` with ``c = dE/dg`` held fixed (the third derivative of the
     Lagrangian, by autograd of :meth:`LayerNormNeuron.hessian_vector`). Where ``x`` is a fixed point of the flow
@@ -118,4 +119,4 @@ def euclidean_hessian(field: ETField, x: Tensor) -> tuple[Callable[[Tensor], Ten
         out = neuron.hessian_vector(x, h_mu.detach()) + third.detach()
         return out - out.mean(dim=-1, keepdim=True)
 
-    return apply, gradient.detach()
+    return apply, gradient.detach(), grad_e.detach()

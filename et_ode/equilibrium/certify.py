@@ -118,11 +118,18 @@ def _dot(a: Tensor, b: Tensor) -> Tensor:
     return (a * b).sum(dim=(-1, -2))
 
 
+def _rms(v: Tensor) -> Tensor:
+    """Per-sample RMS ``(B, N, D) -> (B,)``."""
+    return _dot(v, v).sqrt() / math.sqrt(v[0].numel())
+
+
 def _col(v: Tensor) -> Tensor:
     return v[:, None, None]
 
 
 # -- the two geometries -------------------------------------------------------------------------------------------
+
+Operator = Callable[[Tensor], Tensor]
 
 
 class _Spheres:
@@ -141,23 +148,21 @@ class _Spheres:
         return to_limit_spheres(x, self.eps)
 
     def gradient(self, field: ETField, x: Tensor) -> tuple[Tensor, Tensor]:
-        """``(T dE/dg, g)`` at ``x``."""
+        """``(T dE/dg, residual)`` at ``x``: the convergence measure per sample is the RMS of ``T dE/dg``
+        (scale-free)."""
         g = field.model.neuron(x)
         field.count_evaluations()
         s, _ = radial_direction(g, self.delta)
-        return tangent_projection(field.dE_dg(g), s), g
+        tangent = tangent_projection(field.dE_dg(g), s)
+        return tangent, _rms(tangent)
 
-    def hessian(self, field: ETField, x: Tensor) -> tuple[Callable[[Tensor], Tensor], Tensor, Callable[[Tensor], Tensor]]:
-        """``(Hess_R, T dE/dg, T)`` at ``x``."""
+    def hessian(self, field: ETField, x: Tensor) -> tuple[Operator, Tensor, Operator, Tensor]:
+        """``(Hess_R, T dE/dg, T, residual)`` at ``x``."""
         g = field.model.neuron(x).detach()
         field.count_evaluations()
         apply, tangent = riemannian_hessian(field, g)
         s, _ = radial_direction(g, self.delta)
-        return apply, tangent, lambda w: tangent_projection(w, s)
-
-    def residual(self, field: ETField, x: Tensor, grad: Tensor) -> Tensor:
-        """The convergence measure per sample from :meth:`gradient`'s ``T dE/dg``: its RMS (scale-free)."""
-        return _dot(grad, grad).sqrt() / math.sqrt(grad[0].numel())
+        return apply, tangent, lambda w: tangent_projection(w, s), _rms(tangent)
 
     def displacement(self, found: Tensor, point: Tensor) -> Tensor:
         """From ``found`` to ``point`` along each token's great circle: the logarithm map in ``g`` (a tangent vector
@@ -199,25 +204,18 @@ class _Euclidean:
         return x - x.mean(dim=-1, keepdim=True)
 
     def gradient(self, field: ETField, x: Tensor) -> tuple[Tensor, Tensor]:
-        """``(dF/dx = M dE/dg, g)`` at ``x``."""
-        g = self.neuron(x)
+        """``(dF/dx = M dE/dg, residual)`` at ``x``: the convergence measure per sample is the RMS of the centred
+        ``dE/dg``, zero exactly at a fixed point in ``x`` whatever the token scale (``M dE/dg`` alone shrinks like
+        ``1 / sigma`` as tokens grow)."""
         field.count_evaluations()
-        return self.neuron.hessian_vector(x, field.dE_dg(g)), g
+        grad_e = field.dE_dg(self.neuron(x))
+        return self.neuron.hessian_vector(x, grad_e), _rms(grad_e - grad_e.mean(dim=-1, keepdim=True))
 
-    def hessian(self, field: ETField, x: Tensor) -> tuple[Callable[[Tensor], Tensor], Tensor, Callable[[Tensor], Tensor]]:
-        """``(Hess F, dF/dx, centring)`` at ``x`` (:func:`et_ode.dynamics.manifold.euclidean_hessian`)."""
+    def hessian(self, field: ETField, x: Tensor) -> tuple[Operator, Tensor, Operator, Tensor]:
+        """``(Hess F, dF/dx, centring, residual)`` at ``x`` (:func:`et_ode.dynamics.manifold.euclidean_hessian`)."""
         field.count_evaluations()
-        apply, gradient = euclidean_hessian(field, x)
-        return apply, gradient, self.canonical
-
-    def residual(self, field: ETField, x: Tensor, grad: Tensor) -> Tensor:
-        """The convergence measure per sample: RMS of the centred ``dE/dg``, zero exactly at a fixed point in ``x``
-        whatever the token scale (``M dE/dg`` alone shrinks like ``1 / sigma`` as tokens grow)."""
-        with torch.no_grad():
-            grad_e = field.dE_dg(self.neuron(x))
-        field.count_evaluations()
-        centred = grad_e - grad_e.mean(dim=-1, keepdim=True)
-        return _dot(centred, centred).sqrt() / math.sqrt(centred[0].numel())
+        apply, gradient, grad_e = euclidean_hessian(field, x)
+        return apply, gradient, self.canonical, _rms(grad_e - grad_e.mean(dim=-1, keepdim=True))
 
     def size(self, x: Tensor) -> Tensor:
         """The length scale of a step per sample (the largest trust region): the norm of the centred ``x``."""
@@ -316,13 +314,12 @@ def _descend(
         xa = x[active]
         newton = ~fallback[active]
         if bool(newton.any()):
-            apply, grad, project = geometry.hessian(bound, xa)
+            apply, grad, _, residual = geometry.hessian(bound, xa)
         else:
             with torch.no_grad():
-                grad, _ = geometry.gradient(bound, xa)
+                grad, residual = geometry.gradient(bound, xa)
         norm = _dot(grad, grad).sqrt()
-        with torch.no_grad():
-            rms[active] = geometry.residual(bound, xa, grad)
+        rms[active] = residual.detach()
         done = (rms[active] < tol) | (iterations[active] >= max_iter)
         if bool(done.all()):
             break
@@ -525,7 +522,7 @@ def _linear_regime(geometry: _Spheres, start: Tensor, found: Tensor, smallest: T
     start = geometry.canonical(start)
     with torch.no_grad():
         settled = _downhill(field, field.model.neuron(start), field.model.neuron(found))
-    apply, _, project = geometry.hessian(field, found)
+    apply, _, project, _ = geometry.hessian(field, found)
     step = geometry.displacement(found, start)
     midpoint = geometry.retract(found, 0.5 * step)
     for point, v in ((start, step), (midpoint, geometry.displacement(found, midpoint))):
@@ -550,7 +547,7 @@ def _spectrum(field: ETField, search: _Search, *, lanczos_iterations: int, seed:
         if not len(index):
             continue
         bound = field.select(index)
-        apply, _, project = geometry_class(bound).hessian(bound, x[index])
+        apply, _, project, _ = geometry_class(bound).hessian(bound, x[index])
         dimension = n * (d - 2) if name == "spheres" else n * (d - 1)
         start = torch.randn(x[index].shape, generator=generator, dtype=x.dtype).to(x.device)
         ritz, _ = lanczos(apply, start, iterations=min(lanczos_iterations, dimension), project=project, generator=generator)
@@ -721,12 +718,16 @@ def flow_to(
     max_segments: int = MAX_SEGMENTS,
     rtol: float = FLOW_RTOL,
     atol: float = FLOW_ATOL,
-) -> Tensor:
+    watch: Callable[[Tensor, Tensor], Tensor] | None = None,
+) -> tuple[Tensor, Tensor]:
     """The ET's flow per sample from ``x`` ``(B, N, D)`` until RMS ``|T dE/dg| <= handoff``, in segments of
     ``segment * tau`` between common rescalings; a sample that has not got there after ``max_segments`` segments
-    stops where it is. Raises :class:`~et_ode.SolveError` where the integration fails."""
+    stops where it is. After each segment ``watch(index, x[index])`` (when given) is asked about the samples
+    ``index`` still flowing, and those it answers True for ``(len(index),)`` stop there. Returns the states and which
+    samples ``watch`` stopped ``(B,)``. Raises :class:`~et_ode.SolveError` where the integration fails."""
     x = x.detach().clone()
     active = torch.arange(x.shape[0])
+    watched = torch.zeros(x.shape[0], dtype=torch.bool)
     span = segment * field.tau
     grid = torch.tensor([0.0, span], dtype=torch.float64, device=x.device)
     solver = Adaptive(rtol=rtol, atol=atol)
@@ -745,7 +746,42 @@ def flow_to(
         x[active] = result.x
         assert result.stop_times is not None  # a per-sample stop records each sample's stop time (``span`` if none)
         active = active[result.stop_times >= span]
-    return x
+        if watch is not None and len(active):
+            done = watch(active, x[active])
+            watched[active[done]] = True
+            active = active[~done]
+    return x, watched
+
+
+def _take(found: Attractor, index: Tensor, *, settled: bool = False) -> Attractor:
+    """The samples ``index`` of a flattened ``found``, with no counts of their own; with ``settled``, marked settled
+    and certified (a later basin test, from further along the flow, tied them to the flow)."""
+    per_sample = {name: getattr(found, name)[index] for name in ("g", *_PER_SAMPLE)}
+    labels = {name: tuple(getattr(found, name)[i] for i in index.tolist()) for name in ("kind", "geometry", "status")}
+    if settled:
+        per_sample["settled"] = torch.ones_like(per_sample["settled"])
+        labels["status"] = ("certified",) * len(index)
+    return dataclasses.replace(found, **per_sample, **labels, flow_evaluations=0, evaluations=0, energy_evaluations=0)
+
+
+def _basin_watch(field: ETField, candidates: Attractor, tol: float) -> Callable[[Tensor, Tensor], Tensor]:
+    """The flow phase's watch for the samples whose last examination found a converged stable point that the basin
+    test could not yet tie to the flow (status ``"unsettled"``): whether the flow, now at ``x``, is in its basin
+    (:func:`basin_settled`), so that it stops there instead of at the next hand-off level."""
+    waiting = torch.tensor([status == "unsettled" for status in candidates.status], dtype=torch.bool)
+
+    def watch(index: Tensor, x: Tensor) -> Tensor:
+        settled = torch.zeros(len(index), dtype=torch.bool)
+        asked = torch.nonzero(waiting[index]).flatten()
+        if len(asked):
+            chosen = index[asked]
+            geometry = [candidates.geometry[i] for i in chosen.tolist()]
+            smallest = candidates.smallest_eigenvalue[chosen]
+            found = candidates.x[chosen]
+            settled[asked] = basin_settled(field.select(chosen), x[asked], found, smallest, geometry, tol=tol)
+        return settled
+
+    return watch
 
 
 def settle(
@@ -763,23 +799,43 @@ def settle(
 ) -> tuple[Attractor, int]:
     """The hand-off loop of :func:`et_ode.find_attractor` on a flattened batch ``(B, N, D)``: flow to the hand-off
     level, :func:`examine` there, and flow on to a level ten times lower the samples that are not certified, for
-    ``handoffs`` levels at most (``flow=False``: one examination of ``x`` itself). ``newton`` holds
-    :func:`examine`'s arguments. Returns the combined result (plain ``g``) and the flow's field evaluations."""
+    ``handoffs`` levels at most (``flow=False``: one examination of ``x`` itself). A sample whose examination found a
+    converged stable point the basin test could not yet tie to the flow is watched between the flow's segments: once
+    the flow is in that point's basin (:func:`basin_settled`) it is certified there, without flowing on to the next
+    level or examining again. ``newton`` holds :func:`examine`'s arguments. Returns the combined result (plain
+    ``g``) and the flow's field evaluations (the watch's included)."""
     pending = torch.arange(x.shape[0])
     parts: list[tuple[Tensor, Attractor]] = []
     flow_evaluations, level = 0, handoff
+    candidates: Attractor | None = None  # the last examination of the pending samples
     x = x.detach().clone()
     for _ in range(handoffs if flow else 1):
-        bound = field.select(pending)
+        early = torch.zeros(len(pending), dtype=torch.bool)
         if flow:
+            bound = field.select(pending)
+            watch = None if candidates is None else _basin_watch(bound, candidates, newton["tol"])
             flow_started = field.nfe
-            x[pending] = flow_to(
-                bound, x[pending], handoff=level, segment=segment, max_segments=max_segments, rtol=rtol, atol=atol
+            x[pending], early = flow_to(
+                bound,
+                x[pending],
+                handoff=level,
+                segment=segment,
+                max_segments=max_segments,
+                rtol=rtol,
+                atol=atol,
+                watch=watch,
             )
             flow_evaluations += field.nfe - flow_started
-        found = examine(bound, x[pending], vouched=not flow, **newton)
+        if bool(early.any()):
+            assert candidates is not None  # (only a watch stops a sample early)
+            parts.append((pending[early], _take(candidates, torch.nonzero(early).flatten(), settled=True)))
+        pending = pending[~early]
+        if not len(pending):
+            break
+        found = examine(field.select(pending), x[pending], vouched=not flow, **newton)
         parts.append((pending, found))
-        pending = pending[~found.certified]
+        unsettled = torch.nonzero(~found.certified).flatten()
+        pending, candidates = pending[unsettled], _take(found, unsettled)
         if not len(pending):
             break
         level /= 10

@@ -91,7 +91,7 @@ class _AttractorRerouting(torch.autograd.Function):
             x, vi = x_star[index], v[index]
             neuron = field.model.neuron
             if geometry:
-                apply, _ = euclidean_hessian(bound, x)
+                apply, _, _ = euclidean_hessian(bound, x)
                 rhs = neuron.hessian_vector(x, vi)
             else:
                 g = neuron(x).detach()

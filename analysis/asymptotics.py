@@ -15,7 +15,7 @@ power laws for ``p < 1`` and below rounding at any ``p`` once ``eps / sigma^2`` 
 The power law holds only in the asymptotic regime: once ``g`` is close enough to ``g*`` for the linearisation,
 the faster modes have died out and the token scales have forgotten the transient (``|xt_A| = rho_A t / tau``,
 which a long stay near a saddle can postpone to ``t ~ 1e20`` and beyond). Before that, the local slope
-``-d log|g - g*| / d log t`` at a fixed ``t_end`` is not an estimate of ``p``.
+``-d log|g - g*| / d log t`` at a fixed ``t1`` is not an estimate of ``p``.
 
 :func:`predicted_exponent` computes ``p``; :func:`measured_exponent` solves from a start to a late time on a
 log-spaced grid, locates ``g*`` on the flow's limit spheres, detects whether (and from when) the regime is reached,
@@ -197,7 +197,7 @@ def measured_exponent(
     field: ETField,
     x0: Tensor,
     *,
-    t_end: float = 1e5,
+    t1: float = 1e5,
     points: int = 61,
     tail: float = 0.3,
     rtol: float = 1e-10,
@@ -209,7 +209,7 @@ def measured_exponent(
     floor: float = 1e-9,
     strict: bool = False,
 ) -> MeasuredRate:
-    """Solve from ``x0`` ``(N, D)`` to ``t_end`` on ``points`` log-spaced times, locate ``g*`` on the flow's
+    """Solve from ``x0`` ``(N, D)`` to ``t1`` on ``points`` log-spaced times, locate ``g*`` on the flow's
     limit spheres (:func:`et_ode.find_attractor` from the final state, no flow phase), and measure the approach.
 
     The asymptotic regime is reached when a tail of the saved times spanning at least ``min_decades`` decades of
@@ -225,8 +225,10 @@ def measured_exponent(
             f"x0 must be one state (N, D) with D={field.model.dim}, got "
             f"{tuple(x0.shape) if isinstance(x0, Tensor) else type(x0).__name__}"
         )
-    if not (t_end > 1 and isinstance(points, int) and points >= 5):
-        raise ValueError(f"t_end must be > 1 and points an integer >= 5, got t_end={t_end}, points={points}")
+    if isinstance(t1, bool) or not (isinstance(t1, (int, float)) and 1 < t1 < math.inf):
+        raise ValueError(f"t1 must be a finite number > 1, got {t1!r}")
+    if isinstance(points, bool) or not (isinstance(points, int) and points >= 5):
+        raise ValueError(f"points must be an integer >= 5, got {points!r}")
     for name, value in (
         ("slope_tol", slope_tol),
         ("scale_tol", scale_tol),
@@ -236,7 +238,7 @@ def measured_exponent(
     ):
         check_positive(name, value)
     grid = torch.cat(
-        [torch.zeros(1, dtype=torch.float64), torch.logspace(-2, math.log10(t_end), points - 1, dtype=torch.float64)]
+        [torch.zeros(1, dtype=torch.float64), torch.logspace(-2, math.log10(t1), points - 1, dtype=torch.float64)]
     )
     with torch.no_grad():
         solution = solve(field, x0.detach(), grid.to(x0.dtype), solver=Adaptive(rtol=rtol, atol=atol), max_steps=1_000_000)

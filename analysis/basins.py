@@ -1,7 +1,7 @@
 """Basins of attraction: which attractor the flow reaches from where, on a plane of initial states and from
 random starts.
 
-Every start is integrated with :func:`et_ode.solve` to ``t_end`` and finished by descent and Newton on the
+Every start is integrated with :func:`et_ode.solve` to ``t1`` and finished by descent and Newton on the
 spheres (:mod:`et_ode.analysis.critical_points`), which identifies its limit modulo token permutations where
 that is a symmetry. :func:`basin_map` colours a plane of initial states (a slice through three points, e.g.
 two minima and the saddle between them) by the attractor reached and overlays the flow's streamlines on the
@@ -40,12 +40,12 @@ def wilson_interval(successes: int, trials: int, *, z: float = 1.96) -> tuple[fl
 
 
 def limits(
-    field: ETField, starts: Tensor, *, t_end: float = 50.0, rtol: float = 1e-7, atol: float = 1e-9
+    field: ETField, starts: Tensor, *, t1: float = 50.0, rtol: float = 1e-7, atol: float = 1e-9
 ) -> list[CriticalPoint]:
-    """The critical point each start ``(S, N, D)`` flows to: :func:`et_ode.solve` to ``t_end``, descent, Newton."""
+    """The critical point each start ``(S, N, D)`` flows to: :func:`et_ode.solve` to ``t1``, descent, Newton."""
     with torch.no_grad():
         ends = solve(
-            field, starts.detach(), (0.0, t_end), solver=Adaptive(rtol=rtol, atol=atol), save="final", max_steps=100_000
+            field, starts.detach(), (0.0, t1), solver=Adaptive(rtol=rtol, atol=atol), save="final", max_steps=100_000
         ).x
     descended = find_fixed_point(field, ends, tol=1e-7, max_iter=5000).x
     return [newton_critical_point(field, x) for x in descended]
@@ -97,7 +97,7 @@ def attractor_census(
     field: ETField,
     starts: Tensor,
     *,
-    t_end: float = 50.0,
+    t1: float = 50.0,
     match_tol: float = 1e-5,
     attractors: list[CriticalPoint] | None = None,
 ) -> AttractorCensus:
@@ -108,7 +108,7 @@ def attractor_census(
             f"{tuple(starts.shape) if isinstance(starts, Tensor) else type(starts).__name__}"
         )
     known = list(attractors or [])
-    labels = label(field, limits(field, starts, t_end=t_end), known, match_tol=match_tol)
+    labels = label(field, limits(field, starts, t1=t1), known, match_tol=match_tol)
     counts = [labels.count(i) for i in range(len(known))]
     order = sorted(range(len(known)), key=lambda i: -counts[i])
     order = [i for i in order if counts[i] > 0]
@@ -142,7 +142,7 @@ def basin_map(
     *,
     span: float | None = None,
     resolution: int = 15,
-    t_end: float = 50.0,
+    t1: float = 50.0,
     attractors: list[CriticalPoint] | None = None,
     match_tol: float = 1e-5,
 ) -> BasinMap:
@@ -168,7 +168,7 @@ def basin_map(
     g = plane.points(a, b).reshape(-1, *center.shape)
     starts = shrink_scale(to_limit_spheres(g - neuron.delta.detach(), neuron.eps))  # token scale 1: the flow's pace
     known = list(attractors or [])
-    labels = label(field, limits(field, starts, t_end=t_end), known, match_tol=match_tol)
+    labels = label(field, limits(field, starts, t1=t1), known, match_tol=match_tol)
     with torch.no_grad():
         descent = -field.tangent_gradient(starts)  # (R R, N, D)
     flow = torch.stack([(descent * plane.u).sum(dim=(-1, -2)), (descent * plane.v).sum(dim=(-1, -2))])

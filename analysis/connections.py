@@ -69,17 +69,17 @@ def follow_down(
     saddle: CriticalPoint,
     *,
     push: float = 1e-3,
-    t_end: float = 50.0,
+    t1: float = 50.0,
     rtol: float = 1e-8,
     atol: float = 1e-10,
 ) -> tuple[CriticalPoint, CriticalPoint]:
     """The two critical points reached from ``saddle`` pushed ``push`` (``g`` units) along ``+-`` its lowest
-    mode: :func:`et_ode.solve` to ``t_end``, then descent and Newton on the spheres."""
+    mode: :func:`et_ode.solve` to ``t1``, then descent and Newton on the spheres."""
     neuron = field.model.neuron
     steps = torch.stack([sign * push * saddle.lowest_mode for sign in (1.0, -1.0)])
     starts = shrink_scale(retract(saddle.x.expand_as(steps), steps, neuron.gamma.detach(), neuron.eps))
     with torch.no_grad():
-        ends = solve(field, starts, (0.0, t_end), solver=Adaptive(rtol=rtol, atol=atol), save="final", max_steps=100_000).x
+        ends = solve(field, starts, (0.0, t1), solver=Adaptive(rtol=rtol, atol=atol), save="final", max_steps=100_000).x
     descended = find_fixed_point(field, ends, tol=1e-7, max_iter=5000).x
     plus, minus = (newton_critical_point(field, x) for x in descended)
     return plus, minus
@@ -92,7 +92,7 @@ def saddle_network(
     *,
     match_tol: float = 1e-5,
     push: float = 1e-3,
-    t_end: float = 50.0,
+    t1: float = 50.0,
 ) -> Network:
     """Connect every index-1 saddle to the minima its two unstable branches reach.
 
@@ -105,7 +105,7 @@ def saddle_network(
     connections = []
     for k, saddle in enumerate(saddles):
         ends = []
-        for end in follow_down(field, saddle, push=push, t_end=t_end):
+        for end in follow_down(field, saddle, push=push, t1=t1):
             if not (end.converged and end.index == 0):
                 ends.append(-1)
                 continue

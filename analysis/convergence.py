@@ -54,12 +54,6 @@ def flat_field(solution: Solution) -> ETField:
     return field.with_mask(flat_mask(field.mask, tuple(solution.x.shape[:-2])))
 
 
-def sample_field(field: ETField, b: int) -> ETField:
-    """``field`` bound to sample ``b``'s mask when it holds one mask per sample ``(B, N, N)``, else ``field``."""
-    mask = field.mask
-    return field.with_mask(mask[b]) if isinstance(mask, Tensor) and mask.dim() == 3 else field
-
-
 @dataclass
 class ConvergenceTraces:
     """Per-sample quantities at the saved times. Every tensor is ``(T, B)`` except ``ts`` ``(T,)``.

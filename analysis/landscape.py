@@ -215,7 +215,7 @@ def landscape_study(
     starts: int = 4,
     attractor_starts: int = 16,
     basin_resolution: int = 9,
-    t_end_asymptotic: float = 1e5,
+    asymptotics_t1: float = 1e5,
     continuation_end: float = 0.5,
     seed: int = 0,
     progress: bool = False,
@@ -263,7 +263,7 @@ def landscape_study(
     steps.update()
     asymptotics = None
     try:
-        asymptotics = measured_exponent(field, x0, t_end=t_end_asymptotic)
+        asymptotics = measured_exponent(field, x0, t1=asymptotics_t1)
         plot_asymptotics([asymptotics], labels=["sample 0"], path=folder / "asymptotics.png")
         pictures["asymptotics"] = "asymptotics.png"
     except ValueError as error:
@@ -273,7 +273,7 @@ def landscape_study(
     spectrum = expected = None
     if limit.converged and limit.index == 0:
         count = min(4, len(limit.eigenvalues))
-        spectrum = lyapunov_spectrum(field, limit.x, count=count, duration=20.0, renormalizations=40)
+        spectrum = lyapunov_spectrum(field, limit.x, count=count, t1=20.0, renormalizations=40)
         gamma = float(field.model.neuron.gamma.detach())
         expected = -gamma * limit.eigenvalues[:count] / field.tau
     else:

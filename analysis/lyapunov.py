@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 from torch import Tensor
@@ -31,7 +31,8 @@ from et_ode import ETField, Solution, SolveError
 from et_ode.analysis.convergence import flat_field, flat_states
 from et_ode.backend.validation import check_positive
 
-KINDS = ("energy rise", "dE/dt mismatch", "dE/dt > 0", "M not PSD")
+Kind = Literal["energy rise", "dE/dt mismatch", "dE/dt > 0", "M not PSD"]
+KINDS: tuple[Kind, ...] = get_args(Kind)
 
 
 @dataclass
@@ -39,7 +40,7 @@ class Violation:
     """One failed check: ``size`` exceeded ``allowed`` on ``[t_start, t_end]`` (equal times: at one state)."""
 
     sample: int
-    kind: str
+    kind: Kind
     t_start: float
     t_end: float
     size: float

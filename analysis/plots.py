@@ -13,7 +13,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -170,7 +170,7 @@ def plot_trajectories(
     *,
     sample: int = 0,
     dims: int = 2,
-    color_by: str = "time",
+    color_by: Literal["time", "energy"] = "time",
     dense: int | None = None,
     path: PathLike | None = None,
     figsize: tuple[float, float] = (8.0, 6.5),
@@ -439,13 +439,13 @@ def plot_attention(
     *,
     sample: int = 0,
     head: int = 0,
-    times: Sequence[float] | None = None,
+    t: Sequence[float] | None = None,
     path: PathLike | None = None,
     figsize: tuple[float, float] | None = None,
     dpi: int = 100,
 ) -> Figure:
-    """Attention maps ``S[head, key B, query C]`` of one sample at a few saved times (default: 4, from
-    first to last). Each requested time uses the nearest saved one. Default size: 3.6 inches per map, 4 tall."""
+    """Attention maps ``S[head, key B, query C]`` of one sample at a few saved times: ``t`` (each time uses the
+    nearest saved one), by default 4 from first to last. Default size: 3.6 inches per map, 4 tall."""
     xs = flat_states(solution)
     b = _sample_index(sample, xs.shape[1])
     field = flat_field(solution).select(b)
@@ -453,12 +453,12 @@ def plot_attention(
     if not isinstance(head, int) or not 0 <= head < heads:
         raise ValueError(f"head must be an integer in [0, {heads}), got {head!r}")
     ts = solution.ts.detach().to(torch.float64).cpu()
-    if times is None:
+    if t is None:
         indices = sorted(set(np.linspace(0, len(ts) - 1, min(4, len(ts))).round().astype(int).tolist()))
     else:
-        indices = [int((ts - float(t)).abs().argmin()) for t in times]
+        indices = [int((ts - float(time)).abs().argmin()) for time in t]
         if not indices:
-            raise ValueError("times must name at least one time")
+            raise ValueError("t must name at least one time")
     with torch.no_grad():
         weights = field.model.attention.attention(field.model.neuron(xs[indices, b]), field.mask)[:, head]
     maps = weights.to(torch.float64).cpu().numpy()  # (len, B, C)
@@ -493,7 +493,7 @@ def _as_images(name: str, value: Tensor | np.ndarray, single: bool) -> np.ndarra
 
 def plot_film_strip(
     frames: Tensor | np.ndarray,
-    times: Sequence[float] | Tensor,
+    ts: Sequence[float] | Tensor,
     *,
     target: Tensor | None = None,
     masked: Tensor | None = None,
@@ -504,15 +504,15 @@ def plot_film_strip(
 ) -> Figure:
     """Rows of images: the masked input (if given), the completion at each time, the ground truth (if given).
 
-    ``frames``: ``(T, H, W)`` grayscale or ``(T, C, H, W)`` with ``C`` 1 or 3; ``times``: ``T`` values;
+    ``frames``: ``(T, H, W)`` grayscale or ``(T, C, H, W)`` with ``C`` 1 or 3; ``ts``: their ``T`` times;
     ``target`` / ``masked``: one image ``(H, W)`` or ``(C, H, W)``. All panels share one intensity scale
     (shown by a colorbar for grayscale). The panels wrap into rows of at most ``columns``; default size: 2.0
     inches per panel, 2.4 per row.
     """
     images = _as_images("frames", frames, single=False)
-    times = [float(t) for t in (times.tolist() if isinstance(times, Tensor) else times)]
+    times = [float(t) for t in (ts.tolist() if isinstance(ts, Tensor) else ts)]
     if len(times) != len(images):
-        raise ValueError(f"times must have one value per frame ({len(images)}), got {len(times)}")
+        raise ValueError(f"ts must have one time per frame ({len(images)}), got {len(times)}")
     panels = [(f"t = {t:.3g}", image) for t, image in zip(times, images, strict=True)]
     for name, extra, position in (("masked input", masked, 0), ("ground truth", target, None)):
         if extra is not None:

@@ -23,13 +23,14 @@ from tqdm.auto import tqdm
 
 from et_ode import EnergyTransformer, ETField, Integration, Solution, SolveError
 from et_ode.analysis.basin_probes import BasinProbe, basin_probe
-from et_ode.analysis.convergence import ConvergenceReport, analyze_convergence, flat_field, sample_field
+from et_ode.analysis.convergence import ConvergenceReport, analyze_convergence, flat_field
 from et_ode.analysis.exponents import LyapunovExponent, lyapunov_exponent
 from et_ode.analysis.landscape import LandscapeStudy, landscape_study
 from et_ode.analysis.lyapunov import LyapunovReport, check_lyapunov
 from et_ode.analysis.plots import plot_attention, plot_convergence, plot_energy_slice, plot_trajectories
 from et_ode.analysis.spectra import HessianTrace, hessian_along, plot_hessian_along
 from et_ode.analysis.stability import FixedPointSearch, StabilityReport, find_fixed_point, fixed_point_stability
+from et_ode.energy.energies import HopfieldForm
 from et_ode.integrators.solvers import Adaptive, EulerET
 from et_ode.solving.integration import settings_to_dict
 from et_ode.training.io import model_config
@@ -46,7 +47,7 @@ def random_model(
     heads: int = 2,
     head_dim: int = 8,
     memories: int = 32,
-    hopfield: str = "relu",
+    hopfield: HopfieldForm = "relu",
     dtype: torch.dtype = torch.float64,
 ) -> EnergyTransformer:
     """The built-in random model: default initialisation from ``seed``, a random ``delta`` (std 0.3)."""
@@ -314,7 +315,7 @@ def _study_landscape(findings: _Findings, states: Tensor, folder: Path, stages: 
         plot_hessian_along(findings.trace, path=folder / "hessian_along.png")
         findings.pictures["hessian_along"] = "hessian_along.png"
     findings.study = landscape_study(
-        sample_field(flat_field(solution), 0),
+        flat_field(solution).select(0),
         states.reshape(-1, *states.shape[-2:])[0],
         solution.x.detach().reshape(-1, *states.shape[-2:])[0],
         folder=folder,

@@ -26,7 +26,9 @@ from et_ode import Adaptive, ETField, Solution, solve
 from et_ode.analysis.convergence import flat_field, flat_states
 from et_ode.analysis.plots import _finish
 from et_ode.analysis.sphere import FixedScaleField, hessian_in_frame, tangent_frame
+from et_ode.backend.validation import check_positive
 from et_ode.dynamics.manifold import radial_direction, tangent_projection, to_limit_spheres
+from et_ode.integrators.solvers import AdaptiveMethod
 
 PathLike = str | os.PathLike[str]
 
@@ -81,8 +83,8 @@ def hessian_along(solution: Solution, *, max_times: int = 25, zero_tol: float = 
 
 @dataclass
 class LyapunovSpectrum:
-    """The ``k`` largest Lyapunov exponents (descending) of one trajectory: ``exponents`` ``(k,)`` over the
-    whole ``duration``, ``late`` ``(k,)`` over its second half (the start's transient discarded), ``running``
+    """The ``k`` largest Lyapunov exponents (descending) of one trajectory: ``exponents`` ``(k,)`` over
+    ``[0, t1]``, ``late`` ``(k,)`` over its second half (the start's transient discarded), ``running``
     ``(K, k)`` at the renormalisation ``times`` ``(K,)``; per unit time of the flow, measured in ``g``."""
 
     exponents: Tensor
@@ -98,11 +100,11 @@ def lyapunov_spectrum(
     x0: Tensor,
     *,
     count: int | None = None,
-    duration: float = 20.0,
+    t1: float = 20.0,
     renormalizations: int = 20,
     d0: float = 1e-6,
     intrinsic: bool = True,
-    method: str = "dopri5",
+    method: AdaptiveMethod = "dopri5",
     rtol: float = 1e-10,
     atol: float = 1e-12,
     seed: int = 0,
@@ -110,9 +112,9 @@ def lyapunov_spectrum(
     """The Lyapunov spectrum of the trajectory from ``x0`` ``(N, D)`` by the QR method.
 
     ``count`` tangent perturbations of ``g`` (default: all ``N (D - 2)``) of size ``d0`` are integrated with
-    the reference state in one batch; after each of the ``renormalizations`` spans their g-differences,
-    projected on the tangent space, are QR-factorised, ``log |R_ii| / d0`` accumulated and the perturbations
-    reset to ``d0 Q``. ``intrinsic``: follow the fixed-scale flow from the limit spheres (see
+    the reference state in one batch; after each of the ``renormalizations`` equal spans of ``[0, t1]`` their
+    g-differences, projected on the tangent space, are QR-factorised, ``log |R_ii| / d0`` accumulated and the
+    perturbations reset to ``d0 Q``. ``intrinsic``: follow the fixed-scale flow from the limit spheres (see
     :mod:`et_ode.analysis.sphere`) instead of the plain solve, whose rates decay like ``1 / t``.
     """
     if not (isinstance(x0, Tensor) and x0.dim() == 2 and x0.shape[-1] == field.model.dim):
@@ -120,11 +122,10 @@ def lyapunov_spectrum(
             f"x0 must be one state (N, D) with D={field.model.dim}, got "
             f"{tuple(x0.shape) if isinstance(x0, Tensor) else type(x0).__name__}"
         )
-    if not (duration > 0 and d0 > 0 and isinstance(renormalizations, int) and renormalizations >= 2):
-        raise ValueError(
-            f"duration and d0 must be positive and renormalizations an integer >= 2, got "
-            f"duration={duration}, d0={d0}, renormalizations={renormalizations}"
-        )
+    check_positive("t1", t1)
+    check_positive("d0", d0)
+    if isinstance(renormalizations, bool) or not (isinstance(renormalizations, int) and renormalizations >= 2):
+        raise ValueError(f"renormalizations must be an integer >= 2, got {renormalizations!r}")
     neuron = field.model.neuron
     eps, delta = neuron.eps, neuron.delta.detach()
     x = to_limit_spheres(x0.detach(), eps) if intrinsic else x0.detach()
@@ -137,7 +138,7 @@ def lyapunov_spectrum(
     mixing = torch.randn(count, dimension, generator=generator, dtype=x.dtype).to(x.device)
     q = torch.linalg.qr((mixing @ frame).T).Q.T.reshape(count, *x.shape)  # (k, N, D) orthonormal g-directions
     fixed_scale = FixedScaleField(field)
-    span = duration / renormalizations
+    span = t1 / renormalizations
     grid = torch.tensor([0.0, span], dtype=x.dtype, device=x.device)
     total = torch.zeros(count, dtype=torch.float64)
     running = []
@@ -162,10 +163,10 @@ def lyapunov_spectrum(
     times = torch.arange(1, renormalizations + 1, dtype=torch.float64) * span
     running_tensor = torch.stack(running)
     half = renormalizations // 2 - 1
-    late = (total - running_tensor[half]) / (duration - float(times[half]))
+    late = (total - running_tensor[half]) / (t1 - float(times[half]))
     order = torch.argsort(late, descending=True)
     return LyapunovSpectrum(
-        exponents=(total / duration)[order],
+        exponents=(total / t1)[order],
         late=late[order],
         times=times,
         running=(running_tensor / times[:, None])[:, order],

@@ -23,7 +23,6 @@ import torch
 from torch import Tensor
 
 from et_ode import Attractor, ETField, find_attractor
-from et_ode.analysis.convergence import sample_field
 from et_ode.analysis.eigensolvers import Operator, dense_eigenvalues, extreme_eigenvalues
 from et_ode.analysis.sphere import tangent_basis
 from et_ode.dynamics.manifold import radial_direction, riemannian_hessian, tangent_projection
@@ -85,7 +84,7 @@ def riemannian_hessian_matrix(field: ETField, x: Tensor) -> tuple[Tensor, Tensor
     d = x.shape[-1]
     matrices = []
     for b in range(x.shape[0]):
-        hessian = torch.func.hessian(sample_field(field, b).energy_g)(g[b].detach())
+        hessian = torch.func.hessian(field.select(b).energy_g)(g[b].detach())
         size = g[b].numel()
         q = basis[b].reshape(-1, size)
         curvature = ((dE_dg[b] * s[b]).sum(dim=-1) / radius[b, :, 0]).repeat_interleave(d - 2)
@@ -109,7 +108,7 @@ def g_jacobian(field: ETField, x: Tensor) -> tuple[Tensor, Tensor]:
     d = x.shape[-1]
     matrices = []
     for b in range(x.shape[0]):
-        closed_form = ETField(field.model, field.tau, mask=sample_field(field, b).mask, backend="reference")
+        closed_form = ETField(field.model, field.tau, mask=field.select(b).mask, backend="reference")
 
         def dg_dt(xb: Tensor, closed_form: ETField = closed_form) -> Tensor:
             return closed_form.dg_dt(xb, closed_form.velocity(xb))

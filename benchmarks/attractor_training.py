@@ -1,8 +1,8 @@
 """Image models read at the attractor against the same models read after their training integration.
 
 For each ``train_image`` checkpoint given, the masked-patch MSE, forward evaluations per batch and seconds of:
-its own integration (e.g. 12 Euler steps) and the certified attractor (``Integration(attractor=AttractorReadout())``,
-float32 certificate RMS |T dE/dg| < 1e-4), on two fixed-mask sets: **validation**, the training-split images after
+its own integration (e.g. 12 Euler steps) and the certified attractor (``dynamics=AttractorReadout()``, float32
+certificate RMS |T dE/dg| < 1e-4), on two fixed-mask sets: **validation**, the training-split images after
 the run's ``--train-limit`` (never trained on; for choosing settings), and **test** (the run's test split and
 masks, the ones ``train_image`` reports).
 
@@ -47,13 +47,10 @@ def main() -> None:
         val = fixed_mask_set(held_out, model.num_patches, run.ratio, run.visible_fraction, seed=run.mask_seed + 1)
         test_images = load_images(run.data, run.data_path, "test").images[: args.test_limit or run.test_limit]
         test = fixed_mask_set(test_images, model.num_patches, run.ratio, run.visible_fraction, seed=run.mask_seed)
-        own = run.integration.replace(attractor=None)
-        for name, integration in (
-            ("trained integration: " + own.solver.name, own),
-            ("attractor", own.replace(attractor=AttractorReadout())),
-        ):
-            v = evaluate_model(model, val, batch_size=args.batch_size, integration=integration)
-            t = evaluate_model(model, test, batch_size=args.batch_size, integration=integration)
+        own = run.integration
+        for name, dynamics in (("trained integration: " + own.solver.name, own), ("attractor", AttractorReadout())):
+            v = evaluate_model(model, val, batch_size=args.batch_size, dynamics=dynamics)
+            t = evaluate_model(model, test, batch_size=args.batch_size, dynamics=dynamics)
             print(
                 f"| {Path(checkpoint).parent.name} | {name} | {v['mse']:.4f} | {t['mse']:.4f} | {t['nfe']:.0f} | "
                 f"{v['seconds']:.0f} + {t['seconds']:.0f} |",

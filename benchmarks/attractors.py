@@ -74,7 +74,7 @@ def timed(function):
     return out, time.perf_counter() - started
 
 
-def methods(size: _common.Size, *, max_steps: int, euler_steps: int, descent_iter: int, t_end: float) -> tuple[list, list]:
+def methods(size: _common.Size, *, max_steps: int, euler_steps: int, descent_iter: int, t1: float) -> tuple[list, list]:
     model = _common.make_model(size, hopfield="softmax", dtype=torch.float64)
     field = et_ode.ETField(model)
     x0 = _common.initial_state(size, dtype=torch.float64)
@@ -117,7 +117,7 @@ def methods(size: _common.Size, *, max_steps: int, euler_steps: int, descent_ite
             out = et_ode.solve(
                 field,
                 x0,
-                (0.0, t_end),
+                (0.0, t1),
                 solver=et_ode.Adaptive(rtol=1e-9, atol=1e-9),
                 stop=et_ode.SteadyState(TOL, measure="tangent_gradient"),
                 save="final",
@@ -486,7 +486,7 @@ def main() -> None:
             max_steps=1000 if args.quick else 3000,
             euler_steps=500 if args.quick else 2000,
             descent_iter=2000 if args.quick else 20_000,
-            t_end=1e4,
+            t1=1e4,
         )
         rows += r
         gradient_rows += g

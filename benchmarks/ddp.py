@@ -50,7 +50,7 @@ def worker(args: argparse.Namespace) -> None:
         images = load_digits("train").images
         torch.manual_seed(0)
         integration = Integration(solver=EulerET(0.1, 12), gradient=args.grad)
-        model = ImageET((1, 8, 8), 2, dim=32, heads=4, head_dim=8, integration=integration)
+        model = ImageET((1, 8, 8), 2, dim=32, heads=4, head_dim=8, dynamics=integration)
         config = TrainConfig(
             epochs=2, batch_size=args.batch, max_train_batches=args.steps, warmup=0, device="cpu", progress=False
         )

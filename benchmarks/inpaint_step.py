@@ -51,7 +51,7 @@ def main() -> None:
 
     def step(name: str, integration: Integration):
         torch.manual_seed(0)
-        model = ImageET(shape, 4, 32, 4, 8, fill="biharmonic", integration=integration)
+        model = ImageET(shape, 4, 32, 4, 8, fill="biharmonic", dynamics=integration)
         torch.nn.init.normal_(model.decoder.weight, std=0.1)  # a trained model's decoder is not zero
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 

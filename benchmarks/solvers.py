@@ -51,7 +51,7 @@ def run_method(
     x0: torch.Tensor,
     method: str,
     tol: float,
-    t_end: float,
+    t1: float,
     step: float,
     rtol: float,
     atol: float,
@@ -60,13 +60,13 @@ def run_method(
     field = et_ode.ETField(model)
     kwargs: dict[str, object] = dict(stop=et_ode.SteadyState(tol), save="final", max_steps=max_steps)
     if method == "et":
-        kwargs.update(solver=et_ode.EulerET(ALPHA, int(t_end / ALPHA)))
+        kwargs.update(solver=et_ode.EulerET(ALPHA, int(t1 / ALPHA)))
         label = f"et (paper: Euler, alpha={ALPHA})"
     elif method in ADAPTIVE:
-        kwargs.update(t=(0.0, t_end), solver=et_ode.Adaptive(method, rtol, atol))
+        kwargs.update(t=(0.0, t1), solver=et_ode.Adaptive(method, rtol, atol))
         label = f"{method} (rtol={rtol:g}, atol={atol:g})"
     else:
-        kwargs.update(t=(0.0, t_end), solver=et_ode.Fixed(method, step))
+        kwargs.update(t=(0.0, t1), solver=et_ode.Fixed(method, step))
         label = f"{method} (step={step:g})"
     start = time.perf_counter()
     try:
@@ -92,7 +92,7 @@ def method_table(size: Size, methods: list[str], args: argparse.Namespace) -> st
     rows = []
     for method in methods:
         print(f"  {method} ...", flush=True)
-        rows.append(run_method(model, x0, method, args.tol, args.t_end, args.step, args.rtol, args.atol, args.max_steps))
+        rows.append(run_method(model, x0, method, args.tol, args.t1, args.step, args.rtol, args.atol, args.max_steps))
     return table(
         ["method", "status", "NFE", "steps", "t stop", "wall s", "max RMS dg/dt / error"],
         rows,
@@ -104,7 +104,7 @@ def method_table(size: Size, methods: list[str], args: argparse.Namespace) -> st
 def _steady_state_kwargs(args: argparse.Namespace) -> dict[str, object]:
     """``solve`` options of an adaptive solve to the command line's steady-state criterion."""
     return dict(
-        t=(0.0, args.t_end),
+        t=(0.0, args.t1),
         solver=et_ode.Adaptive("dopri5", args.rtol, args.atol),
         stop=et_ode.SteadyState(args.tol),
         save="final",
@@ -230,7 +230,7 @@ def main() -> None:
     parser.add_argument("--size", choices=["digits", "mnist"], default="digits", help="size of the method table")
     parser.add_argument("--batch", type=int, default=16, help="batch of the method table")
     parser.add_argument("--tol", type=float, default=1e-4, help="steady-state criterion on RMS |dg/dt|")
-    parser.add_argument("--t-end", type=float, default=5000.0, help="give up at this time")
+    parser.add_argument("--t1", type=float, default=5000.0, help="give up at this time")
     parser.add_argument("--step", type=float, default=0.2, help="step of the fixed-step torchdiffeq methods")
     parser.add_argument("--rtol", type=float, default=1e-5)
     parser.add_argument("--atol", type=float, default=1e-6)

@@ -50,6 +50,7 @@ from et_ode import Adaptive, Direct, EulerET, Integration
 from et_ode.models import ImageET, masked_mse, patchify, random_masks, unpatchify
 from et_ode.models.fill import biharmonic_fill
 from et_ode.models.image import Completion
+from et_ode.solving.integration import Dynamics
 from et_ode.tasks.baselines import MeanImage, NearestNeighbour
 
 PATCH = 4
@@ -221,9 +222,9 @@ class KnnFillET(ImageET):
             return local_knn_fill(self.bank, images, hidden, self.exclude, self.k, bank_energy=self.bank_energy)
         return knn_fill(self.bank, images, hidden, self.exclude, self.k, bank_energy=self.bank_energy)
 
-    def forward(self, images: Tensor, hidden: Tensor, integration: Integration | None = None) -> Completion:
+    def forward(self, images: Tensor, hidden: Tensor, dynamics: Dynamics | None = None) -> Completion:
         if self.context == "fill":
-            return super().forward(images, hidden, integration)
+            return super().forward(images, hidden, dynamics)
         index = knn_neighbours(self.bank, images, hidden, self.exclude, self.k, bank_energy=self.bank_energy)
         neighbours = self.bank[index]  # (B, k, N, P2)
         target = patchify(images, PATCH)
@@ -240,7 +241,7 @@ class KnnFillET(ImageET):
             features.append(-error.transpose(1, 2) / ERROR_SCALE)
         encoded = self.encoder(torch.cat(features, -1))
         x0 = torch.where(hidden[..., None], encoded + self.mask_token, encoded) + self.position
-        solution = (integration or self.integration).solve(self.field(), x0)
+        solution = (dynamics or self.dynamics).answer(self.field(), x0)
         if self.context == "retrieval":
             weights = torch.softmax(logits + self.weigher(solution.g).transpose(1, 2), 1)  # (B, k, N)
             blend = torch.einsum("bkn,bknp->bnp", weights, neighbours)
@@ -288,13 +289,13 @@ def build(cfg: dict, data: dict[str, Tensor]) -> ImageET:
     if cfg["fill"] == "knn":
         return KnnFillET(
             *args,
-            integration=integration,
+            dynamics=integration,
             bank=patchify(data["train"], PATCH),
             k=cfg["k"],
             context=cfg["context"],
             weighting=cfg["weighting"],
         )
-    return ImageET(*args, integration=integration, fill=None if cfg["fill"] == "none" else cfg["fill"])
+    return ImageET(*args, dynamics=integration, fill=None if cfg["fill"] == "none" else cfg["fill"])
 
 
 def limited(data: dict[str, Tensor], limit: int) -> dict[str, Tensor]:
@@ -468,7 +469,9 @@ def evaluate(args) -> None:
     model.eval()
     x = data[args.split]
     h = split_masks(args.split, len(x), model.num_patches)
-    solvers = {"as trained": model.integration.replace(gradient=Direct())}
+    trained = model.dynamics
+    assert isinstance(trained, Integration)  # the recipe's models integrate to a horizon
+    solvers = {"as trained": trained.replace(gradient=Direct())}
     for rtol in (1e-3, 1e-6):
         solvers[f"dopri5, rtol {rtol:g}"] = Integration(
             Adaptive("dopri5", rtol=rtol, atol=rtol / 10), Direct(), t1=cfg["t1"], max_steps=100_000
@@ -487,7 +490,7 @@ def evaluate(args) -> None:
         nfe: list[int] = []
 
         def predict(a, b, integration=integration, nfe=nfe):
-            completion = model(a, b, integration=integration)
+            completion = model(a, b, dynamics=integration)
             nfe.append(completion.solution.stats.nfe_forward)
             return completion.patches
 

@@ -1,6 +1,6 @@
 """The dynamics options shared by the subcommands (``--solver``, ``--t1``, ``--rtol``, ``--atol``, ``--step``,
 ``--steps``, ``--gradient``, ``--adjoint-rtol``, ``--adjoint-atol``, ``--seminorm``, ``--steady-state``,
-``--max-steps``, ``--attractor``), and the one function that turns them into the settings objects of :func:`et_ode.solve`
+``--max-steps``), and the one function that turns them into the settings objects of :func:`et_ode.solve`
 (:meth:`et_ode.Integration.from_options`)."""
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ OPTIONS = (
     "seminorm",
     "steady_state",
     "max_steps",
-    "attractor",
 )
 
 
@@ -76,12 +75,6 @@ def add_dynamics_arguments(
             help="stop at the attractor: RMS |dg/dt| < TOL (t1 is then the longest time)",
         ),
         "max_steps": dict(type=int, default=defaults.max_steps, help="solver step limit"),
-        "attractor": dict(
-            action=argparse.BooleanOptionalAction,
-            default=defaults.attractor is not None,
-            help="read the answer at the certified attractor (find_attractor, implicit gradients: "
-            "et_ode.AttractorReadout); the solver options then serve films and energy checks",
-        ),
     }
     for name in options:
         group.add_argument("--" + name.replace("_", "-"), **arguments[name])  # type: ignore[arg-type]

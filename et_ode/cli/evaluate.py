@@ -46,7 +46,7 @@ def add_evaluate(commands: argparse._SubParsersAction) -> None:
     masks.add_argument(
         "--masks", default=None, metavar="NPZ", help="reuse the masks of an earlier evaluation's completions.npz"
     )
-    model = parser.add_argument_group("the model's dynamics (default: the run's integration)")
+    model = parser.add_argument_group("the model's dynamics (default: the run's)")
     model.add_argument("--solver", default=None, choices=METHODS, help="ODE method")
     model.add_argument("--t1", type=float, default=None, help="horizon")
     model.add_argument("--rtol", type=float, default=None, help="adaptive rtol")
@@ -102,7 +102,7 @@ def _run_evaluate(args: argparse.Namespace) -> None:
         limit=args.limit,
         mask_seed=args.mask_seed,
         masks=args.masks,
-        integration=integration,
+        dynamics=integration,
         predictors=tuple(p.strip() for p in args.predictors.split(",") if p.strip()),
         batch_size=args.batch_size,
         grid=args.grid,

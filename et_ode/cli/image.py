@@ -19,6 +19,7 @@ import torch
 from et_ode.cli.dynamics import add_dynamics_arguments, integration_from
 from et_ode.cli.options import add_command, add_run_folder_arguments, add_threads_argument, count_in
 from et_ode.data.images import SOURCES
+from et_ode.equilibrium.attractor import AttractorReadout
 from et_ode.integrators.solvers import METHODS
 from et_ode.tasks.demo import DEMO_EPOCHS, DEMO_TIME, demo
 from et_ode.tasks.film import complete
@@ -113,6 +114,13 @@ def add_train_image(subparsers: argparse._SubParsersAction) -> None:
     )
     mask.add_argument("--mask-seed", type=int, default=run.mask_seed, help="seed of the fixed test masks")
     add_dynamics_arguments(parser, run.integration)
+    parser.add_argument(
+        "--attractor",
+        action=argparse.BooleanOptionalAction,
+        default=run.attractor is not None,
+        help="read the answer at the certified attractor (find_attractor, implicit gradients: "
+        "et_ode.AttractorReadout); the dynamics options then serve films and energy checks",
+    )
     opt = parser.add_argument_group("training")
     opt.add_argument("--epochs", type=count_in(1), default=train.epochs)
     opt.add_argument("--batch-size", type=count_in(1, 1_000_000), default=train.batch_size)
@@ -214,6 +222,7 @@ def _train_image_from_args(args: argparse.Namespace) -> None:
         visible_fraction=args.visible_fraction,
         mask_seed=args.mask_seed,
         integration=integration_from(args, ImageRunConfig().integration),
+        attractor=AttractorReadout() if args.attractor else None,
         train=train,
         baselines=not args.no_baselines,
         threads=args.threads,

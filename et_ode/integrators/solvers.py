@@ -244,11 +244,12 @@ class Fixed:
     adaptive: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
-        if self.method not in FIXED_METHODS:
+        name: str = self.method  # any value reaches here: the hints compare it with the other method sets
+        if name not in FIXED_METHODS:
             raise ValueError(
-                f"Fixed.method must be one of {FIXED_METHODS}, got {self.method!r}"
-                + (" (an adaptive method: use Adaptive)" if self.method in ADAPTIVE_METHODS else "")
-                + (" (the paper's scheme: use EulerET)" if self.method == "et" else "")
+                f"Fixed.method must be one of {FIXED_METHODS}, got {name!r}"
+                + (" (an adaptive method: use Adaptive)" if name in ADAPTIVE_METHODS else "")
+                + (" (the paper's scheme: use EulerET)" if name == "et" else "")
             )
         check_positive("Fixed.step_size", self.step_size, optional=True)
         _check_options("Fixed", self.options)
@@ -383,7 +384,7 @@ def _euler_start(t: object) -> float:
 Solver = Adaptive | Fixed | EulerET
 
 
-def as_solver(solver: Solver | Method) -> Solver:
+def as_solver(solver: Solver | str) -> Solver:
     """A solver object from itself or a method's name (``"dopri5"`` -> ``Adaptive("dopri5")``, ``"rk4"`` ->
     ``Fixed("rk4")`` stepping on the grid, ``"et"`` -> ``EulerET()``); ValueError listing the valid names."""
     if isinstance(solver, (Adaptive, Fixed, EulerET)):

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import get_args
 
 import torch
 from torch import Tensor
 
 from et_ode.backend.validation import check_positive
 from et_ode.dynamics.field import ETField
+from et_ode.integrators.solution import Measure, Save
 
-MEASURES = ("dg_dt", "tangent_gradient")
+MEASURES: tuple[Measure, ...] = get_args(Measure)
 _MEASURE_NAMES = {"dg_dt": "RMS |dg/dt|", "tangent_gradient": "RMS |T dE/dg|"}
 
 
@@ -35,7 +37,7 @@ class SteadyState:
     """
 
     tol: float
-    measure: str = "dg_dt"
+    measure: Measure = "dg_dt"
     per_sample: bool = False
 
     def __post_init__(self) -> None:
@@ -50,7 +52,7 @@ class SteadyState:
         """What is tested, e.g. ``"RMS |dg/dt| < 0.001"``."""
         return f"{_MEASURE_NAMES[self.measure]} < {self.tol:g}"
 
-    def check(self, x0: Tensor, save: str) -> None:
+    def check(self, x0: Tensor, save: Save) -> None:
         """``per_sample=True`` needs ``save="final"`` and ``x0`` of shape ``(batch, N, D)`` (ValueError naming both);
         ``tol`` must be one the measure resolves in ``x0``'s dtype (ValueError naming ``SteadyState.tol``): an RMS is
         formed from squares, which lose their precision below the dtype's smallest normal number and then vanish, so

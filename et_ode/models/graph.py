@@ -15,23 +15,26 @@ The output is read from the final normalized state ``g``: the CLS tokens' (``rea
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 from torch import Tensor, nn
 
 from et_ode.backend.validation import check_positive
 from et_ode.dynamics.field import ETField
+from et_ode.energy.energies import HopfieldForm
 from et_ode.energy.masks import GraphMask
 from et_ode.energy.model import EnergyTransformer
 from et_ode.integrators.solution import Solution
 from et_ode.integrators.solvers import EulerET
 from et_ode.models.image import check_model_size
 from et_ode.solving.gradients import Direct
-from et_ode.solving.integration import Integration
+from et_ode.solving.integration import Dynamics, Integration, check_dynamics, settings_to_dict
 
-READOUTS = ("graph", "node")
-POOLS = ("cls", "cls+mean", "cls+sum")
+Readout = Literal["graph", "node"]
+Pool = Literal["cls", "cls+mean", "cls+sum"]
+READOUTS: tuple[Readout, ...] = get_args(Readout)
+POOLS: tuple[Pool, ...] = get_args(Pool)
 # the paper's graph block: 12 Euler steps of 0.1, gradients straight through
 PAPER_INTEGRATION = Integration(solver=EulerET(0.1, 12), gradient=Direct())
 
@@ -46,8 +49,9 @@ class GraphET(nn.Module):
         pe_dim: Laplacian eigenvectors per node ``k`` (0: none).
         readout: ``"graph"`` (CLS tokens) or ``"node"`` (no CLS token).
         hopfield, self_attention: passed to :class:`~et_ode.EnergyTransformer`.
-        integration: how the dynamics are solved (:class:`et_ode.solving.integration.Integration`; default the paper's block,
-            ``EulerET(alpha=0.1, steps=12)`` with ``Direct()`` gradients; any other solver runs on ``(0, t1)``).
+        dynamics: how the block runs: an :class:`~et_ode.Integration` (default the paper's block,
+            ``EulerET(alpha=0.1, steps=12)`` with ``Direct()`` gradients; any other solver runs on ``(0, t1)``) or an
+            :class:`~et_ode.AttractorReadout` (the answer read at the certified attractor of the flow).
         dropout: dropout on the encoded node features while training.
         tau: the field's time constant.
         head_hidden: 0 for a linear read-out of ``g``; else a hidden layer of this width (GELU) before it.
@@ -68,14 +72,14 @@ class GraphET(nn.Module):
         head_dim: int = 16,
         memories: int = 128,
         pe_dim: int = 15,
-        readout: str = "graph",
-        hopfield: str = "relu",
+        readout: Readout = "graph",
+        hopfield: HopfieldForm = "relu",
         self_attention: bool = False,
-        integration: Integration = PAPER_INTEGRATION,
+        dynamics: Dynamics = PAPER_INTEGRATION,
         dropout: float = 0.0,
         tau: float = 1.0,
         head_hidden: int = 0,
-        pool: str = "cls",
+        pool: Pool = "cls",
     ):
         super().__init__()
         if readout not in READOUTS:
@@ -91,11 +95,7 @@ class GraphET(nn.Module):
         else:
             extra = 0
         check_model_size(dim, heads, head_dim, memories, extra)
-        if not isinstance(integration, Integration):
-            raise TypeError(
-                f"integration must be an et_ode.solving.integration.Integration, got {type(integration).__name__}"
-            )
-        self.integration = integration
+        self.dynamics = check_dynamics("dynamics", dynamics)
         self.config: dict[str, Any] = dict(
             in_features=in_features,
             classes=classes,
@@ -107,7 +107,7 @@ class GraphET(nn.Module):
             readout=readout,
             hopfield=hopfield,
             self_attention=self_attention,
-            integration=integration.to_dict(),
+            dynamics=settings_to_dict(dynamics),
             dropout=dropout,
             tau=tau,
             head_hidden=head_hidden,
@@ -163,7 +163,7 @@ class GraphET(nn.Module):
     def forward(self, batch: Any) -> Tensor:
         """Logits ``(G, classes)`` (graph readout) or ``(N, classes)`` (node readout)."""
         x0, mask = self.tokens(batch)
-        solution = self.integration.solve(self.field.with_mask(mask), x0)
+        solution = self.dynamics.answer(self.field.with_mask(mask), x0)
         self.last_solution = solution
         if self.cls is None:
             return self.head(solution.g)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numbers
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
@@ -25,12 +25,13 @@ from torch import Tensor, nn
 from et_ode.backend import devices
 from et_ode.backend.validation import check_positive
 from et_ode.dynamics.field import ETField
+from et_ode.energy.energies import HopfieldForm
 from et_ode.energy.model import EnergyTransformer
 from et_ode.integrators.solution import Solution
 from et_ode.integrators.solvers import Adaptive, EulerET
 from et_ode.models.fill import biharmonic_fill
 from et_ode.solving.gradients import Adjoint, Direct
-from et_ode.solving.integration import Integration
+from et_ode.solving.integration import Dynamics, Integration, check_dynamics, settings_from_dict, settings_to_dict
 
 FILLS = (None, "biharmonic")  # by name; a callable (images, hidden) -> filled images is the third kind
 Fill = Callable[[Tensor, Tensor], Tensor]
@@ -154,7 +155,7 @@ DESCRIPTION_OPTIONAL = (
     "self_attention",
     "cls_token",
     "tau",
-    "integration",
+    "dynamics",
     "cls_position",
     "renormalize",
     "fill",
@@ -171,8 +172,9 @@ class ImageET(nn.Module):
         cls_token: prepend a learned CLS token (it is not decoded).
         hopfield, self_attention: passed to :class:`et_ode.EnergyTransformer`.
         tau: time constant of the dynamics.
-        integration: how the block is integrated (:class:`et_ode.solving.integration.Integration`: solver, gradient, stop,
-            horizon ``t1``, step budget); ``forward(..., integration=...)`` overrides it.
+        dynamics: how the block runs: an :class:`~et_ode.Integration` (solver, gradient, stop, horizon ``t1``, step
+            budget; the answer is read at its end) or an :class:`~et_ode.AttractorReadout` (the answer is read at the
+            certified attractor of the flow); ``forward(..., dynamics=...)`` overrides it.
         cls_position: the positional embedding has a row for the CLS token too, ``(1 + N, D)``, added after the CLS
             token is put in front (the official release's order); needs ``cls_token``. Default: ``(N, D)``, added to
             the patch tokens only.
@@ -200,13 +202,13 @@ class ImageET(nn.Module):
         memories: int | None = None,
         *,
         cls_token: bool = False,
-        hopfield: str = "relu",
+        hopfield: HopfieldForm = "relu",
         self_attention: bool = False,
         tau: float = 1.0,
-        integration: Integration = DEFAULT_INTEGRATION,
+        dynamics: Dynamics = DEFAULT_INTEGRATION,
         cls_position: bool = False,
         renormalize: bool = False,
-        fill: str | Fill | None = None,
+        fill: Literal["biharmonic"] | Fill | None = None,
     ):
         super().__init__()
         if not callable(fill) and fill not in FILLS:
@@ -232,11 +234,7 @@ class ImageET(nn.Module):
         check_model_size(dim, heads, head_dim, memories, extra)
         self.dim = dim
         self.tau = float(tau)
-        if not isinstance(integration, Integration):
-            raise TypeError(
-                f"integration must be an et_ode.solving.integration.Integration, got {type(integration).__name__}"
-            )
-        self.integration = integration
+        self.dynamics = check_dynamics("dynamics", dynamics)
         self.cls_position = bool(cls_position)
         self.renormalize = bool(renormalize)
         self.fill = fill
@@ -276,7 +274,7 @@ class ImageET(nn.Module):
             **self._block_args,
             cls_token=self.cls is not None,
             tau=self.tau,
-            integration=self.integration.to_dict(),
+            dynamics=settings_to_dict(self.dynamics),
             cls_position=self.cls_position,
             renormalize=self.renormalize,
             fill=self.fill,
@@ -287,7 +285,7 @@ class ImageET(nn.Module):
         """The model :meth:`config` describes (untrained weights).
 
         Raises:
-            ValueError: not a dict, a required setting missing, an unknown setting, or a bad value (an integration
+            ValueError: not a dict, a required setting missing, an unknown setting, or a bad value (dynamics
                 that cannot be rebuilt, sizes beyond ``MAX_PARAMETERS``), naming the setting.
         """
         if not isinstance(config, dict):
@@ -297,20 +295,19 @@ class ImageET(nn.Module):
         unknown = sorted(set(config) - set(DESCRIPTION_REQUIRED) - set(DESCRIPTION_OPTIONAL))
         if missing or unknown:
             raise ValueError(f"the model description misses {missing} / has unknown settings {unknown}")
-        if "integration" in config:
+        dynamics: Dynamics = DEFAULT_INTEGRATION
+        if "dynamics" in config:
             try:
-                integration = Integration.from_dict(config.pop("integration"))
-            except (KeyError, TypeError, AttributeError) as error:
+                dynamics = check_dynamics("dynamics", settings_from_dict(config.pop("dynamics")))
+            except (KeyError, TypeError, ValueError, AttributeError) as error:
                 raise ValueError(
-                    f"the model description's 'integration' cannot be rebuilt: {type(error).__name__}: {error}"
+                    f"the model description's 'dynamics' cannot be rebuilt: {type(error).__name__}: {error}"
                 ) from None
-        else:
-            integration = DEFAULT_INTEGRATION
         image_shape = config.pop("image_shape")
         if not isinstance(image_shape, (list, tuple)):
             raise ValueError(f"the model description's 'image_shape' must be [C, H, W], got {image_shape!r}")
         try:
-            return cls(tuple(image_shape), integration=integration, **config)
+            return cls(tuple(image_shape), dynamics=dynamics, **config)
         except TypeError as error:
             raise ValueError(f"the model description holds a bad setting: {error}") from None
 
@@ -388,10 +385,11 @@ class ImageET(nn.Module):
             g = self.block.neuron(g)
         return self.decoder(g)
 
-    def forward(self, images: Tensor, hidden: Tensor, integration: Integration | None = None) -> Completion:
-        """Complete ``images (B, C, H, W)`` whose patches ``hidden (B, N)`` are masked."""
+    def forward(self, images: Tensor, hidden: Tensor, dynamics: Dynamics | None = None) -> Completion:
+        """Complete ``images (B, C, H, W)`` whose patches ``hidden (B, N)`` are masked (with the model's dynamics, or
+        ``dynamics`` when given)."""
         filled = self.filled(images, hidden)
-        solution = (integration or self.integration).solve(self.field(), self._tokens(filled, hidden))
+        solution = (dynamics or self.dynamics).answer(self.field(), self._tokens(filled, hidden))
         return Completion(self._answer(self.decode(solution.g), filled), solution)
 
     def _answer(self, decoded: Tensor, filled: Tensor) -> Tensor:
@@ -402,26 +400,26 @@ class ImageET(nn.Module):
         self,
         images: Tensor,
         hidden: Tensor,
-        times: Tensor | Sequence[float] | None = None,
+        t: Tensor | Sequence[float] | None = None,
         integration: Integration | None = None,
         keep_visible: bool = True,
     ) -> tuple[Tensor, Solution]:
         """The completion over time: images ``(T, B, C, H, W)`` decoded at the saved times, and the solution.
 
-        ``times``: from 0 to the horizon (default 9 equal steps to ``integration.t1``); :class:`et_ode.EulerET`
-        saves every step instead. The solve runs without a stop, an attractor readout and gradients.
+        The flow is integrated by ``integration`` (default: the model's own, or ``Integration()`` for a model that
+        reads its answer at the attractor), without a stop and gradients, and saved at the times ``t``: from 0 to
+        the horizon (default 9 equal steps to ``integration.t1``; :class:`et_ode.EulerET` saves every step instead).
         ``keep_visible``: show the input in the visible patches (the decoder is trained on the hidden ones only); False
         shows the decoding of every token.
         """
-        integration = integration or self.integration
-        if times is None and not isinstance(integration.solver, EulerET):
-            times = torch.linspace(0.0, integration.t1, 9)
-        times = None if times is None else torch.as_tensor(times, dtype=torch.float64)
+        if integration is None:
+            integration = self.dynamics if isinstance(self.dynamics, Integration) else Integration()
+        if t is None and not isinstance(integration.solver, EulerET):
+            t = torch.linspace(0.0, integration.t1, 9)
+        t = None if t is None else torch.as_tensor(t, dtype=torch.float64)
         with torch.no_grad():
             filled = self.filled(images, hidden)
-            solution = integration.replace(gradient=Direct(), stop=None, attractor=None).solve(
-                self.field(), self._tokens(filled, hidden), times, save="all"
-            )
+            solution = integration.replace(gradient=Direct(), stop=None).solve(self.field(), self._tokens(filled, hidden), t)
             frames = self._answer(self.decode(self.block.neuron(solution.xs)), filled)  # (T, B, N, C P P)
             if keep_visible:
                 frames = torch.where(hidden[..., None], frames, patchify(images, self.patch))
@@ -489,9 +487,7 @@ class CompletionTask:
         return evaluate_completion(model, batches)
 
 
-def evaluate_completion(
-    model: nn.Module, batches: Iterable[Any], integration: Integration | None = None
-) -> dict[str, float]:
+def evaluate_completion(model: nn.Module, batches: Iterable[Any], dynamics: Dynamics | None = None) -> dict[str, float]:
     """Masked-patch MSE over all scored pixels of ``batches`` of ``(images, hidden, scored)``.
 
     ``model(images, hidden)`` returns a :class:`Completion` (an :class:`ImageET` or a baseline). Also returns,
@@ -502,7 +498,7 @@ def evaluate_completion(
     nfe, energy, residual, seconds, t_final, solves = 0.0, 0.0, 0.0, 0.0, 0.0, 0
     patch = _unwrap(model).patch
     for images, hidden, scored in batches:
-        out = model(images, hidden) if integration is None else model(images, hidden, integration=integration)
+        out = model(images, hidden) if dynamics is None else model(images, hidden, dynamics=dynamics)
         weight = scored.to(out.patches.dtype)[..., None]
         squared += float(((out.patches - patchify(images, patch)).square() * weight).sum())
         count += float(weight.sum()) * out.patches.shape[-1]

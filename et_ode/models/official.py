@@ -217,7 +217,7 @@ def load_official(
             hopfield="relu",
             self_attention=True,
             tau=1.0,
-            integration=official_integration(),
+            dynamics=official_integration(),
             cls_position=True,
             renormalize=True,
         )

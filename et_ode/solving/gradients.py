@@ -1,4 +1,5 @@
-"""How :func:`et_ode.solve` differentiates: three gradient strategies, each running its own integration.
+"""How :func:`et_ode.solve` differentiates: the three gradient strategies that ``gradient=`` takes, each running its
+own integration.
 
 - :class:`Direct`: backpropagate through the solver's operations (exact for the discrete solve; memory grows with
   the steps). Fixed steps without a stop run in :mod:`et_ode.integrators.fixed_step`'s lean loop.
@@ -6,9 +7,9 @@
   loop where it runs the forward solve, else torchdiffeq's, with its own tolerances, method and an optional seminorm.
 - :class:`Implicit`: the implicit function theorem at the fixed point reached by a stop (memory and cost independent
   of the steps); the forward solve runs without gradients and its end is polished into the certified attractor of
-  its flow (:func:`~et_ode.equilibrium.certify.certify`, the
-hand-off loop of :func:`et_ode.find_attractor`). Gradients flow through
-  ``Solution.g`` only.
+  its flow (:func:`~et_ode.equilibrium.certify.certify`, the hand-off loop of :func:`et_ode.find_attractor`).
+  Gradients flow through ``Solution.g`` only. It is defined in :mod:`et_ode.equilibrium.attractor`, beside
+  ``find_attractor``, whose ``implicit=`` takes the same object; this module is where ``solve`` finds all three.
 
 A plain string names each (:func:`as_gradient`): ``"direct"``, ``"adjoint"``, ``"implicit"``. A strategy's
 :meth:`check` holds its rule with the stopping rule (``Implicit`` needs one). Each strategy first checks that the
@@ -18,16 +19,18 @@ model's parameters are finite (:func:`check_weights`: a ValueError naming the fi
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 from torchdiffeq import odeint, odeint_adjoint
 
 from et_ode.backend.validation import check_positive
 from et_ode.equilibrium.attractor import Implicit
 from et_ode.integrators.loop import Integrated, Problem, integrate
-from et_ode.integrators.solvers import ADAPTIVE_METHODS, FIXED_METHODS
+from et_ode.integrators.solvers import ADAPTIVE_METHODS, FIXED_METHODS, AdaptiveMethod, FixedMethod
 from et_ode.integrators.stopping import SteadyState
 
-GRADIENTS = ("direct", "adjoint", "implicit")
+GradientName = Literal["direct", "adjoint", "implicit"]
+GRADIENTS: tuple[GradientName, ...] = get_args(GradientName)
 
 
 @dataclass(frozen=True)
@@ -64,7 +67,7 @@ class Adjoint:
 
     rtol: float | None = None
     atol: float | None = None
-    method: str | None = None
+    method: AdaptiveMethod | FixedMethod | None = None
     seminorm: bool = False
 
     def __post_init__(self) -> None:

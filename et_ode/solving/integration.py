@@ -1,16 +1,18 @@
-"""How a model integrates its ET block: the settings objects of :func:`et_ode.solve` with a horizon, in one place.
+"""How a model runs its ET block: an :class:`Integration` (the settings of :func:`et_ode.solve` with a horizon) or an
+:class:`~et_ode.AttractorReadout`, and both as plain data.
 
-The image and graph models, the CLI and ``analyze`` hold an :class:`Integration`: the same :class:`~et_ode.Adaptive`
-/ :class:`~et_ode.Fixed` / :class:`~et_ode.EulerET` solver, :class:`~et_ode.Direct` / :class:`~et_ode.Adjoint` /
-:class:`~et_ode.Implicit` gradient and :class:`~et_ode.SteadyState` stop that ``solve`` takes, plus the horizon ``t1``
-and the step budget. :meth:`Integration.to_dict` and :meth:`Integration.from_dict` write and read it as plain data
-(for checkpoints and JSON reports).
+An :class:`Integration` holds the :class:`~et_ode.Adaptive` / :class:`~et_ode.Fixed` / :class:`~et_ode.EulerET` solver,
+the :class:`~et_ode.Direct` / :class:`~et_ode.Adjoint` / :class:`~et_ode.Implicit` gradient and the
+:class:`~et_ode.SteadyState` stop that ``solve`` takes, plus the horizon ``t1`` and the step budget. A model's
+:data:`Dynamics` is one or the other; each gives the model its answer with ``answer(field, x0)``.
+:func:`settings_to_dict` and :func:`settings_from_dict` write and read any of these objects as plain data (for
+checkpoints and JSON reports).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -19,10 +21,10 @@ from torch import Tensor
 from et_ode.backend.validation import check_positive
 from et_ode.dynamics.field import ETField
 from et_ode.equilibrium.attractor import AttractorReadout
-from et_ode.integrators.solution import Solution
-from et_ode.integrators.solvers import ADAPTIVE_METHODS, FIXED_METHODS, Adaptive, EulerET, Fixed, Solver, as_solver
+from et_ode.integrators.solution import Save, Solution
+from et_ode.integrators.solvers import ADAPTIVE_METHODS, FIXED_METHODS, Adaptive, EulerET, Fixed, Method, Solver, as_solver
 from et_ode.integrators.stopping import SteadyState
-from et_ode.solving.gradients import Adjoint, Direct, Gradient, Implicit, as_gradient
+from et_ode.solving.gradients import Adjoint, Direct, Gradient, GradientName, Implicit, as_gradient
 from et_ode.solving.solve import solve
 
 T = TypeVar("T")
@@ -32,8 +34,8 @@ _KINDS: dict[str, type] = {
 
 
 def settings_to_dict(settings: Any) -> dict[str, Any]:
-    """A settings object (a solver, gradient strategy, stop or attractor readout) as plain data: ``{"kind": class
-    name, **fields}``, a field that is itself a settings object nested the same way."""
+    """A settings object (a solver, gradient strategy, stop, attractor readout or integration) as plain data:
+    ``{"kind": class name, **fields}``, a field that is itself a settings object nested the same way."""
     fields = {f.name: getattr(settings, f.name) for f in dataclasses.fields(settings)}
     return {
         "kind": type(settings).__name__,
@@ -76,15 +78,11 @@ class Integration:
         t1: the horizon, from 0, positive and finite; :class:`~et_ode.EulerET` ignores it (its horizon is
             ``steps * alpha * tau``).
         max_steps: the solver's step budget.
-        attractor: an :class:`~et_ode.AttractorReadout`: :meth:`solve` then returns the certified attractor of the
-            flow from ``x0`` (:func:`~et_ode.find_attractor`, implicit gradients) instead of integrating; ``solver``,
-            ``gradient``, ``stop`` and ``t1`` serve only solves that save a trajectory (films, energy checks), which
-            drop it: ``replace(attractor=None)``. None (default): integrate.
 
     Raises:
         ValueError: an unknown solver or gradient name, ``t1`` or ``max_steps`` not positive, or settings that do not
             go together (the rules of the gradient strategy and the solver, e.g. ``Implicit`` without a stop).
-        TypeError: ``stop`` is not a SteadyState or None, or ``attractor`` not an AttractorReadout or None.
+        TypeError: ``stop`` is not a SteadyState or None.
     """
 
     solver: Solver = Adaptive()  # a method's name is accepted too (as_solver)
@@ -92,7 +90,6 @@ class Integration:
     stop: SteadyState | None = None
     t1: float = 1.0
     max_steps: int = 10_000
-    attractor: AttractorReadout | None = None
 
     def __post_init__(self) -> None:
         solver, gradient = as_solver(self.solver), as_gradient(self.gradient)
@@ -102,30 +99,25 @@ class Integration:
             raise TypeError(f"Integration.stop must be an et_ode.SteadyState or None, got {type(self.stop).__name__}")
         check_positive("Integration.t1", self.t1)
         check_positive("Integration.max_steps", self.max_steps, integer=True)
-        if self.attractor is not None and not isinstance(self.attractor, AttractorReadout):
-            raise TypeError(
-                f"Integration.attractor must be an et_ode.AttractorReadout or None, got {type(self.attractor).__name__}"
-            )
         gradient.check(self.stop)
         solver.check_stop(self.stop)
 
     @classmethod
     def from_options(
         cls,
-        solver: str = "dopri5",
+        solver: Method = "dopri5",
         *,
         t1: float = 1.0,
         rtol: float = 1e-5,
         atol: float = 1e-6,
         step: float | None = None,
         steps: int | None = None,
-        gradient: str = "direct",
+        gradient: GradientName = "direct",
         adjoint_rtol: float | None = None,
         adjoint_atol: float | None = None,
         seminorm: bool = False,
         steady_state: float | None = None,
         max_steps: int = 10_000,
-        attractor: bool = False,
     ) -> Integration:
         """The settings objects from flat options, as a command line or a grid search gives them.
 
@@ -135,8 +127,7 @@ class Integration:
         an adaptive method (ValueError); ``steps``: the number of steps of ``"et"`` (``step`` and ``steps`` default to
         :class:`~et_ode.EulerET`'s); ``gradient``: ``"direct"``, ``"adjoint"`` (with ``adjoint_rtol``,
         ``adjoint_atol``, ``seminorm``) or ``"implicit"``; ``steady_state``: the tolerance of a
-        :class:`~et_ode.SteadyState` stop (None: none); ``t1``, ``max_steps`` as in :class:`Integration`;
-        ``attractor``: read the answer at the attractor (a default :class:`~et_ode.AttractorReadout`).
+        :class:`~et_ode.SteadyState` stop (None: none); ``t1``, ``max_steps`` as in :class:`Integration`.
         """
         solver_object: Solver
         if solver in ADAPTIVE_METHODS:
@@ -168,47 +159,47 @@ class Integration:
                 stop=stop,
                 t1=t1,
                 max_steps=max_steps,
-                attractor=AttractorReadout() if attractor else None,
             ),
         )
 
     def replace(self, **changes: Any) -> Integration:
         return dataclasses.replace(self, **changes)
 
-    def solve(self, field: ETField, x0: Tensor, times: Tensor | None = None, save: str = "final") -> Solution:
-        """:func:`et_ode.solve` with these settings, on ``(0, t1)`` or the given ``times`` (from 0 to the horizon,
-        saved with ``save="all"``); :class:`~et_ode.EulerET` builds its own grid. With an ``attractor`` readout: the
-        attractor (:meth:`et_ode.AttractorReadout.read`), which saves no trajectory (ValueError naming ``times`` or
-        ``save`` otherwise)."""
-        if self.attractor is not None:
-            if times is not None or save != "final":
-                raise ValueError(
-                    f"an attractor readout saves only the attractor (save='final', no times; got save="
-                    f"{save!r}{'' if times is None else ' and times'}): integrate a trajectory with "
-                    "integration.replace(attractor=None)"
-                )
-            return self.attractor.read(field, x0)[0]
-        t = None if isinstance(self.solver, EulerET) else (times if times is not None else (0.0, self.t1))
+    def solve(self, field: ETField, x0: Tensor, t: Tensor | Sequence[float] | None = None, save: Save = "all") -> Solution:
+        """:func:`et_ode.solve` with these settings, from ``x0`` ``(*batch, N, D)`` on the times ``t`` (default
+        ``(0, t1)``; :class:`~et_ode.EulerET` builds its own grid from ``t=None``), saving ``save`` as ``solve`` does
+        (default ``"all"``: the states at the times ``t``)."""
+        if t is None and not isinstance(self.solver, EulerET):
+            t = (0.0, self.t1)
         return solve(
             field, x0, t, solver=self.solver, gradient=self.gradient, stop=self.stop, save=save, max_steps=self.max_steps
         )
 
+    def answer(self, field: ETField, x0: Tensor) -> Solution:
+        """The solution a model reads its answer from: the end of the integration to ``t1`` (``save="final"``)."""
+        return self.solve(field, x0, save="final")
+
     def to_dict(self) -> dict[str, Any]:
-        """Plain data (JSON-ready): each settings object as :func:`settings_to_dict`."""
-        return {
-            "solver": settings_to_dict(self.solver),
-            "gradient": settings_to_dict(self.gradient),
-            "stop": None if self.stop is None else settings_to_dict(self.stop),
-            "t1": self.t1,
-            "max_steps": self.max_steps,
-            "attractor": None if self.attractor is None else settings_to_dict(self.attractor),
-        }
+        """Plain data (JSON-ready): :func:`settings_to_dict`."""
+        return settings_to_dict(self)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Integration:
-        """The inverse of :meth:`to_dict`."""
-        fields = dict(data)
-        for name in ("solver", "gradient", "stop", "attractor"):
-            if isinstance(fields.get(name), Mapping):
-                fields[name] = settings_from_dict(fields[name])
-        return cls(**fields)
+        """The inverse of :meth:`to_dict` (ValueError when ``data`` describes another kind of settings)."""
+        integration = settings_from_dict(data)
+        if not isinstance(integration, Integration):
+            raise ValueError(f"an integration's data must have kind 'Integration', got {data.get('kind')!r}")
+        return integration
+
+
+_KINDS[Integration.__name__] = Integration
+#: how a model runs its ET block: an integration to a horizon or the certified attractor of the flow
+Dynamics = Integration | AttractorReadout
+
+
+def check_dynamics(name: str, dynamics: object) -> Dynamics:
+    """``dynamics`` itself when it is an :class:`Integration` or an :class:`~et_ode.AttractorReadout` (TypeError
+    naming ``name`` otherwise)."""
+    if not isinstance(dynamics, (Integration, AttractorReadout)):
+        raise TypeError(f"{name} must be an et_ode.Integration or an et_ode.AttractorReadout, got {type(dynamics).__name__}")
+    return dynamics

@@ -22,12 +22,11 @@ from et_ode.backend.validation import check_positive
 from et_ode.dynamics.field import ETField
 from et_ode.energy.checks import check_mask, check_tokens
 from et_ode.integrators.loop import Problem, Progress
-from et_ode.integrators.solution import Solution, SolveError, SolveStats, Status
-from et_ode.integrators.solvers import Solver, SolverFailure, as_solver
+from et_ode.integrators.solution import SAVES, Save, Solution, SolveError, SolveStats, Status
+from et_ode.integrators.solvers import Method, Solver, SolverFailure, as_solver
 from et_ode.integrators.stopping import SteadyState
-from et_ode.solving.gradients import Gradient, as_gradient
+from et_ode.solving.gradients import Gradient, GradientName, as_gradient
 
-SAVES = ("all", "steps", "final")
 MEMORY_ADVICE = "solve fewer samples at a time, save='final' instead of every state, or use another device"
 
 
@@ -36,10 +35,10 @@ def solve(
     x0: Tensor,
     t: Tensor | Sequence[float] | None = None,
     *,
-    solver: Solver | str = "dopri5",
-    gradient: Gradient | str = "direct",
+    solver: Solver | Method = "dopri5",
+    gradient: Gradient | GradientName = "direct",
     stop: SteadyState | None = None,
-    save: str = "all",
+    save: Save = "all",
     max_steps: int = 10_000,
     progress: bool | None = None,
 ) -> Solution:

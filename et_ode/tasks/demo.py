@@ -113,9 +113,7 @@ def _demo(out: Path, config: ImageRunConfig) -> dict[str, Any]:
     test = fixed_mask_set(test_set.images, model.num_patches, config.ratio, config.visible_fraction, seed=config.mask_seed)
     images, hidden, _ = test.tensors
     # the same model integrated far more accurately: a continuous-time model's answer must not hinge on the solver
-    results["model_tight_solver"] = evaluate_model(
-        model, test, integration=TIGHT_INTEGRATION.replace(t1=config.integration.t1)
-    )
+    results["model_tight_solver"] = evaluate_model(model, test, dynamics=TIGHT_INTEGRATION.replace(t1=config.integration.t1))
     show = min(8, len(images))
     with torch.no_grad():  # hidden patches from the predictor, visible ones from the input
         truth = patchify(images[:show], model.patch)
@@ -157,11 +155,8 @@ def _demo(out: Path, config: ImageRunConfig) -> dict[str, Any]:
     plots = analysis_plots()
     if plots is not None:
         with torch.no_grad():
-            solution = config.integration.replace(gradient=Direct(), attractor=None).solve(
-                model.field(),
-                model.tokens(images[:show], hidden[:show]),
-                torch.linspace(0, config.integration.t1, 25),
-                save="all",
+            solution = config.integration.replace(gradient=Direct()).solve(
+                model.field(), model.tokens(images[:show], hidden[:show]), torch.linspace(0, config.integration.t1, 25)
             )
         close_figure(plots.plot_convergence(solution, path=out / "convergence.png"))
         close_figure(plots.plot_trajectories(solution, sample=0, path=out / "trajectories.png"))

@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from et_ode.backend.validation import check_positive
 from et_ode.data.images import ImageSet
 from et_ode.models.image import fixed_mask_set, masked_mse, patchify, unpatchify
-from et_ode.solving.integration import Integration
+from et_ode.solving.integration import Dynamics, Integration, settings_to_dict
 from et_ode.tasks.baselines import Biharmonic, MeanImage, NearestNeighbour
 from et_ode.tasks.film import masked_picture
 from et_ode.tasks.image import ImageRunConfig, energy_descent, evaluate_model, load_run_split, load_trained
@@ -52,7 +52,7 @@ def evaluate_checkpoint(
     limit: int | None = None,
     mask_seed: int | None = None,
     masks: str | Path | None = None,
-    integration: Integration | None = None,
+    dynamics: Dynamics | None = None,
     predictors: tuple[str, ...] = PREDICTORS,
     batch_size: int = 250,
     grid: int = 8,
@@ -64,7 +64,7 @@ def evaluate_checkpoint(
 
     The files written to ``out_dir`` (a new or empty folder, :func:`et_ode.training.runs.claim`):
 
-    * ``config.json``: what is evaluated (checkpoint, data, masks, integration);
+    * ``config.json``: what is evaluated (checkpoint, data, masks, dynamics);
     * ``evaluation.json``: the MSE, seconds and (the model) solver statistics of each predictor;
     * ``evaluation.md``: the same as a markdown table;
     * ``completions.npz``: ``images (n, C, H, W)``, ``hidden``, ``scored`` (boolean ``(n, N)``), for each predictor
@@ -83,7 +83,8 @@ def evaluate_checkpoint(
         mask_seed: seed of the masks (default: the run's); the run's mask ratio and visible fraction apply.
         masks: an earlier evaluation's ``completions.npz`` whose ``hidden`` and ``scored`` masks are reused; they
             must be for as many images of the model's patch grid.
-        integration: how the model integrates its dynamics (default: the run's).
+        dynamics: how the model runs its block, an :class:`~et_ode.Integration` or an
+            :class:`~et_ode.AttractorReadout` (default: the run's).
         predictors: a subset of :data:`PREDICTORS`.
         batch_size: images per batch.
         grid: images shown in ``completions.png`` (0: no picture).
@@ -110,7 +111,7 @@ def evaluate_checkpoint(
     evaluated = _evaluated_images(run, source, model.image_shape)
     if limit is not None:
         evaluated = evaluated.subset(slice(0, limit))
-    integration = integration or run.integration
+    dynamics = dynamics or run.dynamics
     setup = {
         "checkpoint": str(Path(checkpoint).resolve()),
         **source,
@@ -119,7 +120,7 @@ def evaluate_checkpoint(
         "masks": str(Path(masks).resolve()) if masks is not None else None,
         "ratio": run.ratio,
         "visible_fraction": run.visible_fraction,
-        "integration": integration.to_dict(),
+        "dynamics": settings_to_dict(dynamics),
         "predictors": list(predictors),
     }
     with runs.claim(Path(out_dir), setup, overwrite=overwrite, command="evaluate") as out:
@@ -157,7 +158,7 @@ def evaluate_checkpoint(
         arrays: dict[str, np.ndarray] = {"images": images.numpy(), "hidden": hidden.numpy(), "scored": scored.numpy()}
         completions: dict[str, Tensor] = {}
         for name in predictors:
-            patches, entry = _predict(name, makers[name](), images, hidden, batch_size, integration, model_device, progress)
+            patches, entry = _predict(name, makers[name](), images, hidden, batch_size, dynamics, model_device, progress)
             entry["mse"] = float(masked_mse(patches, truth, scored))
             results["predictors"][name] = entry
             completion = unpatchify(torch.where(hidden[..., None], patches, truth), model.patch, model.image_shape)
@@ -252,7 +253,7 @@ def _predict(
     images: Tensor,
     hidden: Tensor,
     batch_size: int,
-    integration: Integration,
+    dynamics: Dynamics,
     device: torch.device,
     progress: bool,
 ) -> tuple[Tensor, dict[str, Any]]:
@@ -265,7 +266,7 @@ def _predict(
         for start in tqdm(range(0, images.shape[0], batch_size), desc=name, disable=not progress, leave=False):
             batch = images[start : start + batch_size].to(device)
             mask = hidden[start : start + batch_size].to(device)
-            out = predictor(batch, mask, integration) if name == "et" else predictor(batch, mask)
+            out = predictor(batch, mask, dynamics) if name == "et" else predictor(batch, mask)
             parts.append(out.patches.float().cpu())
             if out.solution is not None:
                 nfe += out.solution.stats.nfe_forward
@@ -343,7 +344,7 @@ def compare_solvers(
     results: dict[str, Any] = {"checkpoint": str(checkpoint), "test_images": len(test)}
     for name, integration in integrations.items():
         metrics = evaluate_model(
-            model, test, batch_size=batch_size, integration=integration, device=next(model.parameters()).device
+            model, test, batch_size=batch_size, dynamics=integration, device=next(model.parameters()).device
         )
         entry: dict[str, Any] = {"integration": integration.to_dict(), **metrics}
         if integration.stop is None:

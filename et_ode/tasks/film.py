@@ -72,7 +72,8 @@ def complete(
 
     The image is a PNG file (``image``, the model's size) or image ``index`` of the run's test split (the split
     ``train_image`` scored, in its order: the ``test_path`` images when the run had them). Patches are
-    hidden at random (``ratio``, default the run's) with ``seed``. The run's integration is used, with ``t1`` and
+    hidden at random (``ratio``, default the run's) with ``seed``. The run's integration is used (also for a model
+    that reads its answer at the attractor: a film follows the flow), with ``t1`` and
     ``solver`` replaced when given (a method's name keeps the run's tolerances where both are adaptive); ``frames``
     equally spaced times from 0 to ``t1`` are saved (:class:`~et_ode.EulerET` saves each of its steps). Writes to
     ``out_dir``: ``film.pt``
@@ -84,7 +85,7 @@ def complete(
     if not (isinstance(frames, int) and frames >= 2):
         raise ValueError(f"frames must be an integer >= 2, got {frames!r}")
     model, run = load_trained(checkpoint, device)
-    integration = run.integration.replace(attractor=None)  # a film follows the flow
+    integration = run.integration
     if t1 is not None:
         integration = integration.replace(t1=t1)
     if solver is not None:
@@ -92,7 +93,7 @@ def complete(
         if isinstance(solver, str) and isinstance(chosen, Adaptive) and isinstance(trained, Adaptive):
             chosen = Adaptive(chosen.method, trained.rtol, trained.atol)  # another adaptive method, the run's tolerances
         integration = integration.replace(solver=chosen)
-    times = None if isinstance(integration.solver, EulerET) else torch.linspace(0.0, integration.t1, frames)
+    t = None if isinstance(integration.solver, EulerET) else torch.linspace(0.0, integration.t1, frames)
     if image is not None:
         target: torch.Tensor = read_png(image, channels=model.image_shape[0])
         if tuple(target.shape) != model.image_shape:
@@ -113,7 +114,7 @@ def complete(
         1, model.num_patches, ratio, visible_fraction=run.visible_fraction, generator=torch.Generator().manual_seed(seed)
     )
     target = target.to(next(model.parameters()).device)
-    film, solution = model.film(target[None], hidden.to(target.device), times, integration)
+    film, solution = model.film(target[None], hidden.to(target.device), t, integration)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     masked = _masked_view(target.cpu(), hidden[0], model.patch)

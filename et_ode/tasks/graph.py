@@ -37,7 +37,7 @@ from torch.nn import functional as F
 
 from et_ode.backend.devices import move_to, resolve_device, seed_everything
 from et_ode.backend.validation import check_positive
-from et_ode.models.graph import GraphET
+from et_ode.models.graph import GraphET, Readout
 from et_ode.solving.integration import Integration
 from et_ode.training.train import TrainConfig, fit
 
@@ -81,14 +81,14 @@ INTEGRATION_DEFAULTS = {
 }
 
 
-def graph_model(in_features: int, classes: int, readout: str, model_kwargs: Mapping[str, Any]) -> GraphET:
+def graph_model(in_features: int, classes: int, readout: Readout, model_kwargs: Mapping[str, Any]) -> GraphET:
     """A :class:`GraphET` from flat arguments: the dynamics options among them (``solver``, ``step``, ``steps``,
     ``t1``, ``rtol``, ``gradient``, ...: :data:`INTEGRATION_DEFAULTS`) become its :class:`~et_ode.Integration`, so
     that a command line or a grid search can name them one by one."""
     dynamics = {name: value for name, value in model_kwargs.items() if name in INTEGRATION_DEFAULTS}
     rest = {name: value for name, value in model_kwargs.items() if name not in INTEGRATION_DEFAULTS}
     integration = Integration.from_options(**{**INTEGRATION_DEFAULTS, **dynamics})
-    return GraphET(in_features, classes, readout=readout, integration=integration, **rest)
+    return GraphET(in_features, classes, readout=readout, dynamics=integration, **rest)
 
 
 def expand_grid(grid: Mapping[str, Sequence[Any]] | None, config: TrainConfig) -> list[dict[str, Any]]:
@@ -103,7 +103,7 @@ def expand_grid(grid: Mapping[str, Sequence[Any]] | None, config: TrainConfig) -
     defaults = {
         name: p.default
         for name, p in inspect.signature(GraphET).parameters.items()
-        if name not in ("in_features", "classes", "readout", "integration")
+        if name not in ("in_features", "classes", "readout", "dynamics")
     }
     defaults.update(INTEGRATION_DEFAULTS)
     defaults.update(

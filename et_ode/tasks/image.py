@@ -24,16 +24,19 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from et_ode.backend.devices import resolve_device
-from et_ode.data.images import SOURCES, ImageSet, data_fingerprint, load_split
+from et_ode.backend.validation import check_positive
+from et_ode.data.images import SOURCES, ImageSet, Source, Split, data_fingerprint, load_split
+from et_ode.energy.energies import HopfieldForm
+from et_ode.equilibrium.attractor import AttractorReadout
 from et_ode.integrators.solvers import EulerET
 from et_ode.models.image import DEFAULT_INTEGRATION, CompletionTask, ImageET, evaluate_completion, fixed_mask_set
 from et_ode.solving.gradients import Direct
-from et_ode.solving.integration import Integration
+from et_ode.solving.integration import Dynamics, Integration, settings_from_dict, settings_to_dict
 from et_ode.tasks.baselines import Biharmonic, MeanImage, NearestNeighbour
 from et_ode.training import distributed, runs
 from et_ode.training.statefile import FileFormatError
@@ -44,7 +47,7 @@ from et_ode.training.train import TrainConfig, fit, load_checkpoint, training_co
 class ImageRunConfig:
     """Everything that defines an image-completion run (``train_image``)."""
 
-    data: str = "digits"
+    data: Source = "digits"
     data_path: str | None = None
     test_path: str | None = None  # a folder of PNG test images (split by source; tiled like the data)
     tile: int | None = None  # png and photos: tiles of this side (photos: 16 when None)
@@ -59,13 +62,14 @@ class ImageRunConfig:
     heads: int = 4
     head_dim: int = 8
     memories: int | None = None
-    hopfield: str = "relu"
+    hopfield: HopfieldForm = "relu"
     cls_token: bool = False
-    fill: str | None = None  # None: hidden patches start as MASK; "biharmonic": from the biharmonic fill (ImageET)
+    fill: Literal["biharmonic"] | None = None  # None: hidden patches start as MASK; "biharmonic": the fill (ImageET)
     tau: float = 1.0
     ratio: float = 0.5
     visible_fraction: float = 0.0
-    integration: Integration = DEFAULT_INTEGRATION
+    integration: Integration = DEFAULT_INTEGRATION  # the model's dynamics unless `attractor`; films and energy checks
+    attractor: AttractorReadout | None = None  # the model reads its answer at the attractor (its dynamics)
     train: TrainConfig = field(default_factory=TrainConfig)
     mask_seed: int = 1234
     baselines: bool = True
@@ -75,10 +79,8 @@ class ImageRunConfig:
     init: str | None = None  # a train_image checkpoint whose weights start this run (same architecture)
 
     def __post_init__(self) -> None:
-        if self.threads is not None and not (isinstance(self.threads, int) and self.threads >= 1):
-            raise ValueError(f"threads must be None or a positive integer, got {self.threads!r}")
-        if not (isinstance(self.tau, (int, float)) and 0 < self.tau < math.inf):
-            raise ValueError(f"tau must be positive and finite, got {self.tau!r}")
+        check_positive("threads", self.threads, integer=True, optional=True)
+        check_positive("tau", self.tau)
         if not (isinstance(self.ratio, (int, float)) and 0 < self.ratio < 1):
             raise ValueError(f"mask ratio must be in (0, 1) (the fraction of patches scored), got {self.ratio!r}")
         if self.data not in SOURCES:
@@ -92,8 +94,7 @@ class ImageRunConfig:
             ("test_limit", self.test_limit),
             ("memories", self.memories),
         ):
-            if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            check_positive(name, value, integer=True, optional=True)
         if self.val_size is not None and not (isinstance(self.val_size, int) and self.val_size >= 0):
             raise ValueError(f"val_size must be a non-negative integer, got {self.val_size!r}")
         if self.data == "photos":  # its defaults, recorded in config.json: 16x16 grey tiles
@@ -101,16 +102,33 @@ class ImageRunConfig:
             self.channels = 1 if self.channels is None else self.channels
         if not (isinstance(self.validation_fraction, (int, float)) and 0 <= self.validation_fraction < 1):
             raise ValueError(f"validation_fraction must be in [0, 1), got {self.validation_fraction!r}")
+        if self.attractor is not None and not isinstance(self.attractor, AttractorReadout):
+            raise TypeError(f"attractor must be an et_ode.AttractorReadout or None, got {type(self.attractor).__name__}")
+
+    @property
+    def dynamics(self) -> Dynamics:
+        """How the model runs its block: ``attractor`` when given, else ``integration``."""
+        return self.integration if self.attractor is None else self.attractor
 
     def to_dict(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "integration": self.integration.to_dict()}
+        return {
+            **dataclasses.asdict(self),
+            "integration": self.integration.to_dict(),
+            "attractor": None if self.attractor is None else settings_to_dict(self.attractor),
+        }
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> ImageRunConfig:
         values = dict(values)
         integration = Integration.from_dict(values.pop("integration"))
+        attractor = values.pop("attractor", None)
         train = TrainConfig(**values.pop("train"))
-        return cls(integration=integration, train=train, **values)
+        return cls(
+            integration=integration,
+            attractor=None if attractor is None else settings_from_dict(attractor),
+            train=train,
+            **values,
+        )
 
 
 # Settings of an image run that a resume may change: how it executes, not what it computes.
@@ -133,7 +151,7 @@ RESUMABLE_CHANGES = (
 )
 
 
-def load_run_split(config: ImageRunConfig, split: str, limit: int | None = None) -> ImageSet:
+def load_run_split(config: ImageRunConfig, split: Split, limit: int | None = None) -> ImageSet:
     """The ``split`` (``"train"``, ``"validation"``, ``"test"``) of the run's data, its first ``limit`` images."""
     data = load_split(
         config.data,
@@ -173,7 +191,7 @@ def build_model(config: ImageRunConfig, image_shape: Sequence[int]) -> ImageET:
         cls_token=config.cls_token,
         hopfield=config.hopfield,
         tau=config.tau,
-        integration=config.integration,
+        dynamics=config.dynamics,
         fill=config.fill,
     )
 
@@ -183,9 +201,9 @@ def initialise_from(model: ImageET, checkpoint: str | Path) -> None:
     training at the attractor: :class:`~et_ode.AttractorReadout` gives the encoder, positions and MASK token no
     gradient, so they keep these weights). ValueError naming ``init`` when the architectures differ."""
     trained, _ = load_trained(checkpoint)
-    if trained.config() | {"integration": None} != model.config() | {"integration": None}:
+    if trained.config() | {"dynamics": None} != model.config() | {"dynamics": None}:
         mine, theirs = model.config(), trained.config()
-        differ = sorted(k for k in mine if k != "integration" and mine.get(k) != theirs.get(k))
+        differ = sorted(k for k in mine if k != "dynamics" and mine.get(k) != theirs.get(k))
         raise ValueError(f"init: the model in {checkpoint} differs from this run's in {differ}")
     model.load_state_dict(trained.state_dict())
 
@@ -208,12 +226,12 @@ def energy_descent(
     """
     model.eval()
     exceptions, largest, total = 0, -math.inf, 0
-    times = None if isinstance(integration.solver, EulerET) else torch.linspace(0.0, integration.t1, points)
-    without_stop = integration.replace(gradient=Direct(), stop=None, attractor=None)
+    t = None if isinstance(integration.solver, EulerET) else torch.linspace(0.0, integration.t1, points)
+    without_stop = integration.replace(gradient=Direct(), stop=None)
     with torch.no_grad():
         for start in range(0, images.shape[0], batch_size):
             x0 = model.tokens(images[start : start + batch_size], hidden[start : start + batch_size])
-            sol = without_stop.solve(model.field(), x0, times, save="all" if times is not None else "steps")
+            sol = without_stop.solve(model.field(), x0, t)
             energies = sol.energies.double()  # (T, B)
             rise = (energies[1:] - energies[:-1]) / energies[:-1].abs().clamp_min(1e-12)
             worst = rise.max(dim=0).values
@@ -234,16 +252,17 @@ def evaluate_model(
     model: torch.nn.Module,
     test: torch.utils.data.TensorDataset,
     batch_size: int = 500,
-    integration: Integration | None = None,
+    dynamics: Dynamics | None = None,
     device: torch.device | None = None,
 ) -> dict[str, float]:
-    """Masked-patch MSE (and NFE, energy, time) of ``model`` on a fixed-mask test set."""
+    """Masked-patch MSE (and NFE, energy, time) of ``model`` on a fixed-mask test set (an ET model with its own
+    dynamics, or ``dynamics`` when given)."""
     device = device or torch.device("cpu")
     loader = torch.utils.data.DataLoader(test, batch_size=batch_size)
     model.eval()
     started = time.perf_counter()
     with torch.no_grad():
-        metrics = evaluate_completion(model, ([t.to(device) for t in b] for b in loader), integration=integration)
+        metrics = evaluate_completion(model, ([t.to(device) for t in b] for b in loader), dynamics=dynamics)
     metrics["seconds"] = time.perf_counter() - started
     return metrics
 
@@ -315,7 +334,7 @@ def _train_image(config: ImageRunConfig, out: Path | None) -> dict[str, Any]:
         "patches": model.num_patches,
         "ratio": config.ratio,
         "visible_fraction": config.visible_fraction,
-        "integration": config.integration.to_dict(),
+        "dynamics": settings_to_dict(config.dynamics),
         "epochs": config.train.epochs,
         "validated_on": "validation" if has_validation(config) else "test",
         "train_seconds": history.last("time"),
@@ -342,7 +361,7 @@ def _train_image(config: ImageRunConfig, out: Path | None) -> dict[str, Any]:
 
 
 def save_artifacts(model: ImageET, test: torch.utils.data.TensorDataset, out: Path, config: ImageRunConfig) -> None:
-    """``et_block.pt`` (the ET block with ``tau`` and the integration in its meta) and ``tokens.pt`` (encoded test
+    """``et_block.pt`` (the ET block with ``tau`` and the dynamics in its meta) and ``tokens.pt`` (encoded test
     tokens)."""
     from et_ode.training.io import save_model
 
@@ -350,7 +369,7 @@ def save_artifacts(model: ImageET, test: torch.utils.data.TensorDataset, out: Pa
         model.block,
         out / "et_block.pt",
         tau=model.tau,
-        integration=model.integration.to_dict(),
+        dynamics=settings_to_dict(model.dynamics),
         source="image",
         data=config.data,
         patch=config.patch,

@@ -20,12 +20,14 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from et_ode.backend.validation import check_positive
 from et_ode.data.images import read_photo
 from et_ode.integrators.solution import Solution
 from et_ode.integrators.solvers import Adaptive, EulerET
 from et_ode.integrators.stopping import SteadyState
 from et_ode.models.image import ImageET, patchify, unpatchify
 from et_ode.models.official import denormalize, load_official, normalize_pixels, official_masks
+from et_ode.solving.integration import Integration
 from et_ode.solving.solve import solve
 from et_ode.training import runs
 
@@ -63,24 +65,22 @@ def official_tokens(
     return model, pixels, images, hidden
 
 
-def _solves(
-    model: ImageET, x0: Tensor, *, rtol: float, atol: float, steady_state: float, t_max: float
-) -> dict[str, Solution]:
+def _solves(model: ImageET, x0: Tensor, *, rtol: float, atol: float, steady_state: float, t1: float) -> dict[str, Solution]:
     """The three solves of one photo's tokens ``x0 (1, 1 + N, D)``, each keeping its states for the checks."""
-    field = model.field()
-    euler = model.integration.solver
-    if not isinstance(euler, EulerET):
-        raise ValueError(f"the model must integrate with the release's EulerET scheme, got {euler!r}")
+    field, integration = model.field(), model.dynamics
+    if not (isinstance(integration, Integration) and isinstance(integration.solver, EulerET)):
+        raise ValueError(f"the model must integrate with the release's EulerET scheme, got {integration!r}")
+    euler = integration.solver
     horizon = euler.steps * euler.alpha * model.tau
     dopri5 = Adaptive("dopri5", rtol=rtol, atol=atol)
     with torch.no_grad():
         return {
-            "euler": model.integration.solve(field, x0, save="all"),
+            "euler": integration.solve(field, x0),
             "dopri5": solve(
                 field, x0, torch.linspace(0.0, horizon, 25, dtype=torch.float64), solver=dopri5, max_steps=100_000
             ),
             "steady_state": solve(
-                field, x0, (0.0, t_max), solver=dopri5, stop=SteadyState(steady_state), max_steps=100_000, save="steps"
+                field, x0, (0.0, t1), solver=dopri5, stop=SteadyState(steady_state), max_steps=100_000, save="steps"
             ),
         }
 
@@ -98,7 +98,7 @@ def complete_photos(
     rtol: float = 1e-5,
     atol: float = 1e-7,
     steady_state: float = 1e-3,
-    t_max: float = 100.0,
+    t1: float = 100.0,
     device: str | torch.device = "cpu",
     overwrite: bool = False,
     progress: bool = True,
@@ -113,7 +113,7 @@ def complete_photos(
         masked, seed: patches hidden per photo (default 100 of 196, scaled) and the seed of the masks.
         dtype: torch.float32 or torch.float64.
         rtol, atol: the adaptive solves' tolerances.
-        steady_state, t_max: the steady-state solve stops where RMS |dg/dt| < ``steady_state``, or at ``t_max``.
+        steady_state, t1: the steady-state solve stops where RMS |dg/dt| < ``steady_state``, or at ``t1``.
         device: where to compute.
         overwrite: write into a non-empty ``out_dir``.
         progress: a progress bar over the photos.
@@ -130,11 +130,8 @@ def complete_photos(
         FileNotFoundError, ValueError: a missing or unreadable checkpoint or photo, bad sizes or settings. A
             refused call leaves ``out_dir`` unchanged.
     """
-    if not (steady_state > 0 and t_max > 0 and rtol > 0 and atol > 0):
-        raise ValueError(
-            f"steady_state, t_max, rtol and atol must be positive, got steady_state={steady_state}, "
-            f"t_max={t_max}, rtol={rtol}, atol={atol}"
-        )
+    for name, value in (("steady_state", steady_state), ("t1", t1), ("rtol", rtol), ("atol", atol)):
+        check_positive(name, value)
     out = Path(out_dir)
     setup = {
         "checkpoint": str(checkpoint),
@@ -147,7 +144,7 @@ def complete_photos(
         "rtol": rtol,
         "atol": atol,
         "steady_state": steady_state,
-        "t_max": t_max,
+        "t1": t1,
     }
     with runs.claim(out, setup, overwrite=overwrite, command="complete"):
         model, pixels, images, hidden = official_tokens(
@@ -173,14 +170,14 @@ def _complete_photos(
     from et_ode.analysis import check_lyapunov  # downstream of the model: imported where it is used
 
     device = model.block.neuron.delta.device
-    rtol, atol, steady_state, t_max = (setup[k] for k in ("rtol", "atol", "steady_state", "t_max"))
+    rtol, atol, steady_state, t1 = (setup[k] for k in ("rtol", "atol", "steady_state", "t1"))
     checkpoint, dtype, seed = setup["checkpoint"], images.dtype, setup["seed"]
     reconstructions: dict[str, list[Tensor]] = {name: [] for name in SOLVES}
     records = []
     for k in tqdm(range(len(photos)), desc="photos", disable=not progress):
         image, mask = images[k : k + 1].to(device), hidden[k : k + 1].to(device)
         x0 = model.tokens(image, mask).detach()
-        solutions = _solves(model, x0, rtol=rtol, atol=atol, steady_state=steady_state, t_max=t_max)
+        solutions = _solves(model, x0, rtol=rtol, atol=atol, steady_state=steady_state, t1=t1)
         record: dict[str, Any] = {"photo": str(photos[k]), "masked": int(mask.sum()), "solves": {}}
         truth = patchify(image, model.patch)
         for name, solution in solutions.items():
@@ -233,7 +230,7 @@ def _complete_photos(
         "rtol": rtol,
         "atol": atol,
         "steady_state": steady_state,
-        "t_max": t_max,
+        "t1": t1,
         "photos": records,
         "files": [r["picture"] for r in records] + ["completions.pt", "report.json", "report.md"],
     }
@@ -314,7 +311,7 @@ def _report(summary: dict[str, Any]) -> str:
         f"{summary['heads']}, Y = {summary['head_dim']}, {summary['memories']} memories; {summary['dtype']}. Masks "
         f"seeded by {summary['seed']}. Each photo is completed three ways: the release's 12 Euler steps of 0.1, "
         f"dopri5 (rtol {summary['rtol']:g}, atol {summary['atol']:g}) to the same time t = 1.2, and dopri5 to the "
-        f"steady state (RMS |dg/dt| < {summary['steady_state']:g}, at most t = {summary['t_max']:g}). The pictures "
+        f"steady state (RMS |dg/dt| < {summary['steady_state']:g}, at most t = {summary['t1']:g}). The pictures "
         f"decode every token, as the release shows its output. MSE: over the masked patches, in normalized units "
         f"(ImageNet mean and standard deviation). Lyapunov: the energy never rises (descends) and its changes match "
         f"the exact dE/dt = -(1/tau) sum (dE/dg)^T M (dE/dg) (follows dE/dt; a step too coarse for the ODE "

@@ -18,7 +18,7 @@ import os
 import socket
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -78,7 +78,10 @@ def detect(environ: Mapping[str, str] | None = None) -> DistributedEnv | None:
     return env
 
 
-def _backend_and_device(env: DistributedEnv, device: str | torch.device, backend: str) -> tuple[str, torch.device]:
+Backend = Literal["auto", "gloo", "nccl"]
+
+
+def _backend_and_device(env: DistributedEnv, device: str | torch.device, backend: Backend) -> tuple[str, torch.device]:
     resolved = resolve_device(device)
     if resolved.type == "cuda":
         if resolved.index is None:
@@ -103,7 +106,7 @@ def init(
     env: DistributedEnv | None = None,
     *,
     device: str | torch.device = "auto",
-    backend: str = "auto",
+    backend: Backend = "auto",
     timeout: datetime.timedelta = DEFAULT_TIMEOUT,
 ) -> torch.device:
     """Join the process group described by ``env`` (default: :func:`detect`); return this rank's device.
@@ -122,9 +125,9 @@ def init(
         raise ValueError(f"timeout must be a positive datetime.timedelta, got {timeout!r}")
     if dist.is_initialized():
         raise RuntimeError("torch.distributed is already initialised in this process; call shutdown() first")
-    backend, resolved = _backend_and_device(env, device, backend)
+    chosen, resolved = _backend_and_device(env, device, backend)
     dist.init_process_group(
-        backend,
+        chosen,
         init_method=f"tcp://{_host(env.master_addr)}:{env.master_port}",
         rank=env.rank,
         world_size=env.world_size,
@@ -149,7 +152,7 @@ def session(
     enabled: bool | None = None,
     *,
     device: str | torch.device = "auto",
-    backend: str = "auto",
+    backend: Backend = "auto",
     timeout: datetime.timedelta = DEFAULT_TIMEOUT,
 ) -> Iterator[torch.device]:
     """A process group for the ``with`` block; yields this rank's device.

@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 
 from et_ode.backend import devices
 from et_ode.backend.devices import move_to, resolve_device, seed_everything
+from et_ode.backend.validation import check_positive
 from et_ode.training import distributed, runs
 from et_ode.training.statefile import FileFormatError, describe, load_state, save_state, torch_file_format
 
@@ -128,10 +129,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         positive_ints = {"epochs": self.epochs, "batch_size": self.batch_size, "eval_every": self.eval_every}
         for name, value in positive_ints.items():
-            if not (isinstance(value, int) and value >= 1):
-                raise ValueError(f"TrainConfig.{name} must be a positive integer, got {value!r}")
-        if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise ValueError(f"TrainConfig.lr must be positive and finite, got {self.lr!r}")
+            check_positive(f"TrainConfig.{name}", value, integer=True)
+        check_positive("TrainConfig.lr", self.lr)
         if self.weight_decay < 0:
             raise ValueError(f"TrainConfig.weight_decay must be >= 0, got {self.weight_decay!r}")
         if self.warmup < 0:
@@ -142,14 +141,8 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.grad_clip must be None or >= 0, got {self.grad_clip!r}")
         if not (isinstance(self.checkpoint_every, int) and self.checkpoint_every >= 0):
             raise ValueError(f"TrainConfig.checkpoint_every must be an integer >= 0, got {self.checkpoint_every!r}")
-        if self.max_train_batches is not None and not (
-            isinstance(self.max_train_batches, int) and self.max_train_batches >= 1
-        ):
-            raise ValueError(
-                f"TrainConfig.max_train_batches must be None or a positive integer, got {self.max_train_batches!r}"
-            )
-        if self.max_time is not None and not (isinstance(self.max_time, (int, float)) and 0 < self.max_time < math.inf):
-            raise ValueError(f"TrainConfig.max_time must be None or a positive number of seconds, got {self.max_time!r}")
+        check_positive("TrainConfig.max_train_batches", self.max_train_batches, integer=True, optional=True)
+        check_positive("TrainConfig.max_time", self.max_time, optional=True)  # seconds
         beta1, beta2 = self.betas
         self.betas = (float(beta1), float(beta2))
         resolve_device(self.device)

@@ -39,10 +39,10 @@ def test_predicted_exponent_is_a_generalized_eigenvalue_of_the_hessian_and_the_o
     assert predicted.eigenvalues.numpy() == pytest.approx(values, rel=1e-9)
 
 
-def long_rate(hopfield: str, t_end: float, points: int, **kwargs):
+def long_rate(hopfield: str, t1: float, points: int, **kwargs):
     field = tiny(hopfield)
     x0 = torch.randn(2, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
-    return measured_exponent(field, x0, t_end=t_end, points=points, **kwargs)
+    return measured_exponent(field, x0, t1=t1, points=points, **kwargs)
 
 
 def test_in_the_asymptotic_regime_the_distance_decays_like_t_to_the_minus_p_and_the_speed_like_minus_p_plus_1(tmp_path):

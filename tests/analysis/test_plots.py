@@ -50,7 +50,7 @@ def test_solution_pictures(solved, tmp_path: Path, which: str):
     for dims, color in ((2, "time"), (3, "energy")):
         figure = plot_trajectories(solution, sample=0, dims=dims, color_by=color, path=tmp_path / f"t{dims}.png")
         check_png(tmp_path / f"t{dims}.png", figure)
-    figure = plot_attention(solution, times=[0.0, 5.0], path=tmp_path / "a.png", dpi=80)
+    figure = plot_attention(solution, t=[0.0, 5.0], path=tmp_path / "a.png", dpi=80)
     check_png(tmp_path / "a.png", figure, dpi=80)
     x_fixed = solution.x.detach()
     figure = plot_energy_slice(field, x_fixed, trajectories=solution, resolution=15, path=tmp_path / "s.png")
@@ -90,7 +90,7 @@ def test_bad_inputs(solved, tmp_path: Path):
         plot_trajectories(batched, dims=4)
     with pytest.raises(ValueError, match="sample"):
         plot_trajectories(batched, sample=5)
-    with pytest.raises(ValueError, match="times"):
+    with pytest.raises(ValueError, match="^ts must have one time per frame"):
         plot_film_strip(torch.rand(3, 8, 8), [0.0, 1.0])
     with pytest.raises(ValueError, match="channels"):
         plot_film_strip(torch.rand(3, 2, 8, 8), [0.0, 1.0, 2.0])

@@ -67,9 +67,9 @@ def test_qr_spectrum_at_a_minimum_is_minus_gamma_over_tau_times_the_hessian(mini
     field, x_star, eigenvalues = minimum
     gamma = float(field.model.neuron.gamma.detach())
     expected = -gamma * eigenvalues / TAU  # descending
-    spectrum = lyapunov_spectrum(field, x_star[0], duration=40.0, renormalizations=80)
+    spectrum = lyapunov_spectrum(field, x_star[0], t1=40.0, renormalizations=80)
     assert spectrum.late.tolist() == pytest.approx(expected.tolist(), rel=2e-3)
-    top = lyapunov_spectrum(field, x_star[0], count=2, duration=40.0, renormalizations=80)
+    top = lyapunov_spectrum(field, x_star[0], count=2, t1=40.0, renormalizations=80)
     assert top.late.tolist() == pytest.approx(expected[:2].tolist(), rel=2e-3)
 
 
@@ -77,7 +77,7 @@ def test_qr_spectrum_at_a_saddle_has_one_positive_exponent():
     model = one_token_model()
     field = ETField(model)
     x = U3[None] * 3.0
-    spectrum = lyapunov_spectrum(field, x, duration=40.0, renormalizations=20, d0=1e-8)
+    spectrum = lyapunov_spectrum(field, x, t1=40.0, renormalizations=20, d0=1e-8)
     r = float(model.neuron(to_limit_spheres(x, model.neuron.eps)).detach().norm())
     gamma = float(model.neuron.gamma.detach())
     expected = sorted((-gamma * v for v in closed_form("u3", r)), reverse=True)

@@ -204,8 +204,8 @@ def _trained_file(tmp_path, edit) -> object:
     "edit, key",
     [
         (lambda s: s["meta"]["model"].pop("dim"), "meta.model"),
-        (lambda s: s["meta"]["model"]["integration"].update(solver={"bogus": 1}), "meta.model"),
-        (lambda s: s["meta"]["model"].update(integration="text"), "meta.model"),
+        (lambda s: s["meta"]["model"]["dynamics"].update(solver={"bogus": 1}), "meta.model"),
+        (lambda s: s["meta"]["model"].update(dynamics="text"), "meta.model"),
         (lambda s: s["meta"]["model"].update(dim=200_000, memories=200_000), "meta.model"),
         (lambda s: s["meta"]["model"].update(memories=12), "model"),
         (lambda s: s["model"].pop("decoder.bias"), "model"),

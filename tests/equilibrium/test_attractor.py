@@ -48,6 +48,18 @@ def test_certifies_a_critical_point_on_the_limit_spheres_that_the_flow_reaches()
     assert float((direction - found_direction).abs().max()) < 1e-8
 
 
+def test_an_unbatched_state_gives_the_attractor_of_a_batch_of_one():
+    """``x0`` of shape ``(N, D)`` (no batch: ``*batch`` empty) finds what ``x0[None]`` finds, with per-sample entries
+    of shape ``()``."""
+    field = ETField(random_model(8, 2, 4, 16, hopfield="softmax", seed=1))
+    x0 = torch.randn(5, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    alone, batched = find_attractor(field, x0), find_attractor(field, x0[None])
+    assert alone.status == batched.status == ("certified",)
+    assert alone.energy.shape == alone.gradient.shape == alone.certified.shape == ()
+    torch.testing.assert_close(alone.g, batched.g[0], rtol=0, atol=1e-12)
+    torch.testing.assert_close(alone.energy, batched.energy[0], rtol=1e-14, atol=0)
+
+
 def test_smallest_eigenvalue_matches_the_dense_riemannian_hessian():
     from analysis.stability import riemannian_hessian_matrix
 

@@ -52,6 +52,23 @@ def test_newton_straight_from_x0_never_certifies_another_minimum(seed: int) -> N
     assert status in ("certified", "unsettled")
 
 
+def test_the_flow_is_never_certified_at_a_newton_point_of_another_basin() -> None:
+    """A first hand-off level just above ``x0``'s RMS ``|T dE/dg|`` hands ``x0`` itself to Newton, which (seed 1)
+    finds a minimum 1.9 from the flow's limit, unsettled there. Flowing on to the next level, in short segments, the
+    flow is watched against that point between its segments (and certified there once the basin test ties them): it
+    must not be, and the search ends at the flow's own limit."""
+    model, x0 = random_case(1, "softmax")
+    field = ETField(model)
+    limit = long_flow_limit(SpecWeights.from_model(model), x0[0])
+    assert limit.converged
+    with torch.no_grad():
+        level = 1.01 * float(field.tangent_gradient(x0).square().mean().sqrt())
+    newton = find_attractor(field, x0, handoff=level, handoffs=1)
+    assert newton.status == ("unsettled",) and float((newton.g.detach()[0] - limit.g).norm()) > 1.0
+    found = find_attractor(field, x0, handoff=level, handoffs=8, segment=1.0)
+    assert found.status == ("certified",) and float((found.g.detach()[0] - limit.g).norm()) < 1e-6
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("form", ["relu", "softmax", "softplus"])
 @pytest.mark.parametrize("seed", range(2, 12))

@@ -1,4 +1,6 @@
-"""Training the image model at the attractor: Integration(attractor=AttractorReadout()) (issue 15, item 5)."""
+"""Training the image model at the attractor: ImageET(..., dynamics=AttractorReadout())."""
+
+import json
 
 import pytest
 import torch
@@ -11,12 +13,12 @@ from et_ode.tasks.image import ImageRunConfig, initialise_from, load_trained, tr
 from et_ode.training.train import TrainConfig
 from tests.fd_reference import directional_derivative
 
-AT_ATTRACTOR = Integration(attractor=AttractorReadout(tol=1e-10))
+AT_ATTRACTOR = AttractorReadout(tol=1e-10)
 
 
-def small_model(seed=0, integration=AT_ATTRACTOR):
+def small_model(seed=0, dynamics=AT_ATTRACTOR):
     torch.manual_seed(seed)
-    model = ImageET((1, 4, 4), 2, 6, 2, 3, 12, hopfield="softmax", tau=0.7, integration=integration).double()
+    model = ImageET((1, 4, 4), 2, 6, 2, 3, 12, hopfield="softmax", tau=0.7, dynamics=dynamics).double()
     with torch.no_grad():
         model.block.neuron.gamma.fill_(1.3)
         model.block.attention.beta.mul_(0.8)
@@ -58,7 +60,7 @@ def test_gradient_at_the_attractor_equals_finite_differences_of_the_whole_model(
 
 
 def test_training_at_the_attractor_lowers_the_loss_and_reads_a_certified_point():
-    model = small_model(seed=1, integration=Integration(attractor=AttractorReadout()))
+    model = small_model(seed=1, dynamics=AttractorReadout())
     images, hidden, scored = batch(seed=1, size=8)
     optimizer = torch.optim.Adam([p for p in model.parameters()], lr=2e-2)
     losses, all_certified = [], 0
@@ -77,7 +79,7 @@ def test_training_at_the_attractor_lowers_the_loss_and_reads_a_certified_point()
 
 
 def test_uncertified_samples_give_no_gradient_instead_of_failing():
-    model = small_model(integration=Integration(attractor=AttractorReadout(max_iter=1, tol=1e-14)))
+    model = small_model(dynamics=AttractorReadout(max_iter=1, tol=1e-14))
     images, hidden, scored = batch()
     out = model(images, hidden)
     assert out.solution.status is et_ode.Status.REACHED_END
@@ -91,24 +93,28 @@ def test_readout_settings_are_validated_and_saved_with_the_model():
         AttractorReadout(handoff=0)
     with pytest.raises(ValueError, match="AttractorReadout.max_iter"):
         AttractorReadout(max_iter=0)
-    with pytest.raises(TypeError, match="Integration.attractor"):
-        Integration(attractor="yes")
+    with pytest.raises(TypeError, match="^dynamics must be an et_ode.Integration or an et_ode.AttractorReadout"):
+        ImageET((1, 4, 4), 2, 6, 2, 3, dynamics="attractor")
+    with pytest.raises(TypeError, match="^attractor must be an et_ode.AttractorReadout or None"):
+        ImageRunConfig(attractor="yes")
     model = small_model()
-    rebuilt = ImageET.from_config(model.config())
-    assert rebuilt.integration == AT_ATTRACTOR
+    config = model.config()
+    assert config["dynamics"]["kind"] == "AttractorReadout" and config["dynamics"]["tol"] == 1e-10
+    rebuilt = ImageET.from_config(json.loads(json.dumps(config)))
+    assert rebuilt.dynamics == AT_ATTRACTOR
+    euler = ImageET.from_config(ImageET((1, 4, 4), 2, 6, 2, 3, dynamics=Integration(et_ode.EulerET(0.1, 3))).config())
+    assert euler.dynamics == Integration(et_ode.EulerET(0.1, 3))
+    with pytest.raises(ValueError, match="'dynamics' cannot be rebuilt"):
+        ImageET.from_config({**config, "dynamics": {"kind": "Magic"}})
     images, hidden, _ = batch()
-    with pytest.raises(ValueError, match="save='all'"):
-        AT_ATTRACTOR.solve(model.field(), model.tokens(images, hidden), save="all")
-    frames, solution = model.film(images, hidden, torch.linspace(0, 1, 3))  # a film follows the flow
+    frames, solution = model.film(images, hidden, torch.linspace(0, 1, 3))  # a film follows the flow: Integration()
     assert frames.shape[0] == 3 and solution.stats.t_final == 1.0
 
 
 def test_cli_flag_and_a_tiny_run_keep_the_setting_through_the_checkpoint(tmp_path):
     args = build_parser().parse_args(["train", "image", "--attractor", "--out", str(tmp_path / "x")])
-    assert ImageRunConfig().integration.attractor is None
-    from et_ode.cli.dynamics import integration_from
-
-    assert integration_from(args, ImageRunConfig().integration).attractor == AttractorReadout()
+    assert ImageRunConfig().attractor is None and ImageRunConfig().dynamics == ImageRunConfig().integration
+    assert args.attractor is True
     config = ImageRunConfig(
         data="digits",
         train_limit=32,
@@ -118,7 +124,8 @@ def test_cli_flag_and_a_tiny_run_keep_the_setting_through_the_checkpoint(tmp_pat
         dim=8,
         heads=2,
         head_dim=4,
-        integration=Integration(solver=et_ode.EulerET(0.1, 4), attractor=AttractorReadout()),
+        integration=Integration(solver=et_ode.EulerET(0.1, 4)),
+        attractor=AttractorReadout(),
         train=TrainConfig(epochs=1, batch_size=16, lr=1e-2, progress=False, device="cpu"),
         baselines=False,
         energy_check=True,
@@ -127,7 +134,9 @@ def test_cli_flag_and_a_tiny_run_keep_the_setting_through_the_checkpoint(tmp_pat
     results = train_image(config, tmp_path / "run")
     assert results["model"]["t_final"] == float("inf") and results["energy_descent"]["exceptions"] == 0
     model, run = load_trained(tmp_path / "run" / "checkpoint.safetensors")
-    assert model.integration.attractor == AttractorReadout() and run.integration == config.integration
+    assert model.dynamics == AttractorReadout() and run.integration == config.integration
+    assert run.attractor == config.attractor and run.dynamics == model.dynamics
+    assert ImageRunConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
     # a warm start copies the weights; a different architecture is refused, naming init
     fresh = ImageET((1, 8, 8), 4, 8, 2, 4)
     initialise_from(fresh, tmp_path / "run" / "checkpoint.safetensors")

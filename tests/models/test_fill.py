@@ -84,7 +84,7 @@ def _model(**kwargs):
 
     torch.manual_seed(0)
     integration = Integration(Adaptive("bosh3", rtol=1e-3, atol=1e-5), Direct(), t1=0.5)
-    return ImageET((1, 12, 12), 4, 16, 2, 8, 32, fill="biharmonic", integration=integration, **kwargs)
+    return ImageET((1, 12, 12), 4, 16, 2, 8, 32, fill="biharmonic", dynamics=integration, **kwargs)
 
 
 def _batch():
@@ -227,7 +227,7 @@ def test_film_of_a_fill_model_starts_at_fill_plus_correction_and_ends_at_forward
     from et_ode.models import patchify, unpatchify
 
     model = _model(tau=0.5)
-    model.integration = Integration(EulerET(alpha=0.1, steps=4), Direct())
+    model.dynamics = Integration(EulerET(alpha=0.1, steps=4), Direct())
     with torch.no_grad():
         model.decoder.weight.normal_(std=0.3)
     images, hidden = _batch()

@@ -7,7 +7,7 @@ pytest.importorskip("torch_geometric")
 
 from torch_geometric.data import Batch, Data  # noqa: E402
 
-from et_ode import EulerET, Integration  # noqa: E402
+from et_ode import AttractorReadout, EulerET, Integration, find_attractor  # noqa: E402
 from et_ode.data.graphs import add_laplacian_pe  # noqa: E402
 from et_ode.models.graph import GraphET  # noqa: E402
 
@@ -38,12 +38,27 @@ def model(readout: str = "graph", **kwargs) -> GraphET:
             memories=16,
             pe_dim=4,
             readout=readout,
-            integration=Integration(solver=EulerET(0.1, 5)),
+            dynamics=Integration(solver=EulerET(0.1, 5)),
             **kwargs,
         )
         .double()
         .eval()
     )
+
+
+def test_a_graph_model_reads_at_the_attractor_with_an_attractor_readout():
+    """``dynamics=AttractorReadout()``: the logits are the head at the certified attractor of the batch's flow,
+    found independently with ``find_attractor`` on the same tokens and mask."""
+    torch.manual_seed(0)
+    graph_model = GraphET(3, 2, dim=8, heads=2, head_dim=4, memories=16, pe_dim=4, dynamics=AttractorReadout()).double()
+    batch = Batch.from_data_list([small_graph(5, 0), small_graph(6, 1)])
+    with torch.no_grad():
+        logits = graph_model.eval()(batch)
+    assert graph_model.last_solution.stats.t_final == float("inf")
+    x0, mask = graph_model.tokens(batch)
+    found = find_attractor(graph_model.field.with_mask(mask), x0)
+    assert found.status == ("certified",)
+    torch.testing.assert_close(logits, graph_model.head(found.g[11:]).detach(), rtol=0, atol=1e-12)
 
 
 def test_batch_mask_is_block_diagonal_adjacency_plus_cls_links():

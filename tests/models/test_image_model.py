@@ -57,7 +57,7 @@ def test_mask_ratio_outside_unit_interval(ratio):
 
 def test_tokens_mask_position_and_cls():
     torch.manual_seed(0)
-    model = ImageET((2, 4, 4), 2, 8, 2, 4, cls_token=True, integration=EULER)
+    model = ImageET((2, 4, 4), 2, 8, 2, 4, cls_token=True, dynamics=EULER)
     images = torch.rand(3, 2, 4, 4)
     hidden = torch.tensor([[True, False, False, True]] * 3)
     x0 = model.tokens(images, hidden)
@@ -71,7 +71,7 @@ def test_tokens_mask_position_and_cls():
 
 
 def test_wrong_image_size_and_mask_shape():
-    model = ImageET((1, 8, 8), 2, 8, 2, 4, integration=EULER)
+    model = ImageET((1, 8, 8), 2, 8, 2, 4, dynamics=EULER)
     hidden = torch.zeros(2, 16, dtype=torch.bool)
     with pytest.raises(ValueError, match=r"images must have shape \(B, 1, 8, 8\).*got \(2, 1, 8, 6\)"):
         model(torch.rand(2, 1, 8, 6), hidden)
@@ -85,7 +85,7 @@ def test_wrong_image_size_and_mask_shape():
 
 def test_forward_runs_the_solver_and_decodes_g():
     torch.manual_seed(1)
-    model = ImageET((1, 4, 4), 2, 8, 2, 4, integration=EULER)
+    model = ImageET((1, 4, 4), 2, 8, 2, 4, dynamics=EULER)
     images, (hidden, _) = torch.rand(2, 1, 4, 4), random_masks(2, 4, 0.5)
     out = model(images, hidden)
     assert out.solution.stats.nfe_forward == 4
@@ -113,14 +113,14 @@ def test_adjoint_gradient_matches_direct():
     for grad in ("direct", "adjoint"):
         integration = Integration(solver=Adaptive(rtol=1e-7, atol=1e-8), gradient=grad, t1=0.1)
         model.zero_grad()
-        loss = masked_mse(model(images, hidden, integration=integration).patches, patchify(images, 2), scored)
+        loss = masked_mse(model(images, hidden, dynamics=integration).patches, patchify(images, 2), scored)
         loss.backward()
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
     assert torch.allclose(grads[0], grads[1], rtol=1e-4, atol=1e-7)
 
 
 def test_config_round_trip():
-    model = ImageET((3, 8, 8), 4, 16, 2, 4, memories=20, cls_token=True, tau=2.0, integration=EULER)
+    model = ImageET((3, 8, 8), 4, 16, 2, 4, memories=20, cls_token=True, tau=2.0, dynamics=EULER)
     rebuilt = ImageET.from_config(model.config())
     rebuilt.load_state_dict(model.state_dict())
     assert rebuilt.config() == model.config()
@@ -128,9 +128,9 @@ def test_config_round_trip():
 
 def test_film_starts_at_mask_tokens_and_ends_at_forward():
     torch.manual_seed(3)
-    model = ImageET((1, 4, 4), 2, 8, 2, 4, tau=5.0, integration=Integration(solver=Adaptive(rtol=1e-6, atol=1e-7), t1=0.6))
+    model = ImageET((1, 4, 4), 2, 8, 2, 4, tau=5.0, dynamics=Integration(solver=Adaptive(rtol=1e-6, atol=1e-7), t1=0.6))
     images, (hidden, _) = torch.rand(2, 1, 4, 4), random_masks(2, 4, 0.5)
-    frames, solution = model.film(images, hidden, times=[0.0, 0.3, 0.6], keep_visible=False)
+    frames, solution = model.film(images, hidden, t=[0.0, 0.3, 0.6], keep_visible=False)
     assert solution.stats.nfe_forward < 200
     assert frames.shape == (3, 2, 1, 4, 4)
     first = unpatchify(model.decode(model.block.neuron(model.tokens(images, hidden))), 2, (1, 4, 4)).clamp(0, 1)
@@ -138,7 +138,7 @@ def test_film_starts_at_mask_tokens_and_ends_at_forward():
     last = unpatchify(model(images, hidden).patches, 2, (1, 4, 4)).clamp(0, 1)
     assert torch.allclose(frames[-1], last, atol=1e-4)
     assert (solution.energies[1:] <= solution.energies[:-1]).all()
-    pasted, _ = model.film(images, hidden, times=[0.0, 0.3, 0.6])
+    pasted, _ = model.film(images, hidden, t=[0.0, 0.3, 0.6])
     visible = unpatchify((~hidden)[..., None].expand(-1, -1, 4).float(), 2, (1, 4, 4)).bool()
     assert torch.equal(pasted[:, visible], images[None].expand(3, -1, -1, -1, -1)[:, visible])
     assert torch.equal(pasted[:, ~visible], frames[:, ~visible])

@@ -58,7 +58,7 @@ def test_reproduces_the_official_pipeline(official, dtype):
         completion = model(images, hidden)  # the default dynamics: the official 12 Euler steps of 0.1
         reconstruction = unpatchify(completion.patches, PATCH, SHAPE)
         x0 = model.tokens(images, hidden)
-        trajectory = model.integration.solve(model.field(), x0, save="all")
+        trajectory = model.dynamics.solve(model.field(), x0)
     assert reconstruction.dtype == dtype
     assert _relative(reconstruction, outputs[f"out_{name}"]) < tol
     assert _relative(x0, outputs[f"tokens0_{name}"]) < tol
@@ -108,7 +108,7 @@ def test_float64_model_holds_exact_constants(official):
     assert block.neuron.eps == 1e-5
     assert torch.equal(block.hopfield.xi, torch.from_numpy(arrays["Xi"]).double().T)
     assert all(p.dtype == torch.float64 for p in model.parameters())
-    assert model.integration == official_integration() and model.integration.solver == EulerET(alpha=0.1, steps=12)
+    assert model.dynamics == official_integration() and model.dynamics.solver == EulerET(alpha=0.1, steps=12)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -141,7 +141,7 @@ def test_round_trip_of_a_fresh_model_at_another_size(tmp_path):
         self_attention=True,
         cls_position=True,
         renormalize=True,
-        integration=official_integration(),
+        dynamics=official_integration(),
     )
     path = save_official(model, tmp_path / "fresh.npz")
     loaded = load_official(path, (2, 8, 12), 4)

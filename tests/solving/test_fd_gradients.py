@@ -371,7 +371,7 @@ def tiny_image_model(integration):
 
     torch.manual_seed(0)
     model = ImageET(
-        (1, 4, 4), 2, 6, 2, 3, memories=5, cls_token=True, hopfield="softmax", tau=TAU, integration=integration
+        (1, 4, 4), 2, 6, 2, 3, memories=5, cls_token=True, hopfield="softmax", tau=TAU, dynamics=integration
     ).double()
     block = model.block
     with torch.no_grad():  # non-default block settings, as in make_model
@@ -438,7 +438,7 @@ def test_graph_model_gradients_match_finite_differences(mode):
             hopfield="softplus",
             tau=TAU,
             head_hidden=4,
-            integration=INTEGRATIONS[mode],
+            dynamics=INTEGRATIONS[mode],
         )
         .double()
         .eval()

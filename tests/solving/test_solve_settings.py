@@ -266,11 +266,35 @@ def test_integration_round_trips_as_plain_data_and_solves_as_solve():
     assert settings_from_dict(settings_to_dict(EulerET(0.2, 5))) == EulerET(0.2, 5)
     with pytest.raises(ValueError, match="kind"):
         settings_from_dict({"kind": "Magic"})
+    assert data["kind"] == "Integration" and data["solver"]["kind"] == "Fixed"
+    with pytest.raises(ValueError, match="kind 'Integration', got 'EulerET'"):
+        Integration.from_dict(settings_to_dict(EulerET()))
     _, field, x0 = setup()
     paper = Integration(solver="et", gradient="direct")
     assert torch.equal(paper.solve(field, x0).x, solve(field, x0, solver=EulerET(), save="final").x)
     adaptive = Integration(t1=0.5)
     assert torch.equal(adaptive.solve(field, x0).x, solve(field, x0, (0.0, 0.5), save="final").x)
+
+
+def test_time_and_saving_are_spelled_as_solve_spells_them():
+    """``Integration.solve(field, x0, t, save)``: the times ``t`` (default ``(0, t1)``) and ``save`` with solve's
+    default; ``answer`` is the end state a model reads."""
+    assert inspect.signature(Integration.solve).parameters["save"].default == "all"
+    assert inspect.signature(solve).parameters["save"].default == "all"
+    _, field, x0 = setup()
+    integration = Integration(Adaptive(rtol=1e-8, atol=1e-10), t1=0.5)
+    whole = integration.solve(field, x0)
+    assert whole.ts.tolist() == [0.0, 0.5] and whole.xs.shape == (2, *x0.shape)
+    assert torch.equal(whole.xs[0], x0) and torch.equal(whole.xs[-1], whole.x)
+    grid = integration.solve(field, x0, torch.linspace(0.0, 0.5, 4))
+    reference = solve(field, x0, torch.linspace(0.0, 0.5, 4), solver=Adaptive(rtol=1e-8, atol=1e-10))
+    assert torch.equal(grid.xs, reference.xs)
+    answer = integration.answer(field, x0)
+    assert answer.xs is None and torch.equal(answer.x, whole.x)
+    paper = Integration(EulerET(0.1, 3))
+    assert paper.solve(field, x0).xs.shape[0] == 4  # the scheme's own grid: every step saved
+    with pytest.raises(ValueError, match="EulerET builds its grid"):
+        paper.solve(field, x0, (0.0, 1.0))
 
 
 def test_flat_options_become_the_objects():

@@ -349,7 +349,7 @@ def test_evaluate_with_another_solver(trained, tmp_path):
         == 0
     )
     setup = json.loads((out / "config.json").read_text())
-    assert setup["integration"]["solver"]["method"] == "dopri5" and setup["integration"]["solver"]["rtol"] == 1e-4
+    assert setup["dynamics"]["solver"]["method"] == "dopri5" and setup["dynamics"]["solver"]["rtol"] == 1e-4
     results = json.loads((out / "evaluation.json").read_text())
     model, run = load_trained(trained / "checkpoint.safetensors")
     images, hidden, scored = (torch.from_numpy(np.load(out / "completions.npz")[k]) for k in ("images", "hidden", "scored"))

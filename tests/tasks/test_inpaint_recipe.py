@@ -191,7 +191,7 @@ def test_knn_et_starts_as_its_fill_and_blends_the_neighbours(recipe, context):
     hidden = torch.tensor([[True, False, False, True], [False, True, True, False], [True, True, True, False]])
     bank = recipe_patchify(bank_images)
     integration = recipe.Integration.from_options("bosh3", t1=0.5, rtol=1e-3, atol=1e-5)
-    model = recipe.KnnFillET((1, 8, 8), 4, 8, 2, 4, integration=integration, bank=bank, k=3, context=context)
+    model = recipe.KnnFillET((1, 8, 8), 4, 8, 2, 4, dynamics=integration, bank=bank, k=3, context=context)
     nearest = _brute_force_neighbours(bank, images, hidden, 3)
     target = recipe_patchify(images)
     with torch.no_grad():

@@ -75,7 +75,7 @@ def test_complete_official_cli_end_to_end(checkpoint, tmp_path, capsys):
         "3",
         "--out",
         str(out),
-        "--t-max",
+        "--t1",
         "3",
         "--steady-state",
         "0.05",
@@ -88,6 +88,7 @@ def test_complete_official_cli_end_to_end(checkpoint, tmp_path, capsys):
         assert (out / name).is_file() and (out / name).stat().st_size > 0, name
     report = (out / "report.md").read_text()
     assert "![photo 1](photo_1.png)" in report and "12 Euler steps" in report and "steady state" in report
+    assert "at most t = 3)" in report  # --t1: the steady-state solve's horizon
 
     # The CLI's reconstructions are the Python path's: same photos, masks and model
     saved = torch.load(out / "completions.pt", weights_only=True)
@@ -102,7 +103,7 @@ def test_complete_official_cli_end_to_end(checkpoint, tmp_path, capsys):
         dopri5 = Integration(solver=Adaptive(rtol=1e-5, atol=1e-7), gradient="direct", t1=1.2, max_steps=2000)
         adaptive = torch.cat(
             [
-                unpatchify(model(images[k : k + 1], hidden[k : k + 1], integration=dopri5).patches, PATCH, SHAPE)
+                unpatchify(model(images[k : k + 1], hidden[k : k + 1], dynamics=dopri5).patches, PATCH, SHAPE)
                 for k in range(2)
             ]
         )  # one photo per solve: the CLI's step-size control is per photo
@@ -151,8 +152,8 @@ def test_complete_official_argument_errors(checkpoint, tmp_path, capsys):
     assert "= (768, 48) for image_shape (3, 224, 224) and patch 16, found (192, 48)" in capsys.readouterr().err
     assert main(["complete", "--image", str(photo), "--out", str(tmp_path / "o")]) == 2
     assert "CHECKPOINT" in capsys.readouterr().err
-    assert main([*base, "--t1", "3"]) == 2
-    assert "--t1 apply to trained checkpoints" in capsys.readouterr().err
+    assert main([*base, "--solver", "rk4"]) == 2
+    assert "--solver apply to trained checkpoints" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
 
 
@@ -213,7 +214,7 @@ def test_analyze_official_cli_end_to_end(checkpoint, tmp_path):
                 "32",
                 "--patch",
                 "8",
-                "--t-end",
+                "--t1",
                 "2",
                 "--points",
                 "9",

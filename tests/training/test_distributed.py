@@ -108,7 +108,7 @@ def make_model(grad: str) -> ImageET:
     else:
         integration = Integration(solver=Fixed("rk4", step_size=0.1), gradient=grad, t1=0.3, max_steps=2000)
     torch.manual_seed(0)
-    return ImageET(IMAGE_SHAPE, PATCH, dim=8, heads=2, head_dim=4, memories=16, integration=integration).double()
+    return ImageET(IMAGE_SHAPE, PATCH, dim=8, heads=2, head_dim=4, memories=16, dynamics=integration).double()
 
 
 def _steps(grad: str) -> dict[str, int]:

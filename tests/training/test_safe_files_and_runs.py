@@ -533,7 +533,7 @@ def test_tau_must_be_finite(field64):
             ETField(field64.model, tau=tau)
         with pytest.raises(ValueError, match="tau must be a positive finite number"):
             ImageET((1, 8, 8), 2, 8, 2, 4, tau=tau)
-    with pytest.raises(ValueError, match="tau must be positive and finite"):
+    with pytest.raises(ValueError, match="tau must be a positive finite number"):
         ImageRunConfig(tau=float("inf"))
 
 
@@ -542,7 +542,7 @@ def test_threads_out_of_range_are_refused_by_the_parser(threads, capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["train", "image", "--out", "x", "--threads", threads])
     assert "--threads" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="threads must be None or a positive integer"):
+    with pytest.raises(ValueError, match="threads must be a positive integer or None"):
         ImageRunConfig(threads=0 if threads.isdigit() else "two")
 
 

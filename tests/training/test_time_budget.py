@@ -63,7 +63,7 @@ def test_max_time_plans_the_cosine_and_stops_with_a_checkpoint(tmp_path):
     )
     assert load_checkpoint(tmp_path / CHECKPOINT_NAME)["step"] == state["step"]
     assert len(resumed.records) == len(history.records)
-    with pytest.raises(ValueError, match=r"TrainConfig.max_time must be None or a positive number of seconds, got 0"):
+    with pytest.raises(ValueError, match=r"TrainConfig.max_time must be a positive finite number or None, got 0"):
         TrainConfig(max_time=0)
 
 
@@ -72,7 +72,7 @@ def test_training_records_evaluations_per_step(gradient, backward):
     """The adjoint's backward solve evaluates the field; backpropagating through the steps does not."""
     torch.manual_seed(0)
     integration = Integration(solver=Adaptive("bosh3", rtol=1e-2, atol=1e-3), gradient=gradient, t1=0.3)
-    model = ImageET((1, 8, 8), 4, 8, 2, 4, integration=integration)
+    model = ImageET((1, 8, 8), 4, 8, 2, 4, dynamics=integration)
     history = fit(
         model,
         CompletionTask(0.5),

@@ -224,7 +224,7 @@ def test_model_files_and_checkpoints_reach_the_disk_before_they_replace_the_old_
     "field, value, message",
     [
         ("epochs", 0, "epochs must be a positive integer"),
-        ("lr", -1.0, "lr must be positive"),
+        ("lr", -1.0, "lr must be a positive finite number"),
         ("warmup", -0.5, "warmup must be >= 0"),
         ("device", "tpu", "device must be"),
         ("grad_clip", -1.0, "grad_clip"),
@@ -262,7 +262,7 @@ def test_short_image_run_beats_the_mean_baseline():
     torch.manual_seed(0)
     train, test = load_digits("train"), load_digits("test")
     train_images = train.images[:400]
-    model = ImageET((1, 8, 8), 4, 32, 4, 8, integration=Integration(solver=EulerET(0.1, 12), gradient="direct"))
+    model = ImageET((1, 8, 8), 4, 32, 4, 8, dynamics=Integration(solver=EulerET(0.1, 12), gradient="direct"))
     val = fixed_mask_set(test.images, model.num_patches, 0.5, seed=0)
     config = TrainConfig(epochs=12, batch_size=16, lr=2e-3, warmup=0.05, seed=0, progress=False)
     history = fit(model, CompletionTask(0.5), train_images, val, config)
@@ -278,7 +278,7 @@ def test_image_run_resumes_exactly(tmp_path):
 
     def model():
         torch.manual_seed(5)
-        return ImageET((1, 8, 8), 4, 8, 2, 4, integration=EULER)
+        return ImageET((1, 8, 8), 4, 8, 2, 4, dynamics=EULER)
 
     def config(out):
         return TrainConfig(

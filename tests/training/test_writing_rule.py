@@ -23,7 +23,7 @@ def checkpoint(tmp_path_factory):
     torch.manual_seed(0)
     integration = Integration(solver=EulerET(0.1, 2), gradient="direct")
     run = ImageRunConfig(data="digits", patch=4, dim=8, heads=2, head_dim=4, integration=integration, test_limit=16)
-    model = ImageET((1, 8, 8), 4, 8, 2, 4, integration=integration)
+    model = ImageET((1, 8, 8), 4, 8, 2, 4, dynamics=integration)
     path = tmp_path_factory.mktemp("run") / "checkpoint.safetensors"
     save_checkpoint(path, {"model": model.state_dict(), "meta": {"model": model.config(), "run": run.to_dict()}})
     return path

@@ -12,7 +12,9 @@ phases, per sample:
    point at finite scale, ``geometry="x"``) when one does not; ``"mixed"`` when neither holds.
 3. **Certificate and basin test**: the residual, the Hessian's smallest eigenvalue (Lanczos) and kind, and the
    linear-regime test (:func:`et_ode.equilibrium.certify.basin_settled`), which ties the Newton point to the flow from the
-   hand-off point. A sample that is not certified flows on to a level ten times lower and is examined again.
+   hand-off point. A sample that is not certified flows on to a level ten times lower and is examined again; one
+   whose Newton point is converged and stable but not yet tied to the flow is tested against it between the flow's
+   segments, and certified there as soon as the flow is in its basin.
 
 A sample still not certified after the last level keeps its status (``"unsettled"``, ``"saddle"``, ...):
 ``find_attractor`` never reports another point as the flow's own. On the spheres the returned ``x`` has every token

@@ -10,7 +10,8 @@ Installed as ``et_ode.analysis``. Typical use::
 Critical points of any index (``census``, ``newton_critical_point``, ``saddle_from_minimum``), the saddle
 network (``saddle_network``), basins (``basin_map``, ``attractor_census``), the asymptotic exponent
 (``predicted_exponent``, ``measured_exponent``), spectra along trajectories (``hessian_along``,
-``lyapunov_spectrum``) and continuation (``continue_branch``) work on one unit-scale state ``(N, D)``.
+``lyapunov_spectrum``) and continuation (``continue_branch``) work on one state ``(N, D)`` on the flow's limit
+spheres (radius ``gamma sqrt(D)``, where :func:`et_ode.find_attractor` places its points).
 
 Or everything at once, written to a folder: ``analyze(model, x0, integration, out="runs/analyze")``.
 """

@@ -2,9 +2,9 @@
 
 ``family(mu)`` maps the parameter onto a field (an :class:`et_ode.ETField` or an ``EnergyTransformer``):
 ``beta``, ``gamma``, a weight scale, anything. The branch ``F(x, mu) = 0``, ``F`` the Riemannian gradient in
-the tangent frame at the unit-scale state ``x`` (:mod:`et_ode.analysis.sphere`), is followed in arclength:
-a predictor along the tangent ``(t_x, t_mu)`` (the null vector of ``[Hess_R, dF/dmu]``), then Newton on
-``F = 0`` within the hyperplane orthogonal to the tangent (Keller). ``dF/dmu`` is a central difference in
+the tangent frame at the state ``x`` on the flow's limit spheres (:mod:`et_ode.analysis.sphere`), is followed in
+arclength: a predictor along the tangent ``(t_x, t_mu)`` (the null vector of ``[Hess_R, dF/dmu]``), then Newton
+on ``F = 0`` within the hyperplane orthogonal to the tangent (Keller). ``dF/dmu`` is a central difference in
 ``mu`` at fixed ``x``.
 
 Between consecutive points a zero crossing of a Hessian eigenvalue (the index changes) is classified by the

@@ -1,4 +1,5 @@
-"""The ET vector field ``tau dx/dt = -dE/dg``: a plain ``nn.Module`` ``f(t, x)`` for any ODE solver."""
+"""The vector field ``tau dx/dt = -dE/dg`` of an energy model (the ET or any other): a plain ``nn.Module`` ``f(t, x)``
+for any ODE solver."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from torch.nn import functional as F
 from et_ode.backend.validation import check_positive
 from et_ode.energy.checks import check_mask, check_tokens
 from et_ode.energy.masks import GraphMask, Mask
-from et_ode.energy.model import EnergyTransformer
+from et_ode.energy.model import EnergyModel, EnergyTransformer
 from et_ode.energy.neurons import LayerNormNeuron, radial_direction, tangent_projection
 from et_ode.kernels.fused import FusedGrad
 
@@ -66,18 +67,19 @@ class ETField(nn.Module):
     """``f(t, x) = -(1/tau) dE/dg(g(x))`` for a state ``x`` of shape ``(..., N, D)``: the one owner of the dynamics.
 
     Args:
-        model: the energy.
+        model: the energy: an :class:`~et_ode.EnergyModel` (a neuron and interaction energies), such as the
+            :class:`~et_ode.EnergyTransformer`.
         tau: time constant, a positive finite real number (TypeError for another type, ValueError otherwise).
         derivative: how ``dE/dg`` is computed: ``"analytic"`` (closed form, the default) or ``"autograd"``
             (differentiates the energy; the reference, also correct under ``torch.no_grad()``).
-        mask: the attention mask bound to the field (see :class:`EnergyTransformer`); a field holds its mask,
-            and :meth:`with_mask` makes a copy bound to another.
-        backend: how ``derivative="analytic"`` evaluates ``dE/dg``: ``"fused"`` (:mod:`et_ode.kernels.fused`: two large
-            matrix products on the fastest GEMM back end, and a closed-form Hessian-vector product as its
-            backward), ``"reference"`` (the model's own closed form, differentiated by autograd), or
-            ``"auto"`` (the default: fused wherever it applies). The fused path applies to masks that are
-            ``None`` or dense boolean tensors; any other mask falls back to the model's closed form.
-            Its backward is first-order (no double backward through the field).
+        mask: the mask bound to the field, handed to every interaction (see :class:`~et_ode.EnergyModel`); a field
+            holds its mask, and :meth:`with_mask` makes a copy bound to another.
+        backend: how ``derivative="analytic"`` evaluates ``dE/dg``: ``"fused"`` (:mod:`et_ode.kernels.fused`, for an
+            :class:`~et_ode.EnergyTransformer`: two large matrix products on the fastest GEMM back end, and a
+            closed-form Hessian-vector product as its backward), ``"reference"`` (the interactions' own ``dE_dg``,
+            differentiated by autograd), or ``"auto"`` (the default: fused wherever it applies). The fused path
+            applies to masks that are ``None`` or dense boolean tensors; any other mask falls back to the model's
+            closed form. Its backward is first-order (no double backward through the field).
 
     Everything downstream (``solve``, the attractor finder, ``et_ode.analysis``) reads the dynamics through the
     public methods below, never through the model's internals:
@@ -86,11 +88,11 @@ class ETField(nn.Module):
     ``forward(t, x)``             ``dx/dt``, counted in ``nfe`` (what solvers call)
     ``with_mask(mask)``           a copy bound to another mask; ``select(index)`` the field of some samples
     ``velocity(x)``               ``dx/dt = -(1/tau) dE/dg``, not counted
-    ``activation(x)``             ``g = LayerNorm(x)``
+    ``activation(x)``             ``g = neuron(x)`` (``LayerNorm(x)`` for the ET)
     ``energy(x)``, ``energy_g(g)``  ``E`` per sample, with the bound mask
     ``dE_dg(g)``                  ``dE/dg`` by the chosen derivative and back end, not counted
     ``dg_dt(x)``                  ``M dx/dt``, the motion of ``g``
-    ``tangent_gradient(x)``       ``T dE/dg``: ``dE/dg`` along the per-token spheres
+    ``tangent_gradient(x)``       ``dE/dg`` where the attractors lie: ``T dE/dg`` on the spheres
     ``rms_dg_dt``, ``rms_tangent_gradient``  their RMS per sample (the steady-state measures)
     ``dE_dt(x)``                  the exact energy rate ``-(1/tau) sum_A dE/dg_A . M_A dE/dg_A``
     ============================  ==============================================================
@@ -101,22 +103,24 @@ class ETField(nn.Module):
     unless they are handed the velocity already computed at ``x`` (the solver's hot path).
 
     Raises:
-        TypeError: ``model`` is not an EnergyTransformer, or ``tau`` not a real number.
+        TypeError: ``model`` is not an EnergyModel, or ``tau`` not a real number.
         ValueError: ``tau`` is not positive and finite, ``derivative`` or ``backend`` is unknown, or
             ``backend="fused"`` with ``derivative="autograd"``.
     """
 
     def __init__(
         self,
-        model: EnergyTransformer,
+        model: EnergyModel,
         tau: float = 1.0,
         derivative: Derivative = "analytic",
         mask: Mask = None,
         backend: Backend = "auto",
     ):
         super().__init__()
-        if not isinstance(model, EnergyTransformer):
-            raise TypeError(f"model must be an EnergyTransformer, got {type(model).__name__}")
+        if not isinstance(model, EnergyModel):
+            raise TypeError(
+                f"model must be an et_ode.EnergyModel (such as an EnergyTransformer), got {type(model).__name__}"
+            )
         if isinstance(tau, bool) or not isinstance(tau, (int, float, numbers.Real)):
             raise TypeError(f"tau must be a real number, got {type(tau).__name__} {tau!r}")
         check_positive("tau", float(tau))
@@ -126,12 +130,15 @@ class ETField(nn.Module):
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if backend == "fused" and derivative != "analytic":
             raise ValueError(f"backend='fused' is the closed form of derivative='analytic', got derivative={derivative!r}")
+        if backend == "fused" and not isinstance(model, EnergyTransformer):
+            raise ValueError(f"backend='fused' is the EnergyTransformer's fast path, got a {type(model).__name__}")
         self.model = model
         self.tau = float(tau)
         self.derivative = derivative
         self.mask = mask
         self.backend = backend
-        self.fused = FusedGrad(model) if backend != "reference" and derivative == "analytic" else None
+        fast = backend != "reference" and derivative == "analytic"
+        self.fused = FusedGrad(model) if fast and isinstance(model, EnergyTransformer) else None
         self.evaluations = Evaluations()
 
     @property
@@ -164,8 +171,8 @@ class ETField(nn.Module):
 
     # -- the dynamics ------------------------------------------------------------------------------
     def activation(self, x: Tensor) -> Tensor:
-        """``g = LayerNorm(x)``: ``(..., N, D) -> (..., N, D)``; on the fused path by the one-kernel ``layer_norm``
-        (the same formula as the neuron)."""
+        """``g = neuron(x)``: ``(..., N, D) -> (..., N, D)``; on the fused path by the one-kernel ``layer_norm``
+        (the same formula as the LayerNorm neuron)."""
         neuron = self.model.neuron
         if self.fused is None or type(neuron) is not LayerNormNeuron:
             return neuron(x)
@@ -218,7 +225,7 @@ class ETField(nn.Module):
         return grad.div_(-self.tau)  # a fresh tensor of the fused path: scaled in place, the same bits as above
 
     def _checked(self, x: Tensor) -> Tensor:
-        check_tokens("x", x, self.model.dim, like=self.model.neuron.delta)
+        check_tokens("x", x, self.model.dim, like=self.model.reference_tensor)
         check_mask(self.mask, x)
         return x
 
@@ -231,12 +238,17 @@ class ETField(nn.Module):
         return self.model.neuron.hessian_vector(x, velocity)
 
     def tangent_gradient(self, x: Tensor, velocity: Tensor | None = None) -> Tensor:
-        """``T dE/dg``: ``dE/dg`` with each token's mean and radial component (along ``s_A = (g_A - delta) / r_A``)
-        removed, the gradient of ``E`` on the product of per-token spheres where the attractors lie (see
-        :mod:`et_ode.dynamics.manifold`): shape of ``x``. ``velocity`` as in :meth:`dg_dt`."""
-        g = self.model.neuron(x if velocity is not None else self._checked(x))
+        """``dE/dg`` where the attractors lie, zero exactly at a critical point there: shape of ``x``. On the spheres
+        (the LayerNorm neuron) ``T dE/dg``: ``dE/dg`` with each token's mean and radial component (along
+        ``s_A = (g_A - delta) / r_A``) removed, the gradient of ``E`` on the product of per-token spheres (see
+        :mod:`et_ode.dynamics.manifold`); for a Euclidean neuron ``dE/dg`` without the directions every ``M_A``
+        annihilates (:meth:`~et_ode.Neuron.project`). ``velocity`` as in :meth:`dg_dt`."""
+        neuron = self.model.neuron
+        g = neuron(x if velocity is not None else self._checked(x))
         grad = self.dE_dg(g) if velocity is None else velocity * -self.tau
-        s, _ = radial_direction(g, self.model.neuron.delta)
+        if not isinstance(neuron, LayerNormNeuron):
+            return neuron.project(grad)
+        s, _ = radial_direction(g, neuron.delta)
         return tangent_projection(grad, s)
 
     def rms_dg_dt(self, x: Tensor, velocity: Tensor | None = None) -> Tensor:
@@ -244,7 +256,7 @@ class ETField(nn.Module):
         return _rms(self.dg_dt(x, velocity))
 
     def rms_tangent_gradient(self, x: Tensor, velocity: Tensor | None = None) -> Tensor:
-        """Root-mean-square of ``T dE/dg`` over tokens and elements, per sample: ``(..., N, D) -> (...)``."""
+        """Root-mean-square of :meth:`tangent_gradient` over tokens and elements, per sample: ``(..., N, D) -> (...)``."""
         return _rms(self.tangent_gradient(x, velocity))
 
     def dE_dt(self, x: Tensor, velocity: Tensor | None = None) -> Tensor:

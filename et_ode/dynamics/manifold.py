@@ -13,6 +13,10 @@ Riemannian Hessian of ``E`` on those spheres, per token:
     Hess_R w = T (H w) - (s . dE/dg) / r * w        for tangent ``w`` (T removes mean and radial part),
 
 whose curvature term is what the Euclidean ``M^(1/2) H M^(1/2)`` misses.
+
+A neuron of Euclidean geometry (:class:`~et_ode.energy.neurons.IdentityNeuron` or one of the user's) has its
+attractors at fixed points in ``x``, read from the Hessian of ``F(x) = E(g(x))`` (:func:`euclidean_hessian`), as
+have the LayerNorm neuron's fixed points at a finite token scale.
 Shapes: ``(..., N, D)`` throughout.
 """
 
@@ -25,7 +29,7 @@ import torch
 from torch import Tensor
 
 from et_ode.dynamics.field import ETField
-from et_ode.energy.neurons import radial_direction, tangent_projection
+from et_ode.energy.neurons import radial_direction, sphere_neuron, tangent_projection
 
 __all__ = [
     "euclidean_hessian",
@@ -77,8 +81,12 @@ def riemannian_hessian(field: ETField, g: Tensor) -> tuple[Callable[[Tensor], Te
     ``dE/dg``, never forming the matrix), and the tangent projection of ``dE/dg`` (zero at a critical point).
 
     The returned operator is symmetric on the tangent space and maps into it.
+
+    Raises:
+        ValueError: the field's neuron is not of geometry ``"spheres"`` (naming it).
     """
-    s, radius = radial_direction(g.detach(), field.model.neuron.delta.detach())
+    neuron = sphere_neuron(field.model.neuron, "the Riemannian Hessian on the spheres")
+    s, radius = radial_direction(g.detach(), neuron.delta.detach())
     with torch.enable_grad():
         point = g.detach().requires_grad_(True)
         grad_e = field.dE_dg(point)
@@ -94,14 +102,15 @@ def riemannian_hessian(field: ETField, g: Tensor) -> tuple[Callable[[Tensor], Te
 
 
 def euclidean_hessian(field: ETField, x: Tensor) -> tuple[Callable[[Tensor], Tensor], Tensor, Tensor]:
-    """The Hessian of ``F(x) = E(LayerNorm(x))`` on centred ``x`` as an operator, ``dF/dx = M dE/dg``, and the
-    ``dE/dg`` it was made from (one evaluation for all three).
+    """The Hessian of ``F(x) = E(g(x))`` as an operator on the vectors the neuron's :meth:`~et_ode.Neuron.project`
+    keeps (centred ``x`` for LayerNorm, every ``x`` for the identity), ``dF/dx = M dE/dg``, and the ``dE/dg`` it was
+    made from (one evaluation for all three).
 
     ``Hess F u = M H M u + d/dx[M(x) c] u`` with ``c = dE/dg`` held fixed (the third derivative of the
-    Lagrangian, by autograd of :meth:`LayerNormNeuron.hessian_vector`). Where ``x`` is a fixed point of the flow
-    (``dE/dg`` along the all-ones vector only, which every ``M`` annihilates) the second term vanishes and
-    ``Hess F = M H M``, congruent to the flow's Jacobian ``-(1/tau) H M`` on centred ``x``: the same inertia.
-    The operator is symmetric and maps centred vectors to centred vectors.
+    Lagrangian, by autograd of the neuron's ``hessian_vector``). Where ``x`` is a fixed point of the flow
+    (``dE/dg`` in the directions every ``M`` annihilates only) the second term vanishes and
+    ``Hess F = M H M``, congruent to the flow's Jacobian ``-(1/tau) H M`` there: the same inertia.
+    The operator is symmetric and maps the projected vectors to projected vectors.
     """
     x = x.detach()
     neuron = field.model.neuron
@@ -112,11 +121,13 @@ def euclidean_hessian(field: ETField, x: Tensor) -> tuple[Callable[[Tensor], Ten
         gradient = neuron.hessian_vector(state, grad_e.detach())
 
     def apply(u: Tensor) -> Tensor:
-        u = u - u.mean(dim=-1, keepdim=True)
+        u = neuron.project(u)
         (h_mu,) = torch.autograd.grad(grad_e, point, neuron.hessian_vector(x, u), retain_graph=True)
-        (third,) = torch.autograd.grad(gradient, state, u, retain_graph=True)
         field.count_evaluations()
-        out = neuron.hessian_vector(x, h_mu.detach()) + third.detach()
-        return out - out.mean(dim=-1, keepdim=True)
+        out = neuron.hessian_vector(x, h_mu.detach())
+        if gradient.requires_grad:  # M varies with x (not for the identity neuron)
+            (third,) = torch.autograd.grad(gradient, state, u, retain_graph=True, allow_unused=True)
+            out = out if third is None else out + third.detach()
+        return neuron.project(out)
 
     return apply, gradient.detach(), grad_e.detach()

@@ -1,4 +1,5 @@
-"""Energies of the normalized tokens ``g``: each class holds one energy and its closed-form gradient.
+"""Interactions: energies of the activations ``g``. :class:`Interaction` is the public interface; the ET's two,
+:class:`EnergyAttention` and :class:`HopfieldMemory`, each hold one energy and its closed-form gradient.
 
 Shapes: ``g`` is ``(..., N, D)``; energies are returned per sample, shape ``(...)``; gradients
 ``dE/dg`` have the shape of ``g``. Masks (:mod:`et_ode.energy.masks`) follow PyTorch's convention: ``mask[..., C, B]``
@@ -19,6 +20,25 @@ from et_ode.backend.validation import check_positive
 from et_ode.energy.masks import GraphMask, Mask, key_query
 
 
+class Interaction(nn.Module):
+    """An interaction energy of the activations ``g``: a module with :meth:`energy` and, optionally, a closed-form
+    :meth:`dE_dg` (by default ``torch.func.grad`` of the energy, which also gives the Hessian-vector products the
+    certificates and implicit gradients need, by autograd through it).
+
+    A subclass writes ``energy(g, mask)``; ``mask`` is the field's mask (``None``, a boolean ``(*batch, N, N)``
+    tensor or a :class:`~et_ode.energy.masks.GraphMask`), which an energy acting on each token alone ignores.
+    """
+
+    def energy(self, g: Tensor, mask: Mask = None) -> Tensor:
+        """The energy per sample: ``(..., N, D) -> (...)``."""
+        raise NotImplementedError(f"{type(self).__name__} must define energy(g, mask)")
+
+    def dE_dg(self, g: Tensor, mask: Mask = None) -> Tensor:
+        """``dE/dg``: ``(..., N, D) -> (..., N, D)``; differentiable in ``g`` and the parameters wherever autograd
+        is on."""
+        return torch.func.grad(lambda point: self.energy(point, mask).sum())(g)
+
+
 def _per_head(value: float | Sequence[float] | Tensor | None, heads: int, default: float, name: str) -> Tensor:
     """A positive value per head as a float64 tensor of shape ``(H,)``: Python floats and float64 tensors are
     held exactly, whatever the default dtype."""
@@ -33,7 +53,7 @@ def _per_head(value: float | Sequence[float] | Tensor | None, heads: int, defaul
     return beta
 
 
-class EnergyAttention(nn.Module):
+class EnergyAttention(Interaction):
     """Multi-head energy attention, no value matrix.
 
     ``E_ATT = -sum_h (1/beta_h) sum_C log sum_{B allowed for C} exp(beta_h K_hB . Q_hC)``
@@ -224,7 +244,7 @@ def softplus(x: Tensor) -> Tensor:
     return nn.functional.softplus(x, threshold=SOFTPLUS_LINEAR_FROM)
 
 
-class HopfieldMemory(nn.Module):
+class HopfieldMemory(Interaction):
     """Hopfield memories acting on each token alone.
 
     With overlaps ``h[B, mu] = xi_mu . g_B``:
@@ -258,8 +278,8 @@ class HopfieldMemory(nn.Module):
         std = init_std if init_std is not None else 1.0 / math.sqrt(dim)
         self.xi = nn.Parameter(torch.randn(memories, dim, dtype=dtype, device=device) * std)
 
-    def energy(self, g: Tensor) -> Tensor:
-        """``E_HN`` per sample: ``(..., N, D) -> (...)``."""
+    def energy(self, g: Tensor, mask: Mask = None) -> Tensor:
+        """``E_HN`` per sample: ``(..., N, D) -> (...)`` (each token alone: ``mask`` is not used)."""
         h = g @ self.xi.T
         if self.form == "relu":
             return -0.5 * torch.relu(h).square().sum(dim=(-1, -2))
@@ -268,8 +288,8 @@ class HopfieldMemory(nn.Module):
             return -0.5 * r.square().sum(dim=(-1, -2))
         return -torch.logsumexp(self.beta * h, dim=-1).sum(dim=-1) / self.beta
 
-    def dE_dg(self, g: Tensor) -> Tensor:
-        """``dE_HN/dg`` in closed form: ``(..., N, D) -> (..., N, D)``."""
+    def dE_dg(self, g: Tensor, mask: Mask = None) -> Tensor:
+        """``dE_HN/dg`` in closed form: ``(..., N, D) -> (..., N, D)`` (``mask`` is not used)."""
         h = g @ self.xi.T
         if self.form == "relu":
             coefficient = torch.relu(h)

@@ -1,8 +1,9 @@
-"""The Energy Transformer block: a LayerNorm neuron and two energies of its activation."""
+"""Energy models: a neuron and a sum of interaction energies of its activation. The Energy Transformer is one."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import keyword
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -10,13 +11,125 @@ from torch import Tensor, nn
 from et_ode.backend.devices import resolve_device
 from et_ode.backend.memory import memory_named
 from et_ode.energy.checks import check_mask, check_tokens
-from et_ode.energy.energies import EnergyAttention, HopfieldForm, HopfieldMemory
+from et_ode.energy.energies import EnergyAttention, HopfieldForm, HopfieldMemory, Interaction
 from et_ode.energy.masks import Mask
-from et_ode.energy.neurons import LayerNormNeuron, inverse_softplus
+from et_ode.energy.neurons import GEOMETRIES, LayerNormNeuron, Neuron, inverse_softplus
 
 
-class EnergyTransformer(nn.Module):
-    """``E(g) = E_ATT(g) + E_HN(g)`` with ``g = LayerNorm(x)`` (the mathematics page: neurons and energies).
+class EnergyModel(nn.Module):
+    """``E(g) = sum_i E_i(g)`` with ``g = neuron(x)``: a :class:`~et_ode.energy.neurons.Neuron` and a sum of
+    :class:`~et_ode.energy.energies.Interaction` energies of its activation.
+
+    Every tool of the library (:class:`~et_ode.ETField`, ``solve``, ``find_attractor``, ``et_ode.analysis``) takes
+    any such model; the geometry of its attractors follows the neuron's ``geometry``.
+
+    Args:
+        neuron: the neuron (its ``dim`` is the token size ``D``).
+        interactions: the energies, a mapping ``{name: interaction}`` (the names of :meth:`energy_terms`, and of the
+            submodules) or a sequence (named ``"0"``, ``"1"``, ...); at least one.
+
+    Shapes: ``x`` and ``g`` are ``(..., N, D)``; energies are per sample, shape ``(...)``; ``mask`` is ``None``, a
+    boolean ``(N, N)`` or ``(*batch, N, N)`` tensor (True where query ``C`` may attend to key ``B``) or a
+    :class:`~et_ode.energy.masks.GraphMask`, handed to every interaction.
+
+    The public methods refuse, naming the argument, what :class:`EnergyTransformer`'s refuse.
+
+    Raises:
+        TypeError: a ``neuron`` that is not a Neuron, or an interaction that is not an Interaction.
+        ValueError: no interactions, a name that is not an identifier (or is ``"neuron"``), or a geometry other than
+            ``"euclidean"`` and ``"spheres"`` (which only a LayerNormNeuron has).
+    """
+
+    neuron: Neuron
+
+    def __init__(self, neuron: Neuron, interactions: Mapping[str, Interaction] | Sequence[Interaction]):
+        super().__init__()
+        if not isinstance(neuron, Neuron):
+            raise TypeError(f"neuron must be an et_ode.Neuron, got {type(neuron).__name__}")
+        if neuron.geometry not in GEOMETRIES or (neuron.geometry == "spheres" and not isinstance(neuron, LayerNormNeuron)):
+            raise ValueError(
+                f"neuron {type(neuron).__name__} declares geometry {neuron.geometry!r}: it must be one of {GEOMETRIES}, "
+                "and 'spheres' is the LayerNorm neuron's (subclass et_ode.LayerNormNeuron)"
+            )
+        items = list(interactions.items()) if isinstance(interactions, Mapping) else list(enumerate(interactions))
+        if not items:
+            raise ValueError("interactions must hold at least one et_ode.Interaction")
+        self.neuron = neuron
+        names = []
+        for key, interaction in items:
+            name = str(key)
+            if not isinstance(interaction, Interaction):
+                raise TypeError(f"interaction {name!r} must be an et_ode.Interaction, got {type(interaction).__name__}")
+            if not (name.isdigit() or name.isidentifier()) or keyword.iskeyword(name) or name == "neuron":
+                raise ValueError(f"interaction names must be identifiers other than 'neuron', got {name!r}")
+            self.add_module(name, interaction)
+            names.append(name)
+        self.interaction_names = tuple(names)
+
+    @property
+    def dim(self) -> int:
+        """The token size ``D`` (the neuron's)."""
+        return self.neuron.dim
+
+    @property
+    def interactions(self) -> dict[str, Interaction]:
+        """The interaction energies by name."""
+        return {name: getattr(self, name) for name in self.interaction_names}
+
+    @property
+    def reference_tensor(self) -> Tensor | None:
+        """The model's first floating-point parameter (the dtype and device a state must have), or None for a model
+        without one."""
+        return next((p for p in self.parameters() if p.is_floating_point()), None)
+
+    # -- unchecked internals, used on hot paths (the vector field) -----------------------------
+    def _energy_g(self, g: Tensor, mask: Mask) -> Tensor:
+        interactions = [getattr(self, name) for name in self.interaction_names]
+        total = interactions[0].energy(g, mask)
+        for interaction in interactions[1:]:
+            total = total + interaction.energy(g, mask)
+        return total
+
+    def _dE_dg(self, g: Tensor, mask: Mask) -> Tensor:
+        interactions = [getattr(self, name) for name in self.interaction_names]
+        total = interactions[0].dE_dg(g, mask)
+        for interaction in interactions[1:]:
+            total = total + interaction.dE_dg(g, mask)
+        return total
+
+    # -- public, validated ---------------------------------------------------------------------
+    def activation(self, x: Tensor) -> Tensor:
+        """``g = neuron(x)``: ``(..., N, D) -> (..., N, D)``."""
+        return self.neuron(check_tokens("x", x, self.dim, like=self.reference_tensor))
+
+    def energy(self, x: Tensor, mask: Mask = None) -> Tensor:
+        """Total energy per sample of the state ``x``: ``(..., N, D) -> (...)``."""
+        g = self.activation(x)
+        return self._energy_g(g, check_mask(mask, g))
+
+    def energy_terms(self, x: Tensor, mask: Mask = None) -> dict[str, Tensor]:
+        """Each interaction's energy per sample, shape ``(...)``, by name (the ET's: ``"attention"``, ``"hopfield"``)."""
+        g = self.activation(x)
+        mask = check_mask(mask, g)
+        return {name: interaction.energy(g, mask) for name, interaction in self.interactions.items()}
+
+    def energy_g(self, g: Tensor, mask: Mask = None) -> Tensor:
+        """Total energy per sample as a function of ``g``: ``(..., N, D) -> (...)``."""
+        check_tokens("g", g, self.dim, like=self.reference_tensor)
+        return self._energy_g(g, check_mask(mask, g))
+
+    def dE_dg(self, g: Tensor, mask: Mask = None) -> Tensor:
+        """``dE/dg`` (each interaction's closed form, or autograd where it has none): ``(..., N, D) -> (..., N, D)``."""
+        check_tokens("g", g, self.dim, like=self.reference_tensor)
+        return self._dE_dg(g, check_mask(mask, g))
+
+
+class EnergyTransformer(EnergyModel):
+    """``E(g) = E_ATT(g) + E_HN(g)`` with ``g = LayerNorm(x)`` (the mathematics page: neurons and energies): the
+    :class:`EnergyModel` of a :class:`~et_ode.energy.neurons.LayerNormNeuron` and the interactions ``"attention"``
+    (:class:`~et_ode.energy.energies.EnergyAttention`) and ``"hopfield"``
+    (:class:`~et_ode.energy.energies.HopfieldMemory`). :class:`~et_ode.ETField` evaluates its ``dE/dg`` on a fused
+    fast path (:mod:`et_ode.kernels.fused`).
 
     Args:
         dim: token size ``D``.
@@ -46,6 +159,10 @@ class EnergyTransformer(nn.Module):
         et_ode.backend.memory.OutOfMemoryError: the weights do not fit in memory (naming the sizes).
     """
 
+    neuron: LayerNormNeuron
+    attention: EnergyAttention
+    hopfield: HopfieldMemory
+
     def __init__(
         self,
         dim: int,
@@ -62,19 +179,18 @@ class EnergyTransformer(nn.Module):
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ):
-        super().__init__()
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise TypeError(f"dtype must be a floating torch.dtype (torch.float32 or torch.float64), got {dtype!r}")
         if device is not None:
             resolve_device(device)  # a device this machine has (ValueError naming it otherwise)
-        self.dim = dim
         sizes = f"EnergyTransformer(dim={dim!r}, heads={heads!r}, head_dim={head_dim!r}, memories={memories!r})"
         with memory_named(sizes, "its weights (2 H Y D + K D numbers) do not fit: choose smaller sizes"):
-            self.neuron = LayerNormNeuron(dim, eps=eps, positive_gamma=positive_gamma, dtype=dtype, device=device)
-            self.attention = EnergyAttention(
+            neuron = LayerNormNeuron(dim, eps=eps, positive_gamma=positive_gamma, dtype=dtype, device=device)
+            attention = EnergyAttention(
                 dim, heads, head_dim, beta=beta, self_attention=self_attention, dtype=dtype, device=device
             )
-            self.hopfield = HopfieldMemory(dim, memories, form=hopfield, beta=beta_hn, dtype=dtype, device=device)
+            memory = HopfieldMemory(dim, memories, form=hopfield, beta=beta_hn, dtype=dtype, device=device)
+        super().__init__(neuron, {"attention": attention, "hopfield": memory})
 
     @classmethod
     def from_tensors(
@@ -129,39 +245,6 @@ class EnergyTransformer(nn.Module):
             model.neuron.delta.copy_(delta)
             model.neuron.gamma_raw.copy_(torch.tensor(inverse_softplus(gamma_value), dtype=torch.float64))
         return model
-
-    # -- unchecked internals, used on hot paths (the vector field) -----------------------------
-    def _energy_g(self, g: Tensor, mask: Mask) -> Tensor:
-        return self.attention.energy(g, mask) + self.hopfield.energy(g)
-
-    def _dE_dg(self, g: Tensor, mask: Mask) -> Tensor:
-        return self.attention.dE_dg(g, mask) + self.hopfield.dE_dg(g)
-
-    # -- public, validated ---------------------------------------------------------------------
-    def activation(self, x: Tensor) -> Tensor:
-        """``g = LayerNorm(x)``: ``(..., N, D) -> (..., N, D)``."""
-        return self.neuron(check_tokens("x", x, self.dim, like=self.neuron.delta))
-
-    def energy(self, x: Tensor, mask: Mask = None) -> Tensor:
-        """Total energy per sample of the state ``x``: ``(..., N, D) -> (...)``."""
-        g = self.activation(x)
-        return self._energy_g(g, check_mask(mask, g))
-
-    def energy_terms(self, x: Tensor, mask: Mask = None) -> dict[str, Tensor]:
-        """``{"attention": E_ATT, "hopfield": E_HN}``, each per sample, shape ``(...)``."""
-        g = self.activation(x)
-        mask = check_mask(mask, g)
-        return {"attention": self.attention.energy(g, mask), "hopfield": self.hopfield.energy(g)}
-
-    def energy_g(self, g: Tensor, mask: Mask = None) -> Tensor:
-        """Total energy per sample as a function of ``g``: ``(..., N, D) -> (...)``."""
-        check_tokens("g", g, self.dim, like=self.neuron.delta)
-        return self._energy_g(g, check_mask(mask, g))
-
-    def dE_dg(self, g: Tensor, mask: Mask = None) -> Tensor:
-        """``dE/dg`` in closed form: ``(..., N, D) -> (..., N, D)``."""
-        check_tokens("g", g, self.dim, like=self.neuron.delta)
-        return self._dE_dg(g, check_mask(mask, g))
 
     def extra_repr(self) -> str:
         a, h = self.attention, self.hopfield

@@ -1,22 +1,34 @@
-"""Neurons: the LayerNorm Lagrangian whose gradient is the ET's activation, and the geometry of its image.
+"""Neurons: a Lagrangian per token whose gradient is the activation ``g`` and whose Hessian is the flow's metric.
+
+A :class:`Neuron` is the public interface: a Lagrangian ``L(x_A)`` of each token, its gradient ``g = dL/dx`` (the
+activation the energies read) and its Hessian ``M_A = dg_A/dx_A`` as Hessian-vector products (the metric of the flow
+``tau dx/dt = -dE/dg``, which lowers ``E`` at the rate ``dE/dt = -(1/tau) sum_A dE/dg_A . M_A dE/dg_A``: the energy
+is a Lyapunov function wherever every ``M_A`` is positive semi-definite, i.e. ``L`` is convex). A subclass writes
+:meth:`Neuron.lagrangian`; ``torch.func`` supplies the rest, and closed forms may replace it. Two neurons ship:
+:class:`LayerNormNeuron` (the ET's) and :class:`IdentityNeuron` (``g = x``, a plain gradient flow).
+
+A neuron declares its ``geometry``, where the flow's attractors lie: ``"euclidean"`` (fixed points in ``x``, the
+default) or ``"spheres"``, the LayerNorm neuron's: every normalized token ``g_A - delta`` has zero mean and lies (up
+to O(eps)) on a sphere in the centered subspace, towards which the flow drives the tokens' scales.
+:func:`radial_direction` and :func:`tangent_projection` are that sphere's geometry, the one definition used by the
+field, :mod:`et_ode.dynamics.manifold` and the analysis; :func:`sphere_neuron` is how a tool that needs it asks.
 
 Shapes: ``x`` is ``(..., N, D)``: any leading (batch) dimensions, ``N`` tokens of ``D`` elements.
 Everything acts per token, so the cost is O(N D).
-
-Every normalized token ``g_A - delta`` has zero mean and lies (up to O(eps)) on a sphere in the centered
-subspace; :func:`radial_direction` and :func:`tangent_projection` are that sphere's geometry, the one
-definition used by the field, :mod:`et_ode.dynamics.manifold` and the analysis.
 """
 
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
 from et_ode.backend.validation import check_positive
+
+GEOMETRIES = ("euclidean", "spheres")
 
 
 def radial_direction(g: Tensor, delta: Tensor | float) -> tuple[Tensor, Tensor]:
@@ -39,13 +51,95 @@ def inverse_softplus(y: float) -> float:
     return y + math.log(-math.expm1(-y))
 
 
-class LayerNormNeuron(nn.Module):
+class Neuron(nn.Module):
+    """A neuron: the Lagrangian ``L(x_A)`` of every token, its gradient ``g = dL/dx`` and its Hessian ``M = dg/dx``.
+
+    A subclass defines :meth:`lagrangian` (and, for a closed form, :meth:`forward` and :meth:`hessian_vector`, which
+    default to ``torch.func`` derivatives of it). ``L`` convex (every ``M_A`` positive semi-definite) makes the energy
+    a Lyapunov function of the flow. ``geometry`` says where the attractors lie: ``"euclidean"`` (the default: fixed
+    points in ``x``, where ``M dE/dg = 0``) or ``"spheres"`` (declared by :class:`LayerNormNeuron` alone).
+
+    Args:
+        dim: token size ``D``, a positive integer.
+
+    Raises:
+        ValueError: ``dim`` is not a positive integer.
+    """
+
+    geometry: ClassVar[str] = "euclidean"
+
+    def __init__(self, dim: int):
+        super().__init__()
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
+            raise ValueError(f"dim must be a positive integer, got {dim!r}")
+        self.dim = dim
+
+    def lagrangian(self, x: Tensor) -> Tensor:
+        """``L(x_A)`` per token: ``(..., N, D) -> (..., N)``."""
+        raise NotImplementedError(f"{type(self).__name__} must define lagrangian(x)")
+
+    def forward(self, x: Tensor) -> Tensor:
+        """The activation ``g = dL/dx``: ``(..., N, D) -> (..., N, D)`` (``torch.func.grad`` of :meth:`lagrangian`)."""
+        return torch.func.grad(lambda state: self.lagrangian(state).sum())(x)
+
+    def hessian_vector(self, x: Tensor, v: Tensor) -> Tensor:
+        """``M_A v_A`` for every token: ``(..., N, D) -> (..., N, D)`` (a ``torch.func.jvp`` of :meth:`forward`)."""
+        return torch.func.jvp(self.forward, (x,), (v,))[1]
+
+    def project(self, v: Tensor) -> Tensor:
+        """``v`` without the directions every ``M_A`` annihilates whatever ``x`` (``g`` does not move along them):
+        ``(..., N, D) -> (..., N, D)``. None by default; the LayerNorm neuron removes each token's mean."""
+        return v
+
+    def metric(self, x: Tensor) -> Tensor:
+        """Every token's ``M_A`` as a dense matrix: ``(..., N, D) -> (..., N, D, D)`` (``D`` Hessian-vector
+        products)."""
+        basis = torch.eye(self.dim, dtype=x.dtype, device=x.device)
+        columns = [self.hessian_vector(x, basis[j].expand_as(x)) for j in range(self.dim)]
+        return torch.stack(columns, dim=-1)
+
+    def free_dimension(self) -> int:
+        """The dimension per token that :meth:`project` keeps (``D`` by default, ``D - 1`` for LayerNorm)."""
+        eye = torch.eye(self.dim, dtype=torch.float64)
+        return round(float(self.project(eye[None]).diagonal(dim1=-2, dim2=-1).sum()))
+
+    def conditioning(self, x: Tensor) -> Tensor:
+        """How unequal the flow's rates are at ``x``: the largest eigenvalue of any token's ``M_A`` over the smallest,
+        on the directions :meth:`project` keeps, per sample: ``(..., N, D) -> (...)``."""
+        with torch.no_grad():
+            values = torch.linalg.eigvalsh(self.metric(x))[..., self.dim - self.free_dimension() :]
+        tiny = torch.finfo(x.dtype).tiny
+        return values.amax(dim=(-1, -2)) / values.amin(dim=(-1, -2)).clamp_min(tiny)
+
+
+class IdentityNeuron(Neuron):
+    """``L(x_A) = |x_A|^2 / 2``: ``g = x`` and ``M = I``, so the flow ``tau dx/dt = -dE/dx`` is the plain gradient
+    flow of the energy, with Euclidean geometry (its attractors are the minima of ``E``).
+
+    Args:
+        dim: token size ``D``, a positive integer.
+    """
+
+    def lagrangian(self, x: Tensor) -> Tensor:
+        return 0.5 * x.square().sum(dim=-1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x.clone()
+
+    def hessian_vector(self, x: Tensor, v: Tensor) -> Tensor:
+        return v.clone()
+
+    def conditioning(self, x: Tensor) -> Tensor:
+        return torch.ones(x.shape[:-2], dtype=x.dtype, device=x.device)
+
+
+class LayerNormNeuron(Neuron):
     """The LayerNorm Lagrangian ``L(x_A) = D gamma sigma_A + delta . x_A``.
 
-    Its gradient is the layer-normalized token ``g = dL/dx`` and its Hessian ``M_A = dg_A/dx_A``
-    is positive semi-definite exactly when ``gamma >= 0``: that is what makes the energy a
-    Lyapunov function. ``gamma`` is therefore stored as ``softplus(gamma_raw)``, positive for
-    every value of the trainable raw parameter.
+    The ET's neuron, of geometry ``"spheres"``. Its gradient is the layer-normalized token ``g = dL/dx`` and its
+    Hessian ``M_A = dg_A/dx_A`` is positive semi-definite exactly when ``gamma >= 0``: that is what makes the energy a
+    Lyapunov function. ``gamma`` is therefore stored as ``softplus(gamma_raw)``, positive for every value of the
+    trainable raw parameter.
 
     Args:
         dim: token size ``D``.
@@ -59,6 +153,8 @@ class LayerNormNeuron(nn.Module):
             Python float, exact in every dtype.
     """
 
+    geometry: ClassVar[str] = "spheres"
+
     def __init__(
         self,
         dim: int,
@@ -69,13 +165,12 @@ class LayerNormNeuron(nn.Module):
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ):
-        super().__init__()
-        if not isinstance(dim, int) or dim < 2:
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 2:
             raise ValueError(f"dim must be an integer >= 2, got {dim!r}")
+        super().__init__(dim)
         check_positive("eps", eps)
         if positive_gamma:
             check_positive("gamma", gamma)
-        self.dim = dim
         self.eps = float(eps)
         self.positive_gamma = positive_gamma
         raw = inverse_softplus(gamma) if positive_gamma else gamma
@@ -112,3 +207,28 @@ class LayerNormNeuron(nn.Module):
         v_centered = v - v.mean(dim=-1, keepdim=True)
         along = (xt * v).sum(dim=-1, keepdim=True) / (self.dim * sigma.square())
         return (self.gamma / sigma) * (v_centered - along * xt)
+
+    def project(self, v: Tensor) -> Tensor:
+        """``v`` with each token's mean removed (the all-ones vector is the exact zero mode of every ``M_A``)."""
+        return v - v.mean(dim=-1, keepdim=True)
+
+    def conditioning(self, x: Tensor) -> Tensor:
+        """The spread of the tangential rates ``gamma / sigma_A`` over the tokens, per sample: ``max sigma / min
+        sigma`` (the radial eigenvalue ``gamma eps / sigma^3`` vanishes as the tokens grow, and is left out)."""
+        sigma = (x - x.mean(dim=-1, keepdim=True)).square().mean(dim=-1).sqrt()
+        return sigma.amax(dim=-1) / sigma.amin(dim=-1).clamp_min(torch.finfo(x.dtype).tiny)
+
+
+def sphere_neuron(neuron: Neuron, tool: str) -> LayerNormNeuron:
+    """``neuron`` itself where its geometry is ``"spheres"`` (a :class:`LayerNormNeuron`), for a ``tool`` that needs
+    its sphere (``gamma``, ``delta``, the token scales).
+
+    Raises:
+        ValueError: naming the tool and the neuron, for any other neuron.
+    """
+    if not isinstance(neuron, LayerNormNeuron):
+        raise ValueError(
+            f"{tool} needs the LayerNorm neuron's sphere geometry (gamma, delta, token scales); the model's neuron "
+            f"{type(neuron).__name__} has geometry {neuron.geometry!r}"
+        )
+    return neuron

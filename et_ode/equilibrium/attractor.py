@@ -16,6 +16,10 @@ phases, per sample:
    whose Newton point is converged and stable but not yet tied to the flow is tested against it between the flow's
    segments, and certified there as soon as the flow is in its basin.
 
+Any energy model works the same way; the geometry follows its neuron: a neuron of Euclidean geometry (such as
+:class:`~et_ode.energy.neurons.IdentityNeuron`, ``g = x``) has its attractors at fixed points in ``x``, so phase 2 is
+Newton in ``x`` for every sample (``geometry="x"``) and the flow needs no rescaling.
+
 A sample still not certified after the last level keeps its status (``"unsettled"``, ``"saddle"``, ...):
 ``find_attractor`` never reports another point as the flow's own. On the spheres the returned ``x`` has every token
 centred at a scale ``S`` where ``eps / S^2`` is below rounding, so ``g`` lies on the limit spheres (a flow continued
@@ -52,6 +56,7 @@ from et_ode.equilibrium.certify import (
     Attractor,
     SearchMethod,
     certify,
+    check_lyapunov_neuron,
     default_tol,
     differentiable,
     flatten,
@@ -149,8 +154,7 @@ def _check_arguments(
         raise ValueError(f"method must be one of {SEARCH_METHODS}, got {method!r}")
     for name, count in counts.items():
         check_positive(name, count, integer=True)
-    if not float(field.model.neuron.gamma.detach()) > 0:  # (before the flow; certify checks it too)
-        raise ValueError("find_attractor needs gamma > 0 (the energy is then a Lyapunov function)")
+    check_lyapunov_neuron(field, "find_attractor")  # (before the flow; certify checks it too)
 
 
 def find_attractor(

@@ -26,6 +26,7 @@ from et_ode.dynamics.manifold import (
     tangent_projection,
     to_limit_spheres,
 )
+from et_ode.energy.neurons import sphere_neuron
 from et_ode.equilibrium.implicit import implicit_attractor
 from et_ode.integrators.loop import Problem, integrate
 from et_ode.integrators.solution import SolveError
@@ -63,17 +64,19 @@ class Attractor:
 
     Attributes:
         x: the state ``(*batch, N, D)``, detached (on the spheres: at the scale described in the module docstring).
-        g: ``LayerNorm(x)``, ``(*batch, N, D)``; differentiable with respect to the model's parameters (implicit).
+        g: ``neuron(x)`` (``LayerNorm(x)`` for the ET), ``(*batch, N, D)``; differentiable with respect to the
+            model's parameters (implicit).
         energy: ``E`` per sample.
-        gradient: the certificate's residual: RMS ``|T dE/dg|`` on the spheres, RMS ``|M dE/dg|`` (the
-            gradient of ``E(LayerNorm(x))``) for ``geometry="x"``.
+        gradient: the certificate's residual: RMS ``|T dE/dg|`` on the spheres, RMS of ``dE/dg`` without the
+            directions every ``M`` annihilates (the neuron's ``project``) for ``geometry="x"``.
         smallest_eigenvalue: smallest eigenvalue of the Riemannian Hessian on the tangent space (spheres), or of
-            the Hessian of ``E(LayerNorm(x))`` on centred ``x`` (geometry ``"x"``), by Lanczos.
+            the Hessian of ``E(g(x))`` in ``x`` (geometry ``"x"``, on centred ``x`` for LayerNorm), by Lanczos.
         largest_eigenvalue: the largest, from the same Lanczos run (sets the zero tolerance of ``kind``).
         kind: ``"stable"``, ``"saddle"`` or ``"degenerate"`` per sample (a tuple, flattened batch order).
-        geometry: ``"spheres"`` or ``"x"`` per sample.
+        geometry: ``"spheres"`` or ``"x"`` per sample (always ``"x"`` for a neuron of Euclidean geometry).
         converged: the residual is below ``tol``, per sample.
-        outward_force: the smallest ``rho_A = -s_A . dE/dg_A`` over the tokens, per sample.
+        outward_force: the smallest ``rho_A = -s_A . dE/dg_A`` over the tokens, per sample (NaN for a neuron of
+            Euclidean geometry, which has no spheres).
         settled: the flow from the examined start is in the point's basin by the linear-regime test
             (:func:`basin_settled`), per sample.
         status: per sample (a tuple, flattened batch order): ``"certified"`` (converged, stable and settled),
@@ -145,7 +148,7 @@ class _Spheres:
 
     def __init__(self, field: ETField):
         self.field = field
-        neuron = field.model.neuron
+        neuron = sphere_neuron(field.model.neuron, "find_attractor's sphere geometry")
         self.delta, self.eps = neuron.delta.detach(), neuron.eps
         self.gamma = float(neuron.gamma.detach())
 
@@ -181,12 +184,6 @@ class _Spheres:
         theta = torch.atan2(norm, cosine)
         return along * (radius * theta / norm.clamp_min(torch.finfo(u.dtype).tiny))
 
-    @staticmethod
-    def conditioning(x: Tensor) -> Tensor:
-        """How unequal the flow's per-token rates ``gamma / (tau sigma_A)`` are at ``x``: ``max sigma / min sigma``."""
-        sigma = (x - x.mean(dim=-1, keepdim=True)).square().mean(dim=-1).sqrt()
-        return sigma.amax(dim=-1) / sigma.amin(dim=-1).clamp_min(torch.finfo(x.dtype).tiny)
-
     def size(self, x: Tensor) -> Tensor:
         """The length scale of a step per sample (the largest trust region): ``gamma sqrt(N D)``."""
         return torch.full(x.shape[:1], self.gamma * math.sqrt(x[0].numel()), dtype=x.dtype, device=x.device)
@@ -197,7 +194,8 @@ class _Spheres:
 
 
 class _Euclidean:
-    """Critical points of ``F(x) = E(LayerNorm(x))`` over centred ``x``: fixed points of the flow in ``x``."""
+    """Critical points of ``F(x) = E(g(x))`` over the ``x`` the neuron's ``project`` keeps (centred ``x`` for
+    LayerNorm): fixed points of the flow in ``x``."""
 
     name: ClassVar[Geometry] = "x"
 
@@ -205,26 +203,26 @@ class _Euclidean:
         self.field = field
         self.neuron = field.model.neuron
 
-    @staticmethod
-    def canonical(x: Tensor) -> Tensor:
-        return x - x.mean(dim=-1, keepdim=True)
+    def canonical(self, x: Tensor) -> Tensor:
+        """``x`` without the directions ``g`` does not depend on (the token means for LayerNorm)."""
+        return self.neuron.project(x)
 
     def gradient(self, field: ETField, x: Tensor) -> tuple[Tensor, Tensor]:
-        """``(dF/dx = M dE/dg, residual)`` at ``x``: the convergence measure per sample is the RMS of the centred
-        ``dE/dg``, zero exactly at a fixed point in ``x`` whatever the token scale (``M dE/dg`` alone shrinks like
-        ``1 / sigma`` as tokens grow)."""
+        """``(dF/dx = M dE/dg, residual)`` at ``x``: the convergence measure per sample is the RMS of the projected
+        ``dE/dg`` (centred for LayerNorm), zero exactly at a fixed point in ``x`` whatever the token scale
+        (``M dE/dg`` alone shrinks like ``1 / sigma`` as LayerNorm's tokens grow)."""
         field.count_evaluations()
         grad_e = field.dE_dg(self.neuron(x))
-        return self.neuron.hessian_vector(x, grad_e), _rms(grad_e - grad_e.mean(dim=-1, keepdim=True))
+        return self.neuron.hessian_vector(x, grad_e), _rms(self.neuron.project(grad_e))
 
     def hessian(self, field: ETField, x: Tensor) -> tuple[Operator, Tensor, Operator, Tensor]:
-        """``(Hess F, dF/dx, centring, residual)`` at ``x`` (:func:`et_ode.dynamics.manifold.euclidean_hessian`)."""
+        """``(Hess F, dF/dx, projection, residual)`` at ``x`` (:func:`et_ode.dynamics.manifold.euclidean_hessian`)."""
         field.count_evaluations()
         apply, gradient, grad_e = euclidean_hessian(field, x)
-        return apply, gradient, self.canonical, _rms(grad_e - grad_e.mean(dim=-1, keepdim=True))
+        return apply, gradient, self.canonical, _rms(self.neuron.project(grad_e))
 
     def size(self, x: Tensor) -> Tensor:
-        """The length scale of a step per sample (the largest trust region): the norm of the centred ``x``."""
+        """The length scale of a step per sample (the largest trust region): the norm of the projected ``x``."""
         return self.canonical(x).flatten(1).norm(dim=1).clamp_min(torch.finfo(x.dtype).eps)
 
     @staticmethod
@@ -373,9 +371,11 @@ def _classify(smallest: float, largest: float, zero_tol: float) -> Kind:
 
 
 def token_forces(field: ETField, x: Tensor) -> Tensor:
-    """The outward force ``rho_A = -s_A . dE/dg_A`` of every token, ``(B, N, D) -> (B, N)`` (one evaluation)."""
-    g = field.model.neuron(x)
-    s, _ = radial_direction(g, field.model.neuron.delta.detach())
+    """The outward force ``rho_A = -s_A . dE/dg_A`` of every token, ``(B, N, D) -> (B, N)`` (one evaluation; the
+    LayerNorm neuron's spheres)."""
+    neuron = sphere_neuron(field.model.neuron, "the outward force")
+    g = neuron(x)
+    s, _ = radial_direction(g, neuron.delta.detach())
     field.count_evaluations()
     return -(s * field.dE_dg(g)).sum(dim=-1)
 
@@ -427,15 +427,20 @@ def _search(field: ETField, x: Tensor, options: dict[str, Any], counters: dict[s
     A sample whose tokens all have ``rho > 0`` descends on the spheres; if the point found there has a token with
     ``rho <= 0`` (that token would leave its sphere), or the start has one, it descends in ``x`` from the start. A
     search in ``x`` that does not converge while every token pushes outward is heading for the spheres and goes
-    on there. A sample that settles in neither geometry is ``"mixed"``.
+    on there. A sample that settles in neither geometry is ``"mixed"``. A neuron of Euclidean geometry descends in
+    ``x`` alone.
     """
-    spheres, euclidean = _Spheres(field), _Euclidean(field)
+    euclidean = _Euclidean(field)
     search = _Search(
         x.clone(),
         torch.full(x.shape[:1], math.inf, dtype=x.dtype),
         torch.zeros(x.shape[0], dtype=torch.long),
         ["spheres"] * x.shape[0],
     )
+    if field.model.neuron.geometry != "spheres":
+        _descend_where(euclidean, field, search, torch.ones(x.shape[0], dtype=torch.bool), x, options, counters)
+        return search
+    spheres = _Spheres(field)
     with torch.no_grad():
         outward = (token_forces(field, x) > 0).all(dim=-1)
     _descend_where(spheres, field, search, outward, x, options, counters)
@@ -495,9 +500,10 @@ def _linear_regime_in_g(field: ETField, start: Tensor, found: Tensor, tol: float
     ``dg/dt = -(1/tau) M dE/dg``, a gradient flow of ``E`` with the positive rates ``M`` on centred vectors, whose
     Hessian varies far less than that of ``E(LayerNorm(x))`` in ``x`` near a small token scale. The curvature is
     the Rayleigh quotient of ``H = d^2E/dg^2`` along the displacement (positive where ``M H M`` is, as certified);
-    the rates' spread ``kappa`` is that of the tokens' ``1 / sigma_A``."""
+    the rates' spread ``kappa`` is the neuron's ``conditioning`` (that of the tokens' ``1 / sigma_A`` for LayerNorm, 1
+    for the identity)."""
     neuron = field.model.neuron
-    margin = 0.5 / _Spheres.conditioning(start).sqrt()
+    margin = 0.5 / neuron.conditioning(start).sqrt()
     with torch.no_grad():
         g_start, g_found = neuron(start), neuron(found)
         settled = _downhill(field, g_start, g_found)
@@ -505,14 +511,13 @@ def _linear_regime_in_g(field: ETField, start: Tensor, found: Tensor, tol: float
         point = g_found.detach().requires_grad_(True)
         grad_found = field.dE_dg(point)
     for fraction in (1.0, 0.5):
-        v = fraction * (g_start - g_found)
-        v = v - v.mean(dim=-1, keepdim=True)
+        v = neuron.project(fraction * (g_start - g_found))
         (hv,) = torch.autograd.grad(grad_found, point, v, retain_graph=True)
-        hv = hv - hv.mean(dim=-1, keepdim=True)
+        hv = neuron.project(hv)
         field.count_evaluations(2)
         with torch.no_grad():
             grad = field.dE_dg(g_found + v)
-        error = grad - grad.mean(dim=-1, keepdim=True) - hv
+        error = neuron.project(grad) - hv
         length = _dot(v, v).sqrt()
         curvature = _dot(v, hv) / length.square().clamp_min(torch.finfo(v.dtype).tiny)
         allowed = margin * curvature.clamp_min(0) * length + tol * math.sqrt(v[0].numel())
@@ -524,7 +529,7 @@ def _linear_regime(geometry: _Spheres, start: Tensor, found: Tensor, smallest: T
     """:func:`basin_settled` on the spheres, ``(B,)``. ``start`` is first put on the limit spheres (the flow's state
     lies inside them by ``O(eps / sigma^2)``, a radial offset the tangent displacement misses)."""
     field = geometry.field
-    margin = 0.5 / geometry.conditioning(start).sqrt()
+    margin = 0.5 / field.model.neuron.conditioning(start).sqrt()
     start = geometry.canonical(start)
     with torch.no_grad():
         settled = _downhill(field, field.model.neuron(start), field.model.neuron(found))
@@ -554,7 +559,7 @@ def _spectrum(field: ETField, search: _Search, *, lanczos_iterations: int, seed:
             continue
         bound = field.select(index)
         apply, _, project, _ = geometry_class(bound).hessian(bound, x[index])
-        dimension = n * (d - 2) if name == "spheres" else n * (d - 1)
+        dimension = n * (d - 2) if name == "spheres" else n * bound.model.neuron.free_dimension()
         start = torch.randn(x[index].shape, generator=generator, dtype=x.dtype).to(x.device)
         ritz, _ = lanczos(apply, start, iterations=min(lanczos_iterations, dimension), project=project, generator=generator)
         smallest[index], largest[index] = ritz[:, 0].detach(), ritz[:, -1].detach()
@@ -600,7 +605,8 @@ def examine(
     with torch.no_grad():
         g = field.model.neuron(search.x)
         energy = _energy(field, g)
-        outward = token_forces(field, search.x).amin(dim=-1)
+        spheres = field.model.neuron.geometry == "spheres"
+        outward = token_forces(field, search.x).amin(dim=-1) if spheres else torch.full_like(energy, math.nan)
     kinds = tuple(
         _classify(float(lo), float(hi), zero_tol * max(abs(float(lo)), abs(float(hi)), 1e-300))
         for lo, hi in zip(smallest, largest, strict=True)
@@ -656,6 +662,15 @@ def differentiable(
     return dataclasses.replace(found, g=shaped(g), flow_evaluations=flow_evaluations, evaluations=evaluations, **per_sample)
 
 
+def check_lyapunov_neuron(field: ETField, who: str) -> None:
+    """The LayerNorm neuron's ``gamma`` must be positive (its metric is then positive semi-definite, the energy a
+    Lyapunov function): a ValueError saying that ``who`` needs it otherwise. Other neurons are the user's to make
+    convex."""
+    neuron = field.model.neuron
+    if neuron.geometry == "spheres" and not float(sphere_neuron(neuron, who).gamma.detach()) > 0:
+        raise ValueError(f"{who} needs gamma > 0 (the energy is then a Lyapunov function)")
+
+
 def certify(
     field: ETField,
     x: Tensor,
@@ -669,8 +684,7 @@ def certify(
     """:func:`settle` on ``x`` ``(*batch, N, D)`` (validated by the caller), with ``g`` differentiable where the point
     is certified. ``flow=False`` examines ``x`` itself (held to be in its basin); ``flow=True`` flows on from it
     where the basin is not settled. ``newton`` holds :func:`examine`'s other arguments."""
-    if not float(field.model.neuron.gamma.detach()) > 0:
-        raise ValueError("an attractor needs gamma > 0 (the energy is then a Lyapunov function)")
+    check_lyapunov_neuron(field, "an attractor")
     evaluations_before = field.nfe
     flat, flat_field = flatten(field, x)
     found, flow_evaluations = settle(flat_field, flat, flow=flow, tol=tol, **newton)
@@ -741,7 +755,8 @@ def flow_to(
     for _ in range(max_segments):
         if not len(active):
             break
-        problem = Problem(field.select(active), shrink_scale(x[active]), grid, solver, stop, "final", 100_000)
+        states = shrink_scale(x[active]) if field.model.neuron.geometry == "spheres" else x[active]
+        problem = Problem(field.select(active), states, grid, solver, stop, "final", 100_000)
         try:
             with torch.no_grad():
                 result = integrate(problem, odeint, problem.torchdiffeq_arguments())

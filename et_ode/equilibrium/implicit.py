@@ -11,6 +11,8 @@ with ``Hess_R`` the Riemannian Hessian of ``E`` on the spheres. It is symmetric,
 definite on the tangent space exactly when the point is a stable attractor, so conjugate gradients
 solve it with Hessian-vector products, never forming a matrix. Memory and cost do not depend on how many
 steps the forward solve took. The fixed point does not depend on ``x0`` locally: ``x0`` gets no gradient.
+At a fixed point in ``x`` (a neuron of Euclidean geometry, or the LayerNorm neuron's finite-scale points) the same
+holds with the Hessian of ``E(g(x))`` in ``x`` (:func:`implicit_attractor`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from torch import Tensor
 
 from et_ode.dynamics.field import ETField
 from et_ode.dynamics.manifold import euclidean_hessian, radial_direction, riemannian_hessian, tangent_projection
+from et_ode.energy.neurons import sphere_neuron
 from et_ode.linalg.krylov import conjugate_gradient, token_dot
 
 
@@ -96,7 +99,7 @@ class _AttractorRerouting(torch.autograd.Function):
             else:
                 g = neuron(x).detach()
                 apply, _ = riemannian_hessian(bound, g)
-                s, _ = radial_direction(g, neuron.delta.detach())
+                s, _ = radial_direction(g, sphere_neuron(neuron, "the implicit gradient on the spheres").delta.detach())
                 rhs = tangent_projection(vi, s)
             # a right-hand side that is rounding noise (v normal to the manifold: w = 0) is not a system to solve
             noise = token_dot(rhs, rhs).sqrt() <= 1e-12 * token_dot(vi, vi).sqrt()
@@ -109,11 +112,11 @@ class _AttractorRerouting(torch.autograd.Function):
                 advice="raise max_iter of the Implicit settings (solve's gradient=, "
                 "find_attractor's implicit=, AttractorReadout's implicit=)",
             )
-            # The solution is taken back into the operator's domain (tangent, or centred): the directions the
+            # The solution is taken back into the operator's domain (tangent, or projected): the directions the
             # operator annihilates are invisible to the residual, and in float32 conjugate gradients drift along them
             # (a step of huge alpha where p.Ap is rounding noise), which the parameter gradients would carry.
             if geometry:
-                w_out[index] = neuron.hessian_vector(x, w - w.mean(dim=-1, keepdim=True))
+                w_out[index] = neuron.hessian_vector(x, neuron.project(w))
             else:
                 w_out[index] = tangent_projection(w, s)
         return v, -w_out.detach(), None, None, None, None, None, None
@@ -122,12 +125,12 @@ class _AttractorRerouting(torch.autograd.Function):
 def implicit_attractor(
     field: ETField, x_star: Tensor, *, in_x: Tensor, certified: Tensor, tol: float = 1e-10, max_iter: int = 500
 ) -> Tensor:
-    """``g* = LayerNorm(x*)`` whose parameter gradients come from the implicit function theorem at an attractor.
+    """``g* = neuron(x*)`` whose parameter gradients come from the implicit function theorem at an attractor.
 
     On the spheres (``in_x`` False) the condition is ``T dE/dg(g*) = 0`` and the adjoint system
     ``Hess_R w = T v``; at a fixed point in ``x`` (``in_x`` True) it is ``M dE/dg = 0`` with ``Hess F w = M v``
-    (``F = E(LayerNorm(x))``, :func:`et_ode.dynamics.manifold.euclidean_hessian`), and ``dE/dg`` receives ``-M w``.
-    Either way ``dL/dtheta = v . dLayerNorm/dtheta - w' . d/dtheta[dE/dg(LayerNorm(x*; theta); theta)]``.
+    (``F = E(g(x))``, :func:`et_ode.dynamics.manifold.euclidean_hessian`), and ``dE/dg`` receives ``-M w``.
+    Either way ``dL/dtheta = v . dg/dtheta - w' . d/dtheta[dE/dg(g(x*; theta); theta)]``.
 
     Args:
         field: the field (its mask, ``None``, ``(N, N)`` or ``(B, N, N)``, is used).

@@ -146,7 +146,8 @@ class Solution:
         xs: saved states ``(T, *batch, N, D)``, or ``None`` with ``save="final"``.
         energies: energy per sample at the saved times, ``(T, *batch)`` (detached, computed when first read).
         x: final state ``(*batch, N, D)``; differentiable with the gradients ``Direct`` and ``Adjoint``.
-        g: final normalized state ``LayerNorm(x)``, ``(*batch, N, D)``; differentiable with every gradient.
+        g: final activation ``neuron(x)`` (``LayerNorm(x)`` for the ET), ``(*batch, N, D)``; differentiable with every
+            gradient.
         residual: RMS of ``dg/dt`` per sample at the final state, ``(*batch,)`` (detached, computed when first read).
         stats: :class:`SolveStats`.
         field: the integrated field; its mask is ``mask``.

@@ -26,7 +26,8 @@ class SteadyState:
         tol: the tolerance, positive and finite.
         measure: ``"dg_dt"`` (RMS of ``dg/dt``, :meth:`et_ode.ETField.rms_dg_dt`) or ``"tangent_gradient"`` (RMS of
             the energy gradient along the per-token spheres, ``T dE/dg``, :meth:`et_ode.ETField.rms_tangent_gradient`:
-            scale-free, since ``|dg/dt|`` also shrinks as ``|x|`` drifts outward; see :mod:`et_ode.dynamics.manifold`).
+            scale-free, since ``|dg/dt|`` also shrinks as ``|x|`` drifts outward; see :mod:`et_ode.dynamics.manifold`;
+            for a neuron of Euclidean geometry, ``dE/dg`` itself, without the directions its metric annihilates).
         per_sample: every sample stops at its own crossing and leaves the batch, so converged samples stop costing
             work (``stats.sample_evaluations``, ``stats.stop_times``); needs ``x0`` of shape ``(batch, N, D)`` and
             ``save="final"`` (:meth:`check`).

@@ -92,7 +92,8 @@ def solve(
     if save not in SAVES:
         raise ValueError(f"save must be one of {SAVES}, got {save!r}")
     check_positive("max_steps", max_steps, integer=True)
-    check_tokens("x0", x0, field.model.dim, like=field.model.neuron.delta, normalisable=True)
+    layer_norm = field.model.neuron.geometry == "spheres"
+    check_tokens("x0", x0, field.model.dim, like=field.model.reference_tensor, normalisable=layer_norm)
     if x0.shape[:-2].numel() == 0:
         raise ValueError(f"x0 has an empty batch: shape {tuple(x0.shape)} (*batch, N, D); give at least one sample")
     check_mask(field.mask, x0)

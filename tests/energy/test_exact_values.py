@@ -184,7 +184,7 @@ def test_error_messages_name_the_argument():
         model.dE_dg(torch.zeros(3, 5))
     with pytest.raises(ValueError, match=r"^x has 1 non-finite entries"):
         ETField(model).dg_dt(torch.tensor([[float("nan")] + [0.0] * 7], dtype=torch.float64))
-    with pytest.raises(TypeError, match=r"^model must be an EnergyTransformer, got int"):
+    with pytest.raises(TypeError, match=r"^model must be an et_ode.EnergyModel \(such as an EnergyTransformer\), got int"):
         ETField(3)
     x = torch.zeros(2, 4, 8, dtype=torch.float64)
     with pytest.raises(TypeError, match=r"mask=GraphMask\(edge_index, num_nodes\)$"):

@@ -41,6 +41,7 @@ from et_ode.analysis.plots import _finish
 from et_ode.analysis.sphere import hessian_in_frame
 from et_ode.backend.validation import check_positive
 from et_ode.dynamics.manifold import radial_direction, to_limit_spheres
+from et_ode.energy.neurons import sphere_neuron
 
 PathLike = str | os.PathLike[str]
 
@@ -60,8 +61,9 @@ class PredictedRate:
 def predicted_exponent(field: ETField, x_star: Tensor) -> PredictedRate:
     """``p = lambda_min(K^(-1/2) Hess_R K^(-1/2))`` at the critical point ``x_star`` ``(N, D)`` (a minimum for
     ``p > 0``). Raises ValueError when some token's outward force ``rho_A`` is not positive (then its scale does
-    not grow and the power law does not apply)."""
-    neuron = field.model.neuron
+    not grow and the power law does not apply), and for a neuron other than LayerNorm (the power law is the
+    spheres': a Euclidean neuron's flow approaches its minima exponentially)."""
+    neuron = sphere_neuron(field.model.neuron, "the asymptotic exponent")
     x = to_limit_spheres(x_star.detach(), neuron.eps)
     with torch.no_grad():
         g = neuron(x)
@@ -225,6 +227,7 @@ def measured_exponent(
             f"x0 must be one state (N, D) with D={field.model.dim}, got "
             f"{tuple(x0.shape) if isinstance(x0, Tensor) else type(x0).__name__}"
         )
+    sphere_neuron(field.model.neuron, "the asymptotic exponent")
     if isinstance(t1, bool) or not (isinstance(t1, (int, float)) and 1 < t1 < math.inf):
         raise ValueError(f"t1 must be a finite number > 1, got {t1!r}")
     if isinstance(points, bool) or not (isinstance(points, int) and points >= 5):

@@ -13,8 +13,8 @@ import torch
 from torch import Tensor
 
 from et_ode import Adaptive, ETField, solve
+from et_ode.analysis.chart import chart_for
 from et_ode.analysis.stability import batched_states
-from et_ode.dynamics.manifold import radial_direction, retract, shrink_scale, tangent_projection, to_limit_spheres
 from et_ode.integrators.solvers import AdaptiveMethod
 
 
@@ -29,12 +29,14 @@ def flow(
     rtol: float = 1e-7,
     atol: float = 1e-9,
 ) -> Tensor:
-    """Integrate the ET dynamics for ``segments`` consecutive spans of ``duration / segments``; with
+    """Integrate the dynamics for ``segments`` consecutive spans of ``duration / segments``; with
     ``restart`` each span starts from ``shrink_scale(x)`` (each sample shrunk by one factor to token scales of at
-    most 1: the same path of ``g``, undone slow-down). Returns the final ``x``."""
+    most 1: the same path of ``g``, undone slow-down; a Euclidean neuron's flow has none to undo). Returns the
+    final ``x``."""
+    chart = chart_for(field)
     for _ in range(segments):
         if restart:
-            x = shrink_scale(x)
+            x = chart.rescaled(x)
         x = solve(field, x, (0.0, duration / segments), solver=Adaptive(method, rtol, atol), save="final").x.detach()
     return x
 
@@ -43,7 +45,8 @@ def flow(
 class BasinProbe:
     """``returned[b, j]``: fraction of the trials at radius ``radii[j]`` that came back (final g-distance to the
     fixed point at most ``shrink`` times the initial one); ``radius[b]``: the largest radius up to which every
-    trial came back (0 if none). Radii are RMS per element of the g-perturbation divided by ``gamma``."""
+    trial came back (0 if none). Radii are RMS per element of the g-perturbation divided by ``gamma`` (of the
+    x-perturbation for a Euclidean neuron)."""
 
     radii: list[float]
     returned: Tensor
@@ -73,33 +76,33 @@ def basin_probe(
     """
     from tqdm.auto import tqdm
 
-    x = to_limit_spheres(batched_states(x_star, field, "x_star"), field.model.neuron.eps)
+    chart = chart_for(field)
+    x = chart.canonical(batched_states(x_star, field, "x_star"))
     radii = [0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0] if radii is None else [float(r) for r in radii]
     if not radii or any(not r > 0 for r in radii) or sorted(radii) != radii:
         raise ValueError(f"radii must be positive and increasing, got {radii}")
-    model = field.model
-    gamma = float(model.neuron.gamma.detach())
+    unit = chart.unit
     generator = torch.Generator().manual_seed(seed)
     batch, n, d = x.shape
-    g_star = model.neuron(x).detach()
-    s, _ = radial_direction(g_star, model.neuron.delta.detach())
+    with torch.no_grad():
+        g_star = chart.coordinates(x)
     starts = x.repeat(trials, 1, 1)  # (trials * B, N, D), trial-major
-    s_all = s.repeat(trials, 1, 1)
+    project = chart.projector(starts)
     target = g_star.repeat(trials, 1, 1)
     returned = torch.zeros(batch, len(radii), dtype=torch.float64)
     final = torch.zeros(batch, len(radii), trials, dtype=torch.float64)
     for j, radius in enumerate(tqdm(radii, desc="basin probe", disable=not progress, leave=False)):
-        w = tangent_projection(torch.randn(starts.shape, generator=generator, dtype=x.dtype).to(x.device), s_all)
-        w = w * radius * gamma / w.square().mean(dim=(-1, -2), keepdim=True).sqrt()
-        perturbed = retract(starts, w, gamma, model.neuron.eps)
+        w = project(torch.randn(starts.shape, generator=generator, dtype=x.dtype).to(x.device))
+        w = w * radius * unit / w.square().mean(dim=(-1, -2), keepdim=True).sqrt()
+        perturbed = chart.retract(starts, w)
         with torch.no_grad():
-            initial = (model.neuron(perturbed) - target).square().mean(dim=(-1, -2)).sqrt()
+            initial = (chart.coordinates(perturbed) - target).square().mean(dim=(-1, -2)).sqrt()
         end = flow(field, perturbed, duration, segments=segments, rtol=rtol, atol=atol)
         with torch.no_grad():
-            distance = (model.neuron(end) - target).square().mean(dim=(-1, -2)).sqrt()
+            distance = (chart.coordinates(end) - target).square().mean(dim=(-1, -2)).sqrt()
         back = (distance <= shrink * initial).reshape(trials, batch)
         returned[:, j] = back.to(torch.float64).mean(dim=0).cpu()
-        final[:, j] = (distance / gamma).reshape(trials, batch).T.to(torch.float64).cpu()
+        final[:, j] = (distance / unit).reshape(trials, batch).T.to(torch.float64).cpu()
     radius_per_sample = []
     for b in range(batch):
         full = (returned[b] == 1.0).tolist()

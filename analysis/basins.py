@@ -20,10 +20,10 @@ from matplotlib.figure import Figure
 from torch import Tensor
 
 from et_ode import Adaptive, ETField, solve
+from et_ode.analysis.chart import chart_for
 from et_ode.analysis.critical_points import CriticalPoint, match_or_append, newton_critical_point, permutation_symmetric
 from et_ode.analysis.plots import EnergySlice, _finish, energy_slice
 from et_ode.analysis.stability import find_fixed_point
-from et_ode.dynamics.manifold import shrink_scale, to_limit_spheres
 
 PathLike = str | os.PathLike[str]
 
@@ -158,7 +158,7 @@ def basin_map(
             f"through must be a tensor (2, N, D), got "
             f"{tuple(through.shape) if isinstance(through, Tensor) else type(through).__name__}"
         )
-    neuron = field.model.neuron
+    chart = chart_for(field)
     plane = energy_slice(field, center, trajectory=through)
     if span is None:
         assert plane.coords is not None  # energy_slice projects the trajectory it is given
@@ -166,7 +166,7 @@ def basin_map(
     grid = torch.linspace(-span, span, resolution, dtype=center.dtype, device=center.device)
     b, a = torch.meshgrid(grid, grid, indexing="ij")
     g = plane.points(a, b).reshape(-1, *center.shape)
-    starts = shrink_scale(to_limit_spheres(g - neuron.delta.detach(), neuron.eps))  # token scale 1: the flow's pace
+    starts = chart.rescaled(chart.state(g))  # on the spheres token scale 1: the flow's pace
     known = list(attractors or [])
     labels = label(field, limits(field, starts, t1=t1), known, match_tol=match_tol)
     with torch.no_grad():
@@ -222,7 +222,7 @@ def plot_basin_map(
     plane = basins.slice
     for name, state in (marks or {}).items():
         with torch.no_grad():
-            offset = plane.field.model.neuron(state) - plane.g_star
+            offset = chart_for(plane.field).coordinates(state) - plane.g_star
         ax.scatter(
             float((offset * plane.u).sum()),
             float((offset * plane.v).sum()),

@@ -17,6 +17,7 @@ import torch
 from matplotlib.figure import Figure
 
 from et_ode import Adaptive, ETField, solve
+from et_ode.analysis.chart import chart_for
 from et_ode.analysis.critical_points import (
     CriticalPoint,
     deduplicate,
@@ -26,7 +27,6 @@ from et_ode.analysis.critical_points import (
 )
 from et_ode.analysis.plots import _finish
 from et_ode.analysis.stability import find_fixed_point
-from et_ode.dynamics.manifold import retract, shrink_scale
 
 PathLike = str | os.PathLike[str]
 
@@ -73,11 +73,11 @@ def follow_down(
     rtol: float = 1e-8,
     atol: float = 1e-10,
 ) -> tuple[CriticalPoint, CriticalPoint]:
-    """The two critical points reached from ``saddle`` pushed ``push`` (``g`` units) along ``+-`` its lowest
-    mode: :func:`et_ode.solve` to ``t1``, then descent and Newton on the spheres."""
-    neuron = field.model.neuron
+    """The two critical points reached from ``saddle`` pushed ``push`` (coordinate units: ``g`` on the spheres)
+    along ``+-`` its lowest mode: :func:`et_ode.solve` to ``t1``, then descent and Newton in the chart."""
+    chart = chart_for(field)
     steps = torch.stack([sign * push * saddle.lowest_mode for sign in (1.0, -1.0)])
-    starts = shrink_scale(retract(saddle.x.expand_as(steps), steps, neuron.gamma.detach(), neuron.eps))
+    starts = chart.rescaled(chart.retract(saddle.x.expand_as(steps), steps))
     with torch.no_grad():
         ends = solve(field, starts, (0.0, t1), solver=Adaptive(rtol=rtol, atol=atol), save="final", max_steps=100_000).x
     descended = find_fixed_point(field, ends, tol=1e-7, max_iter=5000).x

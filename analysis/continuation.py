@@ -1,10 +1,11 @@
 """Pseudo-arclength continuation of a critical point in one scalar parameter, with its bifurcations.
 
-``family(mu)`` maps the parameter onto a field (an :class:`et_ode.ETField` or an ``EnergyTransformer``):
+``family(mu)`` maps the parameter onto a field (an :class:`et_ode.ETField` or an :class:`et_ode.EnergyModel`):
 ``beta``, ``gamma``, a weight scale, anything. The branch ``F(x, mu) = 0``, ``F`` the Riemannian gradient in
-the tangent frame at the state ``x`` on the flow's limit spheres (:mod:`et_ode.analysis.sphere`), is followed in
-arclength: a predictor along the tangent ``(t_x, t_mu)`` (the null vector of ``[Hess_R, dF/dmu]``), then Newton
-on ``F = 0`` within the hyperplane orthogonal to the tangent (Keller). ``dF/dmu`` is a central difference in
+the tangent frame at the state ``x`` on the flow's limit spheres (:mod:`et_ode.analysis.sphere`; the gradient of
+``E(g(x))`` in ``x`` for a Euclidean neuron, :mod:`et_ode.analysis.chart`), is followed in arclength: a predictor
+along the tangent ``(t_x, t_mu)`` (the null vector of ``[Hess_R, dF/dmu]``), then Newton on ``F = 0`` within the
+hyperplane orthogonal to the tangent (Keller). ``dF/dmu`` is a central difference in
 ``mu`` at fixed ``x``.
 
 Between consecutive points a zero crossing of a Hessian eigenvalue (the index changes) is classified by the
@@ -26,22 +27,25 @@ import torch
 from matplotlib.figure import Figure
 from torch import Tensor
 
-from et_ode import EnergyTransformer, ETField
+from et_ode import EnergyModel, ETField
+from et_ode.analysis.chart import Chart, chart_for
 from et_ode.analysis.plots import _finish
-from et_ode.analysis.sphere import hessian_in_frame, tangent_frame
-from et_ode.dynamics.manifold import retract, to_limit_spheres
 
 PathLike = str | os.PathLike[str]
-Family = Callable[[float], "ETField | EnergyTransformer"]
+Family = Callable[[float], "ETField | EnergyModel"]
 
 
 def _field(family: Family, mu: float) -> ETField:
     made = family(mu)
-    if isinstance(made, EnergyTransformer):
+    if isinstance(made, EnergyModel):
         return ETField(made)
     if not isinstance(made, ETField):
-        raise TypeError(f"family(mu) must return an ETField or an EnergyTransformer, got {type(made).__name__}")
+        raise TypeError(f"family(mu) must return an ETField or an EnergyModel, got {type(made).__name__}")
     return made
+
+
+def _chart(family: Family, mu: float) -> Chart:
+    return chart_for(_field(family, mu))
 
 
 @dataclass
@@ -84,18 +88,14 @@ class Branch:
 
 def _parameter_derivative(family: Family, x: Tensor, mu: float, frame: Tensor, h: float) -> Tensor:
     with torch.no_grad():
-        plus = _field(family, mu + h).tangent_gradient(x).flatten()
-        minus = _field(family, mu - h).tangent_gradient(x).flatten()
+        plus = _chart(family, mu + h).gradient(x).flatten()
+        minus = _chart(family, mu - h).gradient(x).flatten()
     return frame.flatten(1) @ (plus - minus) / (2 * h)
 
 
 def _energy(field_mu: ETField, x: Tensor) -> float:
     with torch.no_grad():
         return float(field_mu.energy(x))
-
-
-def _gamma(field_mu: ETField) -> Tensor:
-    return field_mu.model.neuron.gamma.detach()
 
 
 def continue_branch(
@@ -125,7 +125,7 @@ def continue_branch(
         )
     if mu_end == mu0:
         raise ValueError("mu_end must differ from mu0")
-    x = to_limit_spheres(x0.detach(), _field(family, mu0).model.neuron.eps)
+    x = _chart(family, mu0).canonical(x0.detach())
     tracer = _Tracer(family, tol, difference, step, 1.0 if mu_end > mu0 else -1.0, math.sqrt(x.numel()))
     x, mu, ok = tracer.newton(x, mu0)
     if not ok:
@@ -188,7 +188,7 @@ class _Tracer:
         anchor = (x, mu)
         for _ in range(30):
             field_mu = _field(self.family, mu)
-            matrix, gradient, frame = hessian_in_frame(field_mu, x)
+            matrix, gradient, frame = chart_for(field_mu).hessian_in_frame(x)
             if float(gradient.norm()) / self.size < self.tol:
                 return x, mu, True
             if tangent is None:
@@ -197,7 +197,7 @@ class _Tracer:
                 change, dmu = self._bordered_step(field_mu, x, mu, (matrix, gradient, frame), tangent, anchor)
             if not bool(torch.isfinite(change).all()) or float(change.norm()) > 10 * self.step + 1.0:
                 return x, mu, False
-            x = retract(x, (change @ frame.flatten(1)).reshape(x.shape), _gamma(field_mu), field_mu.model.neuron.eps)
+            x = chart_for(field_mu).retract(x, (change @ frame.flatten(1)).reshape(x.shape))
             mu = mu + dmu
         return x, mu, False
 
@@ -216,8 +216,8 @@ class _Tracer:
         ambient, tangent_mu = tangent
         derivative = _parameter_derivative(self.family, x, mu, frame, self.difference)
         tangent_x = frame.flatten(1) @ ambient.flatten()
-        neuron = field_mu.model.neuron
-        offset = (neuron(x) - neuron(anchor[0])).detach().flatten() @ ambient.flatten()
+        chart = chart_for(field_mu)
+        offset = (chart.coordinates(x) - chart.coordinates(anchor[0])).detach().flatten() @ ambient.flatten()
         residual = float(offset) + (mu - anchor[1]) * tangent_mu
         bordered = torch.cat(
             [
@@ -232,7 +232,7 @@ class _Tracer:
         """The tangent at the critical point ``(x, mu)`` (the null vector of ``[Hess_R, dF/dmu]``, oriented to continue
         ``previous``, or toward ``mu_end`` at the start) and the point."""
         field_mu = _field(self.family, mu)
-        matrix, _, frame = hessian_in_frame(field_mu, x)
+        matrix, _, frame = chart_for(field_mu).hessian_in_frame(x)
         derivative = _parameter_derivative(self.family, x, mu, frame, self.difference)
         null = torch.linalg.svd(torch.cat([matrix, derivative[:, None]], dim=1)).Vh[-1]  # of the (n, n + 1) Jacobian
         ambient = (null[:-1] @ frame.flatten(1)).reshape(x.shape)
@@ -251,8 +251,7 @@ class _Tracer:
         points = [point]
         length = self.step
         while len(points) < max_points and low <= mu <= high and length > self.step * 1e-4:
-            field_mu = _field(self.family, mu)
-            predicted = retract(x, length * tangent[0], _gamma(field_mu), field_mu.model.neuron.eps)
+            predicted = _chart(self.family, mu).retract(x, length * tangent[0])
             new_x, new_mu, ok = self.newton(predicted, mu + length * tangent[1], tangent)
             if not ok:
                 length /= 2
@@ -293,7 +292,7 @@ class _Tracer:
             x, _, ok = self.newton(x_b, mu_next)
             if not ok:
                 break
-            value = _nearest_zero(torch.linalg.eigvalsh(hessian_in_frame(_field(self.family, mu_next), x)[0]))
+            value = _nearest_zero(torch.linalg.eigvalsh(_chart(self.family, mu_next).hessian_in_frame(x)[0]))
             bracket = [bracket[1], (mu_next, value, x)]
             location = mu_next
             if abs(value) < 1e-12 or abs(mu_next - mu_b) < 1e-13:
@@ -368,11 +367,12 @@ def plot_bifurcation_diagram(
 
 
 def branch_from(family: Family, mu: float, x: Tensor, direction: Tensor, *, offset: float = 1e-2) -> Tensor:
-    """A start on another branch near a branch point: ``x`` ``(N, D)`` moved ``offset`` (``g`` units) along the
-    tangent ``direction`` ``(N, D)`` (e.g. the Hessian's null eigenvector there), on the limit spheres."""
-    field_mu = _field(family, mu)
-    x = to_limit_spheres(x, field_mu.model.neuron.eps)
-    frame = tangent_frame(x).flatten(1)
+    """A start on another branch near a branch point: ``x`` ``(N, D)`` moved ``offset`` (coordinate units: ``g`` on
+    the spheres) along the tangent ``direction`` ``(N, D)`` (e.g. the Hessian's null eigenvector there), on the
+    limit spheres (the chart's canonical state)."""
+    chart = _chart(family, mu)
+    x = chart.canonical(x)
+    frame = chart.frame(x).flatten(1)
     along = (frame.T @ (frame @ direction.flatten())).reshape(x.shape)
     along = along / along.norm()
-    return retract(x, offset * along, _gamma(field_mu), field_mu.model.neuron.eps)
+    return chart.retract(x, offset * along)

@@ -6,7 +6,9 @@ first falls like a power of ``t`` even far from a critical point, because the to
 grows about linearly and slows the motion of ``g`` down; the second is scale-free and vanishes
 exactly at a critical point on the spheres. ``|dx/dt|`` need not vanish at all: ``x`` drifts along
 the all-ones vector of each token (exact zero mode of ``M``) and radially (the scale grows); both
-drifts are reported separately.
+drifts are reported separately. For a neuron of Euclidean geometry ``g`` does not drift: its tangential gradient is
+``dE/dg`` itself (without the directions the metric annihilates), and the drifts are those of the token means and
+scales of ``x``.
 
 Shapes: a solution holds ``xs`` of shape ``(T, *batch, N, D)``; every per-sample quantity here is
 flattened to ``B = prod(batch)`` samples (``B = 1`` without batch dimensions).
@@ -21,7 +23,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import Tensor
 
-from et_ode import ETField, Solution
+from et_ode import ETField, LayerNormNeuron, Solution
 from et_ode.backend.validation import check_positive
 from et_ode.energy.masks import Mask
 
@@ -80,7 +82,9 @@ def convergence_traces(solution: Solution) -> ConvergenceTraces:
     with torch.no_grad():
         velocity = field.velocity(xs)
         means = xs.mean(dim=-1)
-        scale = (xs - means[..., None]).square().mean(dim=-1).add(field.model.neuron.eps).sqrt()
+        neuron = field.model.neuron
+        eps = neuron.eps if isinstance(neuron, LayerNormNeuron) else 0.0
+        scale = (xs - means[..., None]).square().mean(dim=-1).add(eps).sqrt()
         return ConvergenceTraces(
             ts=solution.ts.detach().to(torch.float64).cpu(),
             energy=field.energy(xs).cpu(),

@@ -15,7 +15,8 @@ Hessian-vector products) and the Riemannian gradient ``grad`` (both in ``g`` uni
   modulo token permutations (an exact symmetry of the energy without a mask or positions), with their
   energies, indices and how often each is reached.
 
-Distances between critical points are RMS per element in ``g`` (``(N, D)``).
+Distances between critical points are RMS per element in ``g`` (``(N, D)``). A neuron of Euclidean geometry is
+searched in its chart (:mod:`et_ode.analysis.chart`): ``x`` and the Hessian of ``E(g(x))``.
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ import torch
 from torch import Tensor
 
 from et_ode import ETField
-from et_ode.analysis.sphere import hessian_in_frame
+from et_ode.analysis.chart import chart_for
 from et_ode.backend.validation import check_positive
-from et_ode.dynamics.manifold import retract, to_limit_spheres
+from et_ode.equilibrium.certify import check_lyapunov_neuron
 
 
 @dataclass
@@ -65,13 +66,12 @@ def _check_state(field: ETField, x: Tensor) -> Tensor:
         )
     if not bool(torch.isfinite(x).all()):
         raise ValueError("x has non-finite entries")
-    if not float(field.model.neuron.gamma.detach()) > 0:
-        raise ValueError("critical-point searches need gamma > 0")
-    return to_limit_spheres(x.detach(), field.model.neuron.eps)
+    check_lyapunov_neuron(field, "a critical-point search")
+    return chart_for(field).canonical(x.detach())
 
 
 def _describe(field: ETField, x: Tensor, iterations: int, tol: float, zero_tol: float) -> CriticalPoint:
-    matrix, gradient, frame = hessian_in_frame(field, x)
+    matrix, gradient, frame = chart_for(field).hessian_in_frame(x)
     values, vectors = torch.linalg.eigh(matrix)
     rms = float(gradient.norm()) / math.sqrt(x.numel())
     scale = float(values.abs().max()) if len(values) else 1.0
@@ -90,10 +90,9 @@ def _describe(field: ETField, x: Tensor, iterations: int, tol: float, zero_tol: 
 
 
 def _step_in_g(field: ETField, x: Tensor, frame: Tensor, coefficients: Tensor) -> Tensor:
-    """The state on the limit spheres after moving ``g`` by ``frame^T coefficients``."""
-    step = (coefficients @ frame.flatten(1)).reshape(x.shape)
-    neuron = field.model.neuron
-    return retract(x, step, neuron.gamma.detach(), neuron.eps)
+    """The state on the limit spheres after moving ``g`` by ``frame^T coefficients`` (in the Euclidean chart, ``x``
+    moved by it)."""
+    return chart_for(field).retract(x, (coefficients @ frame.flatten(1)).reshape(x.shape))
 
 
 def newton_critical_point(
@@ -113,7 +112,8 @@ def newton_critical_point(
         raise ValueError(f"max_iter must be a non-negative integer, got {max_iter!r}")
     size = math.sqrt(x.numel())
     iterations = 0
-    matrix, gradient, frame = hessian_in_frame(field, x)
+    chart = chart_for(field)
+    matrix, gradient, frame = chart.hessian_in_frame(x)
     while iterations < max_iter and float(gradient.norm()) / size > tol and radius > 1e-14:
         iterations += 1
         values, vectors = torch.linalg.eigh(matrix)
@@ -132,7 +132,7 @@ def newton_critical_point(
             mu = high
             newton = -along * values / (values.square() + mu)
         trial = _step_in_g(field, x, frame, vectors @ newton)
-        trial_matrix, trial_gradient, trial_frame = hessian_in_frame(field, trial)
+        trial_matrix, trial_gradient, trial_frame = chart.hessian_in_frame(trial)
         if float(trial_gradient.norm()) < float(gradient.norm()):
             x, matrix, gradient, frame = trial, trial_matrix, trial_gradient, trial_frame
             radius *= 2.0
@@ -165,13 +165,14 @@ def saddle_from_minimum(
         raise ValueError(f"direction must be +1 or -1, got {direction!r}")
     check_positive("push", push)
     check_positive("radius", radius)
-    matrix, gradient, frame = hessian_in_frame(field, x)
+    chart = chart_for(field)
+    matrix, gradient, frame = chart.hessian_in_frame(x)
     values, vectors = torch.linalg.eigh(matrix)
     x = _step_in_g(field, x, frame, direction * push * vectors[:, 0])
     iterations = 0
     while iterations < max_iter:
         iterations += 1
-        matrix, gradient, frame = hessian_in_frame(field, x)
+        matrix, gradient, frame = chart.hessian_in_frame(x)
         values, vectors = torch.linalg.eigh(matrix)
         along = vectors.T @ gradient
         up = float(values[0]) / 2 + math.sqrt(float(values[0]) ** 2 / 4 + float(along[0]) ** 2)  # maximise mode 0
@@ -185,7 +186,7 @@ def saddle_from_minimum(
         if length > radius:
             step = step * (radius / length)
         x = _step_in_g(field, x, frame, vectors @ step)
-        if float(values[0]) < 0 and float(values[1]) > 0 and length < radius / 10:
+        if float(values[0]) < 0 and (len(values) == 1 or float(values[1]) > 0) and length < radius / 10:
             break
     point = newton_critical_point(field, x, tol=tol, zero_tol=zero_tol, radius=radius)
     point.iterations += iterations

@@ -4,7 +4,8 @@
 perturbation between spans. The plain flow slows down like ``1 / t`` (the token scales grow), so its exponent is a
 finite-time one of the transient; with ``restart`` both states move on the limit spheres under
 :class:`~et_ode.analysis.sphere.FixedScaleField`, where the rates do not decay and the exponent at a minimum tends to
-``-(gamma / tau) lambda_min(Hess_R)``.
+``-(gamma / tau) lambda_min(Hess_R)``. A neuron of Euclidean geometry has no slow-down to undo: its plain flow
+is measured in its chart (:mod:`et_ode.analysis.chart`), ``x``.
 """
 
 from __future__ import annotations
@@ -15,11 +16,10 @@ import torch
 from torch import Tensor
 
 from et_ode import Adaptive, ETField, solve
+from et_ode.analysis.chart import chart_for
 from et_ode.analysis.eigensolvers import per_sample, sample_dot
 from et_ode.analysis.lyapunov import ANALYSIS_MAX_STEPS, bounded_odeint
-from et_ode.analysis.sphere import FixedScaleField
-from et_ode.analysis.stability import batched_states, tangent_rates
-from et_ode.dynamics.manifold import radial_direction, tangent_projection, to_limit_spheres
+from et_ode.analysis.stability import batched_states
 from et_ode.integrators.solvers import AdaptiveMethod
 
 
@@ -76,23 +76,21 @@ def lyapunov_exponent(
     x = batched_states(x0, field)
     if not (duration > 0 and d0 > 0):
         raise ValueError(f"duration and d0 must be positive, got duration={duration}, d0={d0}")
-    model = field.model
+    chart = chart_for(field)
     if restart:
-        x = to_limit_spheres(x, model.neuron.eps)
+        x = chart.canonical(x)
     generator = torch.Generator().manual_seed(seed)
-    g = model.neuron(x).detach()
-    s, _ = radial_direction(g, model.neuron.delta.detach())
-    w = tangent_projection(torch.randn(x.shape, generator=generator, dtype=x.dtype).to(x.device), s)
+    w = chart.projector(x)(torch.randn(x.shape, generator=generator, dtype=x.dtype).to(x.device))
     w = w * d0 / per_sample(sample_dot(w, w).sqrt(), w)
-    pair = torch.cat([x, x + w / tangent_rates(field, x)])
-    fixed_scale = FixedScaleField(field)
+    pair = torch.cat([x, x + chart.displacement(x, w)])
+    fixed_scale = chart.steady_field()
     span = duration / renormalizations
     logs, times = [], []
     total = torch.zeros(x.shape[0], dtype=torch.float64)
     batch = x.shape[0]
     for k in tqdm(range(renormalizations), desc="Lyapunov exponent", disable=not progress, leave=False):
         if restart:
-            pair = to_limit_spheres(pair, model.neuron.eps)
+            pair = chart.canonical(pair)
             grid = torch.tensor([0.0, span], dtype=pair.dtype, device=pair.device)
             with torch.no_grad():
                 pair = bounded_odeint(
@@ -110,7 +108,7 @@ def lyapunov_exponent(
                 field, pair, (0.0, span), solver=Adaptive(method, rtol, atol), save="final", max_steps=max_steps
             ).x.detach()
         with torch.no_grad():
-            gs = model.neuron(pair)
+            gs = chart.coordinates(pair)
         dist = sample_dot(gs[batch:] - gs[:batch], gs[batch:] - gs[:batch]).sqrt()
         total += (dist / d0).log().to(torch.float64).cpu()
         logs.append(total / ((k + 1) * span))

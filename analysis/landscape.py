@@ -22,9 +22,10 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from et_ode import ETField
+from et_ode import ETField, HopfieldMemory
 from et_ode.analysis.asymptotics import MeasuredRate, measured_exponent, plot_asymptotics
 from et_ode.analysis.basins import AttractorCensus, BasinMap, attractor_census, basin_map, plot_basin_map
+from et_ode.analysis.chart import chart_for
 from et_ode.analysis.connections import Network, plot_disconnectivity, saddle_network
 from et_ode.analysis.continuation import Branch, continue_branch, plot_bifurcation_diagram
 from et_ode.analysis.critical_points import (
@@ -54,14 +55,20 @@ class LandscapeStudy:
     branch: Branch | None
     pictures: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    spheres: bool = True  # the LayerNorm neuron's geometry (else a Euclidean neuron's, in x)
+    memories: bool = True  # continued in the Hopfield memories' scale (else in every interaction weight's)
 
     def markdown(self) -> str:
+        where = (
+            "on the product of spheres, by trust-region Newton on the Riemannian gradient"
+            if self.spheres
+            else "in x, by trust-region Newton on the gradient of E(g(x))"
+        )
         lines = [
             "## The energy landscape of sample 0",
             "",
-            "Critical points of any index on the product of spheres, by trust-region Newton on the Riemannian "
-            "gradient from the solve's final state and random states, and by descent polished by Newton "
-            "(identified modulo token permutations when there is no mask):",
+            f"Critical points of any index {where} from the solve's final state and random states, and by descent "
+            "polished by Newton (identified modulo token permutations when there is no mask):",
             "",
             self.census.table(),
             "",
@@ -111,10 +118,14 @@ class LandscapeStudy:
             lines += [
                 "### Lyapunov spectrum at the attractor",
                 "",
-                "QR method on the fixed-scale flow (sigma held at 1: intrinsic time, no restart bias). At a "
-                "minimum the exponents are -(gamma / tau) times the Riemannian Hessian's eigenvalues:",
+                (
+                    "QR method on the fixed-scale flow (sigma held at 1: intrinsic time, no restart bias). At a "
+                    "minimum the exponents are -(gamma / tau) times the Riemannian Hessian's eigenvalues:"
+                    if self.spheres
+                    else "QR method on the flow. At a minimum the exponents are -(1 / tau) times the Hessian's eigenvalues:"
+                ),
                 "",
-                "| exponent (second half) | -(gamma / tau) lambda |",
+                f"| exponent (second half) | -({'gamma' if self.spheres else '1'} / tau) lambda |",
                 "|---|---|",
             ]
             lines += [
@@ -123,12 +134,16 @@ class LandscapeStudy:
             ]
             lines.append("")
         if self.branch is not None:
+            scaled = (
+                "the memories xi are scaled by s (E_HN(s xi))"
+                if self.memories
+                else "every parameter of the interactions is scaled by s"
+            )
             lines += [
-                "### Continuation in the Hopfield memories' scale",
+                f"### Continuation in the {'Hopfield memories' if self.memories else 'interaction weights'}' scale",
                 "",
-                "The attractor reached by the solve, continued by pseudo-arclength as the memories xi are "
-                "scaled by s (E_HN(s xi)); zero crossings of Hessian eigenvalues are classified as folds or "
-                "branch points.",
+                f"The attractor reached by the solve, continued by pseudo-arclength as {scaled}; zero crossings of "
+                "Hessian eigenvalues are classified as folds or branch points.",
                 "",
                 self.branch.table(),
                 "",
@@ -195,12 +210,33 @@ class LandscapeStudy:
 
 
 def memory_scale_family(field: ETField) -> Callable[[float], ETField]:
-    """``s -> field`` with the Hopfield memories ``xi`` scaled by ``s`` (a one-parameter family for continuation)."""
+    """``s -> field`` with the Hopfield memories ``xi`` scaled by ``s`` (a one-parameter family for continuation;
+    the ET's, whose model has a ``"hopfield"`` interaction)."""
+    if not isinstance(field.model.interactions.get("hopfield"), HopfieldMemory):
+        raise ValueError(
+            f"memory_scale_family needs a HopfieldMemory named 'hopfield'; the model is a {type(field.model).__name__}"
+        )
 
     def family(scale: float) -> ETField:
         model = copy.deepcopy(field.model)
         with torch.no_grad():
-            model.hopfield.xi.mul_(scale)
+            model.get_submodule("hopfield").get_parameter("xi").mul_(scale)
+        return ETField(model, tau=field.tau, derivative=field.derivative, mask=field.mask, backend=field.backend)
+
+    return family
+
+
+def weight_scale_family(field: ETField) -> Callable[[float], ETField]:
+    """``s -> field`` with every floating-point parameter of the model's interactions scaled by ``s`` (a
+    one-parameter family for continuation, for any energy model)."""
+
+    def family(scale: float) -> ETField:
+        model = copy.deepcopy(field.model)
+        with torch.no_grad():
+            for interaction in model.interactions.values():
+                for parameter in interaction.parameters():
+                    if parameter.is_floating_point():
+                        parameter.mul_(scale)
         return ETField(model, tau=field.tau, derivative=field.derivative, mask=field.mask, backend=field.backend)
 
     return family
@@ -273,9 +309,12 @@ def landscape_study(
     spectrum = expected = None
     if limit.converged and limit.index == 0:
         count = min(4, len(limit.eigenvalues))
-        spectrum = lyapunov_spectrum(field, limit.x, count=count, t1=20.0, renormalizations=40)
-        gamma = float(field.model.neuron.gamma.detach())
-        expected = -gamma * limit.eigenvalues[:count] / field.tau
+        rate = chart_for(field).rate()
+        if rate is None:
+            notes.append("The neuron's rates differ between directions, so the Lyapunov spectrum is not compared.")
+        else:
+            spectrum = lyapunov_spectrum(field, limit.x, count=count, t1=20.0, renormalizations=40)
+            expected = -rate * limit.eigenvalues[:count] / field.tau
     else:
         notes.append(
             "The solve's final state is not near a minimum (Newton did not reach index 0), so the Lyapunov "
@@ -284,12 +323,15 @@ def landscape_study(
     steps.update()
     branch = None
     if limit.converged:
+        memories = isinstance(field.model.interactions.get("hopfield"), HopfieldMemory)
+        family = memory_scale_family(field) if memories else weight_scale_family(field)
         try:
-            branch = continue_branch(
-                memory_scale_family(field), limit.x, 1.0, mu_end=continuation_end, step=0.05, max_points=40
-            )
+            branch = continue_branch(family, limit.x, 1.0, mu_end=continuation_end, step=0.05, max_points=40)
             plot_bifurcation_diagram(
-                [branch], labels=["solve's limit"], parameter="memory scale s", path=folder / "bifurcation.png"
+                [branch],
+                labels=["solve's limit"],
+                parameter="memory scale s" if memories else "interaction weight scale s",
+                path=folder / "bifurcation.png",
             )
             pictures["bifurcation"] = "bifurcation.png"
         except ValueError as error:
@@ -309,4 +351,6 @@ def landscape_study(
         branch=branch,
         pictures=pictures,
         notes=notes,
+        spheres=field.model.neuron.geometry == "spheres",
+        memories=isinstance(field.model.interactions.get("hopfield"), HopfieldMemory),
     )

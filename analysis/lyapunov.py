@@ -9,8 +9,9 @@ Three checks, on the saved states of a solution:
    re-evaluated densely: the ODE is re-integrated from ``x(t_k)`` at tight tolerance with the exact
    ``dE/dt`` as an extra state, so the adaptive solver's own steps integrate it (a solution that saved only
    its two ends, ``solve(field, x0, t=(0.0, 50.0))``, is checked correctly, over one interval).
-3. **The metric**: ``M_A`` is positive semi-definite, i.e. ``gamma > 0`` (``eps > 0`` always). Its
-   eigenvalues are ``0`` (all-ones), ``gamma eps / sigma^3`` (radial) and ``gamma / sigma`` (the rest).
+3. **The metric**: ``M_A`` is positive semi-definite. For the LayerNorm neuron that is ``gamma > 0`` (``eps > 0``
+   always): its eigenvalues are ``0`` (all-ones), ``gamma eps / sigma^3`` (radial) and ``gamma / sigma`` (the
+   rest). For any other neuron the eigenvalues of every token's dense ``M_A`` along the trajectory are checked.
 
 A too-large Euler step shows up as energy rises and rate mismatches; ``gamma < 0`` as a non-PSD
 metric, a positive ``dE/dt`` and energy rises. Every violation has its sample, kind, times and size.
@@ -27,7 +28,7 @@ from torch import Tensor
 from torchdiffeq import odeint
 from tqdm.auto import tqdm
 
-from et_ode import ETField, Solution, SolveError
+from et_ode import ETField, LayerNormNeuron, Solution, SolveError
 from et_ode.analysis.convergence import flat_field, flat_states
 from et_ode.backend.validation import check_positive
 
@@ -57,8 +58,9 @@ class LyapunovReport:
     ``max_energy_rise[b]``: largest ``E(t_{k+1}) - E(t_k)`` (negative when the energy always fell);
     ``max_mismatch[b]``: largest ``|measured - integrated|`` change of energy over an interval, relative
     to ``|integrated| + tol`` (trapezoid, or dense re-evaluation where the trapezoid disagreed);
-    ``m_min_eigenvalue``: smallest non-zero eigenvalue
-    of any ``M_A`` over the trajectory.
+    ``m_min_eigenvalue``: smallest non-zero eigenvalue (on the directions the neuron's ``project`` keeps)
+    of any ``M_A`` over the trajectory; ``m_psd``: every ``M_A`` is positive semi-definite; ``gamma`` and ``eps``:
+    the LayerNorm neuron's (None for another neuron, named by ``neuron``).
     """
 
     passed: list[bool]
@@ -67,9 +69,11 @@ class LyapunovReport:
     violations: list[Violation]
     max_energy_rise: list[float]
     max_mismatch: list[float]
-    gamma: float
-    eps: float
+    gamma: float | None
+    eps: float | None
     m_min_eigenvalue: float
+    m_psd: bool
+    neuron: str
     intervals: int
     dense_rechecks: int
     settings: dict = field(default_factory=dict)
@@ -78,16 +82,17 @@ class LyapunovReport:
     def all_passed(self) -> bool:
         return all(self.passed)
 
-    @property
-    def m_psd(self) -> bool:
-        return self.gamma > 0 and self.eps > 0
-
     def table(self, max_rows: int = 20) -> str:
         """Markdown: a verdict per sample, then the violations (at most ``max_rows``)."""
+        neuron = (
+            f"gamma = {self.gamma:.6g}, eps = {self.eps:.3g}"
+            if self.gamma is not None and self.eps is not None
+            else f"neuron {self.neuron}"
+        )
         lines = [
-            f"M positive semi-definite: {'yes' if self.m_psd else 'NO'} (gamma = {self.gamma:.6g}, "
-            f"eps = {self.eps:.3g}, smallest non-zero eigenvalue of M along the trajectory "
-            f"{self.m_min_eigenvalue:.3g}); {self.intervals} intervals, {self.dense_rechecks} re-evaluated densely.",
+            f"M positive semi-definite: {'yes' if self.m_psd else 'NO'} ({neuron}, smallest non-zero eigenvalue of M "
+            f"along the trajectory {self.m_min_eigenvalue:.3g}); {self.intervals} intervals, {self.dense_rechecks} "
+            "re-evaluated densely.",
             "",
             "| sample | energy descends (Lyapunov) | follows the exact dE/dt | violations | "
             "largest energy rise | largest relative dE/dt mismatch |",
@@ -117,6 +122,7 @@ class LyapunovReport:
             "descends": self.descends,
             "follows_rate": self.follows_rate,
             "m_psd": self.m_psd,
+            "neuron": self.neuron,
             "gamma": self.gamma,
             "eps": self.eps,
             "m_min_eigenvalue": self.m_min_eigenvalue,
@@ -129,14 +135,25 @@ class LyapunovReport:
         }
 
 
-def metric_spectrum(field: ETField, xs: Tensor) -> tuple[float, float]:
-    """``(gamma, smallest non-zero eigenvalue of M_A)`` over all tokens of the states ``xs`` (``(..., N, D)``)."""
+def metric_spectrum(field: ETField, xs: Tensor) -> tuple[bool, float]:
+    """Whether every ``M_A`` is positive semi-definite over all tokens of the states ``xs`` (``(..., N, D)``), and
+    the smallest non-zero eigenvalue of any ``M_A`` (on the directions the neuron's ``project`` keeps): in closed
+    form for the LayerNorm neuron (positive semi-definite exactly when ``gamma > 0``), from every token's dense
+    ``M_A`` (``D`` Hessian-vector products) for another."""
     neuron = field.model.neuron
-    gamma = float(neuron.gamma.detach())
+    if isinstance(neuron, LayerNormNeuron):
+        gamma = float(neuron.gamma.detach())
+        with torch.no_grad():
+            sigma = (xs - xs.mean(dim=-1, keepdim=True)).square().mean(dim=-1).add(neuron.eps).sqrt()
+            eigenvalues = torch.stack([gamma * neuron.eps / sigma.pow(3), gamma / sigma])
+        return gamma > 0 and neuron.eps > 0, float(eigenvalues.min())
     with torch.no_grad():
-        sigma = (xs - xs.mean(dim=-1, keepdim=True)).square().mean(dim=-1).add(neuron.eps).sqrt()
-        eigenvalues = torch.stack([gamma * neuron.eps / sigma.pow(3), gamma / sigma])
-    return gamma, float(eigenvalues.min())
+        metric = neuron.metric(xs)
+        values = torch.linalg.eigvalsh((metric + metric.transpose(-1, -2)) / 2)
+    largest = float(values.abs().max()) if values.numel() else 0.0
+    kept = values[..., neuron.dim - neuron.free_dimension() :]
+    psd = float(values.min()) >= -1e3 * torch.finfo(xs.dtype).eps * max(largest, 1.0)
+    return psd, float(kept.min())
 
 
 ANALYSIS_MAX_STEPS = 10_000  # the step budget of an analysis integration (as et_ode.solve's max_steps)
@@ -205,9 +222,11 @@ def check_lyapunov(
 
     Args:
         solution: a solve with saved states (``save="all"`` or ``"steps"``), at least two times; its field (with
-            its mask) is checked, including its model's ``gamma`` and ``eps``.
-        energy_rtol, energy_atol: an interval may raise the energy by ``energy_rtol |E| + energy_atol``
-            (rounding; default ``energy_rtol`` is ``100`` machine epsilons of the states' dtype).
+            its mask) is checked, including its neuron's metric (the LayerNorm neuron's ``gamma`` and ``eps``).
+        energy_rtol, energy_atol: an interval may raise the energy by ``energy_rtol max|E| + energy_atol``
+            (rounding; ``max|E|`` the largest ``|E|`` of the sample along the trajectory, since an energy is defined
+            up to a constant and a value near zero says nothing of its rounding; default ``energy_rtol`` is ``100``
+            machine epsilons of the states' dtype).
         match_rtol: allowed relative difference between the measured and the integrated change of energy.
         dense_points: saved times (even) per interval of the dense re-evaluation; the solver steps adaptively
             between them.
@@ -227,7 +246,7 @@ def check_lyapunov(
     finfo = torch.finfo(xs.dtype)
     energy_rtol = 100 * finfo.eps if energy_rtol is None else energy_rtol
     field = flat_field(solution)
-    model = field.model
+    neuron = field.model.neuron
     ts = solution.ts.detach().to(torch.float64).cpu()
     steps, batch = xs.shape[0] - 1, xs.shape[1]
     with torch.no_grad():
@@ -236,9 +255,9 @@ def check_lyapunov(
         rate = field.dE_dt(xs, velocity).to(torch.float64).cpu()  # exact dE/dt, (T, B)
         # the rounding scale of that sum: the size of its terms dE/dg . dg/dt = -tau dx/dt . dg/dt
         rate_scale = (field.tau * (velocity * field.dg_dt(xs, velocity)).abs().sum(dim=(-1, -2))).to(torch.float64).cpu()
-    gamma, m_min = metric_spectrum(field, xs)
+    m_psd, m_min = metric_spectrum(field, xs)
     violations: list[Violation] = []
-    if not (gamma > 0 and model.neuron.eps > 0):
+    if not m_psd:
         violations += [Violation(b, "M not PSD", float(ts[0]), float(ts[-1]), m_min, 0.0) for b in range(batch)]
 
     rate_allowed = 1e3 * finfo.eps * rate_scale
@@ -249,7 +268,7 @@ def check_lyapunov(
 
     h = (ts[1:] - ts[:-1])[:, None]  # (T-1, 1)
     rise = energy[1:] - energy[:-1]  # (T-1, B)
-    allowed = energy_rtol * torch.maximum(energy[1:].abs(), energy[:-1].abs()) + energy_atol
+    allowed = (energy_rtol * energy.abs().amax(dim=0) + energy_atol).expand_as(rise)  # (T-1, B)
     for k, b in (rise > allowed).nonzero().tolist():
         violations.append(
             Violation(b, "energy rise", float(ts[k]), float(ts[k + 1]), float(rise[k, b]), float(allowed[k, b]))
@@ -297,9 +316,11 @@ def check_lyapunov(
         violations=violations,
         max_energy_rise=rise.max(dim=0).values.tolist(),
         max_mismatch=relative.max(dim=0).values.tolist(),
-        gamma=gamma,
-        eps=model.neuron.eps,
+        gamma=float(neuron.gamma.detach()) if isinstance(neuron, LayerNormNeuron) else None,
+        eps=neuron.eps if isinstance(neuron, LayerNormNeuron) else None,
         m_min_eigenvalue=m_min,
+        m_psd=m_psd,
+        neuron=type(neuron).__name__,
         intervals=steps,
         dense_rechecks=len(intervals),
         settings={

@@ -22,10 +22,10 @@ from matplotlib.colors import LogNorm, Normalize
 from matplotlib.figure import Figure
 from torch import Tensor
 
-from et_ode import Adaptive, ETField, Solution, solve
+from et_ode import Adaptive, EnergyAttention, ETField, Solution, solve
+from et_ode.analysis.chart import SphereChart, chart_for
 from et_ode.analysis.convergence import convergence_traces, flat_field, flat_states
 from et_ode.backend.validation import check_positive
-from et_ode.dynamics.manifold import radial_direction, tangent_projection
 
 PathLike = str | os.PathLike[str]
 
@@ -179,7 +179,8 @@ def plot_trajectories(
     """Token trajectories of one sample projected on their first ``dims`` (2 or 3) principal components.
 
     The tokens are normalized as ``(x - mean) / std`` (the activation ``g`` up to ``gamma`` and ``delta``,
-    so the drifts of ``x`` along its zero modes do not show). Each token is a line colored by time or by
+    so the drifts of ``x`` along its zero modes do not show); for a neuron of Euclidean geometry they are drawn as
+    they are (``D >= dims`` needed). Each token is a line colored by time or by
     the sample's energy (``color_by``); circles mark the starts, stars the final states (at the fixed point once converged).
     ``dense``: draw ``dense`` states re-integrated from the first saved one (:func:`dense_trajectory`, log-spaced
     in time) instead of the saved ones, so the fast early motion is resolved rather than drawn as straight lines.
@@ -193,7 +194,10 @@ def plot_trajectories(
     times, xs = (solution.ts.detach(), solution.xs.detach()) if dense is None else dense_trajectory(solution, points=dense)
     xs = xs.reshape(xs.shape[0], -1, *xs.shape[-2:])
     b = _sample_index(sample, xs.shape[1])
-    tokens = _normalized_tokens(xs[:, b].to(torch.float64)).cpu().numpy()  # (T, N, D)
+    if xs.shape[-1] < dims:
+        raise ValueError(f"dims must be at most the token size D={xs.shape[-1]}, got {dims}")
+    spheres = solution.field.model.neuron.geometry == "spheres"
+    tokens = (_normalized_tokens(xs[:, b].to(torch.float64)) if spheres else xs[:, b].to(torch.float64)).cpu().numpy()
     steps, count, dim = tokens.shape
     center, axes, variance = _pca(tokens.reshape(-1, dim), dims)
     projected = (tokens - center) @ axes.T  # (T, N, dims)
@@ -243,7 +247,7 @@ def plot_trajectories(
     ax.set_xlabel(f"PC 1 ({100 * variance[0]:.0f}% of variance)")
     ax.set_ylabel(f"PC 2 ({100 * variance[1]:.0f}% of variance)")
     ax.set_title(
-        f"Sample {b}: {count} token trajectories of the normalized state (x - mean)/std,\n"
+        f"Sample {b}: {count} token trajectories of the {'normalized state (x - mean)/std' if spheres else 'state x'},\n"
         f"first {dims} principal components, colored by {label}"
     )
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12 if dims == 2 else -0.02), ncol=2, fontsize="small")
@@ -251,20 +255,11 @@ def plot_trajectories(
     return _finish(fig, path, dpi)
 
 
-def _retract(field: ETField, g_star: Tensor, offset: Tensor) -> Tensor:
-    """Move ``g_star`` by ``offset`` and put every token back on its sphere (same radius, zero mean)."""
-    delta = field.model.neuron.delta.detach()
-    u0 = g_star - delta
-    radius = u0.norm(dim=-1, keepdim=True)
-    u = u0 + offset
-    u = u - u.mean(dim=-1, keepdim=True)
-    return delta + radius * u / u.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(u.dtype).tiny)
-
-
 @dataclass
 class EnergySlice:
     """A 2-D slice of the product of spheres: ``g(a, b) = retract(g_star + a u + b v)`` (each token put back
-    on its sphere), ``u, v`` orthonormal ``(N, D)`` directions in ``g``. With a trajectory, the plane holds
+    on its sphere), ``u, v`` orthonormal ``(N, D)`` directions in ``g``; for a Euclidean neuron the plane itself in
+    its coordinates ``x`` (:mod:`et_ode.analysis.chart`; ``g_star`` then holds ``x*``). With a trajectory, the plane holds
     its start and its end exactly (``u`` along ``g_start - g*``, ``v`` along the end's part orthogonal to it, or
     the trajectory's main direction orthogonal to ``u`` when the end is at ``g*``): ``coords`` ``(T, 2)`` are
     the trajectory's coordinates, ``off_plane`` ``(T,)`` its distance from the plane (``g`` units),
@@ -281,22 +276,21 @@ class EnergySlice:
     def points(self, a: Tensor, b: Tensor) -> Tensor:
         """``g(a, b)`` for coordinates of any shape ``S``: ``(*S, N, D)``."""
         offsets = a[..., None, None] * self.u + b[..., None, None] * self.v
-        return _retract(self.field, self.g_star.expand_as(offsets), offsets)
+        return chart_for(self.field).move(self.g_star.expand_as(offsets), offsets)
 
     def energy(self, a: Tensor, b: Tensor) -> Tensor:
         """The energy on the slice at coordinates ``a, b`` (same shape ``S``), with the field's mask: ``S``."""
         with torch.no_grad():
-            return self.field.energy_g(self.points(a, b))
+            return chart_for(self.field).energy(self.points(a, b))
 
 
 def energy_slice(field: ETField, x_fixed: Tensor, *, trajectory: Tensor | None = None, seed: int = 0) -> EnergySlice:
     """The slice through ``x_fixed`` ``(N, D)`` (see :class:`EnergySlice`); ``trajectory``: states ``(T, N, D)``
     whose start and end the plane holds, else random tangent directions."""
-    model = field.model
-    delta = model.neuron.delta.detach()
+    chart = chart_for(field)
     with torch.no_grad():
-        g_star = model.neuron(x_fixed.detach())
-        s, _ = radial_direction(g_star, delta)
+        g_star = chart.coordinates(x_fixed.detach())
+        project = chart.projector(x_fixed.detach()[None])
 
         def unit_orthogonal(w: Tensor, to: list[Tensor]) -> Tensor | None:
             for axis in to:
@@ -312,7 +306,7 @@ def energy_slice(field: ETField, x_fixed: Tensor, *, trajectory: Tensor | None =
 
         generator = torch.Generator().manual_seed(seed)
         random = [
-            tangent_projection(torch.randn(g_star.shape, generator=generator, dtype=g_star.dtype).to(g_star.device), s)
+            project(torch.randn(g_star.shape, generator=generator, dtype=g_star.dtype).to(g_star.device)[None])[0]
             for _ in range(3)
         ]
         coords = off_plane = distance = None
@@ -320,7 +314,7 @@ def energy_slice(field: ETField, x_fixed: Tensor, *, trajectory: Tensor | None =
             u = random_direction(random[0], [])
             v = random_direction(random[1], [u])
         else:
-            path_g = model.neuron(trajectory.detach()) - g_star  # (T, N, D)
+            path_g = chart.coordinates(trajectory.detach()) - g_star  # (T, N, D)
             start = unit_orthogonal(path_g[0], [])
             u = random_direction(random[0], []) if start is None else start
             end = unit_orthogonal(path_g[-1], [u])
@@ -371,7 +365,6 @@ def plot_energy_slice(
         )
     xf = x_fixed.detach().reshape(-1, *x_fixed.shape[-2:])
     b = _sample_index(sample, xf.shape[0])
-    model = field.model
     bound = field.select(b)
     states = None
     if trajectories is not None:
@@ -386,13 +379,15 @@ def plot_energy_slice(
     coords = None if plane.coords is None else plane.coords.cpu().numpy()
     g_star = plane.g_star
     if span is None:
-        radius = float((g_star - model.neuron.delta.detach()).norm(dim=-1).mean())
+        chart = chart_for(bound)
+        center = chart.delta if isinstance(chart, SphereChart) else torch.zeros_like(g_star)  # the spheres' centre
+        radius = float((g_star - center).norm(dim=-1).mean()) or 1.0
         span = 1.2 * float(np.abs(coords).max()) if coords is not None and np.abs(coords).max() > 0 else radius / 2
     grid = torch.linspace(-span, span, resolution, dtype=g_star.dtype, device=g_star.device)
     a, c = torch.meshgrid(grid, grid, indexing="xy")
     energies = plane.energy(a, c).to(torch.float64).cpu().numpy()
     with torch.no_grad():
-        e_star = float(bound.energy_g(g_star))
+        e_star = float(chart_for(bound).energy(g_star))
     fig = Figure(figsize=figsize, layout="constrained")
     ax = fig.add_subplot()
     axis = grid.cpu().numpy()
@@ -449,7 +444,13 @@ def plot_attention(
     xs = flat_states(solution)
     b = _sample_index(sample, xs.shape[1])
     field = flat_field(solution).select(b)
-    heads = field.model.attention.heads
+    attention = field.model.interactions.get("attention")
+    if not isinstance(attention, EnergyAttention):
+        raise ValueError(
+            f"plot_attention draws an EnergyAttention interaction named 'attention'; the model "
+            f"{type(field.model).__name__} has interactions {list(field.model.interactions)}"
+        )
+    heads = attention.heads
     if not isinstance(head, int) or not 0 <= head < heads:
         raise ValueError(f"head must be an integer in [0, {heads}), got {head!r}")
     ts = solution.ts.detach().to(torch.float64).cpu()
@@ -460,7 +461,7 @@ def plot_attention(
         if not indices:
             raise ValueError("t must name at least one time")
     with torch.no_grad():
-        weights = field.model.attention.attention(field.model.neuron(xs[indices, b]), field.mask)[:, head]
+        weights = attention.attention(field.model.neuron(xs[indices, b]), field.mask)[:, head]
     maps = weights.to(torch.float64).cpu().numpy()  # (len, B, C)
     figsize = figsize or (3.6 * len(indices) + 1.2, 4.0)
     fig = Figure(figsize=figsize, layout="constrained")

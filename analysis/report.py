@@ -21,7 +21,16 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from et_ode import EnergyTransformer, ETField, Integration, Solution, SolveError
+from et_ode import (
+    EnergyAttention,
+    EnergyModel,
+    EnergyTransformer,
+    ETField,
+    Integration,
+    LayerNormNeuron,
+    Solution,
+    SolveError,
+)
 from et_ode.analysis.basin_probes import BasinProbe, basin_probe
 from et_ode.analysis.convergence import ConvergenceReport, analyze_convergence, flat_field
 from et_ode.analysis.exponents import LyapunovExponent, lyapunov_exponent
@@ -36,8 +45,12 @@ from et_ode.solving.integration import settings_to_dict
 from et_ode.training.io import model_config
 
 PathLike = str | os.PathLike[str]
-#: the report's solve unless told otherwise: dopri5 at tight tolerances to t1 = 30, a large step budget
+#: the report's solve of the LayerNorm neuron unless told otherwise: dopri5 at tight tolerances to t1 = 30, a large
+#: step budget (the flow slows like 1/t)
 ANALYZE_INTEGRATION = Integration(solver=Adaptive(rtol=1e-6, atol=1e-8), t1=30.0, max_steps=100_000)
+#: the report's solve of a Euclidean neuron unless told otherwise: its flow converges exponentially, so the end of the
+#: span lies within a looser solve's error, which the Lyapunov check (made down to rounding) would judge
+EUCLIDEAN_INTEGRATION = Integration(solver=Adaptive(rtol=1e-10, atol=1e-12), t1=30.0, max_steps=100_000)
 
 
 def random_model(
@@ -62,14 +75,17 @@ def random_model(
     return model
 
 
-def random_states(model: EnergyTransformer, batch: int = 3, tokens: int = 8, seed: int = 1) -> Tensor:
-    """``batch`` standard normal states of ``tokens`` tokens for ``model``, ``(batch, tokens, D)`` in its dtype, drawn
-    from a generator seeded with ``seed`` (the global random stream is left alone)."""
+def random_states(model: EnergyModel, batch: int = 3, tokens: int = 8, seed: int = 1) -> Tensor:
+    """``batch`` standard normal states of ``tokens`` tokens for ``model``, ``(batch, tokens, D)`` in its dtype
+    (float64 for a model without parameters), drawn from a generator seeded with ``seed`` (the global random stream
+    is left alone)."""
     generator = torch.Generator().manual_seed(seed)
-    return torch.randn(batch, tokens, model.dim, generator=generator, dtype=model.neuron.delta.dtype)
+    reference = model.reference_tensor
+    dtype = torch.float64 if reference is None else reference.dtype
+    return torch.randn(batch, tokens, model.dim, generator=generator, dtype=dtype)
 
 
-def _checked_states(x0: Tensor, model: EnergyTransformer) -> Tensor:
+def _checked_states(x0: Tensor, model: EnergyModel) -> Tensor:
     """``x0`` as ``(batch, N, D)`` in the model's dtype and on its device (TypeError or ValueError naming ``x0``)."""
     if not isinstance(x0, Tensor):
         raise TypeError(f"x0 must be a tensor (batch, N, D), got {type(x0).__name__}")
@@ -77,8 +93,27 @@ def _checked_states(x0: Tensor, model: EnergyTransformer) -> Tensor:
         x0 = x0[None]
     if x0.dim() != 3 or x0.shape[-1] != model.dim:
         raise ValueError(f"x0 must have shape (batch, N, D) with D={model.dim}, got {tuple(x0.shape)}")
-    delta = model.neuron.delta
-    return x0.to(device=delta.device, dtype=delta.dtype)
+    reference = model.reference_tensor
+    return x0 if reference is None else x0.to(device=reference.device, dtype=reference.dtype)
+
+
+def _describe_model(model: EnergyModel) -> dict[str, Any]:
+    """The model's architecture as plain data: the ET's constructor arguments (``model_config``), or for any other
+    model its class, neuron, token size and interactions."""
+    if isinstance(model, EnergyTransformer):
+        return {"model": "EnergyTransformer", **model_config(model)}
+    return {
+        "model": type(model).__name__,
+        "neuron": type(model.neuron).__name__,
+        "dim": model.dim,
+        "interactions": {name: type(interaction).__name__ for name, interaction in model.interactions.items()},
+    }
+
+
+def _gamma(model: EnergyModel) -> float | None:
+    """The LayerNorm neuron's ``gamma`` (None for another neuron)."""
+    neuron = model.neuron
+    return float(neuron.gamma.detach()) if isinstance(neuron, LayerNormNeuron) else None
 
 
 def _clean(value: Any) -> Any:
@@ -148,9 +183,9 @@ STAGES = ("solve", "convergence", "Lyapunov check", "fixed point", "stability", 
 
 
 def analyze(
-    model: EnergyTransformer,
+    model: EnergyModel,
     x0: Tensor,
-    integration: Integration = ANALYZE_INTEGRATION,
+    integration: Integration | None = None,
     *,
     out: PathLike = "runs/analyze",
     tau: float = 1.0,
@@ -166,12 +201,15 @@ def analyze(
     """Solve, check and picture one model; return the folder holding ``report.md``, ``report.json`` and PNGs.
 
     Args:
-        model: the energy; the analysis runs on its device and in its dtype (float64 for tight checks). The
+        model: the energy, an :class:`et_ode.EnergyModel` (an EnergyTransformer, or any neuron and interactions: the
+            checks follow its neuron's geometry, and those that need LayerNorm's spheres or an attention are left out
+            with a note); the analysis runs on its device and in its dtype (float64 for tight checks). The
             built-in random model is :func:`random_model`; a saved one is read by
             :func:`et_ode.training.io.load_model`.
         x0: initial states ``(batch, N, D)`` or ``(N, D)`` (e.g. :func:`random_states`).
         integration: the solve: its solver, horizon ``t1`` and step budget (its gradient and stop as given); default
-            :data:`ANALYZE_INTEGRATION`.
+            :data:`ANALYZE_INTEGRATION` for the LayerNorm neuron, :data:`EUCLIDEAN_INTEGRATION` (rtol 1e-10) for a
+            Euclidean neuron.
         out: the folder to write (created; files in it are overwritten).
         tau: the field's time constant.
         points: the number of saved times from 0 to ``t1`` (:class:`et_ode.EulerET` saves each of its steps).
@@ -189,12 +227,14 @@ def analyze(
         The folder ``out``.
 
     Raises:
-        TypeError: ``model`` is not an EnergyTransformer, ``integration`` not an Integration or ``x0`` not a tensor.
+        TypeError: ``model`` is not an EnergyModel, ``integration`` not an Integration or ``x0`` not a tensor.
         ValueError: ``x0`` of another token size than the model's, ``points`` below 3.
         et_ode.SolveError: the solve failed before saving any state.
     """
-    if not isinstance(model, EnergyTransformer):
-        raise TypeError(f"model must be an et_ode.EnergyTransformer, got {type(model).__name__}")
+    if not isinstance(model, EnergyModel):
+        raise TypeError(f"model must be an et_ode.EnergyModel (such as an EnergyTransformer), got {type(model).__name__}")
+    if integration is None:
+        integration = ANALYZE_INTEGRATION if model.neuron.geometry == "spheres" else EUCLIDEAN_INTEGRATION
     if not isinstance(integration, Integration):
         raise TypeError(f"integration must be an et_ode.Integration, got {type(integration).__name__}")
     if not (isinstance(points, int) and points >= 3):
@@ -207,12 +247,14 @@ def analyze(
     stages = _Stages([*STAGES, "pictures"] + (["landscape"] if landscape else []), progress)
     findings = _solve(et_field, states, integration, points, stages)
     _check_flow(findings, tol, stages, progress)
-    if float(model.neuron.gamma.detach()) > 0:
+    gamma = _gamma(model)
+    lyapunov_energy = gamma is None or gamma > 0  # other neurons are the user's to make convex
+    if lyapunov_energy:
         _study_fixed_points(findings, et_field, states, fixed_point_tol, basin_radii, basin_trials, stages, progress)
     else:
         stages.bar.update(4)
     _draw(findings, et_field, folder, integration.solver.adaptive, stages)
-    if landscape and float(model.neuron.gamma.detach()) > 0:
+    if landscape and lyapunov_energy:
         _study_landscape(findings, states, folder, stages, progress)
     timings = stages.seconds()
     summary = _summary(model, states, tau, integration, points, findings, source, fixed_point_tol)
@@ -272,11 +314,15 @@ def _study_fixed_points(
     stages.bar.update()
     stages.start("Lyapunov exponent")
     span = float(findings.solution.ts[-1] - findings.solution.ts[0]) or 1.0
+    # the pair's separation d0 = 1e-6 must stay far above the solve's error rtol |x|: on the spheres the tokens' scale
+    # is set, in a Euclidean chart it is the state's own
+    spheres = et_field.model.neuron.geometry == "spheres"
+    rtol, atol = (1e-8, 1e-10) if spheres else (1e-12, 1e-14)
     findings.exponent = lyapunov_exponent(
-        et_field, states, duration=span, renormalizations=10, rtol=1e-8, atol=1e-10, progress=progress
+        et_field, states, duration=span, renormalizations=10, rtol=rtol, atol=atol, progress=progress
     )
     findings.intrinsic = lyapunov_exponent(
-        et_field, fixed.x, duration=20.0, renormalizations=20, restart=True, rtol=1e-8, atol=1e-10, progress=progress
+        et_field, fixed.x, duration=20.0, renormalizations=20, restart=True, rtol=rtol, atol=atol, progress=progress
     )
     stages.bar.update()
     stages.start("basin probe")
@@ -296,10 +342,15 @@ def _draw(findings: _Findings, et_field: ETField, folder: Path, adaptive: bool, 
     stages.start("pictures")
     solution, pictures = findings.solution, findings.pictures
     if solution.xs is not None and len(solution.ts) > 1:
+        model = et_field.model
         plot_convergence(solution, path=folder / "convergence.png")
-        plot_trajectories(solution, dense=241 if adaptive else None, path=folder / "trajectories.png")
-        plot_attention(solution, path=folder / "attention.png")
-        pictures.update(convergence="convergence.png", trajectories="trajectories.png", attention="attention.png")
+        pictures["convergence"] = "convergence.png"
+        if model.dim >= 2:
+            plot_trajectories(solution, dense=241 if adaptive else None, path=folder / "trajectories.png")
+            pictures["trajectories"] = "trajectories.png"
+        if isinstance(model.interactions.get("attention"), EnergyAttention):
+            plot_attention(solution, path=folder / "attention.png")
+            pictures["attention"] = "attention.png"
         if findings.fixed is not None:
             plot_energy_slice(et_field, findings.fixed.x, trajectories=solution, path=folder / "energy_slice.png")
             pictures["energy_slice"] = "energy_slice.png"
@@ -326,7 +377,7 @@ def _study_landscape(findings: _Findings, states: Tensor, folder: Path, stages: 
 
 
 def _summary(
-    model: EnergyTransformer,
+    model: EnergyModel,
     states: Tensor,
     tau: float,
     integration: Integration,
@@ -345,8 +396,8 @@ def _summary(
     )
     return {
         "model": source,
-        "config": {**model_config(model), "dtype": str(model.neuron.delta.dtype).replace("torch.", "")},
-        "gamma": float(model.neuron.gamma.detach()),
+        "config": {**_describe_model(model), "dtype": str(states.dtype).replace("torch.", "")},
+        "gamma": _gamma(model),
         "tau": tau,
         "device": str(states.device),
         "initial_states": list(states.shape),
@@ -416,14 +467,28 @@ def _markdown(summary: dict[str, Any], findings: _Findings) -> str:
     return markdown
 
 
+def _describe(summary: dict[str, Any]) -> str:
+    """The model in words: the ET's sizes, or a model's neuron and interactions."""
+    config, gamma = summary["config"], summary["gamma"]
+    if config["model"] == "EnergyTransformer":
+        return (
+            f"D = {config['dim']}, H = {config['heads']}, Y = {config['head_dim']}, K = {config['memories']} "
+            f"({config['hopfield']} memories), gamma = {gamma:.4g}, eps = {config['eps']:.2g}"
+        )
+    return (
+        f"an {config['model']} of the {config['neuron']} neuron (D = {config['dim']}) and the interactions "
+        + ", ".join(f"{name} ({kind})" for name, kind in config["interactions"].items())
+        + (f", gamma = {gamma:.4g}" if gamma is not None else "")
+    )
+
+
 def _heading(summary: dict[str, Any]) -> list[str]:
     solve_info, config = summary["solve"], summary["config"]
     lines = [
-        "# ET dynamics report",
+        "# ET dynamics report" if config["model"] == "EnergyTransformer" else "# Energy dynamics report",
         "",
-        f"Model: {summary['model']}; D = {config['dim']}, H = {config['heads']}, Y = {config['head_dim']}, "
-        f"K = {config['memories']} ({config['hopfield']} memories), gamma = {summary['gamma']:.4g}, "
-        f"eps = {config['eps']:.2g}, {config['dtype']}. Initial states: {summary['initial_states'][0]} sample(s) of "
+        f"Model: {summary['model']}; {_describe(summary)}, {config['dtype']}. Initial states: "
+        f"{summary['initial_states'][0]} sample(s) of "
         f"{summary['initial_states'][1]} tokens. Solve: {_solver_text(solve_info['solver'])} to "
         f"t = {solve_info['t_final']:.4g}, tau = {summary['tau']:.3g}: "
         f"{solve_info['nfe_forward']} field evaluations, {solve_info['accepted_steps']} accepted / "
@@ -439,6 +504,7 @@ def _answers(summary: dict[str, Any], findings: _Findings) -> list[str]:
     """The answers in a sentence each: convergence, the Lyapunov function, the kind of attractor, the exponents and
     the basin."""
     batch = summary["initial_states"][0]
+    spheres = summary["gamma"] is not None  # the LayerNorm neuron (else a neuron of Euclidean geometry)
     lines = []
     convergence, lyapunov = findings.convergence, findings.lyapunov
     if convergence is not None:
@@ -447,9 +513,9 @@ def _answers(summary: dict[str, Any], findings: _Findings) -> list[str]:
         better = {s.better_fit for s in convergence.samples}
         lines.append(
             f"- **Did it converge?** RMS |dg/dt| < {convergence.tol:g} by the end: {converged} of {batch} "
-            f"sample(s). Intrinsically (RMS |T dE/dg| < {convergence.tangent_tol:g}, the distance from a "
-            f"critical point on the spheres): {critical} of {batch}. The decay of |dg/dt| near the end is "
-            f"fitted better by: {', '.join(sorted(better))}."
+            f"sample(s). Intrinsically (RMS |{'T dE/dg' if spheres else 'dE/dg'}| < {convergence.tangent_tol:g}, "
+            f"the distance from a critical point{' on the spheres' if spheres else ''}): {critical} of {batch}. "
+            f"The decay of |dg/dt| near the end is fitted better by: {', '.join(sorted(better))}."
         )
     if lyapunov is not None:
         lines.append(
@@ -462,40 +528,53 @@ def _answers(summary: dict[str, Any], findings: _Findings) -> list[str]:
 
 
 def _attractor_answers(summary: dict[str, Any], findings: _Findings) -> list[str]:
+    spheres = summary["gamma"] is not None  # the LayerNorm neuron (else a neuron of Euclidean geometry)
     lines = []
     if findings.stability is not None:
         kinds = [s.kind for s in findings.stability.samples]
         lines.append(
             "- **What kind of attractor?** At the critical point reached from each final state: "
             + ", ".join(f"sample {b}: {k}" for b, k in enumerate(kinds))
-            + f" (Riemannian Hessian, {findings.stability.method})."
+            + f" ({'Riemannian Hessian' if spheres else 'Hessian of E(g(x))'}, {findings.stability.method})."
         )
-    elif summary["gamma"] <= 0:
+    elif spheres and summary["gamma"] <= 0:
         lines.append(
             "- **What kind of attractor?** Not analysed: gamma <= 0, so the energy is not a Lyapunov "
             "function and the dynamics need not settle."
         )
     if findings.exponent is not None:
-        lines.append(
-            "- **Finite-time Lyapunov exponent** of the trajectories (growth rate of a small perturbation "
-            "of g, per unit time): " + ", ".join(f"{v:.3g}" for v in findings.exponent.exponent.tolist()) + ". "
+        transient = (
             "This measures the transient, not the attractor: along the plain flow the token scales grow "
             "like t, so every rate decays like 1/t and the exponent tends to 0 from either side; a small "
             "positive value says nearby trajectories separated for a while on the way (before the basin "
             "was reached), not that the attractor is unstable."
+            if spheres
+            else "It averages the transient and the approach to the attractor."
+        )
+        lines.append(
+            "- **Finite-time Lyapunov exponent** of the trajectories (growth rate of a small perturbation "
+            f"of {'g' if spheres else 'x'}, per unit time): "
+            + ", ".join(f"{v:.3g}" for v in findings.exponent.exponent.tolist())
+            + ". "
+            + transient
         )
     if findings.intrinsic is not None:
         lines.append(
-            "- **Lyapunov exponent at the critical point, in intrinsic time** (the token scales held "
-            "fixed, where the rates do not decay; over the second half of 20 time units): "
+            "- **Lyapunov exponent at the critical point, in intrinsic time** ("
+            + (
+                "the token scales held fixed, where the rates do not decay"
+                if spheres
+                else "the plain flow, whose rates do not decay"
+            )
+            + "; over the second half of 20 time units): "
             + ", ".join(f"{v:.4g}" for v in findings.intrinsic.late.tolist())
-            + " (negative: perturbations decay; at a minimum it is -(gamma / tau) lambda_min of Hess_R)."
+            + " (negative: perturbations decay; at a minimum it is "
+            + ("-(gamma / tau) lambda_min of Hess_R)." if spheres else "-(1 / tau) lambda_min of M^(1/2) H M^(1/2)).")
         )
     if findings.basin is not None:
         lines.append(
-            "- **Basin probe**: perturbations of g (RMS per element / gamma) return up to radius "
-            + ", ".join(f"{r:g}" for r in findings.basin.radius)
-            + " (per sample)."
+            f"- **Basin probe**: perturbations of {'g (RMS per element / gamma)' if spheres else 'x (RMS per element)'} "
+            "return up to radius " + ", ".join(f"{r:g}" for r in findings.basin.radius) + " (per sample)."
         )
     return lines
 
@@ -504,14 +583,20 @@ def _convergence_section(findings: _Findings) -> list[str]:
     convergence = findings.convergence
     if convergence is None:
         return []
-    lines = [
-        "## Convergence",
-        "",
+    spheres = findings.solution.field.model.neuron.geometry == "spheres"
+    measured = (
         "Convergence is measured on g, not x: x drifts along each token's all-ones vector and radially "
         "(its scale sigma grows about linearly in t), which leaves g unchanged but slows the motion of g "
         "down like 1/sigma. So RMS |dg/dt| falls like a power of t even while g is still far from a "
-        "critical point; RMS |T dE/dg| is the scale-free distance. Decay fits use the last "
-        f"{100 * convergence.tail:.0f}% of the time span.",
+        "critical point; RMS |T dE/dg| is the scale-free distance."
+        if spheres
+        else "Convergence is measured on g = neuron(x) (dg/dt) and on the gradient dE/dg, which vanishes exactly at a "
+        "critical point."
+    )
+    lines = [
+        "## Convergence",
+        "",
+        f"{measured} Decay fits use the last {100 * convergence.tail:.0f}% of the time span.",
         "",
         convergence.table(),
         "",
@@ -540,12 +625,19 @@ def _stability_section(findings: _Findings) -> list[str]:
     fixed, stability, final_stability = findings.fixed, findings.stability, findings.final_stability
     if fixed is None or stability is None or final_stability is None or findings.distance is None:
         return []
+    spheres = findings.solution.field.model.neuron.geometry == "spheres"
+    search = (
+        "A plain solve approaches its limit only like a power of t, so the critical point is found by "
+        "Riemannian gradient descent on the spheres"
+        if spheres
+        else "The critical point is found by gradient descent in x"
+    )
     lines = [
         "## Stability",
         "",
-        f"A plain solve approaches its limit only like a power of t, so the critical point is found by "
-        f"Riemannian gradient descent on the spheres from each final state ({fixed.iterations} iterations, "
-        f"RMS |T dE/dg| reached: {', '.join(f'{v:.2g}' for v in fixed.rms_tangent_gradient.tolist())}; RMS "
+        f"{search} from each final state ({fixed.iterations} iterations, "
+        f"RMS |{'T dE/dg' if spheres else 'dE/dg'}| reached: "
+        f"{', '.join(f'{v:.2g}' for v in fixed.rms_tangent_gradient.tolist())}; RMS "
         f"distance in g from the solver's final state: {', '.join(f'{v:.3g}' for v in findings.distance)}).",
         "",
         stability.table(),

@@ -7,7 +7,8 @@ eigenvalues) tells when a trajectory passes near a saddle. The Lyapunov spectrum
 tangent perturbations of ``g`` and re-orthonormalises them by QR after each span (Benettin et al.); with
 ``intrinsic=True`` it is measured on the :class:`~et_ode.analysis.sphere.FixedScaleField` (``sigma`` fixed,
 tangential rates ``gamma / tau`` throughout), where at a critical point the exponents are exactly
-``-(gamma / tau)`` times the eigenvalues of ``Hess_R``.
+``-(gamma / tau)`` times the eigenvalues of ``Hess_R``. A neuron of Euclidean geometry has them in its chart
+(:mod:`et_ode.analysis.chart`): the Hessian of ``E(g(x))`` in ``x`` and the plain flow.
 
 Shapes: states ``(N, D)`` (one sample) or ``(T, B, N, D)`` saved states; spectra ``(k,)``.
 """
@@ -23,11 +24,10 @@ from torch import Tensor
 from torchdiffeq import odeint
 
 from et_ode import Adaptive, ETField, Solution, solve
+from et_ode.analysis.chart import chart_for
 from et_ode.analysis.convergence import flat_field, flat_states
 from et_ode.analysis.plots import _finish
-from et_ode.analysis.sphere import FixedScaleField, hessian_in_frame, tangent_frame
 from et_ode.backend.validation import check_positive
-from et_ode.dynamics.manifold import radial_direction, tangent_projection, to_limit_spheres
 from et_ode.integrators.solvers import AdaptiveMethod
 
 PathLike = str | os.PathLike[str]
@@ -56,12 +56,12 @@ def hessian_along(solution: Solution, *, max_times: int = 25, zero_tol: float = 
     xs = flat_states(solution)
     field = flat_field(solution)
     picks = torch.linspace(0, xs.shape[0] - 1, min(max_times, xs.shape[0])).round().long().unique()
-    eps = field.model.neuron.eps
     rows_small, rows_large, rows_index, rows_rms = [], [], [], []
     for k in picks.tolist():
         small, large, index, rms = [], [], [], []
         for b in range(xs.shape[1]):
-            matrix, gradient, _ = hessian_in_frame(field.select(b), to_limit_spheres(xs[k, b], eps))
+            chart = chart_for(field.select(b))
+            matrix, gradient, _ = chart.hessian_in_frame(chart.canonical(xs[k, b]))
             values = torch.linalg.eigvalsh(matrix)
             small.append(values[0])
             large.append(values[-1])
@@ -126,35 +126,31 @@ def lyapunov_spectrum(
     check_positive("d0", d0)
     if isinstance(renormalizations, bool) or not (isinstance(renormalizations, int) and renormalizations >= 2):
         raise ValueError(f"renormalizations must be an integer >= 2, got {renormalizations!r}")
-    neuron = field.model.neuron
-    eps, delta = neuron.eps, neuron.delta.detach()
-    x = to_limit_spheres(x0.detach(), eps) if intrinsic else x0.detach()
-    dimension = x.shape[0] * (x.shape[1] - 2)
+    chart = chart_for(field)
+    x = chart.canonical(x0.detach()) if intrinsic else x0.detach()
+    dimension = chart.dimension(x.shape[0])
     count = dimension if count is None else count
     if not (isinstance(count, int) and 1 <= count <= dimension):
         raise ValueError(f"count must be an integer in [1, {dimension}], got {count!r}")
     generator = torch.Generator().manual_seed(seed)
-    frame = tangent_frame(x).flatten(1)  # (n, N D)
+    frame = chart.frame(x).flatten(1)  # (n, N D)
     mixing = torch.randn(count, dimension, generator=generator, dtype=x.dtype).to(x.device)
-    q = torch.linalg.qr((mixing @ frame).T).Q.T.reshape(count, *x.shape)  # (k, N, D) orthonormal g-directions
-    fixed_scale = FixedScaleField(field)
+    q = torch.linalg.qr((mixing @ frame).T).Q.T.reshape(count, *x.shape)  # (k, N, D) orthonormal coordinate directions
+    fixed_scale = chart.steady_field()
     span = t1 / renormalizations
     grid = torch.tensor([0.0, span], dtype=x.dtype, device=x.device)
     total = torch.zeros(count, dtype=torch.float64)
     running = []
     with torch.no_grad():
         for _ in range(renormalizations):
-            centered = x - x.mean(dim=-1, keepdim=True)
-            sigma = centered.square().mean(dim=-1, keepdim=True).add(eps).sqrt()
-            batch = torch.cat([x[None], x + d0 * q * sigma / neuron.gamma.detach()])  # dx = sigma / gamma dg (tangent)
+            batch = torch.cat([x[None], x + chart.displacement(x, d0 * q)])  # on the spheres dx = sigma / gamma dg
             if intrinsic:
                 batch = odeint(fixed_scale, batch, grid, method=method, rtol=rtol, atol=atol)[-1]
             else:
                 batch = solve(field, batch, (0.0, span), solver=Adaptive(method, rtol, atol), save="final").x
             x = batch[0]
-            g = neuron(batch)
-            s, _ = radial_direction(g[0], delta)
-            differences = tangent_projection(g[1:] - g[0], s).flatten(1)  # (k, N D)
+            g = chart.coordinates(batch)
+            differences = chart.projector(x[None])(g[1:] - g[0]).flatten(1)  # (k, N D)
             q_new, r = torch.linalg.qr(differences.T)
             diagonal = r.diagonal()
             total += (diagonal.abs() / d0).log().to(torch.float64).cpu()

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from et_ode import ETField
 from et_ode.dynamics.manifold import radial_direction, riemannian_hessian, tangent_projection
+from et_ode.energy.neurons import sphere_neuron
 
 
 class FixedScaleField(nn.Module):
@@ -34,17 +35,20 @@ class FixedScaleField(nn.Module):
     constant, and the factor ``sigma_A = sqrt(mean(xt_A^2) + eps)`` makes the tangential rate of ``g``
     ``gamma / tau`` at every token, whatever the scale (e.g. at the limit scale of
     :func:`~et_ode.dynamics.manifold.to_limit_spheres`). A plain ``nn.Module`` ``f(t, x)`` for torchdiffeq.
+    Raises ValueError for a neuron other than LayerNorm (a Euclidean neuron's flow needs no fixing: its rates do not
+    decay).
     """
 
     def __init__(self, field: ETField):
         super().__init__()
         if not isinstance(field, ETField):
             raise TypeError(f"field must be an et_ode.ETField, got {type(field).__name__}")
+        self.eps = sphere_neuron(field.model.neuron, "FixedScaleField").eps
         self.field = field
 
     def forward(self, t: Tensor, x: Tensor) -> Tensor:
         xt = x - x.mean(dim=-1, keepdim=True)
-        sigma = xt.square().mean(dim=-1, keepdim=True).add(self.field.model.neuron.eps).sqrt()
+        sigma = xt.square().mean(dim=-1, keepdim=True).add(self.eps).sqrt()
         return sigma * tangent_projection(self.field(t, x), radial_direction(x, 0.0)[0])
 
 

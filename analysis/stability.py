@@ -10,6 +10,9 @@ gives the derivation. Small systems get exact dense matrices by ``torch.func`` (
 spheres of radius ``gamma sqrt(D)`` (:func:`~et_ode.dynamics.manifold.to_limit_spheres`). The dynamics near a point
 are measured by :mod:`et_ode.analysis.exponents` and :mod:`et_ode.analysis.basin_probes`.
 
+A neuron of Euclidean geometry is analysed in its chart (:mod:`et_ode.analysis.chart`): the Hessian of
+``E(g(x))`` in ``x`` and the rates of ``-(1/tau) M^(1/2) H M^(1/2)``.
+
 Shapes: states ``x`` are ``(B, N, D)`` (a single ``(N, D)`` is treated as ``B = 1``); vectors acted on
 by operators have the shape of the state; dot products are per sample.
 """
@@ -23,9 +26,11 @@ import torch
 from torch import Tensor
 
 from et_ode import Attractor, ETField, find_attractor
+from et_ode.analysis.chart import Chart, chart_for
 from et_ode.analysis.eigensolvers import Operator, dense_eigenvalues, extreme_eigenvalues
 from et_ode.analysis.sphere import tangent_basis
-from et_ode.dynamics.manifold import radial_direction, riemannian_hessian, tangent_projection
+from et_ode.dynamics.manifold import radial_direction
+from et_ode.energy.neurons import sphere_neuron
 
 CLASSES = ("stable attractor", "saddle", "maximum", "degenerate")
 
@@ -61,8 +66,9 @@ def classify(smallest: float, largest: float, *, zero_tol: float) -> str:
 
 
 def tangent_rates(field: ETField, x: Tensor) -> Tensor:
-    """``gamma / sigma_A`` per token, ``(B, N, 1)``: the tangential eigenvalue of ``M`` at the states ``x``."""
-    neuron = field.model.neuron
+    """``gamma / sigma_A`` per token, ``(B, N, 1)``: the tangential eigenvalue of ``M`` at the states ``x`` (the
+    LayerNorm neuron's)."""
+    neuron = sphere_neuron(field.model.neuron, "tangent_rates")
     sigma = (x - x.mean(dim=-1, keepdim=True)).square().mean(dim=-1, keepdim=True).add(neuron.eps).sqrt()
     return neuron.gamma.detach() / sigma
 
@@ -72,10 +78,10 @@ def riemannian_hessian_matrix(field: ETField, x: Tensor) -> tuple[Tensor, Tensor
 
     Built from the full Euclidean Hessian of ``E(g)`` (``torch.func.hessian`` of the field's ``energy_g``,
     ``(ND)^2`` entries per sample): ``Q^T H Q - diag((s_A . dE/dg_A) / r_A)``. Returns
-    ``(matrix (B, n, n), basis (B, n, N, D))``.
+    ``(matrix (B, n, n), basis (B, n, N, D))``. Raises ValueError for a neuron not of geometry ``"spheres"``.
     """
     x = batched_states(x, field)
-    delta = field.model.neuron.delta.detach()
+    delta = sphere_neuron(field.model.neuron, "riemannian_hessian_matrix").delta.detach()
     with torch.no_grad():
         g = field.model.neuron(x)
         dE_dg = field.dE_dg(g)
@@ -93,32 +99,46 @@ def riemannian_hessian_matrix(field: ETField, x: Tensor) -> tuple[Tensor, Tensor
 
 
 def g_jacobian(field: ETField, x: Tensor) -> tuple[Tensor, Tensor]:
-    """The exact Jacobian of the g-dynamics on the tangent space at ``x``, ``(B, n, n)``, and the basis.
+    """The exact Jacobian of the coordinates' dynamics on the tangent space at ``x``, ``(B, n, n)``, and the basis
+    ``(B, n, N, D)`` (:mod:`et_ode.analysis.chart`: ``g`` on the spheres, ``x`` for a Euclidean neuron).
 
-    ``torch.func.jacrev`` of ``x -> dg/dt = M(x) f(x)`` (the field's ``dg_dt`` on its ``backend="reference"``
-    closed form, which ``torch.func`` can trace); a tangent change ``dg`` of ``g`` is produced by
-    ``dx = (sigma_A / gamma) dg``, so ``J = Q^T (d(dg/dt)/dx) Q diag(sigma_A / gamma)``. Its eigenvalues are
-    the local rates ``exp(lambda t)`` of the motion of ``g`` at this state (``Re lambda < 0``: decay).
+    ``torch.func.jacrev`` of ``x -> dg/dt = M(x) f(x)`` (``dx/dt = f(x)`` in the Euclidean chart; the field on its
+    ``backend="reference"`` closed form, which ``torch.func`` can trace); a tangent change ``w`` of the coordinates
+    is produced by ``dx = (sigma_A / gamma) w`` on the spheres (``dx = w`` in the Euclidean chart), so
+    ``J = Q^T (d(dg/dt)/dx) Q diag(sigma_A / gamma)``. Its eigenvalues are the local rates ``exp(lambda t)`` of the
+    motion of the coordinates at this state (``Re lambda < 0``: decay).
     """
+    chart = chart_for(field)
     x = batched_states(x, field)
-    with torch.no_grad():
-        g = field.model.neuron(x)
-    basis = tangent_basis(g, field.model.neuron.delta.detach())
-    scale = (1.0 / tangent_rates(field, x)).detach()  # (B, N, 1): sigma / gamma
-    d = x.shape[-1]
+    basis = chart.basis(x)
     matrices = []
     for b in range(x.shape[0]):
         closed_form = ETField(field.model, field.tau, mask=field.select(b).mask, backend="reference")
 
-        def dg_dt(xb: Tensor, closed_form: ETField = closed_form) -> Tensor:
-            return closed_form.dg_dt(xb, closed_form.velocity(xb))
+        def rate(xb: Tensor, closed_form: ETField = closed_form) -> Tensor:
+            return chart.velocity(closed_form, xb)
 
-        jac = torch.func.jacrev(dg_dt)(x[b])
+        jac = torch.func.jacrev(rate)(x[b])
         size = x[b].numel()
         q = basis[b].reshape(-1, size)
-        right = scale[b, :, 0].repeat_interleave(d - 2)
-        matrices.append(q @ jac.detach().reshape(size, size) @ q.T * right[None, :])
+        moved = chart.displacement(x[b].expand_as(basis[b]), basis[b]).reshape(-1, size)
+        matrices.append(q @ jac.detach().reshape(size, size) @ moved.T)
     return torch.stack(matrices), basis
+
+
+def _dense_hessian(chart: Chart, field: ETField, x: Tensor) -> Tensor:
+    """The exact Hessian in the chart's basis at every state of ``x`` ``(B, N, D)``, ``(B, n, n)``: the Riemannian
+    Hessian on the spheres (:func:`riemannian_hessian_matrix`), the Hessian of ``E(g(x))`` (``torch.func.hessian``)
+    in the Euclidean chart."""
+    if chart.name == "spheres":
+        return riemannian_hessian_matrix(field, x)[0]
+    basis = chart.basis(x)
+    matrices = []
+    for b in range(x.shape[0]):
+        hessian = torch.func.hessian(field.select(b).energy)(x[b].detach())
+        q = basis[b].reshape(-1, x[b].numel())
+        matrices.append(q @ hessian.detach().reshape(x[b].numel(), -1) @ q.T)
+    return torch.stack(matrices)
 
 
 # -- results ------------------------------------------------------------------------------------------------------
@@ -154,12 +174,17 @@ class StabilityReport:
     dimension: int
     zero_tol: float
     settings: dict = field(default_factory=dict)
+    spheres: bool = True  # the LayerNorm neuron's tangent space (else a Euclidean neuron's chart, in x)
 
     def table(self) -> str:
-        lines = [
+        space = (
             f"Riemannian Hessian on the tangent space (dimension {self.dimension} per sample, the all-ones and "
-            f"radial zero modes of every token excluded), method: {self.method}; |lambda| <= {self.zero_tol:.2g} "
-            "counts as zero.",
+            "radial zero modes of every token excluded)"
+            if self.spheres
+            else f"Hessian of E(g(x)) in x (dimension {self.dimension} per sample)"
+        )
+        lines = [
+            f"{space}, method: {self.method}; |lambda| <= {self.zero_tol:.2g} counts as zero.",
             "",
             "| sample | classification | smallest eigenvalue | largest eigenvalue | negative | "
             "slowest / fastest rate of g (1/time) | RMS T dE/dg | critical point |",
@@ -270,32 +295,27 @@ def fixed_point_stability(
 ) -> StabilityReport:
     """Classify the state(s) ``x`` (``(B, N, D)`` or ``(N, D)``), normally a converged one.
 
-    ``method``: ``"dense"`` (exact: ``torch.func`` Hessian of ``E``, and the Jacobian of the g-dynamics
+    ``method``: ``"dense"`` (exact: ``torch.func`` Hessian of ``E``, and the Jacobian of the coordinates' dynamics
     for the rates), ``"lanczos"`` / ``"power"`` (extreme eigenvalues from Hessian-vector products of
-    :func:`et_ode.dynamics.manifold.riemannian_hessian`), ``"auto"`` (dense up to ``max_dense`` tangent dimensions).
-    ``critical`` is reported per sample: RMS ``|T dE/dg| <= critical_tol``; away from a critical point the
-    classification describes the local curvature only.
+    :func:`et_ode.dynamics.manifold.riemannian_hessian`, or of ``euclidean_hessian`` for a Euclidean neuron),
+    ``"auto"`` (dense up to ``max_dense`` tangent dimensions). ``critical`` is reported per sample: RMS of the
+    gradient (``T dE/dg`` on the spheres) ``<= critical_tol``; away from a critical point the classification
+    describes the local curvature only.
     """
-    if not isinstance(field, ETField):
-        raise TypeError(f"field must be an et_ode.ETField, got {type(field).__name__}")
+    chart = chart_for(field)
     x = batched_states(x, field)
     batch, n, d = x.shape
-    dimension = n * (d - 2)
+    dimension = chart.dimension(n)
     method = ("dense" if dimension <= max_dense else "lanczos") if method == "auto" else method
     if method not in ("dense", "lanczos", "power"):
         raise ValueError(f"method must be 'auto', 'dense', 'lanczos' or 'power', got {method!r}")
-    g = field.model.neuron(x).detach()
-    apply, tangent_gradient = riemannian_hessian(field, g)
-    rms_tangent_gradient = tangent_gradient.square().mean(dim=(-1, -2)).sqrt()
-    rates = tangent_rates(field, x)
-    s, _ = radial_direction(g, field.model.neuron.delta.detach())
-
-    def project(w: Tensor) -> Tensor:
-        return tangent_projection(w, s)
+    apply, gradient = chart.hessian(x)
+    rms_tangent_gradient = gradient.square().mean(dim=(-1, -2)).sqrt()
+    project = chart.projector(x)
 
     eigenvalues = None
     if method == "dense":
-        matrix, _ = riemannian_hessian_matrix(field, x)
+        matrix = _dense_hessian(chart, field, x)
         eigenvalues = torch.linalg.eigvalsh((matrix + matrix.transpose(1, 2)) / 2)
         smallest, largest = eigenvalues[:, 0], eigenvalues[:, -1]
         jacobian, _ = g_jacobian(field, x)
@@ -304,14 +324,14 @@ def fixed_point_stability(
         residual = torch.zeros_like(smallest)
     else:
         smallest, largest, residual = extreme_eigenvalues(
-            apply, g, method=method, iterations=iterations, project=project, seed=seed
+            apply, x, method=method, iterations=iterations, project=project, seed=seed
         )
-        root = rates.sqrt()
+        root = chart.rate_root(x)
 
-        def scaled(w: Tensor) -> Tensor:  # -(1/tau) Lambda^(1/2) Hess_R Lambda^(1/2), same spectrum as J
-            return -root * apply(root * project(w)) / field.tau
+        def scaled(w: Tensor) -> Tensor:  # -(1/tau) R Hess R: the spectrum of J (Lambda^(1/2) Hess_R Lambda^(1/2))
+            return -root(apply(root(project(w)))) / field.tau
 
-        low, high, _ = extreme_eigenvalues(scaled, g, method=method, iterations=iterations, project=project, seed=seed + 1)
+        low, high, _ = extreme_eigenvalues(scaled, x, method=method, iterations=iterations, project=project, seed=seed + 1)
         rate_slowest, rate_fastest = high, low
     tol = _zero_tol(smallest, largest, rel_tol, abs_tol)
     samples = []
@@ -337,6 +357,7 @@ def fixed_point_stability(
         dimension=dimension,
         zero_tol=float(tol.max()),
         settings={"rel_tol": rel_tol, "abs_tol": abs_tol, "iterations": iterations, "critical_tol": critical_tol},
+        spheres=chart.name == "spheres",
     )
 
 

@@ -17,6 +17,7 @@ ImageNet size with batch 4 and 1.
     python benchmarks/field.py                # default, about 2-3 minutes on 2 cores
     python benchmarks/field.py --reps 30      # steadier medians
     python benchmarks/field.py --threads 1    # torch and XLA pinned to one core: steadier on a shared machine
+    python benchmarks/field.py --against ../other-checkout   # this tree's field beside another's, interleaved
     OMP_WAIT_POLICY=PASSIVE python benchmarks/field.py   # several threads on a shared machine (see below)
 
 On a machine shared with other jobs, torch's OpenMP threads spin at every barrier and lose their time slices to
@@ -28,7 +29,10 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -267,6 +271,77 @@ def bench_euler(size: Size, reps: int, with_jax: bool, steps: int = 12) -> list[
     return rows
 
 
+SIZES = {"digits": DIGITS, "mnist": MNIST, "imagenet4": IMAGENET, "imagenet1": IMAGENET.with_batch(1)}
+AGAINST_CALLS = ("dx/dt", "VJP")
+
+
+def serve(sizes: list[str]) -> None:
+    """The worker of ``--against``: the default field of every size in ``sizes`` (this process's ``et_ode``), timed on
+    request. Reads ``size call`` lines (indices into ``sizes`` and :data:`AGAINST_CALLS`) and answers each with the
+    seconds of one timed call, after one untimed call (the hand-over from the other worker)."""
+    fields, states, params = [], [], []
+    for name in sizes:
+        model = make_model(SIZES[name])
+        fields.append(et_ode.ETField(model))
+        states.append(initial_state(SIZES[name]))
+        params.append(tuple(model.parameters()))
+
+    def call(index: int, what: str) -> object:
+        if what == "dx/dt":
+            with torch.no_grad():
+                return fields[index](None, states[index])
+        x = states[index].clone().requires_grad_(True)
+        out = fields[index](None, x)
+        return torch.autograd.grad(out, (x, *params[index]), torch.ones_like(out))
+
+    print("ready", flush=True)
+    for line in sys.stdin:
+        index, what = int(line.split()[0]), AGAINST_CALLS[int(line.split()[1])]
+        call(index, what)
+        start = time.perf_counter()
+        call(index, what)
+        print(time.perf_counter() - start, flush=True)
+
+
+def against(other: Path, sizes: list[str], reps: int, threads: int | None) -> None:
+    """This tree's default field beside the one of the checkout at ``other``, at each size, in one interleaved run:
+    two worker processes (:func:`serve`, one ``et_ode`` each), asked in turn, the minimum over ``reps`` kept."""
+    here = Path(__file__).resolve().parents[1]
+    command = [sys.executable, str(Path(__file__).resolve()), "--serve", ",".join(sizes)]
+    command += ["--threads", str(threads)] if threads is not None else []
+    workers = {}
+    for label, root in (("this tree", here), (str(other), other.resolve())):
+        env = {**os.environ, "PYTHONPATH": str(root), "ET_ODE_THREAD_CHECK": "0"}
+        workers[label] = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        assert workers[label].stdout is not None and workers[label].stdout.readline().strip() == "ready"
+    times: dict[tuple[str, int, int], list[float]] = {}
+    for _ in range(reps):
+        for index in range(len(sizes)):
+            for call in range(len(AGAINST_CALLS)):
+                for label, worker in workers.items():
+                    assert worker.stdin is not None and worker.stdout is not None
+                    worker.stdin.write(f"{index} {call}\n")
+                    worker.stdin.flush()
+                    times.setdefault((label, index, call), []).append(float(worker.stdout.readline()))
+    for worker in workers.values():
+        assert worker.stdin is not None
+        worker.stdin.close()
+        worker.wait()
+    labels = list(workers)
+    rows = []
+    for index, name in enumerate(sizes):
+        for call, what in enumerate(AGAINST_CALLS):
+            mine, theirs = (min(times[(label, index, call)]) for label in labels)
+            rows.append([SIZES[name].name, SIZES[name].batch, what, ms(mine), ms(theirs), theirs / mine])
+    print(
+        table(
+            ["size", "batch", "call", f"ms ({labels[0]})", f"ms ({labels[1]})", "other / this"],
+            rows,
+            f"The default field, this tree against {labels[1]} (float32, min of {reps} interleaved repetitions)",
+        )
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reps", type=int, default=7, help="timed repetitions per candidate (median reported)")
@@ -286,8 +361,21 @@ def main() -> None:
         help="comma-separated subset of digits, mnist, imagenet4, imagenet1",
     )
     parser.add_argument("--stat", choices=["min", "median"], default="min", help="statistic over repetitions")
+    parser.add_argument(
+        "--against",
+        type=Path,
+        metavar="PATH",
+        help="only time this tree's default field (dx/dt and its VJP) beside the one of the checkout at PATH",
+    )
+    parser.add_argument("--serve", help=argparse.SUPPRESS)  # the worker of --against
     args = parser.parse_args()
     set_threads(args.threads)
+    if args.serve:
+        serve(args.serve.split(","))
+        return
+    if args.against is not None:
+        against(args.against, args.sizes.split(","), args.reps, args.threads)
+        return
     global STATISTIC
     STATISTIC = args.stat
     try:
@@ -303,8 +391,7 @@ def main() -> None:
     )
 
     rows = []
-    sizes = {"digits": DIGITS, "mnist": MNIST, "imagenet4": IMAGENET, "imagenet1": IMAGENET.with_batch(1)}
-    chosen = [sizes[name] for name in args.sizes.split(",")]
+    chosen = [SIZES[name] for name in args.sizes.split(",")]
     for size in chosen:
         print(f"timing the field: {size.name}, batch {size.batch} ...", flush=True)
         rows.extend(bench_size(size, args.reps, with_jax, args.compile))

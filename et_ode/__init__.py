@@ -4,10 +4,10 @@ from importlib.metadata import version as _version
 
 from et_ode.backend.memory import OutOfMemoryError
 from et_ode.dynamics.field import ETField
-from et_ode.energy.energies import EnergyAttention, HopfieldMemory
+from et_ode.energy.energies import EnergyAttention, HopfieldMemory, Interaction
 from et_ode.energy.masks import GraphMask
-from et_ode.energy.model import EnergyTransformer
-from et_ode.energy.neurons import LayerNormNeuron
+from et_ode.energy.model import EnergyModel, EnergyTransformer
+from et_ode.energy.neurons import IdentityNeuron, LayerNormNeuron, Neuron
 from et_ode.equilibrium.attractor import Attractor, AttractorError, AttractorReadout, find_attractor
 from et_ode.integrators.solution import Solution, SolveError, SolveStats, Status
 from et_ode.integrators.solvers import METHODS, Adaptive, EulerET, Fixed
@@ -33,9 +33,13 @@ __all__ = [
     "ETField",
     "GraphMask",
     "EnergyAttention",
+    "EnergyModel",
     "EnergyTransformer",
     "HopfieldMemory",
+    "IdentityNeuron",
+    "Interaction",
     "LayerNormNeuron",
+    "Neuron",
     "Solution",
     "SolveError",
     "SolveStats",

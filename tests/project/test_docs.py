@@ -57,6 +57,7 @@ def test_the_guides_have_their_blocks() -> None:
         "guides/solving.md",
         "guides/gradients.md",
         "guides/attractors.md",
+        "guides/own-energy.md",
         "guides/analysis.md",
         "guides/tasks.md",
         "guides/cli.md",

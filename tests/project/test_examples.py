@@ -89,3 +89,10 @@ def test_complete_photos(tmp_path):
     )
     assert "test masked-patch MSE on 16 tiles of held-out photographs" in out and "biharmonic" in out
     assert (tmp_path / "evaluation" / "completions.npz").is_file()
+
+
+def test_emergent_memories(tmp_path):  # the log-sum-ReLU reproduction of docs/guides/own-energy.md
+    out = run("emergent_memories.py", "--out", str(tmp_path / "emergent.png"), "--grid", "31")
+    assert "counts match the paper's Fig. 1 in every panel" in out
+    assert "2 | 1.1 | 3 + 4 | 3 + 4 |" in out and "1 | 0.9 | 2 + 1 | 2 + 1 |" in out
+    assert (tmp_path / "emergent.png").stat().st_size > 0

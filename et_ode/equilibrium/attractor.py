@@ -16,14 +16,10 @@ phases, per sample:
    whose Newton point is converged and stable but not yet tied to the flow is tested against it between the flow's
    segments, and certified there as soon as the flow is in its basin.
 
-Any energy model works the same way; the geometry follows its neuron: a neuron of Euclidean geometry (such as
-:class:`~et_ode.energy.neurons.IdentityNeuron`, ``g = x``) has its attractors at fixed points in ``x``, so phase 2 is
-Newton in ``x`` for every sample (``geometry="x"``) and the flow needs no rescaling.
-
 A sample still not certified after the last level keeps its status (``"unsettled"``, ``"saddle"``, ...):
 ``find_attractor`` never reports another point as the flow's own. On the spheres the returned ``x`` has every token
-centred at a scale ``S`` where ``eps / S^2`` is below rounding, so ``g`` lies on the limit spheres (a flow continued
-from it is slowed by ``1/S``: rescale first).
+centred at a scale ``S`` where ``eps / S^2`` is below rounding, so ``g`` lies on the limit spheres (rescale it before
+flowing on). A neuron of Euclidean geometry (e.g. the identity) has its attractors at fixed points in ``x``.
 
 ``Attractor.g`` is differentiable with respect to the model's parameters by the implicit function theorem at
 certified points (:func:`et_ode.equilibrium.implicit.implicit_attractor`); other samples refuse (:class:`AttractorError`).

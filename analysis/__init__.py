@@ -10,8 +10,9 @@ Installed as ``et_ode.analysis``. Typical use::
 Critical points of any index (``census``, ``newton_critical_point``, ``saddle_from_minimum``), the saddle
 network (``saddle_network``), basins (``basin_map``, ``attractor_census``), the asymptotic exponent
 (``predicted_exponent``, ``measured_exponent``), spectra along trajectories (``hessian_along``,
-``lyapunov_spectrum``) and continuation (``continue_branch``) work on one state ``(N, D)`` on the flow's limit
-spheres (radius ``gamma sqrt(D)``, where :func:`et_ode.find_attractor` places its points).
+``lyapunov_spectrum``) and continuation (``continue_branch``) work on one state ``(N, D)`` in the chart of the
+model's neuron (``chart_for``): on the flow's limit spheres for LayerNorm (radius ``gamma sqrt(D)``, where
+:func:`et_ode.find_attractor` places its points), in ``x`` for a Euclidean neuron.
 
 Or everything at once, written to a folder: ``analyze(model, x0, integration, out="runs/analyze")``.
 """
@@ -19,6 +20,7 @@ Or everything at once, written to a folder: ``analyze(model, x0, integration, ou
 from et_ode.analysis.asymptotics import MeasuredRate, PredictedRate, measured_exponent, plot_asymptotics, predicted_exponent
 from et_ode.analysis.basin_probes import BasinProbe, basin_probe, flow
 from et_ode.analysis.basins import AttractorCensus, BasinMap, attractor_census, basin_map, plot_basin_map, wilson_interval
+from et_ode.analysis.chart import Chart, chart_for
 from et_ode.analysis.connections import Connection, Network, disconnectivity, plot_disconnectivity, saddle_network
 from et_ode.analysis.continuation import Bifurcation, Branch, continue_branch, plot_bifurcation_diagram
 from et_ode.analysis.convergence import (
@@ -76,6 +78,7 @@ __all__ = [
     "Bifurcation",
     "Branch",
     "Census",
+    "Chart",
     "Connection",
     "ConvergenceReport",
     "ConvergenceTraces",
@@ -102,6 +105,7 @@ __all__ = [
     "basin_map",
     "basin_probe",
     "census",
+    "chart_for",
     "check_lyapunov",
     "classify",
     "continue_branch",

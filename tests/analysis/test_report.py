@@ -116,7 +116,7 @@ def test_run_analyze_and_bad_inputs(tmp_path: Path):
         analyze(model, torch.zeros(2, 3, 5), out=tmp_path / "bad", progress=False)
     with pytest.raises(TypeError, match="x0 must be a tensor"):
         analyze(model, tmp_path / "x0.pt", out=tmp_path / "bad", progress=False)
-    with pytest.raises(TypeError, match="model must be an et_ode.EnergyTransformer"):
+    with pytest.raises(TypeError, match=r"model must be an et_ode.EnergyModel \(such as an EnergyTransformer\), got int"):
         analyze(42, torch.zeros(2, 3, 8), out=tmp_path / "bad", progress=False)
     with pytest.raises(TypeError, match="integration must be an et_ode.Integration"):
         analyze(model, torch.zeros(2, 3, 8), "dopri5", out=tmp_path / "bad", progress=False)

@@ -105,7 +105,7 @@ class ETField(nn.Module):
     Raises:
         TypeError: ``model`` is not an EnergyModel, or ``tau`` not a real number.
         ValueError: ``tau`` is not positive and finite, ``derivative`` or ``backend`` is unknown, or
-            ``backend="fused"`` with ``derivative="autograd"``.
+            ``backend="fused"`` with ``derivative="autograd"`` or a model that is not an EnergyTransformer.
     """
 
     def __init__(

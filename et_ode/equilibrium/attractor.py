@@ -18,8 +18,8 @@ phases, per sample:
 
 A sample still not certified after the last level keeps its status (``"unsettled"``, ``"saddle"``, ...):
 ``find_attractor`` never reports another point as the flow's own. On the spheres the returned ``x`` has every token
-centred at a scale ``S`` where ``eps / S^2`` is below rounding, so ``g`` lies on the limit spheres (rescale it before
-flowing on). A neuron of Euclidean geometry (e.g. the identity) has its attractors at fixed points in ``x``.
+centred at a scale ``S`` where ``eps / S^2`` is below rounding, so ``g`` lies on the limit spheres (a flow continued
+from it is slowed by ``1/S``: rescale first).
 
 ``Attractor.g`` is differentiable with respect to the model's parameters by the implicit function theorem at
 certified points (:func:`et_ode.equilibrium.implicit.implicit_attractor`); other samples refuse (:class:`AttractorError`).
@@ -174,6 +174,9 @@ def find_attractor(
     seed: int = 0,
 ) -> Attractor:
     """The attractor of the flow ``tau dx/dt = -dE/dg`` that starts at ``x0``, certified, or a status saying why not.
+
+    Any energy model: the geometry follows its neuron, and a neuron of Euclidean geometry (e.g. the identity) has its
+    attractors at fixed points in ``x`` (``geometry="x"`` for every sample, no rescaling of the flow).
 
     Args:
         field: the vector field (its bound mask is used: ``(N, N)`` or ``(*batch, N, N)``).

@@ -103,8 +103,8 @@ def riemannian_hessian(field: ETField, g: Tensor) -> tuple[Callable[[Tensor], Te
 
 def euclidean_hessian(field: ETField, x: Tensor) -> tuple[Callable[[Tensor], Tensor], Tensor, Tensor]:
     """The Hessian of ``F(x) = E(g(x))`` as an operator on the vectors the neuron's :meth:`~et_ode.Neuron.project`
-    keeps (centred ``x`` for LayerNorm, every ``x`` for the identity), ``dF/dx = M dE/dg``, and the ``dE/dg`` it was
-    made from (one evaluation for all three).
+    keeps (centred ``x`` for LayerNorm, every ``x`` for the identity), ``dF/dx = M dE/dg``, and the ``dE/dg`` behind
+    both (one evaluation for all three).
 
     ``Hess F u = M H M u + d/dx[M(x) c] u`` with ``c = dE/dg`` held fixed (the third derivative of the
     Lagrangian, by autograd of the neuron's ``hessian_vector``). Where ``x`` is a fixed point of the flow

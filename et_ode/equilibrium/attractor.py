@@ -18,8 +18,7 @@ phases, per sample:
 
 A sample still not certified after the last level keeps its status (``"unsettled"``, ``"saddle"``, ...):
 ``find_attractor`` never reports another point as the flow's own. On the spheres the returned ``x`` has every token
-centred at a scale ``S`` where ``eps / S^2`` is below rounding, so ``g`` lies on the limit spheres (a flow continued
-from it is slowed by ``1/S``: rescale first).
+centred at a scale ``S`` where ``eps / S^2`` is below rounding, so ``g`` lies on the limit spheres (rescale first).
 
 ``Attractor.g`` is differentiable with respect to the model's parameters by the implicit function theorem at
 certified points (:func:`et_ode.equilibrium.implicit.implicit_attractor`); other samples refuse (:class:`AttractorError`).

@@ -95,7 +95,7 @@ def riemannian_hessian(field: ETField, g: Tensor) -> tuple[Callable[[Tensor], Te
 
 def euclidean_hessian(field: ETField, x: Tensor) -> tuple[Callable[[Tensor], Tensor], Tensor, Tensor]:
     """The Hessian of ``F(x) = E(LayerNorm(x))`` on centred ``x`` as an operator, ``dF/dx = M dE/dg``, and the
-    ``dE/dg`` it was made from (one evaluation for all three).
+    ``dE/dg`` it is built from (one evaluation for all three).
 
     ``Hess F u = M H M u + d/dx[M(x) c] u`` with ``c = dE/dg`` held fixed (the third derivative of the
     Lagrangian, by autograd of :meth:`LayerNormNeuron.hessian_vector`). Where ``x`` is a fixed point of the flow

@@ -774,7 +774,7 @@ def _take(found: Attractor, index: Tensor, *, settled: bool = False) -> Attracto
 
 def _basin_watch(field: ETField, candidates: Attractor, tol: float) -> Callable[[Tensor, Tensor], Tensor]:
     """The flow phase's watch for the samples whose last examination found a converged stable point that the basin
-    test could not yet tie to the flow (status ``"unsettled"``): whether the flow, now at ``x``, is in its basin
+    test could not yet tie to the flow (status ``"unsettled"``): whether the flow, at ``x``, is in its basin
     (:func:`basin_settled`), so that it stops there instead of at the next hand-off level."""
     waiting = torch.tensor([status == "unsettled" for status in candidates.status], dtype=torch.bool)
 

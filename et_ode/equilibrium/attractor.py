@@ -15,7 +15,6 @@ phases, per sample:
    hand-off point. A sample that is not certified flows on to a level ten times lower and is examined again; one
    whose Newton point is converged and stable but not yet tied to the flow is tested against it between the flow's
    segments, and certified there as soon as the flow is in its basin.
-
 A sample still not certified after the last level keeps its status (``"unsettled"``, ``"saddle"``, ...):
 ``find_attractor`` never reports another point as the flow's own. On the spheres the returned ``x`` has every token
 centred at a scale ``S`` where ``eps / S^2`` is below rounding, so ``g`` lies on the limit spheres (rescale first).

@@ -21,7 +21,7 @@ from et_ode.integrators.solvers import AdaptiveMethod
 def flow(
     field: ETField,
     x: Tensor,
-    duration: float,
+    t1: float,
     *,
     segments: int = 1,
     restart: bool = True,
@@ -29,7 +29,7 @@ def flow(
     rtol: float = 1e-7,
     atol: float = 1e-9,
 ) -> Tensor:
-    """Integrate the dynamics for ``segments`` consecutive spans of ``duration / segments``; with
+    """Integrate the dynamics from 0 to ``t1`` in ``segments`` consecutive spans of ``t1 / segments``; with
     ``restart`` each span starts from ``shrink_scale(x)`` (each sample shrunk by one factor to token scales of at
     most 1: the same path of ``g``, undone slow-down; a Euclidean neuron's flow has none to undo). Returns the
     final ``x``."""
@@ -37,7 +37,7 @@ def flow(
     for _ in range(segments):
         if restart:
             x = chart.rescaled(x)
-        x = solve(field, x, (0.0, duration / segments), solver=Adaptive(method, rtol, atol), save="final").x.detach()
+        x = solve(field, x, (0.0, t1 / segments), solver=Adaptive(method, rtol, atol), save="final").x.detach()
     return x
 
 
@@ -61,7 +61,7 @@ def basin_probe(
     *,
     radii: list[float] | None = None,
     trials: int = 4,
-    duration: float = 20.0,
+    t1: float = 20.0,
     segments: int = 10,
     shrink: float = 0.5,
     seed: int = 0,
@@ -70,7 +70,7 @@ def basin_probe(
     progress: bool = False,
 ) -> BasinProbe:
     """Perturb the fixed point(s) ``x_star`` (``(B, N, D)``) with random tangent noise of growing size and
-    follow the dynamics (with scale restarts, see :func:`flow`) for ``duration``.
+    follow the dynamics (with scale restarts, see :func:`flow`) from 0 to ``t1``.
 
     ``radii`` default: ``0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1``.
     """
@@ -97,7 +97,7 @@ def basin_probe(
         perturbed = chart.retract(starts, w)
         with torch.no_grad():
             initial = (chart.coordinates(perturbed) - target).square().mean(dim=(-1, -2)).sqrt()
-        end = flow(field, perturbed, duration, segments=segments, rtol=rtol, atol=atol)
+        end = flow(field, perturbed, t1, segments=segments, rtol=rtol, atol=atol)
         with torch.no_grad():
             distance = (chart.coordinates(end) - target).square().mean(dim=(-1, -2)).sqrt()
         back = (distance <= shrink * initial).reshape(trials, batch)

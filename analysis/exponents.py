@@ -43,7 +43,7 @@ def lyapunov_exponent(
     field: ETField,
     x0: Tensor,
     *,
-    duration: float = 10.0,
+    t1: float = 10.0,
     renormalizations: int = 20,
     d0: float = 1e-6,
     restart: bool = False,
@@ -56,7 +56,7 @@ def lyapunov_exponent(
 ) -> LyapunovExponent:
     """Benettin's method: the growth rate of a small tangent perturbation of ``g`` (size ``d0``).
 
-    The pair (reference, perturbed) is integrated together for ``duration`` in ``renormalizations`` spans;
+    The pair (reference, perturbed) is integrated together from 0 to ``t1`` in ``renormalizations`` spans;
     after each, the g-distance ``d`` is measured, ``log(d / d0)`` accumulated and the perturbation of ``x``
     rescaled to ``d0``. Negative: nearby trajectories converge.
 
@@ -74,8 +74,8 @@ def lyapunov_exponent(
     from tqdm.auto import tqdm
 
     x = batched_states(x0, field)
-    if not (duration > 0 and d0 > 0):
-        raise ValueError(f"duration and d0 must be positive, got duration={duration}, d0={d0}")
+    if not (t1 > 0 and d0 > 0):
+        raise ValueError(f"t1 and d0 must be positive, got t1={t1}, d0={d0}")
     chart = chart_for(field)
     if restart:
         x = chart.canonical(x)
@@ -84,7 +84,7 @@ def lyapunov_exponent(
     w = w * d0 / per_sample(sample_dot(w, w).sqrt(), w)
     pair = torch.cat([x, x + chart.displacement(x, w)])
     fixed_scale = chart.steady_field()
-    span = duration / renormalizations
+    span = t1 / renormalizations
     logs, times = [], []
     total = torch.zeros(x.shape[0], dtype=torch.float64)
     batch = x.shape[0]
@@ -119,5 +119,5 @@ def lyapunov_exponent(
     times_tensor = torch.tensor(times, dtype=torch.float64)
     half = renormalizations // 2 - 1
     before = running[half] * times_tensor[half] if half >= 0 else torch.zeros_like(total)
-    late = (total - before) / (duration - (times_tensor[half] if half >= 0 else 0.0))
-    return LyapunovExponent(exponent=total / duration, times=times_tensor, running=running, d0=d0, late=late)
+    late = (total - before) / (t1 - (times_tensor[half] if half >= 0 else 0.0))
+    return LyapunovExponent(exponent=total / t1, times=times_tensor, running=running, d0=d0, late=late)

@@ -38,12 +38,12 @@ KINDS: tuple[Kind, ...] = get_args(Kind)
 
 @dataclass
 class Violation:
-    """One failed check: ``size`` exceeded ``allowed`` on ``[t_start, t_end]`` (equal times: at one state)."""
+    """One failed check: ``size`` exceeded ``allowed`` on ``[t0, t1]`` (equal times: at one state)."""
 
     sample: int
     kind: Kind
-    t_start: float
-    t_end: float
+    t0: float
+    t1: float
     size: float
     allowed: float
 
@@ -107,7 +107,7 @@ class LyapunovReport:
         if self.violations:
             lines += ["", "| sample | kind | t start | t end | size | allowed |", "|---|---|---|---|---|---|"]
             for v in self.violations[:max_rows]:
-                lines.append(f"| {v.sample} | {v.kind} | {v.t_start:.6g} | {v.t_end:.6g} | {v.size:.3g} | {v.allowed:.3g} |")
+                lines.append(f"| {v.sample} | {v.kind} | {v.t0:.6g} | {v.t1:.6g} | {v.size:.3g} | {v.allowed:.3g} |")
             if len(self.violations) > max_rows:
                 lines.append(f"| ... | {len(self.violations) - max_rows} more | | | | |")
         return "\n".join(lines)
@@ -305,7 +305,7 @@ def check_lyapunov(
             )
     relative = mismatch / (integral.abs() + allowed).clamp_min(finfo.tiny)
     relative[~torch.isfinite(relative)] = math.inf
-    violations.sort(key=lambda v: (v.sample, v.t_start, KINDS.index(v.kind)))
+    violations.sort(key=lambda v: (v.sample, v.t0, KINDS.index(v.kind)))
     flagged = {v.sample for v in violations}
     off_rate = {v.sample for v in violations if v.kind == "dE/dt mismatch"}
     not_descending = {v.sample for v in violations if v.kind != "dE/dt mismatch"}

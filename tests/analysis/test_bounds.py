@@ -43,4 +43,4 @@ def test_lyapunov_exponent_restart_spans_have_a_budget():
     field = _field()
     x0 = torch.randn(1, 3, 8, dtype=torch.float64) * 1e30
     with pytest.raises(SolveError, match=r"lyapunov_exponent \(restart\)|solve failed"):
-        lyapunov_exponent(field, x0, duration=1e9, renormalizations=1, restart=True, max_steps=20)
+        lyapunov_exponent(field, x0, t1=1e9, renormalizations=1, restart=True, max_steps=20)

@@ -48,7 +48,7 @@ def test_flags_euler_step_far_too_large():
     assert all(not ok for ok in report.follows_rate)
     assert {v.kind for v in report.violations} <= {"dE/dt mismatch", "energy rise"}
     first = [v for v in report.violations if v.sample == 0][0]
-    assert first.t_start == pytest.approx(0.0) and first.t_end == pytest.approx(3.0)  # the first step is caught
+    assert first.t0 == pytest.approx(0.0) and first.t1 == pytest.approx(3.0)  # the first step is caught
     assert first.size > first.allowed
     # the same model with a small step follows the ODE
     fine = check_lyapunov(solve(field, x0, solver=EulerET(0.002, 200)))
@@ -71,7 +71,7 @@ def test_flags_negative_gamma():
     kinds = {v.kind for v in report.violations}
     assert {"M not PSD", "dE/dt > 0", "energy rise"} <= kinds
     rise = [v for v in report.violations if v.kind == "energy rise"][0]
-    k = int(torch.isclose(solution.ts, torch.tensor(rise.t_start, dtype=solution.ts.dtype)).nonzero()[0])
+    k = int(torch.isclose(solution.ts, torch.tensor(rise.t0, dtype=solution.ts.dtype)).nonzero()[0])
     assert float(solution.energies[k + 1, rise.sample] - solution.energies[k, rise.sample]) == pytest.approx(rise.size)
     assert "NO" in report.table()
 

@@ -57,7 +57,7 @@ def test_restarted_lyapunov_exponent_is_unbiased_at_a_minimum(minimum):
     field, x_star, eigenvalues = minimum
     gamma = float(field.model.neuron.gamma.detach())
     expected = -gamma * float(eigenvalues[0]) / TAU
-    result = lyapunov_exponent(field, x_star, duration=60.0, renormalizations=20, restart=True)
+    result = lyapunov_exponent(field, x_star, t1=60.0, renormalizations=20, restart=True)
     assert float(result.late[0]) == pytest.approx(expected, rel=1e-4)
     assert float(result.exponent[0]) == pytest.approx(expected, rel=0.2)  # carries the start's transient, ~1/T
     assert float(result.exponent[0]) < float(result.late[0])

@@ -192,12 +192,12 @@ def test_basin_and_lyapunov_exponent_distinguish_minimum_and_saddle():
     model = one_token_model()
     field = ETField(model)
     minimum, saddle = U1[None, None] * 3.0, U3[None, None] * 3.0
-    probe_min = basin_probe(field, minimum, radii=[0.01, 0.1], trials=3, duration=10.0)
-    probe_saddle = basin_probe(field, saddle, radii=[0.01, 0.1], trials=3, duration=10.0)
+    probe_min = basin_probe(field, minimum, radii=[0.01, 0.1], trials=3, t1=10.0)
+    probe_saddle = basin_probe(field, saddle, radii=[0.01, 0.1], trials=3, t1=10.0)
     assert probe_min.radius == [0.1] and probe_saddle.radius == [0.0]
     assert float(probe_saddle.returned.max()) == 0.0
-    at_min = lyapunov_exponent(field, minimum, duration=4.0, renormalizations=8, restart=True)
-    at_saddle = lyapunov_exponent(field, saddle, duration=4.0, renormalizations=8, restart=True, seed=1)
+    at_min = lyapunov_exponent(field, minimum, t1=4.0, renormalizations=8, restart=True)
+    at_saddle = lyapunov_exponent(field, saddle, t1=4.0, renormalizations=8, restart=True, seed=1)
     assert float(at_min.exponent[0]) < 0 < float(at_saddle.exponent[0])
     # with sigma reset to 1 the tangential rate of M is gamma: at the minimum perturbations decay like
     # exp(-gamma lambda_min t); at the saddle they grow at most like exp(gamma |lambda_neg| t)

@@ -120,13 +120,11 @@ class ImageRunConfig:
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> ImageRunConfig:
         values = dict(values)
-        integration = Integration.from_dict(values.pop("integration"))
-        attractor = values.pop("attractor", None)
-        train = TrainConfig(**values.pop("train"))
+        attractor = values.pop("attractor")
         return cls(
-            integration=integration,
+            integration=Integration.from_dict(values.pop("integration")),
             attractor=None if attractor is None else settings_from_dict(attractor),
-            train=train,
+            train=TrainConfig(**values.pop("train")),
             **values,
         )
 

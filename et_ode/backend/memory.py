@@ -26,7 +26,12 @@ _OVERFLOW = "Storage size calculation overflowed"  # sizes whose byte count exce
 
 class OutOfMemoryError(MemoryError):
     """An allocation the machine could not make: the message names what is too large (the argument and its size)
-    and the bytes asked for; ``requested`` holds those bytes (None where the allocator did not say)."""
+    and the bytes asked for; ``requested`` holds those bytes (None where the allocator did not say).
+
+    Args:
+        message: what is too large: the argument, its size and the bytes asked for.
+        requested: the bytes asked for, or None where the allocator did not say.
+    """
 
     def __init__(self, message: str, requested: int | None = None):
         super().__init__(message)

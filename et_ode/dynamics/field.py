@@ -152,11 +152,23 @@ class ETField(nn.Module):
 
     def count_evaluations(self, evaluations: int = 1) -> None:
         """Add ``evaluations`` to ``nfe``: for methods that evaluate ``dE/dg`` (or a Hessian-vector product) through
-        :meth:`dE_dg` rather than ``forward``, so that ``nfe`` counts all the work done with this field."""
+        :meth:`dE_dg` rather than ``forward``, so that ``nfe`` counts all the work done with this field.
+
+        Args:
+            evaluations: the number of evaluations to add.
+        """
         self.evaluations.add(evaluations)
 
     def with_mask(self, mask: Mask) -> ETField:
-        """A copy of this field bound to ``mask``, sharing the model and the evaluation counter."""
+        """A copy of this field bound to ``mask``, sharing the model and the evaluation counter.
+
+        Args:
+            mask: boolean ``(N, N)`` or ``(*batch, N, N)`` (True where a query may attend to a key), a
+                :class:`~et_ode.GraphMask`, or None (all pairs allowed).
+
+        Returns:
+            The bound field.
+        """
         bound = copy.copy(self)
         bound.__dict__["mask"] = mask
         return bound
@@ -165,30 +177,65 @@ class ETField(nn.Module):
         """This field for the samples ``index`` of the leading batch dimension (a flattened batch ``(B, N, D)``):
         a per-sample mask ``(B, N, N)`` is cut to ``mask[index]``; a shared mask (``(N, N)``, a
         :class:`~et_ode.GraphMask`, None) serves every sample and is kept. Shares the model and the evaluation
-        counter (:meth:`with_mask`)."""
+        counter (:meth:`with_mask`).
+
+        Args:
+            index: the samples, as for indexing a tensor's first dimension.
+
+        Returns:
+            The field for those samples.
+        """
         mask = self.mask
         return self.with_mask(mask[index]) if isinstance(mask, Tensor) and mask.dim() > 2 else self
 
     # -- the dynamics ------------------------------------------------------------------------------
     def activation(self, x: Tensor) -> Tensor:
-        """``g = neuron(x)``: ``(..., N, D) -> (..., N, D)``; on the fused path by the one-kernel ``layer_norm``
-        (the same formula as the LayerNorm neuron)."""
+        """``g = neuron(x)``; on the fused path by the one-kernel ``layer_norm`` (the same formula as the LayerNorm
+        neuron).
+
+        Args:
+            x: states ``(..., N, D)``.
+
+        Returns:
+            ``g``, ``(..., N, D)``.
+        """
         neuron = self.model.neuron
         if self.fused is None or type(neuron) is not LayerNormNeuron:
             return neuron(x)
         return F.layer_norm(x, (neuron.dim,), neuron.gamma.expand(neuron.dim), neuron.delta, neuron.eps)
 
     def energy_g(self, g: Tensor) -> Tensor:
-        """Total energy per sample as a function of ``g``, with the bound mask: ``(..., N, D) -> (...)``."""
+        """Total energy per sample as a function of ``g``, with the bound mask.
+
+        Args:
+            g: activations ``(..., N, D)``.
+
+        Returns:
+            The energy per sample, ``(...)``.
+        """
         return self.model._energy_g(g, self.mask)
 
     def energy(self, x: Tensor) -> Tensor:
-        """Total energy per sample of the state ``x``, with the bound mask: ``(..., N, D) -> (...)``."""
+        """Total energy per sample of the state ``x``, with the bound mask.
+
+        Args:
+            x: states ``(..., N, D)``.
+
+        Returns:
+            The energy per sample, ``(...)``.
+        """
         return self.energy_g(self.model.neuron(x))
 
     def dE_dg(self, g: Tensor) -> Tensor:
-        """``dE/dg`` by the chosen derivative and back end, with the bound mask: ``(..., N, D) -> (..., N, D)``.
-        Not counted in ``nfe`` (see :meth:`count_evaluations`)."""
+        """``dE/dg`` by the chosen derivative and back end, with the bound mask. Not counted in ``nfe`` (see
+        :meth:`count_evaluations`).
+
+        Args:
+            g: activations ``(..., N, D)``.
+
+        Returns:
+            ``dE/dg``, ``(..., N, D)``.
+        """
         if self.derivative == "analytic":
             mask = self.mask
             if self.fused is not None and not isinstance(mask, GraphMask) and self.fused.supports(g, mask):
@@ -203,12 +250,27 @@ class ETField(nn.Module):
         return grad
 
     def forward(self, t: Tensor | None, x: Tensor) -> Tensor:
-        """``dx/dt``, shape of ``x``. Counted in ``nfe``."""
+        """``dx/dt`` at ``x``, the right-hand side an ODE solver calls. Counted in ``nfe``.
+
+        Args:
+            t: the time (unused: the field is autonomous).
+            x: states ``(..., N, D)``.
+
+        Returns:
+            ``dx/dt``, ``(..., N, D)``.
+        """
         self.evaluations.add()
         return self.velocity(x)
 
     def velocity(self, x: Tensor) -> Tensor:
-        """``dx/dt = -(1/tau) dE/dg`` at ``x`` (shape of ``x``), not counted in ``nfe``."""
+        """``dx/dt = -(1/tau) dE/dg`` at ``x``, not counted in ``nfe``.
+
+        Args:
+            x: states ``(..., N, D)``.
+
+        Returns:
+            ``dx/dt``, ``(..., N, D)``.
+        """
         g = self.activation(x)
         mask = self.mask
         if (
@@ -231,8 +293,18 @@ class ETField(nn.Module):
 
     # -- diagnostics (not counted in ``nfe``) ------------------------------------------------------
     def dg_dt(self, x: Tensor, velocity: Tensor | None = None) -> Tensor:
-        """``dg/dt = M dx/dt`` (the motion of the attractor's coordinates): shape of ``x``. ``velocity``: ``dx/dt``
-        at ``x`` when already computed (then ``x`` is not validated again)."""
+        """``dg/dt = M dx/dt``, the motion of the attractor's coordinates.
+
+        Args:
+            x: states ``(..., N, D)``.
+            velocity: ``dx/dt`` at ``x`` when already computed (then ``x`` is not validated again), or None.
+
+        Returns:
+            ``dg/dt``, ``(..., N, D)``.
+
+        Raises:
+            TypeError, ValueError: ``x`` (without ``velocity``) is not a valid state of the model (named ``x``).
+        """
         if velocity is None:
             velocity = self.velocity(self._checked(x))
         return self.model.neuron.hessian_vector(x, velocity)
@@ -242,7 +314,15 @@ class ETField(nn.Module):
         (the LayerNorm neuron) ``T dE/dg``: ``dE/dg`` with each token's mean and radial component (along
         ``s_A = (g_A - delta) / r_A``) removed, the gradient of ``E`` on the product of per-token spheres (see
         :mod:`et_ode.dynamics.manifold`); for a Euclidean neuron ``dE/dg`` without the directions every ``M_A``
-        annihilates (:meth:`~et_ode.Neuron.project`). ``velocity`` as in :meth:`dg_dt`."""
+        annihilates (:meth:`~et_ode.Neuron.project`).
+
+        Args:
+            x: states ``(..., N, D)``.
+            velocity: as in :meth:`dg_dt`.
+
+        Returns:
+            The tangent gradient, ``(..., N, D)``.
+        """
         neuron = self.model.neuron
         g = neuron(x if velocity is not None else self._checked(x))
         grad = self.dE_dg(g) if velocity is None else velocity * -self.tau
@@ -252,16 +332,39 @@ class ETField(nn.Module):
         return tangent_projection(grad, s)
 
     def rms_dg_dt(self, x: Tensor, velocity: Tensor | None = None) -> Tensor:
-        """Root-mean-square of ``dg/dt`` over tokens and elements, per sample: ``(..., N, D) -> (...)``."""
+        """Root-mean-square of ``dg/dt`` over tokens and elements, per sample.
+
+        Args:
+            x: states ``(..., N, D)``.
+            velocity: as in :meth:`dg_dt`.
+
+        Returns:
+            RMS ``|dg/dt|``, ``(...)``.
+        """
         return _rms(self.dg_dt(x, velocity))
 
     def rms_tangent_gradient(self, x: Tensor, velocity: Tensor | None = None) -> Tensor:
-        """Root-mean-square of :meth:`tangent_gradient` over tokens and elements, per sample: ``(..., N, D) -> (...)``."""
+        """Root-mean-square of :meth:`tangent_gradient` over tokens and elements, per sample.
+
+        Args:
+            x: states ``(..., N, D)``.
+            velocity: as in :meth:`dg_dt`.
+
+        Returns:
+            RMS ``|T dE/dg|`` (on the spheres), ``(...)``.
+        """
         return _rms(self.tangent_gradient(x, velocity))
 
     def dE_dt(self, x: Tensor, velocity: Tensor | None = None) -> Tensor:
-        """The exact ``dE/dt = -(1/tau) sum_A (dE/dg_A)^T M_A (dE/dg_A)`` per sample, shape ``x.shape[:-2]``.
-        ``velocity`` as in :meth:`dg_dt` (then ``dE/dt = -tau sum_A dx/dt_A . M_A dx/dt_A``, no evaluation)."""
+        """The exact ``dE/dt = -(1/tau) sum_A (dE/dg_A)^T M_A (dE/dg_A)`` per sample.
+
+        Args:
+            x: states ``(..., N, D)``.
+            velocity: as in :meth:`dg_dt` (then ``dE/dt = -tau sum_A dx/dt_A . M_A dx/dt_A``, no evaluation).
+
+        Returns:
+            ``dE/dt``, ``(...)``.
+        """
         if velocity is not None:
             return -self.tau * (velocity * self.dg_dt(x, velocity)).sum(dim=(-1, -2))
         self._checked(x)

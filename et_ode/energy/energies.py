@@ -73,6 +73,20 @@ class EnergyAttention(Interaction):
 
     ``beta`` (shape ``(H,)``) is a constant, not a weight: it stays float64 whatever dtype the module is
     moved to, so a float64 model holds ``1/sqrt(Y)`` exactly; it is rounded to the computation's dtype where used.
+
+    Args:
+        dim: token dimension ``D``.
+        heads: attention heads ``H``.
+        head_dim: key and query dimension ``Y``.
+        beta: inverse temperature, one for all heads or one per head ``(H,)``; default ``1/sqrt(Y)``.
+        self_attention: whether a token attends to itself.
+        init_std: standard deviation of the initial ``WK``, ``WQ``; default ``1/sqrt(D)``.
+        dtype: dtype of the weights.
+        device: device of the weights.
+
+    Raises:
+        ValueError: ``dim``, ``heads``, ``head_dim`` not positive integers, or ``beta`` not positive (or not one per
+            head).
     """
 
     beta: Tensor  # (H,) float64 buffer, registered in __init__
@@ -254,6 +268,18 @@ class HopfieldMemory(Interaction):
     - ``"softplus"``: ``E = -1/2 sum r(h)^2`` with the smooth rectifier
       ``r(h) = softplus(s h) / s`` (``s = beta``, default 4): a C-infinity stand-in for ReLU.
     - ``"softmax"``: ``E = -(1/beta) sum_B log sum_mu exp(beta h[B, mu])`` (``beta`` default 1).
+
+    Args:
+        dim: token dimension ``D``.
+        memories: number of memories ``M`` (``xi`` has shape ``(M, D)``).
+        form: ``"relu"``, ``"softplus"`` or ``"softmax"``.
+        beta: sharpness of ``"softplus"`` or inverse temperature of ``"softmax"``; default the form's.
+        init_std: standard deviation of the initial ``xi``; default ``1/sqrt(D)``.
+        dtype: dtype of ``xi``.
+        device: device of ``xi``.
+
+    Raises:
+        ValueError: an unknown ``form``, or ``memories`` or ``beta`` not positive.
     """
 
     def __init__(

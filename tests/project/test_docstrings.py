@@ -6,11 +6,15 @@ docs/performance.md and the benchmarks' output).
 Every module of ``et_ode/`` and ``analysis/`` is parsed with ``ast`` (docstrings) and ``tokenize`` (comments). The
 patterns are narrow enough that the mathematics passes: tolerances such as "1e-8 in float64", a "95% interval",
 "the faster modes", names like ``measured_exponent``; the tests at the end check both sides on sample sentences.
+Every callable of ``et_ode.__all__`` names each of its arguments in an ``Args:`` section (``Attributes:`` for a
+dataclass).
 """
 
 from __future__ import annotations
 
 import ast
+import enum
+import inspect
 import io
 import re
 import tokenize
@@ -177,3 +181,50 @@ def test_the_patterns_pass_the_mathematics(sentence: str) -> None:
     prose = CODE.sub(" ", sentence)
     assert not HISTORY.search(prose), sentence
     assert not SPEED.search(prose), sentence
+
+
+def _parameters(obj: object) -> list[str]:
+    """The named parameters of a function, or of a class's constructor (``*args``, ``**kwargs`` left out)."""
+    try:
+        signature = inspect.signature(obj)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return []
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    return [name for name, p in signature.parameters.items() if name not in ("self", "cls") and p.kind not in variadic]
+
+
+def _documented(doc: str) -> set[str]:
+    """The names an ``Args:`` (or, for a dataclass, ``Attributes:``) section describes: ``name:``, ``name (type):``
+    or ``a, b:`` at the start of an entry."""
+    section = re.search(r"^(?:Args|Attributes):\n((?:[ \t]+\S.*\n?|\n)*)", doc, re.MULTILINE)
+    if section is None:
+        return set()
+    entries = re.findall(r"^ {4}(\w+(?:, \w+)*)(?: \([^)]*\))?:", section[1], re.MULTILINE)
+    return {name for entry in entries for name in entry.split(", ")}
+
+
+def _public_callables() -> list[str]:
+    import et_ode
+
+    return [
+        name
+        for name in et_ode.__all__
+        if callable(obj := getattr(et_ode, name))
+        and not (inspect.isclass(obj) and issubclass(obj, enum.Enum))
+        and _parameters(obj)
+    ]
+
+
+@pytest.mark.parametrize("name", _public_callables())
+def test_public_callables_document_every_argument(name: str) -> None:
+    import et_ode
+
+    obj = getattr(et_ode, name)
+    missing = [p for p in _parameters(obj) if p not in _documented(inspect.getdoc(obj) or "")]
+    assert not missing, f"et_ode.{name}: no Args: entry for {missing}"
+
+
+def test_the_args_check_reads_grouped_entries() -> None:
+    doc = "Summary.\n\nArgs:\n    x0: states ``(N, D)``.\n    rtol, atol: tolerances,\n        positive.\n\nReturns:\n    y."
+    assert _documented(doc) == {"x0", "rtol", "atol"}
+    assert _documented("Summary.\n\nReturns:\n    x0: not an argument.") == set()

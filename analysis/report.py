@@ -319,17 +319,15 @@ def _study_fixed_points(
     spheres = et_field.model.neuron.geometry == "spheres"
     rtol, atol = (1e-8, 1e-10) if spheres else (1e-12, 1e-14)
     findings.exponent = lyapunov_exponent(
-        et_field, states, duration=span, renormalizations=10, rtol=rtol, atol=atol, progress=progress
+        et_field, states, t1=span, renormalizations=10, rtol=rtol, atol=atol, progress=progress
     )
     findings.intrinsic = lyapunov_exponent(
-        et_field, fixed.x, duration=20.0, renormalizations=20, restart=True, rtol=rtol, atol=atol, progress=progress
+        et_field, fixed.x, t1=20.0, renormalizations=20, restart=True, rtol=rtol, atol=atol, progress=progress
     )
     stages.bar.update()
     stages.start("basin probe")
     radii = basin_radii or [0.01, 0.03, 0.1, 0.3, 1.0]
-    findings.basin = basin_probe(
-        et_field, fixed.x, radii=radii, trials=basin_trials, duration=10.0, segments=5, progress=progress
-    )
+    findings.basin = basin_probe(et_field, fixed.x, radii=radii, trials=basin_trials, t1=10.0, segments=5, progress=progress)
     stages.bar.update()
     neuron = et_field.model.neuron
     with torch.no_grad():
@@ -593,32 +591,35 @@ def _convergence_section(findings: _Findings) -> list[str]:
         else "Convergence is measured on g = neuron(x) (dg/dt) and on the gradient dE/dg, which vanishes exactly at a "
         "critical point."
     )
-    lines = [
-        "## Convergence",
-        "",
+    lines = _section(
+        "Convergence",
         f"{measured} Decay fits use the last {100 * convergence.tail:.0f}% of the time span.",
-        "",
         convergence.table(),
-        "",
-    ]
+    )
     if "convergence" in findings.pictures:
         lines += [f"![Energy, |dg/dt|, |T dE/dg| and drifts against time]({findings.pictures['convergence']})", ""]
+    return lines
+
+
+def _section(title: str, *blocks: str) -> list[str]:
+    """The lines of a Markdown section: the heading ``title``, then each block (a paragraph, a table), each followed
+    by a blank line."""
+    lines = [f"## {title}", ""]
+    for block in blocks:
+        lines += [block, ""]
     return lines
 
 
 def _lyapunov_section(findings: _Findings) -> list[str]:
     if findings.lyapunov is None:
         return []
-    return [
-        "## Lyapunov checks",
-        "",
+    return _section(
+        "Lyapunov checks",
         "Energy rises beyond rounding, positive exact dE/dt, a metric M that is not positive semi-definite "
         "(gamma <= 0), and energy changes that do not match the integral of the exact dE/dt (trapezoid, "
         "then a dense re-integration where the trapezoid disagrees) are listed with their times.",
-        "",
         findings.lyapunov.table(),
-        "",
-    ]
+    )
 
 
 def _stability_section(findings: _Findings) -> list[str]:
@@ -632,22 +633,17 @@ def _stability_section(findings: _Findings) -> list[str]:
         if spheres
         else "The critical point is found by gradient descent in x"
     )
-    lines = [
-        "## Stability",
-        "",
+    lines = _section(
+        "Stability",
         f"{search} from each final state ({fixed.iterations} iterations, "
         f"RMS |{'T dE/dg' if spheres else 'dE/dg'}| reached: "
         f"{', '.join(f'{v:.2g}' for v in fixed.rms_tangent_gradient.tolist())}; RMS "
         f"distance in g from the solver's final state: {', '.join(f'{v:.3g}' for v in findings.distance)}).",
-        "",
         stability.table(),
-        "",
         "For comparison, the same spectrum at the solver's final states (not critical points: the "
         "classification there describes the local curvature only):",
-        "",
         final_stability.table(),
-        "",
-    ]
+    )
     if "energy_slice" in findings.pictures:
         lines += [f"![Energy slice through the fixed point of sample 0]({findings.pictures['energy_slice']})", ""]
     return lines

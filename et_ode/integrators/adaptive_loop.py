@@ -13,18 +13,17 @@ the adjoint (:class:`_Adjoint`), the stop time's own term added by the implicit 
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
 from et_ode.dynamics.field import ETField
-from et_ode.integrators.solution import SolveError, Status
+from et_ode.integrators.solution import Progress, SolveError, Status
 from et_ode.integrators.solvers import BUDGET_ADVICE, Adaptive, SolverFailure
 from et_ode.integrators.stopping import SteadyState
 
@@ -40,7 +39,7 @@ UNDERFLOW_ADVICE = (
     "float64 (the field does not depend on time: start t nearer 0)"
 )
 
-Progress = Callable[[Tensor, Tensor], None]
+StepCallback = Callable[[Tensor, Tensor], None]
 StopTest = Callable[[Tensor, Tensor], Tensor]
 # a quantity integrated along the accepted steps, outside step control: called with the accepted groups' ids (n,),
 # the inputs of the stages the solution weighs ((n, 1, M) each) and their weights b_j * dt ((n,) each)
@@ -164,36 +163,6 @@ TSIT5 = Tableau(  # Tsitouras (2011), the 5(4) pair with its own order-4 interpo
 )
 
 TABLEAUX = {"dopri5": DOPRI5, "bosh3": BOSH3, "tsit5": TSIT5}  # by method: Adaptive.OWN_METHODS
-
-
-class Counter(Protocol):
-    """What the loop fills of ``solve``'s progress record, and tells it of the time reached."""
-
-    steps: int
-    accepted: int
-    rejected: int
-    sample_evaluations: int
-    last_dt: float | None
-    last: tuple[float, Tensor] | None
-    saved: list[tuple[float, Tensor]]
-
-    def reached(self, t: float) -> None: ...
-
-
-@dataclass
-class Count:
-    """A :class:`Counter` of its own for :func:`integrate` called without one."""
-
-    steps: int = 0
-    accepted: int = 0
-    rejected: int = 0
-    sample_evaluations: int = 0
-    last_dt: float | None = None
-    last: tuple[float, Tensor] | None = None
-    saved: list[tuple[float, Tensor]] = dataclasses.field(default_factory=list)
-
-    def reached(self, t: float) -> None:
-        """Nothing follows the time reached."""
 
 
 def _per_sample_mask(field: object, batch: torch.Size) -> Tensor | None:
@@ -335,8 +304,8 @@ class _Loop:
         per_sample: bool,
         pid: tuple[float, float, float],
         max_steps: int,
-        progress: Counter,
-        callback: Progress | None,
+        progress: Progress,
+        callback: StepCallback | None,
         stop: StopTest | None = None,
         quadrature: Quadrature | None = None,
     ):
@@ -776,9 +745,9 @@ def integrate(
     first_step: float | None = None,
     max_steps: int = 10_000,
     save_all: bool = True,
-    progress: Counter | None = None,
+    progress: Progress | None = None,
     keep_steps: bool = False,
-    callback: Progress | None = None,
+    callback: StepCallback | None = None,
     stop: StopTest | None = None,
     starts: Tensor | None = None,
     quadrature: Quadrature | None = None,
@@ -823,7 +792,7 @@ def integrate(
     if starts is not None and (not per_sample or save_all):
         raise ValueError("starts (a start time per sample) needs per_sample=True and save_all=False")
     if progress is None:
-        progress = Count()
+        progress = Progress()
     loop = _Loop(
         field, x0, grid, TABLEAUX[method], rtol, atol, per_sample, pid, max_steps, progress, callback, stop, quadrature
     )
@@ -840,7 +809,7 @@ def solve_adaptive(
     arguments: dict[str, Any],
     max_steps: int,
     save: str,
-    progress: Counter,
+    progress: Progress,
     stop: SteadyState | None = None,
 ) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None, Status]:
     """``solve``'s entry: integrate with the settings of ``solver`` (et-ode's loop), ``save`` one of ``"all"``,

@@ -27,7 +27,7 @@ from et_ode.dynamics.field import ETField
 from et_ode.energy.checks import value_range
 from et_ode.integrators.fixed_step import applies as lean_loop_applies
 from et_ode.integrators.fixed_step import integrate as integrate_fixed_steps
-from et_ode.integrators.solution import Save, SolveError, Status
+from et_ode.integrators.solution import Progress, Save, SolveError, Status
 from et_ode.integrators.solvers import BUDGET_ADVICE, Solver, SolverFailure
 from et_ode.integrators.stopping import SteadyState
 
@@ -36,29 +36,6 @@ NON_FINITE_ADVICE = (
     "the dynamics overflowed or became too stiff for the solver there: use float64 (x0 and model), "
     "a smaller step, tighter rtol/atol, or smaller weights"
 )
-
-
-@dataclass
-class Progress:
-    """What the solver did, shared by the recorders of one solve."""
-
-    steps: int = 0
-    accepted: int = 0
-    rejected: int = 0
-    sample_evaluations: int = 0
-    last_dt: float | None = None
-    backward_steps: int = 0
-    largest_growth: float = 1.0  # largest ratio of max |x| after and before one fixed step
-    last_scale: float | None = None
-    last: tuple[float, Tensor] | None = None
-    saved: list[tuple[float, Tensor]] = dataclasses.field(default_factory=list)
-    bar: Any = None  # a tqdm bar over the time span, or None
-    t0: float = 0.0  # the start of the time span (the bar counts from it)
-
-    def reached(self, t: float) -> None:
-        """The solve has got to time ``t``: the bar, if any, follows."""
-        if self.bar is not None:
-            self.bar.update(max(0.0, abs(t - self.t0) - self.bar.n))
 
 
 @dataclass

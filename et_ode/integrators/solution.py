@@ -189,9 +189,38 @@ class Solution:
 
 class SolveError(RuntimeError):
     """A solve that could not finish. ``solution`` holds the states computed up to ``time`` (None where there are none
-    to give: the adjoint's backward solve, an implicit gradient without a fixed point)."""
+    to give: the adjoint's backward solve, an implicit gradient without a fixed point).
+
+    Args:
+        message: why the solve stopped, with advice.
+        time: the time the solve reached.
+        solution: the states computed up to ``time``, or None.
+    """
 
     def __init__(self, message: str, *, time: float, solution: Solution | None):
         super().__init__(message)
         self.time = time
         self.solution = solution
+
+
+@dataclass
+class Progress:
+    """What the solver did, shared by the recorders of one solve."""
+
+    steps: int = 0
+    accepted: int = 0
+    rejected: int = 0
+    sample_evaluations: int = 0
+    last_dt: float | None = None
+    backward_steps: int = 0
+    largest_growth: float = 1.0  # largest ratio of max |x| after and before one fixed step
+    last_scale: float | None = None
+    last: tuple[float, Tensor] | None = None
+    saved: list[tuple[float, Tensor]] = dataclasses.field(default_factory=list)
+    bar: Any = None  # a tqdm bar over the time span, or None
+    t0: float = 0.0  # the start of the time span (the bar counts from it)
+
+    def reached(self, t: float) -> None:
+        """The solve has got to time ``t``: the bar, if any, follows."""
+        if self.bar is not None:
+            self.bar.update(max(0.0, abs(t - self.t0) - self.bar.n))

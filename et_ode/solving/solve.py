@@ -21,8 +21,8 @@ from et_ode.backend.memory import memory_named
 from et_ode.backend.validation import check_positive
 from et_ode.dynamics.field import ETField
 from et_ode.energy.checks import check_mask, check_tokens
-from et_ode.integrators.loop import Problem, Progress
-from et_ode.integrators.solution import SAVES, Save, Solution, SolveError, SolveStats, Status
+from et_ode.integrators.loop import Problem
+from et_ode.integrators.solution import SAVES, Progress, Save, Solution, SolveError, SolveStats, Status
 from et_ode.integrators.solvers import Method, Solver, SolverFailure, as_solver
 from et_ode.integrators.stopping import SteadyState
 from et_ode.solving.gradients import Gradient, GradientName, as_gradient

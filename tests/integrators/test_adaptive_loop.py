@@ -15,6 +15,7 @@ from torchdiffeq import odeint
 
 import et_ode
 from et_ode.integrators import adaptive_loop
+from et_ode.integrators.solution import Progress
 from et_ode.integrators.solvers import SolverFailure, as_solver
 from tests.conftest import random_model
 
@@ -144,7 +145,7 @@ def test_pid_controller_is_accurate_and_steps_differently() -> None:
     exact = x0 @ torch.linalg.matrix_exp(s * 5.0)
     counts = []
     for pid in (adaptive_loop.I_CONTROLLER, adaptive_loop.PID_COEFFICIENTS):
-        progress = et_ode.integrators.loop.Progress()
+        progress = Progress()
         x, _, _ = adaptive_loop.integrate(
             lambda t, x: x @ s, x0, grid, rtol=1e-7, atol=1e-7, pid=pid, progress=progress, save_all=False
         )
@@ -296,7 +297,7 @@ def test_the_time_reached_follows_the_earliest_sample_to_the_end(per_sample: boo
     step: non-decreasing, below the end while a sample still runs, and the end at last."""
     reached: list[float] = []
 
-    class Recording(adaptive_loop.Count):
+    class Recording(Progress):
         def reached(self, t: float) -> None:
             reached.append(t)
 
@@ -318,7 +319,7 @@ def test_step_budget_failure_keeps_the_partial_solution() -> None:
     assert partial is not None and partial.status is et_ode.Status.FAILED and partial.x.shape == x0.shape
     with pytest.raises(SolverFailure, match="underflow"):
         adaptive_loop.integrate(lambda t, x: x * 1e300, x0.clone(), torch.tensor([0.0, 1.0], dtype=F64), first_step=1e-300)
-    progress = adaptive_loop.Count()
+    progress = Progress()
     with pytest.raises(SolverFailure, match="non-finite"):  # at the first step, not after shrinking it to nothing
         adaptive_loop.integrate(field, x0.clone().fill_(math.nan), torch.tensor([0.0, 1.0], dtype=F64), progress=progress)
     assert progress.steps == 1

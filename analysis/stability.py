@@ -216,6 +216,39 @@ def _zero_tol(smallest: Tensor, largest: Tensor, rel_tol: float, abs_tol: float)
     return rel_tol * torch.maximum(smallest.abs(), largest.abs()) + abs_tol
 
 
+def _samples(
+    spectrum: tuple[Tensor, Tensor, Tensor],
+    eigenvalues: Tensor | None,
+    tol: Tensor,
+    rates: tuple[Tensor, Tensor],
+    gradient: tuple[Tensor, float] | None = None,
+) -> list[SampleStability]:
+    """One :class:`SampleStability` per sample from ``spectrum`` (smallest and largest eigenvalue, residual, each
+    ``(B,)``), all ``eigenvalues`` ``(B, dim)`` or None, the zero tolerance ``tol`` ``(B,)``, the ``rates`` (slowest,
+    fastest, ``(B,)``) and ``gradient`` (RMS tangent gradient ``(B,)`` and the ``critical_tol`` it is held to; None:
+    a critical point by assumption)."""
+    smallest, largest, residual = spectrum
+    samples = []
+    for b in range(smallest.shape[0]):
+        rms = math.nan if gradient is None else float(gradient[0][b])
+        samples.append(
+            SampleStability(
+                sample=b,
+                kind=classify(float(smallest[b]), float(largest[b]), zero_tol=float(tol[b])),
+                smallest=float(smallest[b]),
+                largest=float(largest[b]),
+                negative=None if eigenvalues is None else int((eigenvalues[b] < -tol[b]).sum()),
+                rate_slowest=float(rates[0][b]),
+                rate_fastest=float(rates[1][b]),
+                rms_tangent_gradient=rms,
+                critical=gradient is None or rms <= gradient[1],
+                residual=float(residual[b]),
+                eigenvalues=None if eigenvalues is None else eigenvalues[b].tolist(),
+            )
+        )
+    return samples
+
+
 def operator_stability(
     apply: Operator,
     like: Tensor,
@@ -255,25 +288,8 @@ def operator_stability(
     else:
         raise ValueError(f"method must be 'auto', 'dense', 'lanczos' or 'power', got {method!r}")
     tol = _zero_tol(smallest, largest, rel_tol, abs_tol)
-    samples = []
-    for b in range(like.shape[0]):
-        samples.append(
-            SampleStability(
-                sample=b,
-                kind=classify(float(smallest[b]), float(largest[b]), zero_tol=float(tol[b])),
-                smallest=float(smallest[b]),
-                largest=float(largest[b]),
-                negative=None if eigenvalues is None else int((eigenvalues[b] < -tol[b]).sum()),
-                rate_slowest=float(-smallest[b]),
-                rate_fastest=float(-largest[b]),
-                rms_tangent_gradient=math.nan,
-                critical=True,
-                residual=float(residual[b]),
-                eigenvalues=None if eigenvalues is None else eigenvalues[b].tolist(),
-            )
-        )
     return StabilityReport(
-        samples=samples,
+        samples=_samples((smallest, largest, residual), eigenvalues, tol, (-smallest, -largest)),
         method=method,
         dimension=dimension,
         zero_tol=float(tol.max()),
@@ -334,23 +350,9 @@ def fixed_point_stability(
         low, high, _ = extreme_eigenvalues(scaled, x, method=method, iterations=iterations, project=project, seed=seed + 1)
         rate_slowest, rate_fastest = high, low
     tol = _zero_tol(smallest, largest, rel_tol, abs_tol)
-    samples = []
-    for b in range(batch):
-        samples.append(
-            SampleStability(
-                sample=b,
-                kind=classify(float(smallest[b]), float(largest[b]), zero_tol=float(tol[b])),
-                smallest=float(smallest[b]),
-                largest=float(largest[b]),
-                negative=None if eigenvalues is None else int((eigenvalues[b] < -tol[b]).sum()),
-                rate_slowest=float(rate_slowest[b]),
-                rate_fastest=float(rate_fastest[b]),
-                rms_tangent_gradient=float(rms_tangent_gradient[b]),
-                critical=bool(rms_tangent_gradient[b] <= critical_tol),
-                residual=float(residual[b]),
-                eigenvalues=None if eigenvalues is None else eigenvalues[b].tolist(),
-            )
-        )
+    samples = _samples(
+        (smallest, largest, residual), eigenvalues, tol, (rate_slowest, rate_fastest), (rms_tangent_gradient, critical_tol)
+    )
     return StabilityReport(
         samples=samples,
         method=method,

@@ -33,15 +33,15 @@ from collections.abc import Callable, Sequence
 from et_ode.backend import runtime
 from et_ode.cli.evaluate import add_evaluate
 from et_ode.cli.image import add_complete, add_demo, add_train_image
-from et_ode.cli.options import HelpFormatter, command_line_words, command_options
+from et_ode.cli.options import add_command, command_line_words, command_options
 from et_ode.solving.solve import SolveError
 
 
 def _add_train_graph(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
+    parser = add_command(
+        subparsers,
         "graph",
-        help="graph classification (cross-validated) or node anomaly detection",
-        formatter_class=HelpFormatter,
+        summary="graph classification (cross-validated) or node anomaly detection",
         description="Train a graph ET (et_ode.tasks.graph): `classify` runs k-fold cross-validation on a TU data set; "
         "`anomaly` scores the nodes of one graph against feature and GCN baselines.",
     )
@@ -69,13 +69,12 @@ TRAIN_TASKS: dict[str, Callable[[argparse._SubParsersAction], None]] = {"image":
 
 
 def _add_analyze(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser(
+    parser = add_command(
+        commands,
         "analyze",
-        help="convergence, Lyapunov and stability report of a trained ET",
-        formatter_class=HelpFormatter,
-        description="Study the attractors of a trained ET block (e.g. OUT/et_block.pt with "
-        "the token states OUT/tokens.pt written by `et-ode train`), or "
-        "the official release's checkpoint on the tokens of photos "
+        summary="convergence, Lyapunov and stability report of a trained ET",
+        description="Study the attractors of a trained ET block (e.g. OUT/et_block.pt with the token states "
+        "OUT/tokens.pt written by `et-ode train`), or the official release's checkpoint on the tokens of photos "
         "(--official CKPT.npz --image A.png).",
     )
     _wire_lazily(parser, "et-ode analyze", "et_ode.cli.analyze", "add_arguments", "run")

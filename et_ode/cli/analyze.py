@@ -16,7 +16,7 @@ import torch
 
 from et_ode.analysis.report import ANALYZE_INTEGRATION, analyze, random_model, random_states
 from et_ode.cli.dynamics import add_dynamics_arguments, integration_from
-from et_ode.cli.image import add_official_arguments
+from et_ode.cli.image import add_official_arguments, official_photos
 from et_ode.cli.options import add_threads_argument, count_in
 from et_ode.energy.model import EnergyTransformer
 from et_ode.integrators.solvers import FIXED_METHODS
@@ -154,15 +154,7 @@ def _official_states(args: argparse.Namespace) -> argparse.Namespace:
         raise ValueError("--official needs at least one --image (the photos whose tokens are analysed)")
     from et_ode.tasks.photos import official_tokens
 
-    model, _, images, hidden = official_tokens(
-        args.official,
-        args.image,
-        image_shape=tuple(args.image_shape),
-        patch=args.patch,
-        masked=args.masked,
-        seed=args.mask_seed,
-        dtype=getattr(torch, args.dtype),
-    )
+    model, _, images, hidden = official_tokens(args.official, args.image, **official_photos(args, seed=args.mask_seed))
     with torch.no_grad():
         states = model.tokens(images, hidden)
     return argparse.Namespace(**{**vars(args), "model": model.block, "x0": states, "tau": model.tau})

@@ -343,6 +343,19 @@ def add_official_arguments(parser: argparse.ArgumentParser, masks: bool) -> argp
     return group
 
 
+def official_photos(args: argparse.Namespace, seed: int) -> dict[str, Any]:
+    """The keyword arguments that :func:`add_official_arguments`' options give the official checkpoint's photo
+    functions (:func:`et_ode.tasks.photos.official_tokens`, :func:`~et_ode.tasks.photos.complete_photos`), with
+    masks drawn from ``seed``."""
+    return {
+        "image_shape": tuple(args.image_shape),
+        "patch": args.patch,
+        "masked": args.masked,
+        "seed": seed,
+        "dtype": getattr(torch, args.dtype),
+    }
+
+
 def _run_complete(args: argparse.Namespace) -> None:
     if args.official is not None:
         _run_complete_official(args)
@@ -387,11 +400,7 @@ def _run_complete_official(args: argparse.Namespace) -> None:
             args.official,
             args.image,
             args.out,
-            image_shape=tuple(args.image_shape),
-            patch=args.patch,
-            masked=args.masked,
-            seed=args.seed,
-            dtype=getattr(torch, args.dtype),
+            **official_photos(args, seed=args.seed),
             rtol=args.rtol,
             atol=args.atol,
             steady_state=args.steady_state,

@@ -99,27 +99,95 @@ class EnergyModel(nn.Module):
 
     # -- public, validated ---------------------------------------------------------------------
     def activation(self, x: Tensor) -> Tensor:
-        """``g = neuron(x)``: ``(..., N, D) -> (..., N, D)``."""
+        """``g = neuron(x)``.
+
+        Args:
+            x: states ``(..., N, D)``.
+
+        Returns:
+            ``g``, ``(..., N, D)``.
+
+        Raises:
+            TypeError: the state is not a floating tensor of the model's dtype, or the mask not a mask.
+            ValueError: the state has the wrong shape, no token, NaN/inf entries or another device, or the mask
+                does not fit it.
+        """
         return self.neuron(check_tokens("x", x, self.dim, like=self.reference_tensor))
 
     def energy(self, x: Tensor, mask: Mask = None) -> Tensor:
-        """Total energy per sample of the state ``x``: ``(..., N, D) -> (...)``."""
+        """Total energy per sample of the state ``x``.
+
+        Args:
+            x: states ``(..., N, D)``.
+            mask: boolean ``(N, N)`` or ``(*batch, N, N)``, True where query ``C`` may attend to key ``B``; a
+                :class:`~et_ode.GraphMask`; or None (all pairs).
+
+        Returns:
+            The energy per sample, ``(...)``.
+
+        Raises:
+            TypeError: the state is not a floating tensor of the model's dtype, or the mask not a mask.
+            ValueError: the state has the wrong shape, no token, NaN/inf entries or another device, or the mask
+                does not fit it.
+        """
         g = self.activation(x)
         return self._energy_g(g, check_mask(mask, g))
 
     def energy_terms(self, x: Tensor, mask: Mask = None) -> dict[str, Tensor]:
-        """Each interaction's energy per sample, shape ``(...)``, by name (the ET's: ``"attention"``, ``"hopfield"``)."""
+        """Each interaction's energy per sample, by name (the ET's: ``"attention"``, ``"hopfield"``).
+
+        Args:
+            x: states ``(..., N, D)``.
+            mask: boolean ``(N, N)`` or ``(*batch, N, N)``, True where query ``C`` may attend to key ``B``; a
+                :class:`~et_ode.GraphMask`; or None (all pairs).
+
+        Returns:
+            A dict of energies per sample, each ``(...)``.
+
+        Raises:
+            TypeError: the state is not a floating tensor of the model's dtype, or the mask not a mask.
+            ValueError: the state has the wrong shape, no token, NaN/inf entries or another device, or the mask
+                does not fit it.
+        """
         g = self.activation(x)
         mask = check_mask(mask, g)
         return {name: interaction.energy(g, mask) for name, interaction in self.interactions.items()}
 
     def energy_g(self, g: Tensor, mask: Mask = None) -> Tensor:
-        """Total energy per sample as a function of ``g``: ``(..., N, D) -> (...)``."""
+        """Total energy per sample as a function of ``g``.
+
+        Args:
+            g: activations ``(..., N, D)``.
+            mask: boolean ``(N, N)`` or ``(*batch, N, N)``, True where query ``C`` may attend to key ``B``; a
+                :class:`~et_ode.GraphMask`; or None (all pairs).
+
+        Returns:
+            The energy per sample, ``(...)``.
+
+        Raises:
+            TypeError: the state is not a floating tensor of the model's dtype, or the mask not a mask.
+            ValueError: the state has the wrong shape, no token, NaN/inf entries or another device, or the mask
+                does not fit it.
+        """
         check_tokens("g", g, self.dim, like=self.reference_tensor)
         return self._energy_g(g, check_mask(mask, g))
 
     def dE_dg(self, g: Tensor, mask: Mask = None) -> Tensor:
-        """``dE/dg`` (each interaction's closed form, or autograd where it has none): ``(..., N, D) -> (..., N, D)``."""
+        """``dE/dg``: each interaction's closed form, or autograd where it has none.
+
+        Args:
+            g: activations ``(..., N, D)``.
+            mask: boolean ``(N, N)`` or ``(*batch, N, N)``, True where query ``C`` may attend to key ``B``; a
+                :class:`~et_ode.GraphMask`; or None (all pairs).
+
+        Returns:
+            ``dE/dg``, ``(..., N, D)``.
+
+        Raises:
+            TypeError: the state is not a floating tensor of the model's dtype, or the mask not a mask.
+            ValueError: the state has the wrong shape, no token, NaN/inf entries or another device, or the mask
+                does not fit it.
+        """
         check_tokens("g", g, self.dim, like=self.reference_tensor)
         return self._dE_dg(g, check_mask(mask, g))
 

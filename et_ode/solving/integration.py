@@ -121,13 +121,23 @@ class Integration:
     ) -> Integration:
         """The settings objects from flat options, as a command line or a grid search gives them.
 
-        ``solver``: a method's name (:data:`~et_ode.integrators.solvers.METHODS`);
-        ``rtol``, ``atol`` for an adaptive one (ignored
-        by the others); ``step``: a fixed method's step size (None: on the grid) or the alpha of ``"et"``, refused by
-        an adaptive method (ValueError); ``steps``: the number of steps of ``"et"`` (``step`` and ``steps`` default to
-        :class:`~et_ode.EulerET`'s); ``gradient``: ``"direct"``, ``"adjoint"`` (with ``adjoint_rtol``,
-        ``adjoint_atol``, ``seminorm``) or ``"implicit"``; ``steady_state``: the tolerance of a
-        :class:`~et_ode.SteadyState` stop (None: none); ``t1``, ``max_steps`` as in :class:`Integration`.
+        Args:
+            solver: a method's name (:data:`~et_ode.integrators.solvers.METHODS`).
+            t1: the end time, as in :class:`Integration`.
+            rtol, atol: an adaptive method's tolerances (ignored by the others).
+            step: a fixed method's step size (None: on the grid) or the alpha of ``"et"``.
+            steps: the number of steps of ``"et"`` (``step`` and ``steps`` default to :class:`~et_ode.EulerET`'s).
+            gradient: ``"direct"``, ``"adjoint"`` or ``"implicit"``.
+            adjoint_rtol, adjoint_atol, seminorm: the adjoint's backward solve (:class:`~et_ode.Adjoint`).
+            steady_state: the tolerance of a :class:`~et_ode.SteadyState` stop (None: none).
+            max_steps: the step budget, as in :class:`Integration`.
+
+        Returns:
+            The :class:`Integration`.
+
+        Raises:
+            ValueError: an unknown ``solver`` or ``gradient``, a ``step`` for an adaptive method, or a bad setting
+                (the message starts with the flat options it came from).
         """
         solver_object: Solver
         if solver in ADAPTIVE_METHODS:
@@ -163,12 +173,29 @@ class Integration:
         )
 
     def replace(self, **changes: Any) -> Integration:
+        """A copy with ``changes`` (field names: ``solver``, ``gradient``, ``stop``, ``t1``, ``max_steps``) applied.
+
+        Args:
+            **changes: the fields to change and their values.
+
+        Returns:
+            The changed :class:`Integration` (validated as a new one).
+        """
         return dataclasses.replace(self, **changes)
 
     def solve(self, field: ETField, x0: Tensor, t: Tensor | Sequence[float] | None = None, save: Save = "all") -> Solution:
-        """:func:`et_ode.solve` with these settings, from ``x0`` ``(*batch, N, D)`` on the times ``t`` (default
-        ``(0, t1)``; :class:`~et_ode.EulerET` builds its own grid from ``t=None``), saving ``save`` as ``solve`` does
-        (default ``"all"``: the states at the times ``t``)."""
+        """:func:`et_ode.solve` with these settings.
+
+        Args:
+            field: the vector field.
+            x0: initial states ``(*batch, N, D)``.
+            t: the output times ``(T,)`` (default ``(0, t1)``; :class:`~et_ode.EulerET` builds its own grid from
+                ``t=None``).
+            save: what to save, as in :func:`et_ode.solve` (default ``"all"``: the states at the times ``t``).
+
+        Returns:
+            The :class:`~et_ode.Solution`.
+        """
         if t is None and not isinstance(self.solver, EulerET):
             t = (0.0, self.t1)
         return solve(
@@ -176,7 +203,15 @@ class Integration:
         )
 
     def answer(self, field: ETField, x0: Tensor) -> Solution:
-        """The solution a model reads its answer from: the end of the integration to ``t1`` (``save="final"``)."""
+        """The solution a model reads its answer from: the end of the integration to ``t1`` (``save="final"``).
+
+        Args:
+            field: the vector field.
+            x0: initial states ``(*batch, N, D)``.
+
+        Returns:
+            The :class:`~et_ode.Solution`; its ``x`` is ``(*batch, N, D)``.
+        """
         return self.solve(field, x0, save="final")
 
     def to_dict(self) -> dict[str, Any]:
@@ -185,7 +220,17 @@ class Integration:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Integration:
-        """The inverse of :meth:`to_dict` (ValueError when ``data`` describes another kind of settings)."""
+        """The inverse of :meth:`to_dict`.
+
+        Args:
+            data: what :meth:`to_dict` wrote.
+
+        Returns:
+            The :class:`Integration`.
+
+        Raises:
+            ValueError: ``data`` describes another kind of settings.
+        """
         integration = settings_from_dict(data)
         if not isinstance(integration, Integration):
             raise ValueError(f"an integration's data must have kind 'Integration', got {data.get('kind')!r}")

@@ -84,18 +84,12 @@ class EnergyModel(nn.Module):
 
     # -- unchecked internals, used on hot paths (the vector field) -----------------------------
     def _energy_g(self, g: Tensor, mask: Mask) -> Tensor:
-        interactions = [getattr(self, name) for name in self.interaction_names]
-        total = interactions[0].energy(g, mask)
-        for interaction in interactions[1:]:
-            total = total + interaction.energy(g, mask)
-        return total
+        terms = [getattr(self, name).energy(g, mask) for name in self.interaction_names]
+        return sum(terms[1:], terms[0])
 
     def _dE_dg(self, g: Tensor, mask: Mask) -> Tensor:
-        interactions = [getattr(self, name) for name in self.interaction_names]
-        total = interactions[0].dE_dg(g, mask)
-        for interaction in interactions[1:]:
-            total = total + interaction.dE_dg(g, mask)
-        return total
+        terms = [getattr(self, name).dE_dg(g, mask) for name in self.interaction_names]
+        return sum(terms[1:], terms[0])
 
     # -- public, validated ---------------------------------------------------------------------
     def activation(self, x: Tensor) -> Tensor:
@@ -108,9 +102,7 @@ class EnergyModel(nn.Module):
             ``g``, ``(..., N, D)``.
 
         Raises:
-            TypeError: the state is not a floating tensor of the model's dtype, or the mask not a mask.
-            ValueError: the state has the wrong shape, no token, NaN/inf entries or another device, or the mask
-                does not fit it.
+            TypeError, ValueError: as :meth:`energy`.
         """
         return self.neuron(check_tokens("x", x, self.dim, like=self.reference_tensor))
 
@@ -138,16 +130,13 @@ class EnergyModel(nn.Module):
 
         Args:
             x: states ``(..., N, D)``.
-            mask: boolean ``(N, N)`` or ``(*batch, N, N)``, True where query ``C`` may attend to key ``B``; a
-                :class:`~et_ode.GraphMask`; or None (all pairs).
+            mask: as in :meth:`energy`.
 
         Returns:
             A dict of energies per sample, each ``(...)``.
 
         Raises:
-            TypeError: the state is not a floating tensor of the model's dtype, or the mask not a mask.
-            ValueError: the state has the wrong shape, no token, NaN/inf entries or another device, or the mask
-                does not fit it.
+            TypeError, ValueError: as :meth:`energy`.
         """
         g = self.activation(x)
         mask = check_mask(mask, g)
@@ -158,16 +147,13 @@ class EnergyModel(nn.Module):
 
         Args:
             g: activations ``(..., N, D)``.
-            mask: boolean ``(N, N)`` or ``(*batch, N, N)``, True where query ``C`` may attend to key ``B``; a
-                :class:`~et_ode.GraphMask`; or None (all pairs).
+            mask: as in :meth:`energy`.
 
         Returns:
             The energy per sample, ``(...)``.
 
         Raises:
-            TypeError: the state is not a floating tensor of the model's dtype, or the mask not a mask.
-            ValueError: the state has the wrong shape, no token, NaN/inf entries or another device, or the mask
-                does not fit it.
+            TypeError, ValueError: as :meth:`energy`.
         """
         check_tokens("g", g, self.dim, like=self.reference_tensor)
         return self._energy_g(g, check_mask(mask, g))
@@ -177,16 +163,13 @@ class EnergyModel(nn.Module):
 
         Args:
             g: activations ``(..., N, D)``.
-            mask: boolean ``(N, N)`` or ``(*batch, N, N)``, True where query ``C`` may attend to key ``B``; a
-                :class:`~et_ode.GraphMask`; or None (all pairs).
+            mask: as in :meth:`energy`.
 
         Returns:
             ``dE/dg``, ``(..., N, D)``.
 
         Raises:
-            TypeError: the state is not a floating tensor of the model's dtype, or the mask not a mask.
-            ValueError: the state has the wrong shape, no token, NaN/inf entries or another device, or the mask
-                does not fit it.
+            TypeError, ValueError: as :meth:`energy`.
         """
         check_tokens("g", g, self.dim, like=self.reference_tensor)
         return self._dE_dg(g, check_mask(mask, g))

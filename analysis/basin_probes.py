@@ -31,8 +31,19 @@ def flow(
 ) -> Tensor:
     """Integrate the dynamics from 0 to ``t1`` in ``segments`` consecutive spans of ``t1 / segments``; with
     ``restart`` each span starts from ``shrink_scale(x)`` (each sample shrunk by one factor to token scales of at
-    most 1: the same path of ``g``, undone slow-down; a Euclidean neuron's flow has none to undo). Returns the
-    final ``x``."""
+    most 1: the same path of ``g``, undone slow-down; a Euclidean neuron's flow has none to undo).
+
+    Args:
+        field: the vector field.
+        x: start states ``(B, N, D)``.
+        t1: the end time.
+        segments: the number of spans.
+        restart: shrink the scale at the start of each span.
+        method, rtol, atol: the adaptive solver.
+
+    Returns:
+        The final ``x``, ``(B, N, D)``.
+    """
     chart = chart_for(field)
     for _ in range(segments):
         if restart:
@@ -72,7 +83,23 @@ def basin_probe(
     """Perturb the fixed point(s) ``x_star`` (``(B, N, D)``) with random tangent noise of growing size and
     follow the dynamics (with scale restarts, see :func:`flow`) from 0 to ``t1``.
 
-    ``radii`` default: ``0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1``.
+    Args:
+        field: the vector field.
+        x_star: fixed points ``(B, N, D)`` or ``(N, D)``.
+        radii: increasing perturbation sizes (default ``0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1``).
+        trials: random perturbations per radius and sample.
+        t1: the end time of each trial's flow.
+        segments: the flow's spans between scale restarts.
+        shrink: a trial returns when its final distance is at most ``shrink`` times the initial one.
+        seed: the random perturbations.
+        rtol, atol: the flow's tolerances.
+        progress: show a progress bar.
+
+    Returns:
+        A :class:`BasinProbe`.
+
+    Raises:
+        ValueError: ``radii`` not positive and increasing.
     """
     from tqdm.auto import tqdm
 

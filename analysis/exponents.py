@@ -70,6 +70,25 @@ def lyapunov_exponent(
     of the transient.
 
     Each span's integration has a budget of ``max_steps`` steps (:class:`et_ode.SolveError` beyond it).
+
+    Args:
+        field: the vector field.
+        x0: reference states ``(B, N, D)`` or ``(N, D)``.
+        t1: the end time.
+        renormalizations: the spans of ``t1 / renormalizations`` after which the perturbation is rescaled.
+        d0: the size of the perturbation in ``g``.
+        restart: measure in intrinsic time (on the limit spheres, fixed scale).
+        method, rtol, atol: the adaptive solver.
+        seed: the random perturbation.
+        progress: show a progress bar.
+        max_steps: the step budget of each span.
+
+    Returns:
+        A :class:`LyapunovExponent`, its ``exponent`` ``(B,)``.
+
+    Raises:
+        ValueError: ``t1`` or ``d0`` not positive.
+        et_ode.SolveError: a span ran out of steps.
     """
     from tqdm.auto import tqdm
 

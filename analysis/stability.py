@@ -268,6 +268,23 @@ def operator_stability(
     eigenvalues, on ``basis`` or the standard basis), ``"lanczos"``, ``"power"`` or ``"auto"`` (dense up
     to ``max_dense`` dimensions). An eigenvalue counts as zero when ``|lambda| <= rel_tol max|lambda| + abs_tol``.
     Rates are reported as ``-lambda`` (gradient flow ``dg/dt = -A g``).
+
+    Args:
+        apply: the Hessian-vector product, ``(B, ...) -> (B, ...)``.
+        like: a tensor ``(B, ...)`` of the operator's shape, dtype and device.
+        method: ``"auto"``, ``"dense"``, ``"lanczos"`` or ``"power"``.
+        project: the projector onto the space the operator acts on (Lanczos, power), or None.
+        basis: an orthonormal basis ``(B, dim, ...)`` of that space for ``"dense"``, or None (the standard one).
+        iterations: Lanczos or power iterations.
+        max_dense: the largest dimension ``"auto"`` treats densely.
+        rel_tol, abs_tol: the zero tolerance of an eigenvalue.
+        seed: the start vector of the iterations.
+
+    Returns:
+        A :class:`StabilityReport`, one :class:`SampleStability` per sample.
+
+    Raises:
+        ValueError: ``like`` has no sample dimension, or ``method`` is unknown.
     """
     if not isinstance(like, Tensor) or like.dim() < 2:
         raise ValueError(
@@ -317,6 +334,22 @@ def fixed_point_stability(
     ``"auto"`` (dense up to ``max_dense`` tangent dimensions). ``critical`` is reported per sample: RMS of the
     gradient (``T dE/dg`` on the spheres) ``<= critical_tol``; away from a critical point the classification
     describes the local curvature only.
+
+    Args:
+        field: the vector field.
+        x: states ``(B, N, D)`` or ``(N, D)``.
+        method: ``"auto"``, ``"dense"``, ``"lanczos"`` or ``"power"``.
+        iterations: Lanczos or power iterations.
+        max_dense: the largest tangent dimension ``"auto"`` treats densely.
+        rel_tol, abs_tol: the zero tolerance of an eigenvalue, ``rel_tol max|lambda| + abs_tol``.
+        critical_tol: the RMS gradient up to which a sample counts as critical.
+        seed: the start vector of the iterations.
+
+    Returns:
+        A :class:`StabilityReport`, one :class:`SampleStability` per sample.
+
+    Raises:
+        ValueError: ``method`` is unknown, or ``x`` is not a valid state of the model.
     """
     chart = chart_for(field)
     x = batched_states(x, field)
@@ -390,7 +423,18 @@ def find_fixed_point(field: ETField, x: Tensor, *, tol: float = 1e-6, max_iter: 
     ``gamma sqrt(D)`` (in ``x`` where a token's outward force is not positive), with the same placement, critical
     points, energies and eigenvalues as :func:`et_ode.find_attractor`; its per-sample status, geometry and spectrum
     are in ``attractor``. For the attractor of the flow that starts at ``x``, use :func:`et_ode.find_attractor`.
-    Raises ValueError for a non-positive ``gamma``, ``tol`` or ``max_iter``.
+
+    Args:
+        field: the vector field.
+        x: start states ``(B, N, D)`` or ``(N, D)``.
+        tol: the RMS gradient at which a sample counts as converged.
+        max_iter: descent iterations at most.
+
+    Returns:
+        A :class:`FixedPointSearch`; its ``x`` is ``(B, N, D)``.
+
+    Raises:
+        ValueError: a non-positive ``gamma``, ``tol`` or ``max_iter``.
     """
     x = batched_states(x, field)
     with torch.no_grad():

@@ -17,7 +17,7 @@ import torch
 from et_ode.analysis.report import ANALYZE_INTEGRATION, analyze, random_model, random_states
 from et_ode.cli.dynamics import add_dynamics_arguments, integration_from
 from et_ode.cli.image import add_official_arguments, official_photos
-from et_ode.cli.options import add_threads_argument, count_in
+from et_ode.cli.options import add_threads_argument, count_in, same_names
 from et_ode.energy.model import EnergyTransformer
 from et_ode.integrators.solvers import FIXED_METHODS
 from et_ode.training import runs
@@ -118,11 +118,7 @@ def _run_analyze(args: argparse.Namespace) -> Path:
         model,
         states,
         integration_from(args, ANALYZE_INTEGRATION),
-        out=args.out,
-        tau=args.tau,
-        points=args.points,
-        tol=args.tol,
-        landscape=args.landscape,
+        **same_names(args, "out", "tau", "points", "tol", "landscape"),
         source=source,
         progress=not args.no_progress,
     )

@@ -7,7 +7,7 @@ import json
 
 import torch
 
-from et_ode.cli.options import add_command, add_threads_argument, count_in
+from et_ode.cli.options import add_command, add_threads_argument, count_in, same_names
 from et_ode.data.images import SOURCES
 from et_ode.integrators.solvers import ADAPTIVE_METHODS, METHODS, Adaptive, as_solver
 from et_ode.solving.integration import Integration
@@ -95,19 +95,10 @@ def _run_evaluate(args: argparse.Namespace) -> None:
     results = evaluate_checkpoint(
         args.checkpoint,
         args.out,
-        data=args.data,
-        data_path=args.data_path,
-        test_path=args.test_path,
-        split=args.split,
-        limit=args.limit,
-        mask_seed=args.mask_seed,
-        masks=args.masks,
+        **same_names(args, "data", "data_path", "test_path", "split", "limit", "mask_seed", "masks"),
+        **same_names(args, "batch_size", "grid", "overwrite", "device"),
         dynamics=integration,
         predictors=tuple(p.strip() for p in args.predictors.split(",") if p.strip()),
-        batch_size=args.batch_size,
-        grid=args.grid,
-        overwrite=args.overwrite,
-        device=args.device,
         progress=not args.no_progress,
     )
     print(

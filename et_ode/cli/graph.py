@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from et_ode.cli.dynamics import add_dynamics_arguments
-from et_ode.cli.options import add_run_folder_arguments, add_threads_argument, count_in
+from et_ode.cli.options import add_run_folder_arguments, add_threads_argument, count_in, same_names
 from et_ode.data.images import files_fingerprint
 from et_ode.models.graph import PAPER_INTEGRATION, POOLS
 from et_ode.tasks.graph import INTEGRATION_DEFAULTS, cross_validate, detect_anomalies
@@ -134,18 +134,8 @@ def parse_grid(items: Sequence[str]) -> dict[str, list[Any]]:
 
 
 def _model_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    return dict(
-        dim=args.dim,
-        heads=args.heads,
-        head_dim=args.head_dim,
-        memories=args.memories,
-        pe_dim=args.pe_dim,
-        hopfield=args.hopfield,
-        dropout=args.dropout,
-        head_hidden=args.head_hidden,
-        pool=args.pool,
-        **{name: getattr(args, name) for name in DYNAMICS_OPTIONS},
-    )
+    model = ("dim", "heads", "head_dim", "memories", "pe_dim", "hopfield", "dropout", "head_hidden", "pool")
+    return same_names(args, *model, *DYNAMICS_OPTIONS)
 
 
 def load_anomaly_graph(args: argparse.Namespace) -> Any:
@@ -163,14 +153,8 @@ def load_anomaly_graph(args: argparse.Namespace) -> Any:
     else:
         graph = graphs.digits_knn_graph(args.knn)
     if getattr(graph, "y", None) is None or args.graph != "files":
-        graph = graphs.inject_anomalies(
-            graph,
-            cliques=args.cliques,
-            clique_size=args.clique_size,
-            contextual=args.contextual,
-            candidates=args.candidates,
-            seed=args.seed,
-        )
+        injected = same_names(args, "cliques", "clique_size", "contextual", "candidates", "seed")
+        graph = graphs.inject_anomalies(graph, **injected)
     if args.pe_dim and args.graph != "mutag":
         graphs.add_laplacian_pe(graph, args.pe_dim)
     return graph

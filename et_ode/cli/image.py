@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from et_ode.cli.dynamics import add_dynamics_arguments, integration_from
-from et_ode.cli.options import add_command, add_run_folder_arguments, add_threads_argument, count_in
+from et_ode.cli.options import add_command, add_run_folder_arguments, add_threads_argument, count_in, same_names
 from et_ode.data.images import SOURCES
 from et_ode.equilibrium.attractor import AttractorReadout
 from et_ode.integrators.solvers import METHODS
@@ -182,51 +182,23 @@ def _run_train_image(args: argparse.Namespace) -> None:
 
 def _train_image_from_args(args: argparse.Namespace) -> None:
     train = TrainConfig(
-        epochs=args.epochs,
-        batch_size=args.batch_size,
-        lr=args.lr,
-        weight_decay=args.weight_decay,
-        warmup=args.warmup,
+        **same_names(args, "epochs", "batch_size", "lr", "weight_decay", "warmup", "seed", "device"),
+        **same_names(args, "resume", "overwrite", "max_train_batches", "checkpoint_every"),
         grad_clip=args.grad_clip or None,
-        seed=args.seed,
-        device=args.device,
         out_dir=args.out,
-        resume=args.resume,
-        overwrite=args.overwrite,
-        max_train_batches=args.max_train_batches,
-        checkpoint_every=args.checkpoint_every,
         progress=not args.no_progress,
         max_time=None if args.max_time is None else _minutes(args.max_time) * 60.0,
     )
     config = ImageRunConfig(
-        data=args.data,
-        data_path=args.data_path,
-        test_path=args.test_path,
-        tile=args.tile,
-        stride=args.stride,
-        channels=args.channels,
-        validation_fraction=args.validation_fraction,
-        train_limit=args.train_limit,
-        test_limit=args.test_limit,
-        val_size=args.val_size,
-        patch=args.patch,
-        dim=args.dim,
-        heads=args.heads,
-        head_dim=args.head_dim,
-        memories=args.memories,
-        hopfield=args.hopfield,
-        cls_token=args.cls_token,
-        fill=args.fill,
-        tau=args.tau,
+        **same_names(args, "data", "data_path", "test_path", "tile", "stride", "channels", "validation_fraction"),
+        **same_names(args, "train_limit", "test_limit", "val_size"),
+        **same_names(args, "patch", "dim", "heads", "head_dim", "memories", "hopfield", "cls_token", "fill", "tau"),
+        **same_names(args, "visible_fraction", "mask_seed", "threads", "init"),
         ratio=args.mask_ratio,
-        visible_fraction=args.visible_fraction,
-        mask_seed=args.mask_seed,
         integration=integration_from(args, ImageRunConfig().integration),
         attractor=AttractorReadout() if args.attractor else None,
         train=train,
         baselines=not args.no_baselines,
-        threads=args.threads,
-        init=args.init,
     )
     results = train_image(config)
     if distributed.is_main():
@@ -365,19 +337,14 @@ def _run_complete(args: argparse.Namespace) -> None:
     if args.image is not None and len(args.image) > 1:
         raise ValueError("a trained CHECKPOINT completes one --image at a time")
     image = args.image[0] if args.image else None
-    setup = {k: getattr(args, k) for k in ("checkpoint", "image", "index", "frames", "t1", "solver", "mask_ratio", "seed")}
+    setup = same_names(args, "checkpoint", "image", "index", "frames", "t1", "solver", "mask_ratio", "seed")
     with runs.claim(args.out, setup, overwrite=args.overwrite, command="complete"):
         summary = complete(
             args.checkpoint,
             args.out,
             image=image,
-            index=args.index,
-            frames=args.frames,
-            t1=args.t1,
-            solver=args.solver,
             ratio=args.mask_ratio,
-            seed=args.seed,
-            device=args.device,
+            **same_names(args, "index", "frames", "t1", "solver", "seed", "device"),
         )
     print(json.dumps({k: summary[k] for k in ("files", "masked_mse", "monotone")}, indent=2))
 
@@ -401,12 +368,8 @@ def _run_complete_official(args: argparse.Namespace) -> None:
             args.image,
             args.out,
             **official_photos(args, seed=args.seed),
-            rtol=args.rtol,
-            atol=args.atol,
-            steady_state=args.steady_state,
+            **same_names(args, "rtol", "atol", "steady_state", "device", "overwrite"),
             **({} if args.t1 is None else {"t1": args.t1}),
-            device=args.device,
-            overwrite=args.overwrite,
             progress=not args.no_progress,
         )
     except FileExistsError as error:

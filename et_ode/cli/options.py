@@ -6,6 +6,7 @@ import argparse
 import os
 import re
 from collections.abc import Callable
+from typing import Any
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -72,6 +73,11 @@ def add_run_folder_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="delete the run in OUT (a folder with an et-ode config.json) and start afresh",
     )
+
+
+def same_names(args: argparse.Namespace, *names: str) -> dict[str, Any]:
+    """The options ``names`` of ``args`` as keyword arguments of the same names (``{"lr": args.lr, ...}``)."""
+    return {name: getattr(args, name) for name in names}
 
 
 def count_in(low: int, high: int | None = None) -> Callable[[str], int]:

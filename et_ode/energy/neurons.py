@@ -75,25 +75,60 @@ class Neuron(nn.Module):
         self.dim = dim
 
     def lagrangian(self, x: Tensor) -> Tensor:
-        """``L(x_A)`` per token: ``(..., N, D) -> (..., N)``."""
+        """``L(x_A)`` per token.
+
+        Args:
+            x: states ``(..., N, D)``.
+
+        Returns:
+            ``L``, ``(..., N)``.
+        """
         raise NotImplementedError(f"{type(self).__name__} must define lagrangian(x)")
 
     def forward(self, x: Tensor) -> Tensor:
-        """The activation ``g = dL/dx``: ``(..., N, D) -> (..., N, D)`` (``torch.func.grad`` of :meth:`lagrangian`)."""
+        """The activation ``g = dL/dx`` (``torch.func.grad`` of :meth:`lagrangian`).
+
+        Args:
+            x: states ``(..., N, D)``.
+
+        Returns:
+            ``g``, ``(..., N, D)``.
+        """
         return torch.func.grad(lambda state: self.lagrangian(state).sum())(x)
 
     def hessian_vector(self, x: Tensor, v: Tensor) -> Tensor:
-        """``M_A v_A`` for every token: ``(..., N, D) -> (..., N, D)`` (a ``torch.func.jvp`` of :meth:`forward`)."""
+        """``M_A v_A`` for every token (a ``torch.func.jvp`` of :meth:`forward`).
+
+        Args:
+            x: states ``(..., N, D)``.
+            v: vectors ``(..., N, D)``.
+
+        Returns:
+            ``M v``, ``(..., N, D)``.
+        """
         return torch.func.jvp(self.forward, (x,), (v,))[1]
 
     def project(self, v: Tensor) -> Tensor:
-        """``v`` without the directions every ``M_A`` annihilates whatever ``x`` (``g`` does not move along them):
-        ``(..., N, D) -> (..., N, D)``. None by default; the LayerNorm neuron removes each token's mean."""
+        """``v`` without the directions every ``M_A`` annihilates whatever ``x`` (``g`` does not move along them).
+        None by default; the LayerNorm neuron removes each token's mean.
+
+        Args:
+            v: vectors ``(..., N, D)``.
+
+        Returns:
+            The projected ``v``, ``(..., N, D)``.
+        """
         return v
 
     def metric(self, x: Tensor) -> Tensor:
-        """Every token's ``M_A`` as a dense matrix: ``(..., N, D) -> (..., N, D, D)`` (``D`` Hessian-vector
-        products)."""
+        """Every token's ``M_A`` as a dense matrix (``D`` Hessian-vector products).
+
+        Args:
+            x: states ``(..., N, D)``.
+
+        Returns:
+            ``M``, ``(..., N, D, D)``.
+        """
         basis = torch.eye(self.dim, dtype=x.dtype, device=x.device)
         columns = [self.hessian_vector(x, basis[j].expand_as(x)) for j in range(self.dim)]
         return torch.stack(columns, dim=-1)
@@ -105,7 +140,14 @@ class Neuron(nn.Module):
 
     def conditioning(self, x: Tensor) -> Tensor:
         """How unequal the flow's rates are at ``x``: the largest eigenvalue of any token's ``M_A`` over the smallest,
-        on the directions :meth:`project` keeps, per sample: ``(..., N, D) -> (...)``."""
+        on the directions :meth:`project` keeps, per sample.
+
+        Args:
+            x: states ``(..., N, D)``.
+
+        Returns:
+            The ratio per sample, ``(...)``.
+        """
         with torch.no_grad():
             values = torch.linalg.eigvalsh(self.metric(x))[..., self.dim - self.free_dimension() :]
         tiny = torch.finfo(x.dtype).tiny
@@ -189,12 +231,12 @@ class LayerNormNeuron(Neuron):
         return xt, sigma
 
     def lagrangian(self, x: Tensor) -> Tensor:
-        """``L(x_A)`` per token: ``(..., N, D) -> (..., N)``."""
+        """``L(x_A)`` per token; see :meth:`Neuron.lagrangian`."""
         _, sigma = self._centered(x)
         return self.dim * self.gamma * sigma.squeeze(-1) + x @ self.delta
 
     def forward(self, x: Tensor) -> Tensor:
-        """The activation ``g = dL/dx``: ``(..., N, D) -> (..., N, D)``."""
+        """The activation ``g = gamma xt / sigma + delta``; see :meth:`Neuron.forward`."""
         xt, sigma = self._centered(x)
         return self.gamma * xt / sigma + self.delta
 

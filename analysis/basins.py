@@ -20,6 +20,7 @@ from matplotlib.figure import Figure
 from torch import Tensor
 
 from et_ode import Adaptive, ETField, solve
+from et_ode.analysis._tables import Table
 from et_ode.analysis.chart import chart_for
 from et_ode.analysis.critical_points import CriticalPoint, match_or_append, newton_critical_point, permutation_symmetric
 from et_ode.analysis.plots import EnergySlice, _finish, energy_slice
@@ -29,7 +30,19 @@ PathLike = str | os.PathLike[str]
 
 
 def wilson_interval(successes: int, trials: int, *, z: float = 1.96) -> tuple[float, float]:
-    """The Wilson score interval for a binomial proportion (``z = 1.96``: 95%)."""
+    """The Wilson score interval for a binomial proportion.
+
+    Args:
+        successes: the successes, from 0 to ``trials``.
+        trials: the trials, at least 1.
+        z: the normal quantile (1.96: a 95% interval).
+
+    Returns:
+        The interval's ends ``(low, high)`` within ``[0, 1]``.
+
+    Raises:
+        ValueError: ``trials < 1`` or ``successes`` outside ``[0, trials]``.
+    """
     if not (isinstance(trials, int) and trials >= 1 and 0 <= successes <= trials):
         raise ValueError(f"need 0 <= successes <= trials and trials >= 1, got successes={successes}, trials={trials}")
     p = successes / trials
@@ -66,7 +79,7 @@ def label(
 
 
 @dataclass
-class AttractorCensus:
+class AttractorCensus(Table):
     """The attractors reached from ``starts`` random starts: ``counts[i]`` reached ``attractors[i]``; ``failed``
     did not converge. ``intervals[i]``: Wilson 95% interval of the frequency ``counts[i] / starts``."""
 
@@ -88,9 +101,6 @@ class AttractorCensus:
                 f"| {i} | {a.energy:.6g} | {a.kind} | {count} | {count / self.starts:.3f} | [{low:.3f}, {high:.3f}] |"
             )
         return "\n".join(lines)
-
-    def __str__(self) -> str:
-        return self.table()
 
 
 def attractor_census(

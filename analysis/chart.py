@@ -305,6 +305,12 @@ def chart_for(field: ETField) -> Chart:
     """The chart of ``field``'s neuron: :class:`SphereChart` for the LayerNorm neuron, :class:`EuclideanChart` for
     a neuron of Euclidean geometry.
 
+    Args:
+        field: the vector field.
+
+    Returns:
+        The :class:`Chart`.
+
     Raises:
         TypeError: ``field`` is not an :class:`et_ode.ETField`.
     """

@@ -17,6 +17,7 @@ import torch
 from matplotlib.figure import Figure
 
 from et_ode import Adaptive, ETField, solve
+from et_ode.analysis._tables import Table
 from et_ode.analysis.chart import chart_for
 from et_ode.analysis.critical_points import (
     CriticalPoint,
@@ -42,7 +43,7 @@ class Connection:
 
 
 @dataclass
-class Network:
+class Network(Table):
     """Minima (ascending energy), index-1 saddles and the connections between them."""
 
     minima: list[CriticalPoint]
@@ -59,9 +60,6 @@ class Network:
                 f"{energies} | {barriers} |"
             )
         return "\n".join(lines)
-
-    def __str__(self) -> str:
-        return self.table()
 
 
 def follow_down(

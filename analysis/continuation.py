@@ -28,6 +28,7 @@ from matplotlib.figure import Figure
 from torch import Tensor
 
 from et_ode import EnergyModel, ETField
+from et_ode.analysis._tables import Table
 from et_ode.analysis.chart import Chart, chart_for
 from et_ode.analysis.plots import _finish
 
@@ -61,7 +62,7 @@ class Bifurcation:
 
 
 @dataclass
-class Branch:
+class Branch(Table):
     """The points of a continued branch: parameters ``mu`` ``(P,)``, states ``xs`` ``(P, N, D)`` (on the limit spheres),
     ``energies`` ``(P,)``, Hessian ``eigenvalues`` ``(P, n)``, ``indices`` ``(P,)``, and the bifurcations found."""
 
@@ -81,9 +82,6 @@ class Branch:
         ]
         lines += [f"| {b.kind} | {b.mu:.6g} | {b.index_before} -> {b.index_after} |" for b in self.bifurcations]
         return "\n".join(lines)
-
-    def __str__(self) -> str:
-        return self.table()
 
 
 def _parameter_derivative(family: Family, x: Tensor, mu: float, frame: Tensor, h: float) -> Tensor:

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from et_ode import ETField, LayerNormNeuron, Solution
+from et_ode.analysis._tables import Table
 from et_ode.backend.validation import check_positive
 from et_ode.energy.masks import Mask
 
@@ -76,7 +77,18 @@ class ConvergenceTraces:
 
 def convergence_traces(solution: Solution) -> ConvergenceTraces:
     """Energy, RMS ``|dg/dt|``, RMS ``|dx/dt|``, RMS ``|T dE/dg|`` and both drifts at every saved time, from the
-    solution's field (one evaluation of ``dE/dg`` per saved state)."""
+    solution's field (one evaluation of ``dE/dg`` per saved state).
+
+    Args:
+        solution: a solve's :class:`~et_ode.Solution` with its saved states ``(T, *batch, N, D)``.
+
+    Returns:
+        The :class:`ConvergenceTraces`, each trace ``(T, B)`` on the CPU (the batch flattened).
+
+    Raises:
+        TypeError: ``solution`` is not an :class:`~et_ode.Solution`.
+        ValueError: the solution kept no states (``save="final"``).
+    """
     xs = flat_states(solution)
     field = flat_field(solution)
     with torch.no_grad():
@@ -176,7 +188,7 @@ class SampleConvergence:
 
 
 @dataclass
-class ConvergenceReport:
+class ConvergenceReport(Table):
     """Traces and per-sample summaries; ``tol`` applies to RMS ``|dg/dt|``, ``tangent_tol`` to RMS ``|T dE/dg|``."""
 
     traces: ConvergenceTraces
@@ -188,9 +200,6 @@ class ConvergenceReport:
     @property
     def all_converged(self) -> bool:
         return all(s.converged for s in self.samples)
-
-    def __str__(self) -> str:
-        return self.table()
 
     def as_dict(self) -> dict:
         return {

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from et_ode import ETField
+from et_ode.analysis._tables import Table
 from et_ode.analysis.chart import chart_for
 from et_ode.backend.validation import check_positive
 from et_ode.equilibrium.certify import check_lyapunov_neuron
@@ -237,7 +238,7 @@ class CensusEntry:
 
 
 @dataclass
-class Census:
+class Census(Table):
     """Distinct critical points (ascending energy), the number of searches, and those that did not converge."""
 
     entries: list[CensusEntry]
@@ -262,9 +263,6 @@ class Census:
                 f"{float(p.eigenvalues[-1]):.4g} | {p.rms_tangent_gradient:.2g} | {entry.count} |"
             )
         return "\n".join(lines)
-
-    def __str__(self) -> str:
-        return self.table()
 
     def points(self, index: int | None = None) -> list[CriticalPoint]:
         """The distinct points, all or those of one ``index``."""

@@ -29,6 +29,7 @@ from torchdiffeq import odeint
 from tqdm.auto import tqdm
 
 from et_ode import ETField, LayerNormNeuron, Solution, SolveError
+from et_ode.analysis._tables import Table
 from et_ode.analysis.convergence import flat_field, flat_states
 from et_ode.backend.validation import check_positive
 
@@ -49,7 +50,7 @@ class Violation:
 
 
 @dataclass
-class LyapunovReport:
+class LyapunovReport(Table):
     """Verdicts per sample and every violation. ``descends[b]``: the energy is a Lyapunov function along
     sample ``b`` (no energy rise, no positive ``dE/dt``, ``M`` PSD); ``follows_rate[b]``: its measured energy
     changes match the exact ``dE/dt`` (a discretisation that does not follow the ODE fails this one);
@@ -111,9 +112,6 @@ class LyapunovReport:
             if len(self.violations) > max_rows:
                 lines.append(f"| ... | {len(self.violations) - max_rows} more | | | | |")
         return "\n".join(lines)
-
-    def __str__(self) -> str:
-        return self.table()
 
     def as_dict(self) -> dict:
         return {

@@ -63,7 +63,17 @@ def random_model(
     hopfield: HopfieldForm = "relu",
     dtype: torch.dtype = torch.float64,
 ) -> EnergyTransformer:
-    """The built-in random model: default initialisation from ``seed``, a random ``delta`` (std 0.3)."""
+    """The built-in random model: default initialisation from ``seed``, a random ``delta`` (std 0.3); the global
+    random stream is restored afterwards.
+
+    Args:
+        seed: the seed of the weights.
+        dim, heads, head_dim, memories, hopfield: as in :class:`~et_ode.EnergyTransformer`.
+        dtype: the parameters' dtype.
+
+    Returns:
+        The :class:`~et_ode.EnergyTransformer`.
+    """
     generator_state = torch.random.get_rng_state()
     try:
         torch.manual_seed(seed)
@@ -76,9 +86,18 @@ def random_model(
 
 
 def random_states(model: EnergyModel, batch: int = 3, tokens: int = 8, seed: int = 1) -> Tensor:
-    """``batch`` standard normal states of ``tokens`` tokens for ``model``, ``(batch, tokens, D)`` in its dtype
-    (float64 for a model without parameters), drawn from a generator seeded with ``seed`` (the global random stream
-    is left alone)."""
+    """Standard normal states for ``model`` in its dtype (float64 for a model without parameters), drawn from a
+    generator seeded with ``seed`` (the global random stream is left alone).
+
+    Args:
+        model: the model (its ``dim`` is ``D``).
+        batch: the number of states.
+        tokens: the tokens per state.
+        seed: the generator's seed.
+
+    Returns:
+        The states, ``(batch, tokens, D)``.
+    """
     generator = torch.Generator().manual_seed(seed)
     reference = model.reference_tensor
     dtype = torch.float64 if reference is None else reference.dtype

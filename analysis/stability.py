@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from et_ode import Attractor, ETField, find_attractor
+from et_ode.analysis._tables import Table
 from et_ode.analysis.chart import Chart, chart_for
 from et_ode.analysis.eigensolvers import Operator, dense_eigenvalues, extreme_eigenvalues
 from et_ode.analysis.sphere import tangent_basis
@@ -54,7 +55,15 @@ def batched_states(x: Tensor, field: ETField | None = None, name: str = "x") -> 
 
 
 def classify(smallest: float, largest: float, *, zero_tol: float) -> str:
-    """One of :data:`CLASSES` from the extreme eigenvalues of a Hessian on the space of interest."""
+    """One of :data:`CLASSES` from the extreme eigenvalues of a Hessian on the space of interest.
+
+    Args:
+        smallest, largest: the extreme eigenvalues.
+        zero_tol: the size up to which an eigenvalue counts as zero.
+
+    Returns:
+        ``"stable attractor"``, ``"saddle"``, ``"maximum"`` or ``"degenerate"``.
+    """
     if smallest > zero_tol:
         return "stable attractor"
     if smallest < -zero_tol:
@@ -168,7 +177,7 @@ class SampleStability:
 
 
 @dataclass
-class StabilityReport:
+class StabilityReport(Table):
     samples: list[SampleStability]
     method: str
     dimension: int
@@ -198,9 +207,6 @@ class StabilityReport:
                 f"{'yes' if s.critical else 'no'} |"
             )
         return "\n".join(lines)
-
-    def __str__(self) -> str:
-        return self.table()
 
     def as_dict(self) -> dict:
         return {

@@ -30,12 +30,29 @@ class Interaction(nn.Module):
     """
 
     def energy(self, g: Tensor, mask: Mask = None) -> Tensor:
-        """The energy per sample: ``(..., N, D) -> (...)``."""
+        """The energy per sample.
+
+        Args:
+            g: activations ``(..., N, D)``.
+            mask: boolean ``(N, N)`` or ``(*batch, N, N)``, True where query ``C`` may attend to key ``B``; a
+                :class:`~et_ode.GraphMask`; or None (all pairs).
+
+        Returns:
+            The energy per sample, ``(...)``.
+        """
         raise NotImplementedError(f"{type(self).__name__} must define energy(g, mask)")
 
     def dE_dg(self, g: Tensor, mask: Mask = None) -> Tensor:
-        """``dE/dg``: ``(..., N, D) -> (..., N, D)``; differentiable in ``g`` and the parameters wherever autograd
-        is on."""
+        """``dE/dg``, differentiable in ``g`` and the parameters wherever autograd is on (by default
+        ``torch.func.grad`` of :meth:`energy`).
+
+        Args:
+            g: activations ``(..., N, D)``.
+            mask: as in :meth:`energy`.
+
+        Returns:
+            ``dE/dg``, ``(..., N, D)``.
+        """
         return torch.func.grad(lambda point: self.energy(point, mask).sum())(g)
 
 

@@ -57,7 +57,17 @@ class GraphMask:
 
     @classmethod
     def from_dense(cls, mask: Tensor) -> GraphMask:
-        """The edge list of a boolean ``(N, N)`` mask (``mask[C, B]`` True where query ``C`` may attend to key ``B``)."""
+        """The edge list of a dense mask.
+
+        Args:
+            mask: boolean ``(N, N)``, ``mask[C, B]`` True where query ``C`` may attend to key ``B``.
+
+        Returns:
+            The :class:`GraphMask` of its ``E`` allowed pairs.
+
+        Raises:
+            ValueError: ``mask`` is not a boolean ``(N, N)`` tensor.
+        """
         if not isinstance(mask, Tensor) or mask.dtype != torch.bool or mask.dim() != 2 or mask.shape[0] != mask.shape[1]:
             shape = tuple(mask.shape) if isinstance(mask, Tensor) else type(mask).__name__
             raise ValueError(f"mask must be a boolean (N, N) tensor, got {shape}")
@@ -79,7 +89,14 @@ class GraphMask:
         return self.edge_index.device
 
     def to(self, device: torch.device | str) -> GraphMask:
-        """This mask on ``device`` (``self`` when it is already there)."""
+        """This mask on ``device``.
+
+        Args:
+            device: the target device.
+
+        Returns:
+            The moved mask (``self`` when it is already there).
+        """
         if torch.device(device) == self.device:
             return self
         moved = GraphMask.__new__(GraphMask)
@@ -87,7 +104,14 @@ class GraphMask:
         return moved
 
     def kept(self, self_attention: bool) -> Tensor:
-        """Positions (into ``edge_index``) of the edges attention uses: all, or all but self-loops."""
+        """Positions (into ``edge_index``) of the edges attention uses.
+
+        Args:
+            self_attention: whether self-loops count (all edges) or not (all but self-loops).
+
+        Returns:
+            The positions, ``(E',)`` int64.
+        """
         if self_attention not in self._kept:
             if self_attention:
                 self._kept[True] = torch.arange(self.num_edges, device=self.device)

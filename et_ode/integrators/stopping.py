@@ -54,10 +54,18 @@ class SteadyState:
         return f"{_MEASURE_NAMES[self.measure]} < {self.tol:g}"
 
     def check(self, x0: Tensor, save: Save) -> None:
-        """``per_sample=True`` needs ``save="final"`` and ``x0`` of shape ``(batch, N, D)`` (ValueError naming both);
-        ``tol`` must be one the measure resolves in ``x0``'s dtype (ValueError naming ``SteadyState.tol``): an RMS is
-        formed from squares, which lose their precision below the dtype's smallest normal number and then vanish, so
-        nothing below its square root (1.1e-19 in float32, 1.5e-154 in float64) is told apart from 0."""
+        """Whether this stop can serve a solve from ``x0`` saving ``save``. An RMS is formed from squares, which lose
+        their precision below the dtype's smallest normal number and then vanish, so nothing below its square root
+        (1.1e-19 in float32, 1.5e-154 in float64) is told apart from 0.
+
+        Args:
+            x0: initial states ``(*batch, N, D)``.
+            save: what the solve saves.
+
+        Raises:
+            ValueError: ``tol`` below what the measure resolves in ``x0``'s dtype (naming ``SteadyState.tol``), or
+                ``per_sample=True`` without ``save="final"`` and ``x0`` of shape ``(batch, N, D)``.
+        """
         floor = math.sqrt(torch.finfo(x0.dtype).tiny)
         if self.tol < floor:
             raise ValueError(
@@ -72,8 +80,16 @@ class SteadyState:
             )
 
     def rms(self, field: ETField, x: Tensor, velocity: Tensor) -> Tensor:
-        """The measure per sample, ``(*batch, N, D) -> (*batch,)``, from the velocity ``dx/dt`` already computed at
-        ``x`` (the solver's hot path: unchecked, not counted)."""
+        """The measure per sample (the solver's hot path: unchecked, not counted).
+
+        Args:
+            field: the vector field.
+            x: states ``(*batch, N, D)``.
+            velocity: ``dx/dt`` already computed at ``x``, ``(*batch, N, D)``.
+
+        Returns:
+            The measure, ``(*batch,)``.
+        """
         if self.measure == "dg_dt":
             return field.rms_dg_dt(x, velocity)
         return field.rms_tangent_gradient(x, velocity)

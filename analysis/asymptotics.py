@@ -59,10 +59,20 @@ class PredictedRate:
 
 
 def predicted_exponent(field: ETField, x_star: Tensor) -> PredictedRate:
-    """``p = lambda_min(K^(-1/2) Hess_R K^(-1/2))`` at the critical point ``x_star`` ``(N, D)`` (a minimum for
-    ``p > 0``). Raises ValueError when some token's outward force ``rho_A`` is not positive (then its scale does
-    not grow and the power law does not apply), and for a neuron other than LayerNorm (the power law is the
-    spheres': a Euclidean neuron's flow approaches its minima exponentially)."""
+    """``p = lambda_min(K^(-1/2) Hess_R K^(-1/2))`` at a critical point (a minimum for ``p > 0``).
+
+    Args:
+        field: the vector field (LayerNorm neuron).
+        x_star: the critical point ``(N, D)``.
+
+    Returns:
+        The :class:`PredictedRate`.
+
+    Raises:
+        ValueError: some token's outward force ``rho_A`` is not positive (its scale does not grow and the power
+            law does not apply), or the neuron is not LayerNorm (the power law is the spheres': a Euclidean
+            neuron's flow approaches its minima exponentially).
+    """
     neuron = sphere_neuron(field.model.neuron, "the asymptotic exponent")
     x = to_limit_spheres(x_star.detach(), neuron.eps)
     with torch.no_grad():
@@ -220,8 +230,27 @@ def measured_exponent(
     growth ``|xt_A| = rho*_A t / tau``, and (3) a power-law fit within ``agree_tol`` of the exponent predicted at
     the limit. The fits of ``|g - g*|`` and RMS ``|dg/dt|`` then use that tail only. Otherwise the result says
     why (``asymptotic=False``, ``reason``), fits the last ``tail`` of the span in log time, and warns
-    (RuntimeWarning), or raises ValueError with ``strict=True``. Also raises ValueError for bad arguments and when
-    the limit is not a minimum on the spheres (some ``rho_A <= 0``)."""
+    (RuntimeWarning), or raises ValueError with ``strict=True``.
+
+    Args:
+        field: the vector field (LayerNorm neuron).
+        x0: the start ``(N, D)``.
+        t1: the end time.
+        points: the log-spaced saved times.
+        tail: the fraction of the span (in log time) fitted when the asymptotic regime is not found.
+        rtol, atol: the solve's tolerances.
+        slope_tol, scale_tol, agree_tol: the three tests of the asymptotic regime, relative.
+        min_decades: the decades of ``t`` the asymptotic tail must span.
+        floor: distances below it (the solve's accuracy) are not used.
+        strict: raise instead of warning when the regime is not reached.
+
+    Returns:
+        The :class:`MeasuredRate`.
+
+    Raises:
+        ValueError: bad arguments; the limit is not a minimum on the spheres (some ``rho_A <= 0``); with
+            ``strict``, the asymptotic regime not reached.
+    """
     if not (isinstance(x0, Tensor) and x0.dim() == 2 and x0.shape[-1] == field.model.dim):
         raise ValueError(
             f"x0 must be one state (N, D) with D={field.model.dim}, got "

@@ -114,7 +114,22 @@ def continue_branch(
     ``max_points`` points, or when the step underflows. Fold locations: the extremum of ``mu`` along the
     branch (a parabola through three points); branch points: secant iterations on the crossing eigenvalue.
 
-    ``tol``: RMS ``|T dE/dg|`` for Newton; ``difference``: the step of the central difference in ``mu``.
+    Args:
+        family: ``mu -> ETField`` (or an EnergyModel), the one-parameter family.
+        x0: a state ``(N, D)`` at or near a critical point of ``family(mu0)``.
+        mu0: the parameter to start at.
+        mu_end: the parameter to head for.
+        step: the arclength per point, in ``(g, mu)``.
+        max_points: points at most, at least 2.
+        tol: RMS ``|T dE/dg|`` for Newton.
+        difference: the step of the central difference in ``mu``.
+        zero_tol: the relative size up to which an eigenvalue counts as zero.
+
+    Returns:
+        The :class:`Branch`: its points, energies, spectra and bifurcations.
+
+    Raises:
+        ValueError: ``step`` or ``difference`` not positive, ``max_points < 2``, or ``mu_end == mu0``.
     """
     if not (step > 0 and difference > 0 and isinstance(max_points, int) and max_points >= 2):
         raise ValueError(

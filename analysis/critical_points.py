@@ -103,8 +103,21 @@ def newton_critical_point(
 
     Each iteration solves ``min |grad + H s|^2 + mu |s|^2`` in the tangent frame (``H``, ``grad``: Riemannian
     Hessian and gradient in ``g``), with ``mu`` the smallest making ``|s| <= radius``; a step is accepted when it
-    lowers ``|grad|`` (then ``radius`` grows, else it halves). Converged: RMS ``|T dE/dg| <= tol``. ``zero_tol``
-    (relative to the largest ``|lambda|``) decides the index.
+    lowers ``|grad|`` (then ``radius`` grows, else it halves).
+
+    Args:
+        field: the vector field.
+        x: the start ``(N, D)``.
+        tol: converged at RMS ``|T dE/dg| <= tol``.
+        max_iter: Newton iterations at most.
+        radius: the first trust radius.
+        zero_tol: an eigenvalue ``|lambda| <= zero_tol * max |lambda|`` counts as zero (for the index).
+
+    Returns:
+        The :class:`CriticalPoint` (``converged`` says whether it met ``tol``).
+
+    Raises:
+        ValueError: a bad ``x``, or ``tol``, ``radius``, ``max_iter`` out of range.
     """
     x = _check_state(field, x)
     check_positive("tol", tol)
@@ -158,8 +171,21 @@ def saddle_from_minimum(
     Starts ``push`` (``g`` units) from the minimum along ``direction`` (+1 / -1) times its softest Hessian mode,
     then takes partitioned rational-function steps (at most ``radius`` long): the lowest mode of the current
     Hessian is maximised, every other minimised. Once the Hessian has one negative eigenvalue and the step
-    falls below ``radius / 10``, :func:`newton_critical_point` polishes. The result's ``index`` says whether it
-    reaches an index-1 saddle (``converged`` and ``index == 1``).
+    falls below ``radius / 10``, :func:`newton_critical_point` polishes.
+
+    Args:
+        field: the vector field.
+        x_min: the minimum ``(N, D)``.
+        direction: +1 or -1, the side of the softest mode to leave along.
+        push: the first displacement, in ``g`` units.
+        radius: the longest step.
+        tol, max_iter, zero_tol: as in :func:`newton_critical_point`.
+
+    Returns:
+        The :class:`CriticalPoint` reached; an index-1 saddle where ``converged`` and ``index == 1``.
+
+    Raises:
+        ValueError: a bad ``x_min``, ``direction`` not +1 or -1, or ``push``, ``radius`` not positive.
     """
     x = _check_state(field, x_min)
     if direction not in (1, -1):
@@ -301,6 +327,20 @@ def census(
     From every start: Newton (which ends at a critical point of any index), and with ``descent`` also Riemannian
     gradient descent (:func:`~et_ode.analysis.stability.find_fixed_point`, which ends at minima) polished by
     Newton; so ``2 S`` searches in all.
+
+    Args:
+        field: the vector field.
+        starts: start states ``(S, N, D)``.
+        descent: also descend from every start.
+        tol, max_iter: Newton's, as in :func:`newton_critical_point`.
+        match_tol: the distance within which two points are one.
+        progress: show a progress bar.
+
+    Returns:
+        The :class:`Census`: the distinct points, each with the number of searches that reached it.
+
+    Raises:
+        ValueError: ``starts`` is not a tensor ``(S, N, D)``.
     """
     from tqdm.auto import tqdm
 

@@ -129,7 +129,15 @@ def fit_decay(ts: Tensor, values: Tensor, *, tail: float = 0.5, min_points: int 
     The window is the last ``tail`` fraction of the span in **log time** (from the first positive saved time
     to the last), the intrinsic time of the ET flow, widened to at least ``min_points`` usable points (positive
     values, ``t > 0``): a linear-time window would keep only the last two points of a log-spaced grid.
-    Returns ``(exponential, power)``; both have ``nan`` rates when fewer than 3 usable points exist.
+
+    Args:
+        ts: the times ``(T,)``.
+        values: the decaying quantity ``(T,)``, positive.
+        tail: the fraction of the span in log time to fit.
+        min_points: the fewest usable points the window holds.
+
+    Returns:
+        ``(exponential, power)`` :class:`RateFit`s; both have ``nan`` rates when fewer than 3 usable points exist.
     """
     if not 0 < tail <= 1:
         raise ValueError(f"tail must be in (0, 1], got {tail!r}")

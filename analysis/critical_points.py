@@ -224,8 +224,17 @@ def saddle_from_minimum(
 
 
 def point_distance(field: ETField, a: Tensor, b: Tensor, *, permutations: bool = True) -> float:
-    """RMS ``g``-distance between two states ``(N, D)``, minimised over token permutations when ``permutations``
-    (the optimal assignment of ``b``'s tokens to ``a``'s, by the Hungarian method)."""
+    """RMS ``g``-distance between two states.
+
+    Args:
+        field: the vector field.
+        a, b: states ``(N, D)``.
+        permutations: minimise over token permutations (the optimal assignment of ``b``'s tokens to ``a``'s, by the
+            Hungarian method).
+
+    Returns:
+        The distance.
+    """
     neuron = field.model.neuron
     with torch.no_grad():
         ga, gb = neuron(a), neuron(b)

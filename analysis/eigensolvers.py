@@ -34,7 +34,15 @@ def power_iteration(
 ) -> Tensor:
     """The eigenvalue of largest magnitude of ``A - shift I`` per sample, by power iteration (Rayleigh quotient).
 
-    ``shift`` is a scalar or ``(B,)``. Returns ``(B,)``, the estimate for ``A - shift I``.
+    Args:
+        apply: the operator ``A``, ``(B, ...) -> (B, ...)``.
+        v0: the start vectors ``(B, ...)``.
+        iterations: the number of iterations.
+        shift: a scalar or ``(B,)``.
+        project: the projector onto the space ``A`` acts on, or None.
+
+    Returns:
+        The estimate for ``A - shift I``, ``(B,)``.
     """
     project = project or (lambda v: v)
     shift = torch.as_tensor(shift, dtype=v0.dtype, device=v0.device).expand(v0.shape[0])
@@ -92,8 +100,16 @@ def operator_matrix(apply: Operator, basis: Tensor) -> Tensor:
 
 
 def dense_eigenvalues(apply: Operator, like: Tensor, *, basis: Tensor | None = None) -> Tensor:
-    """All eigenvalues (ascending, ``(B, n)``) of a symmetric operator restricted to ``span(basis)``;
-    the standard basis of the shape of ``like[0]`` when ``basis`` is None. Costs ``n`` products."""
+    """All eigenvalues of a symmetric operator restricted to ``span(basis)``. Costs ``n`` products.
+
+    Args:
+        apply: the operator, ``(B, ...) -> (B, ...)``.
+        like: a tensor ``(B, ...)`` of the operator's shape, dtype and device.
+        basis: an orthonormal basis ``(B, n, ...)``, or None (the standard basis of the shape of ``like[0]``).
+
+    Returns:
+        The eigenvalues, ascending, ``(B, n)``.
+    """
     if basis is None:
         size = like[0].numel()
         eye = torch.eye(size, dtype=like.dtype, device=like.device).reshape(size, *like.shape[1:])

@@ -114,8 +114,22 @@ def lyapunov_spectrum(
     ``count`` tangent perturbations of ``g`` (default: all ``N (D - 2)``) of size ``d0`` are integrated with
     the reference state in one batch; after each of the ``renormalizations`` equal spans of ``[0, t1]`` their
     g-differences, projected on the tangent space, are QR-factorised, ``log |R_ii| / d0`` accumulated and the
-    perturbations reset to ``d0 Q``. ``intrinsic``: follow the fixed-scale flow from the limit spheres (see
-    :mod:`et_ode.analysis.sphere`) instead of the plain solve, whose rates decay like ``1 / t``.
+    perturbations reset to ``d0 Q``.
+
+    Args:
+        field: the vector field.
+        x0: the reference state ``(N, D)``.
+        count: the number of exponents (default: all ``N (D - 2)``).
+        t1: the end time.
+        renormalizations: the equal spans of ``[0, t1]``.
+        d0: the perturbations' size in ``g``.
+        intrinsic: follow the fixed-scale flow from the limit spheres (see :mod:`et_ode.analysis.sphere`) instead
+            of the plain solve, whose rates decay like ``1 / t``.
+        method, rtol, atol: the adaptive solver.
+        seed: the random perturbations.
+
+    Returns:
+        The :class:`LyapunovSpectrum`, ``count`` exponents in descending order.
     """
     if not (isinstance(x0, Tensor) and x0.dim() == 2 and x0.shape[-1] == field.model.dim):
         raise ValueError(

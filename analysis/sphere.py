@@ -53,10 +53,15 @@ class FixedScaleField(nn.Module):
 
 
 def tangent_basis(g: Tensor, delta: Tensor | float) -> Tensor:
-    """An orthonormal basis of the tangent space at ``g`` (``(B, N, D)``): ``(B, N (D-2), N, D)``.
+    """An orthonormal basis of the tangent space at ``g``. Vector ``A (D-2) + j`` lives on token ``A`` only,
+    orthogonal to the all-ones vector and to the radial ``s_A`` of ``g_A - delta``.
 
-    Vector ``A (D-2) + j`` lives on token ``A`` only, orthogonal to the all-ones vector and to the radial ``s_A``
-    of ``g_A - delta``.
+    Args:
+        g: activations ``(B, N, D)``.
+        delta: the LayerNorm shift, ``(D,)`` or a scalar.
+
+    Returns:
+        The basis, ``(B, N (D-2), N, D)``.
     """
     batch, n, d = g.shape
     s, _ = radial_direction(g, delta)

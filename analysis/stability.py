@@ -86,8 +86,17 @@ def riemannian_hessian_matrix(field: ETField, x: Tensor) -> tuple[Tensor, Tensor
     """The dense Riemannian Hessian of ``E`` at ``g = LayerNorm(x)`` in :func:`tangent_basis`, exact.
 
     Built from the full Euclidean Hessian of ``E(g)`` (``torch.func.hessian`` of the field's ``energy_g``,
-    ``(ND)^2`` entries per sample): ``Q^T H Q - diag((s_A . dE/dg_A) / r_A)``. Returns
-    ``(matrix (B, n, n), basis (B, n, N, D))``. Raises ValueError for a neuron not of geometry ``"spheres"``.
+    ``(ND)^2`` entries per sample): ``Q^T H Q - diag((s_A . dE/dg_A) / r_A)``.
+
+    Args:
+        field: the vector field (LayerNorm neuron).
+        x: states ``(B, N, D)`` or ``(N, D)``.
+
+    Returns:
+        ``(matrix (B, n, n), basis (B, n, N, D))``.
+
+    Raises:
+        ValueError: the neuron is not of geometry ``"spheres"``.
     """
     x = batched_states(x, field)
     delta = sphere_neuron(field.model.neuron, "riemannian_hessian_matrix").delta.detach()
@@ -116,6 +125,13 @@ def g_jacobian(field: ETField, x: Tensor) -> tuple[Tensor, Tensor]:
     is produced by ``dx = (sigma_A / gamma) w`` on the spheres (``dx = w`` in the Euclidean chart), so
     ``J = Q^T (d(dg/dt)/dx) Q diag(sigma_A / gamma)``. Its eigenvalues are the local rates ``exp(lambda t)`` of the
     motion of the coordinates at this state (``Re lambda < 0``: decay).
+
+    Args:
+        field: the vector field.
+        x: states ``(B, N, D)`` or ``(N, D)``.
+
+    Returns:
+        ``(J (B, n, n), basis (B, n, N, D))``.
     """
     chart = chart_for(field)
     x = batched_states(x, field)

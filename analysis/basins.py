@@ -111,7 +111,21 @@ def attractor_census(
     match_tol: float = 1e-5,
     attractors: list[CriticalPoint] | None = None,
 ) -> AttractorCensus:
-    """Follow every start ``(S, N, D)`` to its limit and count the attractors reached (most frequent first)."""
+    """Follow every start to its limit and count the attractors reached (most frequent first).
+
+    Args:
+        field: the vector field.
+        starts: start states ``(S, N, D)``.
+        t1: the end time of each flow, before descent and Newton polish the limit.
+        match_tol: the distance within which two limits are one attractor.
+        attractors: attractors known beforehand (their order is the labels'), or None.
+
+    Returns:
+        The :class:`AttractorCensus`, with a Wilson interval per frequency.
+
+    Raises:
+        ValueError: ``starts`` is not a tensor ``(S, N, D)`` of the model's ``D``.
+    """
     if not (isinstance(starts, Tensor) and starts.dim() == 3 and starts.shape[-1] == field.model.dim):
         raise ValueError(
             f"starts must be a tensor (S, N, D) with D={field.model.dim}, got "
@@ -159,7 +173,16 @@ def basin_map(
     """The plane through ``center`` ``(N, D)`` and the two states ``through`` ``(2, N, D)`` (e.g. a saddle and the
     two minima it joins), ``resolution`` x ``resolution`` initial states on it, each followed to its limit.
 
-    ``span``: half-width in ``g`` (default 1.3 times the farther of the two points).
+    Args:
+        field: the vector field.
+        center: the plane's center ``(N, D)``.
+        through: two states ``(2, N, D)`` the plane passes through.
+        span: half-width in ``g`` (default 1.3 times the farther of the two points).
+        resolution: grid points per side.
+        t1, attractors, match_tol: as in :func:`attractor_census`.
+
+    Returns:
+        The :class:`BasinMap`.
     """
     if not (isinstance(resolution, int) and resolution >= 2):
         raise ValueError(f"resolution must be an integer >= 2, got {resolution!r}")

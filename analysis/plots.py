@@ -79,7 +79,17 @@ def plot_convergence(
     max_samples: int = 10,
 ) -> Figure:
     """Energy, RMS ``|dg/dt|`` and RMS ``|T dE/dg|`` (log-log), and the two zero-mode drifts of ``x``
-    against time, one color per sample (at most ``max_samples`` drawn)."""
+    against time, one color per sample.
+
+    Args:
+        solution: a solve with saved states ``(T, *batch, N, D)``.
+        path: the file to save the figure to, or None.
+        figsize, dpi: the figure's size in inches and resolution.
+        max_samples: samples drawn at most.
+
+    Returns:
+        The matplotlib ``Figure``.
+    """
     traces = convergence_traces(solution)
     count = min(traces.energy.shape[1], max_samples)
     colors = _sample_colors(count)
@@ -144,7 +154,16 @@ def dense_trajectory(
     solution: Solution, *, points: int = 200, rtol: float = 1e-8, atol: float = 1e-10
 ) -> tuple[Tensor, Tensor]:
     """Re-integrate ``solution``'s field (dopri5) from its first saved state on ``points`` times from ``ts[0]``,
-    log-spaced after it (the motion is fastest at the start): ``(ts (P,), xs (P, *batch, N, D))``."""
+    log-spaced after it (the motion is fastest at the start).
+
+    Args:
+        solution: a solve with saved states.
+        points: the number of times ``P``.
+        rtol, atol: dopri5's tolerances.
+
+    Returns:
+        ``(ts (P,), xs (P, *batch, N, D))``.
+    """
     if not (isinstance(points, int) and points >= 3):
         raise ValueError(f"points must be an integer >= 3, got {points!r}")
     if solution.xs is None:
@@ -184,6 +203,18 @@ def plot_trajectories(
     the sample's energy (``color_by``); circles mark the starts, stars the final states (at the fixed point once converged).
     ``dense``: draw ``dense`` states re-integrated from the first saved one (:func:`dense_trajectory`, log-spaced
     in time) instead of the saved ones, so the fast early motion is resolved rather than drawn as straight lines.
+
+    Args:
+        solution: a solve with saved states ``(T, *batch, N, D)``.
+        sample: the sample drawn.
+        dims: 2 or 3 principal components.
+        color_by: ``"time"`` or ``"energy"``.
+        dense: the number of re-integrated states, or None (the saved ones).
+        path: the file to save the figure to, or None.
+        figsize, dpi: the figure's size in inches and resolution.
+
+    Returns:
+        The matplotlib ``Figure``.
     """
     if dims not in (2, 3):
         raise ValueError(f"dims must be 2 or 3, got {dims!r}")
@@ -351,8 +382,21 @@ def plot_energy_slice(
     ``g(a, b) = retract(g* + a u + b v)``: with ``trajectories`` (a Solution or states ``(T, N, D)`` /
     ``(T, B, N, D)``) the plane through ``g*``, the trajectory's start and its end, so the energy drawn under
     the start and the end is the energy there; elsewhere the trajectory leaves the plane, and its largest
-    distance from it is printed on the picture. Without, random tangent directions. ``span``: half-width in
-    ``g`` units (default: 1.2 times the trajectory's extent, or half a token radius).
+    distance from it is printed on the picture. Without, random tangent directions.
+
+    Args:
+        field: the vector field (LayerNorm neuron).
+        x_fixed: the fixed point, ``(N, D)`` or ``(B, N, D)``.
+        trajectories: a Solution or states ``(T, N, D)`` / ``(T, B, N, D)``, or None.
+        span: half-width in ``g`` units (default: 1.2 times the trajectory's extent, or half a token radius).
+        resolution: grid points per side.
+        path: the file to save the figure to, or None.
+        sample: the sample of a batch drawn.
+        figsize, dpi: the figure's size in inches and resolution.
+        seed: the random directions (without ``trajectories``).
+
+    Returns:
+        The matplotlib ``Figure``.
     """
     if not isinstance(field, ETField):
         raise TypeError(f"field must be an et_ode.ETField, got {type(field).__name__}")

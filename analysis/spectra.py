@@ -50,6 +50,14 @@ def hessian_along(solution: Solution, *, max_times: int = 25, zero_tol: float = 
     """The Riemannian Hessian's spectrum at (at most ``max_times``, evenly picked) saved states of ``solution``.
 
     Dense: ``N (D - 2)`` Hessian-vector products per state and sample, meant for small systems.
+
+    Args:
+        solution: a solve with saved states ``(T, *batch, N, D)``.
+        max_times: saved states examined at most.
+        zero_tol: the relative size up to which an eigenvalue counts as zero (for the index).
+
+    Returns:
+        The :class:`HessianTrace`.
     """
     if not (isinstance(max_times, int) and max_times >= 2):
         raise ValueError(f"max_times must be an integer >= 2, got {max_times!r}")

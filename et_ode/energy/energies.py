@@ -176,9 +176,15 @@ class EnergyAttention(Interaction):
         return -(lse / self.beta.to(g.dtype)[:, None]).sum(dim=(-1, -2))
 
     def attention(self, g: Tensor, mask: Mask = None) -> Tensor:
-        """Attention weights ``S[..., h, B, C]``: softmax over keys ``B`` for each query ``C``.
+        """Attention weights: softmax over keys ``B`` for each query ``C``.
 
-        With a :class:`GraphMask`, the weights per edge ``(..., H, E)``, aligned with ``mask.edge_index``.
+        Args:
+            g: activations ``(..., N, D)``.
+            mask: as in :meth:`Interaction.energy`.
+
+        Returns:
+            ``S[..., h, B, C]``, ``(..., H, N, N)``; with a :class:`GraphMask`, the weights per edge ``(..., H, E)``,
+            aligned with ``mask.edge_index``.
         """
         if isinstance(mask, GraphMask):
             return self._edge_attention(g, mask)

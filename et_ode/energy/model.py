@@ -258,10 +258,20 @@ class EnergyTransformer(EnergyModel):
         hopfield: HopfieldForm = "relu",
         self_attention: bool = False,
     ) -> EnergyTransformer:
-        """A model holding exactly these weights, in the paper's layout.
+        """A model holding exactly these weights, in the paper's layout; it takes the dtype and device of ``WK``.
 
-        ``WK``, ``WQ``: ``(H, Y, D)``; ``xi``: ``(K, D)``; ``gamma``: positive scalar; ``delta``: ``(D,)``.
-        The model takes the dtype and device of ``WK``.
+        Args:
+            WK, WQ: key and query weights ``(H, Y, D)``.
+            xi: Hopfield memories ``(K, D)``.
+            gamma: the LayerNorm scale, a positive scalar.
+            delta: the LayerNorm shift ``(D,)``.
+            beta, beta_hn, eps, hopfield, self_attention: as in :class:`EnergyTransformer`.
+
+        Returns:
+            The :class:`EnergyTransformer`.
+
+        Raises:
+            ValueError: a weight of the wrong shape, or ``gamma`` not positive.
         """
         WK, WQ, xi, delta = (torch.as_tensor(t) for t in (WK, WQ, xi, delta))
         if WK.dim() != 3:

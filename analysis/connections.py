@@ -95,6 +95,17 @@ def saddle_network(
     """Connect every index-1 saddle to the minima its two unstable branches reach.
 
     Minima reached that are not in ``minima`` are added (so the network is complete for these saddles).
+
+    Args:
+        field: the vector field.
+        minima: the known minima.
+        saddles: the saddles to connect (those of index 1 are followed).
+        match_tol: the distance within which two points are one.
+        push: the step off the saddle along each unstable direction, in ``g`` units.
+        t1: the end time of each branch's flow.
+
+    Returns:
+        The :class:`Network` of minima, saddles and their connections.
     """
     if any(s.index != 1 for s in saddles):
         raise ValueError("saddles must all have index 1")
@@ -114,8 +125,14 @@ def saddle_network(
 
 
 def disconnectivity(network: Network) -> list[tuple[float, set[int]]]:
-    """The merge events: ``(saddle energy, minima of the merged group)`` in ascending energy (union-find over
-    the connections, lowest saddles first)."""
+    """The merge events of the disconnectivity graph (union-find over the connections, lowest saddles first).
+
+    Args:
+        network: the minima, saddles and connections.
+
+    Returns:
+        ``(saddle energy, minima of the merged group)`` pairs in ascending energy.
+    """
     parent = list(range(len(network.minima)))
 
     def root(i: int) -> int:

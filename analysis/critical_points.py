@@ -307,8 +307,17 @@ class Census(Table):
 def deduplicate(
     field: ETField, points: list[CriticalPoint], *, match_tol: float = 1e-5, permutations: bool | None = None
 ) -> list[CensusEntry]:
-    """Group ``points`` closer than ``match_tol`` (RMS ``g``, modulo token permutations when the energy has
-    that symmetry); ascending energy, counting the members of each group."""
+    """Group points closer than ``match_tol``, counting the members of each group.
+
+    Args:
+        field: the vector field.
+        points: the critical points.
+        match_tol: the RMS ``g``-distance within which two points are one.
+        permutations: compare modulo token permutations (None: when the energy has that symmetry).
+
+    Returns:
+        One :class:`CensusEntry` per group, in ascending energy.
+    """
     permutations = permutation_symmetric(field) if permutations is None else permutations
     entries: list[CensusEntry] = []
     for point in points:

@@ -256,9 +256,24 @@ def landscape_study(
     seed: int = 0,
     progress: bool = False,
 ) -> LandscapeStudy:
-    """Study the landscape around one sample: ``x0`` its initial state, ``x_final`` the solve's final state
-    (each ``(N, D)``); pictures are written into ``folder``. ``starts``: searches from the final state and
-    ``starts - 1`` random states; ``attractor_starts``: random starts for the attractor census."""
+    """Study the landscape around one sample.
+
+    Args:
+        field: the vector field.
+        x0: the sample's initial state ``(N, D)``.
+        x_final: the solve's final state ``(N, D)``.
+        folder: where the pictures are written.
+        starts: searches from the final state and ``starts - 1`` random states.
+        attractor_starts: random starts for the attractor census.
+        basin_resolution: grid points per side of the basin map.
+        asymptotics_t1: the end time of the measured power law.
+        continuation_end: the scale of the memories (or weights) the continuation from 1 heads for.
+        seed: the random states.
+        progress: show progress bars.
+
+    Returns:
+        The :class:`LandscapeStudy`.
+    """
     folder = Path(folder)
     generator = torch.Generator().manual_seed(seed)
     random = torch.randn(starts - 1 + attractor_starts, *x0.shape, generator=generator, dtype=x0.dtype).to(x0.device)

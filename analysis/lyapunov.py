@@ -137,7 +137,15 @@ def metric_spectrum(field: ETField, xs: Tensor) -> tuple[bool, float]:
     """Whether every ``M_A`` is positive semi-definite over all tokens of the states ``xs`` (``(..., N, D)``), and
     the smallest non-zero eigenvalue of any ``M_A`` (on the directions the neuron's ``project`` keeps): in closed
     form for the LayerNorm neuron (positive semi-definite exactly when ``gamma > 0``), from every token's dense
-    ``M_A`` (``D`` Hessian-vector products) for another."""
+    ``M_A`` (``D`` Hessian-vector products) for another.
+
+    Args:
+        field: the vector field.
+        xs: states ``(..., N, D)``.
+
+    Returns:
+        ``(positive semi-definite, smallest non-zero eigenvalue)``.
+    """
     neuron = field.model.neuron
     if isinstance(neuron, LayerNormNeuron):
         gamma = float(neuron.gamma.detach())

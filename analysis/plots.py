@@ -316,8 +316,17 @@ class EnergySlice:
 
 
 def energy_slice(field: ETField, x_fixed: Tensor, *, trajectory: Tensor | None = None, seed: int = 0) -> EnergySlice:
-    """The slice through ``x_fixed`` ``(N, D)`` (see :class:`EnergySlice`); ``trajectory``: states ``(T, N, D)``
-    whose start and end the plane holds, else random tangent directions."""
+    """The slice through ``x_fixed`` (see :class:`EnergySlice`).
+
+    Args:
+        field: the vector field.
+        x_fixed: the fixed point ``(N, D)``.
+        trajectory: states ``(T, N, D)`` whose start and end the plane holds, or None (random tangent directions).
+        seed: the random directions.
+
+    Returns:
+        The :class:`EnergySlice`.
+    """
     chart = chart_for(field)
     with torch.no_grad():
         g_star = chart.coordinates(x_fixed.detach())

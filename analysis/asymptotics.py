@@ -319,7 +319,16 @@ def plot_asymptotics(
     dpi: int = 100,
 ) -> Figure:
     """``|g - g*|`` against the intrinsic time ``log t`` (log scale: the power law is a straight line of slope
-    ``-p``), with the predicted slope drawn through the last point of each and the asymptotic window shaded."""
+    ``-p``), with the predicted slope drawn through the last point of each and the asymptotic window shaded.
+
+    Args:
+        rates: the measurements (:func:`measured_exponent`).
+        path, figsize, dpi: the file to save to (or None), the size in inches, the resolution.
+        labels: one legend entry per rate, or None.
+
+    Returns:
+        The figure of the approaches.
+    """
     labels = labels or [f"trajectory {i}" for i in range(len(rates))]
     if len(labels) != len(rates):
         raise ValueError(f"labels must have one entry per rate ({len(rates)}), got {len(labels)}")

@@ -223,7 +223,16 @@ def plot_basin_map(
     dpi: int = 100,
 ) -> Figure:
     """The basin map: each initial state coloured by the attractor it reaches, the streamlines of the Riemannian
-    descent direction projected on the plane, and optional ``marks`` (name: state ``(N, D)``) at their coordinates."""
+    descent direction projected on the plane, and optional marks.
+
+    Args:
+        basins: the :class:`BasinMap`.
+        path, figsize, dpi: the file to save to (or None), the size in inches, the resolution.
+        marks: ``{name: state (N, D)}`` drawn at their coordinates, or None.
+
+    Returns:
+        The figure of the basins.
+    """
     from matplotlib import colormaps
     from matplotlib.colors import BoundaryNorm, ListedColormap
 

@@ -156,7 +156,15 @@ def plot_disconnectivity(
     network: Network, *, path: PathLike | None = None, figsize: tuple[float, float] = (7.0, 5.0), dpi: int = 100
 ) -> Figure:
     """The disconnectivity graph: a vertical line per minimum from its energy up to where it merges (at the
-    connecting saddle's energy), horizontal bars at the merges. Minima that never merge reach the top."""
+    connecting saddle's energy), horizontal bars at the merges. Minima that never merge reach the top.
+
+    Args:
+        network: the minima, saddles and connections (:func:`saddle_network`).
+        path, figsize, dpi: the file to save to (or None), the size in inches, the resolution.
+
+    Returns:
+        The figure of the graph.
+    """
     count = len(network.minima)
     energies = np.array([m.energy for m in network.minima])
     events = disconnectivity(network)

@@ -333,7 +333,17 @@ def plot_bifurcation_diagram(
     dpi: int = 100,
 ) -> Figure:
     """Energy against the parameter for every branch: solid where a minimum (index 0), dashed where a saddle
-    (the colour gives the index), markers at the folds (triangles) and branch points (circles)."""
+    (the colour gives the index), markers at the folds (triangles) and branch points (circles).
+
+    Args:
+        branches: the branches (:func:`continue_branch`).
+        path, figsize, dpi: the file to save to (or None), the size in inches, the resolution.
+        labels: one legend entry per branch, or None.
+        parameter: the parameter's name on the axis.
+
+    Returns:
+        The figure of the diagram.
+    """
     from matplotlib import colormaps
 
     labels = labels or [f"branch {i}" for i in range(len(branches))]

@@ -492,8 +492,18 @@ def plot_attention(
     figsize: tuple[float, float] | None = None,
     dpi: int = 100,
 ) -> Figure:
-    """Attention maps ``S[head, key B, query C]`` of one sample at a few saved times: ``t`` (each time uses the
-    nearest saved one), by default 4 from first to last. Default size: 3.6 inches per map, 4 tall."""
+    """Attention maps ``S[head, key B, query C]`` of one sample at a few saved times; default size: 3.6 inches per
+    map, 4 tall.
+
+    Args:
+        solution: a solve with saved states ``(T, *batch, N, D)`` and an attention interaction.
+        sample, head: the sample and head drawn.
+        path, figsize, dpi: the file to save to (or None), the size in inches, the resolution.
+        t: the times (each uses the nearest saved one); default 4 from first to last.
+
+    Returns:
+        The figure of the maps.
+    """
     xs = flat_states(solution)
     b = _sample_index(sample, xs.shape[1])
     field = flat_field(solution).select(b)
@@ -558,10 +568,18 @@ def plot_film_strip(
 ) -> Figure:
     """Rows of images: the masked input (if given), the completion at each time, the ground truth (if given).
 
-    ``frames``: ``(T, H, W)`` grayscale or ``(T, C, H, W)`` with ``C`` 1 or 3; ``ts``: their ``T`` times;
-    ``target`` / ``masked``: one image ``(H, W)`` or ``(C, H, W)``. All panels share one intensity scale
-    (shown by a colorbar for grayscale). The panels wrap into rows of at most ``columns``; default size: 2.0
-    inches per panel, 2.4 per row.
+    All panels share one intensity scale (shown by a colorbar for grayscale); default size: 2.0 inches per panel,
+    2.4 per row.
+
+    Args:
+        frames: ``(T, H, W)`` grayscale or ``(T, C, H, W)`` with ``C`` 1 or 3.
+        ts: their ``T`` times.
+        target, masked: one image ``(H, W)`` or ``(C, H, W)`` each, or None.
+        path, figsize, dpi: the file to save to (or None), the size in inches, the resolution.
+        columns: panels per row at most.
+
+    Returns:
+        The figure of the strip.
     """
     images = _as_images("frames", frames, single=False)
     times = [float(t) for t in (ts.tolist() if isinstance(ts, Tensor) else ts)]

@@ -202,7 +202,16 @@ def plot_hessian_along(
     max_samples: int = 10,
 ) -> Figure:
     """The Riemannian Hessian's smallest and largest eigenvalue (left) and the saddle index (right) against time
-    (log scale from the first positive saved time), one colour per sample."""
+    (log scale from the first positive saved time), one colour per sample.
+
+    Args:
+        trace: the :class:`HessianTrace` (:func:`hessian_along`).
+        path, figsize, dpi: the file to save to (or None), the size in inches, the resolution.
+        max_samples: samples drawn at most.
+
+    Returns:
+        The figure of the spectra.
+    """
     from matplotlib import colormaps
 
     count = min(trace.smallest.shape[1], max_samples)

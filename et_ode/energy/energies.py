@@ -30,15 +30,14 @@ class Interaction(nn.Module):
     """
 
     def energy(self, g: Tensor, mask: Mask = None) -> Tensor:
-        """The energy per sample.
+        """The interaction's energy of ``g`` per sample, ``(...)``.
 
         Args:
             g: activations ``(..., N, D)``.
-            mask: boolean ``(N, N)`` or ``(*batch, N, N)``, True where query ``C`` may attend to key ``B``; a
-                :class:`~et_ode.GraphMask`; or None (all pairs).
+            mask: the field's mask (see the class); True where query ``C`` may attend to key ``B``.
 
         Returns:
-            The energy per sample, ``(...)``.
+            The energy per sample.
         """
         raise NotImplementedError(f"{type(self).__name__} must define energy(g, mask)")
 

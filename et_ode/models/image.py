@@ -92,7 +92,19 @@ def _check_images(images: object, shape: Sequence[int] | None = None) -> Tensor:
 
 
 def patchify(images: Tensor, patch: int) -> Tensor:
-    """``(B, C, H, W) -> (B, N, C P P)``, patches in row-major order, each flattened channel-first."""
+    """Cut images into patches, in row-major order, each flattened channel-first.
+
+    Args:
+        images: ``(B, C, H, W)``.
+        patch: the patch side ``P``, dividing ``H`` and ``W``.
+
+    Returns:
+        The patches, ``(B, N, C P P)``.
+
+    Raises:
+        TypeError: ``images`` is not a tensor.
+        ValueError: ``images`` is not ``(B, C, H, W)``, or ``P`` does not divide ``H`` and ``W``.
+    """
     b, c, h, w = _check_images(images).shape
     if h % patch or w % patch:
         raise ValueError(f"image size {h}x{w} is not divisible by the patch size {patch}")
@@ -101,7 +113,16 @@ def patchify(images: Tensor, patch: int) -> Tensor:
 
 
 def unpatchify(patches: Tensor, patch: int, image_shape: Sequence[int]) -> Tensor:
-    """Inverse of :func:`patchify`: ``(..., N, C P P) -> (..., C, H, W)``."""
+    """Inverse of :func:`patchify`.
+
+    Args:
+        patches: ``(..., N, C P P)``.
+        patch: the patch side ``P``.
+        image_shape: ``(C, H, W)``.
+
+    Returns:
+        The images, ``(..., C, H, W)``.
+    """
     c, h, w = image_shape
     lead = patches.shape[:-2]
     grid = patches.reshape(-1, h // patch, w // patch, c, patch, patch)
@@ -122,6 +143,17 @@ def random_masks(
     Each image scores ``round(ratio * num_patches)`` patches drawn uniformly; of those,
     ``round(visible_fraction * scored)`` stay visible (the paper's scheme: ``ratio=100/196``,
     ``visible_fraction=0.1``) and the rest are hidden behind the MASK token.
+
+    Args:
+        batch: the number of images.
+        num_patches: patches per image ``N``.
+        ratio: the scored share of the patches.
+        visible_fraction: the share of the scored patches left visible.
+        generator: the random generator, or None (the global one).
+        device: the masks' device.
+
+    Returns:
+        ``(hidden, scored)``, each boolean ``(batch, N)``.
     """
     if not (isinstance(ratio, (int, float)) and 0 < ratio < 1):
         raise ValueError(f"mask ratio must be in (0, 1) (the fraction of patches scored), got {ratio!r}")
@@ -142,7 +174,15 @@ def random_masks(
 
 
 def masked_mse(pred: Tensor, target: Tensor, scored: Tensor) -> Tensor:
-    """Mean squared error over the pixels of scored patches: ``pred, target (B, N, P2)``, ``scored (B, N)``."""
+    """Mean squared error over the pixels of scored patches.
+
+    Args:
+        pred, target: patches ``(B, N, P2)``.
+        scored: boolean ``(B, N)``, the patches counted.
+
+    Returns:
+        The mean, a 0-d tensor (0 when no patch is scored).
+    """
     weight = scored.to(pred.dtype)[..., None]
     return ((pred - target).square() * weight).sum() / (weight.sum() * pred.shape[-1]).clamp_min(1)
 

@@ -64,6 +64,12 @@ def read_official(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
     Reads with :func:`et_ode.training.statefile.read_npz`: each array's header (dtype, shape, size) is checked before its
     data is read; a file holding pickled objects is refused, never run; big-endian arrays come back native.
 
+    Args:
+        path: the ``.npz`` file.
+
+    Returns:
+        ``{key: array}``.
+
     Raises:
         FileNotFoundError: no file at ``path``.
         et_ode.training.statefile.FileFormatError (a ValueError): not an ``.npz`` archive, a key missing, an array that is
@@ -189,6 +195,15 @@ def load_official(
     (``renormalize``), tau = 1, :func:`official_integration`. ``dtype``: float32 (the file's precision) or float64
     (the weights converted exactly; beta and eps are then float64 values). Loading leaves the global RNG's state unchanged.
 
+    Args:
+        path: the ``.npz`` file.
+        image_shape: ``(C, H, W)`` of the model's images.
+        patch: the patch side.
+        dtype: float32 or float64.
+
+    Returns:
+        The :class:`ImageET`.
+
     Raises:
         FileNotFoundError: no file at ``path``.
         ValueError: a bad ``image_shape``, ``patch`` or ``dtype``.
@@ -307,10 +322,18 @@ def official_arrays(model: ImageET) -> dict[str, np.ndarray]:
 
 
 def save_official(model: ImageET, path: str | Path, *, overwrite: bool = False) -> Path:
-    """Write ``model`` as an official-format ``.npz`` at exactly ``path`` (no suffix added); returns the path.
+    """Write ``model`` as an official-format ``.npz`` at exactly ``path`` (no suffix added).
 
     ``load_official(save_official(model, p), model.image_shape, model.patch)`` gives back a float32 model with the
     same values bit for bit.
+
+    Args:
+        model: a model of the official layout.
+        path: the file to write.
+        overwrite: replace an existing file.
+
+    Returns:
+        ``path`` as a ``Path``.
 
     Raises:
         FileExistsError: ``path`` exists and ``overwrite`` is False.
@@ -331,7 +354,11 @@ def save_official(model: ImageET, path: str | Path, *, overwrite: bool = False) 
 def normalize_pixels(pixels: Tensor) -> Tensor:
     """The release's photo normalization: ``(pixels - 255 mean) / (255 std)`` per RGB channel, in float64.
 
-    ``pixels``: ``(..., 3, H, W)`` with values 0..255 (uint8 or any real type).
+    Args:
+        pixels: ``(..., 3, H, W)`` with values 0..255 (uint8 or any real type).
+
+    Returns:
+        The normalized images, ``(..., 3, H, W)`` float64.
     """
     if not isinstance(pixels, Tensor) or pixels.dim() < 3 or pixels.shape[-3] != 3:
         raise ValueError(
@@ -344,7 +371,14 @@ def normalize_pixels(pixels: Tensor) -> Tensor:
 
 
 def denormalize(images: Tensor) -> Tensor:
-    """Inverse of :func:`normalize_pixels`, scaled to ``[0, 1]`` and clipped there (for pictures): ``(..., 3, H, W)``."""
+    """Inverse of :func:`normalize_pixels`, scaled to ``[0, 1]`` and clipped there (for pictures).
+
+    Args:
+        images: normalized images ``(..., 3, H, W)``.
+
+    Returns:
+        The images in ``[0, 1]``, ``(..., 3, H, W)``.
+    """
     mean = torch.tensor(IMAGENET_MEAN, dtype=images.dtype, device=images.device)[:, None, None]
     std = torch.tensor(IMAGENET_STD, dtype=images.dtype, device=images.device)[:, None, None]
     return (images * std + mean).clamp(0, 1)

@@ -55,7 +55,7 @@ def to_limit_spheres(x: Tensor, eps: float) -> Tensor:
     of radius ``gamma sqrt(D)`` (to rounding). The one placement of a point on the spheres."""
     xt = x - x.mean(dim=-1, keepdim=True)
     rms = xt.square().mean(dim=-1, keepdim=True).sqrt().clamp_min(torch.finfo(x.dtype).tiny)
-    return xt * (limit_scale(eps, x.dtype) / rms)
+    return xt / rms * limit_scale(eps, x.dtype)  # a token with no centred part stays at 0 (its g at delta)
 
 
 def retract(x: Tensor, step: Tensor, gamma: float | Tensor, eps: float) -> Tensor:

@@ -30,7 +30,7 @@ from et_ode.energy.neurons import sphere_neuron
 from et_ode.equilibrium.implicit import implicit_attractor
 from et_ode.integrators.loop import Problem, integrate
 from et_ode.integrators.solution import SolveError
-from et_ode.integrators.solvers import Adaptive, SolverFailure
+from et_ode.integrators.solvers import BUDGET_ADVICE, Adaptive, SolverFailure
 from et_ode.integrators.stopping import SteadyState
 from et_ode.linalg.krylov import lanczos
 
@@ -44,6 +44,7 @@ AttractorStatus = Literal["certified", "unsettled", "not_converged", "saddle", "
 HANDOFF, HANDOFFS = 0.1, 6  # the first hand-off level (RMS |T dE/dg|), and how many levels at most (each 10x lower)
 SEGMENT, MAX_SEGMENTS = 20.0, 50  # the flow phase: segments of SEGMENT * tau between rescalings, per level
 FLOW_RTOL, FLOW_ATOL = 1e-4, 1e-8  # the flow phase's dopri5 tolerances
+FLOW_MAX_STEPS = 2_000  # the flow phase's step budget per segment (a flow needing more is too stiff to follow)
 # the per-sample tensors of an Attractor besides g, shape (B, ...) in a flattened batch
 _PER_SAMPLE = (
     "x",
@@ -739,39 +740,58 @@ def flow_to(
     rtol: float = FLOW_RTOL,
     atol: float = FLOW_ATOL,
     watch: Callable[[Tensor, Tensor], Tensor] | None = None,
-) -> tuple[Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor]:
     """The ET's flow per sample from ``x`` ``(B, N, D)`` until RMS ``|T dE/dg| <= handoff``, in segments of
     ``segment * tau`` between common rescalings; a sample that has not got there after ``max_segments`` segments
-    stops where it is. After each segment ``watch(index, x[index])`` (when given) is asked about the samples
-    ``index`` still flowing, and those it answers True for ``(len(index),)`` stop there. Returns the states and which
-    samples ``watch`` stopped ``(B,)``. Raises :class:`~et_ode.SolveError` where the integration fails."""
+    stops where it is, and so does one whose segment needs more than :data:`FLOW_MAX_STEPS` steps (a stiff flow,
+    e.g. a token shrinking through ``x = 0``). After each segment ``watch(index, x[index])`` (when given) is asked
+    about the samples ``index`` still flowing, and those it answers True for ``(len(index),)`` stop there. Returns
+    the states, which samples ``watch`` stopped ``(B,)`` and which exhausted the step budget ``(B,)``. Raises
+    :class:`~et_ode.SolveError` where the integration fails otherwise (a non-finite state)."""
     x = x.detach().clone()
     active = torch.arange(x.shape[0])
     watched = torch.zeros(x.shape[0], dtype=torch.bool)
+    exhausted = torch.zeros(x.shape[0], dtype=torch.bool)
     span = segment * field.tau
     grid = torch.tensor([0.0, span], dtype=torch.float64, device=x.device)
-    solver = Adaptive(rtol=rtol, atol=atol)
+    solver = Adaptive(rtol=rtol, atol=atol, step_control="per_sample")
     stop = SteadyState(handoff, measure="tangent_gradient", per_sample=True)
     for _ in range(max_segments):
         if not len(active):
             break
         states = shrink_scale(x[active]) if field.model.neuron.geometry == "spheres" else x[active]
-        problem = Problem(field.select(active), states, grid, solver, stop, "final", 100_000)
-        try:
-            with torch.no_grad():
-                result = integrate(problem, odeint, problem.torchdiffeq_arguments())
-        except SolverFailure as failure:
-            raise SolveError(
-                f"the flow phase failed: {failure}; {failure.advice}", time=failure.time, solution=None
-            ) from failure
-        x[active] = result.x
-        assert result.stop_times is not None  # a per-sample stop records each sample's stop time (``span`` if none)
-        active = active[result.stop_times >= span]
+        moved, stop_times, failed = _flow_segment(field.select(active), states, grid, solver, stop)
+        x[active[~failed]] = moved[~failed]
+        exhausted[active[failed]] = True
+        active = active[~failed & (stop_times >= span)]
         if watch is not None and len(active):
             done = watch(active, x[active])
             watched[active[done]] = True
             active = active[~done]
-    return x, watched
+    return x, watched, exhausted
+
+
+def _flow_segment(
+    field: ETField, x: Tensor, grid: Tensor, solver: Adaptive, stop: SteadyState
+) -> tuple[Tensor, Tensor, Tensor]:
+    """One segment of :func:`flow_to` for ``x`` ``(B, N, D)``: the end states, the stop times ``(B,)`` and which
+    samples exhausted :data:`FLOW_MAX_STEPS` ``(B,)`` (a batch that exhausts it is flowed one sample at a time, so
+    that only the stiff samples stop). SolveError on any other failure."""
+    problem = Problem(field, x, grid, solver, stop, "final", FLOW_MAX_STEPS)
+    try:
+        with torch.no_grad():
+            result = integrate(problem, odeint, problem.torchdiffeq_arguments())
+    except SolverFailure as failure:
+        if failure.advice != BUDGET_ADVICE:
+            raise SolveError(
+                f"the flow phase failed: {failure}; {failure.advice}", time=failure.time, solution=None
+            ) from failure
+        if x.shape[0] == 1:
+            return x, grid[-1:].clone(), torch.ones(1, dtype=torch.bool, device=x.device)
+        parts = [_flow_segment(field.select(torch.tensor([i])), x[i : i + 1], grid, solver, stop) for i in range(len(x))]
+        return tuple(torch.cat(part) for part in zip(*parts, strict=True))  # type: ignore[return-value]
+    assert result.stop_times is not None  # a per-sample stop records each sample's stop time (``span`` if none)
+    return result.x, result.stop_times, torch.zeros(len(x), dtype=torch.bool, device=x.device)
 
 
 def _take(found: Attractor, index: Tensor, *, settled: bool = False) -> Attractor:
@@ -825,20 +845,21 @@ def settle(
     ``handoffs`` levels at most (``flow=False``: one examination of ``x`` itself). A sample whose examination found a
     converged stable point the basin test could not yet tie to the flow is watched between the flow's segments: once
     the flow is in that point's basin (:func:`basin_settled`) it is certified there, without flowing on to the next
-    level or examining again. ``newton`` holds :func:`examine`'s arguments. Returns the combined result (plain
-    ``g``) and the flow's field evaluations (the watch's included)."""
+    level or examining again. A sample whose flow exhausts the step budget (:func:`flow_to`) is examined where it
+    stopped and not flowed on: it keeps the status of that examination. ``newton`` holds :func:`examine`'s
+    arguments. Returns the combined result (plain ``g``) and the flow's field evaluations (the watch's included)."""
     pending = torch.arange(x.shape[0])
     parts: list[tuple[Tensor, Attractor]] = []
     flow_evaluations, level = 0, handoff
     candidates: Attractor | None = None  # the last examination of the pending samples
     x = x.detach().clone()
     for _ in range(handoffs if flow else 1):
-        early = torch.zeros(len(pending), dtype=torch.bool)
+        early = exhausted = torch.zeros(len(pending), dtype=torch.bool)
         if flow:
             bound = field.select(pending)
             watch = None if candidates is None else _basin_watch(bound, candidates, newton["tol"])
             flow_started = field.nfe
-            x[pending], early = flow_to(
+            x[pending], early, exhausted = flow_to(
                 bound,
                 x[pending],
                 handoff=level,
@@ -857,7 +878,7 @@ def settle(
             break
         found = examine(field.select(pending), x[pending], vouched=not flow, **newton)
         parts.append((pending, found))
-        unsettled = torch.nonzero(~found.certified).flatten()
+        unsettled = torch.nonzero(~found.certified & ~exhausted[~early]).flatten()  # a stiff flow is not followed on
         pending, candidates = pending[unsettled], _take(found, unsettled)
         if not len(pending):
             break

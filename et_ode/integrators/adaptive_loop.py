@@ -326,6 +326,7 @@ class _Loop:
         self.autonomous = type(field) is ETField
         self.mask = _per_sample_mask(field, x0.shape[:-2]) if per_sample else None
         self.field_now = field if self.mask is None else field.with_mask(self.mask)  # type: ignore[attr-defined]
+        self.mask_now = self.mask  # the active groups' masks, (G, N, N), or None
         self.matrix = tableau.matrix(x0.dtype, x0.device)
         self.dtype, self.device = x0.dtype, x0.device
         self.atol_tensor = torch.tensor(atol, dtype=x0.dtype, device=x0.device)
@@ -339,14 +340,18 @@ class _Loop:
         self.outputs = _Outputs([], [])
 
     # -- evaluations -------------------------------------------------------------------------------
-    def evaluate(self, t: Tensor | None, y: Tensor) -> Tensor:
-        """The field at the groups ``y`` ``(G, 1, M)`` at their times ``t`` ``(G,)`` (float64): ``(G, 1, M)``. The ET
-        field is autonomous and gets no time (``t`` None); another field gets ``t`` per sample, or the shared 0-d
-        time."""
+    def evaluate(self, t: Tensor | None, y: Tensor, rows: Tensor | None = None) -> Tensor:
+        """The field at the groups ``y`` ``(G, 1, M)`` at their times ``t`` ``(G,)`` (float64): ``(G, 1, M)``;
+        ``rows`` ``(G,)``: which of the active groups ``y`` holds (None: all of them, in order), so that each gets its
+        own mask. The ET field is autonomous and gets no time (``t`` None); another field gets ``t`` per sample, or
+        the shared 0-d time."""
         groups = y.shape[0]
         self.progress.sample_evaluations += groups * self.samples_per_group
         time = None if t is None or self.autonomous else (t.to(self.dtype) if self.per_sample else t[0].to(self.dtype))
-        return self.field_now(time, y.view(groups, *self.event) if self.per_sample else y.view(self.event)).reshape(
+        field = self.field_now
+        if rows is not None and self.mask_now is not None:
+            field = self.field.with_mask(self.mask_now[rows])  # type: ignore[attr-defined]
+        return field(time, y.view(groups, *self.event) if self.per_sample else y.view(self.event)).reshape(
             groups, 1, self.width
         )
 
@@ -448,14 +453,14 @@ class _Loop:
             for _ in range(NEWTON):
                 value = interpolant.at(theta)[0]
                 time = None if self.autonomous else self.t_now[rows] + theta * dt[rows]
-                exact = self._test(value, self.evaluate(time, value))
+                exact = self._test(value, self.evaluate(time, value, rows))
                 ahead, behind = (theta + reach).clamp(max=1.0), (theta - reach).clamp(min=0.0)
                 slope = (self._test(*interpolant.at(ahead)) - self._test(*interpolant.at(behind))) / (ahead - behind)
                 step = torch.where(slope < 0, exact / slope, torch.zeros_like(slope))
                 theta = (theta - step).clamp(0.0, 1.0)
             value = interpolant.at(theta)[0]
             time = None if self.autonomous else self.t_now[rows] + theta * dt[rows]
-            passes = self._test(value, self.evaluate(time, value)) <= CROSSING_SLACK
+            passes = self._test(value, self.evaluate(time, value, rows)) <= CROSSING_SLACK
         theta = torch.where(passes, theta, torch.ones_like(theta))  # the step's end passes (tested with f1)
         return theta, interpolant.at(theta)[0]
 
@@ -687,7 +692,8 @@ class _Loop:
             state[name] = state[name][keep]
         remaining = len(state["t"])
         if self.mask is not None and remaining:
-            self.field_now = self.field.with_mask(self.mask[state["ids"]])  # type: ignore[attr-defined]
+            self.mask_now = self.mask[state["ids"]]
+            self.field_now = self.field.with_mask(self.mask_now)  # type: ignore[attr-defined]
         if buffers is None:
             state["y"], state["f0"] = state["y"][keep], state["f0"][keep]
             return None

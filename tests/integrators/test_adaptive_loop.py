@@ -245,6 +245,28 @@ def test_per_sample_masks_follow_their_samples_through_compaction() -> None:
             assert (alone.x - batch.x[i : i + 1]).abs().max().item() < 1e-10
 
 
+def test_per_sample_masks_hold_where_a_stop_locates_its_crossing() -> None:
+    """A per-sample stop inside a batch with a mask per sample: the crossing search evaluates the field at the
+    crossing samples alone, each with its own mask, so every sample stops where it stops alone."""
+    field = _tiny_field()
+    x0 = _mixed_batch(field)
+    generator = torch.Generator().manual_seed(1)
+    n = x0.shape[-2]
+    masks = (torch.rand(len(x0), n, n, generator=generator) > 0.4) | torch.eye(n, dtype=torch.bool)
+    solver = et_ode.Adaptive(rtol=1e-6, atol=1e-8, step_control="per_sample")
+    stop = et_ode.SteadyState(1e-3, per_sample=True)
+    with torch.no_grad():
+        batch = et_ode.solve(field.with_mask(masks), x0, (0.0, 100.0), solver=solver, stop=stop, save="final")
+        assert batch.stats.stop_times is not None and int((batch.stats.stop_times < 100.0).sum()) >= 2
+        for i in range(len(x0)):
+            alone = et_ode.solve(
+                field.with_mask(masks[i : i + 1]), x0[i : i + 1], (0.0, 100.0), solver=solver, stop=stop, save="final"
+            )
+            assert alone.stats.stop_times is not None
+            assert abs(float(alone.stats.stop_times[0]) - float(batch.stats.stop_times[i])) < 1e-9
+            assert (alone.x - batch.x[i : i + 1]).abs().max().item() < 1e-10
+
+
 # -- gradients -------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("step_control", ["per_sample", "shared"])
 def test_direct_gradients_match_central_differences_of_the_whole_solve(step_control: StepControl) -> None:

@@ -182,7 +182,16 @@ class Adaptive:
         the forward's): wherever the settings require it (:attr:`requires_own_loop`), and with ``loop="auto"`` for
         its methods (:attr:`OWN_METHODS`) wherever it runs the solve: ``options`` of ``first_step`` only, a stop with
         ``save="final"`` paired with the step control as :meth:`check_stop` says, a backward method of its own.
-        torchdiffeq integrates the rest (``loop="torchdiffeq"`` always)."""
+        torchdiffeq integrates the rest (``loop="torchdiffeq"`` always).
+
+        Args:
+            stop: the solve's stopping rule (a ``SteadyState``), or None.
+            save: the solve's ``save`` option (``"all"``, ``"steps"`` or ``"final"``).
+            backward_method: the adjoint's backward method, or None for the forward's (or no adjoint).
+
+        Returns:
+            True where et-ode's loop integrates the solve, False where torchdiffeq does.
+        """
         if self.requires_own_loop:
             return True
         if self.loop != "auto" or self.method not in self.OWN_METHODS or set(self.options or {}) - {"first_step"}:
@@ -195,7 +204,14 @@ class Adaptive:
         """Any stopping rule works with torchdiffeq's loop. et-ode's loop stops each sample on its own with
         ``step_control="per_sample"`` and ``SteadyState(per_sample=True)``, the batch at once with shared control and
         ``per_sample=False`` (ValueError naming ``stop`` otherwise), where the test's crossing lies inside the step
-        (located on the step's interpolant, refined with the field), its time differentiated under gradients."""
+        (located on the step's interpolant, refined with the field), its time differentiated under gradients.
+
+        Args:
+            stop: the solve's stopping rule (a ``SteadyState``), or None.
+
+        Raises:
+            ValueError: ``stop.per_sample`` does not match ``step_control`` where et-ode's loop runs the solve.
+        """
         per_sample = getattr(stop, "per_sample", None)
         if stop is not None and self.requires_own_loop and per_sample != (self.step_control == "per_sample"):
             raise ValueError(
@@ -206,7 +222,14 @@ class Adaptive:
 
     def check_state(self, x0: Tensor) -> None:
         """``x0`` must not be half precision: step control's error estimate and step size underflow there (ValueError
-        naming ``x0``, up front instead of an "underflow in dt" after the first step)."""
+        naming ``x0``, up front instead of an "underflow in dt" after the first step).
+
+        Args:
+            x0: the initial state ``(..., N, D)``.
+
+        Raises:
+            ValueError: ``x0`` is float16 or bfloat16.
+        """
         if x0.dtype in (torch.float16, torch.bfloat16):
             raise ValueError(
                 f"x0 is {x0.dtype}, too coarse for the adaptive method {self.method!r}: its error estimate "
@@ -215,11 +238,33 @@ class Adaptive:
             )
 
     def time_grid(self, t: Tensor | Sequence[float] | None, tau: float, device: torch.device, max_steps: int) -> Tensor:
-        """The output times ``(T,)``, float64 (the step budget is checked while stepping)."""
+        """The output times ``(T,)``, float64 (the step budget is checked while stepping).
+
+        Args:
+            t: the output times ``(T,)``, ``T >= 2``, finite and strictly increasing, or a pair ``(t0, t1)``.
+            tau: the field's time constant (unused: the steps adapt).
+            device: the device of the grid.
+            max_steps: the step budget (checked while stepping).
+
+        Returns:
+            The grid ``(T,)``, float64, on ``device``.
+
+        Raises:
+            ValueError: ``t`` is None, not 1-D with at least 2 times, not finite or not strictly increasing.
+            TypeError: ``t`` holds values that are not numbers.
+        """
         return output_grid(t, device)
 
     def torchdiffeq_arguments(self, tau: float, stepping_to_event: bool) -> dict[str, Any]:
-        """``method``, ``rtol``, ``atol`` and ``options`` for torchdiffeq."""
+        """``method``, ``rtol``, ``atol`` and ``options`` for torchdiffeq.
+
+        Args:
+            tau: the field's time constant (unused).
+            stepping_to_event: whether torchdiffeq's event loop runs the solve (unused).
+
+        Returns:
+            The keyword arguments of ``torchdiffeq.odeint``.
+        """
         return dict(method=self.method, rtol=self.rtol, atol=self.atol, options=dict(self.options or {}))
 
 
@@ -261,7 +306,14 @@ class Fixed:
         return self.method
 
     def check_stop(self, stop: object) -> None:
-        """A stopping rule needs a ``step_size`` (ValueError naming it)."""
+        """A stopping rule needs a ``step_size``.
+
+        Args:
+            stop: the solve's stopping rule, or None.
+
+        Raises:
+            ValueError: a ``stop`` without a ``step_size``.
+        """
         if stop is not None and self.step_size is None:
             raise ValueError(
                 f"a stop with the fixed-step method {self.method!r} needs Fixed(step_size=...): "
@@ -269,12 +321,32 @@ class Fixed:
             )
 
     def check_state(self, x0: Tensor) -> None:
-        """Every floating-point state works (fixed steps need no error estimate)."""
+        """Every floating-point state works (fixed steps need no error estimate).
+
+        Args:
+            x0: the initial state ``(..., N, D)``.
+        """
 
     def time_grid(self, t: Tensor | Sequence[float] | None, tau: float, device: torch.device, max_steps: int) -> Tensor:
         """The output times ``(T,)``, float64; :class:`SolverFailure` if the steps they take exceed ``max_steps``;
         ValueError naming ``t`` if its span is below the float64 resolution of ``step_size`` (no step to take) or its
-        times so far from 0 that a step does not move them (:func:`check_steps_move`)."""
+        times so far from 0 that a step does not move them (:func:`check_steps_move`).
+
+        Args:
+            t: the output times ``(T,)``, ``T >= 2``, finite and strictly increasing, or a pair ``(t0, t1)``.
+            tau: the field's time constant (unused: ``step_size`` is in units of time).
+            device: the device of the grid.
+            max_steps: the step budget.
+
+        Returns:
+            The grid ``(T,)``, float64, on ``device``.
+
+        Raises:
+            SolverFailure: the planned steps exceed ``max_steps``.
+            ValueError: ``t`` is invalid (see :func:`output_grid`), spans less than the float64 resolution of
+                ``step_size``, or lies where a step does not move the time.
+            TypeError: ``t`` holds values that are not numbers.
+        """
         grid = output_grid(t, device)
         if self.step_size is not None and float((grid[-1] - grid[0]) / self.step_size) + 1.0 == 1.0:
             raise ValueError(
@@ -295,6 +367,15 @@ class Fixed:
         return grid
 
     def torchdiffeq_arguments(self, tau: float, stepping_to_event: bool) -> dict[str, Any]:
+        """``method``, the corrector tolerances of ``implicit_adams`` and ``options`` (with ``step_size``) for torchdiffeq.
+
+        Args:
+            tau: the field's time constant (unused).
+            stepping_to_event: whether torchdiffeq's event loop runs the solve (unused).
+
+        Returns:
+            The keyword arguments of ``torchdiffeq.odeint``.
+        """
         options = dict(self.options or {})
         if self.step_size is not None:
             options["step_size"] = float(self.step_size)
@@ -330,16 +411,39 @@ class EulerET:
         return "et"
 
     def check_stop(self, stop: object) -> None:
-        """Every stopping rule works (steps of ``alpha * tau`` until the stop or the last step)."""
+        """Every stopping rule works (steps of ``alpha * tau`` until the stop or the last step).
+
+        Args:
+            stop: the solve's stopping rule, or None.
+        """
 
     def check_state(self, x0: Tensor) -> None:
-        """Every floating-point state works."""
+        """Every floating-point state works.
+
+        Args:
+            x0: the initial state ``(..., N, D)``.
+        """
 
     def time_grid(self, t: Tensor | Sequence[float] | None, tau: float, device: torch.device, max_steps: int) -> Tensor:
         """``t0 + k alpha tau`` for ``k = 0 .. steps``, float64; ``t`` must be None or ``(t0,)`` with a finite ``t0``
         (anything else, an end time included, is a ValueError naming ``t``); :class:`SolverFailure` before anything is
         built if ``steps`` exceeds ``max_steps``; ValueError naming ``t`` for a ``t0`` so far from 0 that a step does not
-        move the time (:func:`check_steps_move`)."""
+        move the time (:func:`check_steps_move`).
+
+        Args:
+            t: None (start at 0) or ``(t0,)``.
+            tau: the field's time constant; a step is ``alpha * tau``.
+            device: the device of the grid.
+            max_steps: the step budget.
+
+        Returns:
+            The grid ``(steps + 1,)``, float64, on ``device``.
+
+        Raises:
+            SolverFailure: ``steps`` exceeds ``max_steps``.
+            ValueError: ``t`` is neither None nor ``(t0,)`` with a finite real ``t0``, or ``t0`` lies where a step does
+                not move the time.
+        """
         t0 = _euler_start(t)
         if self.steps > max_steps:
             raise SolverFailure(
@@ -350,7 +454,15 @@ class EulerET:
         return grid.to(device)
 
     def torchdiffeq_arguments(self, tau: float, stepping_to_event: bool) -> dict[str, Any]:
-        """Without a stop the steps are the grid itself; the event loop of a stop needs the step size."""
+        """Without a stop the steps are the grid itself; the event loop of a stop needs the step size.
+
+        Args:
+            tau: the field's time constant; a step is ``alpha * tau``.
+            stepping_to_event: whether torchdiffeq's event loop runs the solve (then ``step_size`` is set).
+
+        Returns:
+            The keyword arguments of ``torchdiffeq.odeint`` (method ``"euler"``).
+        """
         options = dict(step_size=self.alpha * tau) if stepping_to_event else {}
         return dict(method="euler", rtol=CORRECTOR_RTOL, atol=CORRECTOR_ATOL, options=options)
 

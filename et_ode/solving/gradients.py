@@ -38,9 +38,25 @@ class Direct:
     """Backpropagate through the solver's operations: ``Solution.x`` and ``Solution.g`` are differentiable."""
 
     def check(self, stop: SteadyState | None) -> None:
-        """Any stopping rule (gradients flow through the stopping time)."""
+        """Any stopping rule (gradients flow through the stopping time).
+
+        Args:
+            stop: the solve's stopping rule, or None.
+        """
 
     def run(self, problem: Problem) -> Integrated:
+        """Integrate ``problem`` with autograd recording the solver's operations.
+
+        Args:
+            problem: the validated solve: ``x0`` ``(*batch, N, D)``, output grid ``(T,)``, solver, stop and budget.
+
+        Returns:
+            The saved times ``(T,)`` and states, the final ``x`` and ``g`` ``(*batch, N, D)``, stop times and status.
+
+        Raises:
+            ValueError: a parameter of the model is not finite.
+            SolverFailure: the integration cannot go on (step budget exceeded, non-finite state).
+        """
         problem.field.check_weights()
         return integrate(problem, odeint, problem.torchdiffeq_arguments(), lean=True)
 
@@ -80,9 +96,25 @@ class Adjoint:
             raise TypeError(f"Adjoint.seminorm must be a bool, got {self.seminorm!r}")
 
     def check(self, stop: SteadyState | None) -> None:
-        """Any stopping rule."""
+        """Any stopping rule.
+
+        Args:
+            stop: the solve's stopping rule, or None.
+        """
 
     def run(self, problem: Problem) -> Integrated:
+        """Integrate ``problem`` forward without storing the steps; the backward solve runs in ``loss.backward()``.
+
+        Args:
+            problem: the validated solve: ``x0`` ``(*batch, N, D)``, output grid ``(T,)``, solver, stop and budget.
+
+        Returns:
+            The saved times ``(T,)`` and states, the final ``x`` and ``g`` ``(*batch, N, D)``, stop times and status.
+
+        Raises:
+            ValueError: a parameter of the model is not finite.
+            SolverFailure: the forward integration cannot go on (step budget exceeded, non-finite state).
+        """
         problem.field.check_weights()
         arguments = problem.torchdiffeq_arguments()
         arguments.update(

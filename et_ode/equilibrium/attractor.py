@@ -91,11 +91,34 @@ class Implicit:
         check_positive("Implicit.max_iter", self.max_iter, integer=True)
 
     def check(self, stop: SteadyState | None) -> None:
-        """A stopping rule is needed: the gradient is defined at a fixed point (ValueError naming ``stop``)."""
+        """A stopping rule is needed: the gradient is defined at a fixed point.
+
+        Args:
+            stop: the solve's stopping rule, or None.
+
+        Raises:
+            ValueError: ``stop`` is None.
+        """
         if stop is None:
             raise ValueError("gradient=Implicit() differentiates at a fixed point: give stop=SteadyState(tol)")
 
     def run(self, problem: Problem) -> Integrated:
+        """Integrate ``problem`` without gradients to its stop, then polish the end into the certified attractor of
+        its flow; gradients flow through the returned ``g`` by the implicit function theorem.
+
+        Args:
+            problem: the validated solve: ``x0`` ``(*batch, N, D)``, output grid ``(T,)``, solver, stop and budget.
+
+        Returns:
+            The saved times ``(T,)`` and states, the attractor's ``x`` and ``g`` ``(*batch, N, D)``, stop times and
+            status.
+
+        Raises:
+            ValueError: a parameter of the model is not finite.
+            SolverFailure: the integration cannot go on (step budget exceeded, non-finite state).
+            SolveError: the solve ends without reaching its stop, or the end state does not polish into a certified
+                stable attractor.
+        """
         problem.field.check_weights()
         with torch.no_grad():
             result = integrate(problem, odeint, problem.torchdiffeq_arguments())
@@ -307,7 +330,19 @@ class AttractorReadout:
     def read(self, field: ETField, x0: Tensor) -> tuple[Solution, Attractor]:
         """The attractor from ``x0 (*batch, N, D)`` as a one-state :class:`~et_ode.Solution` (``t_final`` is
         infinite; ``status`` is steady state when every sample is certified, else reached-end; ``nfe_forward``
-        counts every evaluation and Hessian-vector product of the search) and the :class:`Attractor` itself."""
+        counts every evaluation and Hessian-vector product of the search) and the :class:`Attractor` itself.
+
+        Args:
+            field: the model's ET field.
+            x0: the initial states ``(*batch, N, D)``.
+
+        Returns:
+            The one-state solution (``x`` and ``g`` ``(*batch, N, D)``, ``ts = [inf]``) and the attractor.
+
+        Raises:
+            TypeError: ``field`` is not an ETField or ``x0`` not a floating tensor.
+            ValueError: ``x0`` of the wrong shape, empty or not finite, or a mask that does not fit it.
+        """
         started = time.perf_counter()
         found = find_attractor(field, x0, tol=self.tol, handoff=self.handoff, max_iter=self.max_iter, implicit=self.implicit)
         certified = found.certified
@@ -331,5 +366,17 @@ class AttractorReadout:
         return Solution(ts=ts, xs=found.x[None], x=found.x, g=g, stats=stats, field=field), found
 
     def answer(self, field: ETField, x0: Tensor) -> Solution:
-        """The solution a model reads its answer from: the attractor as :meth:`read` gives it."""
+        """The solution a model reads its answer from: the attractor as :meth:`read` gives it.
+
+        Args:
+            field: the model's ET field.
+            x0: the initial states ``(*batch, N, D)``.
+
+        Returns:
+            The one-state solution; ``g`` ``(*batch, N, D)`` is the answer.
+
+        Raises:
+            TypeError: ``field`` is not an ETField or ``x0`` not a floating tensor.
+            ValueError: ``x0`` of the wrong shape, empty or not finite, or a mask that does not fit it.
+        """
         return self.read(field, x0)[0]

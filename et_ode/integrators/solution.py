@@ -23,7 +23,14 @@ Measure = Literal["dg_dt", "tangent_gradient"]
 
 
 class Status(str, Enum):
-    """How a solve ended."""
+    """How a solve ended.
+
+    Attributes:
+        REACHED_END: the solve reached the last output time without its stop.
+        STEADY_STATE: the stopping rule held for every sample before the last output time (or, for an
+            :class:`~et_ode.AttractorReadout`, every sample is certified).
+        FAILED: the integration could not go on (a partial solution of :class:`SolveError`).
+    """
 
     REACHED_END = "reached_end"
     STEADY_STATE = "steady_state"

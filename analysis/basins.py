@@ -80,8 +80,15 @@ def label(
 
 @dataclass
 class AttractorCensus(Table):
-    """The attractors reached from ``starts`` random starts: ``counts[i]`` reached ``attractors[i]``; ``failed``
-    did not converge. ``intervals[i]``: Wilson 95% interval of the frequency ``counts[i] / starts``."""
+    """The attractors reached from ``starts`` random starts.
+
+    Attributes:
+        attractors: the distinct attractors reached.
+        counts: ``counts[i]`` starts reached ``attractors[i]``.
+        starts: the number of random starts.
+        failed: the starts that did not converge.
+        intervals: ``intervals[i]``, the Wilson 95% interval of the frequency ``counts[i] / starts``.
+    """
 
     attractors: list[CriticalPoint]
     counts: list[int]
@@ -148,9 +155,17 @@ def attractor_census(
 
 @dataclass
 class BasinMap:
-    """Attractor labels ``(R, R)`` (row: coordinate ``b``, column: ``a``) on the plane ``slice`` over ``grid``
-    ``(R,)``; ``attractors`` the distinct limits; ``flow`` ``(2, R, R)``: the components along ``u, v`` of the
-    Riemannian descent direction ``-T dE/dg`` at each initial state (for streamlines)."""
+    """The basins of attraction on a plane of initial states.
+
+    Attributes:
+        slice: the plane.
+        grid: the coordinates ``(R,)`` along each of its axes ``a`` and ``b``.
+        labels: the attractor (index into ``attractors``, ``-1``: not converged) reached from each point, ``(R, R)`` (row:
+            coordinate ``b``, column: ``a``).
+        attractors: the distinct limits.
+        flow: ``(2, R, R)``, the components along ``u, v`` of the Riemannian descent direction ``-T dE/dg`` at each
+            initial state (for streamlines).
+    """
 
     slice: EnergySlice
     grid: Tensor

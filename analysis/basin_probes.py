@@ -54,10 +54,18 @@ def flow(
 
 @dataclass
 class BasinProbe:
-    """``returned[b, j]``: fraction of the trials at radius ``radii[j]`` that came back (final g-distance to the
-    fixed point at most ``shrink`` times the initial one); ``radius[b]``: the largest radius up to which every
-    trial came back (0 if none). Radii are RMS per element of the g-perturbation divided by ``gamma`` (of the
-    x-perturbation for a Euclidean neuron)."""
+    """How far from fixed points perturbations come back. Radii are RMS per element of the g-perturbation divided
+    by ``gamma`` (of the x-perturbation for a Euclidean neuron).
+
+    Attributes:
+        radii: the perturbation sizes, increasing.
+        returned: ``returned[b, j]``, the fraction of the trials at radius ``radii[j]`` that came back (final
+            g-distance to the fixed point at most ``shrink`` times the initial one), ``(B, len(radii))``.
+        final_distance: each trial's final distance to the fixed point (same units as the radii),
+            ``(B, len(radii), trials)``.
+        radius: ``radius[b]``, the largest radius up to which every trial came back (0 if none).
+        shrink: the factor by which a trial's distance must shrink to count as returned.
+    """
 
     radii: list[float]
     returned: Tensor

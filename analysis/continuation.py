@@ -51,8 +51,16 @@ def _chart(family: Family, mu: float) -> Chart:
 
 @dataclass
 class Bifurcation:
-    """A zero crossing of a Hessian eigenvalue between branch points ``step - 1`` and ``step``, at about
-    ``mu`` (linear interpolation of the crossing eigenvalue); ``kind``: ``"fold"`` or ``"branch point"``."""
+    """A zero crossing of a Hessian eigenvalue between branch points ``step - 1`` and ``step``.
+
+    Attributes:
+        kind: ``"fold"`` or ``"branch point"``.
+        mu: the parameter of the crossing: a fold at the extremum of a parabola through three points of the
+            branch, a branch point by secant iterations on the crossing eigenvalue.
+        step: the index of the branch point after the crossing.
+        index_before: the Hessian index at point ``step - 1``.
+        index_after: the Hessian index at point ``step``.
+    """
 
     kind: str
     mu: float
@@ -63,8 +71,16 @@ class Bifurcation:
 
 @dataclass
 class Branch(Table):
-    """The points of a continued branch: parameters ``mu`` ``(P,)``, states ``xs`` ``(P, N, D)`` (on the limit spheres),
-    ``energies`` ``(P,)``, Hessian ``eigenvalues`` ``(P, n)``, ``indices`` ``(P,)``, and the bifurcations found."""
+    """The points of a continued branch.
+
+    Attributes:
+        mu: the parameters ``(P,)``.
+        xs: the states ``(P, N, D)``, on the limit spheres.
+        energies: the energies ``(P,)``.
+        eigenvalues: the Riemannian Hessian's eigenvalues ``(P, n)``, ascending.
+        indices: the Hessian indices ``(P,)``.
+        bifurcations: the bifurcations found along the branch.
+    """
 
     mu: Tensor
     xs: Tensor

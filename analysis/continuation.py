@@ -56,7 +56,8 @@ class Bifurcation:
     Attributes:
         kind: ``"fold"`` or ``"branch point"``.
         mu: the parameter of the crossing: a fold at the extremum of a parabola through three points of the
-            branch, a branch point by secant iterations on the crossing eigenvalue.
+            branch (linear interpolation at its last point), a branch point by secant iterations on the crossing
+            eigenvalue.
         step: the index of the branch point after the crossing.
         index_before: the Hessian index at point ``step - 1``.
         index_after: the Hessian index at point ``step``.

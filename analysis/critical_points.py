@@ -36,10 +36,19 @@ from et_ode.equilibrium.certify import check_lyapunov_neuron
 
 @dataclass
 class CriticalPoint:
-    """A critical point: the state ``x`` ``(N, D)`` on the limit spheres, its energy, Riemannian Hessian eigenvalues
-    (ascending, ``(n,)``, ``g`` units), index (negative eigenvalues beyond ``zero_tol``), RMS ``|T dE/dg|``,
-    whether the search converged (``rms_tangent_gradient <= tol``), and ``lowest_mode``: the unit eigenvector of the
-    lowest eigenvalue as a ``g``-direction ``(N, D)`` (the unstable direction of an index-1 saddle)."""
+    """A critical point of the energy on the limit spheres.
+
+    Attributes:
+        x: the state ``(N, D)``, on the limit spheres.
+        energy: its energy.
+        eigenvalues: the Riemannian Hessian's eigenvalues ``(n,)``, ascending, ``g`` units.
+        index: the number of eigenvalues below ``-zero_tol``.
+        rms_tangent_gradient: RMS ``|T dE/dg|`` at ``x``.
+        converged: whether the search converged (``rms_tangent_gradient <= tol``).
+        iterations: the Newton iterations the search took.
+        lowest_mode: the unit eigenvector of the lowest eigenvalue as a ``g``-direction ``(N, D)`` (the unstable
+            direction of an index-1 saddle).
+    """
 
     x: Tensor
     energy: float
@@ -274,7 +283,15 @@ class CensusEntry:
 
 @dataclass
 class Census(Table):
-    """Distinct critical points (ascending energy), the number of searches, and those that did not converge."""
+    """Distinct critical points found by repeated searches.
+
+    Attributes:
+        entries: the distinct points and how many searches reached each, in ascending energy.
+        starts: the number of searches.
+        failed: the searches that did not converge.
+        permutations: whether points are identified modulo token permutations.
+        match_tol: the RMS ``g``-distance within which two points are one.
+    """
 
     entries: list[CensusEntry]
     starts: int
@@ -300,7 +317,14 @@ class Census(Table):
         return "\n".join(lines)
 
     def points(self, index: int | None = None) -> list[CriticalPoint]:
-        """The distinct points, all or those of one ``index``."""
+        """The distinct points, all or those of one ``index``.
+
+        Args:
+            index: the Hessian index to keep (0: minima, 1: index-1 saddles), or None for all.
+
+        Returns:
+            The points, in ascending energy.
+        """
         return [e.point for e in self.entries if index is None or e.point.index == index]
 
 

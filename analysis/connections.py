@@ -34,8 +34,14 @@ PathLike = str | os.PathLike[str]
 
 @dataclass
 class Connection:
-    """Saddle ``saddle`` (index into the network's saddles) joins minima ``minima`` (indices into its minima;
-    ``-1``: a branch that did not end at a minimum) with barriers ``E_s - E_min`` from each side."""
+    """An index-1 saddle and the minima its two descending branches reach.
+
+    Attributes:
+        saddle: the saddle's index into the network's saddles.
+        minima: the minima's indices into the network's minima, one per branch (``-1``: a branch that did not end
+            at a minimum).
+        barriers: the barriers ``E_s - E_min`` from each side (``nan`` for a branch without a minimum).
+    """
 
     saddle: int
     minima: tuple[int, int]
@@ -44,7 +50,13 @@ class Connection:
 
 @dataclass
 class Network(Table):
-    """Minima (ascending energy), index-1 saddles and the connections between them."""
+    """Minima, index-1 saddles and the connections between them.
+
+    Attributes:
+        minima: the distinct minima, in ascending energy.
+        saddles: the index-1 saddles.
+        connections: one per saddle.
+    """
 
     minima: list[CriticalPoint]
     saddles: list[CriticalPoint]

@@ -59,11 +59,18 @@ def flat_field(solution: Solution) -> ETField:
 
 @dataclass
 class ConvergenceTraces:
-    """Per-sample quantities at the saved times. Every tensor is ``(T, B)`` except ``ts`` ``(T,)``.
+    """Per-sample quantities at the saved times.
 
-    ``ones_drift``: RMS over tokens of the change of the token mean ``mean_i x[A, i]`` since ``ts[0]``
-    (units of ``x``). ``radial_drift``: mean over tokens of the change of the token scale ``sigma_A``
-    (the RMS of the centered token) since ``ts[0]``; it grows about linearly in ``t``.
+    Attributes:
+        ts: the saved times ``(T,)``.
+        energy: the energy ``(T, B)``.
+        rms_dg_dt: RMS ``|dg/dt|`` ``(T, B)``.
+        rms_dx_dt: RMS ``|dx/dt|`` ``(T, B)``.
+        rms_tangent_gradient: RMS ``|T dE/dg|`` ``(T, B)``.
+        ones_drift: RMS over tokens of the change of the token mean ``mean_i x[A, i]`` since ``ts[0]`` (units of
+            ``x``), ``(T, B)``.
+        radial_drift: mean over tokens of the change of the token scale ``sigma_A`` (the RMS of the centered token)
+            since ``ts[0]``, ``(T, B)``; it grows about linearly in ``t``.
     """
 
     ts: Tensor
@@ -112,8 +119,12 @@ def convergence_traces(solution: Solution) -> ConvergenceTraces:
 class RateFit:
     """A least-squares fit of ``log v`` near the end of a trajectory.
 
-    ``model == "exponential"``: ``v ~ prefactor * exp(-rate * t)``; ``"power"``: ``v ~ prefactor * t^(-rate)``.
-    ``rms_log_residual`` is the RMS of the residual of ``log v`` (natural log) over the ``points`` used.
+    Attributes:
+        model: ``"exponential"`` (``v ~ prefactor * exp(-rate * t)``) or ``"power"`` (``v ~ prefactor * t^(-rate)``).
+        rate: the fitted rate (``nan`` with fewer than 3 usable points).
+        prefactor: the fitted prefactor.
+        rms_log_residual: the RMS of the residual of ``log v`` (natural log) over the points used.
+        points: the number of points used.
     """
 
     model: str
@@ -176,7 +187,25 @@ def first_time_below(ts: Tensor, values: Tensor, tol: float) -> float | None:
 
 @dataclass
 class SampleConvergence:
-    """Convergence summary of one sample (see :func:`analyze_convergence`)."""
+    """Convergence summary of one sample (see :func:`analyze_convergence`).
+
+    Attributes:
+        sample: the sample's index in the batch.
+        converged: RMS ``|dg/dt|`` ends below ``tol``.
+        t_converged: the first saved time from which RMS ``|dg/dt|`` stays below ``tol``, or None.
+        tangent_converged: RMS ``|T dE/dg|`` ends below ``tangent_tol``.
+        t_tangent_converged: the first saved time from which it stays below ``tangent_tol``, or None.
+        energy_start: the energy at the first saved time.
+        energy_end: the energy at the last saved time.
+        final_rms_dg_dt: RMS ``|dg/dt|`` at the last saved time.
+        final_rms_dx_dt: RMS ``|dx/dt|`` at the last saved time.
+        final_rms_tangent_gradient: RMS ``|T dE/dg|`` at the last saved time.
+        exponential: the exponential fit of the decay of RMS ``|dg/dt|``.
+        power: the power-law fit of the decay.
+        better_fit: ``"exponential"`` or ``"power"`` (the smaller log residual), ``"n/a"`` when too few points.
+        ones_drift: :attr:`ConvergenceTraces.ones_drift` at the last saved time.
+        radial_drift: :attr:`ConvergenceTraces.radial_drift` at the last saved time.
+    """
 
     sample: int
     converged: bool
@@ -197,7 +226,15 @@ class SampleConvergence:
 
 @dataclass
 class ConvergenceReport(Table):
-    """Traces and per-sample summaries; ``tol`` applies to RMS ``|dg/dt|``, ``tangent_tol`` to RMS ``|T dE/dg|``."""
+    """Traces and per-sample summaries of a solution's convergence.
+
+    Attributes:
+        traces: the per-sample quantities at the saved times.
+        samples: one summary per sample.
+        tol: the threshold on RMS ``|dg/dt|``.
+        tangent_tol: the threshold on RMS ``|T dE/dg|``.
+        tail: the fraction of the span in log time over which the decay is fitted.
+    """
 
     traces: ConvergenceTraces
     samples: list[SampleConvergence]

@@ -292,9 +292,17 @@ class EnergySlice:
     on its sphere), ``u, v`` orthonormal ``(N, D)`` directions in ``g``; for a Euclidean neuron the plane itself in
     its coordinates ``x`` (:mod:`et_ode.analysis.chart`; ``g_star`` then holds ``x*``). With a trajectory, the plane holds
     its start and its end exactly (``u`` along ``g_start - g*``, ``v`` along the end's part orthogonal to it, or
-    the trajectory's main direction orthogonal to ``u`` when the end is at ``g*``): ``coords`` ``(T, 2)`` are
-    the trajectory's coordinates, ``off_plane`` ``(T,)`` its distance from the plane (``g`` units),
-    ``distance`` ``(T,)`` its distance from ``g*``."""
+    the trajectory's main direction orthogonal to ``u`` when the end is at ``g*``).
+
+    Attributes:
+        field: the vector field.
+        g_star: the center of the slice ``(N, D)`` (``x*`` for a Euclidean neuron).
+        u: the first direction ``(N, D)``, unit.
+        v: the second direction ``(N, D)``, unit and orthogonal to ``u``.
+        coords: the trajectory's coordinates ``(T, 2)``, or None without a trajectory.
+        off_plane: the trajectory's distance from the plane ``(T,)`` (``g`` units), or None.
+        distance: the trajectory's distance from ``g*`` ``(T,)``, or None.
+    """
 
     field: ETField
     g_star: Tensor
@@ -305,12 +313,28 @@ class EnergySlice:
     distance: Tensor | None = None
 
     def points(self, a: Tensor, b: Tensor) -> Tensor:
-        """``g(a, b)`` for coordinates of any shape ``S``: ``(*S, N, D)``."""
+        """``g(a, b)`` for coordinates of any shape ``S``: ``(*S, N, D)``.
+
+        Args:
+            a: the coordinates along ``u``, shape ``S``.
+            b: the coordinates along ``v``, shape ``S``.
+
+        Returns:
+            The states ``(*S, N, D)`` (``g`` on the spheres; ``x`` for a Euclidean neuron).
+        """
         offsets = a[..., None, None] * self.u + b[..., None, None] * self.v
         return chart_for(self.field).move(self.g_star.expand_as(offsets), offsets)
 
     def energy(self, a: Tensor, b: Tensor) -> Tensor:
-        """The energy on the slice at coordinates ``a, b`` (same shape ``S``), with the field's mask: ``S``."""
+        """The energy on the slice at coordinates ``a, b``, with the field's mask.
+
+        Args:
+            a: the coordinates along ``u``, shape ``S``.
+            b: the coordinates along ``v``, shape ``S``.
+
+        Returns:
+            The energies, shape ``S`` (not differentiated).
+        """
         with torch.no_grad():
             return chart_for(self.field).energy(self.points(a, b))
 

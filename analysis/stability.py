@@ -173,10 +173,19 @@ def _dense_hessian(chart: Chart, field: ETField, x: Tensor) -> Tensor:
 class SampleStability:
     """The spectrum at one sample's point.
 
-    ``smallest`` / ``largest``: extreme eigenvalues of ``Hess_R`` (intrinsic curvature, units of energy per
-    ``g``^2). ``rate_slowest`` / ``rate_fastest``: extreme eigenvalues of the g-Jacobian at this state (per
-    unit time; negative decays); ``eigenvalues``: all of ``Hess_R``'s when computed densely.
-    ``rms_tangent_gradient``: RMS ``|T dE/dg|``; ``critical`` when it is at most ``critical_tol``.
+    Attributes:
+        sample: the sample's index in the batch.
+        kind: the classification (:func:`classify`): ``"stable attractor"``, ``"saddle"``, ``"maximum"`` or
+            ``"degenerate"``.
+        smallest: the smallest eigenvalue of ``Hess_R`` (intrinsic curvature, units of energy per ``g``^2).
+        largest: its largest eigenvalue.
+        negative: the number of eigenvalues below the zero tolerance's negative, or None when not computed densely.
+        rate_slowest: the slowest eigenvalue of the g-Jacobian at this state (per unit time; negative decays).
+        rate_fastest: its fastest eigenvalue.
+        rms_tangent_gradient: RMS ``|T dE/dg|`` (``nan`` where not measured).
+        critical: the point is critical (``rms_tangent_gradient <= critical_tol``, or by assumption).
+        residual: the eigensolver's residual bound (0 when dense, ``nan`` for power iteration).
+        eigenvalues: all of ``Hess_R``'s eigenvalues, ascending, when computed densely; else None.
     """
 
     sample: int
@@ -194,6 +203,17 @@ class SampleStability:
 
 @dataclass
 class StabilityReport(Table):
+    """The spectra of a batch of points.
+
+    Attributes:
+        samples: one :class:`SampleStability` per sample.
+        method: the eigensolver: ``"dense"``, ``"lanczos"`` or ``"power"``.
+        dimension: the dimension of the space of the spectrum, per sample.
+        zero_tol: the largest zero tolerance of the samples (an eigenvalue up to it counts as zero).
+        settings: the solver's settings (tolerances, iterations).
+        spheres: the space is the LayerNorm neuron's tangent space (False: a Euclidean neuron's chart, in ``x``).
+    """
+
     samples: list[SampleStability]
     method: str
     dimension: int
@@ -423,10 +443,19 @@ def fixed_point_stability(
 
 @dataclass
 class FixedPointSearch:
-    """Result of :func:`find_fixed_point`, a summary of the :class:`~et_ode.Attractor` it holds: ``x`` ``(B, N, D)``
-    (on the flow's limit spheres, or at a finite scale where the flow stops in ``x``); the certificate's RMS
-    residual per sample at the end (RMS ``|T dE/dg|`` on the spheres); the most iterations a sample used; whether
-    every sample converged; the energy at the start and at the end per sample."""
+    """Result of :func:`find_fixed_point`, a summary of the :class:`~et_ode.Attractor` it holds.
+
+    Attributes:
+        x: the points ``(B, N, D)``, on the flow's limit spheres (or at a finite scale where the flow stops in
+            ``x``).
+        rms_tangent_gradient: the certificate's RMS residual per sample at the end ``(B,)`` (RMS ``|T dE/dg|`` on
+            the spheres).
+        iterations: the most iterations a sample used.
+        converged: every sample converged.
+        energy_start: the energy at the start ``(B,)``.
+        energy_end: the energy at the end ``(B,)``.
+        attractor: the :class:`~et_ode.Attractor` found.
+    """
 
     x: Tensor
     rms_tangent_gradient: Tensor

@@ -35,8 +35,16 @@ PathLike = str | os.PathLike[str]
 
 @dataclass
 class HessianTrace:
-    """Per saved time ``ts`` ``(T,)`` and sample: ``smallest``, ``largest`` eigenvalue of ``Hess_R`` and the
-    ``index`` (eigenvalues below ``-zero_tol``), each ``(T, B)``; ``rms_tangent_gradient``: RMS ``|T dE/dg|`` ``(T, B)``."""
+    """The Riemannian Hessian's spectrum along a solution, per saved time and sample.
+
+    Attributes:
+        ts: the saved times ``(T,)``.
+        smallest: the smallest eigenvalue of ``Hess_R`` ``(T, B)``.
+        largest: its largest eigenvalue ``(T, B)``.
+        index: the number of eigenvalues below ``-zero_tol`` ``(T, B)``.
+        rms_tangent_gradient: RMS ``|T dE/dg|`` ``(T, B)``.
+        zero_tol: the size up to which an eigenvalue counts as zero.
+    """
 
     ts: Tensor
     smallest: Tensor
@@ -91,9 +99,17 @@ def hessian_along(solution: Solution, *, max_times: int = 25, zero_tol: float = 
 
 @dataclass
 class LyapunovSpectrum:
-    """The ``k`` largest Lyapunov exponents (descending) of one trajectory: ``exponents`` ``(k,)`` over
-    ``[0, t1]``, ``late`` ``(k,)`` over its second half (the start's transient discarded), ``running``
-    ``(K, k)`` at the renormalisation ``times`` ``(K,)``; per unit time of the flow, measured in ``g``."""
+    """The ``k`` largest Lyapunov exponents (descending) of one trajectory, per unit time of the flow, measured
+    in ``g``.
+
+    Attributes:
+        exponents: the exponents over ``[0, t1]`` ``(k,)``.
+        late: the exponents over its second half ``(k,)`` (the start's transient discarded).
+        times: the renormalisation times ``(K,)``.
+        running: the running estimates at ``times`` ``(K, k)``.
+        intrinsic: the fixed-scale flow from the limit spheres was followed (False: the plain solve).
+        d0: the perturbations' size in ``g``.
+    """
 
     exponents: Tensor
     late: Tensor

@@ -25,12 +25,17 @@ from et_ode.integrators.solvers import AdaptiveMethod
 
 @dataclass
 class LyapunovExponent:
-    """Finite-time largest Lyapunov exponent per sample, ``(B,)``, and its running estimate ``(K, B)``
-    at the renormalisation times ``times`` ``(K,)`` (measured in ``g``, per unit of time of the flow).
+    """Finite-time largest Lyapunov exponent per sample (measured in ``g``, per unit of time of the flow).
 
-    ``late``: the growth rate over the second half of the renormalisations only, ``(B,)``: the start's
-    transient (the random perturbation's components along faster modes) is discarded, so it approaches the
-    asymptotic exponent like ``exp(-gap T / 2)`` instead of ``1 / T``."""
+    Attributes:
+        exponent: the exponent ``(B,)``.
+        times: the renormalisation times ``(K,)``.
+        running: the running estimate at ``times`` ``(K, B)``.
+        d0: the size of the perturbation in ``g``.
+        late: the growth rate over the second half of the renormalisations only ``(B,)``: the start's transient
+            (the random perturbation's components along faster modes) is discarded, so it approaches the asymptotic
+            exponent like ``exp(-gap T / 2)`` instead of ``1 / T``.
+    """
 
     exponent: Tensor
     times: Tensor

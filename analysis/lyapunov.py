@@ -39,7 +39,16 @@ KINDS: tuple[Kind, ...] = get_args(Kind)
 
 @dataclass
 class Violation:
-    """One failed check: ``size`` exceeded ``allowed`` on ``[t0, t1]`` (equal times: at one state)."""
+    """One failed check: ``size`` exceeded ``allowed`` on ``[t0, t1]`` (equal times: at one state).
+
+    Attributes:
+        sample: the sample's index in the batch.
+        kind: the check: ``"energy rise"``, ``"dE/dt mismatch"``, ``"dE/dt > 0"`` or ``"M not PSD"``.
+        t0: the start of the interval.
+        t1: its end.
+        size: the measured quantity.
+        allowed: the largest value it may take.
+    """
 
     sample: int
     kind: Kind
@@ -51,17 +60,28 @@ class Violation:
 
 @dataclass
 class LyapunovReport(Table):
-    """Verdicts per sample and every violation. ``descends[b]``: the energy is a Lyapunov function along
-    sample ``b`` (no energy rise, no positive ``dE/dt``, ``M`` PSD); ``follows_rate[b]``: its measured energy
-    changes match the exact ``dE/dt`` (a discretisation that does not follow the ODE fails this one);
-    ``passed[b]``: both.
+    """Verdicts per sample and every violation.
 
-    ``max_energy_rise[b]``: largest ``E(t_{k+1}) - E(t_k)`` (negative when the energy always fell);
-    ``max_mismatch[b]``: largest ``|measured - integrated|`` change of energy over an interval, relative
-    to ``|integrated| + tol`` (trapezoid, or dense re-evaluation where the trapezoid disagreed);
-    ``m_min_eigenvalue``: smallest non-zero eigenvalue (on the directions the neuron's ``project`` keeps)
-    of any ``M_A`` over the trajectory; ``m_psd``: every ``M_A`` is positive semi-definite; ``gamma`` and ``eps``:
-    the LayerNorm neuron's (None for another neuron, named by ``neuron``).
+    Attributes:
+        passed: ``passed[b]``: both ``descends[b]`` and ``follows_rate[b]``.
+        descends: ``descends[b]``: the energy is a Lyapunov function along sample ``b`` (no energy rise, no positive
+            ``dE/dt``, ``M`` PSD).
+        follows_rate: ``follows_rate[b]``: its measured energy changes match the exact ``dE/dt`` (a discretisation
+            that does not follow the ODE fails this one).
+        violations: every failed check, by sample, time and kind.
+        max_energy_rise: ``max_energy_rise[b]``, the largest ``E(t_{k+1}) - E(t_k)`` (negative when the energy
+            always fell).
+        max_mismatch: ``max_mismatch[b]``, the largest ``|measured - integrated|`` change of energy over an interval,
+            relative to ``|integrated| + tol`` (trapezoid, or dense re-evaluation where the trapezoid disagreed).
+        gamma: the LayerNorm neuron's ``gamma`` (None for another neuron).
+        eps: the LayerNorm neuron's ``eps`` (None for another neuron).
+        m_min_eigenvalue: the smallest non-zero eigenvalue (on the directions the neuron's ``project`` keeps) of
+            any ``M_A`` over the trajectory.
+        m_psd: every ``M_A`` is positive semi-definite.
+        neuron: the neuron's class name.
+        intervals: the number of intervals between saved states checked.
+        dense_rechecks: the intervals re-evaluated densely.
+        settings: the tolerances and dense points used.
     """
 
     passed: list[bool]
@@ -84,7 +104,14 @@ class LyapunovReport(Table):
         return all(self.passed)
 
     def table(self, max_rows: int = 20) -> str:
-        """Markdown: a verdict per sample, then the violations (at most ``max_rows``)."""
+        """Markdown: a verdict per sample, then the violations.
+
+        Args:
+            max_rows: the most violations listed.
+
+        Returns:
+            The Markdown text.
+        """
         neuron = (
             f"gamma = {self.gamma:.6g}, eps = {self.eps:.3g}"
             if self.gamma is not None and self.eps is not None

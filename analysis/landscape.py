@@ -43,7 +43,22 @@ PathLike = str | os.PathLike[str]
 
 @dataclass
 class LandscapeStudy:
-    """Everything :func:`landscape_study` found (``None`` where a step did not apply), and notes on the steps skipped."""
+    """Everything :func:`landscape_study` found (``None`` where a step did not apply), and notes on the steps skipped.
+
+    Attributes:
+        census: the critical points from the final state and random states.
+        network: the index-1 saddles and the minima they join, or None without a saddle or minimum.
+        basins: the basin map on the plane of a saddle and the two minima it joins, or None.
+        attractors: the attractors reached from random starts.
+        asymptotics: the measured power law of the approach to the limit, or None where it does not apply.
+        spectrum: the Lyapunov spectrum at the solve's limit ``(k,)``, or None where the limit is not a minimum.
+        spectrum_expected: the spectrum the Hessian predicts there ``(k,)``, or None.
+        branch: the continuation of the limit in the memories' (or weights') scale, or None.
+        pictures: the picture files written, by name (relative to the folder).
+        notes: why steps were skipped.
+        spheres: the LayerNorm neuron's geometry (False: a Euclidean neuron's, in ``x``).
+        memories: continued in the Hopfield memories' scale (False: in every interaction weight's).
+    """
 
     census: Census
     network: Network | None

@@ -48,8 +48,15 @@ PathLike = str | os.PathLike[str]
 
 @dataclass
 class PredictedRate:
-    """``exponent`` p, the outward forces ``rho`` ``(N,)``, ``kappa = rho / r`` ``(N,)`` and the eigenvalues of
-    ``K^(-1/2) Hess_R K^(-1/2)`` (ascending, ``(N (D - 2),)``) at the minimum ``x`` ``(N, D)``."""
+    """The predicted power-law exponent of the approach to a minimum.
+
+    Attributes:
+        exponent: ``p``, the smallest eigenvalue of ``K^(-1/2) Hess_R K^(-1/2)``.
+        rho: the tokens' outward forces ``(N,)``.
+        kappa: ``rho / r`` ``(N,)``.
+        eigenvalues: the eigenvalues of ``K^(-1/2) Hess_R K^(-1/2)`` ``(N (D - 2),)``, ascending.
+        x: the minimum ``(N, D)``.
+    """
 
     exponent: float
     rho: Tensor

@@ -39,7 +39,11 @@ Operator = Callable[[Tensor], Tensor]
 
 
 class Chart:
-    """The analysis's geometry for one field (see the module docstring); :func:`chart_for` picks the subclass."""
+    """The analysis's geometry for one field (see the module docstring); :func:`chart_for` picks the subclass.
+
+    Args:
+        field: the vector field.
+    """
 
     name = ""
     unit = 1.0  # the coordinates' change per unit change of a canonical state (``gamma`` on the spheres)
@@ -48,76 +52,199 @@ class Chart:
         self.field = field
 
     def canonical(self, x: Tensor) -> Tensor:
-        """The representative state of ``x`` ``(..., N, D)`` the analysis works at (same coordinates)."""
+        """The representative state of ``x`` the analysis works at (same coordinates).
+
+        Args:
+            x: states ``(..., N, D)``.
+
+        Returns:
+            The canonical states ``(..., N, D)``: on the limit spheres, or projected for a Euclidean neuron.
+        """
         raise NotImplementedError
 
     def rescaled(self, x: Tensor) -> Tensor:
         """``x`` ``(B, N, D)`` with the flow's slowing time change undone before it flows on (on the spheres each
-        sample shrunk to token scales of at most 1, the path of ``g`` kept; ``x`` itself otherwise)."""
+        sample shrunk to token scales of at most 1, the path of ``g`` kept; ``x`` itself otherwise).
+
+        Args:
+            x: states ``(B, N, D)``.
+
+        Returns:
+            The rescaled states ``(B, N, D)``.
+        """
         raise NotImplementedError
 
     def coordinates(self, x: Tensor) -> Tensor:
-        """The chart's coordinates of the states ``x``: ``g`` on the spheres, ``x`` itself otherwise."""
+        """The chart's coordinates of the states ``x``: ``g`` on the spheres, ``x`` itself otherwise.
+
+        Args:
+            x: states ``(..., N, D)``.
+
+        Returns:
+            The coordinates ``(..., N, D)``.
+        """
         raise NotImplementedError
 
     def state(self, coordinates: Tensor) -> Tensor:
-        """The canonical state with the given coordinates (the inverse of :meth:`coordinates`)."""
+        """The canonical state with the given coordinates (the inverse of :meth:`coordinates`).
+
+        Args:
+            coordinates: coordinates ``(..., N, D)`` on the chart's set.
+
+        Returns:
+            The canonical states ``(..., N, D)``.
+        """
         raise NotImplementedError
 
     def retract(self, x: Tensor, step: Tensor) -> Tensor:
-        """The canonical state after moving the coordinates of ``x`` by the tangent ``step`` (coordinate units)."""
+        """The canonical state after moving the coordinates of ``x`` by the tangent ``step`` (coordinate units).
+
+        Args:
+            x: states ``(..., N, D)``.
+            step: tangent vectors at ``x`` ``(..., N, D)``.
+
+        Returns:
+            The canonical states ``(..., N, D)``.
+        """
         raise NotImplementedError
 
     def move(self, coordinates: Tensor, offset: Tensor) -> Tensor:
-        """``coordinates + offset`` put back on the chart's set (each token back on its sphere, of the same radius)."""
+        """``coordinates + offset`` put back on the chart's set (each token back on its sphere, of the same radius).
+
+        Args:
+            coordinates: coordinates ``(..., N, D)`` on the chart's set.
+            offset: the offsets ``(..., N, D)``.
+
+        Returns:
+            The moved coordinates ``(..., N, D)``.
+        """
         raise NotImplementedError
 
     def energy(self, coordinates: Tensor) -> Tensor:
-        """``E`` per sample at the given coordinates, with the field's mask."""
+        """``E`` per sample at the given coordinates, with the field's mask.
+
+        Args:
+            coordinates: coordinates ``(..., N, D)``.
+
+        Returns:
+            The energies ``(...)``.
+        """
         raise NotImplementedError
 
     def displacement(self, x: Tensor, w: Tensor) -> Tensor:
-        """The change of state that moves the coordinates of ``x`` by the tangent ``w``, to first order."""
+        """The change of state that moves the coordinates of ``x`` by the tangent ``w``, to first order.
+
+        Args:
+            x: states ``(..., N, D)``.
+            w: tangent vectors of the coordinates at ``x`` ``(..., N, D)``.
+
+        Returns:
+            The change of state ``(..., N, D)``.
+        """
         raise NotImplementedError
 
     def projector(self, x: Tensor) -> Operator:
-        """``v -> v`` projected on the tangent space at the states ``x`` (``v`` shaped like ``x``)."""
+        """``v -> v`` projected on the tangent space at the states ``x`` (``v`` shaped like ``x``).
+
+        Args:
+            x: states ``(..., N, D)``.
+
+        Returns:
+            The projection, a function of ``v`` ``(..., N, D)``.
+        """
         raise NotImplementedError
 
     def frame(self, x: Tensor) -> Tensor:
-        """An orthonormal basis of the tangent space at one state ``x`` ``(N, D)``: ``(n, N, D)``."""
+        """An orthonormal basis of the tangent space at one state.
+
+        Args:
+            x: one state ``(N, D)``.
+
+        Returns:
+            The basis ``(n, N, D)``, ``n = dimension(N)``.
+        """
         raise NotImplementedError
 
     def basis(self, x: Tensor) -> Tensor:
-        """An orthonormal tangent basis at every state of ``x`` ``(B, N, D)``: ``(B, n, N, D)``."""
+        """An orthonormal tangent basis at every state of ``x``.
+
+        Args:
+            x: states ``(B, N, D)``.
+
+        Returns:
+            The bases ``(B, n, N, D)``.
+        """
         raise NotImplementedError
 
     def dimension(self, tokens: int) -> int:
-        """The tangent dimension ``n`` of a state of ``tokens`` tokens."""
+        """The tangent dimension ``n`` of a state of ``tokens`` tokens.
+
+        Args:
+            tokens: the number of tokens ``N``.
+
+        Returns:
+            ``n``: ``N (D - 2)`` on the spheres, ``N`` times the neuron's free dimension otherwise.
+        """
         raise NotImplementedError
 
     def gradient(self, x: Tensor) -> Tensor:
         """The gradient of ``E`` on the chart at the states ``x`` (coordinates): ``T dE/dg`` on the spheres,
-        ``dE(g(x))/dx = M dE/dg`` in the Euclidean chart."""
+        ``dE(g(x))/dx = M dE/dg`` in the Euclidean chart.
+
+        Args:
+            x: states ``(..., N, D)``.
+
+        Returns:
+            The gradient ``(..., N, D)``, a tangent vector.
+        """
         raise NotImplementedError
 
     def hessian(self, x: Tensor) -> tuple[Operator, Tensor]:
         """The Hessian at the states ``x`` ``(B, N, D)`` as an operator on tangent vectors, and the gradient there
-        (both in coordinates)."""
+        (both in coordinates).
+
+        Args:
+            x: states ``(B, N, D)``.
+
+        Returns:
+            The operator on tangent vectors ``(B, N, D)`` and the gradient ``(B, N, D)``.
+        """
         raise NotImplementedError
 
     def hessian_in_frame(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """``(hessian (n, n), gradient (n,), frame (n, N, D))`` at one state ``x`` ``(N, D)``, from ``n``
-        Hessian-vector products (one batched backward pass)."""
+        Hessian-vector products (one batched backward pass).
+
+        Args:
+            x: one state ``(N, D)``.
+
+        Returns:
+            The symmetric Hessian ``(n, n)``, the gradient ``(n,)`` and the frame ``(n, N, D)`` they are in.
+        """
         raise NotImplementedError
 
     def rate_root(self, x: Tensor) -> Operator:
         """``w -> R w`` at the states ``x`` such that at a critical point the flow's Jacobian in coordinates has the
-        spectrum of the symmetric ``-(1/tau) R Hess R`` (``Hess`` as :meth:`hessian`)."""
+        spectrum of the symmetric ``-(1/tau) R Hess R`` (``Hess`` as :meth:`hessian`).
+
+        Args:
+            x: states ``(B, N, D)``.
+
+        Returns:
+            ``R``, a function of tangent vectors ``w`` ``(B, N, D)``.
+        """
         raise NotImplementedError
 
     def velocity(self, field: ETField, x: Tensor) -> Tensor:
-        """The coordinates' rate of change under ``field`` at ``x``: ``dg/dt`` on the spheres, ``dx/dt`` otherwise."""
+        """The coordinates' rate of change under ``field`` at ``x``: ``dg/dt`` on the spheres, ``dx/dt`` otherwise.
+
+        Args:
+            field: the vector field (this chart's, or one of the same neuron).
+            x: states ``(..., N, D)``.
+
+        Returns:
+            The rate of change ``(..., N, D)``.
+        """
         raise NotImplementedError
 
     def rate(self) -> float | None:

@@ -35,8 +35,14 @@ class FixedScaleField(nn.Module):
     constant, and the factor ``sigma_A = sqrt(mean(xt_A^2) + eps)`` makes the tangential rate of ``g``
     ``gamma / tau`` at every token, whatever the scale (e.g. at the limit scale of
     :func:`~et_ode.dynamics.manifold.to_limit_spheres`). A plain ``nn.Module`` ``f(t, x)`` for torchdiffeq.
-    Raises ValueError for a neuron other than LayerNorm (a Euclidean neuron's flow needs no fixing: its rates do not
-    decay).
+
+    Args:
+        field: the ET field, with a LayerNorm neuron.
+
+    Raises:
+        TypeError: ``field`` is not an :class:`et_ode.ETField`.
+        ValueError: a neuron other than LayerNorm (a Euclidean neuron's flow needs no fixing: its rates do not
+            decay).
     """
 
     def __init__(self, field: ETField):
@@ -47,6 +53,15 @@ class FixedScaleField(nn.Module):
         self.field = field
 
     def forward(self, t: Tensor, x: Tensor) -> Tensor:
+        """The fixed-scale velocity ``dx/dt``.
+
+        Args:
+            t: the time (the field does not depend on it).
+            x: states ``(..., N, D)``.
+
+        Returns:
+            ``dx/dt`` ``(..., N, D)``, tangent to each token's sphere.
+        """
         xt = x - x.mean(dim=-1, keepdim=True)
         sigma = xt.square().mean(dim=-1, keepdim=True).add(self.eps).sqrt()
         return sigma * tangent_projection(self.field(t, x), radial_direction(x, 0.0)[0])

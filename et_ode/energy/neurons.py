@@ -231,12 +231,26 @@ class LayerNormNeuron(Neuron):
         return xt, sigma
 
     def lagrangian(self, x: Tensor) -> Tensor:
-        """``L(x_A)`` per token; see :meth:`Neuron.lagrangian`."""
+        """``L(x_A)`` per token; see :meth:`Neuron.lagrangian`.
+
+        Args:
+            x: states ``(..., N, D)``.
+
+        Returns:
+            ``L``, ``(..., N)``.
+        """
         _, sigma = self._centered(x)
         return self.dim * self.gamma * sigma.squeeze(-1) + x @ self.delta
 
     def forward(self, x: Tensor) -> Tensor:
-        """The activation ``g = gamma xt / sigma + delta``; see :meth:`Neuron.forward`."""
+        """The activation ``g = gamma xt / sigma + delta``; see :meth:`Neuron.forward`.
+
+        Args:
+            x: states ``(..., N, D)``.
+
+        Returns:
+            ``g``, ``(..., N, D)``.
+        """
         xt, sigma = self._centered(x)
         return self.gamma * xt / sigma + self.delta
 
@@ -244,6 +258,13 @@ class LayerNormNeuron(Neuron):
         """``M_A v_A`` for every token, in closed form (no autograd): ``(..., N, D) -> (..., N, D)``.
 
         ``M_A = (gamma / sigma_A) (I - 11^T / D - xt xt^T / (D sigma_A^2))``.
+
+        Args:
+            x: states ``(..., N, D)``.
+            v: vectors ``(..., N, D)``.
+
+        Returns:
+            ``M v``, ``(..., N, D)``.
         """
         xt, sigma = self._centered(x)
         v_centered = v - v.mean(dim=-1, keepdim=True)
@@ -251,12 +272,26 @@ class LayerNormNeuron(Neuron):
         return (self.gamma / sigma) * (v_centered - along * xt)
 
     def project(self, v: Tensor) -> Tensor:
-        """``v`` with each token's mean removed (the all-ones vector is the exact zero mode of every ``M_A``)."""
+        """``v`` with each token's mean removed (the all-ones vector is the exact zero mode of every ``M_A``).
+
+        Args:
+            v: vectors ``(..., N, D)``.
+
+        Returns:
+            The projected ``v``, ``(..., N, D)``.
+        """
         return v - v.mean(dim=-1, keepdim=True)
 
     def conditioning(self, x: Tensor) -> Tensor:
         """The spread of the tangential rates ``gamma / sigma_A`` over the tokens, per sample: ``max sigma / min
-        sigma`` (the radial eigenvalue ``gamma eps / sigma^3`` vanishes as the tokens grow, and is left out)."""
+        sigma`` (the radial eigenvalue ``gamma eps / sigma^3`` vanishes as the tokens grow, and is left out).
+
+        Args:
+            x: states ``(..., N, D)``.
+
+        Returns:
+            The ratio per sample, ``(...)``.
+        """
         sigma = (x - x.mean(dim=-1, keepdim=True)).square().mean(dim=-1).sqrt()
         return sigma.amax(dim=-1) / sigma.amin(dim=-1).clamp_min(torch.finfo(x.dtype).tiny)
 

@@ -165,7 +165,15 @@ class EnergyAttention(Interaction):
         return logits, k, q, has_key
 
     def energy(self, g: Tensor, mask: Mask = None) -> Tensor:
-        """``E_ATT`` per sample: ``(..., N, D) -> (...)``. A :class:`GraphMask` uses the edge-list form."""
+        """``E_ATT`` per sample: ``(..., N, D) -> (...)``. A :class:`GraphMask` uses the edge-list form.
+
+        Args:
+            g: activations ``(..., N, D)``.
+            mask: as in :meth:`Interaction.energy`.
+
+        Returns:
+            The energy per sample, ``(...)``.
+        """
         if isinstance(mask, GraphMask):
             return self._edge_energy(g, mask)
         logits, _, _, has_key = self._logits(g, mask)
@@ -196,6 +204,13 @@ class EnergyAttention(Interaction):
 
         ``-sum_h [S_h Q_h WK_h + S_h^T K_h WQ_h]``: token D as a key, then as a query.
         A :class:`GraphMask` uses the edge-list form (segment softmax over each query's incoming edges).
+
+        Args:
+            g: activations ``(..., N, D)``.
+            mask: as in :meth:`Interaction.energy`.
+
+        Returns:
+            ``dE/dg``, ``(..., N, D)``.
         """
         if isinstance(mask, GraphMask):
             return self._edge_dE_dg(g, mask)
@@ -327,7 +342,15 @@ class HopfieldMemory(Interaction):
         self.xi = nn.Parameter(torch.randn(memories, dim, dtype=dtype, device=device) * std)
 
     def energy(self, g: Tensor, mask: Mask = None) -> Tensor:
-        """``E_HN`` per sample: ``(..., N, D) -> (...)`` (each token alone: ``mask`` is not used)."""
+        """``E_HN`` per sample: ``(..., N, D) -> (...)`` (each token alone: ``mask`` is not used).
+
+        Args:
+            g: activations ``(..., N, D)``.
+            mask: the field's mask (not used).
+
+        Returns:
+            The energy per sample, ``(...)``.
+        """
         h = g @ self.xi.T
         if self.form == "relu":
             return -0.5 * torch.relu(h).square().sum(dim=(-1, -2))
@@ -337,7 +360,15 @@ class HopfieldMemory(Interaction):
         return -torch.logsumexp(self.beta * h, dim=-1).sum(dim=-1) / self.beta
 
     def dE_dg(self, g: Tensor, mask: Mask = None) -> Tensor:
-        """``dE_HN/dg`` in closed form: ``(..., N, D) -> (..., N, D)`` (``mask`` is not used)."""
+        """``dE_HN/dg`` in closed form: ``(..., N, D) -> (..., N, D)`` (``mask`` is not used).
+
+        Args:
+            g: activations ``(..., N, D)``.
+            mask: the field's mask (not used).
+
+        Returns:
+            ``dE/dg``, ``(..., N, D)``.
+        """
         h = g @ self.xi.T
         if self.form == "relu":
             coefficient = torch.relu(h)

@@ -219,10 +219,11 @@ def find_attractor(
             resolved could pass as stable: raise it for large states.
         zero_tol: an eigenvalue ``|lambda| <= zero_tol * max |lambda|`` counts as zero (kind ``"degenerate"``).
         segment, max_segments, rtol, atol: the flow phase: dopri5 on et-ode's loop with each sample's own steps
-            and these tolerances, segments of ``segment * tau`` between rescalings, at most ``max_segments`` of them
-            per hand-off level. A sample whose segment needs more than
-            :data:`~et_ode.equilibrium.certify.FLOW_MAX_STEPS` steps (a flow too stiff to follow, e.g. a token
-            shrinking through ``x = 0``) stops flowing and keeps the status of its examination there.
+            (shared across the batch for a :class:`~et_ode.GraphMask`) and these tolerances, segments of
+            ``segment * tau`` between rescalings, at most ``max_segments`` of them per hand-off level. A sample
+            whose segment needs more than :data:`~et_ode.equilibrium.certify.FLOW_MAX_STEPS` steps (a flow too
+            stiff to follow, e.g. a token shrinking through ``x = 0``) stops flowing and keeps the status of its
+            examination there.
         implicit: the conjugate-gradient solve of the implicit backward pass, an :class:`~et_ode.Implicit`
             (default ``Implicit()``: its dtype-aware tolerance and iteration cap).
         seed: the Lanczos start vector.

@@ -754,7 +754,9 @@ def flow_to(
     exhausted = torch.zeros(x.shape[0], dtype=torch.bool)
     span = segment * field.tau
     grid = torch.tensor([0.0, span], dtype=torch.float64, device=x.device)
-    solver = Adaptive(rtol=rtol, atol=atol, step_control="per_sample")
+    # each sample its own steps, where the mask can be cut per sample (a GraphMask cannot: its batch shares them)
+    per_sample = field.mask is None or isinstance(field.mask, Tensor)
+    solver = Adaptive(rtol=rtol, atol=atol, step_control="per_sample" if per_sample else "shared")
     stop = SteadyState(handoff, measure="tangent_gradient", per_sample=True)
     for _ in range(max_segments):
         if not len(active):

@@ -55,7 +55,7 @@ class LandscapeStudy:
         spectrum_expected: the spectrum the Hessian predicts there ``(k,)``, or None.
         branch: the continuation of the limit in the memories' (or weights') scale, or None.
         pictures: the picture files written, by name (relative to the folder).
-        notes: why steps were skipped.
+        notes: the steps skipped, and why.
         spheres: the LayerNorm neuron's geometry (False: a Euclidean neuron's, in ``x``).
         memories: continued in the Hopfield memories' scale (False: in every interaction weight's).
     """

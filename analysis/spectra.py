@@ -107,7 +107,7 @@ class LyapunovSpectrum:
         late: the exponents over its second half ``(k,)`` (the start's transient discarded).
         times: the renormalisation times ``(K,)``.
         running: the running estimates at ``times`` ``(K, k)``.
-        intrinsic: the fixed-scale flow from the limit spheres was followed (False: the plain solve).
+        intrinsic: the exponents are of the fixed-scale flow from the limit spheres (False: of the plain solve).
         d0: the perturbations' size in ``g``.
     """
 

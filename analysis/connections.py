@@ -111,7 +111,7 @@ def saddle_network(
     Args:
         field: the vector field.
         minima: the known minima.
-        saddles: the saddles to connect (those of index 1 are followed).
+        saddles: the saddles to connect, each of index 1 (ValueError otherwise).
         match_tol: the distance within which two points are one.
         push: the step off the saddle along each unstable direction, in ``g`` units.
         t1: the end time of each branch's flow.

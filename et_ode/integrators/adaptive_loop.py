@@ -25,7 +25,7 @@ from torch import Tensor
 from et_ode.dynamics.field import ETField
 from et_ode.integrators.solution import Progress, SolveError, Status
 from et_ode.integrators.solvers import BUDGET_ADVICE, Adaptive, SolverFailure
-from et_ode.integrators.stopping import SteadyState
+from et_ode.integrators.stopping import SteadyState, within_tol
 
 SAFETY, FACTOR_MIN, FACTOR_MAX = 0.9, 0.2, 10.0
 BISECTIONS = 30  # a stop's crossing is first located to 2^-30 of its step on the interpolant,
@@ -862,7 +862,7 @@ def solve_adaptive(
         crossed = (ends > float(grid[0])) & (ends < float(grid[-1]))  # stopped inside the span, not at its start
         x = _through_the_stop_time(stop, field, per_sample, x, crossed if per_sample else crossed.all())
     with torch.no_grad():
-        reached = bool((stop.rms(field, result.x, field.velocity(result.x)) < stop.tol * (1 + 1e-6)).all())
+        reached = bool(within_tol(stop.rms(field, result.x, field.velocity(result.x)), stop.tol).all())
     status = Status.STEADY_STATE if reached and last_stop < float(grid[-1]) else Status.REACHED_END
     ts = torch.tensor([float(grid[0]), last_stop], dtype=grid.dtype, device=grid.device)
     return x, None, ts, result.ends, status

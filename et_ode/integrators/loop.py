@@ -29,7 +29,7 @@ from et_ode.integrators.fixed_step import applies as lean_loop_applies
 from et_ode.integrators.fixed_step import integrate as integrate_fixed_steps
 from et_ode.integrators.solution import Progress, Save, SolveError, Status
 from et_ode.integrators.solvers import BUDGET_ADVICE, Solver, SolverFailure
-from et_ode.integrators.stopping import SteadyState
+from et_ode.integrators.stopping import SteadyState, within_tol
 
 GROWTH_WARNING = 1e3  # a fixed step that grows max |x| more than this many times warns (RuntimeWarning)
 NON_FINITE_ADVICE = (
@@ -387,7 +387,7 @@ def _to_steady_state(
                     x, t_start, _event_function(stop, segment_field, velocity, t_end), velocity, *params
                 )
             with torch.no_grad():
-                converged = stop.rms(segment_field, x, segment.velocity(x)) < tol * (1 + 1e-6)
+                converged = within_tol(stop.rms(segment_field, x, segment.velocity(x)), tol)
             segment.forget()
             if not per_sample:
                 converged = converged.all().reshape(1)
@@ -424,7 +424,7 @@ def _to_steady_state(
     stopped = [x for x in finals if x is not None]  # every sample has stopped
     x_final = torch.stack(stopped) if per_sample else stopped[0]
     with torch.no_grad():
-        reached = bool((stop.rms(field, x_final, recorder.velocity(x_final)) < tol * (1 + 1e-6)).all())
+        reached = bool(within_tol(stop.rms(field, x_final, recorder.velocity(x_final)), tol).all())
     recorder.forget()
     status = Status.STEADY_STATE if reached and float(stop_times.max()) < float(t_last) else Status.REACHED_END
     return x_final, stop_times, status, saved

@@ -93,3 +93,10 @@ class SteadyState:
         if self.measure == "dg_dt":
             return field.rms_dg_dt(x, velocity)
         return field.rms_tangent_gradient(x, velocity)
+
+
+def within_tol(measure: Tensor, tol: float) -> Tensor:
+    """Whether each ``measure`` ``(*batch,)`` is below ``tol`` up to the rounding of its dtype (a relative slack of
+    ``max(1e-6, 64 eps)``: a state at rest in float32 can hold its measure a few rounding units above the ``tol`` its
+    event search located), ``(*batch,)`` bool."""
+    return measure < tol * (1 + max(1e-6, 64 * torch.finfo(measure.dtype).eps))

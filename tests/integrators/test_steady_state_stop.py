@@ -58,3 +58,29 @@ def test_no_tensors_outlive_a_steady_state_solve_with_gradients(per_sample: bool
     for _ in range(6):
         run()
     assert _live_tensors() - before <= 2
+
+
+def test_a_float32_sample_resting_a_few_rounding_units_above_tol_stops_on_torchdiffeqs_loop(fixtures):
+    """A trained float32 model's batch (``tests/fixtures/float32_at_rest.pt``) in which one sample's measure settles
+    at ``tol (1 + 1.9e-6)``, 16 rounding units above ``tol``, where its event search ends: judged with its dtype's
+    rounding, it stops there, and the batch reaches its end in a few steps instead of crawling from one event search
+    to the next until the step budget is spent."""
+    import et_ode
+    from et_ode.integrators.stopping import within_tol
+
+    stored = torch.load(fixtures / "float32_at_rest.pt", weights_only=True)
+    model = et_ode.EnergyTransformer(8, 2, 4, 32, hopfield="relu").to(torch.float32)
+    model.load_state_dict(stored["model"])
+    field, x0 = et_ode.ETField(model), stored["x"]
+    stop = et_ode.SteadyState(0.01, measure="tangent_gradient", per_sample=True)
+    solution = et_ode.solve(
+        field, x0, (0.0, 20.0), solver=et_ode.Adaptive(rtol=1e-4, atol=1e-8), stop=stop, save="final", max_steps=300
+    )
+    assert solution.stats.stop_times is not None and int((solution.stats.stop_times < 20.0).sum()) >= 1
+    stopped = solution.stats.stop_times < 20.0
+    measure = stop.rms(field, solution.x, field(None, solution.x))
+    assert bool(within_tol(measure[stopped], 0.01).all())
+    assert float(measure[stopped].max()) < 0.01 * (1 + 1e-5)  # a few float32 rounding units at most
+    one = torch.ones(1)
+    assert bool(within_tol(one.double() * (1 + 2e-6), 1.0)) is False  # float64 keeps the 1e-6 slack
+    assert bool(within_tol(one * (1 + 2e-6), 1.0)) and not bool(within_tol(one * (1 + 1e-5), 1.0))

@@ -836,10 +836,7 @@ def settle(
     flow: bool = True,
     handoff: float = HANDOFF,
     handoffs: int = HANDOFFS,
-    segment: float = SEGMENT,
-    max_segments: int = MAX_SEGMENTS,
-    rtol: float = FLOW_RTOL,
-    atol: float = FLOW_ATOL,
+    flow_options: dict[str, Any] | None = None,
     **newton: Any,
 ) -> tuple[Attractor, int]:
     """The hand-off loop of :func:`et_ode.find_attractor` on a flattened batch ``(B, N, D)``: flow to the hand-off
@@ -848,7 +845,8 @@ def settle(
     converged stable point the basin test could not yet tie to the flow is watched between the flow's segments: once
     the flow is in that point's basin (:func:`basin_settled`) it is certified there, without flowing on to the next
     level or examining again. A sample whose flow exhausts the step budget (:func:`flow_to`) is examined where it
-    stopped and not flowed on: it keeps the status of that examination. ``newton`` holds :func:`examine`'s
+    stopped and not flowed on: it keeps the status of that examination. ``flow_options`` holds :func:`flow_to`'s
+    ``segment``, ``max_segments``, ``rtol`` and ``atol`` (None: their defaults), ``newton`` :func:`examine`'s
     arguments. Returns the combined result (plain ``g``) and the flow's field evaluations (the watch's included)."""
     pending = torch.arange(x.shape[0])
     parts: list[tuple[Tensor, Attractor]] = []
@@ -865,11 +863,8 @@ def settle(
                 bound,
                 x[pending],
                 handoff=level,
-                segment=segment,
-                max_segments=max_segments,
-                rtol=rtol,
-                atol=atol,
                 watch=watch,
+                **(flow_options or {}),
             )
             flow_evaluations += field.nfe - flow_started
         if bool(early.any()):

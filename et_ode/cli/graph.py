@@ -34,47 +34,49 @@ def add_graph_train_arguments(parser: argparse.ArgumentParser) -> None:
     data = parser.add_argument_group("data")
     data.add_argument("--root", default=None, help="folder holding NAME/raw/ in TU format (classify; mutag source)")
     data.add_argument("--name", default="MUTAG", help="TU data set name, the files' prefix (default MUTAG)")
-    data.add_argument(
+    anomaly = parser.add_argument_group("anomaly (the graph and its injected anomalies)")
+    anomaly.add_argument(
         "--graph",
         choices=("digits", "mutag", "files"),
         default="digits",
-        help="anomaly: digits k-NN graph, MUTAG molecules joined (--root), or your files",
+        help="digits k-NN graph, MUTAG molecules joined (--root), or your files",
     )
-    data.add_argument("--edges", help="anomaly, --graph files: edge list (two 0-based node ids per line)")
-    data.add_argument("--features", help="anomaly, --graph files: node features (one row per node)")
-    data.add_argument("--labels", help="anomaly, --graph files: node labels 0/1 (else anomalies are injected)")
-    data.add_argument("--knn", type=count_in(1, 1000), default=10, help="neighbours of the digits graph")
-    data.add_argument("--cliques", type=count_in(0, 10_000), default=2, help="injected cliques (structural anomalies)")
-    data.add_argument("--clique-size", type=count_in(2, 10_000), default=15)
-    data.add_argument("--contextual", type=count_in(0, 1_000_000), default=30, help="injected contextual anomalies")
-    data.add_argument("--candidates", type=count_in(1, 100_000), default=50, help="candidates per contextual anomaly")
-    data.add_argument(
+    anomaly.add_argument("--edges", help="--graph files: edge list (two 0-based node ids per line)")
+    anomaly.add_argument("--features", help="--graph files: node features (one row per node)")
+    anomaly.add_argument("--labels", help="--graph files: node labels 0/1 (else anomalies are injected)")
+    anomaly.add_argument("--knn", type=count_in(1, 1000), default=10, help="neighbours of the digits graph")
+    anomaly.add_argument("--cliques", type=count_in(0, 10_000), default=2, help="injected cliques (structural anomalies)")
+    anomaly.add_argument("--clique-size", type=count_in(2, 10_000), default=15)
+    anomaly.add_argument("--contextual", type=count_in(0, 1_000_000), default=30, help="injected contextual anomalies")
+    anomaly.add_argument("--candidates", type=count_in(1, 100_000), default=50, help="candidates per contextual anomaly")
+    classify = parser.add_argument_group("classify (node features, cross-validation and ensembles)")
+    classify.add_argument(
         "--max-degree",
         type=count_in(0, 10_000),
         default=0,
-        help="classify: append a one-hot of the node degree (clamped to this) to the features; 0: none",
+        help="append a one-hot of the node degree (clamped to this) to the features; 0: none",
     )
-    data.add_argument(
+    classify.add_argument(
         "--rw-steps",
         type=count_in(0, 1000),
         default=0,
-        help="classify: append random-walk return probabilities for 1..this many steps; 0: none",
+        help="append random-walk return probabilities for 1..this many steps; 0: none",
     )
-    data.add_argument("--folds", type=count_in(2, 1000), default=10, help="classify: cross-validation folds")
-    data.add_argument(
+    classify.add_argument("--folds", type=count_in(2, 1000), default=10, help="cross-validation folds")
+    classify.add_argument(
         "--grid",
         action="append",
         default=[],
         metavar="OPTION=V1,V2,...",
-        help="classify: candidate values of a model or training option (e.g. lr=1e-3,3e-3; repeat for "
-        "more options), chosen per fold by an inner cross-validation of its training graphs",
+        help="candidate values of a model or training option (e.g. lr=1e-3,3e-3; repeat for more options), chosen "
+        "per fold by an inner cross-validation of its training graphs",
     )
-    data.add_argument("--inner-folds", type=count_in(2, 1000), default=3, help="classify: folds of the inner (selection) CV")
-    data.add_argument(
+    classify.add_argument("--inner-folds", type=count_in(2, 1000), default=3, help="folds of the inner (selection) CV")
+    classify.add_argument(
         "--ensemble",
         type=count_in(1, 1000),
         default=1,
-        help="classify: models per run, differently seeded; predictions average their probabilities",
+        help="models per run, differently seeded; predictions average their probabilities",
     )
     model = parser.add_argument_group("model")
     model.add_argument("--dim", type=count_in(1, 8192), default=64)

@@ -182,6 +182,18 @@ def test_help_is_complete(argv, capsys):
             assert option in text
 
 
+def test_a_command_whose_module_cannot_be_imported_fails_alone(monkeypatch, capsys):
+    import dataclasses
+
+    import et_ode.cli
+
+    missing = dataclasses.replace(et_ode.cli._ANALYZE, module="et_ode.cli.no_such_module")
+    monkeypatch.setattr(et_ode.cli, "_ANALYZE", missing)
+    assert main(["analyze"]) == 2
+    assert "et-ode analyze needs et_ode.cli.no_such_module, which could not be imported" in capsys.readouterr().err
+    assert build_parser().parse_args(["train", "graph", "classify", "--folds", "3"]).folds == 3
+
+
 def test_library_errors_are_worded_in_the_commands_flags():
     """The library names its Python arguments; the command line shows the flag of the argument a message starts
     with and of every ``name=True``, where the command has that flag, and leaves every other word alone."""

@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from et_ode import ETField, LayerNormNeuron, Solution
-from et_ode.analysis._tables import Table
+from et_ode.analysis._tables import Table, record
 from et_ode.backend.validation import check_positive
 from et_ode.energy.masks import Mask
 
@@ -246,14 +247,8 @@ class ConvergenceReport(Table):
     def all_converged(self) -> bool:
         return all(s.converged for s in self.samples)
 
-    def as_dict(self) -> dict:
-        return {
-            "tol": self.tol,
-            "tangent_tol": self.tangent_tol,
-            "tail": self.tail,
-            "all_converged": self.all_converged,
-            "samples": [asdict(s) for s in self.samples],
-        }
+    def as_dict(self) -> dict[str, Any]:
+        return record(self, derived=("all_converged",), left_out=("traces",))
 
     def table(self) -> str:
         """A Markdown table, one row per sample."""

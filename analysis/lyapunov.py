@@ -20,7 +20,7 @@ metric, a positive ``dE/dt`` and energy rises. Every violation has its sample, k
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 import torch
@@ -29,7 +29,7 @@ from torchdiffeq import odeint
 from tqdm.auto import tqdm
 
 from et_ode import ETField, LayerNormNeuron, Solution, SolveError
-from et_ode.analysis._tables import Table
+from et_ode.analysis._tables import Table, record
 from et_ode.analysis.convergence import flat_field, flat_states
 from et_ode.backend.validation import check_positive
 
@@ -140,24 +140,8 @@ class LyapunovReport(Table):
                 lines.append(f"| ... | {len(self.violations) - max_rows} more | | | | |")
         return "\n".join(lines)
 
-    def as_dict(self) -> dict:
-        return {
-            "all_passed": self.all_passed,
-            "passed": self.passed,
-            "descends": self.descends,
-            "follows_rate": self.follows_rate,
-            "m_psd": self.m_psd,
-            "neuron": self.neuron,
-            "gamma": self.gamma,
-            "eps": self.eps,
-            "m_min_eigenvalue": self.m_min_eigenvalue,
-            "intervals": self.intervals,
-            "dense_rechecks": self.dense_rechecks,
-            "max_energy_rise": self.max_energy_rise,
-            "max_mismatch": self.max_mismatch,
-            "settings": self.settings,
-            "violations": [asdict(v) for v in self.violations],
-        }
+    def as_dict(self) -> dict[str, Any]:
+        return record(self, derived=("all_passed",))
 
 
 def metric_spectrum(field: ETField, xs: Tensor) -> tuple[bool, float]:

@@ -20,13 +20,14 @@ by operators have the shape of the state; dot products are per sample.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from et_ode import Attractor, ETField, find_attractor
-from et_ode.analysis._tables import Table
+from et_ode.analysis._tables import Table, record
 from et_ode.analysis.chart import Chart, chart_for
 from et_ode.analysis.eigensolvers import Operator, dense_eigenvalues, extreme_eigenvalues
 from et_ode.analysis.sphere import tangent_basis
@@ -244,14 +245,8 @@ class StabilityReport(Table):
             )
         return "\n".join(lines)
 
-    def as_dict(self) -> dict:
-        return {
-            "method": self.method,
-            "dimension": self.dimension,
-            "zero_tol": self.zero_tol,
-            "settings": self.settings,
-            "samples": [asdict(s) for s in self.samples],
-        }
+    def as_dict(self) -> dict[str, Any]:
+        return record(self, left_out=("spheres",))
 
 
 def _zero_tol(smallest: Tensor, largest: Tensor, rel_tol: float, abs_tol: float) -> Tensor:

@@ -8,12 +8,14 @@ import os
 import re
 import shutil
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
 from et_ode import EnergyTransformer, Integration
+from et_ode.analysis._tables import record
 from et_ode.analysis.report import ANALYZE_INTEGRATION, analyze, random_model, random_states
 from et_ode.cli.analyze import add_analyze_arguments, run_analyze
 
@@ -43,6 +45,12 @@ def test_random_model_report_is_complete(tmp_path: Path):
     assert "What kind of attractor?" in text
     assert set(data["pictures"]) == {"convergence", "trajectories", "attention", "energy_slice"}
     assert data["lyapunov"]["all_passed"] is True
+    assert set(data["convergence"]) == {"all_converged", "samples", "tol", "tangent_tol", "tail"}
+    assert set(data["stability"]) == {"samples", "method", "dimension", "zero_tol", "settings"}
+    assert set(data["lyapunov"]) == {
+        *("all_passed", "passed", "descends", "follows_rate", "violations", "max_energy_rise", "max_mismatch"),
+        *("gamma", "eps", "m_min_eigenvalue", "m_psd", "neuron", "intervals", "dense_rechecks", "settings"),
+    }
     kinds = [s["kind"] for s in data["stability"]["samples"]]
     assert len(kinds) == 2 and all(k in text for k in kinds)
     assert all(s["critical"] for s in data["stability"]["samples"])
@@ -52,6 +60,29 @@ def test_random_model_report_is_complete(tmp_path: Path):
     energy = random_model(1, **SIZE).energy(x0).detach()
     starts = [s["energy_start"] for s in data["convergence"]["samples"]]
     assert starts == pytest.approx(energy.tolist(), rel=1e-12)
+
+
+def test_a_record_holds_the_derived_properties_then_the_fields_as_plain_values():
+    @dataclass
+    class Point:
+        x: float
+
+    @dataclass
+    class Result:
+        points: list[Point]
+        best: Point
+        figure: torch.Tensor
+        settings: dict
+
+        @property
+        def count(self) -> int:
+            return len(self.points)
+
+    result = Result([Point(1.0), Point(2.0)], Point(0.5), torch.zeros(3), {"tol": 1e-3})
+    recorded = record(result, derived=("count",), left_out=("figure",))
+    assert list(recorded) == ["count", "points", "best", "settings"]
+    assert recorded == {"count": 2, "points": [{"x": 1.0}, {"x": 2.0}], "best": {"x": 0.5}, "settings": {"tol": 1e-3}}
+    assert json.loads(json.dumps(recorded)) == recorded
 
 
 def test_model_and_states_from_files_and_broken_gamma(tmp_path: Path):

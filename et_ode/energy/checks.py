@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -18,16 +19,26 @@ def value_range(x: Tensor) -> tuple[float, float]:
     return float(low), float(high)
 
 
+def dense_floating(x: object, refuse: Callable[[str], Exception]) -> Tensor:
+    """``x`` if it is a dense floating-point tensor, else the exception ``refuse(problem)`` raised, ``problem`` saying
+    what ``x`` is instead: ``"a dict, not a tensor"``, ``"a torch.sparse_coo tensor, not a dense one"`` or
+    ``"torch.int64 values, not floating point"``."""
+    if not isinstance(x, Tensor):
+        raise refuse(f"a {type(x).__name__}, not a tensor")
+    if x.layout != torch.strided:
+        raise refuse(f"a {x.layout} tensor, not a dense one")
+    if not x.is_floating_point():
+        raise refuse(f"{x.dtype} values, not floating point")
+    return x
+
+
 def check_tokens(name: str, x: object, dim: int, like: Tensor | None = None, normalisable: bool = False) -> Tensor:
     """``x`` must be a dense, finite floating tensor of shape ``(..., N, dim)`` with ``N >= 1``; with ``like`` (a model
     parameter), of its dtype (TypeError) and on its device (ValueError); with ``normalisable``, also one whose
     LayerNorm is computable in its dtype (:func:`check_normalisable`, from the same pass over ``x``)."""
-    if not isinstance(x, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor of shape (..., N, {dim}), got {type(x).__name__}")
-    if x.layout != torch.strided:
-        raise TypeError(f"{name} must be a dense tensor, got layout {x.layout}: use {name}.to_dense()")
-    if not x.is_floating_point():
-        raise TypeError(f"{name} must have a floating dtype (float32 or float64), got {x.dtype}")
+    x = dense_floating(
+        x, lambda problem: TypeError(f"{name} must be a dense floating tensor of shape (..., N, {dim}), got {problem}")
+    )
     if x.dim() < 2 or x.shape[-1] != dim:
         raise ValueError(f"{name} must have shape (..., N, D) with D={dim}, got shape {tuple(x.shape)}")
     if x.shape[-2] == 0:

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from et_ode.backend.memory import is_out_of_memory, memory_named
 from et_ode.data._files import MAX_EXPANSION, MAX_EXPANSION_BYTES, is_zip
+from et_ode.energy.checks import dense_floating
 from et_ode.energy.model import EnergyTransformer
 from et_ode.models.image import check_model_size
 from et_ode.training.statefile import (
@@ -207,12 +208,7 @@ def _checked_states(states: object, path: Path, dim: int | None, name: str) -> T
     def refuse(problem: str) -> FileFormatError:
         return FileFormatError(path, None, f"{name}: {path} {problem}", named=True)
 
-    if not isinstance(states, Tensor):
-        raise refuse(f"holds a {type(states).__name__}, not a tensor of states (batch, N, D)")
-    if states.layout != torch.strided:
-        raise refuse(f"holds a {states.layout} tensor, not a dense one")
-    if not states.is_floating_point():
-        raise refuse(f"holds {states.dtype} values, not floating point")
+    states = dense_floating(states, lambda problem: refuse(f"holds {problem}"))
     shape = tuple(states.shape)
     if states.dim() not in (2, 3) or (dim is not None and shape[-1] != dim) or states.numel() == 0:
         wanted = f"(batch, N, D) or (N, D) with D={dim}" if dim is not None else "(batch, N, D) or (N, D)"

@@ -20,9 +20,10 @@ def test_a_model_needs_a_floating_dtype_and_a_device_this_machine_has() -> None:
 def test_sparse_and_empty_states_are_refused_by_name() -> None:
     field = ETField(EnergyTransformer(dim=8, heads=2, head_dim=4, memories=16))
     sparse = torch.randn(1, 3, 8).to_sparse()
-    with pytest.raises(TypeError, match="x0 must be a dense tensor"):
+    refused = "x0 must be a dense floating tensor .* got a torch.sparse_coo tensor, not a dense one"
+    with pytest.raises(TypeError, match=refused):
         solve(field, sparse, (0.0, 1.0))
-    with pytest.raises(TypeError, match="x0 must be a dense tensor"):
+    with pytest.raises(TypeError, match=refused):
         find_attractor(field, sparse)
     with pytest.raises(ValueError, match="x0 has an empty batch"):
         find_attractor(field, torch.randn(0, 3, 8))

@@ -17,7 +17,14 @@ model's neuron (``chart_for``): on the flow's limit spheres for LayerNorm (radiu
 Or everything at once, written to a folder: ``analyze(model, x0, integration, out="runs/analyze")``.
 """
 
-from et_ode.analysis.asymptotics import MeasuredRate, PredictedRate, measured_exponent, plot_asymptotics, predicted_exponent
+from et_ode.analysis.asymptotics import (
+    MeasuredRate,
+    PredictedRate,
+    RegimeTests,
+    measured_exponent,
+    plot_asymptotics,
+    predicted_exponent,
+)
 from et_ode.analysis.basin_probes import BasinProbe, basin_probe, flow
 from et_ode.analysis.basins import AttractorCensus, BasinMap, attractor_census, basin_map, plot_basin_map, wilson_interval
 from et_ode.analysis.chart import Chart, chart_for
@@ -42,7 +49,7 @@ from et_ode.analysis.critical_points import (
     saddle_from_minimum,
 )
 from et_ode.analysis.eigensolvers import dense_eigenvalues, extreme_eigenvalues, power_iteration
-from et_ode.analysis.exponents import LyapunovExponent, lyapunov_exponent
+from et_ode.analysis.exponents import Benettin, LyapunovExponent, lyapunov_exponent
 from et_ode.analysis.landscape import LandscapeStudy, landscape_study
 from et_ode.analysis.lyapunov import LyapunovReport, Violation, check_lyapunov, metric_spectrum
 from et_ode.analysis.plots import (
@@ -75,6 +82,7 @@ __all__ = [
     "AttractorCensus",
     "BasinMap",
     "BasinProbe",
+    "Benettin",
     "Bifurcation",
     "Branch",
     "Census",
@@ -95,6 +103,7 @@ __all__ = [
     "Network",
     "PredictedRate",
     "RateFit",
+    "RegimeTests",
     "SampleConvergence",
     "SampleStability",
     "StabilityReport",

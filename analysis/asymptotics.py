@@ -135,29 +135,55 @@ class MeasuredRate:
 
 
 @dataclass(frozen=True)
-class _Tolerances:
-    slope: float
-    scale: float
-    agree: float
-    decades: float
-    floor: float
+class RegimeTests:
+    """The tests of the asymptotic regime in :func:`measured_exponent`.
+
+    The regime is reached when a tail of the saved times spanning at least ``min_decades`` decades of ``t``
+    (distances above ``floor``, the solve's accuracy) has (1) local slopes ``-d log|g - g*| / d log t`` within
+    ``slope_tol`` (relative) of their median, (2) token scales within ``scale_tol`` of their asymptotic growth
+    ``|xt_A| = rho*_A t / tau``, and (3) a power-law fit within ``agree_tol`` of the exponent predicted at the
+    limit. Where it is not, the last ``tail`` of the span in log time is fitted.
+
+    Attributes:
+        slope_tol, scale_tol, agree_tol: the three tests, relative.
+        min_decades: the decades of ``t`` the asymptotic tail must span.
+        floor: distances below it (the solve's accuracy) are not used.
+        tail: the fraction of the span (in log time) fitted when the regime is not found, in ``(0, 1]``.
+
+    Raises:
+        ValueError: a setting is not a positive number, or ``tail`` is above 1.
+    """
+
+    slope_tol: float = 0.01
+    scale_tol: float = 0.01
+    agree_tol: float = 0.01
+    min_decades: float = 1.0
+    floor: float = 1e-9
+    tail: float = 0.3
+
+    def __post_init__(self) -> None:
+        for name in ("slope_tol", "scale_tol", "agree_tol", "min_decades", "floor", "tail"):
+            check_positive(f"RegimeTests.{name}", getattr(self, name))
+        if self.tail > 1:
+            raise ValueError(f"RegimeTests.tail must be in (0, 1], got {self.tail!r}")
 
 
 def _tail_window(
-    log_t: np.ndarray, slopes: np.ndarray, scale_error: np.ndarray, distance: np.ndarray, tol: _Tolerances
+    log_t: np.ndarray, slopes: np.ndarray, scale_error: np.ndarray, distance: np.ndarray, tests: RegimeTests
 ) -> tuple[int, int, str]:
     """The longest tail ``[first, last]`` of saved times (``last``: the last distance above the floor) over which
-    the local slopes stay within ``tol.slope`` (relative) of their median and the scales within ``tol.scale``;
+    the local slopes stay within ``tests.slope_tol`` (relative) of their median and the scales within
+    ``tests.scale_tol``;
     with the reason the window could not be extended further back."""
-    above = np.nonzero(distance > tol.floor)[0]
+    above = np.nonzero(distance > tests.floor)[0]
     last = int(above[-1]) if len(above) else 0
     first, why = last, "no saved distance above the floor"
     while first > 1:  # (index 0 is t = 0)
         candidate = first - 1
-        if not distance[candidate] > tol.floor:
-            why = f"RMS |g - g*| <= {tol.floor:g} before t = {math.exp(log_t[candidate + 1]):.3g}"
+        if not distance[candidate] > tests.floor:
+            why = f"RMS |g - g*| <= {tests.floor:g} before t = {math.exp(log_t[candidate + 1]):.3g}"
             break
-        if not scale_error[candidate] <= tol.scale:
+        if not scale_error[candidate] <= tests.scale_tol:
             why = (
                 f"the token scales are off their asymptotic growth rho*_A t / tau by {scale_error[candidate]:.2g} "
                 f"at t = {math.exp(log_t[candidate]):.3g}"
@@ -165,7 +191,7 @@ def _tail_window(
             break
         window = slopes[candidate:last]
         median = float(np.median(window))
-        if not (median > 0 and float(np.abs(window - median).max()) <= tol.slope * median):
+        if not (median > 0 and float(np.abs(window - median).max()) <= tests.slope_tol * median):
             why = (
                 f"the local slope varies ({window.min():.4g} .. {window.max():.4g}) from t = "
                 f"{math.exp(log_t[candidate]):.3g}"
@@ -176,26 +202,26 @@ def _tail_window(
 
 
 def _regime(
-    ts: Tensor, distance: Tensor, speed: Tensor, scale_error: Tensor, predicted: float, tol: _Tolerances, tail: float
+    ts: Tensor, distance: Tensor, speed: Tensor, scale_error: Tensor, predicted: float, tests: RegimeTests
 ) -> tuple[RateFit, RateFit, tuple[int, int] | None, bool, str, Tensor]:
-    """The asymptotic window (if any), the fits over it (or over the last ``tail``), and the reason."""
+    """The asymptotic window (if any), the fits over it (or over the last ``tests.tail``), and the reason."""
     log_t = ts.clamp_min(torch.finfo(torch.float64).tiny).log().numpy()
     log_d = distance.clamp_min(torch.finfo(torch.float64).tiny).log().numpy()
     slopes = -(log_d[1:] - log_d[:-1]) / (log_t[1:] - log_t[:-1])
-    usable = (distance[:-1] > tol.floor).numpy() & (distance[1:] > tol.floor).numpy() & (ts[:-1] > 0).numpy()
+    usable = (distance[:-1] > tests.floor).numpy() & (distance[1:] > tests.floor).numpy() & (ts[:-1] > 0).numpy()
     slopes = np.where(usable, slopes, np.nan)
-    first, last, why = _tail_window(log_t, slopes, scale_error.numpy(), distance.numpy(), tol)
+    first, last, why = _tail_window(log_t, slopes, scale_error.numpy(), distance.numpy(), tests)
     decades = (log_t[last] - log_t[first]) / math.log(10) if last > first else 0.0
-    if decades >= tol.decades:
+    if decades >= tests.min_decades:
         keep = slice(first, last + 1)
         fit = fit_decay(ts[keep], distance[keep], tail=1.0)[1]
         speed_fit = fit_decay(ts[keep], speed[keep], tail=1.0)[1]
         window = (first, last)
         span = f"t in [{float(ts[first]):.3g}, {float(ts[last]):.3g}]"
-        if abs(fit.rate - predicted) <= tol.agree * predicted:
+        if abs(fit.rate - predicted) <= tests.agree_tol * predicted:
             reason = (
-                f"reached over {span}: local slope constant within {tol.slope:g}, token scales within "
-                f"{tol.scale:g} of rho*_A t / tau, fitted p = {fit.rate:.5g} against {predicted:.5g} predicted"
+                f"reached over {span}: local slope constant within {tests.slope_tol:g}, token scales within "
+                f"{tests.scale_tol:g} of rho*_A t / tau, fitted p = {fit.rate:.5g} against {predicted:.5g} predicted"
             )
             return fit, speed_fit, window, True, reason, torch.from_numpy(slopes)
         reason = (
@@ -205,10 +231,10 @@ def _regime(
     else:
         reason = (
             f"not reached: the tail with a constant local slope and settled token scales spans "
-            f"{decades:.2g} decade(s) of t, fewer than {tol.decades:g} ({why})"
+            f"{decades:.2g} decade(s) of t, fewer than {tests.min_decades:g} ({why})"
         )
-    fit = fit_decay(ts, distance, tail=tail)[1]
-    speed_fit = fit_decay(ts, speed, tail=tail)[1]
+    fit = fit_decay(ts, distance, tail=tests.tail)[1]
+    speed_fit = fit_decay(ts, speed, tail=tests.tail)[1]
     return fit, speed_fit, None, False, reason, torch.from_numpy(slopes)
 
 
@@ -218,37 +244,25 @@ def measured_exponent(
     *,
     t1: float = 1e5,
     points: int = 61,
-    tail: float = 0.3,
     rtol: float = 1e-10,
     atol: float = 1e-12,
-    slope_tol: float = 0.01,
-    scale_tol: float = 0.01,
-    agree_tol: float = 0.01,
-    min_decades: float = 1.0,
-    floor: float = 1e-9,
+    tests: RegimeTests = RegimeTests(),
     strict: bool = False,
 ) -> MeasuredRate:
     """Solve from ``x0`` ``(N, D)`` to ``t1`` on ``points`` log-spaced times, locate ``g*`` on the flow's
     limit spheres (:func:`et_ode.find_attractor` from the final state, no flow phase), and measure the approach.
 
-    The asymptotic regime is reached when a tail of the saved times spanning at least ``min_decades`` decades of
-    ``t`` (distances above ``floor``, the solve's accuracy) has (1) local slopes ``-d log|g - g*| / d log t``
-    within ``slope_tol`` (relative) of their median, (2) token scales within ``scale_tol`` of their asymptotic
-    growth ``|xt_A| = rho*_A t / tau``, and (3) a power-law fit within ``agree_tol`` of the exponent predicted at
-    the limit. The fits of ``|g - g*|`` and RMS ``|dg/dt|`` then use that tail only. Otherwise the result says
-    why (``asymptotic=False``, ``reason``), fits the last ``tail`` of the span in log time, and warns
-    (RuntimeWarning), or raises ValueError with ``strict=True``.
+    Where the asymptotic regime is reached (the :class:`RegimeTests`), the fits of ``|g - g*|`` and RMS ``|dg/dt|``
+    use its tail only. Otherwise the result says why (``asymptotic=False``, ``reason``), fits the last ``tail`` of
+    the span in log time, and warns (RuntimeWarning), or raises ValueError with ``strict=True``.
 
     Args:
         field: the vector field (LayerNorm neuron).
         x0: the start ``(N, D)``.
         t1: the end time.
         points: the log-spaced saved times.
-        tail: the fraction of the span (in log time) fitted when the asymptotic regime is not found.
         rtol, atol: the solve's tolerances.
-        slope_tol, scale_tol, agree_tol: the three tests of the asymptotic regime, relative.
-        min_decades: the decades of ``t`` the asymptotic tail must span.
-        floor: distances below it (the solve's accuracy) are not used.
+        tests: the tests of the asymptotic regime, and the fallback fit's ``tail``.
         strict: raise instead of warning when the regime is not reached.
 
     Returns:
@@ -257,6 +271,7 @@ def measured_exponent(
     Raises:
         ValueError: bad arguments; the limit is not a minimum on the spheres (some ``rho_A <= 0``); with
             ``strict``, the asymptotic regime not reached.
+        TypeError: ``tests`` is not a :class:`RegimeTests`.
     """
     if not (isinstance(x0, Tensor) and x0.dim() == 2 and x0.shape[-1] == field.model.dim):
         raise ValueError(
@@ -268,14 +283,8 @@ def measured_exponent(
         raise ValueError(f"t1 must be a finite number > 1, got {t1!r}")
     if isinstance(points, bool) or not (isinstance(points, int) and points >= 5):
         raise ValueError(f"points must be an integer >= 5, got {points!r}")
-    for name, value in (
-        ("slope_tol", slope_tol),
-        ("scale_tol", scale_tol),
-        ("agree_tol", agree_tol),
-        ("min_decades", min_decades),
-        ("floor", floor),
-    ):
-        check_positive(name, value)
+    if not isinstance(tests, RegimeTests):
+        raise TypeError(f"tests must be a RegimeTests(...), got {type(tests).__name__}")
     grid = torch.cat(
         [torch.zeros(1, dtype=torch.float64), torch.logspace(-2, math.log10(t1), points - 1, dtype=torch.float64)]
     )
@@ -293,10 +302,7 @@ def measured_exponent(
     ts = grid.cpu()
     growth = predicted.rho.to(torch.float64).cpu() * ts[:, None] / field.tau
     scale_error = torch.where(ts[:, None] > 0, (length / growth.clamp_min(1e-300) - 1).abs(), math.nan).amax(dim=-1)
-    tolerances = _Tolerances(slope=slope_tol, scale=scale_tol, agree=agree_tol, decades=min_decades, floor=floor)
-    fit, speed_fit, window, asymptotic, reason, slopes = _regime(
-        ts, distance, speed, scale_error, predicted.exponent, tolerances, tail
-    )
+    fit, speed_fit, window, asymptotic, reason, slopes = _regime(ts, distance, speed, scale_error, predicted.exponent, tests)
     if not asymptotic:
         message = f"measured_exponent: the asymptotic regime is {reason}; the fitted exponent is not an estimate of p"
         if strict:

@@ -20,7 +20,8 @@ from et_ode.analysis.chart import chart_for
 from et_ode.analysis.eigensolvers import per_sample, sample_dot
 from et_ode.analysis.lyapunov import ANALYSIS_MAX_STEPS, bounded_odeint
 from et_ode.analysis.stability import batched_states
-from et_ode.integrators.solvers import AdaptiveMethod
+from et_ode.backend.validation import check_positive
+from et_ode.integrators.solvers import ADAPTIVE_METHODS, AdaptiveMethod
 
 
 @dataclass
@@ -44,18 +45,63 @@ class LyapunovExponent:
     late: Tensor
 
 
+@dataclass(frozen=True)
+class Benettin:
+    """The settings of Benettin's method: the reference state and its perturbations of ``g`` (size ``d0``) are
+    integrated together over ``renormalizations`` equal spans of ``[0, t1]``, after each of which the perturbations
+    are set back to size ``d0``.
+
+    Attributes:
+        t1: the end time.
+        renormalizations: the number of spans.
+        d0: the size of a perturbation in ``g``.
+        method, rtol, atol: the adaptive solver of each span.
+        seed: the random first perturbations.
+
+    Raises:
+        ValueError: ``t1``, ``d0``, ``rtol`` or ``atol`` is not a positive number, ``renormalizations`` not a
+            positive integer, or ``method`` not an adaptive method.
+    """
+
+    t1: float = 20.0
+    renormalizations: int = 20
+    d0: float = 1e-6
+    method: AdaptiveMethod = "dopri5"
+    rtol: float = 1e-10
+    atol: float = 1e-12
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("t1", "d0", "rtol", "atol"):
+            check_positive(f"Benettin.{name}", getattr(self, name))
+        check_positive("Benettin.renormalizations", self.renormalizations, integer=True)
+        if self.method not in ADAPTIVE_METHODS:
+            raise ValueError(f"Benettin.method must be one of {ADAPTIVE_METHODS}, got {self.method!r}")
+
+    @property
+    def solver(self) -> Adaptive:
+        """The adaptive solver of each span."""
+        return Adaptive(self.method, self.rtol, self.atol)
+
+
+#: the settings of :func:`lyapunov_exponent` by default
+EXPONENT_BENETTIN = Benettin(t1=10.0, rtol=1e-9, atol=1e-11)
+
+
+def checked_benettin(benettin: object) -> tuple[float, int, float]:
+    """``t1``, ``renormalizations`` and ``d0`` of ``benettin``; TypeError naming ``benettin`` if it is not a
+    :class:`Benettin`."""
+    if not isinstance(benettin, Benettin):
+        raise TypeError(f"benettin must be a Benettin(...), got {type(benettin).__name__}")
+    return benettin.t1, benettin.renormalizations, benettin.d0
+
+
 def lyapunov_exponent(
     field: ETField,
     x0: Tensor,
     *,
-    t1: float = 10.0,
-    renormalizations: int = 20,
-    d0: float = 1e-6,
+    benettin: Benettin = EXPONENT_BENETTIN,
     restart: bool = False,
-    method: AdaptiveMethod = "dopri5",
-    rtol: float = 1e-9,
-    atol: float = 1e-11,
-    seed: int = 0,
     progress: bool = False,
     max_steps: int = ANALYSIS_MAX_STEPS,
 ) -> LyapunovExponent:
@@ -63,7 +109,7 @@ def lyapunov_exponent(
 
     The pair (reference, perturbed) is integrated together from 0 to ``t1`` in ``renormalizations`` spans;
     after each, the g-distance ``d`` is measured, ``log(d / d0)`` accumulated and the perturbation of ``x``
-    rescaled to ``d0``. Negative: nearby trajectories converge.
+    rescaled to ``d0`` (the settings of :class:`Benettin`). Negative: nearby trajectories converge.
 
     With ``restart`` the exponent is measured in intrinsic time: both states start on the limit spheres and
     follow the :class:`~et_ode.analysis.sphere.FixedScaleField`, which keeps ``sigma`` fixed and the tangential
@@ -79,12 +125,8 @@ def lyapunov_exponent(
     Args:
         field: the vector field.
         x0: reference states ``(B, N, D)`` or ``(N, D)``.
-        t1: the end time.
-        renormalizations: the spans of ``t1 / renormalizations`` after which the perturbation is rescaled.
-        d0: the size of the perturbation in ``g``.
+        benettin: the spans, the perturbation's size and seed, and the solver.
         restart: measure in intrinsic time (on the limit spheres, fixed scale).
-        method, rtol, atol: the adaptive solver.
-        seed: the random perturbation.
         progress: show a progress bar.
         max_steps: the step budget of each span.
 
@@ -92,18 +134,17 @@ def lyapunov_exponent(
         A :class:`LyapunovExponent`, its ``exponent`` ``(B,)``.
 
     Raises:
-        ValueError: ``t1`` or ``d0`` not positive.
+        TypeError: ``benettin`` is not a :class:`Benettin`.
         et_ode.SolveError: a span ran out of steps.
     """
     from tqdm.auto import tqdm
 
     x = batched_states(x0, field)
-    if not (t1 > 0 and d0 > 0):
-        raise ValueError(f"t1 and d0 must be positive, got t1={t1}, d0={d0}")
+    t1, renormalizations, d0 = checked_benettin(benettin)
     chart = chart_for(field)
     if restart:
         x = chart.canonical(x)
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator().manual_seed(benettin.seed)
     w = chart.projector(x)(torch.randn(x.shape, generator=generator, dtype=x.dtype).to(x.device))
     w = w * d0 / per_sample(sample_dot(w, w).sqrt(), w)
     pair = torch.cat([x, x + chart.displacement(x, w)])
@@ -121,16 +162,14 @@ def lyapunov_exponent(
                     fixed_scale,
                     pair,
                     grid,
-                    method=method,
-                    rtol=rtol,
-                    atol=atol,
+                    method=benettin.method,
+                    rtol=benettin.rtol,
+                    atol=benettin.atol,
                     max_steps=max_steps,
                     what="lyapunov_exponent (restart)",
                 )[-1]
         else:
-            pair = solve(
-                field, pair, (0.0, span), solver=Adaptive(method, rtol, atol), save="final", max_steps=max_steps
-            ).x.detach()
+            pair = solve(field, pair, (0.0, span), solver=benettin.solver, save="final", max_steps=max_steps).x.detach()
         with torch.no_grad():
             gs = chart.coordinates(pair)
         dist = sample_dot(gs[batch:] - gs[:batch], gs[batch:] - gs[:batch]).sqrt()

@@ -36,6 +36,7 @@ from et_ode.analysis.critical_points import (
     newton_critical_point,
     saddle_from_minimum,
 )
+from et_ode.analysis.exponents import Benettin
 from et_ode.analysis.spectra import LyapunovSpectrum, lyapunov_spectrum
 
 PathLike = str | os.PathLike[str]
@@ -343,7 +344,7 @@ def landscape_study(
         if rate is None:
             notes.append("The neuron's rates differ between directions, so the Lyapunov spectrum is not compared.")
         else:
-            spectrum = lyapunov_spectrum(field, limit.x, count=count, t1=20.0, renormalizations=40)
+            spectrum = lyapunov_spectrum(field, limit.x, count=count, benettin=Benettin(t1=20.0, renormalizations=40))
             expected = -rate * limit.eigenvalues[:count] / field.tau
     else:
         notes.append(

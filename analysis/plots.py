@@ -57,6 +57,13 @@ def readable_log_axis(axis: Any, *, most: int = 5) -> None:
     axis.set_minor_formatter(NullFormatter())
 
 
+def _log_time_axis(ax: Any) -> None:
+    """The x-axis of ``ax`` as the time ``t`` on a log scale, labelled so, with :func:`readable_log_axis`'s ticks (call
+    it once the data is drawn)."""
+    ax.set(xscale="log", xlabel="time t (log scale)")
+    readable_log_axis(ax.xaxis)
+
+
 def _sample_index(sample: int, count: int) -> int:
     if not isinstance(sample, int) or not -count <= sample < count:
         raise ValueError(f"sample must be an integer index in [0, {count}), got {sample!r}")
@@ -113,9 +120,7 @@ def plot_convergence(
     ax_e.set(title="Energy E(t) (must never rise)", xlabel="time t", ylabel="energy E")
     ax_r.set(
         title="Motion of g: solid RMS |dg/dt|, dashed RMS |T dE/dg|\n(power law = straight line)",
-        xlabel="time t (log scale)",
         ylabel="per element (log scale)",
-        xscale="log",
         yscale="log",
     )
     ax_d.set(
@@ -123,7 +128,7 @@ def plot_convergence(
         xlabel="time t",
         ylabel="drift (units of x)",
     )
-    readable_log_axis(ax_r.xaxis)
+    _log_time_axis(ax_r)
     readable_log_axis(ax_r.yaxis)
     handles = [ax_e.get_lines()[b] for b in range(count)]
     ax_e.legend(handles=handles, fontsize="small", loc="upper right")

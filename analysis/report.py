@@ -33,7 +33,7 @@ from et_ode import (
 )
 from et_ode.analysis.basin_probes import BasinProbe, basin_probe
 from et_ode.analysis.convergence import ConvergenceReport, analyze_convergence, flat_field
-from et_ode.analysis.exponents import LyapunovExponent, lyapunov_exponent
+from et_ode.analysis.exponents import Benettin, LyapunovExponent, lyapunov_exponent
 from et_ode.analysis.landscape import LandscapeStudy, landscape_study
 from et_ode.analysis.lyapunov import LyapunovReport, check_lyapunov
 from et_ode.analysis.plots import plot_attention, plot_convergence, plot_energy_slice, plot_trajectories
@@ -338,10 +338,10 @@ def _study_fixed_points(
     spheres = et_field.model.neuron.geometry == "spheres"
     rtol, atol = (1e-8, 1e-10) if spheres else (1e-12, 1e-14)
     findings.exponent = lyapunov_exponent(
-        et_field, states, t1=span, renormalizations=10, rtol=rtol, atol=atol, progress=progress
+        et_field, states, benettin=Benettin(t1=span, renormalizations=10, rtol=rtol, atol=atol), progress=progress
     )
     findings.intrinsic = lyapunov_exponent(
-        et_field, fixed.x, t1=20.0, renormalizations=20, restart=True, rtol=rtol, atol=atol, progress=progress
+        et_field, fixed.x, benettin=Benettin(t1=20.0, rtol=rtol, atol=atol), restart=True, progress=progress
     )
     stages.bar.update()
     stages.start("basin probe")

@@ -23,14 +23,15 @@ from matplotlib.figure import Figure
 from torch import Tensor
 from torchdiffeq import odeint
 
-from et_ode import Adaptive, ETField, Solution, solve
+from et_ode import ETField, Solution, solve
 from et_ode.analysis.chart import chart_for
 from et_ode.analysis.convergence import flat_field, flat_states
-from et_ode.analysis.plots import _finish
-from et_ode.backend.validation import check_positive
-from et_ode.integrators.solvers import AdaptiveMethod
+from et_ode.analysis.exponents import Benettin, checked_benettin
+from et_ode.analysis.plots import _finish, _log_time_axis
 
 PathLike = str | os.PathLike[str]
+#: the settings of :func:`lyapunov_spectrum` by default
+SPECTRUM_BENETTIN = Benettin()
 
 
 @dataclass
@@ -124,53 +125,46 @@ def lyapunov_spectrum(
     x0: Tensor,
     *,
     count: int | None = None,
-    t1: float = 20.0,
-    renormalizations: int = 20,
-    d0: float = 1e-6,
+    benettin: Benettin = SPECTRUM_BENETTIN,
     intrinsic: bool = True,
-    method: AdaptiveMethod = "dopri5",
-    rtol: float = 1e-10,
-    atol: float = 1e-12,
-    seed: int = 0,
 ) -> LyapunovSpectrum:
     """The Lyapunov spectrum of the trajectory from ``x0`` ``(N, D)`` by the QR method.
 
     ``count`` tangent perturbations of ``g`` (default: all ``N (D - 2)``) of size ``d0`` are integrated with
-    the reference state in one batch; after each of the ``renormalizations`` equal spans of ``[0, t1]`` their
-    g-differences, projected on the tangent space, are QR-factorised, ``log |R_ii| / d0`` accumulated and the
-    perturbations reset to ``d0 Q``.
+    the reference state in one batch; after each of the ``renormalizations`` equal spans of ``[0, t1]`` (the
+    settings of :class:`~et_ode.analysis.exponents.Benettin`) their g-differences, projected on the tangent space,
+    are QR-factorised, ``log |R_ii| / d0`` accumulated and the perturbations reset to ``d0 Q``.
 
     Args:
         field: the vector field.
         x0: the reference state ``(N, D)``.
         count: the number of exponents (default: all ``N (D - 2)``).
-        t1: the end time.
-        renormalizations: the equal spans of ``[0, t1]``.
-        d0: the perturbations' size in ``g``.
+        benettin: the spans (at least 2), the perturbations' size and seed, and the solver.
         intrinsic: follow the fixed-scale flow from the limit spheres (see :mod:`et_ode.analysis.sphere`) instead
             of the plain solve, whose rates decay like ``1 / t``.
-        method, rtol, atol: the adaptive solver.
-        seed: the random perturbations.
 
     Returns:
         The :class:`LyapunovSpectrum`, ``count`` exponents in descending order.
+
+    Raises:
+        ValueError: ``x0`` is not one state, ``count`` out of range, or fewer than 2 renormalizations.
+        TypeError: ``benettin`` is not a :class:`~et_ode.analysis.exponents.Benettin`.
     """
     if not (isinstance(x0, Tensor) and x0.dim() == 2 and x0.shape[-1] == field.model.dim):
         raise ValueError(
             f"x0 must be one state (N, D) with D={field.model.dim}, got "
             f"{tuple(x0.shape) if isinstance(x0, Tensor) else type(x0).__name__}"
         )
-    check_positive("t1", t1)
-    check_positive("d0", d0)
-    if isinstance(renormalizations, bool) or not (isinstance(renormalizations, int) and renormalizations >= 2):
-        raise ValueError(f"renormalizations must be an integer >= 2, got {renormalizations!r}")
+    t1, renormalizations, d0 = checked_benettin(benettin)
+    if renormalizations < 2:
+        raise ValueError(f"benettin.renormalizations must be at least 2 for a spectrum, got {renormalizations}")
     chart = chart_for(field)
     x = chart.canonical(x0.detach()) if intrinsic else x0.detach()
     dimension = chart.dimension(x.shape[0])
     count = dimension if count is None else count
     if not (isinstance(count, int) and 1 <= count <= dimension):
         raise ValueError(f"count must be an integer in [1, {dimension}], got {count!r}")
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator().manual_seed(benettin.seed)
     frame = chart.frame(x).flatten(1)  # (n, N D)
     mixing = torch.randn(count, dimension, generator=generator, dtype=x.dtype).to(x.device)
     q = torch.linalg.qr((mixing @ frame).T).Q.T.reshape(count, *x.shape)  # (k, N, D) orthonormal coordinate directions
@@ -183,9 +177,9 @@ def lyapunov_spectrum(
         for _ in range(renormalizations):
             batch = torch.cat([x[None], x + chart.displacement(x, d0 * q)])  # on the spheres dx = sigma / gamma dg
             if intrinsic:
-                batch = odeint(fixed_scale, batch, grid, method=method, rtol=rtol, atol=atol)[-1]
+                batch = odeint(fixed_scale, batch, grid, method=benettin.method, rtol=benettin.rtol, atol=benettin.atol)[-1]
             else:
-                batch = solve(field, batch, (0.0, span), solver=Adaptive(method, rtol, atol), save="final").x
+                batch = solve(field, batch, (0.0, span), solver=benettin.solver, save="final").x
             x = batch[0]
             g = chart.coordinates(batch)
             differences = chart.projector(x[None])(g[1:] - g[0]).flatten(1)  # (k, N D)
@@ -245,19 +239,14 @@ def plot_hessian_along(
             t[positive], trace.index[positive, b].numpy() + 0.04 * b, where="post", color=colors(b), label=f"sample {b}"
         )
     ax_values.axhline(0.0, color="black", linewidth=0.8)
-    ax_values.set(
-        xscale="log",
-        xlabel="time t (log scale)",
-        ylabel="eigenvalue of Hess_R",
-        title="Curvature of E on the spheres along the trajectory\nsolid: smallest, dotted: largest eigenvalue",
-    )
-    ax_index.set(
-        xscale="log",
-        xlabel="time t (log scale)",
-        ylabel="negative eigenvalues (saddle index)",
-        title="Saddle index along the trajectory\n(0 once it is in a minimum's convex neighbourhood)",
-    )
+    titles = {
+        ax_values: "Curvature of E on the spheres along the trajectory\nsolid: smallest, dotted: largest eigenvalue",
+        ax_index: "Saddle index along the trajectory\n(0 once it is in a minimum's convex neighbourhood)",
+    }
+    ylabels = {ax_values: "eigenvalue of Hess_R", ax_index: "negative eigenvalues (saddle index)"}
     for ax in (ax_values, ax_index):
+        ax.set(title=titles[ax], ylabel=ylabels[ax])
+        _log_time_axis(ax)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize="small")
     return _finish(fig, path, dpi)

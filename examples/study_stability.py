@@ -20,6 +20,7 @@ import torch
 
 from et_ode import EnergyTransformer, ETField, solve
 from et_ode.analysis import (
+    Benettin,
     analyze_convergence,
     basin_probe,
     check_lyapunov,
@@ -84,7 +85,7 @@ def main() -> None:
 
     print("\n== 4. perturbations: Lyapunov exponents and basins ==")
     for name in ("u1 (minimum)", "u3 (saddle)"):
-        exponent = lyapunov_exponent(toy_field, points[name], t1=8.0, renormalizations=16, restart=True)
+        exponent = lyapunov_exponent(toy_field, points[name], benettin=Benettin(t1=8.0, renormalizations=16), restart=True)
         probe = basin_probe(toy_field, points[name], radii=[0.01, 0.1, 0.5, 1.0], trials=8)
         print(
             f"{name:14s}: finite-time Lyapunov exponent {float(exponent.exponent[0]):+.4f} (intrinsic time); "

@@ -10,7 +10,7 @@ import torch
 
 from et_ode import EnergyTransformer, ETField, SolveError, solve
 from et_ode.analysis import check_lyapunov
-from et_ode.analysis.exponents import lyapunov_exponent
+from et_ode.analysis.exponents import Benettin, lyapunov_exponent
 from et_ode.analysis.lyapunov import bounded_odeint
 
 
@@ -43,4 +43,4 @@ def test_lyapunov_exponent_restart_spans_have_a_budget():
     field = _field()
     x0 = torch.randn(1, 3, 8, dtype=torch.float64) * 1e30
     with pytest.raises(SolveError, match=r"lyapunov_exponent \(restart\)|solve failed"):
-        lyapunov_exponent(field, x0, t1=1e9, renormalizations=1, restart=True, max_steps=20)
+        lyapunov_exponent(field, x0, benettin=Benettin(t1=1e9, renormalizations=1), restart=True, max_steps=20)

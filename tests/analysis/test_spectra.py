@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from et_ode import Adaptive, ETField, solve
-from et_ode.analysis.exponents import lyapunov_exponent
+from et_ode.analysis.exponents import Benettin, lyapunov_exponent
 from et_ode.analysis.spectra import hessian_along, lyapunov_spectrum
 from et_ode.analysis.sphere import FixedScaleField
 from et_ode.analysis.stability import find_fixed_point, fixed_point_stability
@@ -57,7 +57,7 @@ def test_restarted_lyapunov_exponent_is_unbiased_at_a_minimum(minimum):
     field, x_star, eigenvalues = minimum
     gamma = float(field.model.neuron.gamma.detach())
     expected = -gamma * float(eigenvalues[0]) / TAU
-    result = lyapunov_exponent(field, x_star, t1=60.0, renormalizations=20, restart=True)
+    result = lyapunov_exponent(field, x_star, benettin=Benettin(t1=60.0, renormalizations=20), restart=True)
     assert float(result.late[0]) == pytest.approx(expected, rel=1e-4)
     assert float(result.exponent[0]) == pytest.approx(expected, rel=0.2)  # carries the start's transient, ~1/T
     assert float(result.exponent[0]) < float(result.late[0])
@@ -67,9 +67,9 @@ def test_qr_spectrum_at_a_minimum_is_minus_gamma_over_tau_times_the_hessian(mini
     field, x_star, eigenvalues = minimum
     gamma = float(field.model.neuron.gamma.detach())
     expected = -gamma * eigenvalues / TAU  # descending
-    spectrum = lyapunov_spectrum(field, x_star[0], t1=40.0, renormalizations=80)
+    spectrum = lyapunov_spectrum(field, x_star[0], benettin=Benettin(t1=40.0, renormalizations=80))
     assert spectrum.late.tolist() == pytest.approx(expected.tolist(), rel=2e-3)
-    top = lyapunov_spectrum(field, x_star[0], count=2, t1=40.0, renormalizations=80)
+    top = lyapunov_spectrum(field, x_star[0], count=2, benettin=Benettin(t1=40.0, renormalizations=80))
     assert top.late.tolist() == pytest.approx(expected[:2].tolist(), rel=2e-3)
 
 
@@ -77,12 +77,39 @@ def test_qr_spectrum_at_a_saddle_has_one_positive_exponent():
     model = one_token_model()
     field = ETField(model)
     x = U3[None] * 3.0
-    spectrum = lyapunov_spectrum(field, x, t1=40.0, renormalizations=20, d0=1e-8)
+    spectrum = lyapunov_spectrum(field, x, benettin=Benettin(t1=40.0, renormalizations=20, d0=1e-8))
     r = float(model.neuron(to_limit_spheres(x, model.neuron.eps)).detach().norm())
     gamma = float(model.neuron.gamma.detach())
     expected = sorted((-gamma * v for v in closed_form("u3", r)), reverse=True)
     assert spectrum.late.tolist() == pytest.approx(expected, rel=1e-3)
     assert float(spectrum.late[0]) > 0 > float(spectrum.late[1])
+
+
+@pytest.mark.parametrize(
+    "settings, named",
+    [
+        (dict(t1=0.0), "Benettin.t1"),
+        (dict(d0=-1e-6), "Benettin.d0"),
+        (dict(rtol=float("nan")), "Benettin.rtol"),
+        (dict(renormalizations=2.0), "Benettin.renormalizations"),
+        (dict(renormalizations=True), "Benettin.renormalizations"),
+        (dict(method="rk4"), "Benettin.method"),
+    ],
+)
+def test_benettin_settings_are_refused_by_name(settings, named):
+    with pytest.raises(ValueError, match=named):
+        Benettin(**settings)
+
+
+def test_the_lyapunov_functions_check_their_settings():
+    field = ETField(one_token_model())
+    x = U3[None] * 3.0
+    with pytest.raises(TypeError, match="benettin must be a Benettin"):
+        lyapunov_exponent(field, x, benettin=dict(t1=1.0))
+    with pytest.raises(TypeError, match="benettin must be a Benettin"):
+        lyapunov_spectrum(field, x, benettin=None)
+    with pytest.raises(ValueError, match="at least 2"):
+        lyapunov_spectrum(field, x, benettin=Benettin(renormalizations=1))
 
 
 def test_hessian_along_a_trajectory_matches_the_dense_analysis():

@@ -10,7 +10,7 @@ import torch
 from et_ode import EnergyTransformer, ETField
 from et_ode.analysis.basin_probes import basin_probe
 from et_ode.analysis.eigensolvers import extreme_eigenvalues
-from et_ode.analysis.exponents import lyapunov_exponent
+from et_ode.analysis.exponents import Benettin, lyapunov_exponent
 from et_ode.analysis.sphere import tangent_basis
 from et_ode.analysis.stability import (
     find_fixed_point,
@@ -196,8 +196,8 @@ def test_basin_and_lyapunov_exponent_distinguish_minimum_and_saddle():
     probe_saddle = basin_probe(field, saddle, radii=[0.01, 0.1], trials=3, t1=10.0)
     assert probe_min.radius == [0.1] and probe_saddle.radius == [0.0]
     assert float(probe_saddle.returned.max()) == 0.0
-    at_min = lyapunov_exponent(field, minimum, t1=4.0, renormalizations=8, restart=True)
-    at_saddle = lyapunov_exponent(field, saddle, t1=4.0, renormalizations=8, restart=True, seed=1)
+    at_min = lyapunov_exponent(field, minimum, benettin=Benettin(t1=4.0, renormalizations=8), restart=True)
+    at_saddle = lyapunov_exponent(field, saddle, benettin=Benettin(t1=4.0, renormalizations=8, seed=1), restart=True)
     assert float(at_min.exponent[0]) < 0 < float(at_saddle.exponent[0])
     # with sigma reset to 1 the tangential rate of M is gamma: at the minimum perturbations decay like
     # exp(-gamma lambda_min t); at the saddle they grow at most like exp(gamma |lambda_neg| t)

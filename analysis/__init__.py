@@ -29,7 +29,7 @@ from et_ode.analysis.basin_probes import BasinProbe, basin_probe, flow
 from et_ode.analysis.basins import AttractorCensus, BasinMap, attractor_census, basin_map, plot_basin_map, wilson_interval
 from et_ode.analysis.chart import Chart, chart_for
 from et_ode.analysis.connections import Connection, Network, disconnectivity, plot_disconnectivity, saddle_network
-from et_ode.analysis.continuation import Bifurcation, Branch, continue_branch, plot_bifurcation_diagram
+from et_ode.analysis.continuation import ArcLength, Bifurcation, Branch, continue_branch, plot_bifurcation_diagram
 from et_ode.analysis.convergence import (
     ConvergenceReport,
     ConvergenceTraces,
@@ -79,6 +79,7 @@ from et_ode.analysis.stability import (
 from et_ode.linalg.krylov import lanczos
 
 __all__ = [
+    "ArcLength",
     "AttractorCensus",
     "BasinMap",
     "BasinProbe",

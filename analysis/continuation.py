@@ -31,6 +31,7 @@ from et_ode import EnergyModel, ETField
 from et_ode.analysis._tables import Table
 from et_ode.analysis.chart import Chart, chart_for
 from et_ode.analysis.plots import _finish
+from et_ode.backend.validation import check_positive
 
 PathLike = str | os.PathLike[str]
 Family = Callable[[float], "ETField | EnergyModel"]
@@ -113,58 +114,73 @@ def _energy(field_mu: ETField, x: Tensor) -> float:
         return float(field_mu.energy(x))
 
 
-def continue_branch(
-    family: Family,
-    x0: Tensor,
-    mu0: float,
-    *,
-    mu_end: float,
-    step: float = 0.05,
-    max_points: int = 200,
-    tol: float = 1e-10,
-    difference: float = 1e-6,
-    zero_tol: float = 1e-8,
-) -> Branch:
+@dataclass(frozen=True)
+class ArcLength:
+    """The settings of :func:`continue_branch`: steps of ``step`` in arclength, measured in ``(g, mu)`` (halved
+    when Newton fails), at most ``max_points`` points, Newton to RMS ``|T dE/dg| <= tol``, ``dF/dmu`` by a central
+    difference of ``difference`` in ``mu``.
+
+    Attributes:
+        step: the arclength per point, in ``(g, mu)``.
+        max_points: points at most, at least 2.
+        tol: RMS ``|T dE/dg|`` for Newton.
+        difference: the step of the central difference in ``mu``.
+        zero_tol: the relative size up to which an eigenvalue counts as zero (for the index).
+
+    Raises:
+        ValueError: ``step``, ``tol``, ``difference`` or ``zero_tol`` is not a positive number, or ``max_points`` not
+            an integer of at least 2.
+    """
+
+    step: float = 0.05
+    max_points: int = 200
+    tol: float = 1e-10
+    difference: float = 1e-6
+    zero_tol: float = 1e-8
+
+    def __post_init__(self) -> None:
+        for name in ("step", "tol", "difference", "zero_tol"):
+            check_positive(f"ArcLength.{name}", getattr(self, name))
+        check_positive("ArcLength.max_points", self.max_points, integer=True)
+        if self.max_points < 2:
+            raise ValueError(f"ArcLength.max_points must be at least 2, got {self.max_points}")
+
+
+def continue_branch(family: Family, x0: Tensor, mu0: float, *, mu_end: float, arclength: ArcLength = ArcLength()) -> Branch:
     """Follow the critical point at (near) ``x0`` ``(N, D)`` for ``family(mu0)``, starting toward ``mu_end``
-    (arclength ``step`` per point, measured in ``(g, mu)``; halved when Newton fails), until ``mu`` leaves the
-    interval between ``mu0`` and ``mu_end`` (on either side: past a fold the branch turns back), after
-    ``max_points`` points, or when the step underflows. Fold locations: the extremum of ``mu`` along the
-    branch (a parabola through three points); branch points: secant iterations on the crossing eigenvalue.
+    in steps of arclength, until ``mu`` leaves the interval between ``mu0`` and ``mu_end`` (on either side: past a
+    fold the branch turns back), after ``arclength.max_points`` points, or when the step underflows. Fold
+    locations: the extremum of ``mu`` along the branch (a parabola through three points); branch points: secant
+    iterations on the crossing eigenvalue.
 
     Args:
         family: ``mu -> ETField`` (or an EnergyModel), the one-parameter family.
         x0: a state ``(N, D)`` at or near a critical point of ``family(mu0)``.
         mu0: the parameter to start at.
         mu_end: the parameter to head for.
-        step: the arclength per point, in ``(g, mu)``.
-        max_points: points at most, at least 2.
-        tol: RMS ``|T dE/dg|`` for Newton.
-        difference: the step of the central difference in ``mu``.
-        zero_tol: the relative size up to which an eigenvalue counts as zero.
+        arclength: the step, the number of points and the Newton corrector's settings.
 
     Returns:
         The :class:`Branch`: its points, energies, spectra and bifurcations.
 
     Raises:
-        ValueError: ``step`` or ``difference`` not positive, ``max_points < 2``, or ``mu_end == mu0``.
+        ValueError: ``mu_end == mu0``, or ``x0`` is not near a critical point of ``family(mu0)``.
+        TypeError: ``arclength`` is not an :class:`ArcLength`.
     """
-    if not (step > 0 and difference > 0 and isinstance(max_points, int) and max_points >= 2):
-        raise ValueError(
-            f"step and difference must be positive and max_points an integer >= 2, got step={step}, "
-            f"difference={difference}, max_points={max_points}"
-        )
+    if not isinstance(arclength, ArcLength):
+        raise TypeError(f"arclength must be an ArcLength(...), got {type(arclength).__name__}")
     if mu_end == mu0:
         raise ValueError("mu_end must differ from mu0")
     x = _chart(family, mu0).canonical(x0.detach())
-    tracer = _Tracer(family, tol, difference, step, 1.0 if mu_end > mu0 else -1.0, math.sqrt(x.numel()))
+    tracer = _Tracer(family, arclength, 1.0 if mu_end > mu0 else -1.0, math.sqrt(x.numel()))
     x, mu, ok = tracer.newton(x, mu0)
     if not ok:
         raise ValueError("x0 is not close to a critical point of family(mu0): Newton did not converge")
-    points = tracer.follow(x, mu, (min(mu0, mu_end), max(mu0, mu_end)), max_points)
+    points = tracer.follow(x, mu, (min(mu0, mu_end), max(mu0, mu_end)))
     mus = torch.tensor([p.mu for p in points], dtype=torch.float64)
     eigenvalues = torch.stack([p.eigenvalues for p in points]).to(torch.float64).cpu()
     scale = eigenvalues.abs().amax(dim=1, keepdim=True).clamp_min(1.0)
-    indices = (eigenvalues < -zero_tol * scale).sum(dim=1)
+    indices = (eigenvalues < -arclength.zero_tol * scale).sum(dim=1)
     bifurcations = [
         tracer.bifurcation(points, mus, eigenvalues, k, (int(indices[k - 1]), int(indices[k])))
         for k in range(1, len(points))
@@ -206,9 +222,7 @@ class _Tracer:
     walk along the branch, and the location of a bifurcation between two of its points."""
 
     family: Family
-    tol: float
-    difference: float
-    step: float
+    arclength: ArcLength
     direction: float  # +1 toward larger mu at the start, -1 toward smaller
     size: float  # sqrt of the state's size: F's norm over it is the RMS tangent gradient
 
@@ -219,13 +233,13 @@ class _Tracer:
         for _ in range(30):
             field_mu = _field(self.family, mu)
             matrix, gradient, frame = chart_for(field_mu).hessian_in_frame(x)
-            if float(gradient.norm()) / self.size < self.tol:
+            if float(gradient.norm()) / self.size < self.arclength.tol:
                 return x, mu, True
             if tangent is None:
                 change, dmu = torch.linalg.lstsq(matrix, -gradient[:, None]).solution[:, 0], 0.0
             else:
                 change, dmu = self._bordered_step(field_mu, x, mu, (matrix, gradient, frame), tangent, anchor)
-            if not bool(torch.isfinite(change).all()) or float(change.norm()) > 10 * self.step + 1.0:
+            if not bool(torch.isfinite(change).all()) or float(change.norm()) > 10 * self.arclength.step + 1.0:
                 return x, mu, False
             x = chart_for(field_mu).retract(x, (change @ frame.flatten(1)).reshape(x.shape))
             mu = mu + dmu
@@ -244,7 +258,7 @@ class _Tracer:
         condition (the distance from ``anchor`` along ``tangent`` is zero)."""
         matrix, gradient, frame = hessian
         ambient, tangent_mu = tangent
-        derivative = _parameter_derivative(self.family, x, mu, frame, self.difference)
+        derivative = _parameter_derivative(self.family, x, mu, frame, self.arclength.difference)
         tangent_x = frame.flatten(1) @ ambient.flatten()
         chart = chart_for(field_mu)
         offset = (chart.coordinates(x) - chart.coordinates(anchor[0])).detach().flatten() @ ambient.flatten()
@@ -263,7 +277,7 @@ class _Tracer:
         ``previous``, or toward ``mu_end`` at the start) and the point."""
         field_mu = _field(self.family, mu)
         matrix, _, frame = chart_for(field_mu).hessian_in_frame(x)
-        derivative = _parameter_derivative(self.family, x, mu, frame, self.difference)
+        derivative = _parameter_derivative(self.family, x, mu, frame, self.arclength.difference)
         null = torch.linalg.svd(torch.cat([matrix, derivative[:, None]], dim=1)).Vh[-1]  # of the (n, n + 1) Jacobian
         ambient = (null[:-1] @ frame.flatten(1)).reshape(x.shape)
         if previous is None:
@@ -273,14 +287,14 @@ class _Tracer:
         tangent = (ambient * sign, float(null[-1] * sign))
         return tangent, _Point(mu, x, _energy(field_mu, x), torch.linalg.eigvalsh(matrix), tangent[1])
 
-    def follow(self, x: Tensor, mu: float, interval: tuple[float, float], max_points: int) -> list[_Point]:
+    def follow(self, x: Tensor, mu: float, interval: tuple[float, float]) -> list[_Point]:
         """Predictor (along the tangent) and corrector (:meth:`newton` in its hyperplane) from the critical point
-        ``(x, mu)`` while ``mu`` stays in ``interval``, for at most ``max_points`` points."""
+        ``(x, mu)`` while ``mu`` stays in ``interval``, for at most ``arclength.max_points`` points."""
         low, high = interval
         tangent, point = self.describe(x, mu, None)
         points = [point]
-        length = self.step
-        while len(points) < max_points and low <= mu <= high and length > self.step * 1e-4:
+        length = self.arclength.step
+        while len(points) < self.arclength.max_points and low <= mu <= high and length > self.arclength.step * 1e-4:
             predicted = _chart(self.family, mu).retract(x, length * tangent[0])
             new_x, new_mu, ok = self.newton(predicted, mu + length * tangent[1], tangent)
             if not ok:
@@ -289,7 +303,7 @@ class _Tracer:
             x, mu = new_x, new_mu
             tangent, point = self.describe(x, mu, tangent)
             points.append(point)
-            length = min(self.step, length * 1.5)
+            length = min(self.arclength.step, length * 1.5)
         return points
 
     def bifurcation(

@@ -27,7 +27,7 @@ from et_ode.analysis.asymptotics import MeasuredRate, measured_exponent, plot_as
 from et_ode.analysis.basins import AttractorCensus, BasinMap, attractor_census, basin_map, plot_basin_map
 from et_ode.analysis.chart import chart_for
 from et_ode.analysis.connections import Network, plot_disconnectivity, saddle_network
-from et_ode.analysis.continuation import Branch, continue_branch, plot_bifurcation_diagram
+from et_ode.analysis.continuation import ArcLength, Branch, continue_branch, plot_bifurcation_diagram
 from et_ode.analysis.critical_points import (
     Census,
     CriticalPoint,
@@ -357,7 +357,7 @@ def landscape_study(
         memories = isinstance(field.model.interactions.get("hopfield"), HopfieldMemory)
         family = memory_scale_family(field) if memories else weight_scale_family(field)
         try:
-            branch = continue_branch(family, limit.x, 1.0, mu_end=continuation_end, step=0.05, max_points=40)
+            branch = continue_branch(family, limit.x, 1.0, mu_end=continuation_end, arclength=ArcLength(max_points=40))
             plot_bifurcation_diagram(
                 [branch],
                 labels=["solve's limit"],

@@ -60,9 +60,9 @@ def main() -> None:
     print("\n== 2. a pitchfork forced by a reflection symmetry ==")
     r = 2.0 * math.sqrt(1 - 1e-12)
     a_star = math.sqrt(C * math.sinh(BETA * C * r) / (BETA * r))
-    trunk = continue_branch(symmetric, U3[None] * 2.0, 1.0, mu_end=0.3, step=0.05)
+    trunk = continue_branch(symmetric, U3[None] * 2.0, 1.0, mu_end=0.3)
     side_start = newton_critical_point(ETField(symmetric(a_star - 0.01)), (U3 + 0.3 * U1)[None] * 2.0)
-    side = continue_branch(symmetric, side_start.x, a_star - 0.01, mu_end=0.3, step=0.05)
+    side = continue_branch(symmetric, side_start.x, a_star - 0.01, mu_end=0.3)
     print(trunk.table())
     print(f"closed form a* = {a_star:.10f}; located: " + ", ".join(f"{b.kind} at {b.mu:.10f}" for b in trunk.bifurcations))
     plot_bifurcation_diagram(

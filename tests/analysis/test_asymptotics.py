@@ -10,7 +10,7 @@ import scipy.linalg
 import torch
 
 from et_ode import ETField
-from et_ode.analysis.asymptotics import RegimeTests, measured_exponent, plot_asymptotics, predicted_exponent
+from et_ode.analysis.asymptotics import measured_exponent, plot_asymptotics, predicted_exponent
 from et_ode.analysis.stability import find_fixed_point, riemannian_hessian_matrix
 from tests.conftest import random_model
 
@@ -92,9 +92,6 @@ def test_a_constant_slope_that_disagrees_with_the_prediction_is_not_the_regime()
 def test_measured_exponent_rejects_bad_tolerances():
     field = tiny("softmax")
     x0 = torch.zeros(2, 5, dtype=torch.float64)
-    for settings in (dict(slope_tol=0.0), dict(scale_tol=-0.01), dict(floor=float("inf")), dict(tail=1.5)):
-        with pytest.raises(ValueError, match=f"RegimeTests.{next(iter(settings))}"):
-            RegimeTests(**settings)
     with pytest.raises(TypeError, match="tests must be a RegimeTests"):
         measured_exponent(field, x0, tests=dict(slope_tol=0.01))
     with pytest.raises(ValueError, match="one state"):

@@ -10,7 +10,7 @@ import scipy.optimize
 import torch
 
 from et_ode import EnergyTransformer, ETField
-from et_ode.analysis.continuation import continue_branch, plot_bifurcation_diagram
+from et_ode.analysis.continuation import ArcLength, continue_branch, plot_bifurcation_diagram
 from et_ode.analysis.critical_points import newton_critical_point
 from tests.analysis.test_stability import BETA, U1, U2, U3, C
 
@@ -33,7 +33,7 @@ def test_pitchfork_at_the_closed_form_parameter(tmp_path):
     a* = sqrt(c sinh(beta c r) / (beta r)), r = 2, where the reflection symmetry forces a pitchfork."""
     r = 2.0 * math.sqrt(1 - 1e-12)
     a_star = math.sqrt(C * math.sinh(BETA * C * r) / (BETA * r))
-    branch = continue_branch(symmetric, U3[None] * 2.0, 1.0, mu_end=0.3, step=0.1)
+    branch = continue_branch(symmetric, U3[None] * 2.0, 1.0, mu_end=0.3, arclength=ArcLength(step=0.1))
     assert [b.kind for b in branch.bifurcations] == ["branch point"]
     point = branch.bifurcations[0]
     assert point.mu == pytest.approx(a_star, abs=1e-9)
@@ -83,10 +83,17 @@ def fold_by_root_finding(guess: tuple[float, float, float]) -> float:
 def test_fold_matches_root_finding_in_spherical_coordinates():
     start = newton_critical_point(ETField(asymmetric(1.0)), U3[None] * 2.0)
     assert start.index == 0
-    branch = continue_branch(asymmetric, start.x, 1.0, mu_end=0.2, step=0.05)
+    branch = continue_branch(asymmetric, start.x, 1.0, mu_end=0.2)
     folds = [b for b in branch.bifurcations if b.kind == "fold"]
     assert len(folds) == 1 and (folds[0].index_before, folds[0].index_after) == (0, 1)
     expected = fold_by_root_finding((math.pi / 2, 1.2, 0.7))
     assert folds[0].mu == pytest.approx(expected, abs=2e-4)
     assert float(branch.mu.min()) == pytest.approx(expected, abs=2e-3)  # the branch turns back there
     assert float(branch.mu[-1]) > 1.0  # and returns as a saddle branch past mu0
+
+
+def test_continue_branch_refuses_its_arguments_by_name():
+    with pytest.raises(TypeError, match="arclength must be an ArcLength"):
+        continue_branch(symmetric, U3[None] * 2.0, 1.0, mu_end=0.3, arclength=dict(step=0.1))
+    with pytest.raises(ValueError, match="mu_end must differ from mu0"):
+        continue_branch(symmetric, U3[None] * 2.0, 1.0, mu_end=1.0)

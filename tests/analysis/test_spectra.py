@@ -85,22 +85,6 @@ def test_qr_spectrum_at_a_saddle_has_one_positive_exponent():
     assert float(spectrum.late[0]) > 0 > float(spectrum.late[1])
 
 
-@pytest.mark.parametrize(
-    "settings, named",
-    [
-        (dict(t1=0.0), "Benettin.t1"),
-        (dict(d0=-1e-6), "Benettin.d0"),
-        (dict(rtol=float("nan")), "Benettin.rtol"),
-        (dict(renormalizations=2.0), "Benettin.renormalizations"),
-        (dict(renormalizations=True), "Benettin.renormalizations"),
-        (dict(method="rk4"), "Benettin.method"),
-    ],
-)
-def test_benettin_settings_are_refused_by_name(settings, named):
-    with pytest.raises(ValueError, match=named):
-        Benettin(**settings)
-
-
 def test_the_lyapunov_functions_check_their_settings():
     field = ETField(one_token_model())
     x = U3[None] * 3.0

@@ -103,7 +103,7 @@ def test_critical_points_of_any_index_in_the_euclidean_chart():
 
 
 def test_continuation_finds_the_pitchfork_at_beta_one():
-    branch = continue_branch(two_patterns, torch.tensor([[0.0]], dtype=torch.float64), 0.5, mu_end=1.5, step=0.05)
+    branch = continue_branch(two_patterns, torch.tensor([[0.0]], dtype=torch.float64), 0.5, mu_end=1.5)
     points = [b for b in branch.bifurcations if b.kind == "branch point"]
     assert len(points) == 1 and points[0].mu == pytest.approx(1.0, abs=1e-8)
     assert (points[0].index_before, points[0].index_after) == (0, 1)

@@ -61,6 +61,7 @@ class Benettin:
     Raises:
         ValueError: ``t1``, ``d0``, ``rtol`` or ``atol`` is not a positive number, ``renormalizations`` not a
             positive integer, or ``method`` not an adaptive method.
+        TypeError: ``seed`` is not an integer.
     """
 
     t1: float = 20.0
@@ -77,6 +78,8 @@ class Benettin:
         check_positive("Benettin.renormalizations", self.renormalizations, integer=True)
         if self.method not in ADAPTIVE_METHODS:
             raise ValueError(f"Benettin.method must be one of {ADAPTIVE_METHODS}, got {self.method!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise TypeError(f"Benettin.seed must be an integer, got {self.seed!r}")
 
     @property
     def solver(self) -> Adaptive:

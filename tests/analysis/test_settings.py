@@ -33,6 +33,11 @@ def test_a_bad_setting_is_refused_by_name(settings, values, named):
         settings(**values)
 
 
+def test_a_seed_is_an_integer():
+    with pytest.raises(TypeError, match="Benettin.seed"):
+        Benettin(seed=1.5)
+
+
 @pytest.mark.parametrize("settings", [Benettin, RegimeTests, ArcLength])
 def test_the_defaults_are_valid_and_frozen(settings):
     made = settings()

@@ -27,7 +27,7 @@ from et_ode import ETField, Solution, solve
 from et_ode.analysis.chart import chart_for
 from et_ode.analysis.convergence import flat_field, flat_states
 from et_ode.analysis.exponents import Benettin, checked_benettin
-from et_ode.analysis.plots import _finish, _log_time_axis
+from et_ode.analysis.plots import _finish, _log_time_axis, _sample_colors
 
 PathLike = str | os.PathLike[str]
 #: the settings of :func:`lyapunov_spectrum` by default
@@ -222,21 +222,19 @@ def plot_hessian_along(
     Returns:
         The figure of the spectra.
     """
-    from matplotlib import colormaps
-
     count = min(trace.smallest.shape[1], max_samples)
-    colors = colormaps["tab10"]
+    colors = _sample_colors(count)
     t = trace.ts.numpy()
     positive = t > 0
     fig = Figure(figsize=figsize, layout="constrained")
     ax_values, ax_index = fig.subplots(1, 2)
     for b in range(count):
-        ax_values.plot(t[positive], trace.smallest[positive, b].numpy(), color=colors(b), label=f"sample {b}: smallest")
+        ax_values.plot(t[positive], trace.smallest[positive, b].numpy(), color=colors[b], label=f"sample {b}: smallest")
         ax_values.plot(
-            t[positive], trace.largest[positive, b].numpy(), color=colors(b), linestyle=":", label=f"sample {b}: largest"
+            t[positive], trace.largest[positive, b].numpy(), color=colors[b], linestyle=":", label=f"sample {b}: largest"
         )
         ax_index.step(
-            t[positive], trace.index[positive, b].numpy() + 0.04 * b, where="post", color=colors(b), label=f"sample {b}"
+            t[positive], trace.index[positive, b].numpy() + 0.04 * b, where="post", color=colors[b], label=f"sample {b}"
         )
     ax_values.axhline(0.0, color="black", linewidth=0.8)
     titles = {

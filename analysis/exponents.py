@@ -21,7 +21,7 @@ from et_ode.analysis.eigensolvers import per_sample, sample_dot
 from et_ode.analysis.lyapunov import ANALYSIS_MAX_STEPS, bounded_odeint
 from et_ode.analysis.stability import batched_states
 from et_ode.backend.validation import check_positive
-from et_ode.integrators.solvers import ADAPTIVE_METHODS, AdaptiveMethod
+from et_ode.integrators.solvers import ADAPTIVE_METHODS
 
 
 @dataclass
@@ -55,40 +55,36 @@ class Benettin:
         t1: the end time.
         renormalizations: the number of spans.
         d0: the size of a perturbation in ``g``.
-        method, rtol, atol: the adaptive solver of each span.
+        solver: the adaptive solver of each span; its method one of torchdiffeq's (``ADAPTIVE_METHODS``), since the
+            runs in intrinsic time hand its method and tolerances to torchdiffeq.
         seed: the random first perturbations.
 
     Raises:
-        ValueError: ``t1``, ``d0``, ``rtol`` or ``atol`` is not a positive number, ``renormalizations`` not a
-            positive integer, or ``method`` not an adaptive method.
-        TypeError: ``seed`` is not an integer.
+        ValueError: ``t1`` or ``d0`` is not a positive number, ``renormalizations`` not a positive integer, or the
+            solver's method not one of torchdiffeq's.
+        TypeError: ``solver`` is not an :class:`~et_ode.Adaptive`, or ``seed`` not an integer.
     """
 
     t1: float = 20.0
     renormalizations: int = 20
     d0: float = 1e-6
-    method: AdaptiveMethod = "dopri5"
-    rtol: float = 1e-10
-    atol: float = 1e-12
+    solver: Adaptive = Adaptive("dopri5", rtol=1e-10, atol=1e-12)
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("t1", "d0", "rtol", "atol"):
+        for name in ("t1", "d0"):
             check_positive(f"Benettin.{name}", getattr(self, name))
         check_positive("Benettin.renormalizations", self.renormalizations, integer=True)
-        if self.method not in ADAPTIVE_METHODS:
-            raise ValueError(f"Benettin.method must be one of {ADAPTIVE_METHODS}, got {self.method!r}")
+        if not isinstance(self.solver, Adaptive):
+            raise TypeError(f"Benettin.solver must be an et_ode.Adaptive, got {type(self.solver).__name__}")
+        if self.solver.method not in ADAPTIVE_METHODS:
+            raise ValueError(f"Benettin.solver's method must be one of {ADAPTIVE_METHODS}, got {self.solver.method!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise TypeError(f"Benettin.seed must be an integer, got {self.seed!r}")
 
-    @property
-    def solver(self) -> Adaptive:
-        """The adaptive solver of each span."""
-        return Adaptive(self.method, self.rtol, self.atol)
-
 
 #: the settings of :func:`lyapunov_exponent` by default
-EXPONENT_BENETTIN = Benettin(t1=10.0, rtol=1e-9, atol=1e-11)
+EXPONENT_BENETTIN = Benettin(t1=10.0, solver=Adaptive("dopri5", rtol=1e-9, atol=1e-11))
 
 
 def checked_benettin(benettin: object) -> tuple[float, int, float]:
@@ -165,9 +161,9 @@ def lyapunov_exponent(
                     fixed_scale,
                     pair,
                     grid,
-                    method=benettin.method,
-                    rtol=benettin.rtol,
-                    atol=benettin.atol,
+                    method=benettin.solver.method,
+                    rtol=benettin.solver.rtol,
+                    atol=benettin.solver.atol,
                     max_steps=max_steps,
                     what="lyapunov_exponent (restart)",
                 )[-1]

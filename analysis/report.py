@@ -337,11 +337,12 @@ def _study_fixed_points(
     # is set, in a Euclidean chart it is the state's own
     spheres = et_field.model.neuron.geometry == "spheres"
     rtol, atol = (1e-8, 1e-10) if spheres else (1e-12, 1e-14)
+    solver = Adaptive("dopri5", rtol=rtol, atol=atol)
     findings.exponent = lyapunov_exponent(
-        et_field, states, benettin=Benettin(t1=span, renormalizations=10, rtol=rtol, atol=atol), progress=progress
+        et_field, states, benettin=Benettin(t1=span, renormalizations=10, solver=solver), progress=progress
     )
     findings.intrinsic = lyapunov_exponent(
-        et_field, fixed.x, benettin=Benettin(t1=20.0, rtol=rtol, atol=atol), restart=True, progress=progress
+        et_field, fixed.x, benettin=Benettin(t1=20.0, solver=solver), restart=True, progress=progress
     )
     stages.bar.update()
     stages.start("basin probe")

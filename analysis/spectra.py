@@ -165,6 +165,7 @@ def lyapunov_spectrum(
     if not (isinstance(count, int) and 1 <= count <= dimension):
         raise ValueError(f"count must be an integer in [1, {dimension}], got {count!r}")
     generator = torch.Generator().manual_seed(benettin.seed)
+    solver = benettin.solver
     frame = chart.frame(x).flatten(1)  # (n, N D)
     mixing = torch.randn(count, dimension, generator=generator, dtype=x.dtype).to(x.device)
     q = torch.linalg.qr((mixing @ frame).T).Q.T.reshape(count, *x.shape)  # (k, N, D) orthonormal coordinate directions
@@ -177,9 +178,9 @@ def lyapunov_spectrum(
         for _ in range(renormalizations):
             batch = torch.cat([x[None], x + chart.displacement(x, d0 * q)])  # on the spheres dx = sigma / gamma dg
             if intrinsic:
-                batch = odeint(fixed_scale, batch, grid, method=benettin.method, rtol=benettin.rtol, atol=benettin.atol)[-1]
+                batch = odeint(fixed_scale, batch, grid, method=solver.method, rtol=solver.rtol, atol=solver.atol)[-1]
             else:
-                batch = solve(field, batch, (0.0, span), solver=benettin.solver, save="final").x
+                batch = solve(field, batch, (0.0, span), solver=solver, save="final").x
             x = batch[0]
             g = chart.coordinates(batch)
             differences = chart.projector(x[None])(g[1:] - g[0]).flatten(1)  # (k, N D)

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import pytest
 
+from et_ode import Adaptive, Fixed
 from et_ode.analysis import ArcLength, Benettin, RegimeTests
 
 BAD = [
     (Benettin, dict(t1=0.0), "Benettin.t1"),
     (Benettin, dict(d0=-1e-6), "Benettin.d0"),
-    (Benettin, dict(rtol=float("nan")), "Benettin.rtol"),
     (Benettin, dict(renormalizations=2.0), "Benettin.renormalizations"),
     (Benettin, dict(renormalizations=True), "Benettin.renormalizations"),
-    (Benettin, dict(method="rk4"), "Benettin.method"),
+    (Benettin, dict(solver=Adaptive("tsit5")), "Benettin.solver's method"),
     (RegimeTests, dict(slope_tol=0.0), "RegimeTests.slope_tol"),
     (RegimeTests, dict(scale_tol=-0.01), "RegimeTests.scale_tol"),
     (RegimeTests, dict(floor=float("inf")), "RegimeTests.floor"),
@@ -33,9 +33,11 @@ def test_a_bad_setting_is_refused_by_name(settings, values, named):
         settings(**values)
 
 
-def test_a_seed_is_an_integer():
+def test_a_seed_is_an_integer_and_a_solver_an_adaptive():
     with pytest.raises(TypeError, match="Benettin.seed"):
         Benettin(seed=1.5)
+    with pytest.raises(TypeError, match="Benettin.solver"):
+        Benettin(solver=Fixed("rk4", 0.1))
 
 
 @pytest.mark.parametrize("settings", [Benettin, RegimeTests, ArcLength])

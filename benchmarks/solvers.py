@@ -89,6 +89,8 @@ def run_method(
 def method_table(size: Size, methods: list[str], args: argparse.Namespace) -> str:
     model = make_model(size, hopfield=args.hopfield)
     x0 = initial_state(size)
+    with torch.no_grad():  # warm-up (GEMM back-end choice, allocator), so that the first method's time compares
+        et_ode.solve(et_ode.ETField(model), x0, t=(0.0, 1.0), solver=et_ode.Adaptive(), save="final")
     rows = []
     for method in methods:
         print(f"  {method} ...", flush=True)

@@ -28,6 +28,7 @@ from et_ode.dynamics.manifold import (
 )
 from et_ode.energy.neurons import sphere_neuron
 from et_ode.equilibrium.implicit import implicit_attractor
+from et_ode.integrators.adaptive_loop import cuts_per_sample
 from et_ode.integrators.loop import Problem, integrate
 from et_ode.integrators.solution import SolveError
 from et_ode.integrators.solvers import BUDGET_ADVICE, Adaptive, SolverFailure
@@ -754,9 +755,7 @@ def flow_to(
     exhausted = torch.zeros(x.shape[0], dtype=torch.bool)
     span = segment * field.tau
     grid = torch.tensor([0.0, span], dtype=torch.float64, device=x.device)
-    # each sample its own steps, where the mask can be cut per sample (a GraphMask cannot: its batch shares them)
-    per_sample = field.mask is None or isinstance(field.mask, Tensor)
-    solver = Adaptive(rtol=rtol, atol=atol, step_control="per_sample" if per_sample else "shared")
+    solver = Adaptive(rtol=rtol, atol=atol, step_control="per_sample" if cuts_per_sample(field.mask) else "shared")
     stop = SteadyState(handoff, measure="tangent_gradient", per_sample=True)
     for _ in range(max_segments):
         if not len(active):

@@ -17,7 +17,7 @@ import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeGuard
 
 import torch
 from torch import Tensor
@@ -165,15 +165,19 @@ TSIT5 = Tableau(  # Tsitouras (2011), the 5(4) pair with its own order-4 interpo
 TABLEAUX = {"dopri5": DOPRI5, "bosh3": BOSH3, "tsit5": TSIT5}  # by method: Adaptive.OWN_METHODS
 
 
+def cuts_per_sample(mask: object) -> TypeGuard[Tensor | None]:
+    """Whether a batch under ``mask`` can be cut into samples, each with its own steps: the mask is None or a dense
+    tensor (a :class:`~et_ode.GraphMask` joins the graphs of its batch into one)."""
+    return mask is None or isinstance(mask, Tensor)
+
+
 def _per_sample_mask(field: object, batch: torch.Size) -> Tensor | None:
     """The field's mask as one per sample ``(G, N, N)`` (broadcast over the ``batch`` shape), or None where one mask
-    serves every sample (ValueError for a mask that is not a tensor: the active batch cannot be cut out of it)."""
+    serves every sample (ValueError for a mask :func:`cuts_per_sample` refuses)."""
     mask = getattr(field, "mask", None)
-    if mask is None:
-        return None
-    if not isinstance(mask, Tensor):
+    if not cuts_per_sample(mask):
         raise ValueError(f"step_control='per_sample' needs a dense tensor mask or None, got {type(mask).__name__}")
-    if mask.dim() <= 2 or mask.shape[:-2].numel() == 1:
+    if mask is None or mask.dim() <= 2 or mask.shape[:-2].numel() == 1:
         return None
     return mask.expand(*batch, *mask.shape[-2:]).reshape(batch.numel(), *mask.shape[-2:])
 

@@ -238,13 +238,15 @@ def plot_hessian_along(
             t[positive], trace.index[positive, b].numpy() + 0.04 * b, where="post", color=colors[b], label=f"sample {b}"
         )
     ax_values.axhline(0.0, color="black", linewidth=0.8)
-    titles = {
-        ax_values: "Curvature of E on the spheres along the trajectory\nsolid: smallest, dotted: largest eigenvalue",
-        ax_index: "Saddle index along the trajectory\n(0 once it is in a minimum's convex neighbourhood)",
-    }
-    ylabels = {ax_values: "eigenvalue of Hess_R", ax_index: "negative eigenvalues (saddle index)"}
+    ax_values.set(
+        ylabel="eigenvalue of Hess_R",
+        title="Curvature of E on the spheres along the trajectory\nsolid: smallest, dotted: largest eigenvalue",
+    )
+    ax_index.set(
+        ylabel="negative eigenvalues (saddle index)",
+        title="Saddle index along the trajectory\n(0 once it is in a minimum's convex neighbourhood)",
+    )
     for ax in (ax_values, ax_index):
-        ax.set(title=titles[ax], ylabel=ylabels[ax])
         _log_time_axis(ax)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize="small")

@@ -25,15 +25,7 @@ from torch import Tensor, nn
 
 from et_ode import ETField, IdentityNeuron, LayerNormNeuron
 from et_ode.analysis.sphere import FixedScaleField, hessian_in_frame, tangent_basis, tangent_frame
-from et_ode.dynamics.manifold import (
-    euclidean_hessian,
-    radial_direction,
-    retract,
-    riemannian_hessian,
-    shrink_scale,
-    tangent_projection,
-    to_limit_spheres,
-)
+from et_ode.dynamics import manifold
 
 Operator = Callable[[Tensor], Tensor]
 
@@ -271,19 +263,19 @@ class SphereChart(Chart):
         self.unit = float(self.gamma)
 
     def canonical(self, x: Tensor) -> Tensor:
-        return to_limit_spheres(x, self.eps)
+        return manifold.to_limit_spheres(x, self.eps)
 
     def rescaled(self, x: Tensor) -> Tensor:
-        return shrink_scale(x)
+        return manifold.shrink_scale(x)
 
     def coordinates(self, x: Tensor) -> Tensor:
         return self.neuron(x)
 
     def state(self, coordinates: Tensor) -> Tensor:
-        return to_limit_spheres(coordinates - self.delta, self.eps)
+        return manifold.to_limit_spheres(coordinates - self.delta, self.eps)
 
     def retract(self, x: Tensor, step: Tensor) -> Tensor:
-        return retract(x, step, self.gamma, self.eps)
+        return manifold.retract(x, step, self.gamma, self.eps)
 
     def move(self, coordinates: Tensor, offset: Tensor) -> Tensor:
         u0 = coordinates - self.delta
@@ -303,8 +295,8 @@ class SphereChart(Chart):
 
     def projector(self, x: Tensor) -> Operator:
         with torch.no_grad():
-            s, _ = radial_direction(self.neuron(x), self.delta)
-        return lambda v: tangent_projection(v, s)
+            s, _ = manifold.radial_direction(self.neuron(x), self.delta)
+        return lambda v: manifold.tangent_projection(v, s)
 
     def frame(self, x: Tensor) -> Tensor:
         return tangent_frame(x)
@@ -320,7 +312,7 @@ class SphereChart(Chart):
         return self.field.tangent_gradient(x)
 
     def hessian(self, x: Tensor) -> tuple[Operator, Tensor]:
-        return riemannian_hessian(self.field, self.neuron(x).detach())
+        return manifold.riemannian_hessian(self.field, self.neuron(x).detach())
 
     def hessian_in_frame(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         return hessian_in_frame(self.field, x)
@@ -395,12 +387,12 @@ class EuclideanChart(Chart):
         return self.neuron.project(self.neuron.hessian_vector(x, self.field.dE_dg(self.neuron(x))))
 
     def hessian(self, x: Tensor) -> tuple[Operator, Tensor]:
-        apply, gradient, _ = euclidean_hessian(self.field, x)
+        apply, gradient, _ = manifold.euclidean_hessian(self.field, x)
         return apply, gradient
 
     def hessian_in_frame(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         frame = self.frame(x)
-        apply, gradient, _ = euclidean_hessian(self.field, x.detach().expand(len(frame), *x.shape))
+        apply, gradient, _ = manifold.euclidean_hessian(self.field, x.detach().expand(len(frame), *x.shape))
         images = apply(frame)
         matrix = frame.flatten(1) @ images.flatten(1).T
         return (matrix + matrix.T) / 2, frame.flatten(1) @ gradient[0].flatten(), frame

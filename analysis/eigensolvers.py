@@ -14,19 +14,9 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from et_ode.linalg.krylov import lanczos
+from et_ode.linalg.krylov import lanczos, per_sample, sample_dot
 
 Operator = Callable[[Tensor], Tensor]
-
-
-def sample_dot(a: Tensor, b: Tensor) -> Tensor:
-    """Per-sample inner product: ``(B, ...) x (B, ...) -> (B,)``."""
-    return (a * b).flatten(1).sum(dim=1)
-
-
-def per_sample(v: Tensor, like: Tensor) -> Tensor:
-    """``v`` ``(B,)`` shaped to broadcast over ``like`` ``(B, ...)`` one value per sample."""
-    return v.reshape(-1, *([1] * (like.dim() - 1)))
 
 
 def power_iteration(

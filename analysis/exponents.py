@@ -17,11 +17,11 @@ from torch import Tensor
 
 from et_ode import Adaptive, ETField, solve
 from et_ode.analysis.chart import chart_for
-from et_ode.analysis.eigensolvers import per_sample, sample_dot
 from et_ode.analysis.lyapunov import ANALYSIS_MAX_STEPS, bounded_odeint
 from et_ode.analysis.stability import batched_states
 from et_ode.backend.validation import check_positive
 from et_ode.integrators.solvers import ADAPTIVE_METHODS
+from et_ode.linalg.krylov import per_sample, sample_dot
 
 
 @dataclass

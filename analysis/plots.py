@@ -80,19 +80,18 @@ def _sample_colors(count: int) -> list:
 def plot_convergence(
     solution: Solution,
     *,
+    max_samples: int = 10,
     path: PathLike | None = None,
     figsize: tuple[float, float] = (15.0, 4.5),
     dpi: int = 100,
-    max_samples: int = 10,
 ) -> Figure:
     """Energy, RMS ``|dg/dt|`` and RMS ``|T dE/dg|`` (log-log), and the two zero-mode drifts of ``x``
     against time, one color per sample.
 
     Args:
         solution: a solve with saved states ``(T, *batch, N, D)``.
-        path: the file to save the figure to, or None.
-        figsize, dpi: the figure's size in inches and resolution.
         max_samples: samples drawn at most.
+        path, figsize, dpi: the file to save to (or None), the size in inches, the resolution.
 
     Returns:
         The matplotlib ``Figure``.
@@ -215,8 +214,7 @@ def plot_trajectories(
         dims: 2 or 3 principal components.
         color_by: ``"time"`` or ``"energy"``.
         dense: the number of re-integrated states, or None (the saved ones).
-        path: the file to save the figure to, or None.
-        figsize, dpi: the figure's size in inches and resolution.
+        path, figsize, dpi: the file to save to (or None), the size in inches, the resolution.
 
     Returns:
         The matplotlib ``Figure``.
@@ -408,11 +406,11 @@ def plot_energy_slice(
     trajectories: Solution | Tensor | None = None,
     span: float | None = None,
     resolution: int = 41,
-    path: PathLike | None = None,
     sample: int = 0,
+    seed: int = 0,
+    path: PathLike | None = None,
     figsize: tuple[float, float] = (8.0, 6.5),
     dpi: int = 100,
-    seed: int = 0,
 ) -> Figure:
     """Contours of ``E`` on a 2-D slice of the product of spheres through the fixed point ``x_fixed``.
 
@@ -428,10 +426,9 @@ def plot_energy_slice(
         trajectories: a Solution or states ``(T, N, D)`` / ``(T, B, N, D)``, or None.
         span: half-width in ``g`` units (default: 1.2 times the trajectory's extent, or half a token radius).
         resolution: grid points per side.
-        path: the file to save the figure to, or None.
         sample: the sample of a batch drawn.
-        figsize, dpi: the figure's size in inches and resolution.
         seed: the random directions (without ``trajectories``).
+        path, figsize, dpi: the file to save to (or None), the size in inches, the resolution.
 
     Returns:
         The matplotlib ``Figure``.
@@ -590,10 +587,10 @@ def plot_film_strip(
     *,
     target: Tensor | None = None,
     masked: Tensor | None = None,
+    columns: int = 6,
     path: PathLike | None = None,
     figsize: tuple[float, float] | None = None,
     dpi: int = 100,
-    columns: int = 6,
 ) -> Figure:
     """Rows of images: the masked input (if given), the completion at each time, the ground truth (if given).
 
@@ -604,8 +601,8 @@ def plot_film_strip(
         frames: ``(T, H, W)`` grayscale or ``(T, C, H, W)`` with ``C`` 1 or 3.
         ts: their ``T`` times.
         target, masked: one image ``(H, W)`` or ``(C, H, W)`` each, or None.
-        path, figsize, dpi: the file to save to (or None), the size in inches, the resolution.
         columns: panels per row at most.
+        path, figsize, dpi: the file to save to (or None), the size in inches, the resolution.
 
     Returns:
         The figure of the strip.

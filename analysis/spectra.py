@@ -207,18 +207,18 @@ def lyapunov_spectrum(
 def plot_hessian_along(
     trace: HessianTrace,
     *,
+    max_samples: int = 10,
     path: PathLike | None = None,
     figsize: tuple[float, float] = (12.0, 4.5),
     dpi: int = 100,
-    max_samples: int = 10,
 ) -> Figure:
     """The Riemannian Hessian's smallest and largest eigenvalue (left) and the saddle index (right) against time
     (log scale from the first positive saved time), one colour per sample.
 
     Args:
         trace: the :class:`HessianTrace` (:func:`hessian_along`).
-        path, figsize, dpi: the file to save to (or None), the size in inches, the resolution.
         max_samples: samples drawn at most.
+        path, figsize, dpi: the file to save to (or None), the size in inches, the resolution.
 
     Returns:
         The figure of the spectra.

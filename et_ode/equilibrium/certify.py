@@ -33,7 +33,7 @@ from et_ode.integrators.loop import Problem, integrate
 from et_ode.integrators.solution import SolveError
 from et_ode.integrators.solvers import BUDGET_ADVICE, Adaptive, SolverFailure
 from et_ode.integrators.stopping import SteadyState
-from et_ode.linalg.krylov import lanczos
+from et_ode.linalg.krylov import lanczos, sample_dot
 
 #: find_attractor's method: Newton with a descent fallback, or descent only
 SearchMethod = Literal["newton", "gradient"]
@@ -46,6 +46,19 @@ HANDOFF, HANDOFFS = 0.1, 6  # the first hand-off level (RMS |T dE/dg|), and how 
 SEGMENT, MAX_SEGMENTS = 20.0, 50  # the flow phase: segments of SEGMENT * tau between rescalings, per level
 FLOW_RTOL, FLOW_ATOL = 1e-4, 1e-8  # the flow phase's dopri5 tolerances
 FLOW_MAX_STEPS = 2_000  # the flow phase's step budget per segment (a flow needing more is too stiff to follow)
+
+
+@dataclass(frozen=True)
+class FlowPhase:
+    """How :func:`flow_to` integrates (validated by :func:`et_ode.find_attractor`): segments of ``segment * tau``
+    between rescalings, at most ``max_segments`` per hand-off level, dopri5 at ``rtol`` / ``atol``."""
+
+    segment: float = SEGMENT
+    max_segments: int = MAX_SEGMENTS
+    rtol: float = FLOW_RTOL
+    atol: float = FLOW_ATOL
+
+
 # the per-sample tensors of an Attractor besides g, shape (B, ...) in a flattened batch
 _PER_SAMPLE = (
     "x",
@@ -124,14 +137,9 @@ def default_tol(dtype: torch.dtype) -> float:
     return 1e-4 if dtype == torch.float32 else 10 * torch.finfo(dtype).eps
 
 
-def _dot(a: Tensor, b: Tensor) -> Tensor:
-    """Per-sample inner product ``(B, N, D) x (B, N, D) -> (B,)``."""
-    return (a * b).sum(dim=(-1, -2))
-
-
 def _rms(v: Tensor) -> Tensor:
     """Per-sample RMS ``(B, N, D) -> (B,)``."""
-    return _dot(v, v).sqrt() / math.sqrt(v[0].numel())
+    return sample_dot(v, v).sqrt() / math.sqrt(v[0].numel())
 
 
 def _col(v: Tensor) -> Tensor:
@@ -237,7 +245,7 @@ class _Euclidean:
 
 def _to_boundary(p: Tensor, d: Tensor, radius: Tensor) -> Tensor:
     """The ``tau >= 0`` with ``|p + tau d| = radius`` per sample."""
-    dd, pd, pp = _dot(d, d), _dot(p, d), _dot(p, p)
+    dd, pd, pp = sample_dot(d, d), sample_dot(p, d), sample_dot(p, p)
     disc = (pd.square() + dd * (radius.square() - pp)).clamp_min(0)
     return (-pd + disc.sqrt()) / dd.clamp_min(torch.finfo(p.dtype).tiny)
 
@@ -255,26 +263,26 @@ def _steihaug(
     hp = torch.zeros_like(grad)
     r = grad.clone()
     d = -r
-    rr = _dot(r, r)
+    rr = sample_dot(r, r)
     done = rr.sqrt() <= forcing
     for _ in range(max_iter):
         if bool(done.all()):
             break
         hd = apply(d)
-        curvature = _dot(d, hd)
+        curvature = sample_dot(d, hd)
         alpha = rr / torch.where(curvature > 0, curvature, torch.ones_like(curvature))
         p_next = p + _col(alpha) * d
-        boundary = ~done & ((curvature <= 0) | (_dot(p_next, p_next).sqrt() >= radius))
+        boundary = ~done & ((curvature <= 0) | (sample_dot(p_next, p_next).sqrt() >= radius))
         tau = _to_boundary(p, d, radius)
         step = torch.where(boundary, tau, torch.where(done, torch.zeros_like(alpha), alpha))
         p = p + _col(step) * d
         hp = hp + _col(step) * hd
         r = r + _col(step) * hd
-        rr_next = _dot(r, r)
+        rr_next = sample_dot(r, r)
         done = done | boundary | (rr_next.sqrt() <= forcing)
         d = torch.where(_col(done), d, -r + _col(rr_next / rr.clamp_min(torch.finfo(rr.dtype).tiny)) * d)
         rr = rr_next
-    predicted = -(_dot(grad, p) + 0.5 * _dot(p, hp))
+    predicted = -(sample_dot(grad, p) + 0.5 * sample_dot(p, hp))
     return p, predicted
 
 
@@ -324,7 +332,7 @@ def _descend(
         else:
             with torch.no_grad():
                 grad, residual = geometry.gradient(bound, xa)
-        norm = _dot(grad, grad).sqrt()
+        norm = sample_dot(grad, grad).sqrt()
         rms[active] = residual.detach()
         done = (rms[active] < tol) | (iterations[active] >= max_iter)
         if bool(done.all()):
@@ -345,13 +353,13 @@ def _descend(
             trial_norm = torch.full_like(norm, math.inf)
             if bool((below & ~done).any()):
                 trial_grad, _ = geometry.gradient(bound, trial)
-                trial_norm = _dot(trial_grad, trial_grad).sqrt()
+                trial_norm = sample_dot(trial_grad, trial_grad).sqrt()
         ratio = actual / predicted.clamp_min(tiny)
         accept = torch.where(below, trial_norm < norm, torch.where(newton, ratio > 1e-4, actual >= 1e-4 * predicted))
         accept = accept & ~done
         x[active] = torch.where(_col(accept), trial, xa)
         energy[active] = torch.where(accept, trial_energy, energy[active])
-        length, r = _dot(trial_step, trial_step).sqrt(), radius[active]
+        length, r = sample_dot(trial_step, trial_step).sqrt(), radius[active]
         good = accept & ~below & (ratio > 0.75) & (length >= 0.99 * r)
         poor = ~accept | (~below & (ratio < 0.25))
         radius[active] = torch.where(good, torch.minimum(2 * r, scale[active]), torch.where(poor & newton, 0.25 * length, r))
@@ -520,10 +528,10 @@ def _linear_regime_in_g(field: ETField, start: Tensor, found: Tensor, tol: float
         with torch.no_grad():
             grad = field.dE_dg(g_found + v)
         error = neuron.project(grad) - hv
-        length = _dot(v, v).sqrt()
-        curvature = _dot(v, hv) / length.square().clamp_min(torch.finfo(v.dtype).tiny)
+        length = sample_dot(v, v).sqrt()
+        curvature = sample_dot(v, hv) / length.square().clamp_min(torch.finfo(v.dtype).tiny)
         allowed = margin * curvature.clamp_min(0) * length + tol * math.sqrt(v[0].numel())
-        settled &= (length == 0) | (_dot(error, error).sqrt() <= allowed)
+        settled &= (length == 0) | (sample_dot(error, error).sqrt() <= allowed)
     return settled
 
 
@@ -542,10 +550,10 @@ def _linear_regime(geometry: _Spheres, start: Tensor, found: Tensor, smallest: T
         with torch.no_grad():
             grad, _ = geometry.gradient(field, point)
         error = project(grad) - apply(v).detach()
-        length = _dot(v, v).sqrt()
+        length = sample_dot(v, v).sqrt()
         near = length <= 1e3 * torch.finfo(v.dtype).eps * geometry.size(found)
         allowed = margin * smallest * length + tol * math.sqrt(v[0].numel())
-        settled &= near | (_dot(error, error).sqrt() <= allowed)
+        settled &= near | (sample_dot(error, error).sqrt() <= allowed)
     return settled
 
 
@@ -689,7 +697,9 @@ def certify(
     check_lyapunov_neuron(field, "an attractor")
     evaluations_before = field.nfe
     flat, flat_field = flatten(field, x)
-    found, flow_evaluations = settle(flat_field, flat, flow=flow, tol=tol, **newton)
+    found, flow_evaluations = settle(
+        flat_field, flat, flow=flow, handoff=HANDOFF, handoffs=HANDOFFS, phase=FlowPhase(), tol=tol, **newton
+    )
     return differentiable(
         flat_field,
         found,
@@ -736,16 +746,13 @@ def flow_to(
     x: Tensor,
     *,
     handoff: float,
-    segment: float = SEGMENT,
-    max_segments: int = MAX_SEGMENTS,
-    rtol: float = FLOW_RTOL,
-    atol: float = FLOW_ATOL,
+    phase: FlowPhase,
     watch: Callable[[Tensor, Tensor], Tensor] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The ET's flow per sample from ``x`` ``(B, N, D)`` until RMS ``|T dE/dg| <= handoff``, in segments of
-    ``segment * tau`` between common rescalings; a sample that has not got there after ``max_segments`` segments
-    stops where it is, and so does one whose segment needs more than :data:`FLOW_MAX_STEPS` steps (a stiff flow,
-    e.g. a token shrinking through ``x = 0``). After each segment ``watch(index, x[index])`` (when given) is asked
+    ``phase.segment * tau`` between common rescalings; a sample that has not got there after ``phase.max_segments``
+    segments stops where it is, and so does one whose segment needs more than :data:`FLOW_MAX_STEPS` steps (a stiff
+    flow, e.g. a token shrinking through ``x = 0``). After each segment ``watch(index, x[index])`` (when given) is asked
     about the samples ``index`` still flowing, and those it answers True for ``(len(index),)`` stop there. Returns
     the states, which samples ``watch`` stopped ``(B,)`` and which exhausted the step budget ``(B,)``. Raises
     :class:`~et_ode.SolveError` where the integration fails otherwise (a non-finite state)."""
@@ -753,11 +760,12 @@ def flow_to(
     active = torch.arange(x.shape[0])
     watched = torch.zeros(x.shape[0], dtype=torch.bool)
     exhausted = torch.zeros(x.shape[0], dtype=torch.bool)
-    span = segment * field.tau
+    span = phase.segment * field.tau
     grid = torch.tensor([0.0, span], dtype=torch.float64, device=x.device)
-    solver = Adaptive(rtol=rtol, atol=atol, step_control="per_sample" if cuts_per_sample(field.mask) else "shared")
+    step_control: Literal["shared", "per_sample"] = "per_sample" if cuts_per_sample(field.mask) else "shared"
+    solver = Adaptive(rtol=phase.rtol, atol=phase.atol, step_control=step_control)
     stop = SteadyState(handoff, measure="tangent_gradient", per_sample=True)
-    for _ in range(max_segments):
+    for _ in range(phase.max_segments):
         if not len(active):
             break
         states = shrink_scale(x[active]) if field.model.neuron.geometry == "spheres" else x[active]
@@ -832,10 +840,10 @@ def settle(
     field: ETField,
     x: Tensor,
     *,
-    flow: bool = True,
-    handoff: float = HANDOFF,
-    handoffs: int = HANDOFFS,
-    flow_options: dict[str, Any] | None = None,
+    flow: bool,
+    handoff: float,
+    handoffs: int,
+    phase: FlowPhase,
     **newton: Any,
 ) -> tuple[Attractor, int]:
     """The hand-off loop of :func:`et_ode.find_attractor` on a flattened batch ``(B, N, D)``: flow to the hand-off
@@ -844,9 +852,9 @@ def settle(
     converged stable point the basin test could not yet tie to the flow is watched between the flow's segments: once
     the flow is in that point's basin (:func:`basin_settled`) it is certified there, without flowing on to the next
     level or examining again. A sample whose flow exhausts the step budget (:func:`flow_to`) is examined where it
-    stopped and not flowed on: it keeps the status of that examination. ``flow_options`` holds :func:`flow_to`'s
-    ``segment``, ``max_segments``, ``rtol`` and ``atol`` (None: their defaults), ``newton`` :func:`examine`'s
-    arguments. Returns the combined result (plain ``g``) and the flow's field evaluations (the watch's included)."""
+    stopped and not flowed on: it keeps the status of that examination. ``phase`` is how the flow integrates,
+    ``newton`` holds :func:`examine`'s arguments. Returns the combined result (plain ``g``) and the flow's field
+    evaluations (the watch's included)."""
     pending = torch.arange(x.shape[0])
     parts: list[tuple[Tensor, Attractor]] = []
     flow_evaluations, level = 0, handoff
@@ -862,8 +870,8 @@ def settle(
                 bound,
                 x[pending],
                 handoff=level,
+                phase=phase,
                 watch=watch,
-                **(flow_options or {}),
             )
             flow_evaluations += field.nfe - flow_started
         if bool(early.any()):

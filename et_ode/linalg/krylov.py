@@ -17,12 +17,13 @@ from et_ode.backend.validation import check_positive
 Operator = Callable[[Tensor], Tensor]
 
 
-def _dot(a: Tensor, b: Tensor) -> Tensor:
+def sample_dot(a: Tensor, b: Tensor) -> Tensor:
     """Per-sample inner product: ``(B, ...) x (B, ...) -> (B,)``."""
     return (a * b).flatten(1).sum(dim=1)
 
 
-def _expand(v: Tensor, like: Tensor) -> Tensor:
+def per_sample(v: Tensor, like: Tensor) -> Tensor:
+    """``v`` ``(B,)`` shaped to broadcast over ``like`` ``(B, ...)``, one value per sample."""
     return v.reshape(-1, *([1] * (like.dim() - 1)))
 
 
@@ -59,8 +60,8 @@ def lanczos(
                 flat = flat - q.transpose(1, 2) @ (q @ flat)
             w = flat.reshape(w.shape)
         w = project(w)
-        norm = _dot(w, w).sqrt()
-        return w / _expand(norm.clamp_min(torch.finfo(w.dtype).tiny), w), norm
+        norm = sample_dot(w, w).sqrt()
+        return w / per_sample(norm.clamp_min(torch.finfo(w.dtype).tiny), w), norm
 
     v, norm = orthonormalize(project(v0), [])
     if bool((norm == 0).any()):
@@ -71,7 +72,7 @@ def lanczos(
     for _ in range(iterations):
         basis.append(v)
         w = project(apply(v))
-        alphas.append(_dot(w, v))
+        alphas.append(sample_dot(w, v))
         w, beta = orthonormalize(w, basis)
         betas.append(beta)
         closed = beta <= tiny * alphas[-1].abs().clamp_min(1.0)
@@ -80,7 +81,7 @@ def lanczos(
             if bool((fresh_norm[closed] <= tiny).any()):
                 break  # the whole space is spanned
             betas[-1] = torch.where(closed, torch.zeros_like(beta), beta)
-            w = torch.where(_expand(closed, w), fresh, w)
+            w = torch.where(per_sample(closed, w), fresh, w)
         v = w
     m = len(alphas)
     tridiagonal = torch.diag_embed(torch.stack(alphas, dim=1))

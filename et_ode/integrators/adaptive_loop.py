@@ -898,11 +898,24 @@ class _AdjointField:
         return torch.cat([-velocity.detach(), pullback], dim=-2)
 
 
+def _stacked(field: ETField, samples: int, stages: int) -> ETField | None:
+    """``field`` for ``stages`` batches of ``samples`` stacked one after another: itself where its mask is None or
+    one for all samples, with its per-sample masks ``(samples, N, N)`` repeated, None for any other mask."""
+    mask = field.mask
+    if mask is None or (isinstance(mask, Tensor) and mask.shape[:-2].numel() == 1):
+        return field
+    if isinstance(mask, Tensor) and mask.dim() == 3 and mask.shape[0] == samples:
+        return field.with_mask(mask.repeat(stages, 1, 1))
+    return None
+
+
 class _ParameterGradient:
     """The adjoint's parameter gradient ``integral a^T df/dtheta dt``, a quadrature along each sample's accepted
     backward steps with the method's solution weights: ``sum_j b_j dt a_j^T df/dtheta(x_j)`` at the stage inputs
-    ``[x_j; a_j]``, one vector-Jacobian product per stage (a :data:`Quadrature` for the loop). ``masks``: the
-    flattened batch's masks ``(B, N, N)`` per sample, bound to the accepted samples (per-sample control), or None."""
+    ``[x_j; a_j]`` (a :data:`Quadrature` for the loop), the stages of a step stacked into one batch and one
+    vector-Jacobian product where the mask allows (none, one ``(N, N)`` for all, or one per sample), else one per
+    stage. ``masks``: the flattened batch's masks ``(B, N, N)`` per sample, bound to the accepted samples (per-sample
+    control), or None."""
 
     def __init__(self, field: ETField, params: tuple[Tensor, ...], masks: Tensor | None, tokens: int, dim: int):
         self.field, self.params, self.masks, self.shape = field, params, masks, (2 * tokens, dim)
@@ -910,16 +923,26 @@ class _ParameterGradient:
 
     def __call__(self, ids: Tensor, inputs: list[Tensor], scales: list[Tensor]) -> None:
         field = self.field if self.masks is None else self.field.with_mask(self.masks[ids])
+        samples = inputs[0].numel() // (self.shape[0] * self.shape[1])
+        weights = [scale.repeat_interleave(samples // len(ids)) for scale in scales]
+        stacked = _stacked(field, samples, len(inputs))
+        if stacked is not None:
+            self._add(stacked, torch.cat(inputs), torch.cat(weights))
+            return
+        for z, weight in zip(inputs, weights, strict=True):
+            self._add(field, z, weight)
+
+    def _add(self, field: ETField, z: Tensor, weight: Tensor) -> None:
+        """Add ``sum_s weight_s a_s^T df/dtheta(x_s)`` over the samples of ``z`` ``[x; a]`` with weights ``(S,)``."""
+        z = z.reshape(-1, *self.shape)  # (samples, 2N, D)
         tokens = self.shape[0] // 2
-        for z, scale in zip(inputs, scales, strict=True):
-            z = z.reshape(-1, *self.shape)  # (samples, 2N, D)
-            weight = scale.to(z.dtype).repeat_interleave(z.shape[0] // len(ids))[:, None, None]
-            with torch.enable_grad():
-                velocity = field(None, z[:, :tokens])
-                grads = torch.autograd.grad(velocity, self.params, z[:, tokens:] * weight, allow_unused=True)
-            for total, grad in zip(self.total, grads, strict=True):
-                if grad is not None:
-                    total.add_(grad)
+        with torch.enable_grad():
+            velocity = field(None, z[:, :tokens])
+            cotangent = z[:, tokens:] * weight.to(z.dtype)[:, None, None]
+            grads = torch.autograd.grad(velocity, self.params, cotangent, allow_unused=True)
+        for total, grad in zip(self.total, grads, strict=True):
+            if grad is not None:
+                total.add_(grad)
 
 
 class _Adjoint:

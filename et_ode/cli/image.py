@@ -390,7 +390,7 @@ def add_demo(commands: argparse._SubParsersAction) -> None:
         "demo",
         summary="train an image ET on the bundled 8x8 digits and write a report with pictures",
         description=f"Train an image ET on scikit-learn's 8x8 digits (4x4 patches, half hidden; the adaptive bosh3 "
-        f"solver with the adjoint to t = 0.6; {DEMO_EPOCHS} epochs; measured {DEMO_TIME}), evaluate "
+        f"solver with the adjoint to t = 0.6; {DEMO_EPOCHS} epochs; {DEMO_TIME}), evaluate "
         f"it against the mean and nearest-neighbour baselines, and write OUT/report.md with completions, "
         f"energy descent, token trajectories up to the horizon and the test MSEs.",
     )

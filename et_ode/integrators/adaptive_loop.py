@@ -928,6 +928,7 @@ class _ParameterGradient:
         stacked = _stacked(field, samples, len(inputs))
         if stacked is not None:
             self._add(stacked, torch.cat(inputs), torch.cat(weights))
+            stacked.count_evaluations(len(inputs) - 1)  # one evaluation of the batch per stage, as unstacked
             return
         for z, weight in zip(inputs, weights, strict=True):
             self._add(field, z, weight)

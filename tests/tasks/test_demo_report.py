@@ -42,10 +42,10 @@ def test_the_report_compares_with_the_nearest_neighbour_and_explains_biharmonic(
     assert "Biharmonic" not in _demo_report({k: v for k, v in RESULTS.items() if k != "biharmonic"}, demo_config(), PICTURES)
 
 
-def test_the_demo_states_its_measured_time_with_the_machine(capsys):
-    assert "idle 2-core" in DEMO_TIME and "load average" in DEMO_TIME
+def test_the_demo_points_to_its_measured_time_without_figures(capsys):
+    assert "performance page" in DEMO_TIME and not re.search(r"\d", DEMO_TIME)  # the figures live in the docs
     with pytest.raises(SystemExit):
         build_parser().parse_args(["demo", "--help"])
     text = re.sub(r"\s+", " ", capsys.readouterr().out)
     assert "about 2 minutes" not in text and "attractor picture" not in text
-    assert "measured 2 min 4-10 s" in text
+    assert DEMO_TIME in text

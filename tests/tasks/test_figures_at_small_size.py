@@ -28,7 +28,7 @@ def test_demo_pipeline_at_small_size():
 @pytest.mark.slow
 def test_demo_figures_of_the_readme():
     """`make demo`'s run: test MSE 0.0462 against 0.0719 for the per-position mean and 0.0494 for the nearest
-    neighbour; the energy rose on 0 of the 359 test images (about 2 minutes)."""
+    neighbour; the energy rose on 0 of the 359 test images."""
     config = dataclasses.replace(demo_config(), threads=1)
     config.train = dataclasses.replace(config.train, progress=False)
     results = train_image(config)

@@ -898,6 +898,11 @@ class _AdjointField:
         return torch.cat([-velocity.detach(), pullback], dim=-2)
 
 
+#: the parameter quadrature stacks a step's stages into one evaluation while their states hold at most this many
+#: numbers: that saves the fixed cost of an evaluation on small batches; larger ones run faster a stage at a time
+STACK_LIMIT = 2**18
+
+
 def _stacked(field: ETField, samples: int, stages: int) -> ETField | None:
     """``field`` for ``stages`` batches of ``samples`` stacked one after another: itself where its mask is None or
     one for all samples, with its per-sample masks ``(samples, N, N)`` repeated, None for any other mask."""
@@ -913,9 +918,9 @@ class _ParameterGradient:
     """The adjoint's parameter gradient ``integral a^T df/dtheta dt``, a quadrature along each sample's accepted
     backward steps with the method's solution weights: ``sum_j b_j dt a_j^T df/dtheta(x_j)`` at the stage inputs
     ``[x_j; a_j]`` (a :data:`Quadrature` for the loop), the stages of a step stacked into one batch and one
-    vector-Jacobian product where the mask allows (none, one ``(N, N)`` for all, or one per sample), else one per
-    stage. ``masks``: the flattened batch's masks ``(B, N, N)`` per sample, bound to the accepted samples (per-sample
-    control), or None."""
+    vector-Jacobian product where they are small (:data:`STACK_LIMIT`) and the mask allows (none, one ``(N, N)`` for
+    all, or one per sample), else one per stage. ``masks``: the flattened batch's masks ``(B, N, N)`` per sample,
+    bound to the accepted samples (per-sample control), or None."""
 
     def __init__(self, field: ETField, params: tuple[Tensor, ...], masks: Tensor | None, tokens: int, dim: int):
         self.field, self.params, self.masks, self.shape = field, params, masks, (2 * tokens, dim)
@@ -925,7 +930,8 @@ class _ParameterGradient:
         field = self.field if self.masks is None else self.field.with_mask(self.masks[ids])
         samples = inputs[0].numel() // (self.shape[0] * self.shape[1])
         weights = [scale.repeat_interleave(samples // len(ids)) for scale in scales]
-        stacked = _stacked(field, samples, len(inputs))
+        small = len(inputs) * inputs[0].numel() // 2 <= STACK_LIMIT
+        stacked = _stacked(field, samples, len(inputs)) if small else None
         if stacked is not None:
             self._add(stacked, torch.cat(inputs), torch.cat(weights))
             stacked.count_evaluations(len(inputs) - 1)  # one evaluation of the batch per stage, as unstacked

@@ -18,7 +18,7 @@ Per size, one table row each:
 Then (``--adjoint-sizes``) one training step with continuous-time gradients at the digits and 28x28 sizes: the
 forward and backward evaluations and seconds of Euler-12 direct, Euler-12 adjoint and dopri5 with the adjoint at
 several tolerances, with and without the seminorm (the backward's error control ignores the parameters' adjoint),
-and the implicit gradient at the attractor (dopri5 until RMS ``dg/dt`` < 1e-4, then conjugate gradients on the
+the same solves on torchdiffeq's loop and adjoint, and the implicit gradient at the attractor (dopri5 until RMS ``dg/dt`` < 1e-4, then conjugate gradients on the
 Riemannian Hessian: its backward evaluations are Hessian-vector products).
 
     pip install jax                                       # in .venv; not a dependency of the package
@@ -35,6 +35,7 @@ clock also counts the waits for a core, which grow with the length of the timed 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
@@ -188,6 +189,13 @@ ADJOINT_CONFIGS: dict[str, dict[str, object]] = {
     "dopri5 rtol 1e-5, adjoint, seminorm": dict(t=_SPAN, solver=_TIGHT, gradient=et_ode.Adjoint(seminorm=True)),
     "dopri5 rtol 1e-5, adjoint rtol 1e-3, seminorm": dict(
         t=_SPAN, solver=_TIGHT, gradient=et_ode.Adjoint(rtol=1e-3, atol=1e-4, seminorm=True)
+    ),
+    # the same solves on torchdiffeq's loop and its adjoint (odeint_adjoint), beside et-ode's
+    "dopri5 rtol 1e-3, torchdiffeq's loop and adjoint, seminorm": dict(
+        t=_SPAN, solver=dataclasses.replace(_LOOSE, loop="torchdiffeq"), gradient=et_ode.Adjoint(seminorm=True)
+    ),
+    "dopri5 rtol 1e-5, torchdiffeq's loop and adjoint, seminorm": dict(
+        t=_SPAN, solver=dataclasses.replace(_TIGHT, loop="torchdiffeq"), gradient=et_ode.Adjoint(seminorm=True)
     ),
     # not to t = 1.2: to the attractor (RMS dg/dt < 1e-4), the gradient by the implicit function theorem there; in
     # float32 conjugate gradients stall near a relative residual of 1e-6 (the Hessian-vector products' rounding), so

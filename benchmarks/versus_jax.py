@@ -18,8 +18,9 @@ Per size, one table row each:
 Then (``--adjoint-sizes``) one training step with continuous-time gradients at the digits and 28x28 sizes: the
 forward and backward evaluations and seconds of Euler-12 direct, Euler-12 adjoint and dopri5 with the adjoint at
 several tolerances, with and without the seminorm (the backward's error control ignores the parameters' adjoint),
-the same solves on torchdiffeq's loop and adjoint, and the implicit gradient at the attractor (dopri5 until RMS ``dg/dt`` < 1e-4, then conjugate gradients on the
-Riemannian Hessian: its backward evaluations are Hessian-vector products).
+the same solves on torchdiffeq's loop and adjoint, and the implicit gradient at the attractor (dopri5 until RMS
+``dg/dt`` < 1e-4, then conjugate gradients on the Riemannian Hessian: its backward evaluations are Hessian-vector
+products).
 
     pip install jax                                       # in .venv; not a dependency of the package
     python benchmarks/versus_jax.py --reps 15             # every core (the machine's default); ~8 min on 2 cores

@@ -42,8 +42,8 @@ UNDERFLOW_ADVICE = (
 StepCallback = Callable[[Tensor, Tensor], None]
 StopTest = Callable[[Tensor, Tensor], Tensor]
 # a quantity integrated along the accepted steps, outside step control: called with the accepted groups' ids (n,),
-# the inputs of the stages the solution weighs ((n, 1, M) each) and their weights b_j * dt ((n,) each)
-Quadrature = Callable[[Tensor, list[Tensor], list[Tensor]], None]
+# the indices j of the stages the solution weighs, their inputs ((n, 1, M) each) and weights b_j * dt ((n,) each)
+Quadrature = Callable[[Tensor, list[int], list[Tensor], list[Tensor]], None]
 NON_FINITE_ADVICE = "a NaN or inf in the start, the parameters or the field's output (overflow: use float64)"
 
 
@@ -606,12 +606,13 @@ class _Loop:
         rows = torch.nonzero(accepted).flatten()
         y0, k, weights = y0[rows], k[rows], weights[rows]
         solution = self.tableau.stages - 2
-        inputs, scales = [], []
+        stages, inputs, scales = [], [], []
         for j, b in enumerate(self.tableau.a[-1]):
             if b != 0:
+                stages.append(j)
                 inputs.append(y0 if j == 0 else torch.baddbmm(y0, weights[:, j - 1 : j, :j], k[:, :j]))
                 scales.append(weights[:, solution, j])
-        self.quadrature(state["ids"][rows], inputs, scales)
+        self.quadrature(state["ids"][rows], stages, inputs, scales)
 
     @staticmethod
     def _summary(
@@ -876,10 +877,13 @@ class _AdjointField:
     """The adjoint's backward dynamics in reversed time ``s = -t`` on ``z = [x; a]`` (the tokens stacked, ``(..., 2N,
     D)``): ``dx/ds = -f(x)`` and ``da/ds = a^T df/dx`` (a vector-Jacobian product of the field), which the loop
     integrates from each sample's end back to the start. It carries the field's mask, so that the loop binds each
-    sample's own as samples leave the batch."""
+    sample's own as samples leave the batch. With ``params`` (one step size for the batch) each evaluation also pulls
+    ``a`` back to the parameters, ``a^T df/dtheta`` summed over the batch, and keeps it in ``records`` for the
+    parameter quadrature (:class:`_ParameterGradient`)."""
 
-    def __init__(self, field: ETField):
-        self.field = field
+    def __init__(self, field: ETField, params: tuple[Tensor, ...] = ()):
+        self.field, self.params = field, params
+        self.records: list[tuple[Tensor | None, ...]] = []
 
     @property
     def mask(self) -> object:
@@ -894,7 +898,9 @@ class _AdjointField:
         with torch.enable_grad():
             x = x.detach().requires_grad_(True)
             velocity = self.field(None, x)
-            (pullback,) = torch.autograd.grad(velocity, x, a)
+            pullback, *parameters = torch.autograd.grad(velocity, (x, *self.params), a, allow_unused=True)
+        if self.params:
+            self.records.append(tuple(parameters))
         return torch.cat([-velocity.detach(), pullback], dim=-2)
 
 
@@ -920,13 +926,29 @@ class _ParameterGradient:
     ``[x_j; a_j]`` (a :data:`Quadrature` for the loop), the stages of a step stacked into one batch and one
     vector-Jacobian product where they are small (:data:`STACK_LIMIT`) and the mask allows (none, one ``(N, N)`` for
     all, or one per sample), else one per stage. ``masks``: the flattened batch's masks ``(B, N, N)`` per sample,
-    bound to the accepted samples (per-sample control), or None."""
+    bound to the accepted samples (per-sample control), or None. With one step size for the batch, the pullbacks
+    the adjoint dynamics ``recorded`` at each evaluation serve instead (no evaluation of its own): a step's stages are
+    its last ``stages - 1`` evaluations, and its first stage the evaluation that began the solve or ended the last
+    accepted step (first same as last); :meth:`restart` before each solve."""
 
     def __init__(self, field: ETField, params: tuple[Tensor, ...], masks: Tensor | None, tokens: int, dim: int):
         self.field, self.params, self.masks, self.shape = field, params, masks, (2 * tokens, dim)
         self.total = [torch.zeros_like(p) for p in params]
+        self.recorded: _AdjointField | None = None
+        self.stages = 0
+        self.first: tuple[Tensor | None, ...] | None = None  # the first stage's pullback of the step to come
 
-    def __call__(self, ids: Tensor, inputs: list[Tensor], scales: list[Tensor]) -> None:
+    def restart(self, recorded: _AdjointField | None, stages: int) -> None:
+        """Use the pullbacks of ``recorded`` (None: evaluate at the stage inputs) for a solve by a method of
+        ``stages`` stages."""
+        self.recorded, self.stages, self.first = recorded, stages, None
+        if recorded is not None:
+            recorded.records.clear()
+
+    def __call__(self, ids: Tensor, stages: list[int], inputs: list[Tensor], scales: list[Tensor]) -> None:
+        if self.recorded is not None:
+            self._add_recorded(stages, scales)
+            return
         field = self.field if self.masks is None else self.field.with_mask(self.masks[ids])
         samples = inputs[0].numel() // (self.shape[0] * self.shape[1])
         weights = [scale.repeat_interleave(samples // len(ids)) for scale in scales]
@@ -938,6 +960,19 @@ class _ParameterGradient:
             return
         for z, weight in zip(inputs, weights, strict=True):
             self._add(field, z, weight)
+
+    def _add_recorded(self, stages: list[int], scales: list[Tensor]) -> None:
+        """Add ``sum_j b_j dt a_j^T df/dtheta(x_j)`` of the accepted step from the recorded pullbacks."""
+        assert self.recorded is not None
+        records = self.recorded.records
+        step = [self.first if self.first is not None else records[0], *records[-(self.stages - 1) :]]
+        for j, scale in zip(stages, scales, strict=True):
+            weight = scale.reshape(())  # (one group: the batch)
+            for total, grad in zip(self.total, step[j], strict=True):
+                if grad is not None:
+                    total.add_(grad * weight.to(grad.dtype))
+        self.first = records[-1]
+        records.clear()
 
     def _add(self, field: ETField, z: Tensor, weight: Tensor) -> None:
         """Add ``sum_s weight_s a_s^T df/dtheta(x_s)`` over the samples of ``z`` ``[x; a]`` with weights ``(S,)``."""
@@ -1003,7 +1038,7 @@ class _Adjoint:
         masks = _per_sample_mask(self.field, shape[:-2]) if per_sample else None
         field = self.field if masks is None else self.field.with_mask(masks)
         parameters = _ParameterGradient(field, params, masks, tokens, dim)
-        dynamics = _AdjointField(field)
+        dynamics = _AdjointField(field, () if per_sample else params)  # shared steps: pullbacks at each evaluation
         grid = self.grid
         try:
             if self.settings["save_all"]:
@@ -1041,6 +1076,7 @@ class _Adjoint:
     ) -> Tensor:
         """The adjoint ``a`` carried back over ``span`` (reversed time) from the states ``x``, ``(B, N, D)``."""
         z = torch.cat([x, a], dim=-2)
+        parameters.restart(dynamics if dynamics.params else None, TABLEAUX[self.backward_settings["method"]].stages)
         end = integrate(dynamics, z, span, starts=starts, quadrature=parameters, **self.backward_settings).x
         return end[:, x.shape[-2] :]
 

@@ -879,11 +879,13 @@ class _AdjointField:
     integrates from each sample's end back to the start. It carries the field's mask, so that the loop binds each
     sample's own as samples leave the batch. With ``params`` (one step size for the batch) each evaluation also pulls
     ``a`` back to the parameters, ``a^T df/dtheta`` summed over the batch, and keeps it in ``records`` for the
-    parameter quadrature (:class:`_ParameterGradient`)."""
+    parameter quadrature (:class:`_ParameterGradient`): the first and the last ``kept - 1`` (rejected steps' pullbacks
+    are dropped as new ones come)."""
 
     def __init__(self, field: ETField, params: tuple[Tensor, ...] = ()):
         self.field, self.params = field, params
         self.records: list[tuple[Tensor | None, ...]] = []
+        self.kept = 0
 
     @property
     def mask(self) -> object:
@@ -901,6 +903,8 @@ class _AdjointField:
             pullback, *parameters = torch.autograd.grad(velocity, (x, *self.params), a, allow_unused=True)
         if self.params:
             self.records.append(tuple(parameters))
+            if len(self.records) > self.kept:
+                del self.records[1 : len(self.records) - self.kept + 1]
         return torch.cat([-velocity.detach(), pullback], dim=-2)
 
 
@@ -944,6 +948,7 @@ class _ParameterGradient:
         self.recorded, self.stages, self.first = recorded, stages, None
         if recorded is not None:
             recorded.records.clear()
+            recorded.kept = stages  # the solve's first evaluation and a step's stages - 1
 
     def __call__(self, ids: Tensor, stages: list[int], inputs: list[Tensor], scales: list[Tensor]) -> None:
         if self.recorded is not None:

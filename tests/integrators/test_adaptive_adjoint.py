@@ -133,3 +133,21 @@ def test_shared_adjoint_with_a_mask_per_sample_matches_central_differences() -> 
 
     analytic, numeric = _directional_derivatives(loss, x0, direction_x, params, directions, eps=1e-6)
     assert abs(analytic - numeric) < 1e-7 * abs(numeric)
+
+
+def test_shared_adjoint_through_rejected_steps_matches_central_differences() -> None:
+    """One step size for the batch and a first step far too long, so that the backward solve rejects steps (their
+    parameter pullbacks must be dropped, the solve's first evaluation kept for the first accepted step): the gradient
+    in a random direction of ``x0`` and every parameter matches central differences of the whole solve to 1e-7."""
+    model = _smooth_model(3)
+    field = et_ode.ETField(model)
+    x0 = _states(2, seed=5, tokens=3)
+    solver = et_ode.Adaptive(rtol=1e-10, atol=1e-10, step_control="shared", options=dict(first_step=1.0))
+    weights, direction_x, params, directions = _directions(model, x0)
+
+    def loss(x: torch.Tensor) -> torch.Tensor:
+        solution = et_ode.solve(field, x, (0.0, 2.0), solver=solver, gradient="adjoint", save="final")
+        return (solution.x * weights).sum()
+
+    analytic, numeric = _directional_derivatives(loss, x0, direction_x, params, directions, eps=1e-6)
+    assert abs(analytic - numeric) < 1e-7 * abs(numeric)

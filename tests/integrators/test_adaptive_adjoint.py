@@ -115,34 +115,21 @@ def test_the_backward_solve_has_its_own_budget_and_method() -> None:
         et_ode.solve(field, x0, (0.0, 1.0), solver=solver, gradient=et_ode.Adjoint(method="rk4"), save="final")
 
 
-def test_shared_adjoint_with_a_mask_per_sample_matches_central_differences() -> None:
-    """One step size for the batch and a mask per sample ``(B, N, N)``: the parameter quadrature stacks the stages of
-    a step into one batch, each stage's samples with their own masks, and the gradient in a random direction of
-    ``x0`` and every parameter matches central differences of the whole solve to 1e-7."""
+@pytest.mark.parametrize("case", ["mask_per_sample", "rejected_steps"])
+def test_shared_adjoint_matches_central_differences(case: str) -> None:
+    """One step size for the batch, where the parameter gradient weighs the pullbacks that the backward's evaluations
+    recorded: with a mask per sample ``(B, N, N)``, and with a first step far too long, so that the backward solve
+    rejects steps (their pullbacks dropped, the solve's first evaluation kept for the first accepted step). The
+    gradient in a random direction of ``x0`` and every parameter matches central differences of the whole solve to
+    1e-7."""
     model = _smooth_model(2)
-    x0 = _states(3, seed=4, tokens=4)
-    generator = torch.Generator().manual_seed(3)
-    masks = (torch.rand(3, 4, 4, generator=generator) > 0.5) | torch.eye(4, dtype=torch.bool)
-    field = et_ode.ETField(model).with_mask(masks)
-    solver = et_ode.Adaptive(rtol=1e-10, atol=1e-10, step_control="shared")
-    weights, direction_x, params, directions = _directions(model, x0)
-
-    def loss(x: torch.Tensor) -> torch.Tensor:
-        solution = et_ode.solve(field, x, (0.0, 1.0), solver=solver, gradient="adjoint", save="final")
-        return (solution.x * weights).sum()
-
-    analytic, numeric = _directional_derivatives(loss, x0, direction_x, params, directions, eps=1e-6)
-    assert abs(analytic - numeric) < 1e-7 * abs(numeric)
-
-
-def test_shared_adjoint_through_rejected_steps_matches_central_differences() -> None:
-    """One step size for the batch and a first step far too long, so that the backward solve rejects steps (their
-    parameter pullbacks must be dropped, the solve's first evaluation kept for the first accepted step): the gradient
-    in a random direction of ``x0`` and every parameter matches central differences of the whole solve to 1e-7."""
-    model = _smooth_model(3)
     field = et_ode.ETField(model)
-    x0 = _states(2, seed=5, tokens=3)
-    solver = et_ode.Adaptive(rtol=1e-10, atol=1e-10, step_control="shared", options=dict(first_step=1.0))
+    x0 = _states(3, seed=4, tokens=4)
+    options = dict(first_step=1.0) if case == "rejected_steps" else None
+    if case == "mask_per_sample":
+        generator = torch.Generator().manual_seed(3)
+        field = field.with_mask((torch.rand(3, 4, 4, generator=generator) > 0.5) | torch.eye(4, dtype=torch.bool))
+    solver = et_ode.Adaptive(rtol=1e-10, atol=1e-10, step_control="shared", options=options)
     weights, direction_x, params, directions = _directions(model, x0)
 
     def loss(x: torch.Tensor) -> torch.Tensor:

@@ -1082,7 +1082,8 @@ class _Adjoint:
         """The adjoint ``a`` carried back over ``span`` (reversed time) from the states ``x``, ``(B, N, D)``."""
         z = torch.cat([x, a], dim=-2)
         parameters.restart(dynamics if dynamics.params else None, TABLEAUX[self.backward_settings["method"]].stages)
-        end = integrate(dynamics, z, span, starts=starts, quadrature=parameters, **self.backward_settings).x
+        quadrature = parameters if parameters.params else None  # (no parameter asks for a gradient: none to integrate)
+        end = integrate(dynamics, z, span, starts=starts, quadrature=quadrature, **self.backward_settings).x
         return end[:, x.shape[-2] :]
 
 

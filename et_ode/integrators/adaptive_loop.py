@@ -42,8 +42,9 @@ UNDERFLOW_ADVICE = (
 StepCallback = Callable[[Tensor, Tensor], None]
 StopTest = Callable[[Tensor, Tensor], Tensor]
 # a quantity integrated along the accepted steps, outside step control: called with the accepted groups' ids (n,),
-# the indices j of the stages the solution weighs, their inputs ((n, 1, M) each) and weights b_j * dt ((n,) each)
-Quadrature = Callable[[Tensor, list[int], list[Tensor], list[Tensor]], None]
+# the indices j of the stages the solution weighs, a function giving stage j's input (n, 1, M) (formed when asked)
+# and their weights b_j * dt ((n,) each)
+Quadrature = Callable[[Tensor, list[int], Callable[[int], Tensor], list[Tensor]], None]
 NON_FINITE_ADVICE = "a NaN or inf in the start, the parameters or the field's output (overflow: use float64)"
 
 
@@ -600,19 +601,19 @@ class _Loop:
         return done if crossed is None else done | crossed
 
     def _accumulate(self, state: dict[str, Any], accepted: Tensor, y0: Tensor, k: Tensor, weights: Tensor) -> None:
-        """Hand the quadrature the accepted groups' inputs of the stages whose solution weight ``b_j`` is not 0, with
-        the weights ``b_j dt`` (row ``S - 2`` of the step's weights)."""
+        """Hand the quadrature the accepted groups' stages whose solution weight ``b_j`` is not 0, their inputs (formed
+        when it asks) and the weights ``b_j dt`` (row ``S - 2`` of the step's weights)."""
         assert self.quadrature is not None
         rows = torch.nonzero(accepted).flatten()
-        y0, k, weights = y0[rows], k[rows], weights[rows]
+        if len(rows) < len(accepted):  # (every group accepted: the step's own tensors, not copies)
+            y0, k, weights = y0[rows], k[rows], weights[rows]
         solution = self.tableau.stages - 2
-        stages, inputs, scales = [], [], []
-        for j, b in enumerate(self.tableau.a[-1]):
-            if b != 0:
-                stages.append(j)
-                inputs.append(y0 if j == 0 else torch.baddbmm(y0, weights[:, j - 1 : j, :j], k[:, :j]))
-                scales.append(weights[:, solution, j])
-        self.quadrature(state["ids"][rows], stages, inputs, scales)
+        stages = [j for j, b in enumerate(self.tableau.a[-1]) if b != 0]
+
+        def stage_input(j: int) -> Tensor:
+            return y0 if j == 0 else torch.baddbmm(y0, weights[:, j - 1 : j, :j], k[:, :j])
+
+        self.quadrature(state["ids"][rows], stages, stage_input, [weights[:, solution, j] for j in stages])
 
     @staticmethod
     def _summary(
@@ -950,10 +951,11 @@ class _ParameterGradient:
             recorded.records.clear()
             recorded.kept = stages  # the solve's first evaluation and a step's stages - 1
 
-    def __call__(self, ids: Tensor, stages: list[int], inputs: list[Tensor], scales: list[Tensor]) -> None:
+    def __call__(self, ids: Tensor, stages: list[int], stage_input: Callable[[int], Tensor], scales: list[Tensor]) -> None:
         if self.recorded is not None:
             self._add_recorded(stages, scales)
             return
+        inputs = [stage_input(j) for j in stages]
         field = self.field if self.masks is None else self.field.with_mask(self.masks[ids])
         samples = inputs[0].numel() // (self.shape[0] * self.shape[1])
         weights = [scale.repeat_interleave(samples // len(ids)) for scale in scales]

@@ -914,24 +914,22 @@ class _AdjointField:
 STACK_LIMIT = 2**18
 
 
-def _stacked(field: ETField, samples: int, stages: int) -> ETField | None:
-    """``field`` for ``stages`` batches of ``samples`` stacked one after another: itself where its mask is None or
-    one for all samples, with its per-sample masks ``(samples, N, N)`` repeated, None for any other mask."""
+def _stacked(field: ETField, stages: int) -> ETField:
+    """``field`` for ``stages`` batches of its samples stacked one after another: its masks, one per sample
+    ``(samples, N, N)``, repeated; itself where one mask (or none) serves every sample."""
     mask = field.mask
-    if mask is None or (isinstance(mask, Tensor) and mask.shape[:-2].numel() == 1):
-        return field
-    if isinstance(mask, Tensor) and mask.dim() == 3 and mask.shape[0] == samples:
+    if isinstance(mask, Tensor) and mask.shape[:-2].numel() > 1:
         return field.with_mask(mask.repeat(stages, 1, 1))
-    return None
+    return field
 
 
 class _ParameterGradient:
     """The adjoint's parameter gradient ``integral a^T df/dtheta dt``, a quadrature along each sample's accepted
     backward steps with the method's solution weights: ``sum_j b_j dt a_j^T df/dtheta(x_j)`` at the stage inputs
-    ``[x_j; a_j]`` (a :data:`Quadrature` for the loop), the stages of a step stacked into one batch and one
-    vector-Jacobian product where they are small (:data:`STACK_LIMIT`) and the mask allows (none, one ``(N, N)`` for
-    all, or one per sample), else one per stage. ``masks``: the flattened batch's masks ``(B, N, N)`` per sample,
-    bound to the accepted samples (per-sample control), or None. With one step size for the batch, the pullbacks
+    ``[x_j; a_j]`` (a :data:`Quadrature` for the loop). Per sample it evaluates the field there, the stages of a step
+    stacked into one batch and one vector-Jacobian product where they are small (:data:`STACK_LIMIT`), else one per
+    stage; ``masks``: the flattened batch's masks ``(B, N, N)`` per sample, bound to the accepted samples, or None
+    (one mask for all). With one step size for the batch, the pullbacks
     the adjoint dynamics ``recorded`` at each evaluation serve instead (no evaluation of its own): a step's stages are
     its last ``stages - 1`` evaluations, and its first stage the evaluation that began the solve or ended the last
     accepted step (first same as last); :meth:`restart` before each solve."""
@@ -955,18 +953,15 @@ class _ParameterGradient:
         if self.recorded is not None:
             self._add_recorded(stages, scales)
             return
-        inputs = [stage_input(j) for j in stages]
+        inputs = [stage_input(j) for j in stages]  # (one group a sample: the weights are theirs)
         field = self.field if self.masks is None else self.field.with_mask(self.masks[ids])
-        samples = inputs[0].numel() // (self.shape[0] * self.shape[1])
-        weights = [scale.repeat_interleave(samples // len(ids)) for scale in scales]
-        small = len(inputs) * inputs[0].numel() // 2 <= STACK_LIMIT
-        stacked = _stacked(field, samples, len(inputs)) if small else None
-        if stacked is not None:
-            self._add(stacked, torch.cat(inputs), torch.cat(weights))
+        if len(inputs) * inputs[0].numel() // 2 <= STACK_LIMIT:
+            stacked = _stacked(field, len(inputs))
+            self._add(stacked, torch.cat(inputs), torch.cat(scales))
             stacked.count_evaluations(len(inputs) - 1)  # one evaluation of the batch per stage, as unstacked
             return
-        for z, weight in zip(inputs, weights, strict=True):
-            self._add(field, z, weight)
+        for z, scale in zip(inputs, scales, strict=True):
+            self._add(field, z, scale)
 
     def _add_recorded(self, stages: list[int], scales: list[Tensor]) -> None:
         """Add ``sum_j b_j dt a_j^T df/dtheta(x_j)`` of the accepted step from the recorded pullbacks."""

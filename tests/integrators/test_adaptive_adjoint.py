@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import et_ode
+from et_ode.integrators import adaptive_loop
 from tests.integrators.test_adaptive_loop import StepControl, _directional_derivatives, _smooth_model, _states
 
 F64 = torch.float64
@@ -115,21 +116,24 @@ def test_the_backward_solve_has_its_own_budget_and_method() -> None:
         et_ode.solve(field, x0, (0.0, 1.0), solver=solver, gradient=et_ode.Adjoint(method="rk4"), save="final")
 
 
-@pytest.mark.parametrize("case", ["mask_per_sample", "rejected_steps"])
-def test_shared_adjoint_matches_central_differences(case: str) -> None:
-    """One step size for the batch, where the parameter gradient weighs the pullbacks that the backward's evaluations
-    recorded: with a mask per sample ``(B, N, N)``, and with a first step far too long, so that the backward solve
-    rejects steps (their pullbacks dropped, the solve's first evaluation kept for the first accepted step). The
-    gradient in a random direction of ``x0`` and every parameter matches central differences of the whole solve to
-    1e-7."""
+@pytest.mark.parametrize("case", ["mask_per_sample", "rejected_steps", "per_sample_stage_by_stage"])
+def test_adjoint_parameter_quadrature_matches_central_differences(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The parameter quadrature's paths with a mask per sample ``(B, N, N)``: one step size for the batch, where it
+    weighs the pullbacks that the backward's evaluations recorded, once as it is and once with a first step far too
+    long, so that the backward solve rejects steps (their pullbacks dropped, the solve's first evaluation kept for
+    the first accepted step); and per sample, evaluating the field a stage at a time (as above ``STACK_LIMIT``).
+    The gradient in a random direction of ``x0`` and every parameter matches central differences of the whole solve
+    to 1e-7."""
     model = _smooth_model(2)
-    field = et_ode.ETField(model)
     x0 = _states(3, seed=4, tokens=4)
+    generator = torch.Generator().manual_seed(3)
+    masks = (torch.rand(3, 4, 4, generator=generator) > 0.5) | torch.eye(4, dtype=torch.bool)
+    field = et_ode.ETField(model).with_mask(masks)
     options = dict(first_step=1.0) if case == "rejected_steps" else None
-    if case == "mask_per_sample":
-        generator = torch.Generator().manual_seed(3)
-        field = field.with_mask((torch.rand(3, 4, 4, generator=generator) > 0.5) | torch.eye(4, dtype=torch.bool))
-    solver = et_ode.Adaptive(rtol=1e-10, atol=1e-10, step_control="shared", options=options)
+    step_control: StepControl = "per_sample" if case == "per_sample_stage_by_stage" else "shared"
+    if case == "per_sample_stage_by_stage":
+        monkeypatch.setattr(adaptive_loop, "STACK_LIMIT", 0)
+    solver = et_ode.Adaptive(rtol=1e-10, atol=1e-10, step_control=step_control, options=options)
     weights, direction_x, params, directions = _directions(model, x0)
 
     def loss(x: torch.Tensor) -> torch.Tensor:

@@ -262,15 +262,15 @@ def landscape_study(
     field: ETField,
     x0: Tensor,
     x_final: Tensor,
-    *,
     folder: PathLike,
+    *,
+    seed: int = 0,
+    progress: bool = False,
     starts: int = 4,
     attractor_starts: int = 16,
     basin_resolution: int = 9,
     asymptotics_t1: float = 1e5,
     continuation_end: float = 0.5,
-    seed: int = 0,
-    progress: bool = False,
 ) -> LandscapeStudy:
     """Study the landscape around one sample.
 
@@ -279,13 +279,13 @@ def landscape_study(
         x0: the sample's initial state ``(N, D)``.
         x_final: the solve's final state ``(N, D)``.
         folder: where the pictures are written.
+        seed: the random states.
+        progress: show progress bars.
         starts: searches from the final state and ``starts - 1`` random states.
         attractor_starts: random starts for the attractor census.
         basin_resolution: grid points per side of the basin map.
         asymptotics_t1: the end time of the measured power law.
         continuation_end: the scale of the memories (or weights) the continuation from 1 heads for.
-        seed: the random states.
-        progress: show progress bars.
 
     Returns:
         The :class:`LandscapeStudy`.

@@ -54,21 +54,21 @@ EUCLIDEAN_INTEGRATION = Integration(solver=Adaptive(rtol=1e-10, atol=1e-12), t1=
 
 
 def random_model(
-    seed: int = 0,
-    *,
     dim: int = 16,
     heads: int = 2,
     head_dim: int = 8,
     memories: int = 32,
+    *,
     hopfield: HopfieldForm = "relu",
+    seed: int = 0,
     dtype: torch.dtype = torch.float64,
 ) -> EnergyTransformer:
     """The built-in random model: default initialisation from ``seed``, a random ``delta`` (std 0.3); the global
     random stream is restored afterwards.
 
     Args:
-        seed: the seed of the weights.
         dim, heads, head_dim, memories, hopfield: as in :class:`~et_ode.EnergyTransformer`.
+        seed: the seed of the weights.
         dtype: the parameters' dtype.
 
     Returns:
@@ -387,7 +387,7 @@ def _study_landscape(findings: _Findings, states: Tensor, folder: Path, stages: 
         flat_field(solution).select(0),
         states.reshape(-1, *states.shape[-2:])[0],
         solution.x.detach().reshape(-1, *states.shape[-2:])[0],
-        folder=folder,
+        folder,
         progress=progress,
     )
     findings.pictures.update(findings.study.pictures)

@@ -28,6 +28,7 @@ from et_ode.analysis.chart import chart_for
 from et_ode.analysis.convergence import flat_field, flat_states
 from et_ode.analysis.exponents import Benettin, checked_benettin
 from et_ode.analysis.plots import _finish, _log_time_axis, _sample_colors
+from et_ode.backend.validation import check_positive
 
 PathLike = str | os.PathLike[str]
 #: the settings of :func:`lyapunov_spectrum` by default
@@ -36,7 +37,7 @@ SPECTRUM_BENETTIN = Benettin()
 
 @dataclass
 class HessianTrace:
-    """The Riemannian Hessian's spectrum along a solution, per saved time and sample.
+    """The Riemannian Hessian's spectrum along a solution, per saved time and examined sample (``B`` of them).
 
     Attributes:
         ts: the saved times ``(T,)``.
@@ -55,14 +56,16 @@ class HessianTrace:
     zero_tol: float
 
 
-def hessian_along(solution: Solution, *, max_times: int = 25, zero_tol: float = 1e-8) -> HessianTrace:
-    """The Riemannian Hessian's spectrum at (at most ``max_times``, evenly picked) saved states of ``solution``.
+def hessian_along(solution: Solution, *, max_times: int = 25, max_samples: int = 10, zero_tol: float = 1e-8) -> HessianTrace:
+    """The Riemannian Hessian's spectrum at (at most ``max_times``, evenly picked) saved states of ``solution``, for
+    its first ``max_samples`` samples (the flattened batch).
 
     Dense: ``N (D - 2)`` Hessian-vector products per state and sample, meant for small systems.
 
     Args:
         solution: a solve with saved states ``(T, *batch, N, D)``.
         max_times: saved states examined at most.
+        max_samples: samples examined at most.
         zero_tol: the relative size up to which an eigenvalue counts as zero (for the index).
 
     Returns:
@@ -70,13 +73,14 @@ def hessian_along(solution: Solution, *, max_times: int = 25, zero_tol: float = 
     """
     if not (isinstance(max_times, int) and max_times >= 2):
         raise ValueError(f"max_times must be an integer >= 2, got {max_times!r}")
+    check_positive("max_samples", max_samples, integer=True)
     xs = flat_states(solution)
     field = flat_field(solution)
     picks = torch.linspace(0, xs.shape[0] - 1, min(max_times, xs.shape[0])).round().long().unique()
     rows_small, rows_large, rows_index, rows_rms = [], [], [], []
     for k in picks.tolist():
         small, large, index, rms = [], [], [], []
-        for b in range(xs.shape[1]):
+        for b in range(min(xs.shape[1], max_samples)):
             chart = chart_for(field.select(b))
             matrix, gradient, _ = chart.hessian_in_frame(chart.canonical(xs[k, b]))
             values = torch.linalg.eigvalsh(matrix)
@@ -124,8 +128,8 @@ def lyapunov_spectrum(
     field: ETField,
     x0: Tensor,
     *,
-    count: int | None = None,
     benettin: Benettin = SPECTRUM_BENETTIN,
+    count: int | None = None,
     intrinsic: bool = True,
 ) -> LyapunovSpectrum:
     """The Lyapunov spectrum of the trajectory from ``x0`` ``(N, D)`` by the QR method.
@@ -138,8 +142,8 @@ def lyapunov_spectrum(
     Args:
         field: the vector field.
         x0: the reference state ``(N, D)``.
-        count: the number of exponents (default: all ``N (D - 2)``).
         benettin: the spans (at least 2), the perturbations' size and seed, and the solver.
+        count: the number of exponents (default: all ``N (D - 2)``).
         intrinsic: follow the fixed-scale flow from the limit spheres (see :mod:`et_ode.analysis.sphere`) instead
             of the plain solve, whose rates decay like ``1 / t``.
 
@@ -207,23 +211,21 @@ def lyapunov_spectrum(
 def plot_hessian_along(
     trace: HessianTrace,
     *,
-    max_samples: int = 10,
     path: PathLike | None = None,
     figsize: tuple[float, float] = (12.0, 4.5),
     dpi: int = 100,
 ) -> Figure:
     """The Riemannian Hessian's smallest and largest eigenvalue (left) and the saddle index (right) against time
-    (log scale from the first positive saved time), one colour per sample.
+    (log scale from the first positive saved time), one colour per sample of the trace.
 
     Args:
         trace: the :class:`HessianTrace` (:func:`hessian_along`).
-        max_samples: samples drawn at most.
         path, figsize, dpi: the file to save to (or None), the size in inches, the resolution.
 
     Returns:
         The figure of the spectra.
     """
-    count = min(trace.smallest.shape[1], max_samples)
+    count = trace.smallest.shape[1]
     colors = _sample_colors(count)
     t = trace.ts.numpy()
     positive = t > 0

@@ -50,7 +50,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
 
     print("== 1. analyze --landscape on a small random model ==")
-    model = random_model(args.seed, dim=6, heads=2, head_dim=3, memories=12, hopfield="softmax")
+    model = random_model(6, 2, 3, 12, hopfield="softmax", seed=args.seed)
     states = random_states(model, batch=2, tokens=3, seed=args.seed + 1)
     folder = analyze(model, states, out=args.out / "report", landscape=True, progress=False)
     text = (folder / "report.md").read_text()

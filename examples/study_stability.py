@@ -56,7 +56,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
 
     print("== 1. a random model: solve and check ==")
-    model = random_model(args.seed, dim=12, heads=2, head_dim=6, memories=24, hopfield="softmax")
+    model = random_model(12, 2, 6, 24, hopfield="softmax", seed=args.seed)
     field = ETField(model)
     x0 = torch.randn(args.samples, 6, 12, dtype=torch.float64, generator=torch.Generator().manual_seed(args.seed))
     solution = solve(field, x0, torch.linspace(0, 40, 81))

@@ -134,8 +134,10 @@ def _model(args: argparse.Namespace) -> tuple[EnergyTransformer, str]:
 
         loaded, _ = load_model(args.model)
         return loaded.to(DTYPES[args.dtype]), f"loaded from {args.model}"
-    size = {"dim": args.dim, "heads": args.heads, "head_dim": args.head_dim, "memories": args.memories}
-    return random_model(args.seed, hopfield=args.hopfield, dtype=DTYPES[args.dtype], **size), f"random (seed {args.seed})"
+    model = random_model(
+        args.dim, args.heads, args.head_dim, args.memories, hopfield=args.hopfield, seed=args.seed, dtype=DTYPES[args.dtype]
+    )
+    return model, f"random (seed {args.seed})"
 
 
 def _official_states(args: argparse.Namespace) -> argparse.Namespace:

@@ -35,7 +35,7 @@ def check_folder(folder: Path) -> tuple[str, dict]:
 
 
 def test_random_model_report_is_complete(tmp_path: Path):
-    model = random_model(1, **SIZE)
+    model = random_model(**SIZE, seed=1)
     states = random_states(model, batch=2, tokens=5, seed=2)
     folder = analyze(model, states, small(), out=tmp_path / "r", points=21, source="random (seed 1)", progress=False)
     text, data = check_folder(folder)
@@ -57,7 +57,7 @@ def test_random_model_report_is_complete(tmp_path: Path):
     # the JSON numbers are the model's: recompute the initial energy independently
     assert text.startswith("# ET dynamics report\n\nModel: random (seed 1); D = 8") and data["solve"]["t1"] == 10.0
     x0 = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
-    energy = random_model(1, **SIZE).energy(x0).detach()
+    energy = random_model(**SIZE, seed=1).energy(x0).detach()
     starts = [s["energy_start"] for s in data["convergence"]["samples"]]
     assert starts == pytest.approx(energy.tolist(), rel=1e-12)
 
@@ -194,7 +194,7 @@ def test_landscape_report_on_a_tiny_model(tmp_path: Path):
     """--landscape: critical points, saddle network, basins, asymptotic rate, Lyapunov spectrum, continuation and
     the Hessian along the trajectories, with their pictures; the intrinsic exponent at the critical point equals
     -(gamma / tau) lambda_min of the dense stability table (an independent torch.func Hessian)."""
-    model = random_model(3, dim=5, heads=2, head_dim=3, memories=8, hopfield="softmax")
+    model = random_model(5, 2, 3, 8, hopfield="softmax", seed=3)
     states = random_states(model, batch=1, tokens=2, seed=4)
     folder = analyze(model, states, small(20.0), out=tmp_path / "l", points=21, tau=0.8, landscape=True, progress=False)
     text, data = check_folder(folder)
@@ -212,7 +212,7 @@ def test_landscape_report_on_a_tiny_model(tmp_path: Path):
     assert landscape["critical_points"] and all(p["rms_tangent_gradient"] < 1e-9 for p in landscape["critical_points"])
     sample = data["stability"]["samples"][0]
     assert sample["kind"] == "stable attractor"
-    gamma = random_model(3, dim=5, heads=2, head_dim=3, memories=8, hopfield="softmax").neuron.gamma.item()
+    gamma = random_model(5, 2, 3, 8, hopfield="softmax", seed=3).neuron.gamma.item()
     expected = -gamma * sample["smallest"] / 0.8
     assert data["intrinsic_lyapunov_exponent"]["late"][0] == pytest.approx(expected, rel=1e-3)
     spectrum = landscape["lyapunov_spectrum"]

@@ -111,3 +111,7 @@ def test_hessian_along_a_trajectory_matches_the_dense_analysis():
             assert float(trace.largest[k, b]) == pytest.approx(sample.largest, abs=1e-8)
             assert int(trace.index[k, b]) == sum(v < -1e-8 for v in sample.eigenvalues)
             assert float(trace.rms_tangent_gradient[k, b]) == pytest.approx(sample.rms_tangent_gradient, rel=1e-8)
+    first = hessian_along(solution, max_times=4, max_samples=1)
+    assert first.smallest.shape == (4, 1) and first.smallest[:, 0].equal(trace.smallest[:, 0])
+    with pytest.raises(ValueError, match="max_samples"):
+        hessian_along(solution, max_samples=0)

@@ -87,12 +87,11 @@ class Benettin:
 EXPONENT_BENETTIN = Benettin(t1=10.0, solver=Adaptive("dopri5", rtol=1e-9, atol=1e-11))
 
 
-def checked_benettin(benettin: object) -> tuple[float, int, float]:
-    """``t1``, ``renormalizations`` and ``d0`` of ``benettin``; TypeError naming ``benettin`` if it is not a
-    :class:`Benettin`."""
+def checked_benettin(benettin: object) -> Benettin:
+    """``benettin`` itself; TypeError naming ``benettin`` if it is not a :class:`Benettin`."""
     if not isinstance(benettin, Benettin):
         raise TypeError(f"benettin must be a Benettin(...), got {type(benettin).__name__}")
-    return benettin.t1, benettin.renormalizations, benettin.d0
+    return benettin
 
 
 def lyapunov_exponent(
@@ -139,7 +138,8 @@ def lyapunov_exponent(
     from tqdm.auto import tqdm
 
     x = batched_states(x0, field)
-    t1, renormalizations, d0 = checked_benettin(benettin)
+    benettin = checked_benettin(benettin)
+    t1, renormalizations, d0 = benettin.t1, benettin.renormalizations, benettin.d0
     chart = chart_for(field)
     if restart:
         x = chart.canonical(x)

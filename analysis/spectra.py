@@ -21,12 +21,12 @@ from dataclasses import dataclass
 import torch
 from matplotlib.figure import Figure
 from torch import Tensor
-from torchdiffeq import odeint
 
 from et_ode import ETField, Solution, solve
 from et_ode.analysis.chart import chart_for
 from et_ode.analysis.convergence import flat_field, flat_states
 from et_ode.analysis.exponents import Benettin, checked_benettin
+from et_ode.analysis.lyapunov import ANALYSIS_MAX_STEPS, bounded_odeint
 from et_ode.analysis.plots import _finish, _log_time_axis, _sample_colors
 from et_ode.backend.validation import check_positive
 
@@ -131,6 +131,7 @@ def lyapunov_spectrum(
     benettin: Benettin = SPECTRUM_BENETTIN,
     count: int | None = None,
     intrinsic: bool = True,
+    max_steps: int = ANALYSIS_MAX_STEPS,
 ) -> LyapunovSpectrum:
     """The Lyapunov spectrum of the trajectory from ``x0`` ``(N, D)`` by the QR method.
 
@@ -146,6 +147,7 @@ def lyapunov_spectrum(
         count: the number of exponents (default: all ``N (D - 2)``).
         intrinsic: follow the fixed-scale flow from the limit spheres (see :mod:`et_ode.analysis.sphere`) instead
             of the plain solve, whose rates decay like ``1 / t``.
+        max_steps: the step budget of each span's integration.
 
     Returns:
         The :class:`LyapunovSpectrum`, ``count`` exponents in descending order.
@@ -153,13 +155,16 @@ def lyapunov_spectrum(
     Raises:
         ValueError: ``x0`` is not one state, ``count`` out of range, or fewer than 2 renormalizations.
         TypeError: ``benettin`` is not a :class:`~et_ode.analysis.exponents.Benettin`.
+        et_ode.SolveError: a span needs more than ``max_steps`` steps.
     """
+    check_positive("max_steps", max_steps, integer=True)
     if not (isinstance(x0, Tensor) and x0.dim() == 2 and x0.shape[-1] == field.model.dim):
         raise ValueError(
             f"x0 must be one state (N, D) with D={field.model.dim}, got "
             f"{tuple(x0.shape) if isinstance(x0, Tensor) else type(x0).__name__}"
         )
-    t1, renormalizations, d0 = checked_benettin(benettin)
+    benettin = checked_benettin(benettin)
+    t1, renormalizations, d0 = benettin.t1, benettin.renormalizations, benettin.d0
     if renormalizations < 2:
         raise ValueError(f"benettin.renormalizations must be at least 2 for a spectrum, got {renormalizations}")
     chart = chart_for(field)
@@ -182,9 +187,18 @@ def lyapunov_spectrum(
         for _ in range(renormalizations):
             batch = torch.cat([x[None], x + chart.displacement(x, d0 * q)])  # on the spheres dx = sigma / gamma dg
             if intrinsic:
-                batch = odeint(fixed_scale, batch, grid, method=solver.method, rtol=solver.rtol, atol=solver.atol)[-1]
+                batch = bounded_odeint(
+                    fixed_scale,
+                    batch,
+                    grid,
+                    method=solver.method,
+                    rtol=solver.rtol,
+                    atol=solver.atol,
+                    what="lyapunov_spectrum (intrinsic)",
+                    max_steps=max_steps,
+                )[-1]
             else:
-                batch = solve(field, batch, (0.0, span), solver=solver, save="final").x
+                batch = solve(field, batch, (0.0, span), solver=solver, save="final", max_steps=max_steps).x
             x = batch[0]
             g = chart.coordinates(batch)
             differences = chart.projector(x[None])(g[1:] - g[0]).flatten(1)  # (k, N D)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from et_ode import Adaptive, ETField, solve
+from et_ode import Adaptive, ETField, SolveError, solve
 from et_ode.analysis.exponents import Benettin, lyapunov_exponent
 from et_ode.analysis.spectra import hessian_along, lyapunov_spectrum
 from et_ode.analysis.sphere import FixedScaleField
@@ -94,6 +94,16 @@ def test_the_lyapunov_functions_check_their_settings():
         lyapunov_spectrum(field, x, benettin=None)
     with pytest.raises(ValueError, match="at least 2"):
         lyapunov_spectrum(field, x, benettin=Benettin(renormalizations=1))
+    with pytest.raises(ValueError, match="max_steps"):
+        lyapunov_spectrum(field, x, max_steps=0)
+
+
+@pytest.mark.parametrize("intrinsic", [True, False])
+def test_lyapunov_spectrum_spans_keep_their_step_budget(intrinsic):
+    field = ETField(one_token_model())
+    x = U3[None] * 3.0
+    with pytest.raises(SolveError, match="lyapunov_spectrum|steps"):
+        lyapunov_spectrum(field, x, benettin=Benettin(t1=40.0, renormalizations=2), intrinsic=intrinsic, max_steps=2)
 
 
 def test_hessian_along_a_trajectory_matches_the_dense_analysis():

@@ -29,6 +29,7 @@ environment, ``pip install torchdiffeq torchode jax diffrax`` beside et-ode.
 
     python benchmarks/adaptive.py --threads 1                  # digits, 28x28 (batch 64), ImageNet (batch 4)
     python benchmarks/adaptive.py --threads 2 --size mnist imagenet --reps 5
+    python benchmarks/adaptive.py --device cuda --size digits mnist     # on a GPU, with the captured step's row
 """
 
 from __future__ import annotations
@@ -97,21 +98,22 @@ def _recorded(field: et_ode.ETField, inputs: list[torch.Tensor]) -> et_ode.ETFie
 
 
 def et_ode_run(field: et_ode.ETField, x0: torch.Tensor, t1: float, solver: et_ode.Adaptive, stop: Any = None) -> Run:
-    """``solve`` with ``solver`` (and ``stop``), once recorded."""
+    """``solve`` with ``solver`` (and ``stop``), once recorded (a captured step replays without Python, so a solve
+    with ``cuda_graph`` is not recorded: no own bare loop)."""
 
     def call(target: et_ode.ETField = field) -> et_ode.Solution:
         return et_ode.solve(target, x0, (0.0, t1), solver=solver, stop=stop, save="final")
 
-    inputs: list[torch.Tensor] = []
+    inputs: list[torch.Tensor] | None = None if solver.cuda_graph else []
     with torch.no_grad():
-        solution = call(_recorded(field, inputs))
+        solution = call(field if inputs is None else _recorded(field, inputs))
     stats = solution.stats
     return Run(call, stats.nfe_forward, stats.sample_evaluations, stats.accepted_steps, solution.x, inputs)
 
 
 def torchdiffeq_runs(field: et_ode.ETField, x0: torch.Tensor, t1: float, args: argparse.Namespace) -> dict[str, Run]:
     """``torchdiffeq.odeint`` on the field, and the bare loop over the states it evaluates the field at."""
-    t = torch.tensor([0.0, t1])
+    t = torch.tensor([0.0, t1], device=x0.device)
     inputs: list[torch.Tensor] = []
     with torch.no_grad():
         final = odeint(_recorded(field, inputs), x0, t, method="dopri5", rtol=args.rtol, atol=args.atol)[-1]
@@ -140,7 +142,7 @@ def torchode_run(field: et_ode.ETField, x0: torch.Tensor, t1: float, args: argpa
     solver = torchode.AutoDiffAdjoint(
         torchode.Dopri5(term=term), torchode.IntegralController(atol=args.atol, rtol=args.rtol, term=term)
     )
-    t_eval = torch.tensor([0.0, t1], dtype=x0.dtype).repeat(shape[0], 1)
+    t_eval = torch.tensor([0.0, t1], dtype=x0.dtype, device=x0.device).repeat(shape[0], 1)
 
     def call() -> Any:
         return solver.solve(torchode.InitialValueProblem(y0=x0.reshape(shape[0], -1), t_eval=t_eval))
@@ -212,27 +214,43 @@ def bare(field: et_ode.ETField, inputs: list[torch.Tensor]) -> Callable[[], None
 
 def measure(name: str, args: argparse.Namespace) -> list[list[object]]:
     size, t1 = CASES[name]
-    model = make_model(size)
+    model = make_model(size).to(args.device)
     field = et_ode.ETField(model)
-    x0 = initial_state(size)
+    x0 = initial_state(size).to(args.device)
     runs = torchdiffeq_runs(field, x0, t1, args)
-    for label, solver in (
-        ("et-ode shared", et_ode.Adaptive("dopri5", args.rtol, args.atol)),
-        ("et-ode per-sample", et_ode.Adaptive("dopri5", args.rtol, args.atol, step_control="per_sample")),
-        ("et-ode per-sample tsit5", et_ode.Adaptive("tsit5", args.rtol, args.atol, step_control="per_sample")),
-    ):
+    solvers = {
+        "et-ode shared": et_ode.Adaptive("dopri5", args.rtol, args.atol),
+        "et-ode per-sample": et_ode.Adaptive("dopri5", args.rtol, args.atol, step_control="per_sample"),
+        "et-ode per-sample tsit5": et_ode.Adaptive("tsit5", args.rtol, args.atol, step_control="per_sample"),
+    }
+    if x0.is_cuda:
+        solvers["et-ode shared, CUDA graph"] = et_ode.Adaptive("dopri5", args.rtol, args.atol, cuda_graph=True)
+    for label, solver in solvers.items():
         runs[label] = et_ode_run(field, x0, t1, solver)
     if has("torchode"):
         runs["torchode per-sample"] = torchode_run(field, x0, t1, args)
-    if has("diffrax") and has("jax"):
+    if has("diffrax") and has("jax") and not x0.is_cuda:  # (JAX on the CPU beside a CUDA solve: not a peer)
         runs.update(diffrax_runs(model, x0, t1, args))
-    calls = {label: run.call for label, run in runs.items()}
+    calls = {label: _synchronised(run.call, x0) for label, run in runs.items()}
     for label, run in list(runs.items()):
         if run.inputs is not None:
-            calls[f"{label} (own bare loop)"] = bare(field, run.inputs)
+            calls[f"{label} (own bare loop)"] = _synchronised(bare(field, run.inputs), x0)
     with torch.no_grad():
         seconds = interleaved(calls, reps=args.reps, statistic=args.statistic, clock=args.clock)
     return _rows(f"{name} N={size.n} D={size.d}, t1={t1:g}", size, runs, seconds)
+
+
+def _synchronised(call: Callable[[], object], like: torch.Tensor) -> Callable[[], object]:
+    """``call`` waiting for the device's queued work at its end (on CUDA, where kernels run asynchronously)."""
+    if not like.is_cuda:
+        return call
+
+    def synchronised() -> object:
+        result = call()
+        torch.cuda.synchronize(like.device)
+        return result
+
+    return synchronised
 
 
 def _rows(case: str, size: Size, runs: dict[str, Run], seconds: dict[str, float]) -> list[list[object]]:
@@ -349,6 +367,9 @@ def main() -> None:
     parser.add_argument("--stop", action="store_true", help="also the rows to a steady state")
     parser.add_argument("--stop-tol", type=float, default=1e-3, help="the steady state: RMS dg/dt below this")
     parser.add_argument("--mixed", action="store_true", help="also the batch of half easy and half hard samples")
+    parser.add_argument(
+        "--device", default="cpu", help="the main table's device; cuda adds a row for Adaptive(cuda_graph=True)"
+    )
     args = parser.parse_args()
     set_threads(args.threads)
     print(environment())

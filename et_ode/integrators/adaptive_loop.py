@@ -13,6 +13,7 @@ the adjoint (:class:`_Adjoint`), the stop time's own term added by the implicit 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections.abc import Callable
@@ -45,6 +46,7 @@ StopTest = Callable[[Tensor, Tensor], Tensor]
 # the indices j of the stages the solution weighs, a function giving stage j's input (n, 1, M) (formed when asked)
 # and their weights b_j * dt ((n,) each)
 Quadrature = Callable[[Tensor, list[int], Callable[[int], Tensor], list[Tensor]], None]
+WARM_STEPS = 2  # shared steps run eagerly before a step is captured (they initialise the libraries' lazy state)
 NON_FINITE_ADVICE = "a NaN or inf in the start, the parameters or the field's output (overflow: use float64)"
 
 
@@ -287,6 +289,61 @@ class _Buffers:
         return _Buffers(*(t[:groups] for t in (self.k, self.y, self.y1, self.stage, self.err, self.scale, self.weights)))
 
 
+class _Attempt(NamedTuple):
+    """A step's attempt for every active group: whether it is the span's last (``last``), its size ``dt`` and end
+    ``t1`` ``(G,)``, the stages ``k`` ``(G, S, M)``, the solution ``y1`` ``(G, 1, M)``, the weights ``(G, S + 1,
+    S)``, the error ratio, whether it is accepted, the next step size and the controller's history."""
+
+    last: Tensor
+    dt: Tensor
+    t1: Tensor
+    k: Tensor
+    y1: Tensor
+    weights: Tensor
+    ratio: Tensor
+    accepted: Tensor
+    next_dt: Tensor
+    history: Tensor
+
+
+class _StepGraph:
+    """A shared step's attempt (:meth:`_Loop.attempt`: the stages, the error ratio and the controller) captured once
+    and replayed every step: a CUDA graph (``mode="cuda"``), or the same discipline run eagerly (``mode="eager"``: the
+    attempt runs again on the same fixed inputs and writes into the first attempt's outputs, for checking the loop
+    around a graph where there is no CUDA). The time, step size and history are copied into fixed inputs before each
+    replay; the state and first stage are the loop's buffers, which therefore never trade places. The capture itself
+    counts the evaluations of the step it stands for; each later replay of a CUDA graph adds them by hand."""
+
+    def __init__(self, loop: _Loop, state: dict[str, Any], buffers: _Buffers, mode: str):
+        self.loop, self.buffers, self.mode = loop, buffers, mode
+        self.inputs = {name: state[name].clone() for name in ("t", "dt", "history")}
+        self.graph = torch.cuda.CUDAGraph() if mode == "cuda" else None
+        with torch.cuda.graph(self.graph) if self.graph is not None else contextlib.nullcontext():
+            self.outputs = self._attempt()
+        self.captured = False  # the first replay computes the captured step itself
+
+    def _attempt(self) -> _Attempt:
+        inputs, buffers = self.inputs, self.buffers
+        return self.loop.attempt(inputs["t"], inputs["dt"], inputs["history"], buffers.y, buffers.k_first, buffers)
+
+    def replay(self, state: dict[str, Any]) -> _Attempt:
+        """The attempt from ``state``'s time, step size and history (the state itself already in the buffers)."""
+        if not self.captured:  # the step captured: its inputs are the state's already
+            self.captured = True
+            if self.graph is not None:
+                self.graph.replay()
+            return self.outputs
+        for name, fixed in self.inputs.items():
+            fixed.copy_(state[name])
+        if self.graph is None:
+            for fixed, fresh in zip(self.outputs, self._attempt(), strict=True):
+                fixed.copy_(fresh)
+        else:
+            self.graph.replay()
+            self.loop.count_replayed_evaluations()
+        return self.outputs
+
+
 @dataclass
 class _Outputs:
     """The states kept for the output grid: rows of the flat ``(T * samples)`` index and the states ``(n, 1, M)``."""
@@ -313,6 +370,7 @@ class _Loop:
         callback: StepCallback | None,
         stop: StopTest | None = None,
         quadrature: Quadrature | None = None,
+        graph: str | None = None,
     ):
         self.field, self.grid, self.tableau, self.rtol, self.atol = field, grid, tableau, rtol, atol
         self.per_sample, self.pid, self.max_steps, self.progress, self.callback = (
@@ -338,6 +396,10 @@ class _Loop:
         self.in_place = not torch.is_grad_enabled()
         self.t_end = grid[-1]
         self.stop, self.quadrature = stop, quadrature
+        # a captured step: shared steps of an ET field without gradients, a stop or a quadrature (see _StepGraph)
+        graphable = self.in_place and not per_sample and self.autonomous and stop is None and quadrature is None
+        self.graph_mode = graph if graphable else None
+        self.step_graph: _StepGraph | None = None
         self.t_now = grid[:1]  # the active groups' times during a step
         self.next_dt: Tensor | None = None  # the step sizes the latest step proposed
         self.stop_times = torch.full((self.groups,), float(grid[-1]), dtype=torch.float64)
@@ -535,6 +597,8 @@ class _Loop:
                 buffers = self._compact(state, done, buffers)
         while len(state["t"]):
             self._count_step(state)
+            if self.graph_mode is not None and buffers is not None and self.progress.steps == WARM_STEPS + 1:
+                self.step_graph = _StepGraph(self, state, buffers, self.graph_mode)
             left = self.step(state, buffers, save_all, keep_steps, totals)
             if left is not None:
                 buffers = self._compact(state, left, buffers)
@@ -555,15 +619,12 @@ class _Loop:
         """One step of every active group; returns which groups leave the batch ``(G,)`` (reached the end or passed
         the stop), or None where none does. One host synchronisation (:meth:`_summary`), plus those of a stop's
         crossing, the saved outputs and the progress callback where they occur."""
-        t, y0, f0 = state["t"], state["y"], state["f0"]
-        remaining = self.t_end - t
-        last = state["dt"] >= remaining
-        dt = torch.where(last, remaining, state["dt"])
-        t1 = torch.where(last, self.t_end, t + dt)
-        self.t_now = t
-        k, y1, weights = self.stages(t, dt, y0, f0, buffers)
-        ratio = self.error_ratio(k, y0, y1, weights, buffers)
-        accepted, next_dt, history = self.control(ratio, dt, state["history"])
+        t, y0 = state["t"], state["y"]
+        if self.step_graph is not None:
+            attempt = self.step_graph.replay(state)
+        else:
+            attempt = self.attempt(t, state["dt"], state["history"], y0, state["f0"], buffers)
+        last, dt, t1, k, y1, weights, ratio, accepted, next_dt, history = attempt
         s = self.tableau.stages
         crossed = accepted & self._converged(y1, k[:, s - 1 : s]) if self.stop is not None else None
         done = accepted & last if crossed is None else accepted & last & ~crossed
@@ -599,6 +660,28 @@ class _Loop:
         if not (finished or crossings):
             return None
         return done if crossed is None else done | crossed
+
+    def attempt(
+        self, t: Tensor, wanted: Tensor, history: Tensor, y0: Tensor, f0: Tensor, buffers: _Buffers | None
+    ) -> _Attempt:
+        """A step of every active group from ``y0`` (first stage ``f0``) at ``t`` of the size ``wanted`` ``(G,)``, cut
+        to the span's end; its error ratio, and the controller's verdict from ``history``."""
+        remaining = self.t_end - t
+        last = wanted >= remaining
+        dt = torch.where(last, remaining, wanted)
+        t1 = torch.where(last, self.t_end, t + dt)
+        self.t_now = t
+        k, y1, weights = self.stages(t, dt, y0, f0, buffers)
+        ratio = self.error_ratio(k, y0, y1, weights, buffers)
+        accepted, next_dt, history = self.control(ratio, dt, history)
+        return _Attempt(last, dt, t1, k, y1, weights, ratio, accepted, next_dt, history)
+
+    def count_replayed_evaluations(self) -> None:
+        """Count the field evaluations of a replayed step (``S - 1`` of every active group) as :meth:`evaluate`
+        does."""
+        evaluations = self.tableau.stages - 1
+        self.progress.sample_evaluations += evaluations * len(self.t_now) * self.samples_per_group
+        self.field.count_evaluations(evaluations)  # type: ignore[attr-defined]
 
     def _accumulate(self, state: dict[str, Any], accepted: Tensor, y0: Tensor, k: Tensor, weights: Tensor) -> None:
         """Hand the quadrature the accepted groups' stages whose solution weight ``b_j`` is not 0, their inputs (formed
@@ -682,8 +765,11 @@ class _Loop:
             state["f0"] = torch.where(mask, f1, state["f0"])
             return
         k0 = buffers.k_first
-        if every:  # the two state buffers trade places
+        if every and self.step_graph is None:  # the two state buffers trade places (a graph reads fixed ones)
             buffers.y, buffers.y1 = buffers.y1, buffers.y
+            k0.copy_(f1)
+        elif every:
+            buffers.y.copy_(y1)
             k0.copy_(f1)
         else:
             torch.where(mask, y1, buffers.y, out=buffers.y)
@@ -763,6 +849,7 @@ def integrate(
     stop: StopTest | None = None,
     starts: Tensor | None = None,
     quadrature: Quadrature | None = None,
+    graph: str | None = None,
 ) -> Result:
     """Integrate ``dx/dt = field(t, x)`` from ``x0`` ``(*batch, N, D)`` over the float64 ``grid`` ``(T,)``.
 
@@ -786,6 +873,10 @@ def integrate(
         quadrature: called after every step with the accepted groups and their stages (see :data:`Quadrature`), for
             a quantity integrated beside the state whose error does not control the steps (the adjoint's parameter
             gradient).
+        graph: ``"cuda"``: after :data:`WARM_STEPS` steps, capture a step in a CUDA graph and replay it (shared steps
+            of an :class:`~et_ode.ETField` without gradients, a stop or a quadrature; otherwise the loop runs as
+            without); ``"eager"``: the same capture and replay discipline run eagerly (see :class:`_StepGraph`);
+            None: no capture.
 
     Returns the :class:`Result`. Gradients
     flow through the stages and the interpolant (the step sizes are constants to autograd, as in torchdiffeq and
@@ -803,10 +894,25 @@ def integrate(
         raise ValueError(f"pid must be three non-negative coefficients (pcoeff, icoeff, dcoeff), not all zero; got {pid!r}")
     if starts is not None and (not per_sample or save_all):
         raise ValueError("starts (a start time per sample) needs per_sample=True and save_all=False")
+    if graph not in (None, "cuda", "eager"):
+        raise ValueError(f"graph must be None, 'cuda' or 'eager', got {graph!r}")
     if progress is None:
         progress = Progress()
     loop = _Loop(
-        field, x0, grid, TABLEAUX[method], rtol, atol, per_sample, pid, max_steps, progress, callback, stop, quadrature
+        field,
+        x0,
+        grid,
+        TABLEAUX[method],
+        rtol,
+        atol,
+        per_sample,
+        pid,
+        max_steps,
+        progress,
+        callback,
+        stop,
+        quadrature,
+        graph,
     )
     x, xs = loop.run(x0, first_step, save_all, keep_steps, starts)
     ends = loop.stop_times if per_sample else loop.stop_times.expand(x0.shape[:-2].numel())
@@ -848,6 +954,7 @@ def solve_adaptive(
         keep_steps=save == "steps",
         callback=solver.progress,
         stop=None if stop is None else functools.partial(_stop_value, stop, field, per_sample),
+        graph="cuda" if solver.cuda_graph and x0.is_cuda else None,
     )
     params = tuple(p for p in field.parameters() if p.requires_grad)
     if "adjoint_params" in arguments and torch.is_grad_enabled() and (x0.requires_grad or params):

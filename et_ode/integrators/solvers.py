@@ -99,6 +99,10 @@ class Adaptive:
             the coefficients ``(pcoeff, icoeff, dcoeff) = (0.4, 0.3, 0)``).
         progress: et-ode's loop calls it after every step with each sample's time ``(B,)`` and number of accepted
             steps ``(B,)`` (CPU tensors, the batch flattened), or None.
+        cuda_graph: on CUDA, et-ode's loop captures one step (its stages, error and controller) in a CUDA graph after
+            two steps and replays it for the rest, one kernel launch for the step's many small ones: shared steps of
+            an ET field without gradients or a stop; everywhere else the steps run as without. The field's weights
+            must not change during the solve (e.g. from ``progress``).
 
     et-ode's loop runs the gradients ``Direct`` and ``Adjoint`` (its backward solve on the same loop); for stops see
     :meth:`check_stop`.
@@ -117,6 +121,7 @@ class Adaptive:
     step_control: Literal["shared", "per_sample"] = "shared"
     controller: Literal["i", "pid"] = "i"
     progress: Callable[[Tensor, Tensor], None] | None = None
+    cuda_graph: bool = False
 
     adaptive: ClassVar[bool] = True
     OWN_METHODS: ClassVar[tuple[str, ...]] = ("dopri5", "bosh3", "tsit5")  # the methods et-ode's loop runs
@@ -138,12 +143,15 @@ class Adaptive:
                 raise ValueError(f"Adaptive.{name} must be one of {valid}, got {getattr(self, name)!r}")
         if self.progress is not None and not callable(self.progress):
             raise TypeError(f"Adaptive.progress must be a callable or None, got {type(self.progress).__name__}")
+        if not isinstance(self.cuda_graph, bool):
+            raise TypeError(f"Adaptive.cuda_graph must be a bool, got {type(self.cuda_graph).__name__}")
         wanted = [
             f"{name}={value!r}"
             for name, value, default in (
                 ("step_control", self.step_control, "shared"),
                 ("controller", self.controller, "i"),
                 ("progress", self.progress, None),
+                ("cuda_graph", self.cuda_graph, False),
             )
             if value != default
         ]
@@ -173,6 +181,7 @@ class Adaptive:
                 self.step_control != "shared"
                 or self.controller != "i"
                 or self.progress is not None
+                or self.cuda_graph
                 or self.method not in ADAPTIVE_METHODS
             )
         )

@@ -375,6 +375,9 @@ def test_the_own_loop_is_the_default_for_its_methods_where_it_runs_the_solve() -
         (dict(method="rk45"), ValueError, "Adaptive.method"),
         (dict(loop="et_ode", options=dict(max_num_steps=5)), ValueError, "Adaptive.options"),
         (dict(progress=3), TypeError, "Adaptive.progress"),
+        (dict(cuda_graph=1), TypeError, "Adaptive.cuda_graph"),
+        (dict(loop="torchdiffeq", cuda_graph=True), ValueError, "cuda_graph=True needs loop"),
+        (dict(method="dopri8", cuda_graph=True), ValueError, "Adaptive.method"),
     ],
 )
 def test_bad_settings_are_named(arguments: dict[str, object], error: type[Exception], named: str) -> None:
@@ -407,6 +410,94 @@ def test_shared_mode_saves_every_step_and_float32_runs() -> None:
             field32, x0.float(), (0.0, 1.0), solver=et_ode.Adaptive(step_control="per_sample"), save="final"
         )
     assert (single.x.double() - steps.x).abs().max().item() < 1e-3
+
+
+# -- a captured step -----------------------------------------------------------------------------------------------
+def _graph_runs(graph: str | None, **settings: object) -> tuple[adaptive_loop.Result, Progress, int]:
+    field = et_ode.ETField(_smooth_model(), mask=settings.pop("mask", None))  # type: ignore[arg-type]
+    progress = Progress()
+    grid = torch.linspace(0.0, 3.0, 7, dtype=F64)
+    with torch.no_grad():
+        result = adaptive_loop.integrate(
+            field,
+            _states(4),
+            grid,
+            per_sample=False,
+            progress=progress,
+            graph=graph,
+            **settings,  # type: ignore[arg-type]
+        )
+    return result, progress, field.nfe
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(),  # every step accepted: the state buffers are copied, not traded
+        dict(first_step=2.0, save_all=False),  # rejected steps: the state stays, the replay reads it again
+        dict(mask=torch.rand(4, 5, 5, generator=torch.Generator().manual_seed(1)) < 0.7, method="tsit5"),
+        dict(keep_steps=True, save_all=False, pid=adaptive_loop.PID_COEFFICIENTS),
+    ],
+)
+def test_a_replayed_step_integrates_the_same_bits_as_the_plain_loop(settings: dict[str, object]) -> None:
+    """The discipline of a CUDA graph (fixed inputs copied in, the first attempt's outputs overwritten, the state
+    buffers never trading places), run eagerly: the same states, saved outputs, steps and evaluations."""
+    plain, plain_progress, plain_nfe = _graph_runs(None, **dict(settings))
+    replayed, progress, nfe = _graph_runs("eager", **dict(settings))
+    assert progress.steps > adaptive_loop.WARM_STEPS + 2 and plain_progress.rejected == progress.rejected
+    assert torch.equal(plain.x, replayed.x)
+    assert (plain.xs is None) == (replayed.xs is None) and (plain.xs is None or torch.equal(plain.xs, replayed.xs))
+    assert [a for a, _ in plain_progress.saved] == [a for a, _ in progress.saved]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(plain_progress.saved, progress.saved, strict=True))
+    assert (plain_progress.accepted, plain_progress.sample_evaluations, plain_nfe) == (
+        progress.accepted,
+        progress.sample_evaluations,
+        nfe,
+    )
+    if settings.get("first_step"):
+        assert progress.rejected > 0
+
+
+def test_a_step_is_captured_only_where_it_can_be_replayed() -> None:
+    field = _tiny_field()
+    grid = torch.tensor([0.0, 1.0], dtype=F64)
+    cases = [dict(per_sample=True), dict(per_sample=False, stop=lambda x, f: x.new_ones(1))]
+    for settings in cases:
+        loop = adaptive_loop._Loop(
+            field,
+            _states(2),
+            grid,
+            adaptive_loop.DOPRI5,
+            1e-5,
+            1e-6,
+            pid=adaptive_loop.I_CONTROLLER,
+            max_steps=10,
+            progress=Progress(),
+            callback=None,
+            graph="eager",
+            **settings,  # type: ignore[arg-type]
+        )
+        assert loop.graph_mode is None
+    with pytest.raises(ValueError, match="graph must be"):
+        adaptive_loop.integrate(field, _states(2), grid, graph="cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_cuda_graph_replays_the_steps_of_the_plain_loop() -> None:
+    """On CUDA: ``Adaptive(cuda_graph=True)`` gives the same bits, steps and evaluations as the plain loop."""
+    field = et_ode.ETField(_smooth_model().cuda())
+    x0 = _states(4).cuda()
+    with torch.no_grad():
+        runs = [
+            et_ode.solve(field, x0, torch.linspace(0.0, 3.0, 7, dtype=F64), solver=et_ode.Adaptive(cuda_graph=graph))
+            for graph in (False, True)
+        ]
+    assert runs[1].stats.accepted_steps > adaptive_loop.WARM_STEPS + 2
+    assert torch.equal(runs[0].x, runs[1].x) and torch.equal(runs[0].xs, runs[1].xs)
+    assert (runs[0].stats.nfe_forward, runs[0].stats.sample_evaluations) == (
+        runs[1].stats.nfe_forward,
+        runs[1].stats.sample_evaluations,
+    )
 
 
 # -- the steady-state stop -----------------------------------------------------------------------------------------

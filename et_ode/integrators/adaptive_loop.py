@@ -18,7 +18,7 @@ import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple, TypeGuard
+from typing import Any, Literal, NamedTuple, TypeGuard
 
 import torch
 from torch import Tensor
@@ -41,6 +41,7 @@ UNDERFLOW_ADVICE = (
 )
 
 StepCallback = Callable[[Tensor, Tensor], None]
+GraphMode = Literal["cuda", "eager"]  # how a shared step is captured and replayed (see _StepGraph)
 StopTest = Callable[[Tensor, Tensor], Tensor]
 # a quantity integrated along the accepted steps, outside step control: called with the accepted groups' ids (n,),
 # the indices j of the stages the solution weighs, a function giving stage j's input (n, 1, M) (formed when asked)
@@ -314,7 +315,7 @@ class _StepGraph:
     replay; the state and first stage are the loop's buffers, which therefore never trade places. The capture itself
     counts the evaluations of the step it stands for; each later replay of a CUDA graph adds them by hand."""
 
-    def __init__(self, loop: _Loop, state: dict[str, Any], buffers: _Buffers, mode: str):
+    def __init__(self, loop: _Loop, state: dict[str, Any], buffers: _Buffers, mode: GraphMode):
         self.loop, self.buffers, self.mode = loop, buffers, mode
         self.inputs = {name: state[name].clone() for name in ("t", "dt", "history")}
         self.graph = torch.cuda.CUDAGraph() if mode == "cuda" else None
@@ -370,7 +371,7 @@ class _Loop:
         callback: StepCallback | None,
         stop: StopTest | None = None,
         quadrature: Quadrature | None = None,
-        graph: str | None = None,
+        graph: GraphMode | None = None,
     ):
         self.field, self.grid, self.tableau, self.rtol, self.atol = field, grid, tableau, rtol, atol
         self.per_sample, self.pid, self.max_steps, self.progress, self.callback = (
@@ -849,7 +850,7 @@ def integrate(
     stop: StopTest | None = None,
     starts: Tensor | None = None,
     quadrature: Quadrature | None = None,
-    graph: str | None = None,
+    graph: GraphMode | None = None,
 ) -> Result:
     """Integrate ``dx/dt = field(t, x)`` from ``x0`` ``(*batch, N, D)`` over the float64 ``grid`` ``(T,)``.
 

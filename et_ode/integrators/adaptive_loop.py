@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple, TypeGuard
@@ -312,36 +313,37 @@ class _StepGraph:
     and replayed every step: a CUDA graph (``mode="cuda"``), or the same discipline run eagerly (``mode="eager"``: the
     attempt runs again on the same fixed inputs and writes into the first attempt's outputs, for checking the loop
     around a graph where there is no CUDA). The time, step size and history are copied into fixed inputs before each
-    replay; the state and first stage are the loop's buffers, which therefore never trade places. The capture itself
-    counts the evaluations of the step it stands for; each later replay of a CUDA graph adds them by hand."""
+    replay; the state and first stage are the loop's buffers, which therefore never trade places. The attempt's own
+    evaluations go uncounted (a graph replays no Python); every replay counts them by hand."""
 
     def __init__(self, loop: _Loop, state: dict[str, Any], buffers: _Buffers, mode: GraphMode):
-        self.loop, self.buffers, self.mode = loop, buffers, mode
+        self.loop, self.buffers = loop, buffers
         self.inputs = {name: state[name].clone() for name in ("t", "dt", "history")}
         self.graph = torch.cuda.CUDAGraph() if mode == "cuda" else None
         with torch.cuda.graph(self.graph) if self.graph is not None else contextlib.nullcontext():
             self.outputs = self._attempt()
-        self.captured = False  # the first replay computes the captured step itself
+        self.captured = False  # the first replay is the step captured itself
 
     def _attempt(self) -> _Attempt:
-        inputs, buffers = self.inputs, self.buffers
-        return self.loop.attempt(inputs["t"], inputs["dt"], inputs["history"], buffers.y, buffers.k_first, buffers)
+        inputs, buffers, loop = self.inputs, self.buffers, self.loop
+        loop.counting = False
+        try:
+            return loop.attempt(inputs["t"], inputs["dt"], inputs["history"], buffers.y, buffers.k_first, buffers)
+        finally:
+            loop.counting = True
 
     def replay(self, state: dict[str, Any]) -> _Attempt:
         """The attempt from ``state``'s time, step size and history (the state itself already in the buffers)."""
-        if not self.captured:  # the step captured: its inputs are the state's already
-            self.captured = True
-            if self.graph is not None:
-                self.graph.replay()
-            return self.outputs
-        for name, fixed in self.inputs.items():
-            fixed.copy_(state[name])
-        if self.graph is None:
-            for fixed, fresh in zip(self.outputs, self._attempt(), strict=True):
-                fixed.copy_(fresh)
-        else:
+        if self.captured:
+            for name, fixed in self.inputs.items():
+                fixed.copy_(state[name])
+            if self.graph is None:
+                for fixed, fresh in zip(self.outputs, self._attempt(), strict=True):
+                    fixed.copy_(fresh)
+        self.captured = True
+        if self.graph is not None:
             self.graph.replay()
-            self.loop.count_replayed_evaluations()
+        self.loop.count_replayed_evaluations()
         return self.outputs
 
 
@@ -401,6 +403,7 @@ class _Loop:
         graphable = self.in_place and not per_sample and self.autonomous and stop is None and quadrature is None
         self.graph_mode = graph if graphable else None
         self.step_graph: _StepGraph | None = None
+        self.counting = True  # evaluations count in nfe (not inside a captured step's attempt)
         self.t_now = grid[:1]  # the active groups' times during a step
         self.next_dt: Tensor | None = None  # the step sizes the latest step proposed
         self.stop_times = torch.full((self.groups,), float(grid[-1]), dtype=torch.float64)
@@ -414,14 +417,15 @@ class _Loop:
         own mask. The ET field is autonomous and gets no time (``t`` None); another field gets ``t`` per sample, or
         the shared 0-d time."""
         groups = y.shape[0]
+        state = y.view(groups, *self.event) if self.per_sample else y.view(self.event)
+        if not self.counting:  # (a captured step: an ET field, counted by the replays)
+            return self.field_now.velocity(state).reshape(groups, 1, self.width)  # type: ignore[union-attr]
         self.progress.sample_evaluations += groups * self.samples_per_group
         time = None if t is None or self.autonomous else (t.to(self.dtype) if self.per_sample else t[0].to(self.dtype))
         field = self.field_now
         if rows is not None and self.mask_now is not None:
             field = self.field.with_mask(self.mask_now[rows])  # type: ignore[attr-defined]
-        return field(time, y.view(groups, *self.event) if self.per_sample else y.view(self.event)).reshape(
-            groups, 1, self.width
-        )
+        return field(time, state).reshape(groups, 1, self.width)
 
     def first_step(self, t: Tensor, y0: Tensor, f0: Tensor) -> Tensor:
         """torchdiffeq's and diffrax's starting step per group (one evaluation): ``(G,)`` float64."""
@@ -599,7 +603,7 @@ class _Loop:
         while len(state["t"]):
             self._count_step(state)
             if self.graph_mode is not None and buffers is not None and self.progress.steps == WARM_STEPS + 1:
-                self.step_graph = _StepGraph(self, state, buffers, self.graph_mode)
+                self.step_graph = self._capture(state, buffers, self.graph_mode)
             left = self.step(state, buffers, save_all, keep_steps, totals)
             if left is not None:
                 buffers = self._compact(state, left, buffers)
@@ -676,6 +680,19 @@ class _Loop:
         ratio = self.error_ratio(k, y0, y1, weights, buffers)
         accepted, next_dt, history = self.control(ratio, dt, history)
         return _Attempt(last, dt, t1, k, y1, weights, ratio, accepted, next_dt, history)
+
+    def _capture(self, state: dict[str, Any], buffers: _Buffers, mode: GraphMode) -> _StepGraph | None:
+        """The step captured for replay, or None (with a warning) where the field cannot be captured (e.g. it waits on
+        the device inside its evaluation): the solve goes on without."""
+        try:
+            return _StepGraph(self, state, buffers, mode)
+        except RuntimeError as error:
+            warnings.warn(
+                f"Adaptive(cuda_graph=True): the step could not be captured ({error}); the solve runs without the graph",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return None
 
     def count_replayed_evaluations(self) -> None:
         """Count the field evaluations of a replayed step (``S - 1`` of every active group) as :meth:`evaluate`

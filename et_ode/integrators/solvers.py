@@ -102,7 +102,8 @@ class Adaptive:
         cuda_graph: on CUDA, et-ode's loop captures one step (its stages, error and controller) in a CUDA graph after
             two steps and replays it for the rest, one kernel launch for the step's many small ones: shared steps of
             an ET field without gradients or a stop; everywhere else the steps run as without. The field's weights
-            must not change during the solve (e.g. from ``progress``).
+            must not change during the solve (e.g. from ``progress``); a field that cannot be captured gets a
+            ``RuntimeWarning`` and the solve runs on without the graph.
 
     et-ode's loop runs the gradients ``Direct`` and ``Adjoint`` (its backward solve on the same loop); for stops see
     :meth:`check_stop`.

@@ -458,6 +458,20 @@ def test_a_replayed_step_integrates_the_same_bits_as_the_plain_loop(settings: di
         assert progress.rejected > 0
 
 
+def test_a_step_that_cannot_be_captured_leaves_the_solve_as_without(monkeypatch: pytest.MonkeyPatch) -> None:
+    def fails(*_: object) -> None:
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    plain, plain_progress, plain_nfe = _graph_runs(None)
+    monkeypatch.setattr(adaptive_loop._StepGraph, "__init__", fails)
+    with pytest.warns(RuntimeWarning, match=r"cuda_graph=True.*not permitted"):
+        fallback, progress, nfe = _graph_runs("eager")
+    assert torch.equal(plain.x, fallback.x) and (plain_progress.sample_evaluations, plain_nfe) == (
+        progress.sample_evaluations,
+        nfe,
+    )
+
+
 def test_a_step_is_captured_only_where_it_can_be_replayed() -> None:
     field = _tiny_field()
     grid = torch.tensor([0.0, 1.0], dtype=F64)

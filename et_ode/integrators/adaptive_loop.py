@@ -600,9 +600,10 @@ class _Loop:
             if bool(done.any()):
                 self._finish(state, done, y, state["t"])
                 buffers = self._compact(state, done, buffers)
+        capture_at = self.progress.steps + WARM_STEPS + 1  # (the record may hold an earlier solve's steps)
         while len(state["t"]):
             self._count_step(state)
-            if self.graph_mode is not None and buffers is not None and self.progress.steps == WARM_STEPS + 1:
+            if self.graph_mode is not None and buffers is not None and self.progress.steps == capture_at:
                 self.step_graph = self._capture(state, buffers, self.graph_mode)
             left = self.step(state, buffers, save_all, keep_steps, totals)
             if left is not None:
@@ -783,11 +784,11 @@ class _Loop:
             state["f0"] = torch.where(mask, f1, state["f0"])
             return
         k0 = buffers.k_first
-        if every and self.step_graph is None:  # the two state buffers trade places (a graph reads fixed ones)
-            buffers.y, buffers.y1 = buffers.y1, buffers.y
-            k0.copy_(f1)
-        elif every:
-            buffers.y.copy_(y1)
+        if every:
+            if self.step_graph is None:  # the two state buffers trade places (a graph reads fixed ones)
+                buffers.y, buffers.y1 = buffers.y1, buffers.y
+            else:
+                buffers.y.copy_(y1)
             k0.copy_(f1)
         else:
             torch.where(mask, y1, buffers.y, out=buffers.y)

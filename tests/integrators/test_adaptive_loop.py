@@ -472,6 +472,25 @@ def test_a_step_that_cannot_be_captured_leaves_the_solve_as_without(monkeypatch:
     )
 
 
+def test_each_solve_captures_its_step_even_on_a_shared_progress_record(monkeypatch: pytest.MonkeyPatch) -> None:
+    captures: list[int] = []
+    capture = adaptive_loop._StepGraph.__init__
+
+    def counted(self: adaptive_loop._StepGraph, loop: adaptive_loop._Loop, *rest: object) -> None:
+        captures.append(loop.progress.steps)
+        capture(self, loop, *rest)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(adaptive_loop._StepGraph, "__init__", counted)
+    progress = Progress()
+    grid = torch.linspace(0.0, 3.0, 7, dtype=F64)
+    with torch.no_grad():
+        for _ in range(2):
+            adaptive_loop.integrate(_tiny_field(), _states(4), grid, per_sample=False, progress=progress, graph="eager")
+    first_solve_steps = captures[1] - captures[0] if len(captures) == 2 else None
+    assert len(captures) == 2 and captures[0] == adaptive_loop.WARM_STEPS + 1
+    assert first_solve_steps == progress.steps // 2  # the second solve captured at its own third step
+
+
 def test_a_step_is_captured_only_where_it_can_be_replayed() -> None:
     field = _tiny_field()
     grid = torch.tensor([0.0, 1.0], dtype=F64)

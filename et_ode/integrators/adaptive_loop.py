@@ -17,7 +17,7 @@ import contextlib
 import functools
 import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple, TypeGuard
 
@@ -310,9 +310,10 @@ class _Attempt(NamedTuple):
 
 class _StepGraph:
     """A shared step's attempt (:meth:`_Loop.attempt`: the stages, the error ratio and the controller) captured once
-    and replayed every step: a CUDA graph (``mode="cuda"``), or the same discipline run eagerly (``mode="eager"``: the
-    attempt runs again on the same fixed inputs and writes into the first attempt's outputs, for checking the loop
-    around a graph where there is no CUDA). The time, step size and history are copied into fixed inputs before each
+    and replayed every step: a CUDA graph (``mode="cuda"``, captured on a side stream after one attempt there), or the
+    same discipline run eagerly (``mode="eager"``: that first attempt, then the attempt runs again on the same fixed
+    inputs and writes into the captured attempt's outputs, for checking the loop around a graph where there is no
+    CUDA). The time, step size and history are copied into fixed inputs before each
     replay; the state and first stage are the loop's buffers, which therefore never trade places. The attempt's own
     evaluations go uncounted (a graph replays no Python); every replay counts them by hand."""
 
@@ -320,7 +321,10 @@ class _StepGraph:
         self.loop, self.buffers = loop, buffers
         self.inputs = {name: state[name].clone() for name in ("t", "dt", "history")}
         self.graph = torch.cuda.CUDAGraph() if mode == "cuda" else None
-        with torch.cuda.graph(self.graph) if self.graph is not None else contextlib.nullcontext():
+        stream = torch.cuda.Stream(buffers.y.device) if self.graph is not None else None
+        with _side_stream(stream):  # one attempt first on the capture's stream: it makes the libraries' per-stream
+            self._attempt()  # handles and workspaces, which a capture cannot (it reads and writes what the capture will)
+        with torch.cuda.graph(self.graph, stream=stream) if self.graph is not None else contextlib.nullcontext():
             self.outputs = self._attempt()
         self.captured = False  # the first replay is the step captured itself
 
@@ -345,6 +349,20 @@ class _StepGraph:
             self.graph.replay()
         self.loop.count_replayed_evaluations()
         return self.outputs
+
+
+@contextlib.contextmanager
+def _side_stream(stream: torch.cuda.Stream | None) -> Iterator[None]:
+    """Work inside the block runs on ``stream``, ordered after the current stream's work and before its later work
+    (None: on the current stream)."""
+    if stream is None:
+        yield
+        return
+    current = torch.cuda.current_stream(stream.device)
+    stream.wait_stream(current)
+    with torch.cuda.stream(stream):
+        yield
+    current.wait_stream(stream)
 
 
 @dataclass

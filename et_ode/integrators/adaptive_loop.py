@@ -313,17 +313,19 @@ class _StepGraph:
     and replayed every step: a CUDA graph (``mode="cuda"``, captured on a side stream after one attempt there), or the
     same discipline run eagerly (``mode="eager"``: that first attempt, then the attempt runs again on the same fixed
     inputs and writes into the captured attempt's outputs, for checking the loop around a graph where there is no
-    CUDA). The time, step size and history are copied into fixed inputs before each
-    replay; the state and first stage are the loop's buffers, which therefore never trade places. The attempt's own
-    evaluations go uncounted (a graph replays no Python); every replay counts them by hand."""
+    CUDA). The time, step size and history are copied into fixed inputs before each replay; the state and first stage
+    are the loop's buffers, which therefore never trade places. The attempt's own evaluations go uncounted (a graph
+    replays no Python); every replay counts them by hand."""
 
     def __init__(self, loop: _Loop, state: dict[str, Any], buffers: _Buffers, mode: GraphMode):
         self.loop, self.buffers = loop, buffers
         self.inputs = {name: state[name].clone() for name in ("t", "dt", "history")}
         self.graph = torch.cuda.CUDAGraph() if mode == "cuda" else None
         stream = torch.cuda.Stream(buffers.y.device) if self.graph is not None else None
-        with _side_stream(stream):  # one attempt first on the capture's stream: it makes the libraries' per-stream
-            self._attempt()  # handles and workspaces, which a capture cannot (it reads and writes what the capture will)
+        # one attempt first on the capture's stream makes the libraries' per-stream handles and workspaces, which a
+        # capture cannot make; it reads and writes only what the capture will
+        with _side_stream(stream):
+            self._attempt()
         with torch.cuda.graph(self.graph, stream=stream) if self.graph is not None else contextlib.nullcontext():
             self.outputs = self._attempt()
         self.captured = False  # the first replay is the step captured itself

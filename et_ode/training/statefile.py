@@ -194,6 +194,8 @@ def describe(path: str | os.PathLike[str]) -> str:
         size = int.from_bytes(head, "little") if len(head) == 8 else 0
         raw = head + file.read(size) if 2 <= size <= 100_000_000 else head
     header = _header(raw)
+    if header is None and raw[8:9] == b"{":  # a header's length, then its opening brace: a safetensors file cut short
+        return "a safetensors file whose header is truncated or corrupt"
     if header is not None:
         meta = header.get("__metadata__") or {}
         if not isinstance(meta, dict):
@@ -302,7 +304,7 @@ def read_tensors(path: str | os.PathLike[str], what: str) -> dict[str, Tensor]:
         raw = path.read_bytes()
     header = _header(raw)
     if header is None:
-        raise FileFormatError(path, None, f"the {what} is not a safetensors file: {describe(path)}")
+        raise FileFormatError(path, None, f"the {what} is not a readable safetensors file: {describe(path)}")
     _metadata(header, path)
     _check_tensor_headers(header, path)
     try:

@@ -14,6 +14,7 @@ from et_ode.data import load_digits
 from et_ode.models import CompletionTask, ImageET, evaluate_completion, fixed_mask_set
 from et_ode.tasks.baselines import MeanImage
 from et_ode.training.io import load_model, save_model
+from et_ode.training.statefile import describe
 from et_ode.training.train import (
     CHECKPOINT_NAME,
     METRICS_NAME,
@@ -162,6 +163,14 @@ def test_corrupt_and_truncated_checkpoints(tmp_path):
         load_checkpoint(path)
     torch.save([1, 2], path)
     with pytest.raises(ValueError, match="refused: it is a pickle"):
+        load_checkpoint(path)
+    # cut inside its header, a checkpoint whose header length begins with the byte of a pickle's start is not one
+    header = b'{"__metadata__": {"format": "et-ode/training-checkpoint/2", "state": "' + b"x" * 400 + b'"}}'
+    header += b" " * (0x280 - len(header))
+    assert header.startswith(b"{") and len(header).to_bytes(8, "little")[:1] == b"\x80"
+    path.write_bytes((len(header).to_bytes(8, "little") + header)[:300])
+    assert describe(path) == "a safetensors file whose header is truncated or corrupt"
+    with pytest.raises(ValueError, match=r"c\.pt \(300 bytes\) is truncated or corrupt"):
         load_checkpoint(path)
     save_checkpoint(path, {"model": {}})
     with pytest.raises(ValueError, match=r"lacks the entries \['optimizer'\]"):

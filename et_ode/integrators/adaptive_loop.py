@@ -187,6 +187,20 @@ def _per_sample_mask(field: object, batch: torch.Size) -> Tensor | None:
     return mask.expand(*batch, *mask.shape[-2:]).reshape(batch.numel(), *mask.shape[-2:])
 
 
+LANES = 16  # twice the widest vector of doubles (AVX-512), the stride of ATen's vectorised CPU loops
+
+
+def _power(base: Tensor, exponent: float) -> Tensor:
+    """``base ** exponent`` elementwise, each element's bits independent of its position in ``base``: on the CPU an
+    element at the end of a tensor goes through the loop's scalar tail, whose power can differ in the last bit from
+    the vectorised one (seen on AVX-512 and on AVX2), so each element is computed in a row of :data:`LANES` copies, which the
+    vectorised loop covers whole."""
+    if base.device.type != "cpu":
+        return base**exponent
+    rows = base.reshape(-1, 1).expand(-1, LANES).contiguous()
+    return (rows**exponent)[:, 0].reshape(base.shape)
+
+
 def _rms(x: Tensor) -> Tensor:
     """RMS of each group: ``(G, 1, M) -> (G,)``."""
     return torch.linalg.vector_norm(x, dim=(1, 2)) / math.sqrt(x.shape[-1])
@@ -245,11 +259,13 @@ class _Interpolant:
         x = theta.to(self.dtype)[:, None, None]
         y0, y1, f0, f1, h = self.y0, self.y1, self.f0, self.f1, self.h
         if self.polynomials is not None:  # the method's own: y0 + h sum_j b_j(theta) k_j
-            powers = x ** torch.arange(len(self.polynomials[0]), dtype=self.dtype, device=x.device)
+            # theta^0 .. theta^(P-1) by products (correctly rounded, so the same bits wherever a group sits)
+            powers = torch.cat([torch.ones_like(x), x.expand(*x.shape[:-1], len(self.polynomials[0]) - 1)], -1).cumprod(-1)
             coefficients = torch.tensor(self.polynomials, dtype=self.dtype, device=x.device)  # (S, P)
             slopes = coefficients[:, 1:] * torch.arange(1, coefficients.shape[1], dtype=self.dtype, device=x.device)
-            b = powers @ coefficients.T  # (n, 1, S)
-            db = powers[..., :-1] @ slopes.T
+            # (n, 1, S): each group's own sums (a matrix product's blocking would depend on n)
+            b = (powers[..., None, :] * coefficients).sum(-1)
+            db = (powers[..., None, :-1] * slopes).sum(-1)
             value = torch.baddbmm(y0, h * b, self.k)
             velocity = torch.bmm(db, self.k)
         elif self.quartic is None:  # Hermite cubic
@@ -457,7 +473,7 @@ class _Loop:
             d2 = _rms((f1 - f0) / scale) / h0
             largest = torch.maximum(d1, d2)
             h1 = torch.where(
-                largest <= 1e-15, torch.clamp(h0 * 1e-3, min=1e-6), (0.01 / largest) ** (1.0 / self.tableau.error_order)
+                largest <= 1e-15, torch.clamp(h0 * 1e-3, min=1e-6), _power(0.01 / largest, 1.0 / self.tableau.error_order)
             )
             return torch.minimum(100 * h0, h1).double()
 
@@ -506,10 +522,10 @@ class _Loop:
         p, i, d = self.pid
         order = self.tableau.error_order
         accepted = ratio <= 1
-        factor = SAFETY * ratio ** (-(p + i + d) / order)  # an error of 0 gives inf, an infinite one 0
+        factor = SAFETY * _power(ratio, -(p + i + d) / order)  # an error of 0 gives inf, an infinite one 0
         if p or d:
             inverse = 1 / ratio
-            factor = factor * history[:, 0] ** (-(p + 2 * d) / order) * history[:, 1] ** (d / order)
+            factor = factor * _power(history[:, 0], -(p + 2 * d) / order) * _power(history[:, 1], d / order)
             kept = torch.where((inverse == 0) | torch.isinf(inverse), torch.ones_like(inverse), inverse)
             history = torch.where(accepted[:, None], torch.stack([kept, history[:, 0]], dim=1), history)
         factor = torch.nan_to_num(factor, nan=FACTOR_MIN)  # a NaN error: the smallest factor

@@ -219,8 +219,9 @@ def test_landscape_report_on_a_tiny_model(tmp_path: Path):
     # The QR method separates two exponents like exp(-(gap) t). The first two are well apart and must match to
     # 1e-3; the last two differ by 0.19 only, so after t = 20 their directions are still mixing and the estimate
     # moves with rounding: measured 4.5e-4 off with AVX-512 kernels and 5.6e-3 with the AVX2 ones (their sum 1e-4
-    # and 8.7e-4), held to 1e-2 individually and 2e-3 for their sum.
+    # and 8.7e-4 on an AMD EPYC, 2.3e-3 with the AVX2 kernels on an Intel Xeon), held to 1e-2 individually and 5e-3
+    # for their sum.
     assert spectrum["exponents"][:2] == pytest.approx(spectrum["expected"][:2], rel=1e-3)
     assert spectrum["exponents"][2:] == pytest.approx(spectrum["expected"][2:], rel=1e-2)
-    assert sum(spectrum["exponents"][2:]) == pytest.approx(sum(spectrum["expected"][2:]), rel=2e-3)
+    assert sum(spectrum["exponents"][2:]) == pytest.approx(sum(spectrum["expected"][2:]), rel=5e-3)
     assert spectrum["exponents"][0] == pytest.approx(expected, rel=1e-3)

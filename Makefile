@@ -8,6 +8,7 @@ STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 # the suite's processes (pytest-xdist): one per core by default; the tests themselves use one thread each
 PYTEST_WORKERS ?= auto
+PYTEST := $(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist worksteal
 
 .PHONY: install test test-avx2 lint typecheck docs demo bench fuzz mutate clean
 
@@ -33,11 +34,11 @@ docs: $(STAMP)
 	$(BIN)/mkdocs build --strict --site-dir site
 
 test: $(STAMP) lint typecheck
-	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
+	$(PYTEST) $(PYTEST_ARGS)
 
 # the suite on the AVX2 code paths of oneDNN, MKL and ATen (approximates an AVX2-only CPU on an AVX-512 one)
 test-avx2: $(STAMP)
-	ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2 $(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
+	ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2 $(PYTEST) $(PYTEST_ARGS)
 
 demo: $(STAMP)
 	$(BIN)/et-ode demo --out runs/demo --overwrite

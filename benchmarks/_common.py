@@ -130,6 +130,15 @@ def interleaved(
     ``clock="cpu"`` times the CPU time of the whole process (every thread, XLA's included) instead of the wall
     clock: on a machine shared with other jobs the wall clock also counts the time the process waits for a core.
     """
+    times = interleaved_times(candidates, reps, warmup, clock)
+    return {name: STATISTICS[statistic](values) for name, values in times.items()}
+
+
+def interleaved_times(
+    candidates: dict[str, Callable[[], object]], reps: int, warmup: int = 2, clock: str = "wall"
+) -> dict[str, list[float]]:
+    """Every candidate's seconds in each of ``reps`` rounds; a round runs the candidates one after another, each
+    once untimed (the hand-over from the previous one) and once timed."""
     now = CLOCKS[clock]
     times: dict[str, list[float]] = {name: [] for name in candidates}
     for _ in range(warmup):
@@ -141,7 +150,13 @@ def interleaved(
             start = now()
             run()
             times[name].append(now() - start)
-    return {name: STATISTICS[statistic](values) for name, values in times.items()}
+    return times
+
+
+def paired_ratio(numerator: list[float], denominator: list[float]) -> float:
+    """The median over rounds of one candidate's time over another's in the same round: the two ran seconds apart,
+    so a drift of the machine's speed between rounds (other jobs, the clock frequency) cancels in each ratio."""
+    return statistics.median(a / b for a, b in zip(numerator, denominator, strict=True))
 
 
 def gemm_candidates(m: int, d: int, r: int, dtype: torch.dtype = torch.float32) -> dict[str, Callable[[], object]]:

@@ -17,12 +17,14 @@ steps, and the largest difference of the final state from torchdiffeq's relative
   JAX (``_common.jax_field``), the batch as one state, or ``vmap`` over the samples (each its own steps).
 
 The ``x own bare`` column divides an et-ode row's time by a bare loop over the states that row itself evaluated the
-field at (recorded from one of its runs): what its machinery adds. Then (``--stop``) each sample integrated to rest,
-RMS dg/dt below ``--stop-tol`` (t1 = 100): et-ode shared (``SteadyState(tol)``, one stop for the batch), per
-sample (``SteadyState(tol, per_sample=True)``), torchdiffeq's event path with per-sample stops, and diffrax with an
-event on the same measure (batched: the batch's largest; vmapped: each sample's). Then (``--mixed``) a batch of half
-easy (the end of a solve to t=50) and half hard samples, where per-sample control spends evaluations on the hard
-half only.
+field at (recorded from one of its runs): what its machinery adds. ``x diffrax`` divides it by its diffrax peer's
+(batched for the shared row, vmapped for the per-sample rows). Every ratio is the median over rounds of the two
+times within one round (``_common.paired_ratio``), which a drift of the machine's speed between rounds leaves alone.
+Then (``--stop``) each sample integrated to rest, RMS dg/dt below ``--stop-tol`` (t1 = 100): et-ode shared
+(``SteadyState(tol)``, one stop for the batch), per sample (``SteadyState(tol, per_sample=True)``), torchdiffeq's
+event path with per-sample stops, and diffrax with an event on the same measure (batched: the batch's largest;
+vmapped: each sample's). Then (``--mixed``) a batch of half easy (the end of a solve to t=50) and half hard samples,
+where per-sample control spends evaluations on the hard half only.
 
 The peers install apart from the package (never by ``make test``): ``pip install -e .[peers]`` or, in a separate
 environment, ``pip install torchdiffeq torchode jax diffrax`` beside et-ode.
@@ -51,13 +53,16 @@ from _common import (  # noqa: E402
     DIGITS,
     IMAGENET,
     MNIST,
+    STATISTICS,
     Size,
     environment,
     initial_state,
     interleaved,
+    interleaved_times,
     jax_field,
     make_model,
     ms,
+    paired_ratio,
     set_threads,
     table,
 )
@@ -89,9 +94,9 @@ def _recorded(field: et_ode.ETField, inputs: list[torch.Tensor]) -> et_ode.ETFie
     """A copy of ``field`` whose evaluations also keep a copy of their input in ``inputs``."""
     recording = field.with_mask(field.mask)
 
-    def forward(t: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    def forward(t: torch.Tensor | None, x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
         inputs.append(x.clone())
-        return et_ode.ETField.forward(recording, t, x)
+        return et_ode.ETField.forward(recording, t, x, out=out)
 
     recording.forward = forward  # type: ignore[method-assign]
     return recording
@@ -236,8 +241,8 @@ def measure(name: str, args: argparse.Namespace) -> list[list[object]]:
         if run.inputs is not None:
             calls[f"{label} (own bare loop)"] = _synchronised(bare(field, run.inputs), x0)
     with torch.no_grad():
-        seconds = interleaved(calls, reps=args.reps, statistic=args.statistic, clock=args.clock)
-    return _rows(f"{name} N={size.n} D={size.d}, t1={t1:g}", size, runs, seconds)
+        times = interleaved_times(calls, reps=args.reps, clock=args.clock)
+    return _rows(f"{name} N={size.n} D={size.d}, t1={t1:g}", size, runs, times, STATISTICS[args.statistic])
 
 
 def _synchronised(call: Callable[[], object], like: torch.Tensor) -> Callable[[], object]:
@@ -253,20 +258,33 @@ def _synchronised(call: Callable[[], object], like: torch.Tensor) -> Callable[[]
     return synchronised
 
 
-def _rows(case: str, size: Size, runs: dict[str, Run], seconds: dict[str, float]) -> list[list[object]]:
+#: the diffrax row each et-ode row is compared with: the batch as one state, or vmapped per sample
+DIFFRAX_PEERS = {
+    "et-ode shared": "diffrax batched",
+    "et-ode per-sample": "diffrax per-sample",
+    "et-ode per-sample tsit5": "diffrax per-sample",
+}
+
+
+def _rows(
+    case: str, size: Size, runs: dict[str, Run], times: dict[str, list[float]], statistic: Callable[[list[float]], float]
+) -> list[list[object]]:
+    """A row per candidate: its time (``statistic`` of its rounds) and its ratios to torchdiffeq, to its own bare
+    loop and to its diffrax peer, each the median of the ratios within a round (:func:`paired_ratio`)."""
     reference = runs["torchdiffeq"].final
     scale = reference.abs().max().item()
     rows = []
     for label, run in runs.items():
-        own = seconds.get(f"{label} (own bare loop)")
+        own, peer = times.get(f"{label} (own bare loop)"), times.get(DIFFRAX_PEERS.get(label, ""))
         rows.append(
             [
                 case,
                 size.batch,
                 label,
-                ms(seconds[label]),
-                f"{seconds['torchdiffeq'] / seconds[label]:.2f}",
-                f"{seconds[label] / own:.3f}" if own else "-",
+                ms(statistic(times[label])),
+                f"{paired_ratio(times['torchdiffeq'], times[label]):.2f}",
+                f"{paired_ratio(times[label], own):.3f}" if own else "-",
+                f"{paired_ratio(times[label], peer):.3f}" if peer else "-",
                 run.nfe,
                 run.sample_evaluations if run.sample_evaluations >= 0 else "-",
                 run.accepted if run.accepted >= 0 else "-",
@@ -373,7 +391,15 @@ def main() -> None:
     args = parser.parse_args()
     set_threads(args.threads)
     print(environment())
-    headers = ["size", "batch", "solver", f"ms ({args.statistic}, {args.clock})", "speed-up vs torchdiffeq", "x own bare"]
+    headers = [
+        "size",
+        "batch",
+        "solver",
+        f"ms ({args.statistic}, {args.clock})",
+        "speed-up vs torchdiffeq",
+        "x own bare",
+        "x diffrax",
+    ]
     for name in args.size:  # one table per size, printed as soon as it is measured
         print(
             table(

@@ -249,28 +249,37 @@ class ETField(nn.Module):
             (grad,) = torch.autograd.grad(energy, g, create_graph=create_graph)
         return grad
 
-    def forward(self, t: Tensor | None, x: Tensor) -> Tensor:
+    def forward(self, t: Tensor | None, x: Tensor, *, out: Tensor | None = None) -> Tensor:
         """``dx/dt`` at ``x``, the right-hand side an ODE solver calls. Counted in ``nfe``.
 
         Args:
             t: the time (unused: the field is autonomous).
             x: states ``(..., N, D)``.
+            out: see :meth:`velocity`.
 
         Returns:
             ``dx/dt``, ``(..., N, D)``.
         """
         self.evaluations.add()
-        return self.velocity(x)
+        return self.velocity(x) if out is None else self.velocity(x, out=out)
 
-    def velocity(self, x: Tensor) -> Tensor:
+    def velocity(self, x: Tensor, *, out: Tensor | None = None) -> Tensor:
         """``dx/dt = -(1/tau) dE/dg`` at ``x``, not counted in ``nfe``.
 
         Args:
             x: states ``(..., N, D)``.
+            out: a tensor of ``x``'s shape, dtype and device to write ``dx/dt`` into and return, under
+                ``torch.no_grad()`` (the fused field's last product writes a contiguous one directly); None: a new
+                tensor.
 
         Returns:
             ``dx/dt``, ``(..., N, D)``.
+
+        Raises:
+            ValueError: ``out`` of another shape, dtype or device than ``x``, or given outside ``torch.no_grad()``.
         """
+        if out is not None:
+            _check_out(x, out)
         g = self.activation(x)
         mask = self.mask
         if (
@@ -279,12 +288,19 @@ class ETField(nn.Module):
             and self.fused is not None
             and not isinstance(mask, GraphMask)
             and self.fused.supports(g, mask)
-        ):
-            return self.fused(g, mask, negate=True)  # the sign folded into the weights: one pass less
+        ):  # the sign folded into the weights: one pass less
+            if out is None:
+                return self.fused(g, mask, negate=True)
+            if out.is_contiguous():  # the last product writes there itself
+                self.fused(g, mask, negate=True, out=out)
+                return out
+            return out.copy_(self.fused(g, mask, negate=True))
         grad = self.dE_dg(g)
         if grad.requires_grad or self.fused is None:
-            return grad / -self.tau
-        return grad.div_(-self.tau)  # a fresh tensor of the fused path: scaled in place, the same bits as above
+            result = grad / -self.tau
+            return result if out is None else out.copy_(result)
+        # a fresh tensor of the fused path: scaled in place or into out, the same bits as above
+        return grad.div_(-self.tau) if out is None else torch.div(grad, -self.tau, out=out)
 
     def _checked(self, x: Tensor) -> Tensor:
         check_tokens("x", x, self.model.dim, like=self.model.reference_tensor)
@@ -384,6 +400,17 @@ class ETField(nn.Module):
             f"the model's parameter {name!r} holds NaN or infinite values, so the dynamics are "
             f"undefined; reload the weights (a diverged training step?)"
         )
+
+
+def _check_out(x: Tensor, out: Tensor) -> None:
+    """ValueError naming ``out`` unless it can hold the velocity at ``x`` without gradients."""
+    if out.shape != x.shape or out.dtype != x.dtype or out.device != x.device:
+        raise ValueError(
+            f"out must have x's shape, dtype and device {tuple(x.shape)}, {x.dtype}, {x.device}; "
+            f"got {tuple(out.shape)}, {out.dtype}, {out.device}"
+        )
+    if torch.is_grad_enabled():
+        raise ValueError("out is for evaluations without gradients: call under torch.no_grad()")
 
 
 def _rms(v: Tensor) -> Tensor:

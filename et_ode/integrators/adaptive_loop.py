@@ -19,7 +19,7 @@ import math
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple, TypeGuard
+from typing import Any, Literal, NamedTuple, TypeGuard, cast
 
 import torch
 from torch import Tensor
@@ -281,7 +281,8 @@ class _Interpolant:
 
 class _Buffers:
     """The storage of the active groups without gradients, allocated once per integration (compaction keeps the
-    groups still running in its first rows): the stages ``k`` ``(G, S, M)``; the state ``y``, the solution ``y1``, a
+    groups still running in its first rows): the stages ``k`` ``(G, S, M)`` (stored stage-major, so that a stage's
+    slot ``k[:, i]`` of every group is one contiguous block); the state ``y``, the solution ``y1``, a
     stage input, the error and its scale, each ``(G, 1, M)``; the step's weights ``(G, S + 1, S)``; and the views of
     them every step takes."""
 
@@ -300,7 +301,8 @@ class _Buffers:
             return torch.empty(shape, dtype=dtype, device=device)
 
         y, y1, stage, err, scale = (empty(groups, 1, width) for _ in range(5))
-        return cls(empty(groups, stages, width), y, y1, stage, err, scale, empty(groups, stages + 1, stages))
+        k = empty(stages, groups, width).transpose(0, 1)  # each stage's slot one block, which the field writes into
+        return cls(k, y, y1, stage, err, scale, empty(groups, stages + 1, stages))
 
     def first(self, groups: int) -> _Buffers:
         """The same storage for the first ``groups`` groups."""
@@ -447,21 +449,27 @@ class _Loop:
         self.outputs = _Outputs([], [])
 
     # -- evaluations -------------------------------------------------------------------------------
-    def evaluate(self, t: Tensor | None, y: Tensor, rows: Tensor | None = None) -> Tensor:
+    def evaluate(self, t: Tensor | None, y: Tensor, rows: Tensor | None = None, out: Tensor | None = None) -> Tensor:
         """The field at the groups ``y`` ``(G, 1, M)`` at their times ``t`` ``(G,)`` (float64): ``(G, 1, M)``;
         ``rows`` ``(G,)``: which of the active groups ``y`` holds (None: all of them, in order), so that each gets its
-        own mask. The ET field is autonomous and gets no time (``t`` None); another field gets ``t`` per sample, or
-        the shared 0-d time."""
+        own mask; ``out``: where to write it (no gradients; the ET field writes there itself). The ET field is
+        autonomous and gets no time (``t`` None); another field gets ``t`` per sample, or the shared 0-d time."""
         groups = y.shape[0]
         state = y.view(groups, *self.event) if self.per_sample else y.view(self.event)
         if not self.counting:  # (a captured step: an ET field, counted by the replays)
-            return self.field_now.velocity(state).reshape(groups, 1, self.width)  # type: ignore[union-attr]
+            velocity = cast(ETField, self.field_now).velocity(state, out=None if out is None else out.view(state.shape))
+            return velocity.reshape(groups, 1, self.width) if out is None else out
         self.progress.sample_evaluations += groups * self.samples_per_group
         time = None if t is None or self.autonomous else (t.to(self.dtype) if self.per_sample else t[0].to(self.dtype))
         field = self.field_now
         if rows is not None and self.mask_now is not None:
             field = self.field.with_mask(self.mask_now[rows])  # type: ignore[attr-defined]
-        return field(time, state).reshape(groups, 1, self.width)
+        if out is None:
+            return field(time, state).reshape(groups, 1, self.width)
+        if self.autonomous:  # the ET field writes into out itself
+            cast(ETField, field)(time, state, out=out.view(state.shape))
+            return out
+        return out.copy_(field(time, state).reshape(groups, 1, self.width))
 
     def first_step(self, t: Tensor, y0: Tensor, f0: Tensor) -> Tensor:
         """torchdiffeq's and diffrax's starting step per group (one evaluation): ``(G,)`` float64."""
@@ -498,7 +506,7 @@ class _Loop:
         weights = torch.mul(scaled, self.matrix, out=buffers.weights)
         for i in range(1, s):
             y = torch.baddbmm(y0, buffers.w_rows[i - 1], buffers.k_upto[i], out=buffers.y1 if i == s - 1 else buffers.stage)
-            buffers.k_slot[i].copy_(self.evaluate(None if self.autonomous else t + c[i] * dt, y))
+            self.evaluate(None if self.autonomous else t + c[i] * dt, y, out=buffers.k_slot[i])
         return buffers.k, y, weights
 
     def error_ratio(self, k: Tensor, y0: Tensor, y1: Tensor, weights: Tensor, buffers: _Buffers | None) -> Tensor:

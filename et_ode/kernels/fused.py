@@ -187,23 +187,29 @@ class FusedGrad:
             packed = self._packed["forward"] = torch.ops.mkldnn._reorder_linear_weight(weights, x.shape[0])
         return backends.onednn_linear(x, packed)
 
-    def _back_project(self, y: Tensor, weights: Tensor, backend: str, negate: bool = True) -> Tensor:
+    def _back_project(
+        self, y: Tensor, weights: Tensor, backend: str, negate: bool = True, out: Tensor | None = None
+    ) -> Tensor:
         """``-y @ W`` (``y @ W`` with ``negate=False``): ``(M, R) -> (M, D)``, the sign folded into a cached copy of
-        ``-W`` (a product with ``-W`` is the exact negative of one with ``W``)."""
+        ``-W`` (a product with ``-W`` is the exact negative of one with ``W``); written into ``out`` (contiguous
+        ``(M, D)``, no gradients) where given, by the product itself on ``torch.matmul``."""
         if weights is not self._weights:  # stale weights saved by a forward pass (see _backward)
-            out = y @ weights
-            return out.neg_() if negate else out
-        sign = "minus" if negate else "plus"
-        if backend == "matmul":
+            result = y @ weights
+            result = result.neg_() if negate else result
+        elif backend == "matmul":
+            sign = "minus" if negate else "plus"
             signed = self._packed.get(f"back_matmul_{sign}")
             if signed is None:
                 signed = self._packed[f"back_matmul_{sign}"] = -weights if negate else weights
-            return y @ signed
-        packed = self._packed.get(f"back_{sign}")
-        if packed is None:
-            signed_t = (-weights.T if negate else weights.T).contiguous()
-            packed = self._packed[f"back_{sign}"] = torch.ops.mkldnn._reorder_linear_weight(signed_t, y.shape[0])
-        return backends.onednn_linear(y, packed)
+            return y @ signed if out is None else torch.mm(y, signed, out=out)
+        else:
+            sign = "minus" if negate else "plus"
+            packed = self._packed.get(f"back_{sign}")
+            if packed is None:
+                signed_t = (-weights.T if negate else weights.T).contiguous()
+                packed = self._packed[f"back_{sign}"] = torch.ops.mkldnn._reorder_linear_weight(signed_t, y.shape[0])
+            result = backends.onednn_linear(y, packed)  # (oneDNN's linear takes no out)
+        return result if out is None else out.copy_(result)
 
     # -- the computation ------------------------------------------------------------------------
     def _allowed(self, mask: Tensor | None, batch: tuple[int, ...], n: int) -> Tensor | None:
@@ -269,7 +275,7 @@ class FusedGrad:
         return attn
 
     def _forward(
-        self, g: Tensor, mask: Tensor | None, keep: bool, negate: bool = True
+        self, g: Tensor, mask: Tensor | None, keep: bool, negate: bool = True, out: Tensor | None = None
     ) -> tuple[Tensor, tuple[Tensor | None, ...]]:
         attention = self.model.attention
         heads, head_dim, dim = attention.heads, attention.head_dim, attention.dim
@@ -299,9 +305,10 @@ class FusedGrad:
         c3 = coefficient.view(bt, n, r)
         c3[..., :hy].view(bt, n, heads, head_dim).copy_(d_keys.transpose(1, 2))
         c3[..., hy : 2 * hy].view(bt, n, heads, head_dim).copy_(d_queries.transpose(1, 2))
-        out = self._back_project(coefficient, weights, backend, negate).view(*batch, n, dim)
+        into = None if out is None else out.view(m, dim)
+        result = self._back_project(coefficient, weights, backend, negate, into).view(*batch, n, dim)
         saved = (g2, keys, queries, attn, p, coefficient, beta_h, weights) if keep else ()
-        return out, saved
+        return result, saved
 
     def _backward(self, u: Tensor, saved: tuple[Any, ...], need_g: bool, need_w: bool) -> tuple[Tensor | None, ...]:
         g2, keys, queries, attn, p, coefficient, beta_h, weights = saved
@@ -353,17 +360,20 @@ class FusedGrad:
                 grad_w = torch.addmm(coefficient.T @ u2, big_u.T, g2).neg_()
         return grad_g, grad_w
 
-    def __call__(self, g: Tensor, mask: Tensor | None = None, *, negate: bool = False) -> Tensor:
+    def __call__(self, g: Tensor, mask: Tensor | None = None, *, negate: bool = False, out: Tensor | None = None) -> Tensor:
         """``dE/dg`` (``-dE/dg`` with ``negate=True``, at no extra cost without gradients): ``(..., N, D) ->
-        (..., N, D)``; differentiable w.r.t. ``g``, ``WK``, ``WQ`` and ``xi``."""
+        (..., N, D)``; differentiable w.r.t. ``g``, ``WK``, ``WQ`` and ``xi``. ``out``: a contiguous tensor of
+        ``g``'s shape to write the result into and return, without gradients (None: a new tensor)."""
         attention, hopfield = self.model.attention, self.model.hopfield
         params = (attention.WK, attention.WQ, hopfield.xi)
         if torch.is_grad_enabled() and (g.requires_grad or any(p.requires_grad for p in params)):
+            if out is not None:
+                raise ValueError("out is for evaluations without gradients")
             # views give the weights graph nodes whose use the backward can query (see _weights_needed)
-            out = _FusedGradFunction.apply(g, mask, self, *(p.view_as(p) for p in params))
-            return -out if negate else out
-        out, _ = self._forward(g, mask, keep=False, negate=not negate)
-        return out
+            result = _FusedGradFunction.apply(g, mask, self, *(p.view_as(p) for p in params))
+            return -result if negate else result
+        result, _ = self._forward(g, mask, keep=False, negate=not negate, out=out)
+        return result
 
 
 def _weights_needed(ctx: Any) -> bool:

@@ -20,6 +20,41 @@ def test_analytic_field_equals_autograd_field(hopfield):
         torch.testing.assert_close(analytic(0.0, x), reference(0.0, x), rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize(
+    "tau, dtype, derivative",
+    [
+        (1.0, torch.float32, "analytic"),
+        (1.0, torch.float64, "analytic"),
+        (0.7, torch.float64, "analytic"),
+        (0.7, torch.float64, "autograd"),
+    ],
+)
+def test_the_velocity_written_into_out(tau, dtype, derivative):
+    """``velocity(x, out=...)`` and ``field(t, x, out=...)`` write ``dx/dt`` into ``out`` and return it: the same bits
+    as a new tensor, in a contiguous block (the fused product writes it) or in a strided view (one stage of a
+    stage-major store), with a mask per sample; an ``out`` of another shape or dtype, or one asked for while
+    gradients are recorded, is a ValueError naming it."""
+    model = random_model(dtype=dtype)
+    mask = torch.rand(3, 6, 6, generator=torch.Generator().manual_seed(1)) > 0.3
+    field = ETField(model, tau=tau, derivative=derivative, mask=mask)
+    x = torch.randn(3, 6, 8, dtype=dtype, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = field.velocity(x)
+        block = torch.full_like(x, float("nan"))
+        assert field.velocity(x, out=block) is block
+        assert torch.equal(block, expected)
+        store = torch.full((2, 3, 6, 8), float("nan"), dtype=dtype)
+        stage = store.transpose(0, 1)[:, 1]  # (3, 6, 8), every sample's block 2 * 48 apart
+        before = field.nfe
+        assert field(None, x, out=stage) is stage and field.nfe == before + 1
+        assert torch.equal(stage, expected) and bool(store[0].isnan().all())
+        for bad in (torch.empty(3, 6, 7, dtype=dtype), torch.empty(3, 6, 8, dtype=torch.float16)):
+            with pytest.raises(ValueError, match="out must have"):
+                field.velocity(x, out=bad)
+    with pytest.raises(ValueError, match="torch.no_grad"):
+        field.velocity(x, out=block)
+
+
 def test_select_gives_the_field_of_some_samples():
     """``select(index)`` of a field with one mask per sample evaluates each chosen sample with its own mask (checked
     against the model's energy and dE/dg with that mask alone); a shared mask is kept; the counter is shared."""

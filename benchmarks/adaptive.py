@@ -258,12 +258,8 @@ def _synchronised(call: Callable[[], object], like: torch.Tensor) -> Callable[[]
     return synchronised
 
 
-#: the diffrax row each et-ode row is compared with: the batch as one state, or vmapped per sample
-DIFFRAX_PEERS = {
-    "et-ode shared": "diffrax batched",
-    "et-ode per-sample": "diffrax per-sample",
-    "et-ode per-sample tsit5": "diffrax per-sample",
-}
+#: the diffrax row (the same method, dopri5) each et-ode row is compared with: the batch as one state, or vmapped
+DIFFRAX_PEERS = {"et-ode shared": "diffrax batched", "et-ode per-sample": "diffrax per-sample"}
 
 
 def _rows(

@@ -116,6 +116,29 @@ def test_float32_within_round_off_of_float64():
         assert _relative(a.double(), b) < 2e-5
 
 
+@pytest.mark.parametrize("gemm", ["matmul", "onednn"])
+def test_the_result_written_into_out_on_either_back_end(gemm):
+    """Without gradients, ``out`` receives the same bits as a new result, on ``torch.matmul`` (whose product writes
+    it) and on oneDNN (copied; where this CPU refuses float32 the field runs on matmul), and the stale-weights path
+    of the back-projection writes it too; ``out`` with gradients is a ValueError."""
+    model = copy.deepcopy(random_model(dim=32, heads=4, head_dim=8, memories=64)).float()
+    g = torch.randn(3, 9, 32, generator=torch.Generator().manual_seed(3))
+    fused = FusedGrad(model, gemm=gemm)
+    with torch.no_grad():
+        for negate in (False, True):
+            expected = fused(g, negate=negate)
+            out = torch.full_like(g, float("nan"))
+            fused(g, negate=negate, out=out)
+            assert torch.equal(out, expected), (gemm, negate)
+        weights = fused._stacked().clone()  # not the cached weights: the stale path
+        coefficient = torch.randn(27, weights.shape[0])
+        into = torch.empty(27, 32)
+        fused._back_project(coefficient, weights, gemm, True, into)
+        assert torch.equal(into, -(coefficient @ weights))
+    with pytest.raises(ValueError, match="without gradients"):
+        fused(g.requires_grad_(True), out=torch.empty_like(g))
+
+
 @pytest.mark.skipif(not onednn_available(), reason="this PyTorch build has no oneDNN")
 def test_gemm_choice_is_a_valid_back_end_and_float64_uses_matmul():
     assert choose_gemm(40, 16, 64, torch.float32, torch.device("cpu"), reps=1) in ("matmul", "onednn")

@@ -289,11 +289,8 @@ class ETField(nn.Module):
             and not isinstance(mask, GraphMask)
             and self.fused.supports(g, mask)
         ):  # the sign folded into the weights: one pass less
-            if out is None:
-                return self.fused(g, mask, negate=True)
-            if out.is_contiguous():  # the last product writes there itself
-                self.fused(g, mask, negate=True, out=out)
-                return out
+            if out is None or out.is_contiguous():  # the last product writes a contiguous out itself
+                return self.fused(g, mask, negate=True, out=out)
             return out.copy_(self.fused(g, mask, negate=True))
         grad = self.dE_dg(g)
         if grad.requires_grad or self.fused is None:

@@ -373,7 +373,7 @@ class FusedGrad:
             result = _FusedGradFunction.apply(g, mask, self, *(p.view_as(p) for p in params))
             return -result if negate else result
         result, _ = self._forward(g, mask, keep=False, negate=not negate, out=out)
-        return result
+        return result if out is None else out
 
 
 def _weights_needed(ctx: Any) -> bool:

@@ -128,7 +128,7 @@ def test_the_result_written_into_out_on_either_back_end(gemm):
         for negate in (False, True):
             expected = fused(g, negate=negate)
             out = torch.full_like(g, float("nan"))
-            fused(g, negate=negate, out=out)
+            assert fused(g, negate=negate, out=out) is out
             assert torch.equal(out, expected), (gemm, negate)
         weights = fused._stacked().clone()  # not the cached weights: the stale path
         coefficient = torch.randn(27, weights.shape[0])

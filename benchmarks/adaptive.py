@@ -31,6 +31,7 @@ environment, ``pip install torchdiffeq torchode jax diffrax`` beside et-ode.
 
     python benchmarks/adaptive.py --threads 1                  # digits, 28x28 (batch 64), ImageNet (batch 4)
     python benchmarks/adaptive.py --threads 2 --size mnist imagenet --reps 5
+    python benchmarks/adaptive.py --batch 1                    # one sample per solve: the loop's fixed costs
     python benchmarks/adaptive.py --device cuda --size digits mnist     # on a GPU, with the captured step's row
 """
 
@@ -217,8 +218,14 @@ def bare(field: et_ode.ETField, inputs: list[torch.Tensor]) -> Callable[[], None
     return call
 
 
-def measure(name: str, args: argparse.Namespace) -> list[list[object]]:
+def _case(name: str, args: argparse.Namespace) -> tuple[Size, float]:
+    """The size ``name`` (with ``--batch`` samples where given) and its end time."""
     size, t1 = CASES[name]
+    return (size if args.batch is None else size.with_batch(args.batch)), t1
+
+
+def measure(name: str, args: argparse.Namespace) -> list[list[object]]:
+    size, t1 = _case(name, args)
     model = make_model(size).to(args.device)
     field = et_ode.ETField(model)
     x0 = initial_state(size).to(args.device)
@@ -292,7 +299,7 @@ def _rows(
 
 def to_rest(name: str, args: argparse.Namespace) -> list[list[object]]:
     """Every sample integrated until RMS dg/dt < ``--stop-tol``: time, evaluations, the latest stop."""
-    size, _ = CASES[name]
+    size, _ = _case(name, args)
     model = make_model(size)
     field = et_ode.ETField(model)
     x0 = initial_state(size)
@@ -367,6 +374,9 @@ def mixed(name: str, args: argparse.Namespace) -> list[list[object]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", choices=list(CASES), nargs="+", default=list(CASES))
+    parser.add_argument(
+        "--batch", type=int, default=None, help="samples per solve (default: the size's own, 64; ImageNet 4)"
+    )
     parser.add_argument("--rtol", type=float, default=1e-4)
     parser.add_argument("--atol", type=float, default=1e-6)
     parser.add_argument("--reps", type=int, default=5)

@@ -193,12 +193,11 @@ LANES = 16  # twice the widest vector of doubles (AVX-512), the stride of ATen's
 def _power(base: Tensor, exponent: float) -> Tensor:
     """``base ** exponent`` elementwise, each element's bits independent of its position in ``base``: on the CPU an
     element at the end of a tensor goes through the loop's scalar tail, whose power can differ in the last bit from
-    the vectorised one (seen on AVX-512 and on AVX2), so each element is computed in a row of :data:`LANES` copies,
-    which the vectorised loop covers whole."""
+    the vectorised one (seen on AVX-512 and on AVX2), so each element is raised in a row of :data:`LANES` (a
+    broadcast view, which the vectorised loop reads as a scalar) that the vectorised loop covers whole."""
     if base.device.type != "cpu":
         return base**exponent
-    rows = base.reshape(-1, 1).expand(-1, LANES).contiguous()
-    return (rows**exponent)[:, 0].reshape(base.shape)
+    return torch.pow(base.reshape(-1, 1).expand(-1, LANES), exponent)[:, 0].reshape(base.shape)
 
 
 def _rms(x: Tensor) -> Tensor:

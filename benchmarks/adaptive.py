@@ -69,6 +69,7 @@ from _common import (  # noqa: E402
 )
 
 import et_ode  # noqa: E402
+from et_ode.cli.options import count_in  # noqa: E402
 
 CASES = {"digits": (DIGITS, 5.0), "mnist": (MNIST, 5.0), "imagenet": (IMAGENET, 1.0)}  # size (its batch), t1
 STOP_T1 = 100.0
@@ -371,18 +372,11 @@ def mixed(name: str, args: argparse.Namespace) -> list[list[object]]:
     ]
 
 
-def _samples(text: str) -> int:
-    """``--batch``'s value: a whole number of samples, at least 1."""
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"must be a whole number of samples >= 1, got {text!r}")
-    return int(text)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", choices=list(CASES), nargs="+", default=list(CASES))
     parser.add_argument(
-        "--batch", type=_samples, default=None, help="samples per solve (default: the size's own, 64; ImageNet 4)"
+        "--batch", type=count_in(1), default=None, help="samples per solve (default: the size's own, 64; ImageNet 4)"
     )
     parser.add_argument("--rtol", type=float, default=1e-4)
     parser.add_argument("--atol", type=float, default=1e-6)

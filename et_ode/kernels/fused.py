@@ -193,17 +193,16 @@ class FusedGrad:
         """``-y @ W`` (``y @ W`` with ``negate=False``): ``(M, R) -> (M, D)``, the sign folded into a cached copy of
         ``-W`` (a product with ``-W`` is the exact negative of one with ``W``); written into ``out`` (contiguous
         ``(M, D)``, no gradients) where given, by the product itself on ``torch.matmul``."""
+        sign = "minus" if negate else "plus"
         if weights is not self._weights:  # stale weights saved by a forward pass (see _backward)
             result = y @ weights
             result = result.neg_() if negate else result
         elif backend == "matmul":
-            sign = "minus" if negate else "plus"
             signed = self._packed.get(f"back_matmul_{sign}")
             if signed is None:
                 signed = self._packed[f"back_matmul_{sign}"] = -weights if negate else weights
             return y @ signed if out is None else torch.mm(y, signed, out=out)
         else:
-            sign = "minus" if negate else "plus"
             packed = self._packed.get(f"back_{sign}")
             if packed is None:
                 signed_t = (-weights.T if negate else weights.T).contiguous()

@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 PYTEST_WORKERS ?= auto
 PYTEST := $(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist worksteal
 
-.PHONY: install test test-avx2 lint typecheck docs demo bench fuzz mutate clean
+.PHONY: install test test-avx2 test-compile lint typecheck docs demo bench fuzz mutate clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -39,6 +39,10 @@ test: $(STAMP) lint typecheck
 # the suite on the AVX2 code paths of oneDNN, MKL and ATen (approximates an AVX2-only CPU on an AVX-512 one)
 test-avx2: $(STAMP)
 	ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2 $(PYTEST) $(PYTEST_ARGS)
+
+# the tests that run torch.compile's compiler (Adaptive(compile=True)): a minute or more on a cold cache, so slow
+test-compile: $(STAMP)
+	$(BIN)/python -m pytest -q -m slow tests/integrators/test_adaptive_loop.py -k compiled_step
 
 demo: $(STAMP)
 	$(BIN)/et-ode demo --out runs/demo --overwrite

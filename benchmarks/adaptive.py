@@ -11,15 +11,19 @@ steps, and the largest difference of the final state from torchdiffeq's relative
 - ``et-ode shared``: ``solve`` with the default ``Adaptive("dopri5", ...)`` (et-ode's loop, one step size for the
   batch);
 - ``et-ode per-sample``: ``Adaptive(step_control="per_sample")``; ``et-ode per-sample tsit5``: with Tsitouras' pair;
+- ``et-ode shared, compiled`` (``--compile``): ``Adaptive(compile=True)``, the step compiled by ``torch.compile``
+  (compiled before the timing, as diffrax's ``jax.jit``);
 - ``torchode`` (where installed): its Dopri5 with an integral controller on our field, per sample;
 - ``diffrax batched`` and ``diffrax per-sample`` (where jax and diffrax are installed): ``jax.jit`` of
   ``diffeqsolve`` with Dopri5 and a PID controller of the I-controller's coefficients on the same weights written in
   JAX (``_common.jax_field``), the batch as one state, or ``vmap`` over the samples (each its own steps).
 
 The ``x own bare`` column divides an et-ode row's time by a bare loop over the states that row itself evaluated the
-field at (recorded from one of its runs): what its machinery adds. ``x diffrax`` divides it by its diffrax peer's
-(batched for the shared row, vmapped for the per-sample rows). Every ratio is the median over rounds of the two
-times within one round (``_common.paired_ratio``), which a drift of the machine's speed between rounds leaves alone.
+field at (recorded from one of its runs): what its machinery adds; the compiled row, whose step runs no Python to
+record, is divided by the shared row's bare loop (the same method and tolerances: compare their NFE). ``x diffrax``
+divides it by its diffrax peer's (batched for the shared rows, vmapped for the per-sample rows). Every ratio is the
+median over rounds of the two times within one round (``_common.paired_ratio``), which a drift of the machine's speed
+between rounds leaves alone.
 Then (``--stop``) each sample integrated to rest, RMS dg/dt below ``--stop-tol`` (t1 = 100): et-ode shared
 (``SteadyState(tol)``, one stop for the batch), per sample (``SteadyState(tol, per_sample=True)``), torchdiffeq's
 event path with per-sample stops, and diffrax with an event on the same measure (batched: the batch's largest;
@@ -32,6 +36,7 @@ environment, ``pip install torchdiffeq torchode jax diffrax`` beside et-ode.
     python benchmarks/adaptive.py --threads 1                  # digits, 28x28 (batch 64), ImageNet (batch 4)
     python benchmarks/adaptive.py --threads 2 --size mnist imagenet --reps 5
     python benchmarks/adaptive.py --batch 1                    # one sample per solve: the loop's fixed costs
+    python benchmarks/adaptive.py --batch 1 --compile          # with the compiled step's row
     python benchmarks/adaptive.py --device cuda --size digits mnist     # on a GPU, with the captured step's row
 """
 
@@ -105,13 +110,13 @@ def _recorded(field: et_ode.ETField, inputs: list[torch.Tensor]) -> et_ode.ETFie
 
 
 def et_ode_run(field: et_ode.ETField, x0: torch.Tensor, t1: float, solver: et_ode.Adaptive, stop: Any = None) -> Run:
-    """``solve`` with ``solver`` (and ``stop``), once recorded (a captured step replays without Python, so a solve
-    with ``cuda_graph`` is not recorded: no own bare loop)."""
+    """``solve`` with ``solver`` (and ``stop``), once recorded (a captured or compiled step runs without Python, so a
+    solve with ``cuda_graph`` or ``compile`` is not recorded: no own bare loop)."""
 
     def call(target: et_ode.ETField = field) -> et_ode.Solution:
         return et_ode.solve(target, x0, (0.0, t1), solver=solver, stop=stop, save="final")
 
-    inputs: list[torch.Tensor] | None = None if solver.cuda_graph else []
+    inputs: list[torch.Tensor] | None = None if solver.cuda_graph or solver.compile else []
     with torch.no_grad():
         solution = call(field if inputs is None else _recorded(field, inputs))
     stats = solution.stats
@@ -236,6 +241,8 @@ def measure(name: str, args: argparse.Namespace) -> list[list[object]]:
         "et-ode per-sample": et_ode.Adaptive("dopri5", args.rtol, args.atol, step_control="per_sample"),
         "et-ode per-sample tsit5": et_ode.Adaptive("tsit5", args.rtol, args.atol, step_control="per_sample"),
     }
+    if args.compile:
+        solvers["et-ode shared, compiled"] = et_ode.Adaptive("dopri5", args.rtol, args.atol, compile=True)
     if x0.is_cuda:
         solvers["et-ode shared, CUDA graph"] = et_ode.Adaptive("dopri5", args.rtol, args.atol, cuda_graph=True)
     for label, solver in solvers.items():
@@ -267,7 +274,13 @@ def _synchronised(call: Callable[[], object], like: torch.Tensor) -> Callable[[]
 
 
 #: the diffrax row (the same method, dopri5) each et-ode row is compared with: the batch as one state, or vmapped
-DIFFRAX_PEERS = {"et-ode shared": "diffrax batched", "et-ode per-sample": "diffrax per-sample"}
+DIFFRAX_PEERS = {
+    "et-ode shared": "diffrax batched",
+    "et-ode shared, compiled": "diffrax batched",
+    "et-ode per-sample": "diffrax per-sample",
+}
+#: the bare loop a row without its own (a compiled step records nothing) is divided by: the same steps uncompiled
+BARE_STAND_INS = {"et-ode shared, compiled": "et-ode shared"}
 
 
 def _rows(
@@ -279,7 +292,8 @@ def _rows(
     scale = reference.abs().max().item()
     rows = []
     for label, run in runs.items():
-        own, peer = times.get(f"{label} (own bare loop)"), times.get(DIFFRAX_PEERS.get(label, ""))
+        own = times.get(f"{label} (own bare loop)") or times.get(f"{BARE_STAND_INS.get(label)} (own bare loop)")
+        peer = times.get(DIFFRAX_PEERS.get(label, ""))
         rows.append(
             [
                 case,
@@ -389,6 +403,7 @@ def main() -> None:
         help="cpu: the process's CPU time (steadier where other jobs share the cores)",
     )
     parser.add_argument("--threads", type=int, default=1, help="pin the process (torch and XLA) to this many cores")
+    parser.add_argument("--compile", action="store_true", help="also Adaptive(compile=True)'s row")
     parser.add_argument("--stop", action="store_true", help="also the rows to a steady state")
     parser.add_argument("--stop-tol", type=float, default=1e-3, help="the steady state: RMS dg/dt below this")
     parser.add_argument("--mixed", action="store_true", help="also the batch of half easy and half hard samples")

@@ -42,7 +42,7 @@ UNDERFLOW_ADVICE = (
 )
 
 StepCallback = Callable[[Tensor, Tensor], None]
-GraphMode = Literal["cuda", "eager"]  # how a shared step is captured and replayed (see _StepGraph)
+GraphMode = Literal["cuda", "eager", "compile"]  # how a shared step is captured (_StepGraph, _CompiledStep)
 StopTest = Callable[[Tensor, Tensor], Tensor]
 # a quantity integrated along the accepted steps, outside step control: called with the accepted groups' ids (n,),
 # the indices j of the stages the solution weighs, a function giving stage j's input (n, 1, M) (formed when asked)
@@ -370,6 +370,48 @@ class _StepGraph:
         return self.outputs
 
 
+class _CompiledStep:
+    """A shared step's attempt (:meth:`_Loop.attempt`: the stages, the error ratio and the controller) compiled by
+    ``torch.compile`` and run every step from the first (``mode="compile"``). Its stages evaluate the field's closed
+    form (``backend="reference"``: plain tensor operations, which the compiler traces and fuses, where the fused
+    kernels keep caches it cannot) and return new tensors rather than writing the buffers. PyTorch compiles it once
+    per shape, dtype and setting in a process, on the first call, here in the constructor, where a failure reaches
+    :meth:`_Loop._capture`. The attempt's evaluations are counted by hand after each call, as a graph's replays are."""
+
+    def __init__(self, loop: _Loop, state: dict[str, Any]):
+        self.loop = loop
+        field = cast(ETField, loop.field_now)
+        loop.traced_field = ETField(field.model, field.tau, field.derivative, field.mask, backend="reference")
+        self.compiled = _compiled_attempt(loop.device.type)
+        self.first: _Attempt | None = self._run(state)  # the first replay is this step's attempt
+
+    def _run(self, state: dict[str, Any]) -> _Attempt:
+        loop = self.loop
+        loop.counting = False
+        try:
+            return self.compiled(loop, state["t"], state["dt"], state["history"], state["y"], state["f0"])
+        finally:
+            loop.counting = True
+
+    def replay(self, state: dict[str, Any]) -> _Attempt:
+        """The attempt from ``state``'s time, step size, history, state and first stage."""
+        attempt, self.first = (self._run(state), None) if self.first is None else (self.first, None)
+        self.loop.count_replayed_evaluations()
+        return attempt
+
+
+def _uncounted_attempt(loop: _Loop, t: Tensor, dt: Tensor, history: Tensor, y: Tensor, f0: Tensor) -> _Attempt:
+    return loop.attempt(t, dt, history, y, f0, None)
+
+
+@functools.cache
+def _compiled_attempt(device_type: str) -> Callable[..., _Attempt]:
+    """:func:`_uncounted_attempt` under ``torch.compile``, made once per process and device type (making it costs
+    milliseconds; PyTorch keeps its compilations per shape and setting)."""
+    options: dict[str, Any] | None = {"cpp_wrapper": True} if device_type == "cpu" else None
+    return torch.compile(_uncounted_attempt, dynamic=False, options=options)
+
+
 @contextlib.contextmanager
 def _side_stream(stream: torch.cuda.Stream | None) -> Iterator[None]:
     """Work inside the block runs on ``stream``, ordered after the current stream's work and before its later work
@@ -436,10 +478,11 @@ class _Loop:
         self.in_place = not torch.is_grad_enabled()
         self.t_end = grid[-1]
         self.stop, self.quadrature = stop, quadrature
-        # a captured step: shared steps of an ET field without gradients, a stop or a quadrature (see _StepGraph)
+        # a captured or compiled step: shared steps of an ET field without gradients, a stop or a quadrature
         graphable = self.in_place and not per_sample and self.autonomous and stop is None and quadrature is None
         self.graph_mode = graph if graphable else None
-        self.step_graph: _StepGraph | None = None
+        self.step_graph: _StepGraph | _CompiledStep | None = None
+        self.traced_field: ETField | None = None  # the field a compiled step evaluates (see _CompiledStep)
         self.counting = True  # evaluations count in nfe (not inside a captured step's attempt)
         self.t_now = grid[:1]  # the active groups' times during a step
         self.next_dt: Tensor | None = None  # the step sizes the latest step proposed
@@ -456,7 +499,8 @@ class _Loop:
         groups = y.shape[0]
         state = y.view(groups, *self.event) if self.per_sample else y.view(self.event)
         if not self.counting:  # (a captured step: an ET field, counted by the replays)
-            velocity = cast(ETField, self.field_now).velocity(state, out=None if out is None else out.view(state.shape))
+            captured = cast(ETField, self.field_now) if self.traced_field is None else self.traced_field
+            velocity = captured.velocity(state, out=None if out is None else out.view(state.shape))
             return velocity.reshape(groups, 1, self.width) if out is None else out
         self.progress.sample_evaluations += groups * self.samples_per_group
         time = None if t is None or self.autonomous else (t.to(self.dtype) if self.per_sample else t[0].to(self.dtype))
@@ -643,7 +687,8 @@ class _Loop:
             if bool(done.any()):
                 self._finish(state, done, y, state["t"])
                 buffers = self._compact(state, done, buffers)
-        capture_at = self.progress.steps + WARM_STEPS + 1  # (the record may hold an earlier solve's steps)
+        # (the record may hold an earlier solve's steps; a compiled step needs no warm steps)
+        capture_at = self.progress.steps + (0 if self.graph_mode == "compile" else WARM_STEPS) + 1
         while len(state["t"]):
             self._count_step(state)
             if self.graph_mode is not None and buffers is not None and self.progress.steps == capture_at:
@@ -725,14 +770,15 @@ class _Loop:
         accepted, next_dt, history = self.control(ratio, dt, history)
         return _Attempt(last, dt, t1, k, y1, weights, ratio, accepted, next_dt, history)
 
-    def _capture(self, state: dict[str, Any], buffers: _Buffers, mode: GraphMode) -> _StepGraph | None:
+    def _capture(self, state: dict[str, Any], buffers: _Buffers, mode: GraphMode) -> _StepGraph | _CompiledStep | None:
         """The step captured for replay, or None (with a warning) where the field cannot be captured (e.g. it waits on
-        the device inside its evaluation): the solve goes on without."""
+        the device inside its evaluation) or compiled (e.g. no C++ compiler): the solve goes on without."""
         try:
-            return _StepGraph(self, state, buffers, mode)
+            return _CompiledStep(self, state) if mode == "compile" else _StepGraph(self, state, buffers, mode)
         except RuntimeError as error:
+            option, verb = ("compile", "compiled") if mode == "compile" else ("cuda_graph", "captured")
             warnings.warn(
-                f"Adaptive(cuda_graph=True): the step could not be captured ({error}); the solve runs without the graph",
+                f"Adaptive({option}=True): the step could not be {verb} ({error}); the solve runs without",
                 RuntimeWarning,
                 stacklevel=2,
             )
@@ -938,6 +984,7 @@ def integrate(
         graph: ``"cuda"``: after :data:`WARM_STEPS` steps, capture a step in a CUDA graph and replay it (shared steps
             of an :class:`~et_ode.ETField` without gradients, a stop or a quadrature; otherwise the loop runs as
             without); ``"eager"``: the same capture and replay discipline run eagerly (see :class:`_StepGraph`);
+            ``"compile"``: from the first step, the same steps compiled by ``torch.compile`` (:class:`_CompiledStep`);
             None: no capture.
 
     Returns the :class:`Result`. Gradients
@@ -956,8 +1003,8 @@ def integrate(
         raise ValueError(f"pid must be three non-negative coefficients (pcoeff, icoeff, dcoeff), not all zero; got {pid!r}")
     if starts is not None and (not per_sample or save_all):
         raise ValueError("starts (a start time per sample) needs per_sample=True and save_all=False")
-    if graph not in (None, "cuda", "eager"):
-        raise ValueError(f"graph must be None, 'cuda' or 'eager', got {graph!r}")
+    if graph not in (None, "cuda", "eager", "compile"):
+        raise ValueError(f"graph must be None, 'cuda', 'eager' or 'compile', got {graph!r}")
     if progress is None:
         progress = Progress()
     loop = _Loop(
@@ -1016,7 +1063,7 @@ def solve_adaptive(
         keep_steps=save == "steps",
         callback=solver.progress,
         stop=None if stop is None else functools.partial(_stop_value, stop, field, per_sample),
-        graph="cuda" if solver.cuda_graph and x0.is_cuda else None,
+        graph="cuda" if solver.cuda_graph and x0.is_cuda else "compile" if solver.compile else None,
     )
     params = tuple(p for p in field.parameters() if p.requires_grad)
     if "adjoint_params" in arguments and torch.is_grad_enabled() and (x0.requires_grad or params):

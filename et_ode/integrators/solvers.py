@@ -104,14 +104,23 @@ class Adaptive:
             an ET field without gradients or a stop; everywhere else the steps run as without. The field's weights
             must not change during the solve (e.g. from ``progress``); a field that cannot be captured gets a
             ``RuntimeWarning`` and the solve runs on without the graph.
+        compile: et-ode's loop compiles one step (its stages, error and controller) with ``torch.compile`` and runs
+            the compiled step from the first: shared steps of an ET field without gradients or a stop, as for
+            ``cuda_graph``; everywhere else the steps run as without. The step evaluates the field's closed form
+            (``backend="reference"``), so states agree with the uncompiled loop to rounding, not bit for bit. PyTorch
+            compiles once per shape, dtype and setting in a process (tens of seconds on a CPU; it needs a C++
+            compiler there); it pays where each evaluation is small, so that the many small operations of a step
+            dominate (one sample of a small model), and not where large matrix products do. A step that cannot be
+            compiled gets a ``RuntimeWarning`` and the solve runs on without.
 
     et-ode's loop runs the gradients ``Direct`` and ``Adjoint`` (its backward solve on the same loop); for stops see
     :meth:`check_stop`.
 
     Raises:
         ValueError: an unknown ``method``, ``loop``, ``step_control`` or ``controller``; ``rtol`` or ``atol`` not
-            positive; a setting of et-ode's loop with ``loop="torchdiffeq"``, or ``options`` it does not take.
-        TypeError: ``progress`` is not a callable or None.
+            positive; a setting of et-ode's loop with ``loop="torchdiffeq"``, or ``options`` it does not take; both
+            ``cuda_graph`` and ``compile``.
+        TypeError: ``progress`` is not a callable or None; ``cuda_graph`` or ``compile`` not a bool.
     """
 
     method: AdaptiveMethod | Literal["tsit5"] = "dopri5"
@@ -123,6 +132,7 @@ class Adaptive:
     controller: Literal["i", "pid"] = "i"
     progress: Callable[[Tensor, Tensor], None] | None = None
     cuda_graph: bool = False
+    compile: bool = False
 
     adaptive: ClassVar[bool] = True
     OWN_METHODS: ClassVar[tuple[str, ...]] = ("dopri5", "bosh3", "tsit5")  # the methods et-ode's loop runs
@@ -144,8 +154,11 @@ class Adaptive:
                 raise ValueError(f"Adaptive.{name} must be one of {valid}, got {getattr(self, name)!r}")
         if self.progress is not None and not callable(self.progress):
             raise TypeError(f"Adaptive.progress must be a callable or None, got {type(self.progress).__name__}")
-        if not isinstance(self.cuda_graph, bool):
-            raise TypeError(f"Adaptive.cuda_graph must be a bool, got {type(self.cuda_graph).__name__}")
+        for name in ("cuda_graph", "compile"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"Adaptive.{name} must be a bool, got {type(getattr(self, name)).__name__}")
+        if self.cuda_graph and self.compile:
+            raise ValueError("Adaptive: cuda_graph=True and compile=True are two ways to capture the step: choose one")
         wanted = [
             f"{name}={value!r}"
             for name, value, default in (
@@ -153,6 +166,7 @@ class Adaptive:
                 ("controller", self.controller, "i"),
                 ("progress", self.progress, None),
                 ("cuda_graph", self.cuda_graph, False),
+                ("compile", self.compile, False),
             )
             if value != default
         ]
@@ -183,6 +197,7 @@ class Adaptive:
                 or self.controller != "i"
                 or self.progress is not None
                 or self.cuda_graph
+                or self.compile
                 or self.method not in ADAPTIVE_METHODS
             )
         )

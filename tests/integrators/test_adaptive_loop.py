@@ -6,6 +6,7 @@ progress, bad arguments."""
 from __future__ import annotations
 
 import math
+import shutil
 from collections.abc import Callable
 from typing import Literal
 
@@ -402,6 +403,9 @@ def test_the_own_loop_is_the_default_for_its_methods_where_it_runs_the_solve() -
         (dict(cuda_graph=1), TypeError, "Adaptive.cuda_graph"),
         (dict(loop="torchdiffeq", cuda_graph=True), ValueError, "cuda_graph=True needs loop"),
         (dict(method="dopri8", cuda_graph=True), ValueError, "Adaptive.method"),
+        (dict(compile="yes"), TypeError, "Adaptive.compile"),
+        (dict(loop="torchdiffeq", compile=True), ValueError, "compile=True needs loop"),
+        (dict(cuda_graph=True, compile=True), ValueError, "cuda_graph=True and compile=True"),
     ],
 )
 def test_bad_settings_are_named(arguments: dict[str, object], error: type[Exception], named: str) -> None:
@@ -554,6 +558,68 @@ def test_a_cuda_graph_replays_the_steps_of_the_plain_loop() -> None:
     assert (runs[0].stats.nfe_forward, runs[0].stats.sample_evaluations) == (
         runs[1].stats.nfe_forward,
         runs[1].stats.sample_evaluations,
+    )
+
+
+# -- a compiled step -----------------------------------------------------------------------------------------------
+def _compiled_and_plain(field: et_ode.ETField, x0: torch.Tensor, **settings: object) -> list[et_ode.Solution]:
+    grid = torch.linspace(0.0, 3.0, 7, dtype=F64)
+    with torch.no_grad():
+        return [
+            et_ode.solve(field, x0, grid, solver=et_ode.Adaptive(compile=compiled, **settings))  # type: ignore[arg-type]
+            for compiled in (True, False)
+        ]
+
+
+def _check_compiled_solves() -> None:
+    """``Adaptive(compile=True)`` at a non-default tau, a mask, the PID controller and a first step too large (rejected
+    steps): the same steps, evaluations and float64 states to rounding as the plain loop; after the weights change in
+    place, the next compiled solve follows the new weights (nothing of the old ones is kept as a constant)."""
+    model = _smooth_model(seed=4)
+    mask = torch.rand(5, 5, generator=torch.Generator().manual_seed(2)) < 0.7
+    field = et_ode.ETField(model, tau=0.7, mask=mask)
+    x0 = _states(3)
+    settings = dict(controller="pid", options=dict(first_step=2.0), rtol=1e-7, atol=1e-9)
+    for scale in (1.0, 1.3):
+        with torch.no_grad():
+            model.hopfield.xi.mul_(scale)
+        compiled, plain = _compiled_and_plain(field, x0, **settings)
+        assert compiled.stats.rejected_steps > 0 and compiled.stats.accepted_steps > 3
+        for stat in ("accepted_steps", "rejected_steps", "nfe_forward", "sample_evaluations"):
+            assert getattr(compiled.stats, stat) == getattr(plain.stats, stat), stat
+        assert (compiled.xs - plain.xs).abs().max().item() < 1e-12
+    assert (x0 - plain.x).abs().max().item() > 1e-2  # the states moved
+
+
+def test_the_step_handed_to_the_compiler_is_the_field_s_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What ``compile=True`` hands ``torch.compile`` (the attempt on the field's closed form, its evaluations counted
+    by hand), run as it is: the compiler itself is the next test's (slow: a minute on a cold cache)."""
+    monkeypatch.setattr(adaptive_loop, "_compiled_attempt", lambda device_type: adaptive_loop._uncounted_attempt)
+    _check_compiled_solves()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not any(shutil.which(name) for name in ("c++", "g++", "clang++")), reason="torch.compile needs a C++ compiler"
+)
+def test_a_compiled_step_integrates_the_plain_loop_s_solution() -> None:
+    _check_compiled_solves()
+
+
+def test_a_step_that_cannot_be_compiled_leaves_the_solve_as_without(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_compiler(device_type: str) -> Callable[..., object]:
+        def fails(*_: object) -> None:
+            raise RuntimeError("no C++ compiler")
+
+        return fails
+
+    monkeypatch.setattr(adaptive_loop, "_compiled_attempt", no_compiler)
+    with pytest.warns(RuntimeWarning, match=r"compile=True.*could not be compiled.*no C\+\+ compiler"):
+        fallback, plain = _compiled_and_plain(_tiny_field(), _states(4))
+    assert torch.equal(plain.xs, fallback.xs)
+    assert (plain.stats.nfe_forward, plain.stats.sample_evaluations) == (
+        fallback.stats.nfe_forward,
+        fallback.stats.sample_evaluations,
     )
 
 

@@ -326,13 +326,13 @@ class _Attempt(NamedTuple):
 
 
 class _StepGraph:
-    """A shared step's attempt (:meth:`_Loop.attempt`: the stages, the error ratio and the controller) captured once
-    and replayed every step: a CUDA graph (``mode="cuda"``, captured on a side stream after one attempt there), or the
-    same discipline run eagerly (``mode="eager"``: that first attempt, then the attempt runs again on the same fixed
-    inputs and writes into the captured attempt's outputs, for checking the loop around a graph where there is no
-    CUDA). The time, step size and history are copied into fixed inputs before each replay; the state and first stage
-    are the loop's buffers, which therefore never trade places. The attempt's own evaluations go uncounted (a graph
-    replays no Python); every replay counts them by hand."""
+    """The attempt of a step of one group (shared control, or a single sample's; :meth:`_Loop.attempt`: the stages, the
+    error ratio and the controller) captured once and replayed every step: a CUDA graph (``mode="cuda"``, captured on a
+    side stream after one attempt there), or the same discipline run eagerly (``mode="eager"``: that first attempt, then
+    the attempt runs again on the same fixed inputs and writes into the captured attempt's outputs, for checking the
+    loop around a graph where there is no CUDA). The time, step size and history are copied into fixed inputs before
+    each replay; the state and first stage are the loop's buffers, which therefore never trade places. The attempt's own
+    evaluations go uncounted (a graph replays no Python); every replay counts them by hand."""
 
     def __init__(self, loop: _Loop, state: dict[str, Any], buffers: _Buffers, mode: GraphMode):
         self.loop, self.buffers = loop, buffers
@@ -371,10 +371,10 @@ class _StepGraph:
 
 
 class _CompiledStep:
-    """A shared step's attempt (:meth:`_Loop.attempt`: the stages, the error ratio and the controller) compiled by
-    ``torch.compile`` and run every step from the first (``mode="compile"``). Its stages evaluate the field's closed
-    form (``backend="reference"``: plain tensor operations, which the compiler traces and fuses, where the fused
-    kernels keep caches it cannot) and return new tensors rather than writing the buffers. PyTorch compiles it once
+    """The attempt of a step of one group (:meth:`_Loop.attempt`: the stages, the error ratio and the controller),
+    compiled by ``torch.compile`` and run every step from the first (``mode="compile"``). Its stages evaluate the
+    field's closed form (``backend="reference"``: plain tensor operations, which the compiler traces and fuses, where
+    the fused kernels keep caches it cannot) and return new tensors rather than writing the buffers. PyTorch compiles it once
     per shape, dtype and setting in a process, on the first call, here in the constructor, where a failure reaches
     :meth:`_Loop._capture`. The attempt's evaluations are counted by hand after each call, as a graph's replays are."""
 
@@ -478,8 +478,10 @@ class _Loop:
         self.in_place = not torch.is_grad_enabled()
         self.t_end = grid[-1]
         self.stop, self.quadrature = stop, quadrature
-        # a captured or compiled step: shared steps of an ET field without gradients, a stop or a quadrature
-        graphable = self.in_place and not per_sample and self.autonomous and stop is None and quadrature is None
+        # a captured or compiled step: shared steps (or the steps of a single sample, the same) of an ET field without
+        # gradients, a stop or a quadrature
+        one_group = not per_sample or self.groups == 1
+        graphable = self.in_place and one_group and self.autonomous and stop is None and quadrature is None
         self.graph_mode = graph if graphable else None
         self.step_graph: _StepGraph | _CompiledStep | None = None
         self.traced_field: ETField | None = None  # the field a compiled step evaluates (see _CompiledStep)

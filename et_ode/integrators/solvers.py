@@ -100,16 +100,16 @@ class Adaptive:
         progress: et-ode's loop calls it after every step with each sample's time ``(B,)`` and number of accepted
             steps ``(B,)`` (CPU tensors, the batch flattened), or None.
         cuda_graph: on CUDA, et-ode's loop captures one step (its stages, error and controller) in a CUDA graph after
-            two steps and replays it for the rest, one kernel launch for the step's many small ones: shared steps of
-            an ET field without gradients or a stop; everywhere else the steps run as without. The field's weights
-            must not change during the solve (e.g. from ``progress``); a field that cannot be captured gets a
-            ``RuntimeWarning`` and the solve runs on without the graph.
-        compile: et-ode's loop compiles one step (its stages, error and controller) with ``torch.compile`` and runs
-            the compiled step from the first: shared steps of an ET field without gradients or a stop, as for
-            ``cuda_graph``; everywhere else the steps run as without. The step evaluates the field's closed form
-            (``backend="reference"``), so states agree with the uncompiled loop to rounding, not bit for bit. PyTorch
-            compiles once per shape, dtype and setting in a process (tens of seconds on a CPU; it needs a C++
-            compiler there); it pays where each evaluation is small, so that the many small operations of a step
+            two steps and replays it for the rest, one kernel launch for the step's many small ones: shared steps (or
+            those of a single sample) of an ET field without gradients or a stop; everywhere else the steps run as
+            without. The field's weights must not change during the solve (e.g. from ``progress``); a field that cannot
+            be captured gets a ``RuntimeWarning`` and the solve runs on without the graph.
+        compile: et-ode's loop compiles one step (its stages, error and controller) with ``torch.compile`` and runs the
+            compiled step from the first, where ``cuda_graph`` applies (shared steps, or those of a single sample, of an
+            ET field without gradients or a stop); everywhere else the steps run as without. The step evaluates the
+            field's closed form (``backend="reference"``), so states agree with the uncompiled loop to rounding, not bit
+            for bit. PyTorch compiles once per shape, dtype and setting in a process (tens of seconds on a CPU; it needs
+            a C++ compiler there); it pays where each evaluation is small, so that the many small operations of a step
             dominate (one sample of a small model), and not where large matrix products do. A step that cannot be
             compiled gets a ``RuntimeWarning`` and the solve runs on without.
 

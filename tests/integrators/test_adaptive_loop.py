@@ -442,15 +442,17 @@ def test_shared_mode_saves_every_step_and_float32_runs() -> None:
 
 # -- a captured step -----------------------------------------------------------------------------------------------
 def _graph_runs(graph: str | None, **settings: object) -> tuple[adaptive_loop.Result, Progress, int]:
+    """A solve of ``_states(batch)`` (4 by default) with shared control (``per_sample=True``: per sample)."""
     field = et_ode.ETField(_smooth_model(), mask=settings.pop("mask", None))  # type: ignore[arg-type]
     progress = Progress()
     grid = torch.linspace(0.0, 3.0, 7, dtype=F64)
+    x0 = _states(int(settings.pop("batch", 4)), seed=int(settings.pop("seed", 3)))  # type: ignore[call-overload]
     with torch.no_grad():
         result = adaptive_loop.integrate(
             field,
-            _states(4),
+            x0,
             grid,
-            per_sample=False,
+            per_sample=bool(settings.pop("per_sample", False)),
             progress=progress,
             graph=graph,
             **settings,  # type: ignore[arg-type]
@@ -465,6 +467,8 @@ def _graph_runs(graph: str | None, **settings: object) -> tuple[adaptive_loop.Re
         dict(first_step=2.0, save_all=False),  # rejected steps: the state stays, the replay reads it again
         dict(mask=torch.rand(4, 5, 5, generator=torch.Generator().manual_seed(1)) < 0.7, method="tsit5"),
         dict(keep_steps=True, save_all=False, pid=adaptive_loop.PID_COEFFICIENTS),
+        # a single sample's own steps, its own mask, rejected steps
+        dict(per_sample=True, batch=1, seed=5, first_step=2.0, mask=torch.tensor([[[True, False, True, True, False]] * 5])),
     ],
 )
 def test_a_replayed_step_integrates_the_same_bits_as_the_plain_loop(settings: dict[str, object]) -> None:
@@ -522,23 +526,28 @@ def test_each_solve_captures_its_step_even_on_a_shared_progress_record(monkeypat
 def test_a_step_is_captured_only_where_it_can_be_replayed() -> None:
     field = _tiny_field()
     grid = torch.tensor([0.0, 1.0], dtype=F64)
-    cases = [dict(per_sample=True), dict(per_sample=False, stop=lambda x, f: x.new_ones(1))]
-    for settings in cases:
-        loop = adaptive_loop._Loop(
-            field,
-            _states(2),
-            grid,
-            adaptive_loop.DOPRI5,
-            1e-5,
-            1e-6,
-            pid=adaptive_loop.I_CONTROLLER,
-            max_steps=10,
-            progress=Progress(),
-            callback=None,
-            graph="eager",
-            **settings,  # type: ignore[arg-type]
-        )
-        assert loop.graph_mode is None
+    cases = [  # (settings, captured): a batch's own steps or a stop are not; a single sample's steps are one group's
+        (dict(per_sample=True), False),
+        (dict(per_sample=False, stop=lambda x, f: x.new_ones(1)), False),
+        (dict(per_sample=True, batch=1), True),
+    ]
+    for settings, captured in cases:
+        with torch.no_grad():  # (with gradients no step is captured)
+            loop = adaptive_loop._Loop(
+                field,
+                _states(int(settings.pop("batch", 2))),  # type: ignore[call-overload]
+                grid,
+                adaptive_loop.DOPRI5,
+                1e-5,
+                1e-6,
+                pid=adaptive_loop.I_CONTROLLER,
+                max_steps=10,
+                progress=Progress(),
+                callback=None,
+                graph="eager",
+                **settings,  # type: ignore[arg-type]
+            )
+        assert loop.graph_mode == ("eager" if captured else None)
     with pytest.raises(ValueError, match="graph must be"):
         adaptive_loop.integrate(field, _states(2), grid, graph="cpu")
 
@@ -571,15 +580,15 @@ def _compiled_and_plain(field: et_ode.ETField, x0: torch.Tensor, **settings: obj
         ]
 
 
-def _check_compiled_solves() -> None:
+def _check_compiled_solves(step_control: StepControl = "shared", batch: int = 3) -> None:
     """``Adaptive(compile=True)`` at a non-default tau, a mask, the PID controller and a first step too large (rejected
     steps): the same steps, evaluations and float64 states to rounding as the plain loop; after the weights change in
     place, the next compiled solve follows the new weights (nothing of the old ones is kept as a constant)."""
     model = _smooth_model(seed=4)
     mask = torch.rand(5, 5, generator=torch.Generator().manual_seed(2)) < 0.7
     field = et_ode.ETField(model, tau=0.7, mask=mask)
-    x0 = _states(3)
-    settings = dict(controller="pid", options=dict(first_step=2.0), rtol=1e-7, atol=1e-9)
+    x0 = _states(batch)
+    settings = dict(controller="pid", options=dict(first_step=2.0), rtol=1e-7, atol=1e-9, step_control=step_control)
     for scale in (1.0, 1.3):
         with torch.no_grad():
             model.hopfield.xi.mul_(scale)
@@ -591,11 +600,25 @@ def _check_compiled_solves() -> None:
     assert (x0 - plain.x).abs().max().item() > 1e-2  # the states moved
 
 
-def test_the_step_handed_to_the_compiler_is_the_field_s_step(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("step_control", "batch"), [("shared", 3), ("per_sample", 1)])
+def test_the_step_handed_to_the_compiler_is_the_field_s_step(
+    monkeypatch: pytest.MonkeyPatch, step_control: StepControl, batch: int
+) -> None:
     """What ``compile=True`` hands ``torch.compile`` (the attempt on the field's closed form, its evaluations counted
-    by hand), run as it is: the compiler itself is the next test's (slow: a minute on a cold cache)."""
-    monkeypatch.setattr(adaptive_loop, "_compiled_attempt", lambda device_type: adaptive_loop._uncounted_attempt)
-    _check_compiled_solves()
+    by hand), run as it is, for shared steps and a single sample's own: the compiler itself is the next test's (slow:
+    a minute on a cold cache). The plain loop would agree too, so the steps are checked to have been handed over."""
+    handed: list[object] = []
+
+    def as_it_is(device_type: str) -> Callable[..., object]:
+        def attempt(loop: adaptive_loop._Loop, *arguments: torch.Tensor) -> object:
+            handed.append(loop)
+            return adaptive_loop._uncounted_attempt(loop, *arguments)
+
+        return attempt
+
+    monkeypatch.setattr(adaptive_loop, "_compiled_attempt", as_it_is)
+    _check_compiled_solves(step_control, batch)
+    assert len(handed) > 8
 
 
 @pytest.mark.slow

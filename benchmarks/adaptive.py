@@ -12,15 +12,16 @@ steps, and the largest difference of the final state from torchdiffeq's relative
   batch);
 - ``et-ode per-sample``: ``Adaptive(step_control="per_sample")``; ``et-ode per-sample tsit5``: with Tsitouras' pair;
 - ``et-ode shared, compiled`` (``--compile``): ``Adaptive(compile=True)``, the step compiled by ``torch.compile``
-  (compiled before the timing, as diffrax's ``jax.jit``);
+  (compiled before the timing, as diffrax's ``jax.jit``); at batch 1 also ``et-ode per-sample, compiled`` (a single
+  sample's own steps compile too; a larger batch's per-sample steps do not);
 - ``torchode`` (where installed): its Dopri5 with an integral controller on our field, per sample;
 - ``diffrax batched`` and ``diffrax per-sample`` (where jax and diffrax are installed): ``jax.jit`` of
   ``diffeqsolve`` with Dopri5 and a PID controller of the I-controller's coefficients on the same weights written in
   JAX (``_common.jax_field``), the batch as one state, or ``vmap`` over the samples (each its own steps).
 
 The ``x own bare`` column divides an et-ode row's time by a bare loop over the states that row itself evaluated the
-field at (recorded from one of its runs): what its machinery adds; the compiled row, whose step runs no Python to
-record, is divided by the shared row's bare loop (the same method and tolerances: compare their NFE). ``x diffrax``
+field at (recorded from one of its runs): what its machinery adds; a compiled row, whose step runs no Python to
+record, is divided by its uncompiled row's bare loop (the same method and tolerances: compare their NFE). ``x diffrax``
 divides it by its diffrax peer's (batched for the shared rows, vmapped for the per-sample rows). Every ratio is the
 median over rounds of the two times within one round (``_common.paired_ratio``), which a drift of the machine's speed
 between rounds leaves alone.
@@ -243,6 +244,10 @@ def measure(name: str, args: argparse.Namespace) -> list[list[object]]:
     }
     if args.compile:
         solvers["et-ode shared, compiled"] = et_ode.Adaptive("dopri5", args.rtol, args.atol, compile=True)
+    if args.compile and size.batch == 1:
+        solvers["et-ode per-sample, compiled"] = et_ode.Adaptive(
+            "dopri5", args.rtol, args.atol, step_control="per_sample", compile=True
+        )
     if x0.is_cuda:
         solvers["et-ode shared, CUDA graph"] = et_ode.Adaptive("dopri5", args.rtol, args.atol, cuda_graph=True)
     for label, solver in solvers.items():
@@ -278,9 +283,10 @@ DIFFRAX_PEERS = {
     "et-ode shared": "diffrax batched",
     "et-ode shared, compiled": "diffrax batched",
     "et-ode per-sample": "diffrax per-sample",
+    "et-ode per-sample, compiled": "diffrax per-sample",
 }
 #: the bare loop a row without its own (a compiled step records nothing) is divided by: the same steps uncompiled
-BARE_STAND_INS = {"et-ode shared, compiled": "et-ode shared"}
+BARE_STAND_INS = {"et-ode shared, compiled": "et-ode shared", "et-ode per-sample, compiled": "et-ode per-sample"}
 
 
 def _rows(

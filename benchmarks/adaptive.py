@@ -285,7 +285,7 @@ DIFFRAX_PEERS = {
     "et-ode per-sample": "diffrax per-sample",
     "et-ode per-sample, compiled": "diffrax per-sample",
 }
-#: the bare loop a row without its own (a compiled step records nothing) is divided by: the same steps uncompiled
+#: the row whose bare loop a row without its own (a compiled step records nothing) is divided by: its steps uncompiled
 BARE_STAND_INS = {"et-ode shared, compiled": "et-ode shared", "et-ode per-sample, compiled": "et-ode per-sample"}
 
 
@@ -298,7 +298,7 @@ def _rows(
     scale = reference.abs().max().item()
     rows = []
     for label, run in runs.items():
-        own = times.get(f"{label} (own bare loop)") or times.get(f"{BARE_STAND_INS.get(label)} (own bare loop)")
+        own = times.get(f"{BARE_STAND_INS.get(label, label)} (own bare loop)")
         peer = times.get(DIFFRAX_PEERS.get(label, ""))
         rows.append(
             [

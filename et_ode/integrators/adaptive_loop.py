@@ -374,8 +374,8 @@ class _CompiledStep:
     """The attempt of a step of one group (:meth:`_Loop.attempt`: the stages, the error ratio and the controller),
     compiled by ``torch.compile`` and run every step from the first (``mode="compile"``). Its stages evaluate the
     field's closed form (``backend="reference"``: plain tensor operations, which the compiler traces and fuses, where
-    the fused kernels keep caches it cannot) and return new tensors rather than writing the buffers. PyTorch compiles it once
-    per shape, dtype and setting in a process, on the first call, here in the constructor, where a failure reaches
+    the fused kernels keep caches it cannot) and return new tensors rather than writing the buffers. PyTorch compiles it
+    once per shape, dtype and setting in a process, on the first call, here in the constructor, where a failure reaches
     :meth:`_Loop._capture`. The attempt's evaluations are counted by hand after each call, as a graph's replays are."""
 
     def __init__(self, loop: _Loop, state: dict[str, Any]):
@@ -395,7 +395,8 @@ class _CompiledStep:
 
     def replay(self, state: dict[str, Any]) -> _Attempt:
         """The attempt from ``state``'s time, step size, history, state and first stage."""
-        attempt, self.first = (self._run(state), None) if self.first is None else (self.first, None)
+        attempt = self._run(state) if self.first is None else self.first
+        self.first = None
         self.loop.count_replayed_evaluations()
         return attempt
 

@@ -11,16 +11,17 @@ steps, and the largest difference of the final state from torchdiffeq's relative
 - ``et-ode shared``: ``solve`` with the default ``Adaptive("dopri5", ...)`` (et-ode's loop, one step size for the
   batch);
 - ``et-ode per-sample``: ``Adaptive(step_control="per_sample")``; ``et-ode per-sample tsit5``: with Tsitouras' pair;
-- ``et-ode shared, compiled`` (``--compile``): ``Adaptive(compile=True)``, the step compiled by ``torch.compile``
-  (compiled before the timing, as diffrax's ``jax.jit``); at batch 1 also ``et-ode per-sample, compiled`` (a single
-  sample's own steps compile too; a larger batch's per-sample steps do not);
+- ``et-ode shared, compiled`` (``--compile``): ``Adaptive(compile=True)``; with ``save="final"`` the whole solve, every
+  step inside one ``while_loop``, is compiled by ``torch.compile`` (before the timing, as diffrax's ``jax.jit``); at
+  batch 1 also ``et-ode per-sample, compiled`` (a single sample's own steps compile too; a larger batch's per-sample
+  steps do not);
 - ``torchode`` (where installed): its Dopri5 with an integral controller on our field, per sample;
 - ``diffrax batched`` and ``diffrax per-sample`` (where jax and diffrax are installed): ``jax.jit`` of
   ``diffeqsolve`` with Dopri5 and a PID controller of the I-controller's coefficients on the same weights written in
   JAX (``_common.jax_field``), the batch as one state, or ``vmap`` over the samples (each its own steps).
 
 The ``x own bare`` column divides an et-ode row's time by a bare loop over the states that row itself evaluated the
-field at (recorded from one of its runs): what its machinery adds; a compiled row, whose step runs no Python to
+field at (recorded from one of its runs): what its machinery adds; a compiled row, whose steps run no Python to
 record, is divided by its uncompiled row's bare loop (the same method and tolerances: compare their NFE). ``x diffrax``
 divides it by its diffrax peer's (batched for the shared rows, vmapped for the per-sample rows). Every ratio is the
 median over rounds of the two times within one round (``_common.paired_ratio``), which a drift of the machine's speed

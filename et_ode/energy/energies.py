@@ -351,7 +351,7 @@ class HopfieldMemory(Interaction):
         Returns:
             The energy per sample, ``(...)``.
         """
-        h = g @ self.xi.T
+        h = nn.functional.linear(g, self.xi)  # g xi^T
         if self.form == "relu":
             return -0.5 * torch.relu(h).square().sum(dim=(-1, -2))
         if self.form == "softplus":
@@ -369,7 +369,7 @@ class HopfieldMemory(Interaction):
         Returns:
             ``dE/dg``, ``(..., N, D)``.
         """
-        h = g @ self.xi.T
+        h = nn.functional.linear(g, self.xi)  # g xi^T
         if self.form == "relu":
             coefficient = torch.relu(h)
         elif self.form == "softplus":

@@ -23,6 +23,7 @@ from typing import Any, Literal, NamedTuple, TypeGuard, cast
 
 import torch
 from torch import Tensor
+from torch._higher_order_ops import while_loop
 
 from et_ode.dynamics.field import ETField
 from et_ode.integrators.solution import Progress, SolveError, Status
@@ -409,8 +410,73 @@ def _uncounted_attempt(loop: _Loop, t: Tensor, dt: Tensor, history: Tensor, y: T
 def _compiled_attempt(device_type: str) -> Callable[..., _Attempt]:
     """:func:`_uncounted_attempt` under ``torch.compile``, made once per process and device type (making it costs
     milliseconds; PyTorch keeps its compilations per shape and setting)."""
-    options: dict[str, Any] | None = {"cpp_wrapper": True} if device_type == "cpu" else None
-    return torch.compile(_uncounted_attempt, dynamic=False, options=options)
+    return torch.compile(_uncounted_attempt, dynamic=False, options=_compile_options(device_type))
+
+
+def _compile_options(device_type: str) -> dict[str, Any] | None:
+    """Inductor's options: the C++ wrapper on the CPU (a call into the compiled code costs less)."""
+    return {"cpp_wrapper": True} if device_type == "cpu" else None
+
+
+class _SolveEnd(NamedTuple):
+    """Where :func:`_whole_solve` ends: the time ``t`` ``(1,)``, the next step size ``dt`` (the failed step's own where
+    a step failed), the controller's history ``(1, 2)``, the state ``y`` and its velocity ``f0`` ``(1, 1, M)``, and the
+    numbers of steps taken and accepted and whether the last step failed (0-d)."""
+
+    t: Tensor
+    dt: Tensor
+    history: Tensor
+    y: Tensor
+    f0: Tensor
+    steps: Tensor
+    accepted: Tensor
+    failed: Tensor
+
+
+def _whole_solve(loop: _Loop, t: Tensor, dt: Tensor, history: Tensor, y: Tensor, f0: Tensor, budget: Tensor) -> _SolveEnd:
+    """The steps of :meth:`_Loop.attempt` on one group until it reaches the end, ``budget`` steps are taken or a step
+    fails as the loop's would (a step size that underflows, or a NaN error from a non-finite state), as a
+    ``torch.while_loop``, which the compiler makes one call. The attempt's evaluations go uncounted."""
+    last_stage = slice(loop.tableau.stages - 1, loop.tableau.stages)
+
+    def running(*carried: Tensor) -> Tensor:
+        end = _SolveEnd(*carried)
+        return (end.t < loop.t_end).all() & (end.steps < budget) & ~end.failed
+
+    def step(*carried: Tensor) -> tuple[Tensor, ...]:
+        now = _SolveEnd(*carried)
+        attempt = loop.attempt(now.t, now.dt, now.history, now.y, now.f0, None)
+        stalled = (attempt.t1 <= now.t) | torch.isnan(attempt.ratio)
+        failed = stalled.any() & ((attempt.t1 <= now.t).any() | ~torch.isfinite(now.y).all())
+        moves = attempt.accepted & ~failed
+        return (
+            torch.where(moves, attempt.t1, now.t),
+            torch.where(failed, attempt.dt, attempt.next_dt),
+            attempt.history.clone(),  # (a carried value must not be an input's alias)
+            torch.where(moves[:, None, None], attempt.y1, now.y),
+            torch.where(moves[:, None, None], attempt.k[:, last_stage], now.f0),
+            now.steps + 1,
+            now.accepted + moves.sum(),
+            failed,
+        )
+
+    counters = [torch.zeros((), dtype=torch.long, device=y.device) for _ in range(2)]
+    failed = torch.zeros((), dtype=torch.bool, device=y.device)
+    return _SolveEnd(*while_loop(running, step, (t, dt, history, y, f0, *counters, failed)))
+
+
+@functools.cache
+def _compiled_solve(device_type: str) -> Callable[..., _SolveEnd]:
+    """:func:`_whole_solve` under ``torch.compile``, made once per process and device type."""
+    return torch.compile(_whole_solve, dynamic=False, options=_compile_options(device_type))
+
+
+def _warn_uncompiled(option: str, verb: str, error: RuntimeError) -> None:
+    warnings.warn(
+        f"Adaptive({option}=True): the step could not be {verb} ({error}); the solve runs without",
+        RuntimeWarning,
+        stacklevel=3,
+    )
 
 
 @contextlib.contextmanager
@@ -669,6 +735,11 @@ class _Loop:
             t = starts.to(t).reshape(g).clone()
         f0 = self.evaluate(None if self.autonomous else t, y)
         dt = self.first_step(t, y, f0) if first_step is None else torch.full_like(t, float(first_step))
+        watched = self.callback is not None or self.progress.bar is not None
+        if self.graph_mode == "compile" and not (save_all or keep_steps or watched) and starts is None:
+            x = self._compiled_run(t, dt, y, f0)  # the whole solve in one call, or None where it cannot be compiled
+            if x is not None:
+                return x, None
         buffers = _Buffers.empty(g, self.tableau.stages, self.width, self.dtype, self.device) if self.in_place else None
         if buffers is not None:  # the loop writes its state in place
             y, f0 = buffers.y.copy_(y), buffers.k_first.copy_(f0)
@@ -705,6 +776,43 @@ class _Loop:
         xs = self._gather(self.outputs, g * len(self.grid)).view(len(self.grid), *self.x_shape) if save_all else None
         return x, xs
 
+    def _compiled_run(self, t: Tensor, dt: Tensor, y: Tensor, f0: Tensor) -> Tensor | None:
+        """The whole solve of the one group ``y`` ``(1, 1, M)`` from ``t`` (first stage ``f0``, first step ``dt``) in
+        one compiled call (:func:`_whole_solve` on the field's closed form, as :class:`_CompiledStep`), its steps,
+        evaluations and failures recorded as the step-by-step loop records them; returns the final state
+        ``x0``-shaped, or None (with a warning) where it cannot be compiled: the loop then goes on step by step,
+        uncompiled."""
+        field = cast(ETField, self.field_now)
+        self.traced_field = ETField(field.model, field.tau, field.derivative, field.mask, backend="reference")
+        budget = torch.tensor(self.max_steps - self.progress.steps, device=self.device)  # the steps left to take
+        history = torch.ones((1, 2), dtype=torch.float64, device=self.device)
+        self.counting = False
+        try:
+            end = _compiled_solve(self.device.type)(self, t, dt, history, y, f0, budget)
+        except RuntimeError as error:
+            _warn_uncompiled("compile", "compiled", error)
+            self.graph_mode = None
+            return None
+        finally:
+            self.counting = True
+        steps, accepted, failed = (int(v) for v in torch.stack([end.steps, end.accepted, end.failed.long()]).tolist())
+        self.t_now = end.t
+        self.progress.steps += steps
+        self.progress.accepted += accepted
+        self.progress.rejected += steps - accepted - failed
+        self.count_replayed_evaluations(steps)
+        state = dict(t=end.t, y=end.y, ids=torch.zeros(1, dtype=torch.long, device=self.device))
+        if failed:
+            if not bool(torch.isfinite(end.y).all()):
+                self._fail_non_finite(state)
+            self._fail_underflow(state, end.dt)
+        if bool((end.t < self.t_end).any()):  # the budget of steps is spent: the next step fails
+            self._count_step(state)
+        self.progress.reached(float(end.t.min()))
+        self.next_dt = end.dt
+        self._finish(state, torch.ones(1, dtype=torch.bool, device=self.device), end.y, end.t)
+        return end.y.view(self.x_shape)
+
     def step(
         self,
         state: dict[str, Any],
@@ -717,6 +825,7 @@ class _Loop:
         the stop), or None where none does. One host synchronisation (:meth:`_summary`), plus those of a stop's
         crossing, the saved outputs and the progress callback where they occur."""
         t, y0 = state["t"], state["y"]
+        self.t_now = t
         if self.step_graph is not None:
             attempt = self.step_graph.replay(state)
         else:
@@ -732,9 +841,9 @@ class _Loop:
         )
         if stalled:  # a step size underflowed, or an error is NaN: from a non-finite state nothing recovers
             if not bool(torch.isfinite(y0).all()):
-                self._fail(state, "the state became non-finite (NaN or inf)", float(t.min()), NON_FINITE_ADVICE)
+                self._fail_non_finite(state)
             if not bool((t1 > t).all()):
-                self._fail(state, f"underflow in the step size {float(dt.min()):.3g}", float(t.min()), UNDERFLOW_ADVICE)
+                self._fail_underflow(state, dt)
         state["dt"], state["history"], self.next_dt = next_dt, history, next_dt
         self.progress.accepted += count
         self.progress.rejected += len(t) - count
@@ -767,7 +876,6 @@ class _Loop:
         last = wanted >= remaining
         dt = torch.where(last, remaining, wanted)
         t1 = torch.where(last, self.t_end, t + dt)
-        self.t_now = t
         k, y1, weights = self.stages(t, dt, y0, f0, buffers)
         ratio = self.error_ratio(k, y0, y1, weights, buffers)
         accepted, next_dt, history = self.control(ratio, dt, history)
@@ -779,18 +887,13 @@ class _Loop:
         try:
             return _CompiledStep(self, state) if mode == "compile" else _StepGraph(self, state, buffers, mode)
         except RuntimeError as error:
-            option, verb = ("compile", "compiled") if mode == "compile" else ("cuda_graph", "captured")
-            warnings.warn(
-                f"Adaptive({option}=True): the step could not be {verb} ({error}); the solve runs without",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+            _warn_uncompiled(*(("compile", "compiled") if mode == "compile" else ("cuda_graph", "captured")), error)
             return None
 
-    def count_replayed_evaluations(self) -> None:
-        """Count the field evaluations of a replayed step (``S - 1`` of every active group) as :meth:`evaluate`
-        does."""
-        evaluations = self.tableau.stages - 1
+    def count_replayed_evaluations(self, steps: int = 1) -> None:
+        """Count the field evaluations of ``steps`` replayed steps (``S - 1`` each of every active group) as
+        :meth:`evaluate` does."""
+        evaluations = (self.tableau.stages - 1) * steps
         self.progress.sample_evaluations += evaluations * len(self.t_now) * self.samples_per_group
         self.field.count_evaluations(evaluations)  # type: ignore[attr-defined]
 
@@ -921,6 +1024,12 @@ class _Loop:
         if self.progress.steps > self.max_steps:
             self._fail(state, f"max_steps={self.max_steps} solver steps exceeded", float(state["t"].min()), BUDGET_ADVICE)
 
+    def _fail_non_finite(self, state: dict[str, Any]) -> None:
+        self._fail(state, "the state became non-finite (NaN or inf)", float(state["t"].min()), NON_FINITE_ADVICE)
+
+    def _fail_underflow(self, state: dict[str, Any], dt: Tensor) -> None:
+        self._fail(state, f"underflow in the step size {float(dt.min()):.3g}", float(state["t"].min()), UNDERFLOW_ADVICE)
+
     def _fail(self, state: dict[str, Any], message: str, time: float, advice: str) -> None:
         """Record the latest state of every sample (the partial solution) and raise :class:`SolverFailure`."""
         with torch.no_grad():
@@ -987,8 +1096,9 @@ def integrate(
         graph: ``"cuda"``: after :data:`WARM_STEPS` steps, capture a step in a CUDA graph and replay it (shared steps
             of an :class:`~et_ode.ETField` without gradients, a stop or a quadrature; otherwise the loop runs as
             without); ``"eager"``: the same capture and replay discipline run eagerly (see :class:`_StepGraph`);
-            ``"compile"``: from the first step, the same steps compiled by ``torch.compile`` (:class:`_CompiledStep`);
-            None: no capture.
+            ``"compile"``: from the first step, the same steps compiled by ``torch.compile`` (:class:`_CompiledStep`;
+            with ``save_all=False`` and no ``callback``, progress bar, ``starts`` or ``keep_steps``, the whole solve in
+            one compiled call, :func:`_whole_solve`); None: no capture.
 
     Returns the :class:`Result`. Gradients
     flow through the stages and the interpolant (the step sizes are constants to autograd, as in torchdiffeq and

@@ -571,16 +571,18 @@ def test_a_cuda_graph_replays_the_steps_of_the_plain_loop() -> None:
 
 
 # -- a compiled step -----------------------------------------------------------------------------------------------
-def _compiled_and_plain(field: et_ode.ETField, x0: torch.Tensor, **settings: object) -> list[et_ode.Solution]:
+def _compiled_and_plain(
+    field: et_ode.ETField, x0: torch.Tensor, save: str = "all", **settings: object
+) -> list[et_ode.Solution]:
     grid = torch.linspace(0.0, 3.0, 7, dtype=F64)
     with torch.no_grad():
         return [
-            et_ode.solve(field, x0, grid, solver=et_ode.Adaptive(compile=compiled, **settings))  # type: ignore[arg-type]
+            et_ode.solve(field, x0, grid, solver=et_ode.Adaptive(compile=compiled, **settings), save=save)  # type: ignore[arg-type]
             for compiled in (True, False)
         ]
 
 
-def _check_compiled_solves(step_control: StepControl = "shared", batch: int = 3) -> None:
+def _check_compiled_solves(step_control: StepControl = "shared", batch: int = 3, save: str = "all") -> None:
     """``Adaptive(compile=True)`` at a non-default tau, a mask, the PID controller and a first step too large (rejected
     steps): the same steps, evaluations and float64 states to rounding as the plain loop; after the weights change in
     place, the next compiled solve follows the new weights (nothing of the old ones is kept as a constant)."""
@@ -592,44 +594,86 @@ def _check_compiled_solves(step_control: StepControl = "shared", batch: int = 3)
     for scale in (1.0, 1.3):
         with torch.no_grad():
             model.hopfield.xi.mul_(scale)
-        compiled, plain = _compiled_and_plain(field, x0, **settings)
+        compiled, plain = _compiled_and_plain(field, x0, save, **settings)
         assert compiled.stats.rejected_steps > 0 and compiled.stats.accepted_steps > 3
         for stat in ("accepted_steps", "rejected_steps", "nfe_forward", "sample_evaluations"):
             assert getattr(compiled.stats, stat) == getattr(plain.stats, stat), stat
-        assert (compiled.xs - plain.xs).abs().max().item() < 1e-12
+        assert (compiled.x - plain.x).abs().max().item() < 1e-12
+        if save == "all":
+            assert (compiled.xs - plain.xs).abs().max().item() < 1e-12
     assert (x0 - plain.x).abs().max().item() > 1e-2  # the states moved
 
 
+def _as_it_is(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[object]]:
+    """Hand ``compile=True``'s step and whole solve to no compiler: they run as they are (the solve's ``while_loop``
+    eagerly); returns the loops handed over, by which."""
+    handed: dict[str, list[object]] = {"step": [], "solve": []}
+
+    def recorded(kind: str, function: Callable[..., object]) -> Callable[[str], Callable[..., object]]:
+        def run(loop: adaptive_loop._Loop, *arguments: torch.Tensor) -> object:
+            handed[kind].append(loop)
+            return function(loop, *arguments)
+
+        return lambda device_type: run
+
+    monkeypatch.setattr(adaptive_loop, "_compiled_attempt", recorded("step", adaptive_loop._uncounted_attempt))
+    monkeypatch.setattr(adaptive_loop, "_compiled_solve", recorded("solve", adaptive_loop._whole_solve))
+    return handed
+
+
 @pytest.mark.parametrize(("step_control", "batch"), [("shared", 3), ("per_sample", 1)])
-def test_the_step_handed_to_the_compiler_is_the_field_s_step(
-    monkeypatch: pytest.MonkeyPatch, step_control: StepControl, batch: int
+@pytest.mark.parametrize("save", ["all", "final"])
+def test_what_is_handed_to_the_compiler_integrates_the_field(
+    monkeypatch: pytest.MonkeyPatch, step_control: StepControl, batch: int, save: str
 ) -> None:
-    """What ``compile=True`` hands ``torch.compile`` (the attempt on the field's closed form, its evaluations counted
-    by hand), run as it is, for shared steps and a single sample's own: the compiler itself is the next test's (slow:
-    a minute on a cold cache). The plain loop would agree too, so the steps are checked to have been handed over."""
-    handed: list[object] = []
+    """What ``compile=True`` hands ``torch.compile``, run as it is, for shared steps and a single sample's own: each
+    step's attempt on the field's closed form where the states are saved at times, the whole solve as one loop where
+    only the final state is (its evaluations counted by hand either way). The compiler itself is the next test's (slow:
+    minutes on a cold cache). The plain loop would agree too, so what was handed over is checked."""
+    handed = _as_it_is(monkeypatch)
+    _check_compiled_solves(step_control, batch, save)
+    if save == "all":
+        assert len(handed["step"]) > 8 and not handed["solve"]
+    else:
+        assert len(handed["solve"]) == 2 and not handed["step"]  # a compiled solve at each of two weights
 
-    def as_it_is(device_type: str) -> Callable[..., object]:
-        def attempt(loop: adaptive_loop._Loop, *arguments: torch.Tensor) -> object:
-            handed.append(loop)
-            return adaptive_loop._uncounted_attempt(loop, *arguments)
 
-        return attempt
-
-    monkeypatch.setattr(adaptive_loop, "_compiled_attempt", as_it_is)
-    _check_compiled_solves(step_control, batch)
-    assert len(handed) > 8
+def test_a_compiled_solve_fails_where_the_loop_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The whole solve in one loop keeps the step-by-step loop's failures: the budget of steps (with the state it got
+    to), a non-finite state at the first step, a step size that underflows."""
+    _as_it_is(monkeypatch)
+    field, x0 = _tiny_field(), _states(2)
+    grid = torch.tensor([0.0, 50.0], dtype=F64)
+    ends = []
+    for graph in ("compile", None):
+        progress = Progress()
+        with torch.no_grad(), pytest.raises(SolverFailure, match="max_steps=3") as caught:
+            settings = dict(per_sample=False, save_all=False, max_steps=3, graph=graph, progress=progress)
+            adaptive_loop.integrate(field, x0, grid, **settings)  # type: ignore[arg-type]
+        assert progress.last is not None
+        ends.append((caught.value.time, progress.steps, progress.accepted, progress.last[1]))
+    assert ends[0][1:3] == ends[1][1:3] and math.isclose(ends[0][0], ends[1][0], rel_tol=1e-12)
+    assert (ends[0][3] - ends[1][3]).abs().max().item() < 1e-12 and (ends[0][3] - x0).abs().max().item() > 1e-3
+    progress = Progress()
+    with torch.no_grad(), pytest.raises(SolverFailure, match="non-finite"):
+        adaptive_loop.integrate(field, x0.clone().fill_(math.nan), grid, save_all=False, graph="compile", progress=progress)
+    assert progress.steps == 1
+    late = torch.tensor([1.0, 2.0], dtype=F64)  # (1 + 1e-300 is 1)
+    with torch.no_grad(), pytest.raises(SolverFailure, match="underflow"):
+        adaptive_loop.integrate(field, x0, late, per_sample=False, save_all=False, first_step=1e-300, graph="compile")
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(
     not any(shutil.which(name) for name in ("c++", "g++", "clang++")), reason="torch.compile needs a C++ compiler"
 )
-def test_a_compiled_step_integrates_the_plain_loop_s_solution() -> None:
-    _check_compiled_solves()
+@pytest.mark.parametrize("save", ["all", "final"])
+def test_a_compiled_step_integrates_the_plain_loop_s_solution(save: str) -> None:
+    _check_compiled_solves(save=save)
 
 
-def test_a_step_that_cannot_be_compiled_leaves_the_solve_as_without(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("save", ["all", "final"])
+def test_a_step_that_cannot_be_compiled_leaves_the_solve_as_without(monkeypatch: pytest.MonkeyPatch, save: str) -> None:
     def no_compiler(device_type: str) -> Callable[..., object]:
         def fails(*_: object) -> None:
             raise RuntimeError("no C++ compiler")
@@ -637,9 +681,11 @@ def test_a_step_that_cannot_be_compiled_leaves_the_solve_as_without(monkeypatch:
         return fails
 
     monkeypatch.setattr(adaptive_loop, "_compiled_attempt", no_compiler)
-    with pytest.warns(RuntimeWarning, match=r"compile=True.*could not be compiled.*no C\+\+ compiler"):
-        fallback, plain = _compiled_and_plain(_tiny_field(), _states(4))
-    assert torch.equal(plain.xs, fallback.xs)
+    monkeypatch.setattr(adaptive_loop, "_compiled_solve", no_compiler)
+    with pytest.warns(RuntimeWarning, match=r"compile=True.*could not be compiled.*no C\+\+ compiler") as warned:
+        fallback, plain = _compiled_and_plain(_tiny_field(), _states(4), save)
+    assert sum("could not be compiled" in str(w.message) for w in warned) == 1  # one try, then without
+    assert torch.equal(plain.x, fallback.x)
     assert (plain.stats.nfe_forward, plain.stats.sample_evaluations) == (
         fallback.stats.nfe_forward,
         fallback.stats.sample_evaluations,

@@ -367,7 +367,7 @@ class _StepGraph:
         self.captured = True
         if self.graph is not None:
             self.graph.replay()
-        self.loop.count_replayed_evaluations()
+        self.loop.count_evaluations(self.loop.tableau.stages - 1)
         return self.outputs
 
 
@@ -398,7 +398,7 @@ class _CompiledStep:
         """The attempt from ``state``'s time, step size, history, state and first stage."""
         attempt = self._run(state) if self.first is None else self.first
         self.first = None
-        self.loop.count_replayed_evaluations()
+        self.loop.count_evaluations(self.loop.tableau.stages - 1)
         return attempt
 
 
@@ -433,10 +433,13 @@ class _SolveEnd(NamedTuple):
     failed: Tensor
 
 
-def _whole_solve(loop: _Loop, t: Tensor, dt: Tensor, history: Tensor, y: Tensor, f0: Tensor, budget: Tensor) -> _SolveEnd:
-    """The steps of :meth:`_Loop.attempt` on one group until it reaches the end, ``budget`` steps are taken or a step
-    fails as the loop's would (a step size that underflows, or a NaN error from a non-finite state), as a
-    ``torch.while_loop``, which the compiler makes one call. The attempt's evaluations go uncounted."""
+def _whole_solve(loop: _Loop, t: Tensor, dt: Tensor | None, history: Tensor, y: Tensor, budget: Tensor) -> _SolveEnd:
+    """The first stage at ``y``, the first step size where ``dt`` is None (:meth:`_Loop.first_step`), then the steps of
+    :meth:`_Loop.attempt` on one group until it reaches the end, ``budget`` steps are taken or a step fails as the
+    loop's would (a step size that underflows, or a NaN error from a non-finite state), as a ``torch.while_loop``:
+    the compiler makes it all one call. Its evaluations go uncounted."""
+    f0 = loop.evaluate(None, y)
+    dt = loop.first_step(t, y, f0) if dt is None else dt
     last_stage = slice(loop.tableau.stages - 1, loop.tableau.stages)
 
     def running(*carried: Tensor) -> Tensor:
@@ -733,13 +736,14 @@ class _Loop:
         t = torch.full((g,), float(self.grid[0]), dtype=torch.float64, device=self.device)
         if starts is not None:
             t = starts.to(t).reshape(g).clone()
-        f0 = self.evaluate(None if self.autonomous else t, y)
-        dt = self.first_step(t, y, f0) if first_step is None else torch.full_like(t, float(first_step))
         watched = self.callback is not None or self.progress.bar is not None
         if self.graph_mode == "compile" and not (save_all or keep_steps or watched) and starts is None:
-            x = self._compiled_run(t, dt, y, f0)  # the whole solve in one call, or None where it cannot be compiled
+            given = None if first_step is None else torch.full_like(t, float(first_step))
+            x = self._compiled_run(t, given, y)  # the whole solve in one call, or None where it cannot be compiled
             if x is not None:
                 return x, None
+        f0 = self.evaluate(None if self.autonomous else t, y)
+        dt = self.first_step(t, y, f0) if first_step is None else torch.full_like(t, float(first_step))
         buffers = _Buffers.empty(g, self.tableau.stages, self.width, self.dtype, self.device) if self.in_place else None
         if buffers is not None:  # the loop writes its state in place
             y, f0 = buffers.y.copy_(y), buffers.k_first.copy_(f0)
@@ -776,9 +780,9 @@ class _Loop:
         xs = self._gather(self.outputs, g * len(self.grid)).view(len(self.grid), *self.x_shape) if save_all else None
         return x, xs
 
-    def _compiled_run(self, t: Tensor, dt: Tensor, y: Tensor, f0: Tensor) -> Tensor | None:
-        """The whole solve of the one group ``y`` ``(1, 1, M)`` from ``t`` (first stage ``f0``, first step ``dt``) in
-        one compiled call (:func:`_whole_solve` on the field's closed form, as :class:`_CompiledStep`), its steps,
+    def _compiled_run(self, t: Tensor, dt: Tensor | None, y: Tensor) -> Tensor | None:
+        """The whole solve of the one group ``y`` ``(1, 1, M)`` from ``t`` (first step ``dt``, or None: chosen) in one
+        compiled call (:func:`_whole_solve` on the field's closed form, as :class:`_CompiledStep`), its steps,
         evaluations and failures recorded as the step-by-step loop records them; returns the final state
         ``x0``-shaped, or None (with a warning) where it cannot be compiled: the loop then goes on step by step,
         uncompiled."""
@@ -788,7 +792,7 @@ class _Loop:
         history = torch.ones((1, 2), dtype=torch.float64, device=self.device)
         self.counting = False
         try:
-            end = _compiled_solve(self.device.type)(self, t, dt, history, y, f0, budget)
+            end = _compiled_solve(self.device.type)(self, t, dt, history, y, budget)
         except RuntimeError as error:
             _warn_uncompiled("compile", "compiled", error)
             self.graph_mode = None
@@ -800,7 +804,7 @@ class _Loop:
         self.progress.steps += steps
         self.progress.accepted += accepted
         self.progress.rejected += steps - accepted - failed
-        self.count_replayed_evaluations(steps)
+        self.count_evaluations((self.tableau.stages - 1) * steps + (1 if dt is not None else 2))
         state = dict(t=end.t, y=end.y, ids=torch.zeros(1, dtype=torch.long, device=self.device))
         if failed:
             if not bool(torch.isfinite(end.y).all()):
@@ -890,10 +894,9 @@ class _Loop:
             _warn_uncompiled(*(("compile", "compiled") if mode == "compile" else ("cuda_graph", "captured")), error)
             return None
 
-    def count_replayed_evaluations(self, steps: int = 1) -> None:
-        """Count the field evaluations of ``steps`` replayed steps (``S - 1`` each of every active group) as
-        :meth:`evaluate` does."""
-        evaluations = (self.tableau.stages - 1) * steps
+    def count_evaluations(self, evaluations: int) -> None:
+        """Count ``evaluations`` of every active group made uncounted (a replayed or compiled step's, ``S - 1`` a
+        step) as :meth:`evaluate` counts its own."""
         self.progress.sample_evaluations += evaluations * len(self.t_now) * self.samples_per_group
         self.field.count_evaluations(evaluations)  # type: ignore[attr-defined]
 

@@ -582,20 +582,24 @@ def _compiled_and_plain(
         ]
 
 
-def _check_compiled_solves(step_control: StepControl = "shared", batch: int = 3, save: str = "all") -> None:
+def _check_compiled_solves(
+    step_control: StepControl = "shared", batch: int = 3, save: str = "all", first_step: float | None = 2.0
+) -> None:
     """``Adaptive(compile=True)`` at a non-default tau, a mask, the PID controller and a first step too large (rejected
-    steps): the same steps, evaluations and float64 states to rounding as the plain loop; after the weights change in
-    place, the next compiled solve follows the new weights (nothing of the old ones is kept as a constant)."""
+    steps; None: the loop's choice): the same steps, evaluations and float64 states to rounding as the plain loop;
+    after the weights change in place, the next compiled solve follows the new weights (nothing of the old ones is kept
+    as a constant)."""
     model = _smooth_model(seed=4)
     mask = torch.rand(5, 5, generator=torch.Generator().manual_seed(2)) < 0.7
     field = et_ode.ETField(model, tau=0.7, mask=mask)
     x0 = _states(batch)
-    settings = dict(controller="pid", options=dict(first_step=2.0), rtol=1e-7, atol=1e-9, step_control=step_control)
+    options = None if first_step is None else dict(first_step=first_step)
+    settings = dict(controller="pid", options=options, rtol=1e-7, atol=1e-9, step_control=step_control)
     for scale in (1.0, 1.3):
         with torch.no_grad():
             model.hopfield.xi.mul_(scale)
         compiled, plain = _compiled_and_plain(field, x0, save, **settings)
-        assert compiled.stats.rejected_steps > 0 and compiled.stats.accepted_steps > 3
+        assert compiled.stats.accepted_steps > 3 and (compiled.stats.rejected_steps > 0 or first_step is None)
         for stat in ("accepted_steps", "rejected_steps", "nfe_forward", "sample_evaluations"):
             assert getattr(compiled.stats, stat) == getattr(plain.stats, stat), stat
         assert (compiled.x - plain.x).abs().max().item() < 1e-12
@@ -621,17 +625,20 @@ def _as_it_is(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[object]]:
     return handed
 
 
+SAVES_AND_FIRST_STEPS = [("all", 2.0), ("final", 2.0), ("final", None)]
+
+
 @pytest.mark.parametrize(("step_control", "batch"), [("shared", 3), ("per_sample", 1)])
-@pytest.mark.parametrize("save", ["all", "final"])
+@pytest.mark.parametrize(("save", "first_step"), SAVES_AND_FIRST_STEPS)
 def test_what_is_handed_to_the_compiler_integrates_the_field(
-    monkeypatch: pytest.MonkeyPatch, step_control: StepControl, batch: int, save: str
+    monkeypatch: pytest.MonkeyPatch, step_control: StepControl, batch: int, save: str, first_step: float | None
 ) -> None:
     """What ``compile=True`` hands ``torch.compile``, run as it is, for shared steps and a single sample's own: each
     step's attempt on the field's closed form where the states are saved at times, the whole solve as one loop where
     only the final state is (its evaluations counted by hand either way). The compiler itself is the next test's (slow:
     minutes on a cold cache). The plain loop would agree too, so what was handed over is checked."""
     handed = _as_it_is(monkeypatch)
-    _check_compiled_solves(step_control, batch, save)
+    _check_compiled_solves(step_control, batch, save, first_step)
     if save == "all":
         assert len(handed["step"]) > 8 and not handed["solve"]
     else:
@@ -667,9 +674,9 @@ def test_a_compiled_solve_fails_where_the_loop_fails(monkeypatch: pytest.MonkeyP
 @pytest.mark.skipif(
     not any(shutil.which(name) for name in ("c++", "g++", "clang++")), reason="torch.compile needs a C++ compiler"
 )
-@pytest.mark.parametrize("save", ["all", "final"])
-def test_a_compiled_step_integrates_the_plain_loop_s_solution(save: str) -> None:
-    _check_compiled_solves(save=save)
+@pytest.mark.parametrize(("save", "first_step"), SAVES_AND_FIRST_STEPS)
+def test_a_compiled_step_integrates_the_plain_loop_s_solution(save: str, first_step: float | None) -> None:
+    _check_compiled_solves(save=save, first_step=first_step)
 
 
 @pytest.mark.parametrize("save", ["all", "final"])

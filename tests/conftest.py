@@ -2,18 +2,30 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
 import et_ode
+from et_ode.backend import runtime
 
 # The test problems are tiny: one intra-op thread avoids OpenMP wake-up latency, which dominates them
 # (and explodes when the cores are shared).
 torch.set_num_threads(1)
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
+
+
+@pytest.fixture(autouse=True)
+def _solve_progress_off() -> Iterator[None]:
+    """Each test starts with ``solve``'s progress bar off, the library's default: the command line turns it on for
+    the process (:func:`et_ode.backend.runtime.show_solve_progress`), also in fixtures of a wider scope, and must not
+    change the solves of the tests after it."""
+    runtime.show_solve_progress(False)
+    yield
+    runtime.show_solve_progress(False)
 
 
 def random_model(

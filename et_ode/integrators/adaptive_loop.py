@@ -23,7 +23,6 @@ from typing import Any, Literal, NamedTuple, TypeGuard, cast
 
 import torch
 from torch import Tensor
-from torch._higher_order_ops import while_loop
 
 from et_ode.dynamics.field import ETField
 from et_ode.integrators.solution import Progress, SolveError, Status
@@ -438,6 +437,8 @@ def _whole_solve(loop: _Loop, t: Tensor, dt: Tensor | None, history: Tensor, y: 
     :meth:`_Loop.attempt` on one group until it reaches the end, ``budget`` steps are taken or a step fails as the
     loop's would (a step size that underflows, or a NaN error from a non-finite state), as a ``torch.while_loop``:
     the compiler makes it all one call. Its evaluations go uncounted."""
+    from torch._higher_order_ops import while_loop  # (PyTorch's control flow, not public API: here, not at import)
+
     f0 = loop.evaluate(None, y)
     dt = loop.first_step(t, y, f0) if dt is None else dt
     last_stage = slice(loop.tableau.stages - 1, loop.tableau.stages)
@@ -474,7 +475,7 @@ def _compiled_solve(device_type: str) -> Callable[..., _SolveEnd]:
     return torch.compile(_whole_solve, dynamic=False, options=_compile_options(device_type))
 
 
-def _warn_uncompiled(option: str, verb: str, error: RuntimeError) -> None:
+def _warn_uncompiled(option: str, verb: str, error: Exception) -> None:
     warnings.warn(
         f"Adaptive({option}=True): the step could not be {verb} ({error}); the solve runs without",
         RuntimeWarning,
@@ -793,7 +794,7 @@ class _Loop:
         self.counting = False
         try:
             end = _compiled_solve(self.device.type)(self, t, dt, history, y, budget)
-        except RuntimeError as error:
+        except (RuntimeError, ImportError) as error:  # (ImportError: a PyTorch without while_loop)
             _warn_uncompiled("compile", "compiled", error)
             self.graph_mode = None
             return None

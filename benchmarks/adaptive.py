@@ -38,7 +38,7 @@ environment, ``pip install torchdiffeq torchode jax diffrax`` beside et-ode.
     python benchmarks/adaptive.py --threads 1                  # digits, 28x28 (batch 64), ImageNet (batch 4)
     python benchmarks/adaptive.py --threads 2 --size mnist imagenet --reps 5
     python benchmarks/adaptive.py --batch 1                    # one sample per solve: the loop's fixed costs
-    python benchmarks/adaptive.py --batch 1 --compile          # with the compiled step's row
+    python benchmarks/adaptive.py --batch 1 --compile          # with the compiled solve's rows
     python benchmarks/adaptive.py --device cuda --size digits mnist     # on a GPU, with the captured step's row
 """
 

@@ -380,8 +380,7 @@ class _CompiledStep:
 
     def __init__(self, loop: _Loop, state: dict[str, Any]):
         self.loop = loop
-        field = cast(ETField, loop.field_now)
-        loop.traced_field = ETField(field.model, field.tau, field.derivative, field.mask, backend="reference")
+        loop.trace_closed_form()
         self.compiled = _compiled_attempt(loop.device.type)
         self.first: _Attempt | None = self._run(state)  # the first replay is this step's attempt
 
@@ -781,14 +780,19 @@ class _Loop:
         xs = self._gather(self.outputs, g * len(self.grid)).view(len(self.grid), *self.x_shape) if save_all else None
         return x, xs
 
+    def trace_closed_form(self) -> None:
+        """Uncounted evaluations (a compiled step's or solve's) go to the field's closed form from here on: an
+        :class:`~et_ode.ETField` of the same model, tau, derivative and mask with ``backend="reference"``."""
+        field = cast(ETField, self.field_now)
+        self.traced_field = ETField(field.model, field.tau, field.derivative, field.mask, backend="reference")
+
     def _compiled_run(self, t: Tensor, dt: Tensor | None, y: Tensor) -> Tensor | None:
         """The whole solve of the one group ``y`` ``(1, 1, M)`` from ``t`` (first step ``dt``, or None: chosen) in one
         compiled call (:func:`_whole_solve` on the field's closed form, as :class:`_CompiledStep`), its steps,
         evaluations and failures recorded as the step-by-step loop records them; returns the final state
         ``x0``-shaped, or None (with a warning) where it cannot be compiled: the loop then goes on step by step,
         uncompiled."""
-        field = cast(ETField, self.field_now)
-        self.traced_field = ETField(field.model, field.tau, field.derivative, field.mask, backend="reference")
+        self.trace_closed_form()
         budget = torch.tensor(self.max_steps - self.progress.steps, device=self.device)  # the steps left to take
         history = torch.ones((1, 2), dtype=torch.float64, device=self.device)
         self.counting = False
@@ -805,7 +809,8 @@ class _Loop:
         self.progress.steps += steps
         self.progress.accepted += accepted
         self.progress.rejected += steps - accepted - failed
-        self.count_evaluations((self.tableau.stages - 1) * steps + (1 if dt is not None else 2))
+        at_start = 1 if dt is not None else 2  # the first stage, and the one of the first step's choice
+        self.count_evaluations((self.tableau.stages - 1) * steps + at_start)
         state = dict(t=end.t, y=end.y, ids=torch.zeros(1, dtype=torch.long, device=self.device))
         if failed:
             if not bool(torch.isfinite(end.y).all()):

@@ -112,8 +112,9 @@ class Adaptive:
             so states agree with the uncompiled loop to rounding, not bit for bit. PyTorch compiles once per shape,
             dtype and setting in a process (tens of seconds on a CPU; it needs a C++ compiler there); it pays where
             each evaluation is small, so that the many small operations of a step dominate (one sample of a small
-            model), and not where large matrix products do. A step that cannot be compiled gets a ``RuntimeWarning``
-            and the solve runs on without.
+            model), and not where large matrix products do. On the CPU the compiled code uses at most one thread per
+            2048 elements of the state (PyTorch's thread count is set back after each call). A step that cannot be
+            compiled gets a ``RuntimeWarning`` and the solve runs on without.
 
     et-ode's loop runs the gradients ``Direct`` and ``Adjoint`` (its backward solve on the same loop); for stops see
     :meth:`check_stop`.

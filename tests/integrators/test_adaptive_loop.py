@@ -610,12 +610,13 @@ def _check_compiled_solves(
 
 def _as_it_is(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[object]]:
     """Hand ``compile=True``'s step and whole solve to no compiler: they run as they are (the solve's ``while_loop``
-    eagerly); returns the loops handed over, by which."""
-    handed: dict[str, list[object]] = {"step": [], "solve": []}
+    eagerly); returns the loops handed over, by which, and PyTorch's thread count during each call ("threads")."""
+    handed: dict[str, list[object]] = {"step": [], "solve": [], "threads": []}
 
     def recorded(kind: str, function: Callable[..., object]) -> Callable[[str], Callable[..., object]]:
         def run(loop: adaptive_loop._Loop, *arguments: torch.Tensor) -> object:
             handed[kind].append(loop)
+            handed["threads"].append(torch.get_num_threads())
             return function(loop, *arguments)
 
         return lambda device_type: run
@@ -668,6 +669,28 @@ def test_a_compiled_solve_fails_where_the_loop_fails(monkeypatch: pytest.MonkeyP
     late = torch.tensor([1.0, 2.0], dtype=F64)  # (1 + 1e-300 is 1)
     with torch.no_grad(), pytest.raises(SolverFailure, match="underflow"):
         adaptive_loop.integrate(field, x0, late, per_sample=False, save_all=False, first_step=1e-300, graph="compile")
+
+
+@pytest.mark.parametrize(("save", "batch", "threads"), [("all", 51, 1), ("all", 103, 2), ("all", 300, 3), ("final", 51, 1)])
+def test_compiled_code_runs_on_one_thread_per_2048_state_elements(
+    monkeypatch: pytest.MonkeyPatch, save: str, batch: int, threads: int
+) -> None:
+    """Out of 3 threads, a compiled step or solve of ``batch * 40`` state elements runs on ``elements // 2048`` of them
+    (at least one); the process's count is set back after the solve, and after a failed one."""
+    handed = _as_it_is(monkeypatch)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        solver = et_ode.Adaptive(compile=True, step_control="shared")
+        with torch.no_grad():
+            et_ode.solve(_tiny_field(), _states(batch), (0.0, 1.0), solver=solver, save=save)
+        assert handed["threads"] and set(handed["threads"]) == {threads}
+        assert torch.get_num_threads() == 3
+        with torch.no_grad(), pytest.raises(et_ode.SolveError, match="max_steps=2"):
+            et_ode.solve(_tiny_field(), _states(batch), (0.0, 50.0), solver=solver, save=save, max_steps=2)
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.slow

@@ -11,7 +11,7 @@ steps, and the largest difference of the final state from torchdiffeq's relative
 - ``et-ode shared``: ``solve`` with the default ``Adaptive("dopri5", ...)`` (et-ode's loop, one step size for the
   batch);
 - ``et-ode per-sample``: ``Adaptive(step_control="per_sample")``; ``et-ode per-sample tsit5``: with Tsitouras' pair;
-- ``et-ode shared, compiled`` (``--compile``): ``Adaptive(compile=True)``; with ``save="final"`` the whole solve, every
+- ``et-ode shared, compiled`` (``--compile``): ``Adaptive(compile=True)``; the whole solve, every
   step inside one ``while_loop``, is compiled by ``torch.compile`` (before the timing, as diffrax's ``jax.jit``); at
   batch 1 also ``et-ode per-sample, compiled`` (a single sample's own steps compile too; a larger batch's per-sample
   steps do not);

@@ -441,24 +441,29 @@ def _compile_options(device_type: str) -> dict[str, Any] | None:
 
 class _SolveEnd(NamedTuple):
     """Where :func:`_whole_solve` ends: the time ``t`` ``(1,)``, the next step size ``dt`` (the failed step's own where
-    a step failed), the controller's history ``(1, 2)``, the state ``y`` and its velocity ``f0`` ``(1, 1, M)``, and the
-    numbers of steps taken and accepted and whether the last step failed (0-d)."""
+    a step failed), the controller's history ``(1, 2)``, the state ``y`` and its velocity ``f0`` ``(1, 1, M)``, the
+    states at the output times ``(T, 1, M)`` (``T = 0``: none kept), and the numbers of steps taken and accepted and
+    whether the last step failed (0-d)."""
 
     t: Tensor
     dt: Tensor
     history: Tensor
     y: Tensor
     f0: Tensor
+    saved: Tensor
     steps: Tensor
     accepted: Tensor
     failed: Tensor
 
 
-def _whole_solve(loop: _Loop, t: Tensor, dt: Tensor | None, history: Tensor, y: Tensor, budget: Tensor) -> _SolveEnd:
+def _whole_solve(
+    loop: _Loop, t: Tensor, dt: Tensor | None, history: Tensor, y: Tensor, budget: Tensor, saved: Tensor, times: Tensor
+) -> _SolveEnd:
     """The first stage at ``y``, the first step size where ``dt`` is None (:meth:`_Loop.first_step`), then the steps of
     :meth:`_Loop.attempt` on one group until it reaches the end, ``budget`` steps are taken or a step fails as the
     loop's would (a step size that underflows, or a NaN error from a non-finite state), as a ``torch.while_loop``:
-    the compiler makes it all one call. Its evaluations go uncounted."""
+    the compiler makes it all one call. Each accepted step writes the interpolant at the output ``times`` ``(T,)``
+    inside it into ``saved`` ``(T, 1, M)`` (as :meth:`_Loop.save`; ``T = 0``: none). Its evaluations go uncounted."""
     from torch._higher_order_ops import while_loop  # (PyTorch's control flow, not public API: here, not at import)
 
     f0 = loop.evaluate(None, y)
@@ -481,6 +486,7 @@ def _whole_solve(loop: _Loop, t: Tensor, dt: Tensor | None, history: Tensor, y: 
             attempt.history.clone(),  # (a carried value must not be an input's alias)
             torch.where(moves[:, None, None], attempt.y1, now.y),
             torch.where(moves[:, None, None], attempt.k[:, last_stage], now.f0),
+            _saved_in_step(loop, now, attempt, moves, times),
             now.steps + 1,
             now.accepted + moves.sum(),
             failed,
@@ -488,7 +494,19 @@ def _whole_solve(loop: _Loop, t: Tensor, dt: Tensor | None, history: Tensor, y: 
 
     counters = [torch.zeros((), dtype=torch.long, device=y.device) for _ in range(2)]
     failed = torch.zeros((), dtype=torch.bool, device=y.device)
-    return _SolveEnd(*while_loop(running, step, (t, dt, history, y, f0, *counters, failed)))
+    return _SolveEnd(*while_loop(running, step, (t, dt, history, y, f0, saved, *counters, failed)))
+
+
+def _saved_in_step(loop: _Loop, now: _SolveEnd, attempt: _Attempt, moves: Tensor, times: Tensor) -> Tensor:
+    """``now.saved`` ``(T, 1, M)`` with the interpolant of the step from ``now`` written at the ``times`` ``(T,)`` in
+    ``(t, t1]`` where the step ``moves`` (is accepted): :meth:`_Loop.save`'s states, for one group and every time."""
+    if not len(times):
+        return now.saved.clone()
+    inside = moves & (times > now.t) & (times <= attempt.t1)
+    rows = torch.zeros(len(times), dtype=torch.long, device=times.device)
+    theta = (times - now.t) / attempt.dt
+    states = loop.dense(rows, theta, now.y, attempt.y1, attempt.k, attempt.weights, attempt.dt)
+    return torch.where(inside[:, None, None], states, now.saved)
 
 
 @functools.cache
@@ -760,11 +778,11 @@ class _Loop:
         if starts is not None:
             t = starts.to(t).reshape(g).clone()
         watched = self.callback is not None or self.progress.bar is not None
-        if self.graph_mode == "compile" and not (save_all or keep_steps or watched) and starts is None:
+        if self.graph_mode == "compile" and not (keep_steps or watched) and starts is None:
             given = None if first_step is None else torch.full_like(t, float(first_step))
-            x = self._compiled_run(t, given, y)  # the whole solve in one call, or None where it cannot be compiled
-            if x is not None:
-                return x, None
+            ended = self._compiled_run(t, given, y, save_all)  # the whole solve in one call, or None: not compiled
+            if ended is not None:
+                return ended
         f0 = self.evaluate(None if self.autonomous else t, y)
         dt = self.first_step(t, y, f0) if first_step is None else torch.full_like(t, float(first_step))
         buffers = _Buffers.empty(g, self.tableau.stages, self.width, self.dtype, self.device) if self.in_place else None
@@ -809,19 +827,23 @@ class _Loop:
         field = cast(ETField, self.field_now)
         self.traced_field = ETField(field.model, field.tau, field.derivative, field.mask, backend="reference")
 
-    def _compiled_run(self, t: Tensor, dt: Tensor | None, y: Tensor) -> Tensor | None:
+    def _compiled_run(self, t: Tensor, dt: Tensor | None, y: Tensor, save_all: bool) -> tuple[Tensor, Tensor | None] | None:
         """The whole solve of the one group ``y`` ``(1, 1, M)`` from ``t`` (first step ``dt``, or None: chosen) in one
         compiled call (:func:`_whole_solve` on the field's closed form, as :class:`_CompiledStep`), its steps,
         evaluations and failures recorded as the step-by-step loop records them; returns the final state
-        ``x0``-shaped, or None (with a warning) where it cannot be compiled: the loop then goes on step by step,
-        uncompiled."""
+        ``x0``-shaped and, with ``save_all``, the states at the grid's times ``(T, *x0.shape)`` (else None), or None
+        (with a warning) where it cannot be compiled: the loop then goes on step by step, uncompiled."""
         self.trace_closed_form()
         budget = torch.tensor(self.max_steps - self.progress.steps, device=self.device)  # the steps left to take
         history = torch.ones((1, 2), dtype=torch.float64, device=self.device)
+        times = (self.grid if save_all else self.grid[:0]).clone()  # (the end time is a view of the grid)
+        saved = y.new_zeros((len(times), 1, self.width))
+        if save_all:
+            saved[0] = y[0]  # the grid's first time is the start
         self.counting = False
         try:
             with _threads_for(y):
-                end = _compiled_solve(self.device.type)(self, t, dt, history, y, budget)
+                end = _compiled_solve(self.device.type)(self, t, dt, history, y, budget, saved, times)
         except (RuntimeError, ImportError) as error:  # (ImportError: a PyTorch without while_loop)
             _warn_uncompiled("compile", "compiled", error)
             self.graph_mode = None
@@ -845,7 +867,7 @@ class _Loop:
         self.progress.reached(float(end.t.min()))
         self.next_dt = end.dt
         self._finish(state, torch.ones(1, dtype=torch.bool, device=self.device), end.y, end.t)
-        return end.y.view(self.x_shape)
+        return end.y.view(self.x_shape), end.saved.view(len(times), *self.x_shape) if save_all else None
 
     def step(
         self,
@@ -1130,8 +1152,8 @@ def integrate(
             of an :class:`~et_ode.ETField` without gradients, a stop or a quadrature; otherwise the loop runs as
             without); ``"eager"``: the same capture and replay discipline run eagerly (see :class:`_StepGraph`);
             ``"compile"``: from the first step, the same steps compiled by ``torch.compile`` (:class:`_CompiledStep`;
-            with ``save_all=False`` and no ``callback``, progress bar, ``starts`` or ``keep_steps``, the whole solve in
-            one compiled call, :func:`_whole_solve`); None: no capture.
+            with no ``callback``, progress bar, ``starts`` or ``keep_steps``, the whole solve in one compiled call,
+            :func:`_whole_solve`, which writes the states at the grid's times too); None: no capture.
 
     Returns the :class:`Result`. Gradients
     flow through the stages and the interpolant (the step sizes are constants to autograd, as in torchdiffeq and

@@ -106,10 +106,11 @@ class Adaptive:
             be captured gets a ``RuntimeWarning`` and the solve runs on without the graph.
         compile: et-ode's loop compiles one step (its stages, error and controller) with ``torch.compile`` and runs the
             compiled step from the first, where ``cuda_graph`` applies (shared steps, or those of a single sample, of an
-            ET field without gradients or a stop); everywhere else the steps run as without. Where only the final state
-            is saved and no progress is shown (``progress`` here or in ``solve``), the whole solve (every step, in a
-            ``while_loop``) is one compiled call. The step evaluates the field's closed form (``backend="reference"``),
-            so states agree with the uncompiled loop to rounding, not bit for bit. PyTorch compiles once per shape,
+            ET field without gradients or a stop); everywhere else the steps run as without. Where no progress is shown
+            (``progress`` here or in ``solve``) and the states are not kept at every step (``save="steps"``), the
+            whole solve (every step, and the states at the saved times, in a ``while_loop``) is one compiled call.
+            The step evaluates the field's closed form (``backend="reference"``), so states agree with the uncompiled
+            loop to rounding, not bit for bit. PyTorch compiles once per shape,
             dtype and setting in a process (tens of seconds on a CPU; it needs a C++ compiler there); it pays where
             each evaluation is small, so that the many small operations of a step dominate (one sample of a small
             model), and not where large matrix products do. On the CPU the compiled code uses at most one thread per

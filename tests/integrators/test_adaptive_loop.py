@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import shutil
+import warnings
 from collections.abc import Callable
 from typing import Literal
 
@@ -583,18 +584,24 @@ def _compiled_and_plain(
 
 
 def _check_compiled_solves(
-    step_control: StepControl = "shared", batch: int = 3, save: str = "all", first_step: float | None = 2.0
+    step_control: StepControl = "shared",
+    batch: int = 3,
+    save: str = "all",
+    first_step: float | None = 2.0,
+    watched: bool = False,
 ) -> None:
     """``Adaptive(compile=True)`` at a non-default tau, a mask, the PID controller and a first step too large (rejected
-    steps; None: the loop's choice): the same steps, evaluations and float64 states to rounding as the plain loop;
-    after the weights change in place, the next compiled solve follows the new weights (nothing of the old ones is kept
-    as a constant)."""
+    steps; None: the loop's choice), ``watched`` by a progress callback or not: the same steps, evaluations and float64
+    states to rounding as the plain loop; after the weights change in place, the next compiled solve follows the new
+    weights (nothing of the old ones is kept as a constant)."""
     model = _smooth_model(seed=4)
     mask = torch.rand(5, 5, generator=torch.Generator().manual_seed(2)) < 0.7
     field = et_ode.ETField(model, tau=0.7, mask=mask)
     x0 = _states(batch)
     options = None if first_step is None else dict(first_step=first_step)
     settings = dict(controller="pid", options=options, rtol=1e-7, atol=1e-9, step_control=step_control)
+    if watched:
+        settings["progress"] = lambda t, x: None
     for scale in (1.0, 1.3):
         with torch.no_grad():
             model.hopfield.xi.mul_(scale)
@@ -626,21 +633,27 @@ def _as_it_is(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[object]]:
     return handed
 
 
-SAVES_AND_FIRST_STEPS = [("all", 2.0), ("final", 2.0), ("final", None)]
+SAVES_FIRST_STEPS_AND_WATCHED = [("all", 2.0, False), ("all", 2.0, True), ("final", 2.0, False), ("final", None, False)]
 
 
 @pytest.mark.parametrize(("step_control", "batch"), [("shared", 3), ("per_sample", 1)])
-@pytest.mark.parametrize(("save", "first_step"), SAVES_AND_FIRST_STEPS)
+@pytest.mark.parametrize(("save", "first_step", "watched"), SAVES_FIRST_STEPS_AND_WATCHED)
 def test_what_is_handed_to_the_compiler_integrates_the_field(
-    monkeypatch: pytest.MonkeyPatch, step_control: StepControl, batch: int, save: str, first_step: float | None
+    monkeypatch: pytest.MonkeyPatch,
+    step_control: StepControl,
+    batch: int,
+    save: str,
+    first_step: float | None,
+    watched: bool,
 ) -> None:
-    """What ``compile=True`` hands ``torch.compile``, run as it is, for shared steps and a single sample's own: each
-    step's attempt on the field's closed form where the states are saved at times, the whole solve as one loop where
-    only the final state is (its evaluations counted by hand either way). The compiler itself is the next test's (slow:
-    minutes on a cold cache). The plain loop would agree too, so what was handed over is checked."""
+    """What ``compile=True`` hands ``torch.compile``, run as it is, for shared steps and a single sample's own: the
+    whole solve as one loop, which writes the states at the saved times itself, where no progress is watched; each
+    step's attempt on the field's closed form where it is (its evaluations counted by hand either way). The compiler
+    itself is the next test's (slow: minutes on a cold cache). The plain loop would agree too, so what was handed over
+    is checked."""
     handed = _as_it_is(monkeypatch)
-    _check_compiled_solves(step_control, batch, save, first_step)
-    if save == "all":
+    _check_compiled_solves(step_control, batch, save, first_step, watched)
+    if watched:
         assert len(handed["step"]) > 8 and not handed["solve"]
     else:
         assert len(handed["solve"]) == 2 and not handed["step"]  # a compiled solve at each of two weights
@@ -697,9 +710,11 @@ def test_compiled_code_runs_on_one_thread_per_2048_state_elements(
 @pytest.mark.skipif(
     not any(shutil.which(name) for name in ("c++", "g++", "clang++")), reason="torch.compile needs a C++ compiler"
 )
-@pytest.mark.parametrize(("save", "first_step"), SAVES_AND_FIRST_STEPS)
-def test_a_compiled_step_integrates_the_plain_loop_s_solution(save: str, first_step: float | None) -> None:
-    _check_compiled_solves(save=save, first_step=first_step)
+@pytest.mark.parametrize(("save", "first_step", "watched"), SAVES_FIRST_STEPS_AND_WATCHED)
+def test_a_compiled_step_integrates_the_plain_loop_s_solution(save: str, first_step: float | None, watched: bool) -> None:
+    with warnings.catch_warnings():  # compiled for real: the uncompiled fallback would agree too
+        warnings.filterwarnings("error", message=".*could not be compiled")
+        _check_compiled_solves(save=save, first_step=first_step, watched=watched)
 
 
 @pytest.mark.parametrize("save", ["all", "final"])

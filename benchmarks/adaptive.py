@@ -12,9 +12,9 @@ steps, and the largest difference of the final state from torchdiffeq's relative
   batch);
 - ``et-ode per-sample``: ``Adaptive(step_control="per_sample")``; ``et-ode per-sample tsit5``: with Tsitouras' pair;
 - ``et-ode shared, compiled`` (``--compile``): ``Adaptive(compile=True)``; the whole solve, every
-  step inside one ``while_loop``, is compiled by ``torch.compile`` (before the timing, as diffrax's ``jax.jit``); at
-  batch 1 also ``et-ode per-sample, compiled`` (a single sample's own steps compile too; a larger batch's per-sample
-  steps do not);
+  step inside one ``while_loop``, is compiled by ``torch.compile`` (before the timing, as diffrax's ``jax.jit``); and
+  ``et-ode per-sample, compiled``, each sample's own steps in the same loop (a sample that has reached t1 keeps its
+  state while the others step on, as under diffrax's ``vmap``: no compaction);
 - ``torchode`` (where installed): its Dopri5 with an integral controller on our field, per sample;
 - ``diffrax batched`` and ``diffrax per-sample`` (where jax and diffrax are installed): ``jax.jit`` of
   ``diffeqsolve`` with Dopri5 and a PID controller of the I-controller's coefficients on the same weights written in
@@ -245,7 +245,6 @@ def measure(name: str, args: argparse.Namespace) -> list[list[object]]:
     }
     if args.compile:
         solvers["et-ode shared, compiled"] = et_ode.Adaptive("dopri5", args.rtol, args.atol, compile=True)
-    if args.compile and size.batch == 1:
         solvers["et-ode per-sample, compiled"] = et_ode.Adaptive(
             "dopri5", args.rtol, args.atol, step_control="per_sample", compile=True
         )

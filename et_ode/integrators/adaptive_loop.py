@@ -440,10 +440,11 @@ def _compile_options(device_type: str) -> dict[str, Any] | None:
 
 
 class _SolveEnd(NamedTuple):
-    """Where :func:`_whole_solve` ends: the time ``t`` ``(1,)``, the next step size ``dt`` (the failed step's own where
-    a step failed), the controller's history ``(1, 2)``, the state ``y`` and its velocity ``f0`` ``(1, 1, M)``, the
-    states at the output times ``(T, 1, M)`` (``T = 0``: none kept), and the numbers of steps taken and accepted and
-    whether the last step failed (0-d)."""
+    """Where :func:`_whole_solve` ends, for ``G`` groups: their times ``t`` ``(G,)``, next step sizes ``dt`` (the
+    failed step's own where a step failed), the controller's history ``(G, 2)``, the states ``y`` and their velocities
+    ``f0`` ``(G, 1, M)``, the states at the output times ``(T * G, 1, M)`` (time-major; ``T = 0``: none kept), and
+    (0-d) the numbers of steps taken (batched), of the groups' steps tried and accepted, and whether the last step
+    failed."""
 
     t: Tensor
     dt: Tensor
@@ -452,6 +453,7 @@ class _SolveEnd(NamedTuple):
     f0: Tensor
     saved: Tensor
     steps: Tensor
+    tried: Tensor
     accepted: Tensor
     failed: Tensor
 
@@ -459,11 +461,13 @@ class _SolveEnd(NamedTuple):
 def _whole_solve(
     loop: _Loop, t: Tensor, dt: Tensor | None, history: Tensor, y: Tensor, budget: Tensor, saved: Tensor, times: Tensor
 ) -> _SolveEnd:
-    """The first stage at ``y``, the first step size where ``dt`` is None (:meth:`_Loop.first_step`), then the steps of
-    :meth:`_Loop.attempt` on one group until it reaches the end, ``budget`` steps are taken or a step fails as the
-    loop's would (a step size that underflows, or a NaN error from a non-finite state), as a ``torch.while_loop``:
-    the compiler makes it all one call. Each accepted step writes the interpolant at the output ``times`` ``(T,)``
-    inside it into ``saved`` ``(T, 1, M)`` (as :meth:`_Loop.save`; ``T = 0``: none). Its evaluations go uncounted."""
+    """The first stage at ``y`` ``(G, 1, M)``, the first step sizes where ``dt`` is None (:meth:`_Loop.first_step`),
+    then the steps of :meth:`_Loop.attempt` until every group reaches the end, ``budget`` steps are taken or a step
+    fails as the loop's would (a step size that underflows, or a NaN error from a non-finite state), as a
+    ``torch.while_loop``: the compiler makes it all one call. A group that has reached the end keeps its state (its
+    attempts are computed and dropped: no compaction). Each accepted step writes the interpolant at the output
+    ``times`` ``(T,)`` inside it into ``saved`` ``(T * G, 1, M)`` (as :meth:`_Loop.save`; ``T = 0``: none). Its
+    evaluations go uncounted."""
     from torch._higher_order_ops import while_loop  # (PyTorch's control flow, not public API: here, not at import)
 
     f0 = loop.evaluate(None, y)
@@ -472,39 +476,45 @@ def _whole_solve(
 
     def running(*carried: Tensor) -> Tensor:
         end = _SolveEnd(*carried)
-        return (end.t < loop.t_end).all() & (end.steps < budget) & ~end.failed
+        return (end.t < loop.t_end).any() & (end.steps < budget) & ~end.failed
 
     def step(*carried: Tensor) -> tuple[Tensor, ...]:
         now = _SolveEnd(*carried)
+        active = now.t < loop.t_end
         attempt = loop.attempt(now.t, now.dt, now.history, now.y, now.f0, None)
-        stalled = (attempt.t1 <= now.t) | torch.isnan(attempt.ratio)
-        failed = stalled.any() & ((attempt.t1 <= now.t).any() | ~torch.isfinite(now.y).all())
-        moves = attempt.accepted & ~failed
+        backwards = active & (attempt.t1 <= now.t)
+        stalled = backwards | (active & torch.isnan(attempt.ratio))
+        finite = torch.isfinite(now.y).flatten(1).all(1) | ~active
+        failed = stalled.any() & (backwards.any() | ~finite.all())
+        moves = attempt.accepted & active & ~failed
         return (
             torch.where(moves, attempt.t1, now.t),
-            torch.where(failed, attempt.dt, attempt.next_dt),
-            attempt.history.clone(),  # (a carried value must not be an input's alias)
+            torch.where(active, torch.where(failed, attempt.dt, attempt.next_dt), now.dt),
+            torch.where(active[:, None], attempt.history, now.history),
             torch.where(moves[:, None, None], attempt.y1, now.y),
             torch.where(moves[:, None, None], attempt.k[:, last_stage], now.f0),
             _saved_in_step(loop, now, attempt, moves, times),
             now.steps + 1,
+            now.tried + active.sum(),
             now.accepted + moves.sum(),
             failed,
         )
 
-    counters = [torch.zeros((), dtype=torch.long, device=y.device) for _ in range(2)]
+    counters = [torch.zeros((), dtype=torch.long, device=y.device) for _ in range(3)]
     failed = torch.zeros((), dtype=torch.bool, device=y.device)
     return _SolveEnd(*while_loop(running, step, (t, dt, history, y, f0, saved, *counters, failed)))
 
 
 def _saved_in_step(loop: _Loop, now: _SolveEnd, attempt: _Attempt, moves: Tensor, times: Tensor) -> Tensor:
-    """``now.saved`` ``(T, 1, M)`` with the interpolant of the step from ``now`` written at the ``times`` ``(T,)`` in
-    ``(t, t1]`` where the step ``moves`` (is accepted): :meth:`_Loop.save`'s states, for one group and every time."""
+    """``now.saved`` ``(T * G, 1, M)`` with the interpolant of each group's step from ``now`` written at the ``times``
+    ``(T,)`` in its ``(t, t1]`` where its step ``moves`` (is accepted): :meth:`_Loop.save`'s states, at every time
+    and group (row ``j * G + g``: time ``j`` of group ``g``)."""
     if not len(times):
         return now.saved.clone()
-    inside = moves & (times > now.t) & (times <= attempt.t1)
-    rows = torch.zeros(len(times), dtype=torch.long, device=times.device)
-    theta = (times - now.t) / attempt.dt
+    later, until = times[:, None] > now.t, times[:, None] <= attempt.t1  # (T, G)
+    inside = (moves & later & until).flatten()
+    rows = torch.arange(len(now.t), device=times.device).repeat(len(times))
+    theta = ((times[:, None] - now.t) / attempt.dt).flatten()
     states = loop.dense(rows, theta, now.y, attempt.y1, attempt.k, attempt.weights, attempt.dt)
     return torch.where(inside[:, None, None], states, now.saved)
 
@@ -592,8 +602,10 @@ class _Loop:
         # a captured or compiled step: shared steps (or the steps of a single sample, the same) of an ET field without
         # gradients, a stop or a quadrature
         one_group = not per_sample or self.groups == 1
-        graphable = self.in_place and one_group and self.autonomous and stop is None and quadrature is None
-        self.graph_mode = graph if graphable else None
+        graphable = self.in_place and self.autonomous and stop is None and quadrature is None
+        self.graph_mode = graph if graphable and one_group else None
+        # the whole solve in one compiled call (:func:`_whole_solve`) takes any number of groups
+        self.whole_solve = graph == "compile" and graphable
         self.step_graph: _StepGraph | _CompiledStep | None = None
         self.traced_field: ETField | None = None  # the field a compiled step evaluates (see _CompiledStep)
         self.counting = True  # evaluations count in nfe (not inside a captured step's attempt)
@@ -778,7 +790,7 @@ class _Loop:
         if starts is not None:
             t = starts.to(t).reshape(g).clone()
         watched = self.callback is not None or self.progress.bar is not None
-        if self.graph_mode == "compile" and not (keep_steps or watched) and starts is None:
+        if self.whole_solve and not (keep_steps or watched) and starts is None:
             given = None if first_step is None else torch.full_like(t, float(first_step))
             ended = self._compiled_run(t, given, y, save_all)  # the whole solve in one call, or None: not compiled
             if ended is not None:
@@ -834,40 +846,52 @@ class _Loop:
         ``x0``-shaped and, with ``save_all``, the states at the grid's times ``(T, *x0.shape)`` (else None), or None
         (with a warning) where it cannot be compiled: the loop then goes on step by step, uncompiled."""
         self.trace_closed_form()
+        g = self.groups
         budget = torch.tensor(self.max_steps - self.progress.steps, device=self.device)  # the steps left to take
-        history = torch.ones((1, 2), dtype=torch.float64, device=self.device)
+        history = torch.ones((g, 2), dtype=torch.float64, device=self.device)
         times = (self.grid if save_all else self.grid[:0]).clone()  # (the end time is a view of the grid)
-        saved = y.new_zeros((len(times), 1, self.width))
+        saved = y.new_zeros((len(times) * g, 1, self.width))
         if save_all:
-            saved[0] = y[0]  # the grid's first time is the start
+            saved[:g] = y  # the grid's first time is the start
         self.counting = False
         try:
             with _threads_for(y):
                 end = _compiled_solve(self.device.type)(self, t, dt, history, y, budget, saved, times)
         except (RuntimeError, ImportError) as error:  # (ImportError: a PyTorch without while_loop)
             _warn_uncompiled("compile", "compiled", error)
-            self.graph_mode = None
+            self.graph_mode, self.whole_solve = None, False
             return None
         finally:
             self.counting = True
-        steps, accepted, failed = (int(v) for v in torch.stack([end.steps, end.accepted, end.failed.long()]).tolist())
+        self._record_whole_solve(end, first_step_given=dt is not None)
+        return end.y.view(self.x_shape), end.saved.view(len(times), *self.x_shape) if save_all else None
+
+    def _record_whole_solve(self, end: _SolveEnd, first_step_given: bool) -> None:
+        """Record the compiled solve ``end`` as the step-by-step loop records its steps: the progress, the evaluations
+        (counted by hand), each group's end, and its failures (raised as the loop raises them)."""
+        counts = torch.stack([end.steps, end.tried, end.accepted, end.failed.long()]).tolist()
+        steps, tried, accepted, failed = (int(v) for v in counts)
+        active = end.t < self.t_end
         self.t_now = end.t
         self.progress.steps += steps
         self.progress.accepted += accepted
-        self.progress.rejected += steps - accepted - failed
-        at_start = 1 if dt is not None else 2  # the first stage, and the one of the first step's choice
-        self.count_evaluations((self.tableau.stages - 1) * steps + at_start)
-        state = dict(t=end.t, y=end.y, ids=torch.zeros(1, dtype=torch.long, device=self.device))
+        self.progress.rejected += tried - accepted - (int(active.sum()) if failed else 0)  # (a failed step: neither)
+        at_start = 2 if not first_step_given else 1  # the first stage, and the one of the first step's choice
+        evaluations = (self.tableau.stages - 1) * steps + at_start
+        self.progress.sample_evaluations += ((self.tableau.stages - 1) * tried + at_start * self.groups) * (
+            self.samples_per_group
+        )
+        self.field.count_evaluations(evaluations)  # type: ignore[attr-defined]
+        state = dict(t=end.t, y=end.y, ids=torch.arange(self.groups, device=self.device))
         if failed:
             if not bool(torch.isfinite(end.y).all()):
                 self._fail_non_finite(state)
-            self._fail_underflow(state, end.dt)
-        if bool((end.t < self.t_end).any()):  # the budget of steps is spent: the next step fails
+            self._fail_underflow(state, end.dt[active])
+        if bool(active.any()):  # the budget of steps is spent: the next step fails
             self._count_step(state)
         self.progress.reached(float(end.t.min()))
         self.next_dt = end.dt
-        self._finish(state, torch.ones(1, dtype=torch.bool, device=self.device), end.y, end.t)
-        return end.y.view(self.x_shape), end.saved.view(len(times), *self.x_shape) if save_all else None
+        self._finish(state, torch.ones(self.groups, dtype=torch.bool, device=self.device), end.y, end.t)
 
     def step(
         self,

@@ -108,7 +108,8 @@ class Adaptive:
             compiled step from the first, where ``cuda_graph`` applies (shared steps, or those of a single sample, of an
             ET field without gradients or a stop); everywhere else the steps run as without. Where no progress is shown
             (``progress`` here or in ``solve``) and the states are not kept at every step (``save="steps"``), the
-            whole solve (every step, and the states at the saved times, in a ``while_loop``) is one compiled call.
+            whole solve (every step, and the states at the saved times, in a ``while_loop``) is one compiled call, for
+            any batch and step control (per sample: a sample at the end keeps its state while the others step on).
             The step evaluates the field's closed form (``backend="reference"``), so states agree with the uncompiled
             loop to rounding, not bit for bit. PyTorch compiles once per shape,
             dtype and setting in a process (tens of seconds on a CPU; it needs a C++ compiler there); it pays where

@@ -636,7 +636,7 @@ def _as_it_is(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[object]]:
 SAVES_FIRST_STEPS_AND_WATCHED = [("all", 2.0, False), ("all", 2.0, True), ("final", 2.0, False), ("final", None, False)]
 
 
-@pytest.mark.parametrize(("step_control", "batch"), [("shared", 3), ("per_sample", 1)])
+@pytest.mark.parametrize(("step_control", "batch"), [("shared", 3), ("per_sample", 1), ("per_sample", 3)])
 @pytest.mark.parametrize(("save", "first_step", "watched"), SAVES_FIRST_STEPS_AND_WATCHED)
 def test_what_is_handed_to_the_compiler_integrates_the_field(
     monkeypatch: pytest.MonkeyPatch,
@@ -646,14 +646,16 @@ def test_what_is_handed_to_the_compiler_integrates_the_field(
     first_step: float | None,
     watched: bool,
 ) -> None:
-    """What ``compile=True`` hands ``torch.compile``, run as it is, for shared steps and a single sample's own: the
-    whole solve as one loop, which writes the states at the saved times itself, where no progress is watched; each
-    step's attempt on the field's closed form where it is (its evaluations counted by hand either way). The compiler
+    """What ``compile=True`` hands ``torch.compile``, run as it is, for shared steps and each sample's own: the whole
+    solve as one loop, which writes the states at the saved times itself, where no progress is watched; each step's
+    attempt on the field's closed form where it is, for one group (its evaluations counted by hand either way). The compiler
     itself is the next test's (slow: minutes on a cold cache). The plain loop would agree too, so what was handed over
     is checked."""
     handed = _as_it_is(monkeypatch)
     _check_compiled_solves(step_control, batch, save, first_step, watched)
-    if watched:
+    if watched and step_control == "per_sample" and batch > 1:  # (per-sample groups compact: no step is compiled)
+        assert not handed["step"] and not handed["solve"]
+    elif watched:
         assert len(handed["step"]) > 8 and not handed["solve"]
     else:
         assert len(handed["solve"]) == 2 and not handed["step"]  # a compiled solve at each of two weights
@@ -684,23 +686,26 @@ def test_a_compiled_solve_fails_where_the_loop_fails(monkeypatch: pytest.MonkeyP
         adaptive_loop.integrate(field, x0, late, per_sample=False, save_all=False, first_step=1e-300, graph="compile")
 
 
-@pytest.mark.parametrize(("save", "batch", "threads"), [("all", 51, 1), ("all", 103, 2), ("all", 300, 3), ("final", 51, 1)])
+@pytest.mark.parametrize(("watched", "batch", "threads"), [(True, 51, 1), (True, 103, 2), (True, 300, 3), (False, 51, 1)])
 def test_compiled_code_runs_on_one_thread_per_2048_state_elements(
-    monkeypatch: pytest.MonkeyPatch, save: str, batch: int, threads: int
+    monkeypatch: pytest.MonkeyPatch, watched: bool, batch: int, threads: int
 ) -> None:
-    """Out of 3 threads, a compiled step or solve of ``batch * 40`` state elements runs on ``elements // 2048`` of them
-    (at least one); the process's count is set back after the solve, and after a failed one."""
+    """Out of 3 threads, a compiled step (``watched``: a progress callback) or whole solve of ``batch * 40`` state
+    elements runs on ``elements // 2048`` of them (at least one); the process's count is set back after the solve, and
+    after a failed one."""
     handed = _as_it_is(monkeypatch)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(3)
-        solver = et_ode.Adaptive(compile=True, step_control="shared")
+        progress = (lambda t, n: None) if watched else None
+        solver = et_ode.Adaptive(compile=True, step_control="shared", progress=progress)
         with torch.no_grad():
-            et_ode.solve(_tiny_field(), _states(batch), (0.0, 1.0), solver=solver, save=save)
+            et_ode.solve(_tiny_field(), _states(batch), (0.0, 1.0), solver=solver, save="final")
         assert handed["threads"] and set(handed["threads"]) == {threads}
+        assert bool(handed["step"]) == watched
         assert torch.get_num_threads() == 3
         with torch.no_grad(), pytest.raises(et_ode.SolveError, match="max_steps=2"):
-            et_ode.solve(_tiny_field(), _states(batch), (0.0, 50.0), solver=solver, save=save, max_steps=2)
+            et_ode.solve(_tiny_field(), _states(batch), (0.0, 50.0), solver=solver, save="final", max_steps=2)
         assert torch.get_num_threads() == 3
     finally:
         torch.set_num_threads(before)
@@ -710,11 +715,16 @@ def test_compiled_code_runs_on_one_thread_per_2048_state_elements(
 @pytest.mark.skipif(
     not any(shutil.which(name) for name in ("c++", "g++", "clang++")), reason="torch.compile needs a C++ compiler"
 )
-@pytest.mark.parametrize(("save", "first_step", "watched"), SAVES_FIRST_STEPS_AND_WATCHED)
-def test_a_compiled_step_integrates_the_plain_loop_s_solution(save: str, first_step: float | None, watched: bool) -> None:
+@pytest.mark.parametrize(
+    ("step_control", "save", "first_step", "watched"),
+    [("shared", *case) for case in SAVES_FIRST_STEPS_AND_WATCHED] + [("per_sample", "all", 2.0, False)],
+)
+def test_a_compiled_step_integrates_the_plain_loop_s_solution(
+    step_control: StepControl, save: str, first_step: float | None, watched: bool
+) -> None:
     with warnings.catch_warnings():  # compiled for real: the uncompiled fallback would agree too
         warnings.filterwarnings("error", message=".*could not be compiled")
-        _check_compiled_solves(save=save, first_step=first_step, watched=watched)
+        _check_compiled_solves(step_control, 3, save, first_step, watched)
 
 
 @pytest.mark.parametrize("save", ["all", "final"])

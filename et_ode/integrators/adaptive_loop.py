@@ -876,12 +876,8 @@ class _Loop:
         self.progress.steps += steps
         self.progress.accepted += accepted
         self.progress.rejected += tried - accepted - (int(active.sum()) if failed else 0)  # (a failed step: neither)
-        at_start = 2 if not first_step_given else 1  # the first stage, and the one of the first step's choice
-        evaluations = (self.tableau.stages - 1) * steps + at_start
-        self.progress.sample_evaluations += ((self.tableau.stages - 1) * tried + at_start * self.groups) * (
-            self.samples_per_group
-        )
-        self.field.count_evaluations(evaluations)  # type: ignore[attr-defined]
+        at_start = 1 if first_step_given else 2  # the first stage, and the one of the first step's choice
+        self.count_evaluations((self.tableau.stages - 1) * steps + at_start)  # of every group: none leaves the batch
         state = dict(t=end.t, y=end.y, ids=torch.arange(self.groups, device=self.device))
         if failed:
             if not bool(torch.isfinite(end.y).all()):

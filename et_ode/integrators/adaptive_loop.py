@@ -840,11 +840,12 @@ class _Loop:
         self.traced_field = ETField(field.model, field.tau, field.derivative, field.mask, backend="reference")
 
     def _compiled_run(self, t: Tensor, dt: Tensor | None, y: Tensor, save_all: bool) -> tuple[Tensor, Tensor | None] | None:
-        """The whole solve of the one group ``y`` ``(1, 1, M)`` from ``t`` (first step ``dt``, or None: chosen) in one
-        compiled call (:func:`_whole_solve` on the field's closed form, as :class:`_CompiledStep`), its steps,
-        evaluations and failures recorded as the step-by-step loop records them; returns the final state
-        ``x0``-shaped and, with ``save_all``, the states at the grid's times ``(T, *x0.shape)`` (else None), or None
-        (with a warning) where it cannot be compiled: the loop then goes on step by step, uncompiled."""
+        """The whole solve of the groups ``y`` ``(G, 1, M)`` from their times ``t`` ``(G,)`` (first step sizes ``dt``
+        ``(G,)``, or None: chosen) in one compiled call (:func:`_whole_solve` on the field's closed form, as
+        :class:`_CompiledStep`), its steps, evaluations and failures recorded as the step-by-step loop records them;
+        returns the final state ``x0``-shaped and, with ``save_all``, the states at the grid's times
+        ``(T, *x0.shape)`` (else None), or None (with a warning) where it cannot be compiled: the loop then goes on
+        step by step, uncompiled."""
         self.trace_closed_form()
         g = self.groups
         budget = torch.tensor(self.max_steps - self.progress.steps, device=self.device)  # the steps left to take
@@ -1173,7 +1174,8 @@ def integrate(
             without); ``"eager"``: the same capture and replay discipline run eagerly (see :class:`_StepGraph`);
             ``"compile"``: from the first step, the same steps compiled by ``torch.compile`` (:class:`_CompiledStep`;
             with no ``callback``, progress bar, ``starts`` or ``keep_steps``, the whole solve in one compiled call,
-            :func:`_whole_solve`, which writes the states at the grid's times too); None: no capture.
+            :func:`_whole_solve`, which writes the states at the grid's times too and takes per-sample steps at any
+            batch, every sample evaluated at every step); None: no capture.
 
     Returns the :class:`Result`. Gradients
     flow through the stages and the interpolant (the step sizes are constants to autograd, as in torchdiffeq and

@@ -526,8 +526,11 @@ def _compiled_solve(device_type: str) -> Callable[..., _SolveEnd]:
 
 
 def _warn_uncompiled(option: str, verb: str, error: Exception) -> None:
+    """A ``RuntimeWarning`` naming the error by its type and first line (a compiler's message runs to pages)."""
+    lines = str(error).strip().splitlines()
+    reason = f"{type(error).__name__}: {lines[0] if lines else ''}"
     warnings.warn(
-        f"Adaptive({option}=True): the step could not be {verb} ({error}); the solve runs without",
+        f"Adaptive({option}=True): the step could not be {verb} ({reason[:300]}); the solve runs without",
         RuntimeWarning,
         stacklevel=3,
     )
@@ -858,7 +861,7 @@ class _Loop:
         try:
             with _threads_for(y):
                 end = _compiled_solve(self.device.type)(self, t, dt, history, y, budget, saved, times)
-        except (RuntimeError, ImportError) as error:  # (ImportError: a PyTorch without while_loop)
+        except Exception as error:  # whatever the compiler raises (an ImportError: a PyTorch without while_loop)
             _warn_uncompiled("compile", "compiled", error)
             self.graph_mode, self.whole_solve = None, False
             return None
@@ -963,7 +966,7 @@ class _Loop:
         the device inside its evaluation) or compiled (e.g. no C++ compiler): the solve goes on without."""
         try:
             return _CompiledStep(self, state) if mode == "compile" else _StepGraph(self, state, buffers, mode)
-        except RuntimeError as error:
+        except Exception as error:  # whatever the compiler or the capture raises; the field's own errors recur without
             _warn_uncompiled(*(("compile", "compiled") if mode == "compile" else ("cuda_graph", "captured")), error)
             return None
 

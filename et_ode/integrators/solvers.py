@@ -116,7 +116,9 @@ class Adaptive:
             each evaluation is small, so that the many small operations of a step dominate (one sample of a small
             model), and not where large matrix products do. On the CPU the compiled code uses at most one thread per
             2048 elements of the state (PyTorch's thread count is set back after each call). A step that cannot be
-            compiled gets a ``RuntimeWarning`` and the solve runs on without.
+            compiled, whatever the compiler raises, gets a ``RuntimeWarning`` and the solve runs on without (inside
+            the ``while_loop`` a view of a parameter, such as ``W.T`` in an energy, does not trace: write
+            ``nn.functional.linear(g, W)``).
 
     et-ode's loop runs the gradients ``Direct`` and ``Adjoint`` (its backward solve on the same loop); for stops see
     :meth:`check_stop`.

@@ -732,24 +732,71 @@ def test_a_compiled_step_integrates_the_plain_loop_s_solution(
         _check_compiled_solves(step_control, 3, save, first_step, watched)
 
 
-@pytest.mark.parametrize("save", ["all", "final"])
-def test_a_step_that_cannot_be_compiled_leaves_the_solve_as_without(monkeypatch: pytest.MonkeyPatch, save: str) -> None:
+@pytest.mark.parametrize(
+    ("save", "error"),
+    [
+        ("all", RuntimeError("no C++ compiler")),
+        ("final", RuntimeError("no C++ compiler")),
+        ("final", AssertionError("no C++ compiler\n" + "the traced graph, line by line\n" * 500)),
+        ("all", NotImplementedError("no C++ compiler")),
+    ],
+)
+def test_a_step_that_cannot_be_compiled_leaves_the_solve_as_without(
+    monkeypatch: pytest.MonkeyPatch, save: str, error: Exception
+) -> None:
+    """Whatever the compiler raises (dynamo's failures inside a ``while_loop`` are AssertionErrors, with the graph in
+    the message): one short warning that names it, then the solve as without."""
+
     def no_compiler(device_type: str) -> Callable[..., object]:
         def fails(*_: object) -> None:
-            raise RuntimeError("no C++ compiler")
+            raise error
 
         return fails
 
     monkeypatch.setattr(adaptive_loop, "_compiled_attempt", no_compiler)
     monkeypatch.setattr(adaptive_loop, "_compiled_solve", no_compiler)
-    with pytest.warns(RuntimeWarning, match=r"compile=True.*could not be compiled.*no C\+\+ compiler") as warned:
+    name = type(error).__name__
+    with pytest.warns(RuntimeWarning, match=rf"compile=True.*could not be compiled \({name}: no C\+\+ compiler\)") as warned:
         fallback, plain = _compiled_and_plain(_tiny_field(), _states(4), save)
     assert sum("could not be compiled" in str(w.message) for w in warned) == 1  # one try, then without
+    assert max(len(str(w.message)) for w in warned) < 400
     assert torch.equal(plain.x, fallback.x)
     assert (plain.stats.nfe_forward, plain.stats.sample_evaluations) == (
         fallback.stats.nfe_forward,
         fallback.stats.sample_evaluations,
     )
+
+
+class _TransposedMemory(et_ode.Interaction):
+    """A user's Hopfield energy written with a view of its parameter, ``g @ W.T``, which dynamo cannot trace inside a
+    ``while_loop`` (its inputs would alias)."""
+
+    def __init__(self, patterns: torch.Tensor):
+        super().__init__()
+        self.W = torch.nn.Parameter(patterns)
+
+    def energy(self, g: torch.Tensor, mask: object = None) -> torch.Tensor:
+        return -0.5 * torch.relu(g @ self.W.T).square().sum(dim=(-1, -2))
+
+
+def test_a_user_energy_the_loop_cannot_trace_runs_uncompiled_with_a_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``compile=True`` on such an energy, traced by dynamo for real (its eager back end: no C++ compiler): a warning
+    and the plain loop's solution, not dynamo's error. (A PyTorch that traces it compiles it: the same states.)"""
+    monkeypatch.setattr(
+        adaptive_loop,
+        "_compiled_solve",
+        lambda device_type: torch.compile(adaptive_loop._whole_solve, backend="eager", dynamic=False),
+    )
+    memory = _TransposedMemory(torch.randn(6, 8, dtype=F64, generator=torch.Generator().manual_seed(4)))
+    field = et_ode.ETField(et_ode.EnergyModel(et_ode.LayerNormNeuron(8).double(), {"memory": memory}))
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        compiled, plain = _compiled_and_plain(field, _states(2), "final")
+    fell_back = [w for w in warned if "could not be compiled" in str(w.message)]
+    assert len(fell_back) <= 1 and all(len(str(w.message)) < 400 for w in fell_back)
+    tolerance = 0.0 if fell_back else 1e-12
+    assert (compiled.x - plain.x).abs().max().item() <= tolerance
+    assert compiled.stats.nfe_forward == plain.stats.nfe_forward
 
 
 # -- the steady-state stop -----------------------------------------------------------------------------------------

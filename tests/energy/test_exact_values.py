@@ -222,3 +222,31 @@ def test_attention_weights_are_the_softmax_over_allowed_keys():
     allowed = (mask.transpose(-1, -2) & ~torch.eye(4, dtype=torch.bool)).unsqueeze(-3).expand(logits.shape)
     weights = torch.softmax(logits.masked_fill(~allowed, -torch.inf), dim=-2).nan_to_num(0.0)
     torch.testing.assert_close(model.attention.attention(g, mask), weights, rtol=1e-12, atol=1e-14)
+
+
+def test_compiled_attention_leaves_each_token_out_of_its_own_keys():
+    """Under ``torch.compile`` (dynamo; its eager back end needs no C++ compiler) the logits take the diagonal from a
+    kept constant: the weights, the energy and ``dE/dg`` (against autograd) follow the SPEC's definition."""
+    from tests.conftest import random_model
+
+    model = random_model(6, 2, 3, 5, beta=[0.7, 1.9])
+    attention, beta = model.attention, torch.tensor([0.7, 1.9], dtype=torch.float64)
+    g = torch.randn(2, 4, 6, dtype=torch.float64, requires_grad=True)
+
+    def logits(g: torch.Tensor) -> torch.Tensor:
+        keys = torch.einsum("hyd,...bd->...hby", attention.WK, g)
+        queries = torch.einsum("hyd,...cd->...hcy", attention.WQ, g)
+        products = beta[:, None, None] * keys @ queries.transpose(-1, -2)
+        return products.masked_fill(torch.eye(4, dtype=torch.bool), -torch.inf)  # (2, H, B, C)
+
+    energy = -(torch.logsumexp(logits(g), dim=-2) / beta[:, None]).sum(dim=(-1, -2))
+    (grad,) = torch.autograd.grad(energy.sum(), g)
+    with torch.no_grad():
+        for method, expected in (
+            (attention.attention, torch.softmax(logits(g), dim=-2)),
+            (attention.energy, energy),
+            (attention.dE_dg, grad),
+        ):
+            compiled = torch.compile(method, backend="eager", fullgraph=True)
+            torch.testing.assert_close(compiled(g), expected, rtol=1e-12, atol=1e-13)
+    assert (4, torch.float64, g.device) in attention._diagonal_bias  # (the compiled branch ran)

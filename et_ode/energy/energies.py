@@ -69,6 +69,15 @@ def _per_head(value: float | Sequence[float] | Tensor | None, heads: int, defaul
     return beta
 
 
+def _compiled_outside_transforms() -> bool:
+    """Whether the code running is being compiled (``torch.compile``) and no ``torch.func`` transform is active (read
+    from functorch's interpreter stack, which dynamo knows how to trace; not public API)."""
+    if not torch.compiler.is_compiling():
+        return False
+    interpreter = torch._C._functorch.peek_interpreter_stack()
+    return interpreter == None  # noqa: E711 (dynamo evaluates `==` on the interpreter, not `is`)
+
+
 class EnergyAttention(Interaction):
     """Multi-head energy attention, no value matrix.
 
@@ -157,7 +166,8 @@ class EnergyAttention(Interaction):
         """``(N, N)``: 0, and -inf on the diagonal; added to the logits, it leaves each token out of its own keys. Made
         once per size, dtype and device and kept, for code being compiled: there it is a constant the compiled code
         reads rather than a mask rebuilt at every evaluation (the performance page measures the difference). Eager
-        code masks instead: a tensor kept from inside a ``torch.func`` transform would belong to that transform."""
+        code masks instead, and so does code inside a ``torch.func`` transform: a tensor kept from there would belong to
+        that transform."""
         key = (n, dtype, device)
         bias = self._diagonal_bias.get(key)
         if bias is None:
@@ -171,7 +181,7 @@ class EnergyAttention(Interaction):
         beta = self.beta.to(g.dtype)[:, None, None]
         logits = beta * (k @ q.transpose(-1, -2))  # (..., H, B, C)
         n = g.shape[-2]
-        if torch.compiler.is_compiling() and mask is None and not self.self_attention and n > 1:  # every query has keys
+        if mask is None and not self.self_attention and n > 1 and _compiled_outside_transforms():  # all have keys
             return logits + self._without_diagonal(n, logits.dtype, g.device), k, q, None
         allowed = self._allowed(n, mask, g.device)
         has_key = None

@@ -224,29 +224,42 @@ def test_attention_weights_are_the_softmax_over_allowed_keys():
     torch.testing.assert_close(model.attention.attention(g, mask), weights, rtol=1e-12, atol=1e-14)
 
 
+def _attention_by_definition(attention, beta, g):
+    """The SPEC's attention weights ``(..., H, B, C)``, energy ``(...)`` and, by autograd, ``dE/dg``, written out."""
+    g = g.detach().requires_grad_()
+    keys = torch.einsum("hyd,...bd->...hby", attention.WK, g)
+    queries = torch.einsum("hyd,...cd->...hcy", attention.WQ, g)
+    products = beta[:, None, None] * keys @ queries.transpose(-1, -2)
+    logits = products.masked_fill(torch.eye(g.shape[-2], dtype=torch.bool), -torch.inf)
+    energy = -(torch.logsumexp(logits, dim=-2) / beta[:, None]).sum(dim=(-1, -2))
+    (grad,) = torch.autograd.grad(energy.sum(), g)
+    return torch.softmax(logits, dim=-2).detach(), energy.detach(), grad
+
+
 def test_compiled_attention_leaves_each_token_out_of_its_own_keys():
     """Under ``torch.compile`` (dynamo; its eager back end needs no C++ compiler) the logits take the diagonal from a
-    kept constant: the weights, the energy and ``dE/dg`` (against autograd) follow the SPEC's definition."""
+    kept constant: the weights, the energy and ``dE/dg`` follow the SPEC's definition."""
     from tests.conftest import random_model
 
-    model = random_model(6, 2, 3, 5, beta=[0.7, 1.9])
-    attention, beta = model.attention, torch.tensor([0.7, 1.9], dtype=torch.float64)
-    g = torch.randn(2, 4, 6, dtype=torch.float64, requires_grad=True)
-
-    def logits(g: torch.Tensor) -> torch.Tensor:
-        keys = torch.einsum("hyd,...bd->...hby", attention.WK, g)
-        queries = torch.einsum("hyd,...cd->...hcy", attention.WQ, g)
-        products = beta[:, None, None] * keys @ queries.transpose(-1, -2)
-        return products.masked_fill(torch.eye(4, dtype=torch.bool), -torch.inf)  # (2, H, B, C)
-
-    energy = -(torch.logsumexp(logits(g), dim=-2) / beta[:, None]).sum(dim=(-1, -2))
-    (grad,) = torch.autograd.grad(energy.sum(), g)
+    attention = random_model(6, 2, 3, 5, beta=[0.7, 1.9]).attention
+    g = torch.randn(2, 4, 6, dtype=torch.float64)
+    expected = _attention_by_definition(attention, torch.tensor([0.7, 1.9], dtype=torch.float64), g)
     with torch.no_grad():
-        for method, expected in (
-            (attention.attention, torch.softmax(logits(g), dim=-2)),
-            (attention.energy, energy),
-            (attention.dE_dg, grad),
-        ):
+        for method, value in zip((attention.attention, attention.energy, attention.dE_dg), expected, strict=True):
             compiled = torch.compile(method, backend="eager", fullgraph=True)
-            torch.testing.assert_close(compiled(g), expected, rtol=1e-12, atol=1e-13)
+            torch.testing.assert_close(compiled(g), value, rtol=1e-12, atol=1e-13)
     assert (4, torch.float64, g.device) in attention._diagonal_bias  # (the compiled branch ran)
+
+
+def test_a_torch_func_transform_inside_compiled_code_masks_as_eager_code_does():
+    """``torch.func.grad`` of the energy inside ``torch.compile`` (dynamo and AOT autograd, no C++ compiler) gives
+    ``dE/dg`` and keeps nothing from inside the transform, where a kept tensor would belong to it."""
+    from tests.conftest import random_model
+
+    attention = random_model(6, 2, 3, 5, beta=[0.7, 1.9]).attention
+    g = torch.randn(2, 4, 6, dtype=torch.float64)
+    _, _, grad = _attention_by_definition(attention, torch.tensor([0.7, 1.9], dtype=torch.float64), g)
+    gradient = torch.compile(torch.func.grad(lambda g: attention.energy(g).sum()), backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(gradient(g), grad, rtol=1e-12, atol=1e-13)
+    torch.testing.assert_close(gradient(g + 0.5), _attention_by_definition(attention, attention.beta, g + 0.5)[2])
+    assert not attention._diagonal_bias

@@ -209,31 +209,37 @@ def test_zero_inverse_temperatures_are_refused():
         EnergyTransformer(6, 2, 3, 5, beta=0.0)
 
 
+# the SPEC's definitions of energy attention, written out: beta per head (H,), the attention's weights, g (..., N, D)
+BETA = torch.tensor([0.7, 1.9], dtype=torch.float64)
+
+
+def _logits_by_definition(attention, g, allowed):
+    """``beta_h K_B . Q_C`` ``(..., H, B, C)``, -inf where ``allowed`` ``(..., B, C)`` is False."""
+    keys = torch.einsum("hyd,...bd->...hby", attention.WK, g)
+    queries = torch.einsum("hyd,...cd->...hcy", attention.WQ, g)
+    logits = BETA[:, None, None] * keys @ queries.transpose(-1, -2)
+    return logits.masked_fill(~allowed.unsqueeze(-3), -torch.inf)
+
+
+def _attention_by_definition(attention, g):
+    """Without a mask: the weights ``(..., H, B, C)``, the energy ``(...)`` and, by autograd, ``dE/dg``."""
+    g = g.detach().requires_grad_()
+    logits = _logits_by_definition(attention, g, ~torch.eye(g.shape[-2], dtype=torch.bool))
+    energy = -(torch.logsumexp(logits, dim=-2) / BETA[:, None]).sum(dim=(-1, -2))
+    (grad,) = torch.autograd.grad(energy.sum(), g)
+    return torch.softmax(logits, dim=-2).detach(), energy.detach(), grad
+
+
 def test_attention_weights_are_the_softmax_over_allowed_keys():
     """``attention(g)[h, B, C]`` = softmax over keys B of beta_h K_B . Q_C, masked pairs 0, from the SPEC."""
     from tests.conftest import random_model
 
-    model = random_model(6, 2, 3, 5, beta=[0.7, 1.9])
+    model = random_model(6, 2, 3, 5, beta=BETA.tolist())
     g = torch.randn(2, 4, 6, dtype=torch.float64)
     mask = torch.rand(2, 4, 4, generator=torch.Generator().manual_seed(0)) > 0.3
-    keys = torch.einsum("hyd,...bd->...hby", model.attention.WK, g)
-    queries = torch.einsum("hyd,...cd->...hcy", model.attention.WQ, g)
-    logits = torch.tensor([0.7, 1.9], dtype=torch.float64)[:, None, None] * keys @ queries.transpose(-1, -2)
-    allowed = (mask.transpose(-1, -2) & ~torch.eye(4, dtype=torch.bool)).unsqueeze(-3).expand(logits.shape)
-    weights = torch.softmax(logits.masked_fill(~allowed, -torch.inf), dim=-2).nan_to_num(0.0)
+    allowed = mask.transpose(-1, -2) & ~torch.eye(4, dtype=torch.bool)
+    weights = torch.softmax(_logits_by_definition(model.attention, g, allowed), dim=-2).nan_to_num(0.0)
     torch.testing.assert_close(model.attention.attention(g, mask), weights, rtol=1e-12, atol=1e-14)
-
-
-def _attention_by_definition(attention, beta, g):
-    """The SPEC's attention weights ``(..., H, B, C)``, energy ``(...)`` and, by autograd, ``dE/dg``, written out."""
-    g = g.detach().requires_grad_()
-    keys = torch.einsum("hyd,...bd->...hby", attention.WK, g)
-    queries = torch.einsum("hyd,...cd->...hcy", attention.WQ, g)
-    products = beta[:, None, None] * keys @ queries.transpose(-1, -2)
-    logits = products.masked_fill(torch.eye(g.shape[-2], dtype=torch.bool), -torch.inf)
-    energy = -(torch.logsumexp(logits, dim=-2) / beta[:, None]).sum(dim=(-1, -2))
-    (grad,) = torch.autograd.grad(energy.sum(), g)
-    return torch.softmax(logits, dim=-2).detach(), energy.detach(), grad
 
 
 def test_compiled_attention_leaves_each_token_out_of_its_own_keys():
@@ -241,9 +247,9 @@ def test_compiled_attention_leaves_each_token_out_of_its_own_keys():
     kept constant: the weights, the energy and ``dE/dg`` follow the SPEC's definition."""
     from tests.conftest import random_model
 
-    attention = random_model(6, 2, 3, 5, beta=[0.7, 1.9]).attention
+    attention = random_model(6, 2, 3, 5, beta=BETA.tolist()).attention
     g = torch.randn(2, 4, 6, dtype=torch.float64)
-    expected = _attention_by_definition(attention, torch.tensor([0.7, 1.9], dtype=torch.float64), g)
+    expected = _attention_by_definition(attention, g)
     with torch.no_grad():
         for method, value in zip((attention.attention, attention.energy, attention.dE_dg), expected, strict=True):
             compiled = torch.compile(method, backend="eager", fullgraph=True)
@@ -256,10 +262,9 @@ def test_a_torch_func_transform_inside_compiled_code_masks_as_eager_code_does():
     ``dE/dg`` and keeps nothing from inside the transform, where a kept tensor would belong to it."""
     from tests.conftest import random_model
 
-    attention = random_model(6, 2, 3, 5, beta=[0.7, 1.9]).attention
+    attention = random_model(6, 2, 3, 5, beta=BETA.tolist()).attention
     g = torch.randn(2, 4, 6, dtype=torch.float64)
-    _, _, grad = _attention_by_definition(attention, torch.tensor([0.7, 1.9], dtype=torch.float64), g)
     gradient = torch.compile(torch.func.grad(lambda g: attention.energy(g).sum()), backend="aot_eager", fullgraph=True)
-    torch.testing.assert_close(gradient(g), grad, rtol=1e-12, atol=1e-13)
-    torch.testing.assert_close(gradient(g + 0.5), _attention_by_definition(attention, attention.beta, g + 0.5)[2])
+    for state in (g, g + 0.5):
+        torch.testing.assert_close(gradient(state), _attention_by_definition(attention, state)[2], rtol=1e-12, atol=1e-13)
     assert not attention._diagonal_bias

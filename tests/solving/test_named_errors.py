@@ -21,7 +21,7 @@ def test_tau_of_another_type_is_a_type_error_naming_tau(tau):
 
 
 @pytest.mark.parametrize("gradient, stop", [("direct", None), (Adjoint(), None), (Implicit(), SteadyState(1e-3))])
-@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 def test_non_finite_weights_are_named_before_the_solve(gradient, stop, bad):
     model = EnergyTransformer(dim=8, heads=2, head_dim=4, memories=8)
     with torch.no_grad():

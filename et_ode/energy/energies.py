@@ -69,13 +69,11 @@ def _per_head(value: float | Sequence[float] | Tensor | None, heads: int, defaul
     return beta
 
 
-def _compiled_outside_transforms() -> bool:
-    """Whether the code running is being compiled (``torch.compile``) and no ``torch.func`` transform is active (read
-    from functorch's interpreter stack, which dynamo knows how to trace; not public API)."""
-    if not torch.compiler.is_compiling():
-        return False
-    interpreter = torch._C._functorch.peek_interpreter_stack()
-    return interpreter == None  # noqa: E711 (dynamo evaluates `==` on the interpreter, not `is`)
+def _without_diagonal(n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """``(N, N)``: 0, and -inf on the diagonal; added to the logits, it leaves each token out of its own keys. Compiled
+    code builds it where it evaluates (two small kernels of ``N^2`` elements), cheaper there than boolean masks with
+    ``masked_fill`` (the performance page measures both); eager code masks."""
+    return torch.zeros(n, n, dtype=dtype, device=device).fill_diagonal_(-math.inf)
 
 
 class EnergyAttention(Interaction):
@@ -137,7 +135,6 @@ class EnergyAttention(Interaction):
         self.WK = nn.Parameter(torch.randn(heads, head_dim, dim, dtype=dtype, device=device) * std)
         self.WQ = nn.Parameter(torch.randn(heads, head_dim, dim, dtype=dtype, device=device) * std)
         self.register_buffer("beta", _per_head(beta, heads, 1.0 / math.sqrt(head_dim), "beta").to(self.WK.device))
-        self._diagonal_bias: dict[tuple[int, torch.dtype, torch.device], Tensor] = {}  # see _without_diagonal
 
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> EnergyAttention:
         """Moves and casts like any module, except that ``beta`` keeps its float64 values (see the class doc)."""
@@ -162,27 +159,14 @@ class EnergyAttention(Interaction):
             allowed = off_diagonal if allowed is None else allowed & off_diagonal
         return None if allowed is None else allowed.unsqueeze(-3)
 
-    def _without_diagonal(self, n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-        """``(N, N)``: 0, and -inf on the diagonal; added to the logits, it leaves each token out of its own keys. Made
-        once per size, dtype and device and kept, for code being compiled: there it is a constant the compiled code
-        reads rather than a mask rebuilt at every evaluation (the performance page measures the difference). Eager
-        code masks instead, and so does code inside a ``torch.func`` transform: a tensor kept from there would belong to
-        that transform."""
-        key = (n, dtype, device)
-        bias = self._diagonal_bias.get(key)
-        if bias is None:
-            bias = torch.zeros(n, n, dtype=dtype, device=device).fill_diagonal_(-math.inf)
-            self._diagonal_bias[key] = bias
-        return bias
-
     def _logits(self, g: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
         """``beta_h A[h, B, C]`` with disallowed pairs at -inf (and fully masked queries at 0)."""
         k, q = self._keys_queries(g)
         beta = self.beta.to(g.dtype)[:, None, None]
         logits = beta * (k @ q.transpose(-1, -2))  # (..., H, B, C)
         n = g.shape[-2]
-        if mask is None and not self.self_attention and n > 1 and _compiled_outside_transforms():  # all have keys
-            return logits + self._without_diagonal(n, logits.dtype, g.device), k, q, None
+        if mask is None and not self.self_attention and n > 1 and torch.compiler.is_compiling():  # all have keys
+            return logits + _without_diagonal(n, logits.dtype, g.device), k, q, None
         allowed = self._allowed(n, mask, g.device)
         has_key = None
         if allowed is not None:

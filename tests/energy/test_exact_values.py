@@ -6,11 +6,13 @@ testing, ``make mutate``): each asserts a value against its definition, not agai
 
 import math
 import platform
+from collections.abc import Callable
 
 import pytest
 import torch
 
 from et_ode import EnergyTransformer, LayerNormNeuron
+from et_ode.energy import energies
 from et_ode.energy.neurons import inverse_softplus
 
 
@@ -242,29 +244,65 @@ def test_attention_weights_are_the_softmax_over_allowed_keys():
     torch.testing.assert_close(model.attention.attention(g, mask), weights, rtol=1e-12, atol=1e-14)
 
 
-def test_compiled_attention_leaves_each_token_out_of_its_own_keys():
-    """Under ``torch.compile`` (dynamo; its eager back end needs no C++ compiler) the logits take the diagonal from a
-    kept constant: the weights, the energy and ``dE/dg`` follow the SPEC's definition."""
+def _spied_diagonal(monkeypatch) -> list[int]:
+    """The sizes the attention's additive diagonal constant is built for, from here on (compiled code builds it)."""
+    built: list[int] = []
+    original = energies._without_diagonal
+
+    def spy(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        built.append(n)
+        return original(n, dtype, device)
+
+    monkeypatch.setattr(energies, "_without_diagonal", spy)
+    return built
+
+
+def test_compiled_attention_leaves_each_token_out_of_its_own_keys(monkeypatch):
+    """Under ``torch.compile`` (dynamo; its eager back end needs no C++ compiler) the logits take the diagonal from an
+    additive constant: the weights, the energy and ``dE/dg`` follow the SPEC's definition."""
     from tests.conftest import random_model
 
     attention = random_model(6, 2, 3, 5, beta=BETA.tolist()).attention
     g = torch.randn(2, 4, 6, dtype=torch.float64)
     expected = _attention_by_definition(attention, g)
+    built = _spied_diagonal(monkeypatch)
     with torch.no_grad():
         for method, value in zip((attention.attention, attention.energy, attention.dE_dg), expected, strict=True):
             compiled = torch.compile(method, backend="eager", fullgraph=True)
             torch.testing.assert_close(compiled(g), value, rtol=1e-12, atol=1e-13)
-    assert (4, torch.float64, g.device) in attention._diagonal_bias  # (the compiled branch ran)
+    assert built and set(built) == {4}  # (the compiled branch ran)
 
 
-def test_a_torch_func_transform_inside_compiled_code_masks_as_eager_code_does():
+def test_compiled_attention_compiles_once_for_every_state_of_a_shape():
+    """A second and third call with new states of the same shape reuse the first compilation: nothing the attention
+    does while compiled changes what dynamo's guards check (a cache filled on the first call would)."""
+    from tests.conftest import random_model
+
+    attention = random_model(6, 2, 3, 5, beta=BETA.tolist()).attention
+    graphs: list[torch.fx.GraphModule] = []
+
+    def counted(graph: torch.fx.GraphModule, _: list[torch.Tensor]) -> Callable[..., object]:
+        graphs.append(graph)
+        return graph.forward
+
+    compiled = torch.compile(attention.dE_dg, backend=counted, fullgraph=True)
+    g = torch.randn(2, 4, 6, dtype=torch.float64)
+    for state in (g, g + 0.5, g - 1.0):
+        with torch.no_grad():
+            gradient = compiled(state)
+        torch.testing.assert_close(gradient, _attention_by_definition(attention, state)[2], rtol=1e-12, atol=1e-13)
+    assert len(graphs) == 1
+
+
+def test_a_torch_func_transform_inside_compiled_code_gives_dE_dg(monkeypatch):
     """``torch.func.grad`` of the energy inside ``torch.compile`` (dynamo and AOT autograd, no C++ compiler) gives
-    ``dE/dg`` and keeps nothing from inside the transform, where a kept tensor would belong to it."""
+    ``dE/dg``, with the diagonal's constant built inside the transform."""
     from tests.conftest import random_model
 
     attention = random_model(6, 2, 3, 5, beta=BETA.tolist()).attention
     g = torch.randn(2, 4, 6, dtype=torch.float64)
+    built = _spied_diagonal(monkeypatch)
     gradient = torch.compile(torch.func.grad(lambda g: attention.energy(g).sum()), backend="aot_eager", fullgraph=True)
     for state in (g, g + 0.5):
         torch.testing.assert_close(gradient(state), _attention_by_definition(attention, state)[2], rtol=1e-12, atol=1e-13)
-    assert not attention._diagonal_bias
+    assert built and set(built) == {4}  # (the compiled branch ran, inside the transform)

@@ -666,6 +666,28 @@ def test_what_is_handed_to_the_compiler_integrates_the_field(
         assert len(handed["solve"]) == 2 and not handed["step"]  # a compiled solve at each of two weights
 
 
+def test_a_compiled_solve_is_traced_once_for_new_states_and_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dynamo traces the whole solve of an unmasked field (whose attention builds its diagonal inside the compiled code)
+    once: later solves from other states, after the weights change in place, reuse it (its back end here runs the traced
+    graph as it is: no C++ compiler); each agrees with the uncompiled loop."""
+    graphs: list[torch.fx.GraphModule] = []
+
+    def counted(graph: torch.fx.GraphModule, _: list[torch.Tensor]) -> Callable[..., object]:
+        graphs.append(graph)
+        return graph.forward
+
+    traced = torch.compile(adaptive_loop._whole_solve, backend=counted, dynamic=False)
+    monkeypatch.setattr(adaptive_loop, "_compiled_solve", lambda device_type: traced)
+    field = _tiny_field()
+    for seed in (3, 5, 7):
+        with torch.no_grad():
+            field.model.hopfield.xi.mul_(1.1)
+        compiled, plain = _compiled_and_plain(field, _states(2, seed=seed), "final")
+        assert compiled.stats.nfe_forward == plain.stats.nfe_forward
+        torch.testing.assert_close(compiled.x, plain.x, rtol=1e-10, atol=1e-12)
+    assert len(graphs) == 1
+
+
 def test_a_compiled_solve_fails_where_the_loop_fails(monkeypatch: pytest.MonkeyPatch) -> None:
     """The whole solve in one loop keeps the step-by-step loop's failures: the budget of steps (with the state it got
     to), a non-finite state at the first step, a step size that underflows."""

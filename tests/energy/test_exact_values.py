@@ -244,7 +244,7 @@ def test_attention_weights_are_the_softmax_over_allowed_keys():
     torch.testing.assert_close(model.attention.attention(g, mask), weights, rtol=1e-12, atol=1e-14)
 
 
-def _spied_diagonal(monkeypatch) -> list[int]:
+def _spied_diagonal(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The sizes the attention's additive diagonal constant is built for, from here on (compiled code builds it)."""
     built: list[int] = []
     original = energies._without_diagonal
@@ -257,7 +257,7 @@ def _spied_diagonal(monkeypatch) -> list[int]:
     return built
 
 
-def test_compiled_attention_leaves_each_token_out_of_its_own_keys(monkeypatch):
+def test_compiled_attention_leaves_each_token_out_of_its_own_keys(monkeypatch: pytest.MonkeyPatch):
     """Under ``torch.compile`` (dynamo; its eager back end needs no C++ compiler) the logits take the diagonal from an
     additive constant: the weights, the energy and ``dE/dg`` follow the SPEC's definition."""
     from tests.conftest import random_model
@@ -294,7 +294,7 @@ def test_compiled_attention_compiles_once_for_every_state_of_a_shape():
     assert len(graphs) == 1
 
 
-def test_a_torch_func_transform_inside_compiled_code_gives_dE_dg(monkeypatch):
+def test_a_torch_func_transform_inside_compiled_code_gives_dE_dg(monkeypatch: pytest.MonkeyPatch):
     """``torch.func.grad`` of the energy inside ``torch.compile`` (dynamo and AOT autograd, no C++ compiler) gives
     ``dE/dg``, with the diagonal's constant built inside the transform."""
     from tests.conftest import random_model

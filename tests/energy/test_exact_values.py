@@ -245,7 +245,7 @@ def test_attention_weights_are_the_softmax_over_allowed_keys():
 
 
 def _spied_diagonal(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The sizes the attention's additive diagonal constant is built for, from here on (compiled code builds it)."""
+    """The sizes the attention's additive diagonal constant is built for, from here on (built without a mask)."""
     built: list[int] = []
     original = energies._without_diagonal
 
@@ -270,7 +270,7 @@ def test_compiled_attention_leaves_each_token_out_of_its_own_keys(monkeypatch: p
         for method, value in zip((attention.attention, attention.energy, attention.dE_dg), expected, strict=True):
             compiled = torch.compile(method, backend="eager", fullgraph=True)
             torch.testing.assert_close(compiled(g), value, rtol=1e-12, atol=1e-13)
-    assert built and set(built) == {4}  # (the compiled branch ran)
+    assert built and set(built) == {4}  # (the constant's branch ran)
 
 
 def test_compiled_attention_compiles_once_for_every_state_of_a_shape():
@@ -305,4 +305,4 @@ def test_a_torch_func_transform_inside_compiled_code_gives_dE_dg(monkeypatch: py
     gradient = torch.compile(torch.func.grad(lambda g: attention.energy(g).sum()), backend="aot_eager", fullgraph=True)
     for state in (g, g + 0.5):
         torch.testing.assert_close(gradient(state), _attention_by_definition(attention, state)[2], rtol=1e-12, atol=1e-13)
-    assert built and set(built) == {4}  # (the compiled branch ran, inside the transform)
+    assert built and set(built) == {4}  # (the constant's branch ran, inside the transform)

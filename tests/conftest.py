@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -45,6 +45,18 @@ def random_model(
         model.neuron.delta.normal_(0.0, 0.3)
         model.neuron.gamma_raw.add_(0.3)
     return model
+
+
+def counted_backend() -> tuple[Callable[..., Callable[..., object]], list[torch.fx.GraphModule]]:
+    """A ``torch.compile`` back end that runs each graph dynamo traces as it is (no C++ compiler), and the list of
+    those graphs: one per compilation."""
+    graphs: list[torch.fx.GraphModule] = []
+
+    def backend(graph: torch.fx.GraphModule, _: list[torch.Tensor]) -> Callable[..., object]:
+        graphs.append(graph)
+        return graph.forward
+
+    return backend, graphs
 
 
 def hand_rk4(field: et_ode.ETField, x: torch.Tensor, times: torch.Tensor) -> torch.Tensor:

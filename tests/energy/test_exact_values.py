@@ -6,7 +6,6 @@ testing, ``make mutate``): each asserts a value against its definition, not agai
 
 import math
 import platform
-from collections.abc import Callable
 
 import pytest
 import torch
@@ -276,15 +275,10 @@ def test_compiled_attention_leaves_each_token_out_of_its_own_keys(monkeypatch: p
 def test_compiled_attention_compiles_once_for_every_state_of_a_shape():
     """A second and third call with new states of the same shape reuse the first compilation: nothing the attention
     does while compiled changes what dynamo's guards check (a cache filled on the first call would)."""
-    from tests.conftest import random_model
+    from tests.conftest import counted_backend, random_model
 
     attention = random_model(6, 2, 3, 5, beta=BETA.tolist()).attention
-    graphs: list[torch.fx.GraphModule] = []
-
-    def counted(graph: torch.fx.GraphModule, _: list[torch.Tensor]) -> Callable[..., object]:
-        graphs.append(graph)
-        return graph.forward
-
+    counted, graphs = counted_backend()
     compiled = torch.compile(attention.dE_dg, backend=counted, fullgraph=True)
     g = torch.randn(2, 4, 6, dtype=torch.float64)
     for state in (g, g + 0.5, g - 1.0):

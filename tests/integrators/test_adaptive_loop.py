@@ -19,7 +19,7 @@ import et_ode
 from et_ode.integrators import adaptive_loop
 from et_ode.integrators.solution import Progress
 from et_ode.integrators.solvers import SolverFailure, as_solver
-from tests.conftest import random_model
+from tests.conftest import counted_backend, random_model
 
 F64 = torch.float64
 StepControl = Literal["shared", "per_sample"]
@@ -670,12 +670,7 @@ def test_a_compiled_solve_is_traced_once_for_new_states_and_weights(monkeypatch:
     """Dynamo traces the whole solve of an unmasked field (whose attention builds its diagonal inside the compiled code)
     once: later solves from other states, after the weights change in place, reuse it (its back end here runs the traced
     graph as it is: no C++ compiler); each agrees with the uncompiled loop."""
-    graphs: list[torch.fx.GraphModule] = []
-
-    def counted(graph: torch.fx.GraphModule, _: list[torch.Tensor]) -> Callable[..., object]:
-        graphs.append(graph)
-        return graph.forward
-
+    counted, graphs = counted_backend()
     traced = torch.compile(adaptive_loop._whole_solve, backend=counted, dynamic=False)
     monkeypatch.setattr(adaptive_loop, "_compiled_solve", lambda device_type: traced)
     field = _tiny_field()

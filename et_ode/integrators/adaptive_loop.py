@@ -19,6 +19,7 @@ import math
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from time import perf_counter
 from typing import Any, Literal, NamedTuple, TypeGuard, cast
 
 import torch
@@ -416,6 +417,10 @@ def _compiled_attempt(device_type: str) -> Callable[..., _Attempt]:
 # elements per thread the split costs more than it saves: a single 17 x 64 sample solved 1.4-1.7x faster on one thread
 # than on two, a 50 x 128 one 1.1x slower (2-core Xeon, whole compiled solves).
 STATE_ELEMENTS_PER_THREAD = 2048
+# A compiled solve with a progress bar runs in calls of about this many seconds (the bar moves, and an interrupt
+# lands, between them), the first of this many steps (it may compile: its time says nothing of the next).
+CHUNK_SECONDS = 0.2
+FIRST_CHUNK_STEPS = 4
 
 
 @contextlib.contextmanager
@@ -459,19 +464,29 @@ class _SolveEnd(NamedTuple):
 
 
 def _whole_solve(
-    loop: _Loop, t: Tensor, dt: Tensor | None, history: Tensor, y: Tensor, budget: Tensor, saved: Tensor, times: Tensor
+    loop: _Loop,
+    t: Tensor,
+    dt: Tensor | None,
+    history: Tensor,
+    y: Tensor,
+    budget: Tensor,
+    saved: Tensor,
+    times: Tensor,
+    f0: Tensor | None = None,
 ) -> _SolveEnd:
-    """The first stage at ``y`` ``(G, 1, M)``, the first step sizes where ``dt`` is None (:meth:`_Loop.first_step`),
-    then the steps of :meth:`_Loop.attempt` until every group reaches the end, ``budget`` steps are taken or a step
-    fails as the loop's would (a step size that underflows, or a NaN error from a non-finite state), as a
-    ``torch.while_loop``: the compiler makes it all one call. A group that has reached the end keeps its state (its
-    attempts are computed and dropped: no compaction). Each accepted step writes the interpolant at the output
-    ``times`` ``(T,)`` inside it into ``saved`` ``(T * G, 1, M)`` (as :meth:`_Loop.save`; ``T = 0``: none). Its
-    evaluations go uncounted."""
+    """The first stage at ``y`` ``(G, 1, M)`` where ``f0`` is None (else ``f0`` is it, and ``dt`` is given), the first
+    step sizes where ``dt`` is None (:meth:`_Loop.first_step`), then the steps of :meth:`_Loop.attempt` until every
+    group reaches the end, ``budget`` steps are taken or a step fails as the loop's would (a step size that
+    underflows, or a NaN error from a non-finite state), as a ``torch.while_loop``: the compiler makes it all one
+    call. A group that has reached the end keeps its state (its attempts are computed and dropped: no compaction).
+    Each accepted step writes the interpolant at the output ``times`` ``(T,)`` inside it into ``saved``
+    ``(T * G, 1, M)`` (as :meth:`_Loop.save`; ``T = 0``: none). Its evaluations go uncounted."""
     from torch._higher_order_ops import while_loop  # (PyTorch's control flow, not public API: here, not at import)
 
-    f0 = loop.evaluate(None, y)
-    dt = loop.first_step(t, y, f0) if dt is None else dt
+    if f0 is None:
+        f0 = loop.evaluate(None, y)
+        dt = loop.first_step(t, y, f0) if dt is None else dt
+    assert dt is not None
     last_stage = slice(loop.tableau.stages - 1, loop.tableau.stages)
 
     def running(*carried: Tensor) -> Tensor:
@@ -792,14 +807,18 @@ class _Loop:
         t = torch.full((g,), float(self.grid[0]), dtype=torch.float64, device=self.device)
         if starts is not None:
             t = starts.to(t).reshape(g).clone()
-        watched = self.callback is not None or self.progress.bar is not None
-        if self.whole_solve and not (keep_steps or watched) and starts is None:
-            given = None if first_step is None else torch.full_like(t, float(first_step))
-            ended = self._compiled_run(t, given, y, save_all)  # the whole solve in one call, or None: not compiled
+        f0: Tensor | None = None
+        dt = None if first_step is None else torch.full_like(t, float(first_step))
+        if self.whole_solve and not keep_steps and self.callback is None and starts is None:
+            if self.progress.bar is not None:  # the bar moves between calls, each from the last one's end
+                f0 = self.evaluate(None, y)
+                dt = self.first_step(t, y, f0) if dt is None else dt
+            ended = self._compiled_run(t, dt, y, save_all, f0)  # the whole solve compiled, or None: not compiled
             if ended is not None:
                 return ended
-        f0 = self.evaluate(None if self.autonomous else t, y)
-        dt = self.first_step(t, y, f0) if first_step is None else torch.full_like(t, float(first_step))
+        if f0 is None:
+            f0 = self.evaluate(None if self.autonomous else t, y)
+        dt = self.first_step(t, y, f0) if dt is None else dt
         buffers = _Buffers.empty(g, self.tableau.stages, self.width, self.dtype, self.device) if self.in_place else None
         if buffers is not None:  # the loop writes its state in place
             y, f0 = buffers.y.copy_(y), buffers.k_first.copy_(f0)
@@ -842,37 +861,72 @@ class _Loop:
         field = cast(ETField, self.field_now)
         self.traced_field = ETField(field.model, field.tau, field.derivative, field.mask, backend="reference")
 
-    def _compiled_run(self, t: Tensor, dt: Tensor | None, y: Tensor, save_all: bool) -> tuple[Tensor, Tensor | None] | None:
+    def _compiled_run(
+        self, t: Tensor, dt: Tensor | None, y: Tensor, save_all: bool, f0: Tensor | None
+    ) -> tuple[Tensor, Tensor | None] | None:
         """The whole solve of the groups ``y`` ``(G, 1, M)`` from their times ``t`` ``(G,)`` (first step sizes ``dt``
-        ``(G,)``, or None: chosen) in one compiled call (:func:`_whole_solve` on the field's closed form, as
-        :class:`_CompiledStep`), its steps, evaluations and failures recorded as the step-by-step loop records them;
-        returns the final state ``x0``-shaped and, with ``save_all``, the states at the grid's times
-        ``(T, *x0.shape)`` (else None), or None (with a warning) where it cannot be compiled: the loop then goes on
-        step by step, uncompiled."""
+        ``(G,)``, or None: chosen) compiled (:func:`_whole_solve` on the field's closed form, as
+        :class:`_CompiledStep`): in one call where ``f0`` is None, else (``f0``: the first stage, ``dt`` given) in
+        calls of about :data:`CHUNK_SECONDS` each, the progress bar following between them (and an interrupt landing
+        there). Its steps, evaluations and failures are recorded as the step-by-step loop records them; returns the
+        final state ``x0``-shaped and, with ``save_all``, the states at the grid's times ``(T, *x0.shape)`` (else
+        None), or None (with a warning) where it cannot be compiled: the loop then goes on step by step, uncompiled."""
         self.trace_closed_form()
         g = self.groups
-        budget = torch.tensor(self.max_steps - self.progress.steps, device=self.device)  # the steps left to take
         history = torch.ones((g, 2), dtype=torch.float64, device=self.device)
         times = (self.grid if save_all else self.grid[:0]).clone()  # (the end time is a view of the grid)
         saved = y.new_zeros((len(times) * g, 1, self.width))
         if save_all:
             saved[:g] = y  # the grid's first time is the start
+        chunk = FIRST_CHUNK_STEPS if f0 is not None else self.max_steps
+        at_start = 0 if f0 is not None else 1 if dt is not None else 2  # the first stage, and the first step's choice
+        first = True
+        while True:
+            started = perf_counter()
+            budget = min(chunk, self.max_steps - self.progress.steps)
+            end = self._compiled_call(t, dt, history, y, budget, saved, times, f0, may_fall_back=first)
+            if end is None:
+                return None
+            steps = self._record_compiled_steps(end, at_start)
+            if not bool((end.t < self.t_end).any()) or self.progress.steps >= self.max_steps:
+                break
+            t, dt, history, y, f0, saved, at_start = end.t, end.dt, end.history, end.y, end.f0, end.saved, 0
+            chunk, first = max(1, int(CHUNK_SECONDS * steps / (perf_counter() - started))), False
+        self._end_compiled_run(end)
+        return end.y.view(self.x_shape), end.saved.view(len(times), *self.x_shape) if save_all else None
+
+    def _compiled_call(
+        self,
+        t: Tensor,
+        dt: Tensor | None,
+        history: Tensor,
+        y: Tensor,
+        budget: int,
+        saved: Tensor,
+        times: Tensor,
+        f0: Tensor | None,
+        may_fall_back: bool,
+    ) -> _SolveEnd | None:
+        """One compiled call of :func:`_whole_solve`, of at most ``budget`` steps. Where it raises and
+        ``may_fall_back`` (nothing recorded yet), None, with a warning and the loop told not to compile again."""
         self.counting = False
         try:
             with _threads_for(y):
-                end = _compiled_solve(self.device.type)(self, t, dt, history, y, budget, saved, times)
+                solve = _compiled_solve(self.device.type)
+                return solve(self, t, dt, history, y, torch.tensor(budget, device=self.device), saved, times, f0)
         except Exception as error:  # whatever the compiler raises (an ImportError: a PyTorch without while_loop)
+            if not may_fall_back:
+                raise
             _warn_uncompiled("compile", "compiled", error)
             self.graph_mode, self.whole_solve = None, False
             return None
         finally:
             self.counting = True
-        self._record_whole_solve(end, first_step_given=dt is not None)
-        return end.y.view(self.x_shape), end.saved.view(len(times), *self.x_shape) if save_all else None
 
-    def _record_whole_solve(self, end: _SolveEnd, first_step_given: bool) -> None:
-        """Record the compiled solve ``end`` as the step-by-step loop records its steps: the progress, the evaluations
-        (counted by hand), each group's end, and its failures (raised as the loop raises them)."""
+    def _record_compiled_steps(self, end: _SolveEnd, at_start: int) -> int:
+        """Record the steps of a compiled call ending at ``end`` as the step-by-step loop records its own: the
+        progress, the evaluations (counted by hand, ``at_start`` of them before the first step) and its failures
+        (raised as the loop raises them); returns the number of steps."""
         counts = torch.stack([end.steps, end.tried, end.accepted, end.failed.long()]).tolist()
         steps, tried, accepted, failed = (int(v) for v in counts)
         active = end.t < self.t_end
@@ -880,17 +934,22 @@ class _Loop:
         self.progress.steps += steps
         self.progress.accepted += accepted
         self.progress.rejected += tried - accepted - (int(active.sum()) if failed else 0)  # (a failed step: neither)
-        at_start = 1 if first_step_given else 2  # the first stage, and the one of the first step's choice
         self.count_evaluations((self.tableau.stages - 1) * steps + at_start)  # of every group: none leaves the batch
-        state = dict(t=end.t, y=end.y, ids=torch.arange(self.groups, device=self.device))
         if failed:
+            state = dict(t=end.t, y=end.y, ids=torch.arange(self.groups, device=self.device))
             if not bool(torch.isfinite(end.y).all()):
                 self._fail_non_finite(state)
             self._fail_underflow(state, end.dt[active])
-        if bool(active.any()):  # the budget of steps is spent: the next step fails
-            self._count_step(state)
         self.progress.reached(float(end.t.min()))
         self.next_dt = end.dt
+        return steps
+
+    def _end_compiled_run(self, end: _SolveEnd) -> None:
+        """Every group ends where the compiled solve ``end`` left it; a group short of the end has spent the budget of
+        steps (its next step fails)."""
+        state = dict(t=end.t, y=end.y, ids=torch.arange(self.groups, device=self.device))
+        if bool((end.t < self.t_end).any()):
+            self._count_step(state)
         self._finish(state, torch.ones(self.groups, dtype=torch.bool, device=self.device), end.y, end.t)
 
     def step(
@@ -1176,9 +1235,10 @@ def integrate(
             of an :class:`~et_ode.ETField` without gradients, a stop or a quadrature; otherwise the loop runs as
             without); ``"eager"``: the same capture and replay discipline run eagerly (see :class:`_StepGraph`);
             ``"compile"``: from the first step, the same steps compiled by ``torch.compile`` (:class:`_CompiledStep`;
-            with no ``callback``, progress bar, ``starts`` or ``keep_steps``, the whole solve in one compiled call,
-            :func:`_whole_solve`, which writes the states at the grid's times too and takes per-sample steps at any
-            batch, every sample evaluated at every step); None: no capture.
+            with no ``callback``, ``starts`` or ``keep_steps``, the whole solve compiled, :func:`_whole_solve`,
+            which writes the states at the grid's times too and takes per-sample steps at any batch, every sample
+            evaluated at every step: one call, or with a progress bar calls of about :data:`CHUNK_SECONDS`); None:
+            no capture.
 
     Returns the :class:`Result`. Gradients
     flow through the stages and the interpolant (the step sizes are constants to autograd, as in torchdiffeq and

@@ -106,10 +106,11 @@ class Adaptive:
             be captured gets a ``RuntimeWarning`` and the solve runs on without the graph.
         compile: et-ode's loop compiles one step (its stages, error and controller) with ``torch.compile`` and runs the
             compiled step from the first, where ``cuda_graph`` applies (shared steps, or those of a single sample, of an
-            ET field without gradients or a stop); everywhere else the steps run as without. Where no progress is shown
-            (``progress`` here or in ``solve``) and the states are not kept at every step (``save="steps"``), the
-            whole solve (every step, and the states at the saved times, in a ``while_loop``) is one compiled call, for
-            any batch and step control (per sample: a sample at the end keeps its state while the others step on).
+            ET field without gradients or a stop); everywhere else the steps run as without. Where no ``progress``
+            callback is given and the states are not kept at every step (``save="steps"``), the whole solve (every
+            step, and the states at the saved times, in a ``while_loop``) is compiled instead, for any batch and step
+            control (per sample: a sample at the end keeps its state while the others step on): one call, or with a
+            progress bar (``solve(progress=True)``) calls of about 0.2 s, between which the bar moves and Ctrl-C lands.
             The step evaluates the field's closed form (``backend="reference"``), so states agree with the uncompiled
             loop to rounding, not bit for bit. PyTorch compiles once per shape,
             dtype and setting in a process (tens of seconds on a CPU; it needs a C++ compiler there); it pays where

@@ -573,14 +573,18 @@ def test_a_cuda_graph_replays_the_steps_of_the_plain_loop() -> None:
 
 # -- a compiled step -----------------------------------------------------------------------------------------------
 def _compiled_and_plain(
-    field: et_ode.ETField, x0: torch.Tensor, save: str = "all", **settings: object
+    field: et_ode.ETField, x0: torch.Tensor, save: str = "all", bar: bool = False, **settings: object
 ) -> list[et_ode.Solution]:
+    """The solves of ``x0`` with ``compile=True`` and without (``bar``: a progress bar shown), to t = 3."""
     grid = torch.linspace(0.0, 3.0, 7, dtype=F64)
     with torch.no_grad():
         return [
-            et_ode.solve(field, x0, grid, solver=et_ode.Adaptive(compile=compiled, **settings), save=save)  # type: ignore[arg-type]
+            et_ode.solve(field, x0, grid, solver=et_ode.Adaptive(compile=compiled, **settings), save=save, progress=bar)  # type: ignore[arg-type]
             for compiled in (True, False)
         ]
+
+
+Watcher = Literal["callback", "bar"] | None  # what watches a solve's progress
 
 
 def _check_compiled_solves(
@@ -588,29 +592,29 @@ def _check_compiled_solves(
     batch: int = 3,
     save: str = "all",
     first_step: float | None = 2.0,
-    watched: bool = False,
+    watched: Watcher = None,
 ) -> None:
     """``Adaptive(compile=True)`` at a non-default tau, a mask, the PID controller and a first step too large (rejected
-    steps; None: the loop's choice), ``watched`` by a progress callback or not: the same steps, evaluations and float64
-    states to rounding as the plain loop; after the weights change in place, the next compiled solve follows the new
-    weights (nothing of the old ones is kept as a constant)."""
+    steps; None: the loop's choice), ``watched`` by a progress callback, a progress bar or nothing: the same steps,
+    evaluations and float64 states to rounding as the plain loop; after the weights change in place, the next compiled
+    solve follows the new weights (nothing of the old ones is kept as a constant)."""
     model = _smooth_model(seed=4)
     mask = torch.rand(5, 5, generator=torch.Generator().manual_seed(2)) < 0.7
     field = et_ode.ETField(model, tau=0.7, mask=mask)
     x0 = _states(batch)
     options = None if first_step is None else dict(first_step=first_step)
     settings = dict(controller="pid", options=options, rtol=1e-7, atol=1e-9, step_control=step_control)
-    if watched:
+    if watched == "callback":
         settings["progress"] = lambda t, x: None
     for scale in (1.0, 1.3):
         with torch.no_grad():
             model.hopfield.xi.mul_(scale)
-        compiled, plain = _compiled_and_plain(field, x0, save, **settings)
+        compiled, plain = _compiled_and_plain(field, x0, save, watched == "bar", **settings)
         assert compiled.stats.accepted_steps > 3 and (compiled.stats.rejected_steps > 0 or first_step is None)
         for stat in ("accepted_steps", "rejected_steps", "nfe_forward"):
             assert getattr(compiled.stats, stat) == getattr(plain.stats, stat), stat
         evaluated, plain_evaluated = compiled.stats.sample_evaluations, plain.stats.sample_evaluations
-        if watched and step_control == "per_sample" and batch > 1:  # (nothing compiled: the plain loop's own count)
+        if watched == "callback" and step_control == "per_sample" and batch > 1:  # (nothing compiled: the plain loop's)
             assert evaluated == plain_evaluated
         else:  # every sample at every evaluation (the plain per-sample loop's finished samples leave the batch)
             assert evaluated == compiled.stats.nfe_forward * batch >= plain_evaluated
@@ -638,7 +642,14 @@ def _as_it_is(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[object]]:
     return handed
 
 
-SAVES_FIRST_STEPS_AND_WATCHED = [("all", 2.0, False), ("all", 2.0, True), ("final", 2.0, False), ("final", None, False)]
+SAVES_FIRST_STEPS_AND_WATCHED: list[tuple[str, float | None, Watcher]] = [
+    ("all", 2.0, None),
+    ("all", 2.0, "callback"),
+    ("all", 2.0, "bar"),
+    ("final", 2.0, None),
+    ("final", None, None),
+    ("final", None, "bar"),
+]
 
 
 @pytest.mark.parametrize(("step_control", "batch"), [("shared", 3), ("per_sample", 1), ("per_sample", 3)])
@@ -649,35 +660,72 @@ def test_what_is_handed_to_the_compiler_integrates_the_field(
     batch: int,
     save: str,
     first_step: float | None,
-    watched: bool,
+    watched: Watcher,
 ) -> None:
     """What ``compile=True`` hands ``torch.compile``, run as it is, for shared steps and each sample's own: the whole
-    solve as one loop, which writes the states at the saved times itself, where no progress is watched; each step's
-    attempt on the field's closed form where it is, for one group (its evaluations counted by hand either way). The compiler
+    solve as one loop, which writes the states at the saved times itself, where no callback watches it (with a progress
+    bar: in calls of a few steps, here one, each going on from the last one's end); each step's attempt on the field's
+    closed form where a callback watches, for one group (its evaluations counted by hand either way). The compiler
     itself is the next test's (slow: minutes on a cold cache). The plain loop would agree too, so what was handed over
     is checked."""
     handed = _as_it_is(monkeypatch)
+    monkeypatch.setattr(adaptive_loop, "CHUNK_SECONDS", 0.0)  # (a step a call after the first call's)
     _check_compiled_solves(step_control, batch, save, first_step, watched)
-    if watched and step_control == "per_sample" and batch > 1:  # (per-sample groups compact: no step is compiled)
+    if watched == "callback" and step_control == "per_sample" and batch > 1:  # (per-sample groups compact)
         assert not handed["step"] and not handed["solve"]
-    elif watched:
+    elif watched == "callback":
         assert len(handed["step"]) > 8 and not handed["solve"]
+    elif watched == "bar":
+        assert len(handed["solve"]) > 8 and not handed["step"]
     else:
         assert len(handed["solve"]) == 2 and not handed["step"]  # a compiled solve at each of two weights
 
 
-def test_a_compiled_solve_is_traced_once_for_new_states_and_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("step_control", ["shared", "per_sample"])
+def test_a_compiled_solve_with_a_bar_moves_it_between_calls_where_an_interrupt_lands(
+    monkeypatch: pytest.MonkeyPatch, step_control: StepControl
+) -> None:
+    """With a progress bar the whole solve runs in calls (here a step each): the bar follows the earliest sample's time
+    after every call, up to the end; an interrupt raised between two calls (Ctrl-C lands there: the Python between
+    them is where its handler runs) ends the solve there, with PyTorch's thread count set back."""
+    handed = _as_it_is(monkeypatch)
+    monkeypatch.setattr(adaptive_loop, "CHUNK_SECONDS", 0.0)
+    reached: list[float] = []
+    monkeypatch.setattr(Progress, "reached", lambda progress, t: reached.append(t))
+    field, x0 = _tiny_field(), _states(3)
+    solver = et_ode.Adaptive(compile=True, step_control=step_control)
+    with torch.no_grad():
+        et_ode.solve(field, x0, (0.0, 3.0), solver=solver, save="final", progress=True)
+    assert len(handed["solve"]) == len(reached) > 4
+    assert reached == sorted(reached) and reached[-1] == 3.0 and reached[0] > 0.0
+
+    def interrupted(progress: Progress, t: float) -> None:
+        if len(handed["solve"]) == 3:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(Progress, "reached", interrupted)
+    handed["solve"].clear()
+    threads = torch.get_num_threads()
+    with torch.no_grad(), pytest.raises(KeyboardInterrupt):
+        et_ode.solve(field, x0, (0.0, 3.0), solver=solver, save="final", progress=True)
+    assert len(handed["solve"]) == 3 and torch.get_num_threads() == threads
+
+
+@pytest.mark.parametrize("bar", [False, True])
+def test_a_compiled_solve_is_traced_once_for_new_states_and_weights(monkeypatch: pytest.MonkeyPatch, bar: bool) -> None:
     """Dynamo traces the whole solve of an unmasked field (whose attention builds its diagonal inside the compiled code)
     once: later solves from other states, after the weights change in place, reuse it (its back end here runs the traced
-    graph as it is: no C++ compiler); each agrees with the uncompiled loop."""
+    graph as it is: no C++ compiler), and so do the calls of a solve with a progress bar (here a step each), each from
+    the last one's end; each solve agrees with the uncompiled loop."""
     counted, graphs = counted_backend()
     traced = torch.compile(adaptive_loop._whole_solve, backend=counted, dynamic=False)
     monkeypatch.setattr(adaptive_loop, "_compiled_solve", lambda device_type: traced)
+    monkeypatch.setattr(adaptive_loop, "CHUNK_SECONDS", 0.0)
     field = _tiny_field()
     for seed in (3, 5, 7):
         with torch.no_grad():
             field.model.hopfield.xi.mul_(1.1)
-        compiled, plain = _compiled_and_plain(field, _states(2, seed=seed), "final")
+        compiled, plain = _compiled_and_plain(field, _states(2, seed=seed), "final", bar)
         assert compiled.stats.nfe_forward == plain.stats.nfe_forward
         torch.testing.assert_close(compiled.x, plain.x, rtol=1e-10, atol=1e-12)
     assert len(graphs) == 1
@@ -739,10 +787,10 @@ def test_compiled_code_runs_on_one_thread_per_2048_state_elements(
 )
 @pytest.mark.parametrize(
     ("step_control", "save", "first_step", "watched"),
-    [("shared", *case) for case in SAVES_FIRST_STEPS_AND_WATCHED] + [("per_sample", "all", 2.0, False)],
+    [("shared", *case) for case in SAVES_FIRST_STEPS_AND_WATCHED] + [("per_sample", "all", 2.0, None)],
 )
 def test_a_compiled_step_integrates_the_plain_loop_s_solution(
-    step_control: StepControl, save: str, first_step: float | None, watched: bool
+    step_control: StepControl, save: str, first_step: float | None, watched: Watcher
 ) -> None:
     with warnings.catch_warnings():  # compiled for real: the uncompiled fallback would agree too
         warnings.filterwarnings("error", message=".*could not be compiled")
@@ -750,19 +798,21 @@ def test_a_compiled_step_integrates_the_plain_loop_s_solution(
 
 
 @pytest.mark.parametrize(
-    ("save", "error"),
+    ("save", "error", "bar"),
     [
-        ("all", RuntimeError("no C++ compiler")),
-        ("final", RuntimeError("no C++ compiler")),
-        ("final", AssertionError("no C++ compiler\n" + "the traced graph, line by line\n" * 500)),
-        ("all", NotImplementedError("no C++ compiler")),
+        ("all", RuntimeError("no C++ compiler"), False),
+        ("final", RuntimeError("no C++ compiler"), False),
+        ("final", RuntimeError("no C++ compiler"), True),
+        ("final", AssertionError("no C++ compiler\n" + "the traced graph, line by line\n" * 500), False),
+        ("all", NotImplementedError("no C++ compiler"), False),
     ],
 )
 def test_a_step_that_cannot_be_compiled_leaves_the_solve_as_without(
-    monkeypatch: pytest.MonkeyPatch, save: str, error: Exception
+    monkeypatch: pytest.MonkeyPatch, save: str, error: Exception, bar: bool
 ) -> None:
     """Whatever the compiler raises (dynamo's failures inside a ``while_loop`` are AssertionErrors, with the graph in
-    the message): one short warning that names it, then the solve as without."""
+    the message): one short warning that names it, then the solve as without (``bar``: a progress bar shown, whose
+    uncompiled start the loop goes on from)."""
 
     def no_compiler(device_type: str) -> Callable[..., object]:
         def fails(*_: object) -> None:
@@ -774,7 +824,7 @@ def test_a_step_that_cannot_be_compiled_leaves_the_solve_as_without(
     monkeypatch.setattr(adaptive_loop, "_compiled_solve", no_compiler)
     name = type(error).__name__
     with pytest.warns(RuntimeWarning, match=rf"compile=True.*could not be compiled \({name}: no C\+\+ compiler\)") as warned:
-        fallback, plain = _compiled_and_plain(_tiny_field(), _states(4), save)
+        fallback, plain = _compiled_and_plain(_tiny_field(), _states(4), save, bar)
     assert sum("could not be compiled" in str(w.message) for w in warned) == 1  # one try, then without
     assert max(len(str(w.message)) for w in warned) < 400
     assert torch.equal(plain.x, fallback.x)

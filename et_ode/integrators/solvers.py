@@ -110,8 +110,8 @@ class Adaptive:
             callback is given and the states are not kept at every step (``save="steps"``), the whole solve (every
             step, and the states at the saved times, in a ``while_loop``) is compiled instead, for any batch and step
             control (per sample: a sample at the end keeps its state while the others step on): one call, or with a
-            progress bar (``solve(progress=True)``) calls of about 0.2 s, between which the bar moves and Ctrl-C lands
-            (the one call of a solve without a bar runs to its end first).
+            progress bar (``solve(progress=True)``) short calls, between which the bar moves and Ctrl-C lands (the
+            one call of a solve without a bar runs to its end first).
             The step evaluates the field's closed form (``backend="reference"``), so states agree with the uncompiled
             loop to rounding, not bit for bit. PyTorch compiles once per shape,
             dtype and setting in a process (tens of seconds on a CPU; it needs a C++ compiler there); it pays where

@@ -14,7 +14,9 @@ steps, and the largest difference of the final state from torchdiffeq's relative
 - ``et-ode shared, compiled`` (``--compile``): ``Adaptive(compile=True)``; the whole solve, every
   step inside one ``while_loop``, is compiled by ``torch.compile`` (before the timing, as diffrax's ``jax.jit``); and
   ``et-ode per-sample, compiled``, each sample's own steps in the same loop (a sample that has reached t1 keeps its
-  state while the others step on, as under diffrax's ``vmap``: no compaction);
+  state while the others step on, as under diffrax's ``vmap``: no compaction); with ``--watched`` also the shared
+  compiled solve with a progress bar (``solve(progress=True)``: the same loop in calls of about 0.2 s) and with a
+  progress callback (each step compiled, a call a step);
 - ``torchode`` (where installed): its Dopri5 with an integral controller on our field, per sample;
 - ``diffrax batched`` and ``diffrax per-sample`` (where jax and diffrax are installed): ``jax.jit`` of
   ``diffeqsolve`` with Dopri5 and a PID controller of the I-controller's coefficients on the same weights written in
@@ -39,12 +41,14 @@ environment, ``pip install torchdiffeq torchode jax diffrax`` beside et-ode.
     python benchmarks/adaptive.py --threads 2 --size mnist imagenet --reps 5
     python benchmarks/adaptive.py --batch 1                    # one sample per solve: the loop's fixed costs
     python benchmarks/adaptive.py --batch 1 --compile          # with the compiled solve's rows
+    python benchmarks/adaptive.py --batch 1 --compile --watched --size digits mnist   # and with progress shown
     python benchmarks/adaptive.py --device cuda --size digits mnist     # on a GPU, with the captured step's row
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import os
 import sys
@@ -82,6 +86,9 @@ CASES = {"digits": (DIGITS, 5.0), "mnist": (MNIST, 5.0), "imagenet": (IMAGENET, 
 STOP_T1 = 100.0
 
 
+NOWHERE = open(os.devnull, "w")  # where a timed solve's progress bar is drawn
+
+
 @dataclass
 class Run:
     """One candidate: the timed call, its NFE, sample-evaluations and accepted steps (-1: not reported), its final
@@ -111,12 +118,16 @@ def _recorded(field: et_ode.ETField, inputs: list[torch.Tensor]) -> et_ode.ETFie
     return recording
 
 
-def et_ode_run(field: et_ode.ETField, x0: torch.Tensor, t1: float, solver: et_ode.Adaptive, stop: Any = None) -> Run:
-    """``solve`` with ``solver`` (and ``stop``), once recorded (a captured or compiled step runs without Python, so a
-    solve with ``cuda_graph`` or ``compile`` is not recorded: no own bare loop)."""
+def et_ode_run(
+    field: et_ode.ETField, x0: torch.Tensor, t1: float, solver: et_ode.Adaptive, stop: Any = None, bar: bool = False
+) -> Run:
+    """``solve`` with ``solver`` (and ``stop``; ``bar``: with its progress bar, drawn to nowhere), once recorded (a
+    captured or compiled step runs without Python, so a solve with ``cuda_graph`` or ``compile`` is not recorded: no
+    own bare loop)."""
 
     def call(target: et_ode.ETField = field) -> et_ode.Solution:
-        return et_ode.solve(target, x0, (0.0, t1), solver=solver, stop=stop, save="final")
+        with contextlib.redirect_stderr(NOWHERE) if bar else contextlib.nullcontext():
+            return et_ode.solve(target, x0, (0.0, t1), solver=solver, stop=stop, save="final", progress=bar)
 
     inputs: list[torch.Tensor] | None = None if solver.cuda_graph or solver.compile else []
     with torch.no_grad():
@@ -252,6 +263,11 @@ def measure(name: str, args: argparse.Namespace) -> list[list[object]]:
         solvers["et-ode shared, CUDA graph"] = et_ode.Adaptive("dopri5", args.rtol, args.atol, cuda_graph=True)
     for label, solver in solvers.items():
         runs[label] = et_ode_run(field, x0, t1, solver)
+    if args.compile and args.watched:  # the compiled solve with progress shown: a bar, and a callback
+        runs["et-ode shared, compiled, bar"] = et_ode_run(field, x0, t1, solvers["et-ode shared, compiled"], bar=True)
+        runs["et-ode shared, compiled, callback"] = et_ode_run(
+            field, x0, t1, et_ode.Adaptive("dopri5", args.rtol, args.atol, compile=True, progress=_ignored)
+        )
     if has("torchode"):
         runs["torchode per-sample"] = torchode_run(field, x0, t1, args)
     if has("diffrax") and has("jax") and not x0.is_cuda:  # (JAX on the CPU beside a CUDA solve: not a peer)
@@ -263,6 +279,10 @@ def measure(name: str, args: argparse.Namespace) -> list[list[object]]:
     with torch.no_grad():
         times = interleaved_times(calls, reps=args.reps, clock=args.clock)
     return _rows(f"{name} N={size.n} D={size.d}, t1={t1:g}", size, runs, times, STATISTICS[args.statistic])
+
+
+def _ignored(*_: object) -> None:
+    """A progress callback that takes what it is given and does nothing with it."""
 
 
 def _synchronised(call: Callable[[], object], like: torch.Tensor) -> Callable[[], object]:
@@ -282,11 +302,18 @@ def _synchronised(call: Callable[[], object], like: torch.Tensor) -> Callable[[]
 DIFFRAX_PEERS = {
     "et-ode shared": "diffrax batched",
     "et-ode shared, compiled": "diffrax batched",
+    "et-ode shared, compiled, bar": "diffrax batched",
+    "et-ode shared, compiled, callback": "diffrax batched",
     "et-ode per-sample": "diffrax per-sample",
     "et-ode per-sample, compiled": "diffrax per-sample",
 }
 #: the row whose bare loop a row without its own (a compiled step records nothing) is divided by: its steps uncompiled
-BARE_STAND_INS = {"et-ode shared, compiled": "et-ode shared", "et-ode per-sample, compiled": "et-ode per-sample"}
+BARE_STAND_INS = {
+    "et-ode shared, compiled": "et-ode shared",
+    "et-ode shared, compiled, bar": "et-ode shared",
+    "et-ode shared, compiled, callback": "et-ode shared",
+    "et-ode per-sample, compiled": "et-ode per-sample",
+}
 
 
 def _rows(
@@ -410,6 +437,9 @@ def main() -> None:
     )
     parser.add_argument("--threads", type=int, default=1, help="pin the process (torch and XLA) to this many cores")
     parser.add_argument("--compile", action="store_true", help="also Adaptive(compile=True)'s row")
+    parser.add_argument(
+        "--watched", action="store_true", help="with --compile: also its shared solve with a progress bar, and callback"
+    )
     parser.add_argument("--stop", action="store_true", help="also the rows to a steady state")
     parser.add_argument("--stop-tol", type=float, default=1e-3, help="the steady state: RMS dg/dt below this")
     parser.add_argument("--mixed", action="store_true", help="also the batch of half easy and half hard samples")

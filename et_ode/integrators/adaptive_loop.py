@@ -887,12 +887,12 @@ class _Loop:
             end = self._compiled_call(t, dt, history, y, budget, saved, times, f0, may_fall_back=first)
             if end is None:
                 return None
-            steps = self._record_compiled_steps(end, at_start)
-            if not bool((end.t < self.t_end).any()) or self.progress.steps >= self.max_steps:
+            steps, short = self._record_compiled_steps(end, at_start)
+            if not short or self.progress.steps >= self.max_steps:
                 break
             t, dt, history, y, f0, saved, at_start = end.t, end.dt, end.history, end.y, end.f0, end.saved, 0
             chunk, first = max(1, int(CHUNK_SECONDS * steps / (perf_counter() - started))), False
-        self._end_compiled_run(end)
+        self._end_compiled_run(end, short)
         return end.y.view(self.x_shape), end.saved.view(len(times), *self.x_shape) if save_all else None
 
     def _compiled_call(
@@ -923,17 +923,17 @@ class _Loop:
         finally:
             self.counting = True
 
-    def _record_compiled_steps(self, end: _SolveEnd, at_start: int) -> int:
+    def _record_compiled_steps(self, end: _SolveEnd, at_start: int) -> tuple[int, bool]:
         """Record the steps of a compiled call ending at ``end`` as the step-by-step loop records its own: the
         progress, the evaluations (counted by hand, ``at_start`` of them before the first step) and its failures
-        (raised as the loop raises them); returns the number of steps."""
-        counts = torch.stack([end.steps, end.tried, end.accepted, end.failed.long()]).tolist()
-        steps, tried, accepted, failed = (int(v) for v in counts)
+        (raised as the loop raises them); returns the number of steps and whether a group is short of the end."""
         active = end.t < self.t_end
+        counts = torch.stack([end.steps, end.tried, end.accepted, end.failed.long(), active.sum()]).tolist()
+        steps, tried, accepted, failed, short = (int(v) for v in counts)
         self.t_now = end.t
         self.progress.steps += steps
         self.progress.accepted += accepted
-        self.progress.rejected += tried - accepted - (int(active.sum()) if failed else 0)  # (a failed step: neither)
+        self.progress.rejected += tried - accepted - (short if failed else 0)  # (a failed step: neither)
         self.count_evaluations((self.tableau.stages - 1) * steps + at_start)  # of every group: none leaves the batch
         if failed:
             state = dict(t=end.t, y=end.y, ids=torch.arange(self.groups, device=self.device))
@@ -942,13 +942,13 @@ class _Loop:
             self._fail_underflow(state, end.dt[active])
         self.progress.reached(float(end.t.min()))
         self.next_dt = end.dt
-        return steps
+        return steps, short > 0
 
-    def _end_compiled_run(self, end: _SolveEnd) -> None:
-        """Every group ends where the compiled solve ``end`` left it; a group short of the end has spent the budget of
-        steps (its next step fails)."""
+    def _end_compiled_run(self, end: _SolveEnd, short: bool) -> None:
+        """Every group ends where the compiled solve ``end`` left it; where one is ``short`` of the end, the budget of
+        steps is spent (its next step fails)."""
         state = dict(t=end.t, y=end.y, ids=torch.arange(self.groups, device=self.device))
-        if bool((end.t < self.t_end).any()):
+        if short:
             self._count_step(state)
         self._finish(state, torch.ones(self.groups, dtype=torch.bool, device=self.device), end.y, end.t)
 

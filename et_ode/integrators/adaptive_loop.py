@@ -418,9 +418,8 @@ def _compiled_attempt(device_type: str) -> Callable[..., _Attempt]:
 # than on two, a 50 x 128 one 1.1x slower (2-core Xeon, whole compiled solves).
 STATE_ELEMENTS_PER_THREAD = 2048
 # A compiled solve with a progress bar runs in calls of about this many seconds (the bar moves, and an interrupt
-# lands, between them), the first of this many steps (it may compile: its time says nothing of the next).
+# lands, between them), the first of one step (it may compile: its time says nothing of the next).
 CHUNK_SECONDS = 0.2
-FIRST_CHUNK_STEPS = 4
 
 
 @contextlib.contextmanager
@@ -878,7 +877,7 @@ class _Loop:
         saved = y.new_zeros((len(times) * g, 1, self.width))
         if save_all:
             saved[:g] = y  # the grid's first time is the start
-        chunk = FIRST_CHUNK_STEPS if f0 is not None else self.max_steps
+        chunk = 1 if f0 is not None else self.max_steps
         at_start = 0 if f0 is not None else 1 if dt is not None else 2  # the first stage, and the first step's choice
         first = True
         while True:

@@ -482,10 +482,7 @@ def _whole_solve(
     ``(T * G, 1, M)`` (as :meth:`_Loop.save`; ``T = 0``: none). Its evaluations go uncounted."""
     from torch._higher_order_ops import while_loop  # (PyTorch's control flow, not public API: here, not at import)
 
-    if f0 is None:
-        f0 = loop.evaluate(None, y)
-        dt = loop.first_step(t, y, f0) if dt is None else dt
-    assert dt is not None
+    f0, dt = loop.start(t, y, dt) if f0 is None or dt is None else (f0, dt)
     last_stage = slice(loop.tableau.stages - 1, loop.tableau.stages)
 
     def running(*carried: Tensor) -> Tensor:
@@ -656,6 +653,12 @@ class _Loop:
             return out
         return out.copy_(field(time, state).reshape(groups, 1, self.width))
 
+    def start(self, t: Tensor, y: Tensor, dt: Tensor | None) -> tuple[Tensor, Tensor]:
+        """The first stage at the groups ``y`` ``(G, 1, M)`` at their times ``t``, and the first step sizes: ``dt``
+        where given, else :meth:`first_step`'s."""
+        f0 = self.evaluate(None if self.autonomous else t, y)
+        return f0, self.first_step(t, y, f0) if dt is None else dt
+
     def first_step(self, t: Tensor, y0: Tensor, f0: Tensor) -> Tensor:
         """torchdiffeq's and diffrax's starting step per group (one evaluation): ``(G,)`` float64."""
         with torch.no_grad():
@@ -806,18 +809,16 @@ class _Loop:
         t = torch.full((g,), float(self.grid[0]), dtype=torch.float64, device=self.device)
         if starts is not None:
             t = starts.to(t).reshape(g).clone()
-        f0: Tensor | None = None
-        dt = None if first_step is None else torch.full_like(t, float(first_step))
+        given = None if first_step is None else torch.full_like(t, float(first_step))
+        started: tuple[Tensor, Tensor] | None = None  # the first stage and step sizes, once evaluated
         if self.whole_solve and not keep_steps and self.callback is None and starts is None:
             if self.progress.bar is not None:  # the bar moves between calls, each from the last one's end
-                f0 = self.evaluate(None, y)
-                dt = self.first_step(t, y, f0) if dt is None else dt
+                started = self.start(t, y, given)
+            f0, dt = started if started is not None else (None, given)
             ended = self._compiled_run(t, dt, y, save_all, f0)  # the whole solve compiled, or None: not compiled
             if ended is not None:
                 return ended
-        if f0 is None:
-            f0 = self.evaluate(None if self.autonomous else t, y)
-        dt = self.first_step(t, y, f0) if dt is None else dt
+        f0, dt = started if started is not None else self.start(t, y, given)
         buffers = _Buffers.empty(g, self.tableau.stages, self.width, self.dtype, self.device) if self.in_place else None
         if buffers is not None:  # the loop writes its state in place
             y, f0 = buffers.y.copy_(y), buffers.k_first.copy_(f0)

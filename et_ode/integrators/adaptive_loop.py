@@ -417,9 +417,17 @@ def _compiled_attempt(device_type: str) -> Callable[..., _Attempt]:
 # elements per thread the split costs more than it saves: a single 17 x 64 sample solved 1.4-1.7x faster on one thread
 # than on two, a 50 x 128 one 1.1x slower (2-core Xeon, whole compiled solves).
 STATE_ELEMENTS_PER_THREAD = 2048
-# A compiled solve with a progress bar runs in calls of about this many seconds (the bar moves, and an interrupt
-# lands, between them), the first of one step (it may compile: its time says nothing of the next).
+# A compiled solve runs in calls of about this many seconds (a progress bar moves, and an interrupt lands, between
+# them), sized by the time a step of the same kind took in the last call (the first call of a kind takes one step: it
+# may compile, and its time says nothing of the next).
 CHUNK_SECONDS = 0.2
+_STEP_SECONDS: dict[tuple[object, ...], float] = {}  # by kind of solve (shapes, method, saves): a step's time
+
+
+def _steps_per_call(kind: tuple[object, ...]) -> int:
+    """The steps a compiled call of ``kind`` takes in about :data:`CHUNK_SECONDS` (at least one)."""
+    seconds = _STEP_SECONDS.get(kind)
+    return 1 if seconds is None else max(1, int(CHUNK_SECONDS / seconds))
 
 
 @contextlib.contextmanager
@@ -465,24 +473,29 @@ class _SolveEnd(NamedTuple):
 def _whole_solve(
     loop: _Loop,
     t: Tensor,
-    dt: Tensor | None,
+    dt: Tensor,
     history: Tensor,
     y: Tensor,
+    f0: Tensor,
+    begin: Tensor,
     budget: Tensor,
     saved: Tensor,
     times: Tensor,
-    f0: Tensor | None = None,
 ) -> _SolveEnd:
-    """The first stage at ``y`` ``(G, 1, M)`` where ``f0`` is None (else ``f0`` is it, and ``dt`` is given), the first
-    step sizes where ``dt`` is None (:meth:`_Loop.first_step`), then the steps of :meth:`_Loop.attempt` until every
-    group reaches the end, ``budget`` steps are taken or a step fails as the loop's would (a step size that
-    underflows, or a NaN error from a non-finite state), as a ``torch.while_loop``: the compiler makes it all one
-    call. A group that has reached the end keeps its state (its attempts are computed and dropped: no compaction).
-    Each accepted step writes the interpolant at the output ``times`` ``(T,)`` inside it into ``saved``
-    ``(T * G, 1, M)`` (as :meth:`_Loop.save`; ``T = 0``: none). Its evaluations go uncounted."""
+    """From the groups ``y`` ``(G, 1, M)`` at their times ``t`` ``(G,)``: where ``begin`` (0-d) is 1 or more, their
+    first stage (``f0`` ignored), and where it is 2 their first step sizes (:meth:`_Loop.first_step`; ``dt`` ignored);
+    where it is 0, ``f0`` and ``dt`` go on from the call before. Then the steps of :meth:`_Loop.attempt` until every
+    group reaches the end, ``budget`` steps are taken or a step fails as the loop's would (a step size that underflows,
+    or a NaN error from a non-finite state), as a ``torch.while_loop``: the compiler makes it all one call, the same
+    code for every ``begin``. A group that has reached the end keeps its state (its attempts are computed and dropped:
+    no compaction). Each accepted step writes the interpolant at the output ``times`` ``(T,)`` inside it into
+    ``saved`` ``(T * G, 1, M)`` (as :meth:`_Loop.save`; ``T = 0``: none). Its evaluations go uncounted."""
     from torch._higher_order_ops import while_loop  # (PyTorch's control flow, not public API: here, not at import)
 
-    f0, dt = loop.start(t, y, dt) if f0 is None or dt is None else (f0, dt)
+    f0 = torch.cond(begin > 0, lambda t, y, f0: loop.first_stage(t, y), lambda t, y, f0: f0.clone(), (t, y, f0))
+    dt = torch.cond(
+        begin > 1, lambda t, y, f0, dt: loop.first_step(t, y, f0), lambda t, y, f0, dt: dt.clone(), (t, y, f0, dt)
+    )
     last_stage = slice(loop.tableau.stages - 1, loop.tableau.stages)
 
     def running(*carried: Tensor) -> Tensor:
@@ -653,11 +666,9 @@ class _Loop:
             return out
         return out.copy_(field(time, state).reshape(groups, 1, self.width))
 
-    def start(self, t: Tensor, y: Tensor, dt: Tensor | None) -> tuple[Tensor, Tensor]:
-        """The first stage at the groups ``y`` ``(G, 1, M)`` at their times ``t``, and the first step sizes: ``dt``
-        where given, else :meth:`first_step`'s."""
-        f0 = self.evaluate(None if self.autonomous else t, y)
-        return f0, self.first_step(t, y, f0) if dt is None else dt
+    def first_stage(self, t: Tensor, y: Tensor) -> Tensor:
+        """The field at the groups ``y`` ``(G, 1, M)`` at their times ``t``: the first step's first stage."""
+        return self.evaluate(None if self.autonomous else t, y)
 
     def first_step(self, t: Tensor, y0: Tensor, f0: Tensor) -> Tensor:
         """torchdiffeq's and diffrax's starting step per group (one evaluation): ``(G,)`` float64."""
@@ -810,15 +821,12 @@ class _Loop:
         if starts is not None:
             t = starts.to(t).reshape(g).clone()
         given = None if first_step is None else torch.full_like(t, float(first_step))
-        started: tuple[Tensor, Tensor] | None = None  # the first stage and step sizes, once evaluated
         if self.whole_solve and not keep_steps and self.callback is None and starts is None:
-            if self.progress.bar is not None:  # the bar moves between calls, each from the last one's end
-                started = self.start(t, y, given)
-            f0, dt = started if started is not None else (None, given)
-            ended = self._compiled_run(t, dt, y, save_all, f0)  # the whole solve compiled, or None: not compiled
+            ended = self._compiled_run(t, given, y, save_all)  # the whole solve compiled, or None: not compiled
             if ended is not None:
                 return ended
-        f0, dt = started if started is not None else self.start(t, y, given)
+        f0 = self.first_stage(t, y)
+        dt = self.first_step(t, y, f0) if given is None else given
         buffers = _Buffers.empty(g, self.tableau.stages, self.width, self.dtype, self.device) if self.in_place else None
         if buffers is not None:  # the loop writes its state in place
             y, f0 = buffers.y.copy_(y), buffers.k_first.copy_(f0)
@@ -861,16 +869,14 @@ class _Loop:
         field = cast(ETField, self.field_now)
         self.traced_field = ETField(field.model, field.tau, field.derivative, field.mask, backend="reference")
 
-    def _compiled_run(
-        self, t: Tensor, dt: Tensor | None, y: Tensor, save_all: bool, f0: Tensor | None
-    ) -> tuple[Tensor, Tensor | None] | None:
+    def _compiled_run(self, t: Tensor, dt: Tensor | None, y: Tensor, save_all: bool) -> tuple[Tensor, Tensor | None] | None:
         """The whole solve of the groups ``y`` ``(G, 1, M)`` from their times ``t`` ``(G,)`` (first step sizes ``dt``
         ``(G,)``, or None: chosen) compiled (:func:`_whole_solve` on the field's closed form, as
-        :class:`_CompiledStep`): in one call where ``f0`` is None, else (``f0``: the first stage, ``dt`` given) in
-        calls of about :data:`CHUNK_SECONDS` each, the progress bar following between them (and an interrupt landing
-        there). Its steps, evaluations and failures are recorded as the step-by-step loop records them; returns the
-        final state ``x0``-shaped and, with ``save_all``, the states at the grid's times ``(T, *x0.shape)`` (else
-        None), or None (with a warning) where it cannot be compiled: the loop then goes on step by step, uncompiled."""
+        :class:`_CompiledStep`), in calls of about :data:`CHUNK_SECONDS` each (:func:`_steps_per_call`), each going on
+        from the last one's end; the progress bar follows between them, and an interrupt lands there. Its steps,
+        evaluations and failures are recorded as the step-by-step loop records them; returns the final state
+        ``x0``-shaped and, with ``save_all``, the states at the grid's times ``(T, *x0.shape)`` (else None), or None
+        (with a warning) where it cannot be compiled: the loop then goes on step by step, uncompiled."""
         self.trace_closed_form()
         g = self.groups
         history = torch.ones((g, 2), dtype=torch.float64, device=self.device)
@@ -878,33 +884,35 @@ class _Loop:
         saved = y.new_zeros((len(times) * g, 1, self.width))
         if save_all:
             saved[:g] = y  # the grid's first time is the start
-        chunk = 1 if f0 is not None else self.max_steps
-        at_start = 0 if f0 is not None else 1 if dt is not None else 2  # the first stage, and the first step's choice
+        begin = 2 if dt is None else 1  # evaluations before the first step: the first stage, the first step's choice
+        f0, dt = torch.zeros_like(y), torch.zeros_like(t) if dt is None else dt  # (made by the first call)
+        kind = (self.x_shape, self.dtype, self.device, self.tableau.stages, self.per_sample, len(times))
         first = True
         while True:
             started = perf_counter()
-            budget = min(chunk, self.max_steps - self.progress.steps)
-            end = self._compiled_call(t, dt, history, y, budget, saved, times, f0, may_fall_back=first)
+            budget = min(_steps_per_call(kind), self.max_steps - self.progress.steps)
+            end = self._compiled_call(t, dt, history, y, f0, begin, budget, saved, times, may_fall_back=first)
             if end is None:
                 return None
-            steps, short = self._record_compiled_steps(end, at_start)
+            steps, short = self._record_compiled_steps(end, begin)
+            _STEP_SECONDS[kind] = (perf_counter() - started) / max(1, steps)
             if not short or self.progress.steps >= self.max_steps:
                 break
-            t, dt, history, y, f0, saved, at_start = end.t, end.dt, end.history, end.y, end.f0, end.saved, 0
-            chunk, first = max(1, int(CHUNK_SECONDS * steps / (perf_counter() - started))), False
+            t, dt, history, y, f0, saved, begin, first = end.t, end.dt, end.history, end.y, end.f0, end.saved, 0, False
         self._end_compiled_run(end, short)
         return end.y.view(self.x_shape), end.saved.view(len(times), *self.x_shape) if save_all else None
 
     def _compiled_call(
         self,
         t: Tensor,
-        dt: Tensor | None,
+        dt: Tensor,
         history: Tensor,
         y: Tensor,
+        f0: Tensor,
+        begin: int,
         budget: int,
         saved: Tensor,
         times: Tensor,
-        f0: Tensor | None,
         may_fall_back: bool,
     ) -> _SolveEnd | None:
         """One compiled call of :func:`_whole_solve`, of at most ``budget`` steps. Where it raises and
@@ -913,7 +921,8 @@ class _Loop:
         try:
             with _threads_for(y):
                 solve = _compiled_solve(self.device.type)
-                return solve(self, t, dt, history, y, torch.tensor(budget, device=self.device), saved, times, f0)
+                begin_at, budget_at = (torch.tensor(number, device=self.device) for number in (begin, budget))
+                return solve(self, t, dt, history, y, f0, begin_at, budget_at, saved, times)
         except Exception as error:  # whatever the compiler raises (an ImportError: a PyTorch without while_loop)
             if not may_fall_back:
                 raise
@@ -1237,8 +1246,7 @@ def integrate(
             ``"compile"``: from the first step, the same steps compiled by ``torch.compile`` (:class:`_CompiledStep`;
             with no ``callback``, ``starts`` or ``keep_steps``, the whole solve compiled, :func:`_whole_solve`,
             which writes the states at the grid's times too and takes per-sample steps at any batch, every sample
-            evaluated at every step: one call, or with a progress bar calls of about :data:`CHUNK_SECONDS`); None:
-            no capture.
+            evaluated at every step, in calls of about :data:`CHUNK_SECONDS`); None: no capture.
 
     Returns the :class:`Result`. Gradients
     flow through the stages and the interpolant (the step sizes are constants to autograd, as in torchdiffeq and

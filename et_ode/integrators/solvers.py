@@ -109,9 +109,9 @@ class Adaptive:
             ET field without gradients or a stop); everywhere else the steps run as without. Where no ``progress``
             callback is given and the states are not kept at every step (``save="steps"``), the whole solve (every
             step, and the states at the saved times, in a ``while_loop``) is compiled instead, for any batch and step
-            control (per sample: a sample at the end keeps its state while the others step on): one call, or with a
-            progress bar (``solve(progress=True)``) short calls, between which the bar moves and Ctrl-C lands (the
-            one call of a solve without a bar runs to its end first).
+            control (per sample: a sample at the end keeps its state while the others step on), in calls of a fraction
+            of a second each (each as many steps as the last call's time a step allows; the first of a new shape, which
+            compiles, one step), between which a progress bar (``solve(progress=True)``) moves and Ctrl-C lands.
             The step evaluates the field's closed form (``backend="reference"``), so states agree with the uncompiled
             loop to rounding, not bit for bit. PyTorch compiles once per shape,
             dtype and setting in a process (tens of seconds on a CPU; it needs a C++ compiler there); it pays where

@@ -663,31 +663,61 @@ def test_what_is_handed_to_the_compiler_integrates_the_field(
     watched: Watcher,
 ) -> None:
     """What ``compile=True`` hands ``torch.compile``, run as it is, for shared steps and each sample's own: the whole
-    solve as one loop, which writes the states at the saved times itself, where no callback watches it (with a progress
-    bar: in calls of a few steps, here one, each going on from the last one's end); each step's attempt on the field's
-    closed form where a callback watches, for one group (its evaluations counted by hand either way). The compiler
-    itself is the next test's (slow: minutes on a cold cache). The plain loop would agree too, so what was handed over
-    is checked."""
+    solve as one loop, which writes the states at the saved times itself, where no callback watches it (in calls, here
+    of a step each, each going on from the last one's end); each step's attempt on the field's closed form where a
+    callback watches, for one group (its evaluations counted by hand either way). The compiler itself is the next
+    test's (slow: minutes on a cold cache). The plain loop would agree too, so what was handed over is checked."""
     handed = _as_it_is(monkeypatch)
-    monkeypatch.setattr(adaptive_loop, "CHUNK_SECONDS", 0.0)  # (a step a call after the first call's)
+    monkeypatch.setattr(adaptive_loop, "CHUNK_SECONDS", 0.0)  # (a step a call)
     _check_compiled_solves(step_control, batch, save, first_step, watched)
     if watched == "callback" and step_control == "per_sample" and batch > 1:  # (per-sample groups compact)
         assert not handed["step"] and not handed["solve"]
     elif watched == "callback":
         assert len(handed["step"]) > 8 and not handed["solve"]
-    elif watched == "bar":
-        assert len(handed["solve"]) > 8 and not handed["step"]
     else:
-        assert len(handed["solve"]) == 2 and not handed["step"]  # a compiled solve at each of two weights
+        assert len(handed["solve"]) > 8 and not handed["step"]
 
 
+def test_a_compiled_solve_s_calls_take_about_chunk_seconds_of_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first call of a kind of solve takes one step (it may compile), the next as many as fit in
+    ``CHUNK_SECONDS`` at the last call's time a step; a later solve of the same kind starts from that time (here all
+    its steps in one call), one of another kind (another batch) from one step again."""
+    budgets: list[int] = []
+
+    def recorded(loop: adaptive_loop._Loop, *arguments: torch.Tensor) -> object:
+        budgets.append(int(arguments[6]))
+        return adaptive_loop._whole_solve(loop, *arguments)
+
+    monkeypatch.setattr(adaptive_loop, "_compiled_solve", lambda device_type: recorded)
+    monkeypatch.setattr(adaptive_loop, "_STEP_SECONDS", {})
+    monkeypatch.setattr(adaptive_loop, "CHUNK_SECONDS", 1e6)
+    field, solver = _tiny_field(), et_ode.Adaptive(compile=True)
+
+    def solved(batch: int) -> list[int]:
+        budgets.clear()
+        with torch.no_grad():
+            solution = et_ode.solve(field, _states(batch), (0.0, 3.0), solver=solver, save="final", max_steps=500)
+        assert solution.stats.accepted_steps > 4
+        return list(budgets)
+
+    assert solved(2) == [1, 499]
+    assert solved(2) == [500]
+    assert solved(3) == [1, 499]
+    kinds = list(adaptive_loop._STEP_SECONDS)
+    monkeypatch.setattr(adaptive_loop, "_STEP_SECONDS", dict.fromkeys(kinds, 0.1))
+    monkeypatch.setattr(adaptive_loop, "CHUNK_SECONDS", 0.35)
+    assert solved(3)[0] == 3
+
+
+@pytest.mark.parametrize("bar", [True, False])
 @pytest.mark.parametrize("step_control", ["shared", "per_sample"])
-def test_a_compiled_solve_with_a_bar_moves_it_between_calls_where_an_interrupt_lands(
-    monkeypatch: pytest.MonkeyPatch, step_control: StepControl
+def test_a_compiled_solve_moves_its_bar_between_calls_where_an_interrupt_lands(
+    monkeypatch: pytest.MonkeyPatch, step_control: StepControl, bar: bool
 ) -> None:
-    """With a progress bar the whole solve runs in calls (here a step each): the bar follows the earliest sample's time
-    after every call, up to the end; an interrupt raised between two calls (Ctrl-C lands there: the Python between
-    them is where its handler runs) ends the solve there, with PyTorch's thread count set back."""
+    """The whole solve runs in calls (here a step each), with or without a progress bar: the time reached, which the
+    bar follows, is the earliest sample's after every call, up to the end; an interrupt raised between two calls
+    (Ctrl-C lands there: the Python between them is where its handler runs) ends the solve there, with PyTorch's
+    thread count set back."""
     handed = _as_it_is(monkeypatch)
     monkeypatch.setattr(adaptive_loop, "CHUNK_SECONDS", 0.0)
     reached: list[float] = []
@@ -695,7 +725,7 @@ def test_a_compiled_solve_with_a_bar_moves_it_between_calls_where_an_interrupt_l
     field, x0 = _tiny_field(), _states(3)
     solver = et_ode.Adaptive(compile=True, step_control=step_control)
     with torch.no_grad():
-        et_ode.solve(field, x0, (0.0, 3.0), solver=solver, save="final", progress=True)
+        et_ode.solve(field, x0, (0.0, 3.0), solver=solver, save="final", progress=bar)
     assert len(handed["solve"]) == len(reached) > 4
     assert reached == sorted(reached) and reached[-1] == 3.0 and reached[0] > 0.0
 
@@ -709,27 +739,28 @@ def test_a_compiled_solve_with_a_bar_moves_it_between_calls_where_an_interrupt_l
     try:
         torch.set_num_threads(2)  # (the calls run on one: a small state)
         with torch.no_grad(), pytest.raises(KeyboardInterrupt):
-            et_ode.solve(field, x0, (0.0, 3.0), solver=solver, save="final", progress=True)
+            et_ode.solve(field, x0, (0.0, 3.0), solver=solver, save="final", progress=bar)
         assert len(handed["solve"]) == 3 and set(handed["threads"][-3:]) == {1} and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("bar", [False, True])
-def test_a_compiled_solve_is_traced_once_for_new_states_and_weights(monkeypatch: pytest.MonkeyPatch, bar: bool) -> None:
+def test_a_compiled_solve_is_traced_once_for_new_states_and_weights(monkeypatch: pytest.MonkeyPatch) -> None:
     """Dynamo traces the whole solve of an unmasked field (whose attention builds its diagonal inside the compiled code)
     once: later solves from other states, after the weights change in place, reuse it (its back end here runs the traced
-    graph as it is: no C++ compiler), and so do the calls of a solve with a progress bar (here a step each), each from
-    the last one's end; each solve agrees with the uncompiled loop."""
+    graph as it is: no C++ compiler), with the first step chosen inside the first call or given, with a progress bar
+    or without, and so do the calls of each solve (here a step each), each from the last one's end; each solve agrees
+    with the uncompiled loop."""
     counted, graphs = counted_backend()
     traced = torch.compile(adaptive_loop._whole_solve, backend=counted, dynamic=False)
     monkeypatch.setattr(adaptive_loop, "_compiled_solve", lambda device_type: traced)
     monkeypatch.setattr(adaptive_loop, "CHUNK_SECONDS", 0.0)
     field = _tiny_field()
-    for seed in (3, 5, 7):
+    for seed, bar, first_step in [(3, False, None), (5, True, None), (7, False, 0.05), (9, True, 0.05)]:
         with torch.no_grad():
             field.model.hopfield.xi.mul_(1.1)
-        compiled, plain = _compiled_and_plain(field, _states(2, seed=seed), "final", bar)
+        options = None if first_step is None else dict(first_step=first_step)
+        compiled, plain = _compiled_and_plain(field, _states(2, seed=seed), "final", bar, options=options)
         assert compiled.stats.nfe_forward == plain.stats.nfe_forward
         torch.testing.assert_close(compiled.x, plain.x, rtol=1e-10, atol=1e-12)
     assert len(graphs) == 1
@@ -747,7 +778,7 @@ class _Bar:
 
 @pytest.mark.parametrize("bar", [False, True])
 def test_a_compiled_solve_fails_where_the_loop_fails(monkeypatch: pytest.MonkeyPatch, bar: bool) -> None:
-    """The whole solve compiled (``bar``: with a progress bar, in calls of a step each) keeps the step-by-step loop's
+    """The whole solve compiled (in calls of a step each; ``bar``: with a progress bar) keeps the step-by-step loop's
     failures: the budget of steps (with the state it got to), a non-finite state at the first step, a step size that
     underflows."""
     _as_it_is(monkeypatch)
@@ -833,8 +864,7 @@ def test_a_step_that_cannot_be_compiled_leaves_the_solve_as_without(
     monkeypatch: pytest.MonkeyPatch, save: str, error: Exception, bar: bool
 ) -> None:
     """Whatever the compiler raises (dynamo's failures inside a ``while_loop`` are AssertionErrors, with the graph in
-    the message): one short warning that names it, then the solve as without (``bar``: a progress bar shown, whose
-    uncompiled start the loop goes on from)."""
+    the message): one short warning that names it, then the solve as without (``bar``: with a progress bar shown)."""
 
     def no_compiler(device_type: str) -> Callable[..., object]:
         def fails(*_: object) -> None:

@@ -42,7 +42,7 @@ test-avx2: $(STAMP)
 
 # the tests that run torch.compile's compiler (Adaptive(compile=True)): a minute or more on a cold cache, so slow
 test-compile: $(STAMP)
-	$(BIN)/python -m pytest -q -m slow tests/integrators/test_adaptive_loop.py -k compiled_step
+	$(BIN)/python -m pytest -q -m slow tests/integrators/test_adaptive_loop.py -k compiled_solve_integrates
 
 demo: $(STAMP)
 	$(BIN)/et-ode demo --out runs/demo --overwrite

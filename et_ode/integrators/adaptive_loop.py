@@ -43,7 +43,7 @@ UNDERFLOW_ADVICE = (
 )
 
 StepCallback = Callable[[Tensor, Tensor], None]
-GraphMode = Literal["cuda", "eager", "compile"]  # how a shared step is captured (_StepGraph, _CompiledStep)
+GraphMode = Literal["cuda", "eager", "compile"]  # a step captured (_StepGraph) or the whole solve compiled
 StopTest = Callable[[Tensor, Tensor], Tensor]
 # a quantity integrated along the accepted steps, outside step control: called with the accepted groups' ids (n,),
 # the indices j of the stages the solution weighs, a function giving stage j's input (n, 1, M) (formed when asked)
@@ -371,48 +371,6 @@ class _StepGraph:
         return self.outputs
 
 
-class _CompiledStep:
-    """The attempt of a step of one group (:meth:`_Loop.attempt`: the stages, the error ratio and the controller),
-    compiled by ``torch.compile`` and run every step from the first (``mode="compile"``). Its stages evaluate the
-    field's closed form (``backend="reference"``: plain tensor operations, which the compiler traces and fuses, where
-    the fused kernels keep caches it cannot) and return new tensors rather than writing the buffers. PyTorch compiles it
-    once per shape, dtype and setting in a process, on the first call, here in the constructor, where a failure reaches
-    :meth:`_Loop._capture`. The attempt's evaluations are counted by hand after each call, as a graph's replays are."""
-
-    def __init__(self, loop: _Loop, state: dict[str, Any]):
-        self.loop = loop
-        loop.trace_closed_form()
-        self.compiled = _compiled_attempt(loop.device.type)
-        self.first: _Attempt | None = self._run(state)  # the first replay is this step's attempt
-
-    def _run(self, state: dict[str, Any]) -> _Attempt:
-        loop = self.loop
-        loop.counting = False
-        try:
-            with _threads_for(state["y"]):
-                return self.compiled(loop, state["t"], state["dt"], state["history"], state["y"], state["f0"])
-        finally:
-            loop.counting = True
-
-    def replay(self, state: dict[str, Any]) -> _Attempt:
-        """The attempt from ``state``'s time, step size, history, state and first stage."""
-        attempt = self._run(state) if self.first is None else self.first
-        self.first = None
-        self.loop.count_evaluations(self.loop.tableau.stages - 1)
-        return attempt
-
-
-def _uncounted_attempt(loop: _Loop, t: Tensor, dt: Tensor, history: Tensor, y: Tensor, f0: Tensor) -> _Attempt:
-    return loop.attempt(t, dt, history, y, f0, None)
-
-
-@functools.cache
-def _compiled_attempt(device_type: str) -> Callable[..., _Attempt]:
-    """:func:`_uncounted_attempt` under ``torch.compile``, made once per process and device type (making it costs
-    milliseconds; PyTorch keeps its compilations per shape and setting)."""
-    return torch.compile(_uncounted_attempt, dynamic=False, options=_compile_options(device_type))
-
-
 # Inductor's CPU kernels split their loops across every thread from a few hundred elements on. Below this many state
 # elements per thread the split costs more than it saves: a single 17 x 64 sample solved 1.4-1.7x faster on one thread
 # than on two, a 50 x 128 one 1.1x slower (2-core Xeon, whole compiled solves).
@@ -626,16 +584,15 @@ class _Loop:
         self.in_place = not torch.is_grad_enabled()
         self.t_end = grid[-1]
         self.stop, self.quadrature = stop, quadrature
-        # a captured or compiled step: shared steps (or the steps of a single sample, the same) of an ET field without
-        # gradients, a stop or a quadrature
+        # a captured step, or the whole solve compiled (:func:`_whole_solve`, any number of groups), of an ET field
+        # without gradients, a stop or a quadrature; a step is captured for shared steps (or a single sample's)
         one_group = not per_sample or self.groups == 1
         graphable = self.in_place and self.autonomous and stop is None and quadrature is None
-        self.graph_mode = graph if graphable and one_group else None
-        # the whole solve in one compiled call (:func:`_whole_solve`) takes any number of groups
+        self.graph_mode = graph if graphable and one_group and graph != "compile" else None
         self.whole_solve = graph == "compile" and graphable
-        self.step_graph: _StepGraph | _CompiledStep | None = None
-        self.traced_field: ETField | None = None  # the field a compiled step evaluates (see _CompiledStep)
-        self.counting = True  # evaluations count in nfe (not inside a captured step's attempt)
+        self.step_graph: _StepGraph | None = None
+        self.traced_field: ETField | None = None  # the field the compiled solve evaluates (see trace_closed_form)
+        self.counting = True  # evaluations count in nfe (not inside a captured step or the compiled solve)
         self.t_now = grid[:1]  # the active groups' times during a step
         self.next_dt: Tensor | None = None  # the step sizes the latest step proposed
         self.stop_times = torch.full((self.groups,), float(grid[-1]), dtype=torch.float64)
@@ -650,7 +607,7 @@ class _Loop:
         autonomous and gets no time (``t`` None); another field gets ``t`` per sample, or the shared 0-d time."""
         groups = y.shape[0]
         state = y.view(groups, *self.event) if self.per_sample else y.view(self.event)
-        if not self.counting:  # (a captured step: an ET field, counted by the replays)
+        if not self.counting:  # (a captured step or the compiled solve: an ET field, counted by hand)
             captured = cast(ETField, self.field_now) if self.traced_field is None else self.traced_field
             velocity = captured.velocity(state, out=None if out is None else out.view(state.shape))
             return velocity.reshape(groups, 1, self.width) if out is None else out
@@ -821,8 +778,8 @@ class _Loop:
         if starts is not None:
             t = starts.to(t).reshape(g).clone()
         given = None if first_step is None else torch.full_like(t, float(first_step))
-        if self.whole_solve and not keep_steps and self.callback is None and starts is None:
-            ended = self._compiled_run(t, given, y, save_all)  # the whole solve compiled, or None: not compiled
+        if self.whole_solve and starts is None:
+            ended = self._compiled_run(t, given, y, save_all, keep_steps)  # the whole solve compiled, or None: not
             if ended is not None:
                 return ended
         f0 = self.first_stage(t, y)
@@ -848,8 +805,7 @@ class _Loop:
             if bool(done.any()):
                 self._finish(state, done, y, state["t"])
                 buffers = self._compact(state, done, buffers)
-        # (the record may hold an earlier solve's steps; a compiled step needs no warm steps)
-        capture_at = self.progress.steps + (0 if self.graph_mode == "compile" else WARM_STEPS) + 1
+        capture_at = self.progress.steps + WARM_STEPS + 1  # (the record may hold an earlier solve's steps)
         while len(state["t"]):
             self._count_step(state)
             if self.graph_mode is not None and buffers is not None and self.progress.steps == capture_at:
@@ -864,19 +820,22 @@ class _Loop:
         return x, xs
 
     def trace_closed_form(self) -> None:
-        """Uncounted evaluations (a compiled step's or solve's) go to the field's closed form from here on: an
+        """Uncounted evaluations (the compiled solve's) go to the field's closed form from here on: an
         :class:`~et_ode.ETField` of the same model, tau, derivative and mask with ``backend="reference"``."""
         field = cast(ETField, self.field_now)
         self.traced_field = ETField(field.model, field.tau, field.derivative, field.mask, backend="reference")
 
-    def _compiled_run(self, t: Tensor, dt: Tensor | None, y: Tensor, save_all: bool) -> tuple[Tensor, Tensor | None] | None:
+    def _compiled_run(
+        self, t: Tensor, dt: Tensor | None, y: Tensor, save_all: bool, keep_steps: bool
+    ) -> tuple[Tensor, Tensor | None] | None:
         """The whole solve of the groups ``y`` ``(G, 1, M)`` from their times ``t`` ``(G,)`` (first step sizes ``dt``
-        ``(G,)``, or None: chosen) compiled (:func:`_whole_solve` on the field's closed form, as
-        :class:`_CompiledStep`), in calls of about :data:`CHUNK_SECONDS` each (:func:`_steps_per_call`), each going on
-        from the last one's end; the progress bar follows between them, and an interrupt lands there. Its steps,
-        evaluations and failures are recorded as the step-by-step loop records them; returns the final state
-        ``x0``-shaped and, with ``save_all``, the states at the grid's times ``(T, *x0.shape)`` (else None), or None
-        (with a warning) where it cannot be compiled: the loop then goes on step by step, uncompiled."""
+        ``(G,)``, or None: chosen) compiled (:func:`_whole_solve` on the field's closed form), in calls of about
+        :data:`CHUNK_SECONDS` each (:func:`_steps_per_call`), each going on from the last one's end; the progress bar
+        follows between them, and an interrupt lands there. Where every step must be seen (a progress callback, or
+        ``keep_steps``: the start of every accepted step kept), a step a call. Its steps, evaluations and failures are
+        recorded as the step-by-step loop records them; returns the final state ``x0``-shaped and, with ``save_all``,
+        the states at the grid's times ``(T, *x0.shape)`` (else None), or None (with a warning) where it cannot be
+        compiled: the loop then goes on step by step, uncompiled."""
         self.trace_closed_form()
         g = self.groups
         history = torch.ones((g, 2), dtype=torch.float64, device=self.device)
@@ -887,20 +846,35 @@ class _Loop:
         begin = 2 if dt is None else 1  # evaluations before the first step: the first stage, the first step's choice
         f0, dt = torch.zeros_like(y), torch.zeros_like(t) if dt is None else dt  # (made by the first call)
         kind = (self.x_shape, self.dtype, self.device, self.tableau.stages, self.per_sample, len(times))
+        each_step = keep_steps or self.callback is not None
+        totals = (t.to("cpu", copy=True), torch.zeros(g, dtype=torch.long))  # (for the callback)
         first = True
         while True:
             started = perf_counter()
-            budget = min(_steps_per_call(kind), self.max_steps - self.progress.steps)
+            budget = min(1 if each_step else _steps_per_call(kind), self.max_steps - self.progress.steps)
             end = self._compiled_call(t, dt, history, y, f0, begin, budget, saved, times, may_fall_back=first)
             if end is None:
                 return None
             steps, short = self._record_compiled_steps(end, begin)
             _STEP_SECONDS[kind] = (perf_counter() - started) / max(1, steps)
+            if each_step:
+                self._watch_compiled_step(t, y, end, keep_steps, totals)
             if not short or self.progress.steps >= self.max_steps:
                 break
             t, dt, history, y, f0, saved, begin, first = end.t, end.dt, end.history, end.y, end.f0, end.saved, 0, False
         self._end_compiled_run(end, short)
         return end.y.view(self.x_shape), end.saved.view(len(times), *self.x_shape) if save_all else None
+
+    def _watch_compiled_step(
+        self, t: Tensor, y: Tensor, end: _SolveEnd, keep_steps: bool, totals: tuple[Tensor, Tensor]
+    ) -> None:
+        """After a compiled call of one step from the groups ``y`` at ``t`` to ``end``: with ``keep_steps`` (shared),
+        keep the step's start where the step is accepted, and call the progress callback, as the step-by-step loop does."""
+        accepted = end.t > t  # (an accepted step moves the time; one that fails raised before)
+        if keep_steps and bool(accepted.all()):
+            self.progress.saved.append((float(t[0]), y.detach().reshape(self.x_shape).clone()))
+        if self.callback is not None:
+            self._report(dict(ids=torch.arange(self.groups, device=self.device), t=end.t), accepted, totals)
 
     def _compiled_call(
         self,
@@ -1029,18 +1003,18 @@ class _Loop:
         accepted, next_dt, history = self.control(ratio, dt, history)
         return _Attempt(last, dt, t1, k, y1, weights, ratio, accepted, next_dt, history)
 
-    def _capture(self, state: dict[str, Any], buffers: _Buffers, mode: GraphMode) -> _StepGraph | _CompiledStep | None:
+    def _capture(self, state: dict[str, Any], buffers: _Buffers, mode: GraphMode) -> _StepGraph | None:
         """The step captured for replay, or None (with a warning) where the field cannot be captured (e.g. it waits on
-        the device inside its evaluation) or compiled (e.g. no C++ compiler): the solve goes on without."""
+        the device inside its evaluation): the solve goes on without."""
         try:
-            return _CompiledStep(self, state) if mode == "compile" else _StepGraph(self, state, buffers, mode)
-        except Exception as error:  # whatever the compiler or the capture raises; the field's own errors recur without
-            _warn_uncompiled(*(("compile", "compiled") if mode == "compile" else ("cuda_graph", "captured")), error)
+            return _StepGraph(self, state, buffers, mode)
+        except Exception as error:  # whatever the capture raises; the field's own errors recur without
+            _warn_uncompiled("cuda_graph", "captured", error)
             return None
 
     def count_evaluations(self, evaluations: int) -> None:
-        """Count ``evaluations`` of every active group made uncounted (a replayed or compiled step's, ``S - 1`` a
-        step) as :meth:`evaluate` counts its own."""
+        """Count ``evaluations`` of every active group made uncounted (a replayed step's, ``S - 1`` a step, or a
+        compiled call's) as :meth:`evaluate` counts its own."""
         self.progress.sample_evaluations += evaluations * len(self.t_now) * self.samples_per_group
         self.field.count_evaluations(evaluations)  # type: ignore[attr-defined]
 
@@ -1243,10 +1217,10 @@ def integrate(
         graph: ``"cuda"``: after :data:`WARM_STEPS` steps, capture a step in a CUDA graph and replay it (shared steps
             of an :class:`~et_ode.ETField` without gradients, a stop or a quadrature; otherwise the loop runs as
             without); ``"eager"``: the same capture and replay discipline run eagerly (see :class:`_StepGraph`);
-            ``"compile"``: from the first step, the same steps compiled by ``torch.compile`` (:class:`_CompiledStep`;
-            with no ``callback``, ``starts`` or ``keep_steps``, the whole solve compiled, :func:`_whole_solve`,
-            which writes the states at the grid's times too and takes per-sample steps at any batch, every sample
-            evaluated at every step, in calls of about :data:`CHUNK_SECONDS`); None: no capture.
+            ``"compile"``: the whole solve compiled by ``torch.compile`` (:func:`_whole_solve`, for the same fields,
+            without ``starts``), which writes the states at the grid's times too and takes per-sample steps at any
+            batch, every sample evaluated at every step, in calls of about :data:`CHUNK_SECONDS` (a step a call with
+            a ``callback`` or ``keep_steps``); None: no capture.
 
     Returns the :class:`Result`. Gradients
     flow through the stages and the interpolant (the step sizes are constants to autograd, as in torchdiffeq and

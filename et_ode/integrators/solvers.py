@@ -104,22 +104,20 @@ class Adaptive:
             those of a single sample) of an ET field without gradients or a stop; everywhere else the steps run as
             without. The field's weights must not change during the solve (e.g. from ``progress``); a field that cannot
             be captured gets a ``RuntimeWarning`` and the solve runs on without the graph.
-        compile: et-ode's loop compiles one step (its stages, error and controller) with ``torch.compile`` and runs the
-            compiled step from the first, where ``cuda_graph`` applies (shared steps, or those of a single sample, of an
-            ET field without gradients or a stop); everywhere else the steps run as without. Where no ``progress``
-            callback is given and the states are not kept at every step (``save="steps"``), the whole solve (every
-            step, and the states at the saved times, in a ``while_loop``) is compiled instead, for any batch and step
-            control (per sample: a sample at the end keeps its state while the others step on), in calls of a fraction
-            of a second each (each as many steps as the last call's time a step allows; the first of a new shape, which
-            compiles, one step), between which a progress bar (``solve(progress=True)``) moves and Ctrl-C lands.
-            The step evaluates the field's closed form (``backend="reference"``), so states agree with the uncompiled
-            loop to rounding, not bit for bit. PyTorch compiles once per shape,
-            dtype and setting in a process (tens of seconds on a CPU; it needs a C++ compiler there); it pays where
-            each evaluation is small, so that the many small operations of a step dominate (one sample of a small
-            model), and not where large matrix products do. On the CPU the compiled code uses at most one thread per
-            2048 elements of the state (PyTorch's thread count is set back after each call). A step that cannot be
-            compiled, whatever the compiler raises, gets a ``RuntimeWarning`` and the solve runs on without (inside
-            the ``while_loop`` a view of a parameter, such as ``W.T`` in an energy, does not trace: write
+        compile: et-ode's loop compiles the whole solve with ``torch.compile`` (every step, the first stage and the
+            first step's choice, and the states at the saved times, in a ``while_loop``), for an ET field without
+            gradients or a stop, at any batch and step control (per sample: a sample at the end keeps its state while
+            the others step on); everywhere else the steps run as without. It runs in calls of a fraction of a second
+            each (as many steps as the last call's time a step allows; the first call of a new shape, which compiles,
+            one step), between which a progress bar (``solve(progress=True)``) moves and Ctrl-C lands; with a
+            ``progress`` callback or ``save="steps"``, a step a call. The solve evaluates the field's closed form
+            (``backend="reference"``), so states agree with the uncompiled loop to rounding, not bit for bit. PyTorch
+            compiles once per shape, dtype and setting in a process (tens of seconds on a CPU; it needs a C++ compiler
+            there); it pays where each evaluation is small, so that the many small operations of a step dominate (one
+            sample of a small model), and not where large matrix products do. On the CPU the compiled code uses at most
+            one thread per 2048 elements of the state (PyTorch's thread count is set back after each call). A solve that
+            cannot be compiled, whatever the compiler raises, gets a ``RuntimeWarning`` and runs on without (inside the
+            ``while_loop`` a view of a parameter, such as ``W.T`` in an energy, does not trace: write
             ``nn.functional.linear(g, W)``).
 
     et-ode's loop runs the gradients ``Direct`` and ``Adjoint`` (its backward solve on the same loop); for stops see

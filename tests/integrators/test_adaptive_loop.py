@@ -571,7 +571,7 @@ def test_a_cuda_graph_replays_the_steps_of_the_plain_loop() -> None:
     )
 
 
-# -- a compiled step -----------------------------------------------------------------------------------------------
+# -- the compiled solve --------------------------------------------------------------------------------------------
 def _compiled_and_plain(
     field: et_ode.ETField, x0: torch.Tensor, save: str = "all", bar: bool = False, **settings: object
 ) -> list[et_ode.Solution]:
@@ -613,11 +613,8 @@ def _check_compiled_solves(
         assert compiled.stats.accepted_steps > 3 and (compiled.stats.rejected_steps > 0 or first_step is None)
         for stat in ("accepted_steps", "rejected_steps", "nfe_forward"):
             assert getattr(compiled.stats, stat) == getattr(plain.stats, stat), stat
-        evaluated, plain_evaluated = compiled.stats.sample_evaluations, plain.stats.sample_evaluations
-        if watched == "callback" and step_control == "per_sample" and batch > 1:  # (nothing compiled: the plain loop's)
-            assert evaluated == plain_evaluated
-        else:  # every sample at every evaluation (the plain per-sample loop's finished samples leave the batch)
-            assert evaluated == compiled.stats.nfe_forward * batch >= plain_evaluated
+        # every sample at every evaluation (the plain per-sample loop's finished samples leave the batch)
+        assert compiled.stats.sample_evaluations == compiled.stats.nfe_forward * batch >= plain.stats.sample_evaluations
         assert (compiled.x - plain.x).abs().max().item() < 1e-12
         if save == "all":
             assert (compiled.xs - plain.xs).abs().max().item() < 1e-12
@@ -625,20 +622,16 @@ def _check_compiled_solves(
 
 
 def _as_it_is(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[object]]:
-    """Hand ``compile=True``'s step and whole solve to no compiler: they run as they are (the solve's ``while_loop``
-    eagerly); returns the loops handed over, by which, and PyTorch's thread count during each call ("threads")."""
-    handed: dict[str, list[object]] = {"step": [], "solve": [], "threads": []}
+    """Hand ``compile=True``'s whole solve to no compiler: it runs as it is (its ``while_loop`` eagerly); returns the
+    loops handed over, a call each ("solve"), and PyTorch's thread count during each call ("threads")."""
+    handed: dict[str, list[object]] = {"solve": [], "threads": []}
 
-    def recorded(kind: str, function: Callable[..., object]) -> Callable[[str], Callable[..., object]]:
-        def run(loop: adaptive_loop._Loop, *arguments: torch.Tensor) -> object:
-            handed[kind].append(loop)
-            handed["threads"].append(torch.get_num_threads())
-            return function(loop, *arguments)
+    def run(loop: adaptive_loop._Loop, *arguments: torch.Tensor) -> object:
+        handed["solve"].append(loop)
+        handed["threads"].append(torch.get_num_threads())
+        return adaptive_loop._whole_solve(loop, *arguments)
 
-        return lambda device_type: run
-
-    monkeypatch.setattr(adaptive_loop, "_compiled_attempt", recorded("step", adaptive_loop._uncounted_attempt))
-    monkeypatch.setattr(adaptive_loop, "_compiled_solve", recorded("solve", adaptive_loop._whole_solve))
+    monkeypatch.setattr(adaptive_loop, "_compiled_solve", lambda device_type: run)
     return handed
 
 
@@ -663,19 +656,46 @@ def test_what_is_handed_to_the_compiler_integrates_the_field(
     watched: Watcher,
 ) -> None:
     """What ``compile=True`` hands ``torch.compile``, run as it is, for shared steps and each sample's own: the whole
-    solve as one loop, which writes the states at the saved times itself, where no callback watches it (in calls, here
-    of a step each, each going on from the last one's end); each step's attempt on the field's closed form where a
-    callback watches, for one group (its evaluations counted by hand either way). The compiler itself is the next
-    test's (slow: minutes on a cold cache). The plain loop would agree too, so what was handed over is checked."""
+    solve as one loop on the field's closed form, which writes the states at the saved times itself, in calls (here of
+    a step each, as always where a callback watches), each going on from the last one's end, its evaluations counted by
+    hand. The compiler itself is the next test's (slow: minutes on a cold cache). The plain loop would agree too, so
+    what was handed over is checked."""
     handed = _as_it_is(monkeypatch)
     monkeypatch.setattr(adaptive_loop, "CHUNK_SECONDS", 0.0)  # (a step a call)
     _check_compiled_solves(step_control, batch, save, first_step, watched)
-    if watched == "callback" and step_control == "per_sample" and batch > 1:  # (per-sample groups compact)
-        assert not handed["step"] and not handed["solve"]
-    elif watched == "callback":
-        assert len(handed["step"]) > 8 and not handed["solve"]
-    else:
-        assert len(handed["solve"]) > 8 and not handed["step"]
+    assert len(handed["solve"]) > 8
+
+
+def _recorder(into: list[tuple[torch.Tensor, torch.Tensor]]) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    """A progress callback that keeps what it is told: each sample's time and accepted steps."""
+    return lambda t, accepted: into.append((t, accepted))
+
+
+@pytest.mark.parametrize("step_control", ["shared", "per_sample"])
+def test_a_compiled_solve_reports_and_keeps_every_step_as_the_loop(
+    monkeypatch: pytest.MonkeyPatch, step_control: StepControl
+) -> None:
+    """Watched by a progress callback (and, shared, keeping every step's state: ``save="steps"``), the compiled solve
+    runs a step a call: its callback gets the plain loop's times and accepted steps (exactly) after each of the same
+    steps, and the states kept are the plain loop's (to the rounding of the field's closed form, which the compiled
+    solve evaluates)."""
+    handed = _as_it_is(monkeypatch)
+    field, x0 = _tiny_field(), _states(3)
+    save = "steps" if step_control == "shared" else "final"
+    reports: dict[bool, list[tuple[torch.Tensor, torch.Tensor]]] = {True: [], False: []}
+    solutions = {}
+    for compiled in (True, False):
+        solver = et_ode.Adaptive(compile=compiled, step_control=step_control, progress=_recorder(reports[compiled]))
+        with torch.no_grad():
+            solutions[compiled] = et_ode.solve(field, x0, (0.0, 3.0), solver=solver, save=save)
+    assert len(handed["solve"]) == len(reports[True]) == len(reports[False]) > 5
+    for (t, accepted), (t_plain, accepted_plain) in zip(reports[True], reports[False], strict=True):
+        torch.testing.assert_close(t, t_plain, rtol=1e-9, atol=0.0)  # (the closed form's rounding moves the steps)
+        assert torch.equal(accepted, accepted_plain)
+    assert int(reports[True][-1][1].min()) > 3
+    compiled, plain = solutions[True], solutions[False]
+    torch.testing.assert_close(compiled.ts, plain.ts, rtol=1e-9, atol=0.0)
+    torch.testing.assert_close(compiled.xs, plain.xs, rtol=1e-9, atol=1e-11)
 
 
 def test_a_compiled_solve_s_calls_take_about_chunk_seconds_of_steps(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -813,19 +833,21 @@ def test_a_compiled_solve_fails_where_the_loop_fails(monkeypatch: pytest.MonkeyP
 def test_compiled_code_runs_on_one_thread_per_2048_state_elements(
     monkeypatch: pytest.MonkeyPatch, watched: bool, batch: int, threads: int
 ) -> None:
-    """Out of 3 threads, a compiled step (``watched``: a progress callback) or whole solve of ``batch * 40`` state
-    elements runs on ``elements // 2048`` of them (at least one); the process's count is set back after the solve, and
+    """Out of 3 threads, a compiled solve of ``batch * 40`` state elements (``watched``: by a progress callback, a step
+    a call) runs on ``elements // 2048`` of them (at least one); the process's count is set back after the solve, and
     after a failed one."""
     handed = _as_it_is(monkeypatch)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(3)
+        monkeypatch.setattr(adaptive_loop, "CHUNK_SECONDS", 1e6)  # (unwatched: one call, after a first step's)
         progress = (lambda t, n: None) if watched else None
         solver = et_ode.Adaptive(compile=True, step_control="shared", progress=progress)
         with torch.no_grad():
-            et_ode.solve(_tiny_field(), _states(batch), (0.0, 1.0), solver=solver, save="final")
+            solution = et_ode.solve(_tiny_field(), _states(batch), (0.0, 1.0), solver=solver, save="final")
         assert handed["threads"] and set(handed["threads"]) == {threads}
-        assert bool(handed["step"]) == watched
+        steps = solution.stats.accepted_steps + solution.stats.rejected_steps
+        assert (len(handed["solve"]) == steps > 2) if watched else (len(handed["solve"]) <= 2)
         assert torch.get_num_threads() == 3
         with torch.no_grad(), pytest.raises(et_ode.SolveError, match="max_steps=2"):
             et_ode.solve(_tiny_field(), _states(batch), (0.0, 50.0), solver=solver, save="final", max_steps=2)
@@ -842,7 +864,7 @@ def test_compiled_code_runs_on_one_thread_per_2048_state_elements(
     ("step_control", "save", "first_step", "watched"),
     [("shared", *case) for case in SAVES_FIRST_STEPS_AND_WATCHED] + [("per_sample", "all", 2.0, None)],
 )
-def test_a_compiled_step_integrates_the_plain_loop_s_solution(
+def test_a_compiled_solve_integrates_the_plain_loop_s_solution(
     step_control: StepControl, save: str, first_step: float | None, watched: Watcher
 ) -> None:
     with warnings.catch_warnings():  # compiled for real: the uncompiled fallback would agree too
@@ -860,7 +882,7 @@ def test_a_compiled_step_integrates_the_plain_loop_s_solution(
         ("all", NotImplementedError("no C++ compiler"), False),
     ],
 )
-def test_a_step_that_cannot_be_compiled_leaves_the_solve_as_without(
+def test_a_solve_that_cannot_be_compiled_runs_on_as_without(
     monkeypatch: pytest.MonkeyPatch, save: str, error: Exception, bar: bool
 ) -> None:
     """Whatever the compiler raises (dynamo's failures inside a ``while_loop`` are AssertionErrors, with the graph in
@@ -872,7 +894,6 @@ def test_a_step_that_cannot_be_compiled_leaves_the_solve_as_without(
 
         return fails
 
-    monkeypatch.setattr(adaptive_loop, "_compiled_attempt", no_compiler)
     monkeypatch.setattr(adaptive_loop, "_compiled_solve", no_compiler)
     name = type(error).__name__
     with pytest.warns(RuntimeWarning, match=rf"compile=True.*could not be compiled \({name}: no C\+\+ compiler\)") as warned:

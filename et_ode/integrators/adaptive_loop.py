@@ -379,7 +379,7 @@ STATE_ELEMENTS_PER_THREAD = 2048
 # them), sized by the time a step of the same kind took in the last call (the first call of a kind takes one step: it
 # may compile, and its time says nothing of the next).
 CHUNK_SECONDS = 0.2
-_STEP_SECONDS: dict[tuple[object, ...], float] = {}  # by kind of solve (shapes, method, saves): a step's time
+_STEP_SECONDS: dict[tuple[object, ...], float] = {}  # by kind of solve (shapes, weights, method, saves): a step's time
 
 
 def _steps_per_call(kind: tuple[object, ...]) -> int:
@@ -845,7 +845,8 @@ class _Loop:
             saved[:g] = y  # the grid's first time is the start
         begin = 2 if dt is None else 1  # evaluations before the first step: the first stage, the first step's choice
         f0, dt = torch.zeros_like(y), torch.zeros_like(t) if dt is None else dt  # (made by the first call)
-        kind = (self.x_shape, self.dtype, self.device, self.tableau.stages, self.per_sample, len(times))
+        weights = tuple(p.shape for p in cast(ETField, self.field).parameters())
+        kind = (self.x_shape, weights, self.dtype, self.device, self.tableau.stages, self.per_sample, len(times))
         each_step = keep_steps or self.callback is not None
         totals = (t.to("cpu", copy=True), torch.zeros(g, dtype=torch.long))  # (for the callback)
         first = True

@@ -701,7 +701,7 @@ def test_a_compiled_solve_reports_and_keeps_every_step_as_the_loop(
 def test_a_compiled_solve_s_calls_take_about_chunk_seconds_of_steps(monkeypatch: pytest.MonkeyPatch) -> None:
     """The first call of a kind of solve takes one step (it may compile), the next as many as fit in
     ``CHUNK_SECONDS`` at the last call's time a step; a later solve of the same kind starts from that time (here all
-    its steps in one call), one of another kind (another batch) from one step again."""
+    its steps in one call), one of another kind (another batch, or weights of other shapes) from one step again."""
     budgets: list[int] = []
 
     def recorded(loop: adaptive_loop._Loop, *arguments: torch.Tensor) -> object:
@@ -713,7 +713,7 @@ def test_a_compiled_solve_s_calls_take_about_chunk_seconds_of_steps(monkeypatch:
     monkeypatch.setattr(adaptive_loop, "CHUNK_SECONDS", 1e6)
     field, solver = _tiny_field(), et_ode.Adaptive(compile=True)
 
-    def solved(batch: int) -> list[int]:
+    def solved(batch: int, field: et_ode.ETField = field) -> list[int]:
         budgets.clear()
         with torch.no_grad():
             solution = et_ode.solve(field, _states(batch), (0.0, 3.0), solver=solver, save="final", max_steps=500)
@@ -723,6 +723,8 @@ def test_a_compiled_solve_s_calls_take_about_chunk_seconds_of_steps(monkeypatch:
     assert solved(2) == [1, 499]
     assert solved(2) == [500]
     assert solved(3) == [1, 499]
+    more_memories = et_ode.ETField(random_model(memories=20, hopfield="softplus", beta_hn=2.5))
+    assert solved(3, more_memories) == [1, 499]
     kinds = list(adaptive_loop._STEP_SECONDS)
     monkeypatch.setattr(adaptive_loop, "_STEP_SECONDS", dict.fromkeys(kinds, 0.1))
     monkeypatch.setattr(adaptive_loop, "CHUNK_SECONDS", 0.35)

@@ -875,7 +875,11 @@ class _Loop:
         if keep_steps and bool(accepted.all()):
             self.progress.saved.append((float(t[0]), y.detach().reshape(self.x_shape).clone()))
         if self.callback is not None:
-            self._report(dict(ids=torch.arange(self.groups, device=self.device), t=end.t), accepted, totals)
+            self._report(self._state_at(end), accepted, totals)
+
+    def _state_at(self, end: _SolveEnd) -> dict[str, Any]:
+        """Every group's time, state and id where a compiled call ended, as the step-by-step loop keeps its state."""
+        return dict(t=end.t, y=end.y, ids=torch.arange(self.groups, device=self.device))
 
     def _compiled_call(
         self,
@@ -920,7 +924,7 @@ class _Loop:
         self.progress.rejected += tried - accepted - (short if failed else 0)  # (a failed step: neither)
         self.count_evaluations((self.tableau.stages - 1) * steps + at_start)  # of every group: none leaves the batch
         if failed:
-            state = dict(t=end.t, y=end.y, ids=torch.arange(self.groups, device=self.device))
+            state = self._state_at(end)
             if not bool(torch.isfinite(end.y).all()):
                 self._fail_non_finite(state)
             self._fail_underflow(state, end.dt[active])
@@ -931,7 +935,7 @@ class _Loop:
     def _end_compiled_run(self, end: _SolveEnd, short: bool) -> None:
         """Every group ends where the compiled solve ``end`` left it; where one is ``short`` of the end, the budget of
         steps is spent (its next step fails)."""
-        state = dict(t=end.t, y=end.y, ids=torch.arange(self.groups, device=self.device))
+        state = self._state_at(end)
         if short:
             self._count_step(state)
         self._finish(state, torch.ones(self.groups, dtype=torch.bool, device=self.device), end.y, end.t)

@@ -906,7 +906,7 @@ class _Loop:
             if not may_fall_back:
                 raise
             _warn_uncompiled("compile", "compiled", error)
-            self.graph_mode, self.whole_solve = None, False
+            self.whole_solve = False  # (the step-by-step loop goes on uncompiled: it captures no step here)
             return None
         finally:
             self.counting = True

@@ -41,6 +41,11 @@ def _tiny_field(seed: int = 0) -> et_ode.ETField:
     return et_ode.ETField(_smooth_model(seed))
 
 
+def _recorder(into: list[tuple[torch.Tensor, torch.Tensor]]) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    """A progress callback that keeps what it is told: each sample's time and accepted steps."""
+    return lambda t, accepted: into.append((t, accepted))
+
+
 def _states(batch: int, seed: int = 3, tokens: int = 5) -> torch.Tensor:
     """Samples of growing scale (some easy, some hard for the step control): ``(batch, tokens, 8)``."""
     generator = torch.Generator().manual_seed(seed)
@@ -327,7 +332,7 @@ def test_progress_reports_each_sample_time_and_accepted_steps() -> None:
     field = _tiny_field()
     x0 = _states(3)
     calls: list[tuple[torch.Tensor, torch.Tensor]] = []
-    solver = et_ode.Adaptive(step_control="per_sample", progress=lambda t, n: calls.append((t, n)))
+    solver = et_ode.Adaptive(step_control="per_sample", progress=_recorder(calls))
     with torch.no_grad():
         solution = et_ode.solve(field, x0, (0.0, 2.0), solver=solver, save="final")
     times = torch.stack([t for t, _ in calls])
@@ -664,11 +669,6 @@ def test_what_is_handed_to_the_compiler_integrates_the_field(
     monkeypatch.setattr(adaptive_loop, "CHUNK_SECONDS", 0.0)  # (a step a call)
     _check_compiled_solves(step_control, batch, save, first_step, watched)
     assert len(handed["solve"]) > 8
-
-
-def _recorder(into: list[tuple[torch.Tensor, torch.Tensor]]) -> Callable[[torch.Tensor, torch.Tensor], None]:
-    """A progress callback that keeps what it is told: each sample's time and accepted steps."""
-    return lambda t, accepted: into.append((t, accepted))
 
 
 @pytest.mark.parametrize("step_control", ["shared", "per_sample"])

@@ -16,7 +16,7 @@ steps, and the largest difference of the final state from torchdiffeq's relative
   ``et-ode per-sample, compiled``, each sample's own steps in the same loop (a sample that has reached t1 keeps its
   state while the others step on, as under diffrax's ``vmap``: no compaction); with ``--watched`` also the shared
   compiled solve with a progress bar (``solve(progress=True)``: the same calls, the bar moving between them) and with a
-  progress callback (the same loop, a step a call);
+  progress callback (the same loop, the callback called for each step after each call);
 - ``torchode`` (where installed): its Dopri5 with an integral controller on our field, per sample;
 - ``diffrax batched`` and ``diffrax per-sample`` (where jax and diffrax are installed): ``jax.jit`` of
   ``diffeqsolve`` with Dopri5 and a PID controller of the I-controller's coefficients on the same weights written in

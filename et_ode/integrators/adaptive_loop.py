@@ -379,6 +379,9 @@ STATE_ELEMENTS_PER_THREAD = 2048
 # them), sized by the time a step of the same kind took in the last call (the first call of a kind takes one step: it
 # may compile, and its time says nothing of the next).
 CHUNK_SECONDS = 0.2
+# A compiled call logs each group's time after each of its first this many steps, from which a progress callback is
+# called for every step after the call (a call watched by a callback takes at most this many steps).
+LOGGED_STEPS = 64
 _STEP_SECONDS: dict[tuple[object, ...], float] = {}  # by kind of solve (shapes, weights, method, saves): a step's time
 
 
@@ -413,8 +416,9 @@ class _SolveEnd(NamedTuple):
     """Where :func:`_whole_solve` ends, for ``G`` groups: their times ``t`` ``(G,)``, next step sizes ``dt`` (the
     failed step's own where a step failed), the controller's history ``(G, 2)``, the states ``y`` and their velocities
     ``f0`` ``(G, 1, M)``, the states at the output times ``(T * G, 1, M)`` (time-major; ``T = 0``: none kept), and
-    (0-d) the numbers of steps taken (batched), of the groups' steps tried and accepted, and whether the last step
-    failed."""
+    the groups' times after each of the call's first :data:`LOGGED_STEPS` steps ``(LOGGED_STEPS, G)`` (row ``i``: after
+    step ``i``; rows past the call's steps hold nothing), and (0-d) the numbers of steps taken (batched), of the groups'
+    steps tried and accepted, and whether the last step failed."""
 
     t: Tensor
     dt: Tensor
@@ -422,6 +426,7 @@ class _SolveEnd(NamedTuple):
     y: Tensor
     f0: Tensor
     saved: Tensor
+    log: Tensor
     steps: Tensor
     tried: Tensor
     accepted: Tensor
@@ -447,7 +452,8 @@ def _whole_solve(
     or a NaN error from a non-finite state), as a ``torch.while_loop``: the compiler makes it all one call, the same
     code for every ``begin``. A group that has reached the end keeps its state (its attempts are computed and dropped:
     no compaction). Each accepted step writes the interpolant at the output ``times`` ``(T,)`` inside it into
-    ``saved`` ``(T * G, 1, M)`` (as :meth:`_Loop.save`; ``T = 0``: none). Its evaluations go uncounted."""
+    ``saved`` ``(T * G, 1, M)`` (as :meth:`_Loop.save`; ``T = 0``: none), and each of the first :data:`LOGGED_STEPS`
+    steps the groups' times after it into the ``log``. Its evaluations go uncounted."""
     from torch._higher_order_ops import while_loop  # (PyTorch's control flow, not public API: here, not at import)
 
     f0 = torch.cond(begin > 0, lambda t, y, f0: loop.first_stage(t, y), lambda t, y, f0: f0.clone(), (t, y, f0))
@@ -469,22 +475,26 @@ def _whole_solve(
         finite = torch.isfinite(now.y).flatten(1).all(1) | ~active
         failed = stalled.any() & (backwards.any() | ~finite.all())
         moves = attempt.accepted & active & ~failed
+        t_next = torch.where(moves, attempt.t1, now.t)
         return (
-            torch.where(moves, attempt.t1, now.t),
+            t_next,
             torch.where(active, torch.where(failed, attempt.dt, attempt.next_dt), now.dt),
             torch.where(active[:, None], attempt.history, now.history),
             torch.where(moves[:, None, None], attempt.y1, now.y),
             torch.where(moves[:, None, None], attempt.k[:, last_stage], now.f0),
             _saved_in_step(loop, now, attempt, moves, times),
+            torch.where(log_rows == now.steps, t_next, now.log),
             now.steps + 1,
             now.tried + active.sum(),
             now.accepted + moves.sum(),
             failed,
         )
 
+    log_rows = torch.arange(LOGGED_STEPS, device=y.device)[:, None]
+    log = torch.zeros((LOGGED_STEPS, len(t)), dtype=t.dtype, device=t.device)
     counters = [torch.zeros((), dtype=torch.long, device=y.device) for _ in range(3)]
     failed = torch.zeros((), dtype=torch.bool, device=y.device)
-    return _SolveEnd(*while_loop(running, step, (t, dt, history, y, f0, saved, *counters, failed)))
+    return _SolveEnd(*while_loop(running, step, (t, dt, history, y, f0, saved, log, *counters, failed)))
 
 
 def _saved_in_step(loop: _Loop, now: _SolveEnd, attempt: _Attempt, moves: Tensor, times: Tensor) -> Tensor:
@@ -831,11 +841,12 @@ class _Loop:
         """The whole solve of the groups ``y`` ``(G, 1, M)`` from their times ``t`` ``(G,)`` (first step sizes ``dt``
         ``(G,)``, or None: chosen) compiled (:func:`_whole_solve` on the field's closed form), in calls of about
         :data:`CHUNK_SECONDS` each (:func:`_steps_per_call`), each going on from the last one's end; the progress bar
-        follows between them, and an interrupt lands there. Where every step must be seen (a progress callback, or
-        ``keep_steps``: the start of every accepted step kept), a step a call. Its steps, evaluations and failures are
-        recorded as the step-by-step loop records them; returns the final state ``x0``-shaped and, with ``save_all``,
-        the states at the grid's times ``(T, *x0.shape)`` (else None), or None (with a warning) where it cannot be
-        compiled: the loop then goes on step by step, uncompiled."""
+        follows between them, and an interrupt lands there. After each call the progress callback is called for each
+        of its steps (at most :data:`LOGGED_STEPS` a call); with ``keep_steps`` (the start of every accepted step
+        kept), a step a call. Its steps, evaluations and failures are recorded as the step-by-step loop records them;
+        returns the final state ``x0``-shaped and, with ``save_all``, the states at the grid's times
+        ``(T, *x0.shape)`` (else None), or None (with a warning) where it cannot be compiled: the loop then goes on
+        step by step, uncompiled."""
         self.trace_closed_form()
         g = self.groups
         history = torch.ones((g, 2), dtype=torch.float64, device=self.device)
@@ -847,35 +858,39 @@ class _Loop:
         f0, dt = torch.zeros_like(y), torch.zeros_like(t) if dt is None else dt  # (made by the first call)
         weights = tuple(p.shape for p in cast(ETField, self.field).parameters())
         kind = (self.x_shape, weights, self.dtype, self.device, self.tableau.stages, self.per_sample, len(times))
-        each_step = keep_steps or self.callback is not None
+        # a call's most steps: one where each step's start is kept, as many as it logs where a callback reads them
+        most = 1 if keep_steps else LOGGED_STEPS if self.callback is not None else self.max_steps
         totals = (t.to("cpu", copy=True), torch.zeros(g, dtype=torch.long))  # (for the callback)
         first = True
         while True:
             started = perf_counter()
-            budget = min(1 if each_step else _steps_per_call(kind), self.max_steps - self.progress.steps)
+            budget = min(_steps_per_call(kind), most, self.max_steps - self.progress.steps)
             end = self._compiled_call(t, dt, history, y, f0, begin, budget, saved, times, may_fall_back=first)
             if end is None:
                 return None
-            steps, short = self._record_compiled_steps(end, begin)
+            steps, short, failed = self._record_compiled_steps(end, begin)
             _STEP_SECONDS[kind] = (perf_counter() - started) / max(1, steps)
-            if each_step:
-                self._watch_compiled_step(t, y, end, keep_steps, totals)
+            if self.callback is not None:
+                self._report_logged(t, end.log[: steps - failed], totals)
+            if failed:
+                self._fail_compiled(end)
+            if keep_steps and bool((end.t > t).all()):  # (shared: the call's one step accepted)
+                self.progress.saved.append((float(t[0]), y.detach().reshape(self.x_shape).clone()))
             if not short or self.progress.steps >= self.max_steps:
                 break
             t, dt, history, y, f0, saved, begin, first = end.t, end.dt, end.history, end.y, end.f0, end.saved, 0, False
-        self._end_compiled_run(end, short)
+        if short:  # the budget of steps is spent: the next step fails
+            self._count_step(self._state_at(end))
         return end.y.view(self.x_shape), end.saved.view(len(times), *self.x_shape) if save_all else None
 
-    def _watch_compiled_step(
-        self, t: Tensor, y: Tensor, end: _SolveEnd, keep_steps: bool, totals: tuple[Tensor, Tensor]
-    ) -> None:
-        """After a compiled call of one step from the groups ``y`` at ``t`` to ``end``: with ``keep_steps`` (shared),
-        keep the step's start where the step is accepted, and call the progress callback, as the step-by-step loop does."""
-        accepted = end.t > t  # (an accepted step moves the time; one that fails raised before)
-        if keep_steps and bool(accepted.all()):
-            self.progress.saved.append((float(t[0]), y.detach().reshape(self.x_shape).clone()))
-        if self.callback is not None:
-            self._report(self._state_at(end), accepted, totals)
+    def _report_logged(self, t: Tensor, log: Tensor, totals: tuple[Tensor, Tensor]) -> None:
+        """Call the progress callback for each step of a compiled call from the groups' times ``t`` ``(G,)``, whose
+        ``log`` ``(n, G)`` holds their times after each step, as the step-by-step loop calls it after each (a group's
+        step is accepted where it moves its time)."""
+        times = torch.cat([t[None], log]).cpu()
+        ids = torch.arange(self.groups)
+        for before, after in zip(times[:-1], times[1:], strict=True):
+            self._report(dict(t=after, ids=ids), after > before, totals)
 
     def _state_at(self, end: _SolveEnd) -> dict[str, Any]:
         """Every group's time, state and id where a compiled call ended, as the step-by-step loop keeps its state."""
@@ -911,10 +926,10 @@ class _Loop:
         finally:
             self.counting = True
 
-    def _record_compiled_steps(self, end: _SolveEnd, at_start: int) -> tuple[int, bool]:
+    def _record_compiled_steps(self, end: _SolveEnd, at_start: int) -> tuple[int, bool, bool]:
         """Record the steps of a compiled call ending at ``end`` as the step-by-step loop records its own: the
-        progress, the evaluations (counted by hand, ``at_start`` of them before the first step) and its failures
-        (raised as the loop raises them); returns the number of steps and whether a group is short of the end."""
+        progress and the evaluations (counted by hand, ``at_start`` of them before the first step); returns the number
+        of steps, whether a group is short of the end and whether the last step failed (:meth:`_fail_compiled`)."""
         active = end.t < self.t_end
         counts = torch.stack([end.steps, end.tried, end.accepted, end.failed.long(), active.sum()]).tolist()
         steps, tried, accepted, failed, short = (int(v) for v in counts)
@@ -923,22 +938,17 @@ class _Loop:
         self.progress.accepted += accepted
         self.progress.rejected += tried - accepted - (short if failed else 0)  # (a failed step: neither)
         self.count_evaluations((self.tableau.stages - 1) * steps + at_start)  # of every group: none leaves the batch
-        if failed:
-            state = self._state_at(end)
-            if not bool(torch.isfinite(end.y).all()):
-                self._fail_non_finite(state)
-            self._fail_underflow(state, end.dt[active])
-        self.progress.reached(float(end.t.min()))
+        if not failed:
+            self.progress.reached(float(end.t.min()))
         self.next_dt = end.dt
-        return steps, short > 0
+        return steps, short > 0, bool(failed)
 
-    def _end_compiled_run(self, end: _SolveEnd, short: bool) -> None:
-        """Every group ends where the compiled solve ``end`` left it; where one is ``short`` of the end, the budget of
-        steps is spent (its next step fails)."""
+    def _fail_compiled(self, end: _SolveEnd) -> None:
+        """Raise the failure of the step a compiled call ``end``ed with as the step-by-step loop raises it."""
         state = self._state_at(end)
-        if short:
-            self._count_step(state)
-        self._finish(state, torch.ones(self.groups, dtype=torch.bool, device=self.device), end.y, end.t)
+        if not bool(torch.isfinite(end.y).all()):
+            self._fail_non_finite(state)
+        self._fail_underflow(state, end.dt[end.t < self.t_end])
 
     def step(
         self,
@@ -1224,8 +1234,8 @@ def integrate(
             without); ``"eager"``: the same capture and replay discipline run eagerly (see :class:`_StepGraph`);
             ``"compile"``: the whole solve compiled by ``torch.compile`` (:func:`_whole_solve`, for the same fields,
             without ``starts``), which writes the states at the grid's times too and takes per-sample steps at any
-            batch, every sample evaluated at every step, in calls of about :data:`CHUNK_SECONDS` (a step a call with
-            a ``callback`` or ``keep_steps``); None: no capture.
+            batch, every sample evaluated at every step, in calls of about :data:`CHUNK_SECONDS` (at most
+            :data:`LOGGED_STEPS` steps a call with a ``callback``, a step a call with ``keep_steps``); None: no capture.
 
     Returns the :class:`Result`. Gradients
     flow through the stages and the interpolant (the step sizes are constants to autograd, as in torchdiffeq and

@@ -98,7 +98,8 @@ class Adaptive:
         controller: ``"i"`` (the I-controller, torchdiffeq's) or ``"pid"`` (et-ode's loop: diffrax's PID form with
             the coefficients ``(pcoeff, icoeff, dcoeff) = (0.4, 0.3, 0)``).
         progress: et-ode's loop calls it after every step with each sample's time ``(B,)`` and number of accepted
-            steps ``(B,)`` (CPU tensors, the batch flattened), or None.
+            steps ``(B,)`` (CPU tensors, the batch flattened), or None. With ``compile``, it is called for each step
+            in order after the compiled call that took it.
         cuda_graph: on CUDA, et-ode's loop captures one step (its stages, error and controller) in a CUDA graph after
             two steps and replays it for the rest, one kernel launch for the step's many small ones: shared steps (or
             those of a single sample) of an ET field without gradients or a stop; everywhere else the steps run as
@@ -110,15 +111,15 @@ class Adaptive:
             the others step on); everywhere else the steps run as without. It runs in calls of a fraction of a second
             each (as many steps as the last call's time a step allows; the first call of a new shape, which compiles,
             one step), between which a progress bar (``solve(progress=True)``) moves and Ctrl-C lands; with a
-            ``progress`` callback or ``save="steps"``, a step a call. The solve evaluates the field's closed form
-            (``backend="reference"``), so states agree with the uncompiled loop to rounding, not bit for bit. PyTorch
-            compiles once per shape, dtype and setting in a process (tens of seconds on a CPU; it needs a C++ compiler
-            there); it pays where each evaluation is small, so that the many small operations of a step dominate (one
-            sample of a small model), and not where large matrix products do. On the CPU the compiled code uses at most
-            one thread per 2048 elements of the state (PyTorch's thread count is set back after each call). A solve that
-            cannot be compiled, whatever the compiler raises, gets a ``RuntimeWarning`` and runs on without (inside the
-            ``while_loop`` a view of a parameter, such as ``W.T`` in an energy, does not trace: write
-            ``nn.functional.linear(g, W)``).
+            ``progress`` callback at most 64 steps a call (each call logs its steps' times), with ``save="steps"`` a
+            step a call. The solve evaluates the field's closed form (``backend="reference"``), so states agree with
+            the uncompiled loop to rounding, not bit for bit. PyTorch compiles once per shape, dtype and setting in a
+            process (tens of seconds on a CPU; it needs a C++ compiler there); it pays where each evaluation is small,
+            so that the many small operations of a step dominate (one sample of a small model), and not where large
+            matrix products do. On the CPU the compiled code uses at most one thread per 2048 elements of the state
+            (PyTorch's thread count is set back after each call). A solve that cannot be compiled, whatever the
+            compiler raises, gets a ``RuntimeWarning`` and runs on without (inside the ``while_loop`` a view of a
+            parameter, such as ``W.T`` in an energy, does not trace: write ``nn.functional.linear(g, W)``).
 
     et-ode's loop runs the gradients ``Direct`` and ``Adjoint`` (its backward solve on the same loop); for stops see
     :meth:`check_stop`.

@@ -662,40 +662,79 @@ def test_what_is_handed_to_the_compiler_integrates_the_field(
 ) -> None:
     """What ``compile=True`` hands ``torch.compile``, run as it is, for shared steps and each sample's own: the whole
     solve as one loop on the field's closed form, which writes the states at the saved times itself, in calls (here of
-    a step each, as always where a callback watches), each going on from the last one's end, its evaluations counted by
-    hand. The compiler itself is the next test's (slow: minutes on a cold cache). The plain loop would agree too, so
-    what was handed over is checked."""
+    a step each), each going on from the last one's end, its evaluations counted by hand. The compiler itself is the
+    next test's (slow: minutes on a cold cache). The plain loop would agree too, so what was handed over is checked."""
     handed = _as_it_is(monkeypatch)
     monkeypatch.setattr(adaptive_loop, "CHUNK_SECONDS", 0.0)  # (a step a call)
     _check_compiled_solves(step_control, batch, save, first_step, watched)
     assert len(handed["solve"]) > 8
 
 
+_ATTEMPT = adaptive_loop._Loop.attempt  # (the loop's own, whatever a test puts in its place)
+
+
+def _watched(
+    monkeypatch: pytest.MonkeyPatch,
+    compiled: bool,
+    step_control: StepControl,
+    save: str,
+    max_steps: int,
+    poisoned: float | None,
+) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], et_ode.Solution | str]:
+    """What a progress callback got from a solve of three samples to t = 3, and the solution or the message of its
+    failure: the budget of ``max_steps`` spent, or (``poisoned``: every state a step from that time on reaches is NaN)
+    the next step's non-finite state."""
+
+    def attempt(loop: adaptive_loop._Loop, t: torch.Tensor, *arguments: object) -> adaptive_loop._Attempt:
+        result = _ATTEMPT(loop, t, *arguments)  # type: ignore[arg-type]
+        if poisoned is not None:  # (in place: the plain loop's state lives in its buffers)
+            result.y1.copy_(torch.where((t >= poisoned)[:, None, None], math.nan, result.y1))
+        return result
+
+    monkeypatch.setattr(adaptive_loop._Loop, "attempt", attempt)
+    reports: list[tuple[torch.Tensor, torch.Tensor]] = []
+    solver = et_ode.Adaptive(compile=compiled, step_control=step_control, progress=_recorder(reports))
+    try:
+        with torch.no_grad():
+            solution = et_ode.solve(_tiny_field(), _states(3), (0.0, 3.0), solver=solver, save=save, max_steps=max_steps)
+        return reports, solution
+    except et_ode.SolveError as error:
+        return reports, str(error).split(" at t=")[0]
+
+
 @pytest.mark.parametrize("step_control", ["shared", "per_sample"])
 def test_a_compiled_solve_reports_and_keeps_every_step_as_the_loop(
     monkeypatch: pytest.MonkeyPatch, step_control: StepControl
 ) -> None:
-    """Watched by a progress callback (and, shared, keeping every step's state: ``save="steps"``), the compiled solve
-    runs a step a call: its callback gets the plain loop's times and accepted steps (exactly) after each of the same
-    steps, and the states kept are the plain loop's (to the rounding of the field's closed form, which the compiled
-    solve evaluates)."""
+    """Watched by a progress callback, the compiled solve logs each step's times inside its calls (here of
+    ``LOGGED_STEPS = 5`` steps) and calls the callback after each call for each of its steps: the plain loop's times
+    and accepted steps (exactly) after each of the same steps, up to a failure too (the budget of steps spent, or a
+    non-finite state inside a call). Shared and keeping every step's state (``save="steps"``: a step a call), the
+    states kept are the plain loop's (to the rounding of the field's closed form, which the compiled solve
+    evaluates)."""
     handed = _as_it_is(monkeypatch)
-    field, x0 = _tiny_field(), _states(3)
-    save = "steps" if step_control == "shared" else "final"
-    reports: dict[bool, list[tuple[torch.Tensor, torch.Tensor]]] = {True: [], False: []}
-    solutions = {}
-    for compiled in (True, False):
-        solver = et_ode.Adaptive(compile=compiled, step_control=step_control, progress=_recorder(reports[compiled]))
-        with torch.no_grad():
-            solutions[compiled] = et_ode.solve(field, x0, (0.0, 3.0), solver=solver, save=save)
-    assert len(handed["solve"]) == len(reports[True]) == len(reports[False]) > 5
-    for (t, accepted), (t_plain, accepted_plain) in zip(reports[True], reports[False], strict=True):
-        torch.testing.assert_close(t, t_plain, rtol=1e-9, atol=0.0)  # (the closed form's rounding moves the steps)
-        assert torch.equal(accepted, accepted_plain)
-    assert int(reports[True][-1][1].min()) > 3
-    compiled, plain = solutions[True], solutions[False]
-    torch.testing.assert_close(compiled.ts, plain.ts, rtol=1e-9, atol=0.0)
-    torch.testing.assert_close(compiled.xs, plain.xs, rtol=1e-9, atol=1e-11)
+    logged = 5
+    monkeypatch.setattr(adaptive_loop, "LOGGED_STEPS", logged)
+    monkeypatch.setattr(adaptive_loop, "_steps_per_call", lambda kind: 10**6)
+    cases = [("final", 10_000, None), ("final", 7, None), ("final", 10_000, 1.0)]
+    for save, max_steps, poisoned in cases + ([("steps", 10_000, None)] if step_control == "shared" else []):
+        handed["solve"].clear()
+        (reports, compiled), (plain_reports, plain) = (
+            _watched(monkeypatch, on, step_control, save, max_steps, poisoned) for on in (True, False)
+        )
+        steps = len(reports) + (poisoned is not None)  # (a failed step is not reported)
+        assert len(handed["solve"]) == (steps if save == "steps" else -(-steps // logged))
+        assert poisoned is None or len(reports) % logged  # (the failed step comes after others in its call)
+        assert len(reports) == len(plain_reports) > 5 and int(reports[-1][1].min()) > 3
+        for (t, accepted), (t_plain, accepted_plain) in zip(reports, plain_reports, strict=True):
+            torch.testing.assert_close(t, t_plain, rtol=1e-9, atol=0.0)  # (the closed form's rounding moves the steps)
+            assert torch.equal(accepted, accepted_plain)
+        if isinstance(compiled, str) or isinstance(plain, str):
+            failure = "the state became non-finite" if poisoned else f"max_steps={max_steps} solver steps exceeded"
+            assert compiled == plain and failure in compiled, (compiled, plain)
+        elif save == "steps":
+            torch.testing.assert_close(compiled.ts, plain.ts, rtol=1e-9, atol=0.0)
+            torch.testing.assert_close(compiled.xs, plain.xs, rtol=1e-9, atol=1e-11)
 
 
 def test_a_compiled_solve_s_calls_take_about_chunk_seconds_of_steps(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -831,25 +870,25 @@ def test_a_compiled_solve_fails_where_the_loop_fails(monkeypatch: pytest.MonkeyP
         adaptive_loop.integrate(field, x0, late, **settings)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize(("watched", "batch", "threads"), [(True, 51, 1), (True, 103, 2), (True, 300, 3), (False, 51, 1)])
+@pytest.mark.parametrize(("each_step", "batch", "threads"), [(True, 51, 1), (True, 103, 2), (True, 300, 3), (False, 51, 1)])
 def test_compiled_code_runs_on_one_thread_per_2048_state_elements(
-    monkeypatch: pytest.MonkeyPatch, watched: bool, batch: int, threads: int
+    monkeypatch: pytest.MonkeyPatch, each_step: bool, batch: int, threads: int
 ) -> None:
-    """Out of 3 threads, a compiled solve of ``batch * 40`` state elements (``watched``: by a progress callback, a step
-    a call) runs on ``elements // 2048`` of them (at least one); the process's count is set back after the solve, and
-    after a failed one."""
+    """Out of 3 threads, a compiled solve of ``batch * 40`` state elements (``each_step``: keeping every step's state,
+    a step a call) runs on ``elements // 2048`` of them (at least one); the process's count is set back after the
+    solve, and after a failed one."""
     handed = _as_it_is(monkeypatch)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(3)
-        monkeypatch.setattr(adaptive_loop, "CHUNK_SECONDS", 1e6)  # (unwatched: one call, after a first step's)
-        progress = (lambda t, n: None) if watched else None
-        solver = et_ode.Adaptive(compile=True, step_control="shared", progress=progress)
+        monkeypatch.setattr(adaptive_loop, "CHUNK_SECONDS", 1e6)  # (else: one call, after a first step's)
+        solver = et_ode.Adaptive(compile=True, step_control="shared")
+        save = "steps" if each_step else "final"
         with torch.no_grad():
-            solution = et_ode.solve(_tiny_field(), _states(batch), (0.0, 1.0), solver=solver, save="final")
+            solution = et_ode.solve(_tiny_field(), _states(batch), (0.0, 1.0), solver=solver, save=save)
         assert handed["threads"] and set(handed["threads"]) == {threads}
         steps = solution.stats.accepted_steps + solution.stats.rejected_steps
-        assert (len(handed["solve"]) == steps > 2) if watched else (len(handed["solve"]) <= 2)
+        assert (len(handed["solve"]) == steps > 2) if each_step else (len(handed["solve"]) <= 2)
         assert torch.get_num_threads() == 3
         with torch.no_grad(), pytest.raises(et_ode.SolveError, match="max_steps=2"):
             et_ode.solve(_tiny_field(), _states(batch), (0.0, 50.0), solver=solver, save="final", max_steps=2)

@@ -43,7 +43,8 @@ UNDERFLOW_ADVICE = (
 )
 
 StepCallback = Callable[[Tensor, Tensor], None]
-GraphMode = Literal["cuda", "eager", "compile"]  # a step captured (_StepGraph) or the whole solve compiled
+CaptureMode = Literal["cuda", "eager"]  # how a step is captured and replayed (_StepGraph)
+GraphMode = CaptureMode | Literal["compile"]  # a step captured, or the whole solve compiled
 StopTest = Callable[[Tensor, Tensor], Tensor]
 # a quantity integrated along the accepted steps, outside step control: called with the accepted groups' ids (n,),
 # the indices j of the stages the solution weighs, a function giving stage j's input (n, 1, M) (formed when asked)
@@ -335,7 +336,7 @@ class _StepGraph:
     each replay; the state and first stage are the loop's buffers, which therefore never trade places. The attempt's own
     evaluations go uncounted (a graph replays no Python); every replay counts them by hand."""
 
-    def __init__(self, loop: _Loop, state: dict[str, Any], buffers: _Buffers, mode: GraphMode):
+    def __init__(self, loop: _Loop, state: dict[str, Any], buffers: _Buffers, mode: CaptureMode):
         self.loop, self.buffers = loop, buffers
         self.inputs = {name: state[name].clone() for name in ("t", "dt", "history")}
         self.graph = torch.cuda.CUDAGraph() if mode == "cuda" else None
@@ -598,7 +599,7 @@ class _Loop:
         # without gradients, a stop or a quadrature; a step is captured for shared steps (or a single sample's)
         one_group = not per_sample or self.groups == 1
         graphable = self.in_place and self.autonomous and stop is None and quadrature is None
-        self.graph_mode = graph if graphable and one_group and graph != "compile" else None
+        self.graph_mode: CaptureMode | None = graph if graphable and one_group and graph != "compile" else None
         self.whole_solve = graph == "compile" and graphable
         self.step_graph: _StepGraph | None = None
         self.traced_field: ETField | None = None  # the field the compiled solve evaluates (see trace_closed_form)
@@ -875,7 +876,7 @@ class _Loop:
             if failed:
                 self._fail_compiled(end)
             if keep_steps and bool((end.t > t).all()):  # (shared: the call's one step accepted)
-                self.progress.saved.append((float(t[0]), y.detach().reshape(self.x_shape).clone()))
+                self._keep_step_start(t, y)
             if not short or self.progress.steps >= self.max_steps:
                 break
             t, dt, history, y, f0, saved, begin, first = end.t, end.dt, end.history, end.y, end.f0, end.saved, 0, False
@@ -986,7 +987,7 @@ class _Loop:
         self.progress.rejected += len(t) - count
         self.progress.reached(reached)
         if keep_steps and count:  # shared mode: the start of each accepted step
-            self.progress.saved.append((float(t[0]), y0.detach().reshape(self.x_shape).clone()))
+            self._keep_step_start(t, y0)
         if outputs and pending is not None:
             self.save(state, t1, accepted, pending, y1, k, weights, dt)
         if self.quadrature is not None and count:
@@ -1018,7 +1019,7 @@ class _Loop:
         accepted, next_dt, history = self.control(ratio, dt, history)
         return _Attempt(last, dt, t1, k, y1, weights, ratio, accepted, next_dt, history)
 
-    def _capture(self, state: dict[str, Any], buffers: _Buffers, mode: GraphMode) -> _StepGraph | None:
+    def _capture(self, state: dict[str, Any], buffers: _Buffers, mode: CaptureMode) -> _StepGraph | None:
         """The step captured for replay, or None (with a warning) where the field cannot be captured (e.g. it waits on
         the device inside its evaluation): the solve goes on without."""
         try:
@@ -1067,6 +1068,10 @@ class _Loop:
         crossings = int(values[3]) if crossed is not None else 0
         outputs = int(values[4]) if pending is not None else 0
         return stalls, count, finished, crossings, outputs, values[5]
+
+    def _keep_step_start(self, t: Tensor, y: Tensor) -> None:
+        """Keep the start of an accepted shared step, at ``t`` ``(1,)`` from ``y`` (``save="steps"``)."""
+        self.progress.saved.append((float(t[0]), y.detach().reshape(self.x_shape).clone()))
 
     def _report(self, state: dict[str, Any], accepted: Tensor, totals: tuple[Tensor, Tensor]) -> None:
         """Call the progress callback with every sample's time and accepted steps (the batch's one time when shared)."""

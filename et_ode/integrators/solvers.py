@@ -99,7 +99,7 @@ class Adaptive:
             the coefficients ``(pcoeff, icoeff, dcoeff) = (0.4, 0.3, 0)``).
         progress: et-ode's loop calls it after every step with each sample's time ``(B,)`` and number of accepted
             steps ``(B,)`` (CPU tensors, the batch flattened), or None. With ``compile``, it is called for each step
-            in order after the compiled call that took it.
+            in order after the compiled call that took it (weights it changes count from the next call on).
         cuda_graph: on CUDA, et-ode's loop captures one step (its stages, error and controller) in a CUDA graph after
             two steps and replays it for the rest, one kernel launch for the step's many small ones: shared steps (or
             those of a single sample) of an ET field without gradients or a stop; everywhere else the steps run as

@@ -789,8 +789,9 @@ class _Loop:
         if starts is not None:
             t = starts.to(t).reshape(g).clone()
         given = None if first_step is None else torch.full_like(t, float(first_step))
+        totals = (t.to("cpu", copy=True), torch.zeros(g, dtype=torch.long))  # each sample's time and accepted steps
         if self.whole_solve and starts is None:
-            ended = self._compiled_run(t, given, y, save_all, keep_steps)  # the whole solve compiled, or None: not
+            ended = self._compiled_run(t, given, y, save_all, keep_steps, totals)  # the whole solve compiled, or None
             if ended is not None:
                 return ended
         f0 = self.first_stage(t, y)
@@ -810,7 +811,6 @@ class _Loop:
         if save_all:
             self.outputs.rows.append(state["ids"])
             self.outputs.states.append(x0.reshape(g, 1, self.width))
-        totals = (t.to("cpu", copy=True), torch.zeros(g, dtype=torch.long))
         if self.stop is not None or starts is not None:  # samples at rest or at the end from the start stop there
             done = t >= self.t_end if self.stop is None else self._converged(y, f0) | (t >= self.t_end)
             if bool(done.any()):
@@ -837,17 +837,17 @@ class _Loop:
         self.traced_field = ETField(field.model, field.tau, field.derivative, field.mask, backend="reference")
 
     def _compiled_run(
-        self, t: Tensor, dt: Tensor | None, y: Tensor, save_all: bool, keep_steps: bool
+        self, t: Tensor, dt: Tensor | None, y: Tensor, save_all: bool, keep_steps: bool, totals: tuple[Tensor, Tensor]
     ) -> tuple[Tensor, Tensor | None] | None:
         """The whole solve of the groups ``y`` ``(G, 1, M)`` from their times ``t`` ``(G,)`` (first step sizes ``dt``
-        ``(G,)``, or None: chosen) compiled (:func:`_whole_solve` on the field's closed form), in calls of about
-        :data:`CHUNK_SECONDS` each (:func:`_steps_per_call`), each going on from the last one's end; the progress bar
-        follows between them, and an interrupt lands there. After each call the progress callback is called for each
-        of its steps (at most :data:`LOGGED_STEPS` a call); with ``keep_steps`` (the start of every accepted step
-        kept), a step a call. Its steps, evaluations and failures are recorded as the step-by-step loop records them;
-        returns the final state ``x0``-shaped and, with ``save_all``, the states at the grid's times
-        ``(T, *x0.shape)`` (else None), or None (with a warning) where it cannot be compiled: the loop then goes on
-        step by step, uncompiled."""
+        ``(G,)``, or None: chosen; ``totals``: the progress callback's record) compiled (:func:`_whole_solve` on the
+        field's closed form), in calls of about :data:`CHUNK_SECONDS` each (:func:`_steps_per_call`), each going on
+        from the last one's end; the progress bar follows between them, and an interrupt lands there. After each call
+        the progress callback is called for each of its steps (at most :data:`LOGGED_STEPS` a call); with
+        ``keep_steps`` (the start of every accepted step kept), a step a call. Its steps, evaluations and failures
+        are recorded as the step-by-step loop records them; returns the final state ``x0``-shaped and, with
+        ``save_all``, the states at the grid's times ``(T, *x0.shape)`` (else None), or None (with a warning) where it
+        cannot be compiled: the loop then goes on step by step, uncompiled."""
         self.trace_closed_form()
         g = self.groups
         history = torch.ones((g, 2), dtype=torch.float64, device=self.device)
@@ -861,7 +861,6 @@ class _Loop:
         kind = (self.x_shape, weights, self.dtype, self.device, self.tableau.stages, self.per_sample, len(times))
         # a call's most steps: one where each step's start is kept, as many as it logs where a callback reads them
         most = 1 if keep_steps else LOGGED_STEPS if self.callback is not None else self.max_steps
-        totals = (t.to("cpu", copy=True), torch.zeros(g, dtype=torch.long))  # (for the callback)
         first = True
         while True:
             started = perf_counter()
@@ -941,7 +940,6 @@ class _Loop:
         self.count_evaluations((self.tableau.stages - 1) * steps + at_start)  # of every group: none leaves the batch
         if not failed:
             self.progress.reached(float(end.t.min()))
-        self.next_dt = end.dt
         return steps, short > 0, bool(failed)
 
     def _fail_compiled(self, end: _SolveEnd) -> None:

@@ -11,12 +11,14 @@ steps, and the largest difference of the final state from torchdiffeq's relative
 - ``et-ode shared``: ``solve`` with the default ``Adaptive("dopri5", ...)`` (et-ode's loop, one step size for the
   batch);
 - ``et-ode per-sample``: ``Adaptive(step_control="per_sample")``; ``et-ode per-sample tsit5``: with Tsitouras' pair;
-- ``et-ode shared, compiled`` (``--compile``): ``Adaptive(compile=True)``; the whole solve, every
-  step inside one ``while_loop``, is compiled by ``torch.compile`` (before the timing, as diffrax's ``jax.jit``); and
-  ``et-ode per-sample, compiled``, each sample's own steps in the same loop (a sample that has reached t1 keeps its
-  state while the others step on, as under diffrax's ``vmap``: no compaction); with ``--watched`` also the shared
-  compiled solve with a progress bar (``solve(progress=True)``: the same calls, the bar moving between them) and with a
-  progress callback (the same loop, the callback called for each step after each call);
+- ``et-ode shared, compiled`` (``--compile``): ``Adaptive(compile=True)``; for this ET (no mask, on the CPU) the whole
+  solve runs in et-ode's native loop (C, built once per machine, before the timing), elsewhere every step inside one
+  ``while_loop`` compiled by ``torch.compile`` (before the timing, as diffrax's ``jax.jit``); and ``et-ode per-sample,
+  compiled``, each sample's own steps in the same loop; with ``--inductor`` also both on ``torch.compile``, the native
+  loop off (``..., torch.compile``: there a sample that has reached t1 keeps its state while the others step on, as
+  under diffrax's ``vmap``); with ``--watched`` also the shared compiled solve with a progress bar
+  (``solve(progress=True)``: the same calls, the bar moving between them) and with a progress callback (the same
+  loop, the callback called for each step after each call);
 - ``torchode`` (where installed): its Dopri5 with an integral controller on our field, per sample;
 - ``diffrax batched`` and ``diffrax per-sample`` (where jax and diffrax are installed): ``jax.jit`` of
   ``diffeqsolve`` with Dopri5 and a PID controller of the I-controller's coefficients on the same weights written in
@@ -41,6 +43,7 @@ environment, ``pip install torchdiffeq torchode jax diffrax`` beside et-ode.
     python benchmarks/adaptive.py --threads 2 --size mnist imagenet --reps 5
     python benchmarks/adaptive.py --batch 1                    # one sample per solve: the loop's fixed costs
     python benchmarks/adaptive.py --batch 1 --compile          # with the compiled solve's rows
+    python benchmarks/adaptive.py --batch 1 --compile --inductor   # and those of torch.compile, the native loop off
     python benchmarks/adaptive.py --batch 1 --compile --watched --size digits mnist   # and with progress shown
     python benchmarks/adaptive.py --device cuda --size digits mnist     # on a GPU, with the captured step's row
 """
@@ -52,7 +55,7 @@ import contextlib
 import importlib.util
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -81,6 +84,7 @@ from _common import (  # noqa: E402
 
 import et_ode  # noqa: E402
 from et_ode.cli.options import count_in  # noqa: E402
+from et_ode.kernels.native import NativeSolve  # noqa: E402
 
 CASES = {"digits": (DIGITS, 5.0), "mnist": (MNIST, 5.0), "imagenet": (IMAGENET, 1.0)}  # size (its batch), t1
 STOP_T1 = 100.0
@@ -119,14 +123,21 @@ def _recorded(field: et_ode.ETField, inputs: list[torch.Tensor]) -> et_ode.ETFie
 
 
 def et_ode_run(
-    field: et_ode.ETField, x0: torch.Tensor, t1: float, solver: et_ode.Adaptive, stop: Any = None, bar: bool = False
+    field: et_ode.ETField,
+    x0: torch.Tensor,
+    t1: float,
+    solver: et_ode.Adaptive,
+    stop: Any = None,
+    bar: bool = False,
+    native_off: bool = False,
 ) -> Run:
-    """``solve`` with ``solver`` (and ``stop``; ``bar``: with its progress bar, drawn to nowhere), once recorded (a
-    captured or compiled step runs without Python, so a solve with ``cuda_graph`` or ``compile`` is not recorded: no
-    own bare loop)."""
+    """``solve`` with ``solver`` (and ``stop``; ``bar``: with its progress bar, drawn to nowhere; ``native_off``: a
+    compiled solve handed to ``torch.compile`` even where the native loop runs the field), once recorded (a captured or
+    compiled step runs without Python, so a solve with ``cuda_graph`` or ``compile`` is not recorded: no own bare
+    loop)."""
 
     def call(target: et_ode.ETField = field) -> et_ode.Solution:
-        with contextlib.redirect_stderr(NOWHERE) if bar else contextlib.nullcontext():
+        with contextlib.redirect_stderr(NOWHERE) if bar else contextlib.nullcontext(), _native(not native_off):
             return et_ode.solve(target, x0, (0.0, t1), solver=solver, stop=stop, save="final", progress=bar)
 
     inputs: list[torch.Tensor] | None = None if solver.cuda_graph or solver.compile else []
@@ -134,6 +145,20 @@ def et_ode_run(
         solution = call(field if inputs is None else _recorded(field, inputs))
     stats = solution.stats
     return Run(call, stats.nfe_forward, stats.sample_evaluations, stats.accepted_steps, solution.x, inputs)
+
+
+@contextlib.contextmanager
+def _native(on: bool) -> Iterator[None]:
+    """Inside the block, ``compile=True`` runs on the native loop where it can (``on``) or on ``torch.compile``."""
+    if on:
+        yield
+        return
+    create = NativeSolve.create
+    NativeSolve.create = lambda *arguments, **settings: None  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        NativeSolve.create = create  # type: ignore[method-assign]
 
 
 def torchdiffeq_runs(field: et_ode.ETField, x0: torch.Tensor, t1: float, args: argparse.Namespace) -> dict[str, Run]:
@@ -263,6 +288,10 @@ def measure(name: str, args: argparse.Namespace) -> list[list[object]]:
         solvers["et-ode shared, CUDA graph"] = et_ode.Adaptive("dopri5", args.rtol, args.atol, cuda_graph=True)
     for label, solver in solvers.items():
         runs[label] = et_ode_run(field, x0, t1, solver)
+    if args.compile and args.inductor:  # the same solves handed to torch.compile, the native loop off
+        for label in ("et-ode shared", "et-ode per-sample"):
+            run = et_ode_run(field, x0, t1, solvers[f"{label}, compiled"], native_off=True)
+            runs[f"{label}, torch.compile"] = run
     if args.compile and args.watched:  # the compiled solve with progress shown: a bar, and a callback
         runs["et-ode shared, compiled, bar"] = et_ode_run(field, x0, t1, solvers["et-ode shared, compiled"], bar=True)
         runs["et-ode shared, compiled, callback"] = et_ode_run(
@@ -306,6 +335,8 @@ DIFFRAX_PEERS = {
     "et-ode shared, compiled, callback": "diffrax batched",
     "et-ode per-sample": "diffrax per-sample",
     "et-ode per-sample, compiled": "diffrax per-sample",
+    "et-ode shared, torch.compile": "diffrax batched",
+    "et-ode per-sample, torch.compile": "diffrax per-sample",
 }
 #: the row whose bare loop a row without its own (a compiled step records nothing) is divided by: its steps uncompiled
 BARE_STAND_INS = {
@@ -313,6 +344,8 @@ BARE_STAND_INS = {
     "et-ode shared, compiled, bar": "et-ode shared",
     "et-ode shared, compiled, callback": "et-ode shared",
     "et-ode per-sample, compiled": "et-ode per-sample",
+    "et-ode shared, torch.compile": "et-ode shared",
+    "et-ode per-sample, torch.compile": "et-ode per-sample",
 }
 
 
@@ -437,6 +470,9 @@ def main() -> None:
     )
     parser.add_argument("--threads", type=int, default=1, help="pin the process (torch and XLA) to this many cores")
     parser.add_argument("--compile", action="store_true", help="also Adaptive(compile=True)'s row")
+    parser.add_argument(
+        "--inductor", action="store_true", help="with --compile: also its rows on torch.compile, the native loop off"
+    )
     parser.add_argument(
         "--watched", action="store_true", help="with --compile: also its shared solve with a progress bar, and callback"
     )

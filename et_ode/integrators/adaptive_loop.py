@@ -29,6 +29,7 @@ from et_ode.dynamics.field import ETField
 from et_ode.integrators.solution import Progress, SolveError, Status
 from et_ode.integrators.solvers import BUDGET_ADVICE, Adaptive, SolverFailure
 from et_ode.integrators.stopping import SteadyState, within_tol
+from et_ode.kernels.native import NativeSolve
 
 SAFETY, FACTOR_MIN, FACTOR_MAX = 0.9, 0.2, 10.0
 BISECTIONS = 30  # a stop's crossing is first located to 2^-30 of its step on the interpolant,
@@ -84,6 +85,22 @@ class Tableau:
         rows = [list(row) + [0.0] * (s - len(row)) for row in self.a]
         rows += [list(self.e), list(self.mid) if self.mid is not None else [0.0] * s]
         return torch.tensor(rows, dtype=torch.float64).to(dtype=dtype, device=device)
+
+    def polynomials(self) -> tuple[tuple[float, ...], ...]:
+        """The interpolant as the polynomials ``b_j(theta)`` of ``y(t0 + theta h) = y0 + h sum_j b_j(theta) k_j``
+        (monomial coefficients, lowest first, one tuple per stage): ``dense``, or the quartic through the midpoint
+        (``y1``, the midpoint and the first stage's ``k_0`` written in the stages), or the Hermite cubic."""
+        if self.dense is not None:
+            return self.dense
+        s = self.stages
+        first, last = [float(j == 0) for j in range(s)], [float(j == s - 1) for j in range(s)]
+        solution = [*self.a[-1], 0.0]
+        if self.mid is None:  # theta (1 - theta)^2 k0 + theta^2 (3 - 2 theta) b - theta^2 (1 - theta) k_last
+            return tuple((0.0, f, -2 * f + 3 * b - e, f - 2 * b + e) for f, b, e in zip(first, solution, last))
+        return tuple(
+            (0.0, f, e - 4 * f - 5 * b + 16 * m, 5 * f - 3 * e + 14 * b - 32 * m, 2 * (e - f) - 8 * b + 16 * m)
+            for f, b, e, m in zip(first, solution, last, self.mid)
+        )
 
 
 DOPRI5 = Tableau(  # Dormand and Prince (1980), with Shampine's (1986) error estimate and midpoint weights (torchdiffeq's)
@@ -513,6 +530,14 @@ def _saved_in_step(loop: _Loop, now: _SolveEnd, attempt: _Attempt, moves: Tensor
 
 
 @functools.cache
+def _native_tableau(tableau: Tableau) -> tuple[Tensor, Tensor, int]:
+    """``tableau`` as the native loop takes it: its matrix and its interpolant's polynomials (float64, on the CPU)
+    and its error order."""
+    polynomials = torch.tensor(tableau.polynomials(), dtype=torch.float64)
+    return tableau.matrix(torch.float64, torch.device("cpu")), polynomials, tableau.error_order
+
+
+@functools.cache
 def _compiled_solve(device_type: str) -> Callable[..., _SolveEnd]:
     """:func:`_whole_solve` under ``torch.compile``, made once per process and device type."""
     return torch.compile(_whole_solve, dynamic=False, options=_compile_options(device_type))
@@ -603,6 +628,7 @@ class _Loop:
         self.whole_solve = graph == "compile" and graphable
         self.step_graph: _StepGraph | None = None
         self.traced_field: ETField | None = None  # the field the compiled solve evaluates (see trace_closed_form)
+        self.native: NativeSolve | None = None  # the whole solve in C, where it computes the field
         self.counting = True  # evaluations count in nfe (not inside a captured step or the compiled solve)
         self.t_now = grid[:1]  # the active groups' times during a step
         self.next_dt: Tensor | None = None  # the step sizes the latest step proposed
@@ -848,10 +874,12 @@ class _Loop:
         are recorded as the step-by-step loop records them; returns the final state ``x0``-shaped and, with
         ``save_all``, the states at the grid's times ``(T, *x0.shape)`` (else None), or None (with a warning) where it
         cannot be compiled: the loop then goes on step by step, uncompiled."""
-        self.trace_closed_form()
         g = self.groups
         history = torch.ones((g, 2), dtype=torch.float64, device=self.device)
         times = (self.grid if save_all else self.grid[:0]).clone()  # (the end time is a view of the grid)
+        self.native = self._native_solve()
+        if self.native is None:
+            self.trace_closed_form()
         saved = y.new_zeros((len(times) * g, 1, self.width))
         if save_all:
             saved[:g] = y  # the grid's first time is the start
@@ -882,6 +910,24 @@ class _Loop:
         if short:  # the budget of steps is spent: the next step fails
             self._count_step(self._state_at(end))
         return end.y.view(self.x_shape), end.saved.view(len(times), *self.x_shape) if save_all else None
+
+    def _native_solve(self) -> NativeSolve | None:
+        """The solve in C (:class:`~et_ode.kernels.native.NativeSolve`) where it computes this field, else None."""
+        field = cast(ETField, self.field)
+        return NativeSolve.create(
+            field.model,
+            field.mask,
+            torch.empty(0, dtype=self.dtype, device=self.device),
+            tau=field.tau,
+            groups=self.groups,
+            event=(self.samples_per_group, *self.x_shape[-2:]),
+            tableau=_native_tableau(self.tableau),
+            t_end=float(self.t_end),
+            rtol=self.rtol,
+            atol=self.atol,
+            control=(*self.pid, SAFETY, FACTOR_MIN, FACTOR_MAX),
+            logged=LOGGED_STEPS,
+        )
 
     def _report_logged(self, t: Tensor, log: Tensor, totals: tuple[Tensor, Tensor]) -> None:
         """Call the progress callback for each step of a compiled call from the groups' times ``t`` ``(G,)``, whose
@@ -914,6 +960,8 @@ class _Loop:
         self.counting = False
         try:
             with _threads_for(y):
+                if self.native is not None:
+                    return _SolveEnd(*self.native(t, dt, history, y, f0, begin, budget, saved, times))
                 solve = _compiled_solve(self.device.type)
                 begin_at, budget_at = (torch.tensor(number, device=self.device) for number in (begin, budget))
                 return solve(self, t, dt, history, y, f0, begin_at, budget_at, saved, times)
@@ -937,7 +985,14 @@ class _Loop:
         self.progress.steps += steps
         self.progress.accepted += accepted
         self.progress.rejected += tried - accepted - (short if failed else 0)  # (a failed step: neither)
-        self.count_evaluations((self.tableau.stages - 1) * steps + at_start)  # of every group: none leaves the batch
+        evaluations = (self.tableau.stages - 1) * steps + at_start
+        if self.native is None:  # of every group: none leaves the batch
+            self.count_evaluations(evaluations)
+        else:  # of the groups still running
+            self.progress.sample_evaluations += (
+                (self.tableau.stages - 1) * tried + at_start * self.groups
+            ) * self.samples_per_group
+            self.field.count_evaluations(evaluations)  # type: ignore[attr-defined]
         if not failed:
             self.progress.reached(float(end.t.min()))
         return steps, short > 0, bool(failed)

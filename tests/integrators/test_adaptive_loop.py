@@ -19,6 +19,7 @@ import et_ode
 from et_ode.integrators import adaptive_loop
 from et_ode.integrators.solution import Progress
 from et_ode.integrators.solvers import SolverFailure, as_solver
+from et_ode.kernels import native
 from tests.conftest import counted_backend, random_model
 
 F64 = torch.float64
@@ -590,6 +591,7 @@ def _compiled_and_plain(
 
 
 Watcher = Literal["callback", "bar"] | None  # what watches a solve's progress
+Engine = Literal["native", "inductor"]  # what runs compile=True's whole solve
 
 
 def _check_compiled_solves(
@@ -598,14 +600,16 @@ def _check_compiled_solves(
     save: str = "all",
     first_step: float | None = 2.0,
     watched: Watcher = None,
+    engine: Engine = "inductor",
 ) -> None:
-    """``Adaptive(compile=True)`` at a non-default tau, a mask, the PID controller and a first step too large (rejected
-    steps; None: the loop's choice), ``watched`` by a progress callback, a progress bar or nothing: the same steps,
-    evaluations and float64 states to rounding as the plain loop; after the weights change in place, the next compiled
-    solve follows the new weights (nothing of the old ones is kept as a constant)."""
+    """``Adaptive(compile=True)`` at a non-default tau, a mask (on ``torch.compile``; the native loop takes none), the
+    PID controller and a first step too large (rejected steps; None: the loop's choice), ``watched`` by a progress
+    callback, a progress bar or nothing: the same steps, evaluations and float64 states to rounding as the plain loop;
+    after the weights change in place, the next compiled solve follows the new weights (nothing of the old ones is
+    kept as a constant)."""
     model = _smooth_model(seed=4)
     mask = torch.rand(5, 5, generator=torch.Generator().manual_seed(2)) < 0.7
-    field = et_ode.ETField(model, tau=0.7, mask=mask)
+    field = et_ode.ETField(model, tau=0.7, mask=mask if engine == "inductor" else None)
     x0 = _states(batch)
     options = None if first_step is None else dict(first_step=first_step)
     settings = dict(controller="pid", options=options, rtol=1e-7, atol=1e-9, step_control=step_control)
@@ -618,26 +622,46 @@ def _check_compiled_solves(
         assert compiled.stats.accepted_steps > 3 and (compiled.stats.rejected_steps > 0 or first_step is None)
         for stat in ("accepted_steps", "rejected_steps", "nfe_forward"):
             assert getattr(compiled.stats, stat) == getattr(plain.stats, stat), stat
-        # every sample at every evaluation (the plain per-sample loop's finished samples leave the batch)
-        assert compiled.stats.sample_evaluations == compiled.stats.nfe_forward * batch >= plain.stats.sample_evaluations
+        if engine == "inductor":  # every sample at every evaluation (the plain loop's finished samples leave the batch)
+            assert compiled.stats.sample_evaluations == compiled.stats.nfe_forward * batch >= plain.stats.sample_evaluations
+        else:  # (the native loop evaluates the samples still running only)
+            assert compiled.stats.sample_evaluations == plain.stats.sample_evaluations
         assert (compiled.x - plain.x).abs().max().item() < 1e-12
         if save == "all":
             assert (compiled.xs - plain.xs).abs().max().item() < 1e-12
     assert (x0 - plain.x).abs().max().item() > 1e-2  # the states moved
 
 
-def _as_it_is(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[object]]:
-    """Hand ``compile=True``'s whole solve to no compiler: it runs as it is (its ``while_loop`` eagerly); returns the
-    loops handed over, a call each ("solve"), and PyTorch's thread count during each call ("threads")."""
-    handed: dict[str, list[object]] = {"solve": [], "threads": []}
+def _engine(monkeypatch: pytest.MonkeyPatch, engine: Engine = "inductor") -> dict[str, list[object]]:
+    """``compile=True``'s whole solve on ``engine``: ``"native"``, the C loop (skipped where this machine cannot build
+    it), or ``"inductor"``, what is handed to ``torch.compile`` run as it is (no compiler: its ``while_loop`` runs
+    eagerly; the native loop off). Returns the calls ("solve"), each call's budget of steps ("budgets") and PyTorch's
+    thread count during each ("threads")."""
+    handed: dict[str, list[object]] = {"solve": [], "threads": [], "budgets": []}
 
-    def run(loop: adaptive_loop._Loop, *arguments: torch.Tensor) -> object:
-        handed["solve"].append(loop)
-        handed["threads"].append(torch.get_num_threads())
-        return adaptive_loop._whole_solve(loop, *arguments)
+    def recorded(run: Callable[..., object]) -> Callable[..., object]:
+        def call(solve: object, *arguments: object) -> object:
+            handed["solve"].append(solve)
+            handed["threads"].append(torch.get_num_threads())
+            handed["budgets"].append(int(arguments[6]))  # type: ignore[call-overload]
+            return run(solve, *arguments)
 
-    monkeypatch.setattr(adaptive_loop, "_compiled_solve", lambda device_type: run)
+        return call
+
+    if engine == "native":
+        if not native.can_build():
+            pytest.skip("the native solve cannot be built here (no C compiler or no BLAS in PyTorch)")
+        assert native.library(F64) is not None, "a compiler and a BLAS are here: the build or its probe failed"
+        monkeypatch.setattr(native.NativeSolve, "__call__", recorded(native.NativeSolve.__call__))
+        return handed
+    _without_native(monkeypatch)
+    monkeypatch.setattr(adaptive_loop, "_compiled_solve", lambda device_type: recorded(adaptive_loop._whole_solve))
     return handed
+
+
+def _without_native(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``compile=True`` hands every solve to ``torch.compile`` (the native loop off)."""
+    monkeypatch.setattr(native.NativeSolve, "create", classmethod(lambda cls, *arguments, **settings: None))
 
 
 SAVES_FIRST_STEPS_AND_WATCHED: list[tuple[str, float | None, Watcher]] = [
@@ -664,10 +688,31 @@ def test_what_is_handed_to_the_compiler_integrates_the_field(
     solve as one loop on the field's closed form, which writes the states at the saved times itself, in calls (here of
     a step each), each going on from the last one's end, its evaluations counted by hand. The compiler itself is the
     next test's (slow: minutes on a cold cache). The plain loop would agree too, so what was handed over is checked."""
-    handed = _as_it_is(monkeypatch)
+    handed = _engine(monkeypatch)
     monkeypatch.setattr(adaptive_loop, "CHUNK_SECONDS", 0.0)  # (a step a call)
     _check_compiled_solves(step_control, batch, save, first_step, watched)
     assert len(handed["solve"]) > 8
+
+
+@pytest.mark.parametrize(("step_control", "batch"), [("shared", 3), ("per_sample", 1), ("per_sample", 3)])
+@pytest.mark.parametrize(("save", "first_step", "watched"), SAVES_FIRST_STEPS_AND_WATCHED)
+@pytest.mark.parametrize("chunk", [0.0, 1e6])
+def test_the_native_solve_integrates_the_plain_loop_s_solution(
+    monkeypatch: pytest.MonkeyPatch,
+    step_control: StepControl,
+    batch: int,
+    save: str,
+    first_step: float | None,
+    watched: Watcher,
+    chunk: float,
+) -> None:
+    """``compile=True`` on an ET without a mask runs the whole solve in C (a step a call, or all in one after a first
+    call of one step), its states at the saved times written by the method's interpolant: the plain loop's steps,
+    evaluations and float64 states, to the rounding of the C field's closed form."""
+    handed = _engine(monkeypatch, "native")
+    monkeypatch.setattr(adaptive_loop, "CHUNK_SECONDS", chunk)
+    _check_compiled_solves(step_control, batch, save, first_step, watched, engine="native")
+    assert len(handed["solve"]) > (8 if chunk == 0.0 else 1)
 
 
 _ATTEMPT = adaptive_loop._Loop.attempt  # (the loop's own, whatever a test puts in its place)
@@ -702,9 +747,10 @@ def _watched(
         return reports, str(error).split(" at t=")[0]
 
 
+@pytest.mark.parametrize("engine", ["inductor", "native"])
 @pytest.mark.parametrize("step_control", ["shared", "per_sample"])
 def test_a_compiled_solve_reports_and_keeps_every_step_as_the_loop(
-    monkeypatch: pytest.MonkeyPatch, step_control: StepControl
+    monkeypatch: pytest.MonkeyPatch, step_control: StepControl, engine: Engine
 ) -> None:
     """Watched by a progress callback, the compiled solve logs each step's times inside its calls (here of
     ``LOGGED_STEPS = 5`` steps) and calls the callback after each call for each of its steps: the plain loop's times
@@ -712,11 +758,12 @@ def test_a_compiled_solve_reports_and_keeps_every_step_as_the_loop(
     non-finite state inside a call). Shared and keeping every step's state (``save="steps"``: a step a call), the
     states kept are the plain loop's (to the rounding of the field's closed form, which the compiled solve
     evaluates)."""
-    handed = _as_it_is(monkeypatch)
+    handed = _engine(monkeypatch, engine)
     logged = 5
     monkeypatch.setattr(adaptive_loop, "LOGGED_STEPS", logged)
     monkeypatch.setattr(adaptive_loop, "_steps_per_call", lambda kind: 10**6)
-    cases = [("final", 10_000, None), ("final", 7, None), ("final", 10_000, 1.0)]
+    cases = [("final", 10_000, None), ("final", 7, None)]
+    cases += [("final", 10_000, 1.0)] if engine == "inductor" else []  # (the poison is put in the Python loop's step)
     for save, max_steps, poisoned in cases + ([("steps", 10_000, None)] if step_control == "shared" else []):
         handed["solve"].clear()
         (reports, compiled), (plain_reports, plain) = (
@@ -737,17 +784,12 @@ def test_a_compiled_solve_reports_and_keeps_every_step_as_the_loop(
             torch.testing.assert_close(compiled.xs, plain.xs, rtol=1e-9, atol=1e-11)
 
 
-def test_a_compiled_solve_s_calls_take_about_chunk_seconds_of_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("engine", ["inductor", "native"])
+def test_a_compiled_solve_s_calls_take_about_chunk_seconds_of_steps(monkeypatch: pytest.MonkeyPatch, engine: Engine) -> None:
     """The first call of a kind of solve takes one step (it may compile), the next as many as fit in
     ``CHUNK_SECONDS`` at the last call's time a step; a later solve of the same kind starts from that time (here all
     its steps in one call), one of another kind (another batch, or weights of other shapes) from one step again."""
-    budgets: list[int] = []
-
-    def recorded(loop: adaptive_loop._Loop, *arguments: torch.Tensor) -> object:
-        budgets.append(int(arguments[6]))
-        return adaptive_loop._whole_solve(loop, *arguments)
-
-    monkeypatch.setattr(adaptive_loop, "_compiled_solve", lambda device_type: recorded)
+    budgets = _engine(monkeypatch, engine)["budgets"]
     monkeypatch.setattr(adaptive_loop, "_STEP_SECONDS", {})
     monkeypatch.setattr(adaptive_loop, "CHUNK_SECONDS", 1e6)
     field, solver = _tiny_field(), et_ode.Adaptive(compile=True)
@@ -770,16 +812,17 @@ def test_a_compiled_solve_s_calls_take_about_chunk_seconds_of_steps(monkeypatch:
     assert solved(3)[0] == 3
 
 
+@pytest.mark.parametrize("engine", ["inductor", "native"])
 @pytest.mark.parametrize("bar", [True, False])
 @pytest.mark.parametrize("step_control", ["shared", "per_sample"])
 def test_a_compiled_solve_moves_its_bar_between_calls_where_an_interrupt_lands(
-    monkeypatch: pytest.MonkeyPatch, step_control: StepControl, bar: bool
+    monkeypatch: pytest.MonkeyPatch, step_control: StepControl, bar: bool, engine: Engine
 ) -> None:
     """The whole solve runs in calls (here a step each), with or without a progress bar: the time reached, which the
     bar follows, is the earliest sample's after every call, up to the end; an interrupt raised between two calls
     (Ctrl-C lands there: the Python between them is where its handler runs) ends the solve there, with PyTorch's
     thread count set back."""
-    handed = _as_it_is(monkeypatch)
+    handed = _engine(monkeypatch, engine)
     monkeypatch.setattr(adaptive_loop, "CHUNK_SECONDS", 0.0)
     reached: list[float] = []
     monkeypatch.setattr(Progress, "reached", lambda progress, t: reached.append(t))
@@ -812,6 +855,7 @@ def test_a_compiled_solve_is_traced_once_for_new_states_and_weights(monkeypatch:
     graph as it is: no C++ compiler), with the first step chosen inside the first call or given, with a progress bar
     or without, and so do the calls of each solve (here a step each), each from the last one's end; each solve agrees
     with the uncompiled loop."""
+    _without_native(monkeypatch)
     counted, graphs = counted_backend()
     traced = torch.compile(adaptive_loop._whole_solve, backend=counted, dynamic=False)
     monkeypatch.setattr(adaptive_loop, "_compiled_solve", lambda device_type: traced)
@@ -837,12 +881,13 @@ class _Bar:
         self.n += by
 
 
+@pytest.mark.parametrize("engine", ["inductor", "native"])
 @pytest.mark.parametrize("bar", [False, True])
-def test_a_compiled_solve_fails_where_the_loop_fails(monkeypatch: pytest.MonkeyPatch, bar: bool) -> None:
+def test_a_compiled_solve_fails_where_the_loop_fails(monkeypatch: pytest.MonkeyPatch, bar: bool, engine: Engine) -> None:
     """The whole solve compiled (in calls of a step each; ``bar``: with a progress bar) keeps the step-by-step loop's
     failures: the budget of steps (with the state it got to), a non-finite state at the first step, a step size that
     underflows."""
-    _as_it_is(monkeypatch)
+    handed = _engine(monkeypatch, engine)
     monkeypatch.setattr(adaptive_loop, "CHUNK_SECONDS", 0.0)
 
     def record() -> Progress:
@@ -868,16 +913,18 @@ def test_a_compiled_solve_fails_where_the_loop_fails(monkeypatch: pytest.MonkeyP
     with torch.no_grad(), pytest.raises(SolverFailure, match="underflow"):
         settings = dict(per_sample=False, save_all=False, first_step=1e-300, graph="compile", progress=record())
         adaptive_loop.integrate(field, x0, late, **settings)  # type: ignore[arg-type]
+    assert len(handed["solve"]) > 6  # (all on the engine)
 
 
+@pytest.mark.parametrize("engine", ["inductor", "native"])
 @pytest.mark.parametrize(("each_step", "batch", "threads"), [(True, 51, 1), (True, 103, 2), (True, 300, 3), (False, 51, 1)])
 def test_compiled_code_runs_on_one_thread_per_2048_state_elements(
-    monkeypatch: pytest.MonkeyPatch, each_step: bool, batch: int, threads: int
+    monkeypatch: pytest.MonkeyPatch, each_step: bool, batch: int, threads: int, engine: Engine
 ) -> None:
     """Out of 3 threads, a compiled solve of ``batch * 40`` state elements (``each_step``: keeping every step's state,
     a step a call) runs on ``elements // 2048`` of them (at least one); the process's count is set back after the
     solve, and after a failed one."""
-    handed = _as_it_is(monkeypatch)
+    handed = _engine(monkeypatch, engine)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(3)
@@ -935,6 +982,7 @@ def test_a_solve_that_cannot_be_compiled_runs_on_as_without(
 
         return fails
 
+    _without_native(monkeypatch)
     monkeypatch.setattr(adaptive_loop, "_compiled_solve", no_compiler)
     name = type(error).__name__
     with pytest.warns(RuntimeWarning, match=rf"compile=True.*could not be compiled \({name}: no C\+\+ compiler\)") as warned:

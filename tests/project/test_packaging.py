@@ -35,9 +35,9 @@ def test_mypy_reads_analysis_under_its_installed_name() -> None:
 
 
 @pytest.mark.slow
-def test_the_wheel_holds_the_type_marker_and_the_analysis_package(tmp_path: Path) -> None:
-    """A wheel built from a copy of the sources (the checkout is left alone) installs ``et_ode/py.typed`` and
-    ``analysis/`` as ``et_ode/analysis/``."""
+def test_the_wheel_holds_the_type_marker_the_c_source_and_the_analysis_package(tmp_path: Path) -> None:
+    """A wheel built from a copy of the sources (the checkout is left alone) installs ``et_ode/py.typed``, the native
+    loop's C source and ``analysis/`` as ``et_ode/analysis/``."""
     source = tmp_path / "source"
     source.mkdir()
     for name in ("pyproject.toml", "README.md"):
@@ -53,6 +53,6 @@ def test_the_wheel_holds_the_type_marker_and_the_analysis_package(tmp_path: Path
     assert result.returncode == 0, result.stdout + result.stderr
     (wheel,) = tmp_path.glob("et_ode-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    assert "et_ode/py.typed" in names
+    assert "et_ode/py.typed" in names and "et_ode/kernels/native.c" in names
     assert "et_ode/analysis/__init__.py" in names and "et_ode/analysis/report.py" in names
     assert not any(name.startswith("analysis/") for name in names)

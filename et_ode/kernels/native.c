@@ -1,0 +1,374 @@
+/* et-ode's native solve: the explicit embedded Runge-Kutta loop of et_ode.integrators.adaptive_loop._whole_solve
+ * and the ET field's closed-form velocity, in C, for the CPU. Built by et_ode/kernels/native.py with the system's
+ * C compiler (-DREAL=float or double); the matrix products go to the BLAS that PyTorch links (its ?gemm_, passed in
+ * as a pointer). No fast-math: NaN and inf propagate as in PyTorch.
+ *
+ * Layouts (row-major): a state block of b samples is (b, N, D); the stacked weights W = [WK; WQ; xi] are (R, D),
+ * R = 2 H Y + K; the projections P = g W^T are (b N, R) = [keys | queries | overlaps h]; the coefficients C that
+ * give the velocity C W / tau are laid out as P: [sum_C S_h[B, C] Q_hC | sum_B S_h[B, C] K_hB | phi(h)].
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#ifndef REAL
+#define REAL float
+#endif
+typedef REAL real;
+
+/* Fortran BLAS ?gemm_: integers are read through pointers to 64-bit storage, which an LP64 BLAS reads as its 32-bit
+ * value (little-endian) and an ILP64 BLAS whole. */
+typedef void (*gemm_fn)(const char *, const char *, const void *, const void *, const void *, const real *,
+                        const real *, const void *, const real *, const void *, const real *, real *, const void *);
+
+/* MKL's ?gemm_batch_ with one group (so each of its integer arrays holds one value, read as above), or NULL. */
+typedef void (*gemm_batch_fn)(const char *, const char *, const void *, const void *, const void *, const real *,
+                              const real **, const void *, const real **, const void *, const real *, real **,
+                              const void *, const void *, const void *);
+
+typedef struct {
+    int64_t tokens, dim, heads, head_dim, memories;
+    int64_t neuron;   /* 0: identity (g = x), 1: LayerNorm (g = gamma (x - mean) / sqrt(var + eps) + delta) */
+    int64_t hopfield; /* 0: relu, 1: softplus, 2: softmax */
+    int64_t self_attention;
+    double gamma, eps, hopfield_beta, tau;
+    const real *delta; /* (D) */
+    const real *w;     /* (R, D) */
+    const real *beta;  /* (H) */
+    gemm_fn gemm;
+    gemm_batch_fn gemm_batch;
+    real *g, *p, *coef, *scores; /* workspace: (b N D), (b N R), (b N R), (b H N N) */
+    void **pointers;             /* workspace: (3 b H) */
+} et_field;
+
+typedef struct {
+    int64_t groups, samples, stages, times, logged, degree; /* samples: per group; degree: the dense polynomials' */
+    int64_t width;                                          /* of a group's state: samples N D */
+    double t_end, rtol, atol, error_order, pcoeff, icoeff, dcoeff, safety, factor_min, factor_max;
+    const real *matrix;       /* (S + 1, S): stage inputs (rows 0 .. S-2), error (row S-1) */
+    const real *dense;        /* (S, degree + 1): y(t0 + theta h) = y0 + h sum_j b_j(theta) k_j */
+    const double *out_times;  /* (T) */
+    real *k, *y1, *stage;     /* workspace: (G, S, M), (G, M), (M) */
+    double *ratio, *step, *t1, *next_dt, *history; /* workspace: (G), (G), (G), (G), (G, 2) */
+} et_solver;
+
+static void gemm(const et_field *f, char ta, char tb, int64_t m, int64_t n, int64_t k, real alpha, const real *a,
+                 int64_t lda, const real *b, int64_t ldb, real *c, int64_t ldc) {
+    const real zero = 0;
+    f->gemm(&ta, &tb, &m, &n, &k, &alpha, a, &lda, b, &ldb, &zero, c, &ldc);
+}
+
+/* exp(x) for x <= 0 (the softmax's shifted arguments, -inf included) in a loop the compiler vectorises: 2^(x log2 e)
+ * split into 2^n e^f, |f| <= ln(2) / 2, e^f by its Taylor polynomial to f^14 (truncation below 1e-19). */
+static const double INVERSE_FACTORIALS[14] = {
+    1.0, 1.0, 1.0 / 2, 1.0 / 6, 1.0 / 24, 1.0 / 120, 1.0 / 720, 1.0 / 5040, 1.0 / 40320, 1.0 / 362880,
+    1.0 / 3628800, 1.0 / 39916800, 1.0 / 479001600, 1.0 / 6227020800.0};
+
+static void exp_nonpositive(real *x, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        double y = (double)x[i] * 1.4426950408889634;
+        double low = sizeof(real) == 4 ? -150.0 : -1075.0;
+        y = y < low ? low : y;
+        double whole = __builtin_nearbyint(y);
+        double f = (y - whole) * 0.6931471805599453;
+        double p = 1.0 / 87178291200.0;
+        for (int q = 13; q >= 0; q--) p = p * f + INVERSE_FACTORIALS[q];
+        /* 2^whole as two factors, each a normal double, so that subnormal results round once */
+        int64_t half = (int64_t)whole / 2;
+        union { double d; int64_t i; } a, b;
+        a.i = (half + 1023) << 52;
+        b.i = ((int64_t)whole - half + 1023) << 52;
+        x[i] = (real)(p * a.d * b.d);
+    }
+}
+
+static void normalize(const et_field *f, int64_t rows, const real *x, real *g) {
+    int64_t d = f->dim;
+    for (int64_t i = 0; i < rows; i++) {
+        const real *xi = x + i * d;
+        real *gi = g + i * d;
+        if (f->neuron == 0) {
+            memcpy(gi, xi, d * sizeof(real));
+            continue;
+        }
+        real mean = 0, var = 0;
+        for (int64_t j = 0; j < d; j++) mean += xi[j];
+        mean /= (real)d;
+        for (int64_t j = 0; j < d; j++) var += (xi[j] - mean) * (xi[j] - mean);
+        real scale = (real)f->gamma / sqrt(var / (real)d + (real)f->eps);
+        for (int64_t j = 0; j < d; j++) gi[j] = (xi[j] - mean) * scale + f->delta[j];
+    }
+}
+
+/* The per-head products of the b samples' projections p into out (each (N, N) block of scores, or each head's slot
+ * in the coefficients): which = 0: scores[C][B] = K_B . Q_C; 1: sum_C S[B, C] Q_C; 2: sum_B S[B, C] K_B. One batched
+ * call where the BLAS has one, else a call a head. */
+static void head_products(const et_field *f, int64_t b, int which, const real *p, real *out) {
+    int64_t n = f->tokens, y = f->head_dim, hy = f->heads * f->head_dim, count = b * f->heads;
+    int64_t r = 2 * hy + f->memories, lda = r, ldb = which == 0 ? r : n, ldc = which == 0 ? n : r;
+    int64_t m = which == 0 ? n : y, size = 1;
+    char ta = which == 0 ? 'T' : 'N', tb = which == 1 ? 'T' : 'N';
+    const real **a = (const real **)f->pointers, **bs = a + count;
+    real **c = (real **)(bs + count);
+    for (int64_t i = 0; i < b; i++)
+        for (int64_t h = 0; h < f->heads; h++) {
+            int64_t at = i * f->heads + h;
+            const real *keys = p + i * n * r + h * y, *queries = keys + hy, *scores = f->scores + at * n * n;
+            a[at] = which == 0 ? keys : which == 1 ? queries : keys;
+            bs[at] = which == 0 ? queries : scores;
+            c[at] = which == 0 ? f->scores + at * n * n : out + i * n * r + (which == 1 ? 0 : hy) + h * y;
+        }
+    if (f->gemm_batch != NULL) {
+        const real one = 1, zero = 0;
+        f->gemm_batch(&ta, &tb, &m, &n, which == 0 ? &y : &n, &one, a, &lda, bs, &ldb, &zero, c, &ldc, &size, &count);
+        return;
+    }
+    for (int64_t at = 0; at < count; at++) gemm(f, ta, tb, m, n, which == 0 ? y : n, 1, a[at], lda, bs[at], ldb, c[at], ldc);
+}
+
+/* S_h over the keys of each query (row C of each (N, N) block of scores, contiguous over the keys B), of the b
+ * samples' projections p, then the two per-head products into the coefficients. */
+static void attention(const et_field *f, int64_t b, const real *p, real *coef) {
+    int64_t n = f->tokens;
+    head_products(f, b, 0, p, coef);
+    for (int64_t at = 0; at < b * f->heads; at++) {
+        real beta = f->beta[at % f->heads];
+        for (int64_t c = 0; c < n; c++) {
+            real *row = f->scores + (at * n + c) * n, largest = -INFINITY, sum = 0;
+            for (int64_t k = 0; k < n; k++) row[k] *= beta;
+            if (!f->self_attention) row[c] = -INFINITY;
+            for (int64_t k = 0; k < n; k++) largest = row[k] > largest || row[k] != row[k] ? row[k] : largest;
+            if (largest == -INFINITY) { /* a query without a key: no attention */
+                memset(row, 0, n * sizeof(real));
+                continue;
+            }
+            for (int64_t k = 0; k < n; k++) row[k] -= largest;
+            exp_nonpositive(row, n);
+            for (int64_t k = 0; k < n; k++) sum += row[k];
+            for (int64_t k = 0; k < n; k++) row[k] /= sum;
+        }
+    }
+    head_products(f, b, 1, p, coef);
+    head_products(f, b, 2, p, coef);
+}
+
+static void hopfield(const et_field *f, int64_t rows, const real *p, real *coef) {
+    int64_t hy = f->heads * f->head_dim, r = 2 * hy + f->memories, k = f->memories;
+    real beta = (real)f->hopfield_beta;
+    for (int64_t i = 0; i < rows; i++) {
+        const real *h = p + i * r + 2 * hy;
+        real *phi = coef + i * r + 2 * hy;
+        if (f->hopfield == 0) {
+            for (int64_t j = 0; j < k; j++) phi[j] = h[j] > 0 ? h[j] : (h[j] != h[j] ? h[j] : 0);
+        } else if (f->hopfield == 1) { /* softplus(beta h) / beta * sigmoid(beta h) */
+            for (int64_t j = 0; j < k; j++) {
+                real z = beta * h[j];
+                real softplus = z > 20 ? z : log1p(exp(z));
+                phi[j] = softplus / beta * (1 / (1 + exp(-z)));
+            }
+        } else { /* softmax over the memories of beta h */
+            real largest = -INFINITY, sum = 0;
+            for (int64_t j = 0; j < k; j++) {
+                phi[j] = beta * h[j];
+                largest = phi[j] > largest || phi[j] != phi[j] ? phi[j] : largest;
+            }
+            for (int64_t j = 0; j < k; j++) phi[j] -= largest;
+            exp_nonpositive(phi, k);
+            for (int64_t j = 0; j < k; j++) sum += phi[j];
+            for (int64_t j = 0; j < k; j++) phi[j] /= sum;
+        }
+    }
+}
+
+/* dx/dt = -(1/tau) dE/dg at the b samples x (b, N, D), written into out. */
+void et_velocity(const et_field *f, int64_t b, const real *x, real *out) {
+    int64_t n = f->tokens, d = f->dim, rows = b * n;
+    int64_t r = 2 * f->heads * f->head_dim + f->memories;
+    normalize(f, rows, x, f->g);
+    gemm(f, 'T', 'N', r, rows, d, 1, f->w, d, f->g, d, f->p, r);
+    attention(f, b, f->p, f->coef);
+    hopfield(f, rows, f->p, f->coef);
+    gemm(f, 'N', 'N', d, rows, r, (real)(1.0 / f->tau), f->w, d, f->coef, r, out, d);
+}
+
+/* ---- the loop ---------------------------------------------------------------------------------------------- */
+
+static double power(double base, double exponent) { return pow(base, exponent); }
+
+/* into = y0 + sum_j weights[j] k_j over j < count (the sum first, then y0: as a batched product adds its input);
+ * y0 NULL: the sum alone. Loops along the state, which the compiler vectorises. */
+static void combine(int64_t m, int64_t count, const real *weights, const real *k, const real *y0, real *into) {
+    for (int64_t e = 0; e < m; e++) into[e] = weights[0] * k[e];
+    for (int64_t j = 1; j < count; j++) {
+        real w = weights[j];
+        const real *kj = k + j * m;
+        for (int64_t e = 0; e < m; e++) into[e] += w * kj[e];
+    }
+    if (y0 != NULL)
+        for (int64_t e = 0; e < m; e++) into[e] += y0[e];
+}
+
+static double rms_ratio(const et_solver *s, const real *err_weights, const real *k, const real *y0, const real *y1) {
+    int64_t m = s->width;
+    real *err = s->stage;
+    combine(m, s->stages, err_weights, k, NULL, err);
+    double total = 0;
+    for (int64_t i = 0; i < m; i++) {
+        real a = y0[i] < 0 ? -y0[i] : y0[i], b = y1[i] < 0 ? -y1[i] : y1[i];
+        real scale = (real)s->atol + (real)s->rtol * (a > b || b != b ? a : b);
+        real q = err[i] / scale;
+        total += (double)q * (double)q;
+    }
+    return sqrt(total / (double)m);
+}
+
+/* One attempt of group g from y0 (first stage f0) at t of the size wanted: its stages in k, solution in y1, the
+ * error ratio, the step's size and end, the controller's next step and history. */
+static void attempt(const et_field *f, const et_solver *s, int64_t g, double t, double wanted, const double *history,
+                    const real *y0, const real *f0) {
+    int64_t m = s->width, stages = s->stages;
+    real *k = s->k + g * stages * m, *y1 = s->y1 + g * m;
+    double remaining = s->t_end - t;
+    int last = wanted >= remaining;
+    double dt = last ? remaining : wanted;
+    s->step[g] = dt;
+    s->t1[g] = last ? s->t_end : t + dt;
+    real h = (real)dt, weights[64];
+    memcpy(k, f0, m * sizeof(real));
+    for (int64_t i = 1; i < stages; i++) {
+        real *input = i == stages - 1 ? y1 : s->stage;
+        for (int64_t j = 0; j < i; j++) weights[j] = h * s->matrix[(i - 1) * stages + j];
+        combine(m, i, weights, k, y0, input);
+        et_velocity(f, s->samples, input, k + i * m);
+    }
+    for (int64_t j = 0; j < stages; j++) weights[j] = h * s->matrix[(stages - 1) * stages + j];
+    double ratio = rms_ratio(s, weights, k, y0, y1);
+    s->ratio[g] = ratio;
+    int accepted = ratio <= 1;
+    double factor = s->safety * power(ratio, -(s->pcoeff + s->icoeff + s->dcoeff) / s->error_order);
+    double kept0 = history[0], kept1 = history[1];
+    if (s->pcoeff != 0 || s->dcoeff != 0) {
+        double inverse = 1 / ratio;
+        factor = factor * power(history[0], -(s->pcoeff + 2 * s->dcoeff) / s->error_order) *
+                 power(history[1], s->dcoeff / s->error_order);
+        if (accepted) {
+            kept1 = history[0];
+            kept0 = inverse == 0 || isinf(inverse) ? 1.0 : inverse;
+        }
+    }
+    if (isnan(factor)) factor = s->factor_min;
+    if (isinf(factor)) factor = factor > 0 ? 1.7976931348623157e308 : -1.7976931348623157e308;
+    if (accepted) factor = factor < 1 ? 1 : (factor > s->factor_max ? s->factor_max : factor);
+    else factor = factor < s->factor_min ? s->factor_min : (factor > s->safety ? s->safety : factor);
+    s->next_dt[g] = dt * factor;
+    s->history[2 * g] = kept0;
+    s->history[2 * g + 1] = kept1;
+}
+
+/* The interpolant of group g's step from t (size dt) at the output times inside (t, t1], written into saved. */
+static void save_inside(const et_solver *s, int64_t g, double t, const real *y0, real *saved) {
+    int64_t m = s->width, stages = s->stages, degree = s->degree;
+    const real *k = s->k + g * stages * m, *y1 = s->y1 + g * m;
+    double dt = s->step[g];
+    real h = (real)dt, b[64];
+    for (int64_t o = 0; o < s->times; o++) {
+        double time = s->out_times[o];
+        if (!(time > t && time <= s->t1[g])) continue;
+        real *into = saved + (o * s->groups + g) * m;
+        real theta = (real)((time - t) / dt);
+        if (theta == 1) {
+            memcpy(into, y1, m * sizeof(real));
+            continue;
+        }
+        for (int64_t j = 0; j < stages; j++) {
+            real value = 0, power_of = 1;
+            for (int64_t q = 0; q <= degree; q++) {
+                value += s->dense[j * (degree + 1) + q] * power_of;
+                power_of *= theta;
+            }
+            b[j] = h * value;
+        }
+        combine(m, stages, b, k, y0, into);
+    }
+}
+
+static int all_finite(const real *y, int64_t m) {
+    for (int64_t i = 0; i < m; i++)
+        if (!isfinite(y[i])) return 0;
+    return 1;
+}
+
+/* torchdiffeq's and diffrax's starting step of group g (one evaluation, into the stage workspace). */
+static double first_step(const et_field *f, const et_solver *s, const real *y0, const real *f0) {
+    int64_t m = s->width;
+    double d0 = 0, d1 = 0, d2 = 0;
+    for (int64_t i = 0; i < m; i++) {
+        real scale = (real)s->atol + (y0[i] < 0 ? -y0[i] : y0[i]) * (real)s->rtol;
+        real a = y0[i] / scale, b = f0[i] / scale;
+        d0 += (double)a * a;
+        d1 += (double)b * b;
+    }
+    d0 = sqrt(d0 / (double)m);
+    d1 = sqrt(d1 / (double)m);
+    real h0 = d0 < 1e-5 || d1 < 1e-5 ? (real)1e-6 : (real)(0.01 * d0 / d1);
+    for (int64_t i = 0; i < m; i++) s->stage[i] = y0[i] + h0 * f0[i];
+    real *f1 = s->y1; /* (the first group's solution workspace, free before a step) */
+    et_velocity(f, s->samples, s->stage, f1);
+    for (int64_t i = 0; i < m; i++) {
+        real scale = (real)s->atol + (y0[i] < 0 ? -y0[i] : y0[i]) * (real)s->rtol;
+        real c = (f1[i] - f0[i]) / scale;
+        d2 += (double)c * c;
+    }
+    d2 = sqrt(d2 / (double)m) / h0;
+    double largest = d1 > d2 ? d1 : d2;
+    double h1 = largest <= 1e-15 ? (h0 * 1e-3 > 1e-6 ? h0 * 1e-3 : 1e-6) : power(0.01 / largest, 1.0 / s->error_order);
+    return 100.0 * h0 < h1 ? 100.0 * h0 : h1;
+}
+
+/* The solve of et_ode.integrators.adaptive_loop._whole_solve, in place on its state: t (G), dt (G), history (G, 2),
+ * y and f0 (G, M), saved (T, G, M), log (logged, G); counters: steps, groups' steps tried and accepted, failed. */
+void et_solve(const et_field *f, const et_solver *s, double *t, double *dt, double *history, real *y, real *f0,
+              real *saved, double *log, int64_t *counters, int64_t begin, int64_t budget) {
+    int64_t groups = s->groups, m = s->width, stages = s->stages;
+    for (int64_t g = 0; g < groups && begin > 0; g++) {
+        et_velocity(f, s->samples, y + g * m, f0 + g * m);
+        if (begin > 1) dt[g] = first_step(f, s, y + g * m, f0 + g * m);
+    }
+    counters[0] = counters[1] = counters[2] = counters[3] = 0;
+    while (counters[0] < budget) {
+        int any_active = 0, stalled = 0, backwards = 0, finite = 1;
+        for (int64_t g = 0; g < groups; g++) {
+            if (!(t[g] < s->t_end)) continue;
+            any_active = 1;
+            attempt(f, s, g, t[g], dt[g], history + 2 * g, y + g * m, f0 + g * m);
+            int behind = s->t1[g] <= t[g];
+            backwards |= behind;
+            stalled |= behind || isnan(s->ratio[g]);
+            finite &= all_finite(y + g * m, m);
+        }
+        if (!any_active) break;
+        int failed = stalled && (backwards || !finite);
+        for (int64_t g = 0; g < groups; g++) {
+            if (t[g] < s->t_end) {
+                int moves = s->ratio[g] <= 1 && !failed;
+                counters[1] += 1;
+                if (moves) {
+                    counters[2] += 1;
+                    if (s->times) save_inside(s, g, t[g], y + g * m, saved);
+                    memcpy(y + g * m, s->y1 + g * m, m * sizeof(real));
+                    memcpy(f0 + g * m, s->k + (g * stages + stages - 1) * m, m * sizeof(real));
+                    t[g] = s->t1[g];
+                }
+                dt[g] = failed ? s->step[g] : s->next_dt[g];
+                history[2 * g] = s->history[2 * g];
+                history[2 * g + 1] = s->history[2 * g + 1];
+            }
+            if (counters[0] < s->logged) log[counters[0] * groups + g] = t[g];
+        }
+        counters[0] += 1;
+        if (failed) {
+            counters[3] = 1;
+            break;
+        }
+    }
+}

@@ -530,11 +530,11 @@ def _saved_in_step(loop: _Loop, now: _SolveEnd, attempt: _Attempt, moves: Tensor
 
 
 @functools.cache
-def _native_tableau(tableau: Tableau) -> tuple[Tensor, Tensor, int]:
-    """``tableau`` as the native loop takes it: its matrix and its interpolant's polynomials (float64, on the CPU)
+def _native_tableau(tableau: Tableau, dtype: torch.dtype) -> tuple[Tensor, Tensor, int]:
+    """``tableau`` as the native loop takes it: its matrix and its interpolant's polynomials (``dtype``, on the CPU)
     and its error order."""
-    polynomials = torch.tensor(tableau.polynomials(), dtype=torch.float64)
-    return tableau.matrix(torch.float64, torch.device("cpu")), polynomials, tableau.error_order
+    polynomials = torch.tensor(tableau.polynomials(), dtype=torch.float64).to(dtype)
+    return tableau.matrix(dtype, torch.device("cpu")), polynomials, tableau.error_order
 
 
 @functools.cache
@@ -921,7 +921,7 @@ class _Loop:
             tau=field.tau,
             groups=self.groups,
             event=(self.samples_per_group, *self.x_shape[-2:]),
-            tableau=_native_tableau(self.tableau),
+            tableau=_native_tableau(self.tableau, self.dtype),
             t_end=float(self.t_end),
             rtol=self.rtol,
             atol=self.atol,

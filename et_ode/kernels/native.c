@@ -58,27 +58,35 @@ static void gemm(const et_field *f, char ta, char tb, int64_t m, int64_t n, int6
     f->gemm(&ta, &tb, &m, &n, &k, &alpha, a, &lda, b, &ldb, &zero, c, &ldc);
 }
 
-/* exp(x) for x <= 0 (the softmax's shifted arguments, -inf included) in a loop the compiler vectorises: 2^(x log2 e)
- * split into 2^n e^f, |f| <= ln(2) / 2, e^f by its Taylor polynomial to f^14 (truncation below 1e-19). */
-static const double INVERSE_FACTORIALS[14] = {
+/* exp(x) for x <= 0 (the softmax's shifted arguments, -inf included) in a loop the compiler vectorises, in the
+ * state's precision: x = n ln 2 + f, |f| <= ln(2) / 2 (ln 2 in two parts, so that f is exact), e^f by its Taylor
+ * polynomial (to f^7 in float, f^13 in double: truncation below a tenth of the epsilon), times 2^n as two powers of
+ * two, each a normal number, so that a subnormal result rounds once. */
+#define EXP_TERMS (sizeof(real) == 4 ? 8 : 14)
+static const real INVERSE_FACTORIALS[14] = {
     1.0, 1.0, 1.0 / 2, 1.0 / 6, 1.0 / 24, 1.0 / 120, 1.0 / 720, 1.0 / 5040, 1.0 / 40320, 1.0 / 362880,
     1.0 / 3628800, 1.0 / 39916800, 1.0 / 479001600, 1.0 / 6227020800.0};
 
 static void exp_nonpositive(real *x, int64_t n) {
+    const real lowest = sizeof(real) == 4 ? -104 : -746; /* below: 0 */
+    const real ln2_high = 0.693145751953125, ln2_low = 1.42860682030941723212e-6;
+    const int64_t bias = sizeof(real) == 4 ? 127 : 1023, shift = sizeof(real) == 4 ? 23 : 52;
     for (int64_t i = 0; i < n; i++) {
-        double y = (double)x[i] * 1.4426950408889634;
-        double low = sizeof(real) == 4 ? -150.0 : -1075.0;
-        y = y < low ? low : y;
-        double whole = __builtin_nearbyint(y);
-        double f = (y - whole) * 0.6931471805599453;
-        double p = 1.0 / 87178291200.0;
-        for (int q = 13; q >= 0; q--) p = p * f + INVERSE_FACTORIALS[q];
-        /* 2^whole as two factors, each a normal double, so that subnormal results round once */
-        int64_t half = (int64_t)whole / 2;
-        union { double d; int64_t i; } a, b;
-        a.i = (half + 1023) << 52;
-        b.i = ((int64_t)whole - half + 1023) << 52;
-        x[i] = (real)(p * a.d * b.d);
+        real v = x[i] < lowest ? lowest : x[i];
+        real whole = __builtin_nearbyint(v * (real)1.4426950408889634);
+        real f = (v - whole * ln2_high) - whole * ln2_low;
+        real p = INVERSE_FACTORIALS[EXP_TERMS - 1];
+        for (int q = EXP_TERMS - 2; q >= 0; q--) p = p * f + INVERSE_FACTORIALS[q];
+        int64_t power = (int64_t)whole, half = power / 2;
+        union { real r; int32_t i32; int64_t i64; } a, b;
+        if (sizeof(real) == 4) {
+            a.i32 = (int32_t)((half + bias) << shift);
+            b.i32 = (int32_t)((power - half + bias) << shift);
+        } else {
+            a.i64 = (half + bias) << shift;
+            b.i64 = (power - half + bias) << shift;
+        }
+        x[i] = p * a.r * b.r;
     }
 }
 

@@ -15,6 +15,16 @@
 #define REAL float
 #endif
 typedef REAL real;
+/* the signed integer as wide as a real (its bits, and exp's powers of two, in the same vector lanes) */
+#define WIDTH_float 32
+#define WIDTH_double 64
+#define WIDTH_OF(type) WIDTH_##type
+#define WIDTH(type) WIDTH_OF(type)
+#if WIDTH(REAL) == 32
+typedef int32_t integer;
+#else
+typedef int64_t integer;
+#endif
 
 /* Fortran BLAS ?gemm_: integers are read through pointers to 64-bit storage, which an LP64 BLAS reads as its 32-bit
  * value (little-endian) and an ILP64 BLAS whole. */
@@ -37,7 +47,7 @@ typedef struct {
     const real *beta;  /* (H) */
     gemm_fn gemm;
     gemm_batch_fn gemm_batch;
-    real *g, *p, *coef, *scores; /* workspace: (b N D), (b N R), (b N R), (b H N N) */
+    real *g, *p, *coef, *scores; /* workspace: (b N D), (b N R), (b N R), (N + 3) b H N */
     void **pointers;             /* workspace: (3 b H) */
 } et_field;
 
@@ -60,34 +70,61 @@ static void gemm(const et_field *f, char ta, char tb, int64_t m, int64_t n, int6
 
 /* exp(x) for x <= 0 (the softmax's shifted arguments, -inf included) in a loop the compiler vectorises, in the
  * state's precision: x = n ln 2 + f, |f| <= ln(2) / 2 (ln 2 in two parts, so that f is exact), e^f by its Taylor
- * polynomial (to f^7 in float, f^13 in double: truncation below a tenth of the epsilon), times 2^n as two powers of
- * two, each a normal number, so that a subnormal result rounds once. */
+ * polynomial (to f^7 in float, f^13 in double: truncation below a tenth of the epsilon), times 2^n. Below e^-86 in
+ * float (e^-707 in double) it is 0 rather than a subnormal number, which the CPU computes a hundred times slower:
+ * in a softmax such a term weighs less than the smallest normal number against the row's largest, which is 1. */
 #define EXP_TERMS (sizeof(real) == 4 ? 8 : 14)
 static const real INVERSE_FACTORIALS[14] = {
     1.0, 1.0, 1.0 / 2, 1.0 / 6, 1.0 / 24, 1.0 / 120, 1.0 / 720, 1.0 / 5040, 1.0 / 40320, 1.0 / 362880,
     1.0 / 3628800, 1.0 / 39916800, 1.0 / 479001600, 1.0 / 6227020800.0};
 
 static void exp_nonpositive(real *x, int64_t n) {
-    const real lowest = sizeof(real) == 4 ? -104 : -746; /* below: 0 */
+    const real lowest = sizeof(real) == 4 ? -86 : -707;
     const real ln2_high = 0.693145751953125, ln2_low = 1.42860682030941723212e-6;
-    const int64_t bias = sizeof(real) == 4 ? 127 : 1023, shift = sizeof(real) == 4 ? 23 : 52;
+    const integer bias = sizeof(real) == 4 ? 127 : 1023, shift = sizeof(real) == 4 ? 23 : 52;
     for (int64_t i = 0; i < n; i++) {
         real v = x[i] < lowest ? lowest : x[i];
         real whole = __builtin_nearbyint(v * (real)1.4426950408889634);
         real f = (v - whole * ln2_high) - whole * ln2_low;
         real p = INVERSE_FACTORIALS[EXP_TERMS - 1];
         for (int q = EXP_TERMS - 2; q >= 0; q--) p = p * f + INVERSE_FACTORIALS[q];
-        int64_t power = (int64_t)whole, half = power / 2;
-        union { real r; int32_t i32; int64_t i64; } a, b;
-        if (sizeof(real) == 4) {
-            a.i32 = (int32_t)((half + bias) << shift);
-            b.i32 = (int32_t)((power - half + bias) << shift);
-        } else {
-            a.i64 = (half + bias) << shift;
-            b.i64 = (power - half + bias) << shift;
-        }
-        x[i] = p * a.r * b.r;
+        union { real r; integer i; } scale;
+        scale.i = ((integer)whole + bias) << shift;
+        x[i] = x[i] < lowest ? 0 : p * scale.r;
     }
+}
+
+/* Sums of d numbers in LANES partial sums, a loop the compiler vectorises (it does not reorder one sum itself). */
+#define LANES 16
+
+static real sum_of(const real *x, int64_t d) {
+    real partial[LANES] = {0}, total = 0;
+    int64_t whole = d - d % LANES;
+    for (int64_t j = 0; j < whole; j += LANES)
+        for (int64_t l = 0; l < LANES; l++) partial[l] += x[j + l];
+    for (int64_t l = 0; l < LANES; l++) total += partial[l];
+    for (int64_t j = whole; j < d; j++) total += x[j];
+    return total;
+}
+
+static real squares_about(const real *x, int64_t d, real mean) {
+    real partial[LANES] = {0}, total = 0;
+    int64_t whole = d - d % LANES;
+    for (int64_t j = 0; j < whole; j += LANES)
+        for (int64_t l = 0; l < LANES; l++) partial[l] += (x[j + l] - mean) * (x[j + l] - mean);
+    for (int64_t l = 0; l < LANES; l++) total += partial[l];
+    for (int64_t j = whole; j < d; j++) total += (x[j] - mean) * (x[j] - mean);
+    return total;
+}
+
+static double squares_in_double(const real *x, int64_t d) {
+    double partial[LANES] = {0}, total = 0;
+    int64_t whole = d - d % LANES;
+    for (int64_t j = 0; j < whole; j += LANES)
+        for (int64_t l = 0; l < LANES; l++) partial[l] += (double)x[j + l] * (double)x[j + l];
+    for (int64_t l = 0; l < LANES; l++) total += partial[l];
+    for (int64_t j = whole; j < d; j++) total += (double)x[j] * (double)x[j];
+    return total;
 }
 
 static void normalize(const et_field *f, int64_t rows, const real *x, real *g) {
@@ -99,32 +136,31 @@ static void normalize(const et_field *f, int64_t rows, const real *x, real *g) {
             memcpy(gi, xi, d * sizeof(real));
             continue;
         }
-        real mean = 0, var = 0;
-        for (int64_t j = 0; j < d; j++) mean += xi[j];
-        mean /= (real)d;
-        for (int64_t j = 0; j < d; j++) var += (xi[j] - mean) * (xi[j] - mean);
-        real scale = (real)f->gamma / sqrt(var / (real)d + (real)f->eps);
+        real mean = sum_of(xi, d) / (real)d;
+        real scale = (real)f->gamma / sqrt(squares_about(xi, d, mean) / (real)d + (real)f->eps);
         for (int64_t j = 0; j < d; j++) gi[j] = (xi[j] - mean) * scale + f->delta[j];
     }
 }
 
-/* The per-head products of the b samples' projections p into out (each (N, N) block of scores, or each head's slot
- * in the coefficients): which = 0: scores[C][B] = K_B . Q_C; 1: sum_C S[B, C] Q_C; 2: sum_B S[B, C] K_B. One batched
- * call where the BLAS has one, else a call a head. */
+/* The per-head products of the b samples' projections p. The scores of every (sample, head) block share one
+ * layout: row k (a key) holds, for each block in turn, its N queries, so that a query's softmax over the keys runs
+ * down a column and every pass over the scores is one long loop ("lanes": a column per query of every block).
+ * which = 0: the scores K_k . Q_c; 1: sum_C S[B, C] Q_C and 2: sum_B S[B, C] K_B, into each head's slot of out.
+ * One batched call where the BLAS has one, else a call a head. */
 static void head_products(const et_field *f, int64_t b, int which, const real *p, real *out) {
-    int64_t n = f->tokens, y = f->head_dim, hy = f->heads * f->head_dim, count = b * f->heads;
-    int64_t r = 2 * hy + f->memories, lda = r, ldb = which == 0 ? r : n, ldc = which == 0 ? n : r;
+    int64_t n = f->tokens, y = f->head_dim, hy = f->heads * f->head_dim, count = b * f->heads, lanes = count * n;
+    int64_t r = 2 * hy + f->memories, lda = r, ldb = which == 0 ? r : lanes, ldc = which == 0 ? lanes : r;
     int64_t m = which == 0 ? n : y, size = 1;
-    char ta = which == 0 ? 'T' : 'N', tb = which == 1 ? 'T' : 'N';
+    char ta = which == 0 ? 'T' : 'N', tb = which == 2 ? 'T' : 'N';
     const real **a = (const real **)f->pointers, **bs = a + count;
     real **c = (real **)(bs + count);
     for (int64_t i = 0; i < b; i++)
         for (int64_t h = 0; h < f->heads; h++) {
             int64_t at = i * f->heads + h;
-            const real *keys = p + i * n * r + h * y, *queries = keys + hy, *scores = f->scores + at * n * n;
-            a[at] = which == 0 ? keys : which == 1 ? queries : keys;
-            bs[at] = which == 0 ? queries : scores;
-            c[at] = which == 0 ? f->scores + at * n * n : out + i * n * r + (which == 1 ? 0 : hy) + h * y;
+            const real *keys = p + i * n * r + h * y, *queries = keys + hy, *scores = f->scores + at * n;
+            a[at] = which == 2 ? keys : queries;
+            bs[at] = which == 0 ? keys : scores;
+            c[at] = which == 0 ? f->scores + at * n : out + i * n * r + (which == 1 ? 0 : hy) + h * y;
         }
     if (f->gemm_batch != NULL) {
         const real one = 1, zero = 0;
@@ -134,28 +170,36 @@ static void head_products(const et_field *f, int64_t b, int which, const real *p
     for (int64_t at = 0; at < count; at++) gemm(f, ta, tb, m, n, which == 0 ? y : n, 1, a[at], lda, bs[at], ldb, c[at], ldc);
 }
 
-/* S_h over the keys of each query (row C of each (N, N) block of scores, contiguous over the keys B), of the b
- * samples' projections p, then the two per-head products into the coefficients. */
+/* S_h, the softmax over the keys of each query of beta_h K_k . Q_c (a query without a key: no attention), of the b
+ * samples' projections p, then the two per-head products into the coefficients; the scores' layout is
+ * head_products'. */
 static void attention(const et_field *f, int64_t b, const real *p, real *coef) {
-    int64_t n = f->tokens;
+    int64_t n = f->tokens, lanes = b * f->heads * n;
+    real *s = f->scores, *largest = s + n * lanes, *sum = largest + lanes, *beta = sum + lanes;
     head_products(f, b, 0, p, coef);
-    for (int64_t at = 0; at < b * f->heads; at++) {
-        real beta = f->beta[at % f->heads];
-        for (int64_t c = 0; c < n; c++) {
-            real *row = f->scores + (at * n + c) * n, largest = -INFINITY, sum = 0;
-            for (int64_t k = 0; k < n; k++) row[k] *= beta;
-            if (!f->self_attention) row[c] = -INFINITY;
-            for (int64_t k = 0; k < n; k++) largest = row[k] > largest || row[k] != row[k] ? row[k] : largest;
-            if (largest == -INFINITY) { /* a query without a key: no attention */
-                memset(row, 0, n * sizeof(real));
-                continue;
-            }
-            for (int64_t k = 0; k < n; k++) row[k] -= largest;
-            exp_nonpositive(row, n);
-            for (int64_t k = 0; k < n; k++) sum += row[k];
-            for (int64_t k = 0; k < n; k++) row[k] /= sum;
+    for (int64_t j = 0; j < lanes; j++) {
+        beta[j] = f->beta[(j / n) % f->heads];
+        largest[j] = -INFINITY;
+        sum[j] = 0;
+    }
+    if (!f->self_attention)
+        for (int64_t j = 0; j < lanes; j++) s[(j % n) * lanes + j] = -INFINITY;
+    for (int64_t k = 0; k < n; k++) {
+        real *row = s + k * lanes;
+        for (int64_t j = 0; j < lanes; j++) {
+            real v = row[j] * beta[j];
+            row[j] = v;
+            largest[j] = v > largest[j] || v != v ? v : largest[j];
         }
     }
+    for (int64_t j = 0; j < lanes; j++) largest[j] = largest[j] == -INFINITY ? 0 : largest[j]; /* (keyless: exp 0) */
+    for (int64_t k = 0; k < n; k++)
+        for (int64_t j = 0; j < lanes; j++) s[k * lanes + j] -= largest[j];
+    exp_nonpositive(s, n * lanes);
+    for (int64_t k = 0; k < n; k++)
+        for (int64_t j = 0; j < lanes; j++) sum[j] += s[k * lanes + j];
+    for (int64_t k = 0; k < n; k++)
+        for (int64_t j = 0; j < lanes; j++) s[k * lanes + j] = sum[j] != 0 ? s[k * lanes + j] / sum[j] : 0;
     head_products(f, b, 1, p, coef);
     head_products(f, b, 2, p, coef);
 }
@@ -220,14 +264,11 @@ static double rms_ratio(const et_solver *s, const real *err_weights, const real 
     int64_t m = s->width;
     real *err = s->stage;
     combine(m, s->stages, err_weights, k, NULL, err);
-    double total = 0;
     for (int64_t i = 0; i < m; i++) {
         real a = y0[i] < 0 ? -y0[i] : y0[i], b = y1[i] < 0 ? -y1[i] : y1[i];
-        real scale = (real)s->atol + (real)s->rtol * (a > b || b != b ? a : b);
-        real q = err[i] / scale;
-        total += (double)q * (double)q;
+        err[i] /= (real)s->atol + (real)s->rtol * (a > b || b != b ? a : b);
     }
-    return sqrt(total / (double)m);
+    return sqrt(squares_in_double(err, m) / (double)m);
 }
 
 /* One attempt of group g from y0 (first stage f0) at t of the size wanted: its stages in k, solution in y1, the
@@ -301,9 +342,13 @@ static void save_inside(const et_solver *s, int64_t g, double t, const real *y0,
 }
 
 static int all_finite(const real *y, int64_t m) {
-    for (int64_t i = 0; i < m; i++)
-        if (!isfinite(y[i])) return 0;
-    return 1;
+    real partial[LANES] = {0}, total = 0; /* 0 times each: NaN where one is NaN or infinite */
+    int64_t whole = m - m % LANES;
+    for (int64_t j = 0; j < whole; j += LANES)
+        for (int64_t l = 0; l < LANES; l++) partial[l] += y[j + l] * 0;
+    for (int64_t l = 0; l < LANES; l++) total += partial[l];
+    for (int64_t j = whole; j < m; j++) total += y[j] * 0;
+    return total == 0;
 }
 
 /* torchdiffeq's and diffrax's starting step of group g (one evaluation, into the stage workspace). */

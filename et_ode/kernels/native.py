@@ -149,11 +149,12 @@ def library(dtype: torch.dtype) -> tuple[ctypes.CDLL, tuple[int, int]] | None:
 
 def _scratch(sizes: tuple[int, ...], samples: int, like: Tensor) -> tuple[Tensor, Tensor]:
     """The field's workspace for ``samples`` samples a call (``sizes`` as :func:`_describe`'s): one flat tensor for
-    ``g`` ``(b N D)``, the projections and the coefficients ``(b N R)`` each and the scores ``(b H N N)``, and the table
+    ``g`` ``(b N D)``, the projections and the coefficients ``(b N R)`` each, the scores ``(N, b H N)`` and three
+    numbers per query ``(3, b H N)``, and the table
     of the per-head products' operands ``(3 b H)``."""
     n, d, heads, head_dim, memories = sizes[:5]
     rows, r = samples * n, 2 * heads * head_dim + memories
-    flat = like.new_empty(rows * d + 2 * rows * r + samples * heads * n * n)
+    flat = like.new_empty(rows * d + 2 * rows * r + (n + 3) * samples * heads * n)
     return flat, torch.empty(3 * samples * heads, dtype=torch.int64)
 
 

@@ -78,8 +78,9 @@ def test_the_c_field_is_the_energy_s_gradient_flow(
 
 
 def test_the_c_field_keeps_the_softmax_exact_where_its_terms_underflow() -> None:
-    """Scores spread over thousands (beta 40 and 25 on large states): most terms of each softmax underflow, to
-    subnormals and to 0, and the few that count give autograd's velocity to 1e-12."""
+    """Scores spread over thousands (beta 40 and 25 on large states): most terms of each softmax fall below e^-707,
+    which the C field's exp makes 0 (PyTorch's: subnormal or 0), and the few that count give autograd's velocity to
+    1e-12."""
     model = _model("identity", "softmax", False, [40.0, 25.0], F64)
     with torch.no_grad():
         model.hopfield.beta = 30.0

@@ -866,14 +866,15 @@ class _Loop:
         self, t: Tensor, dt: Tensor | None, y: Tensor, save_all: bool, keep_steps: bool, totals: tuple[Tensor, Tensor]
     ) -> tuple[Tensor, Tensor | None] | None:
         """The whole solve of the groups ``y`` ``(G, 1, M)`` from their times ``t`` ``(G,)`` (first step sizes ``dt``
-        ``(G,)``, or None: chosen; ``totals``: the progress callback's record) compiled (:func:`_whole_solve` on the
-        field's closed form), in calls of about :data:`CHUNK_SECONDS` each (:func:`_steps_per_call`), each going on
-        from the last one's end; the progress bar follows between them, and an interrupt lands there. After each call
-        the progress callback is called for each of its steps (at most :data:`LOGGED_STEPS` a call); with
-        ``keep_steps`` (the start of every accepted step kept), a step a call. Its steps, evaluations and failures
-        are recorded as the step-by-step loop records them; returns the final state ``x0``-shaped and, with
-        ``save_all``, the states at the grid's times ``(T, *x0.shape)`` (else None), or None (with a warning) where it
-        cannot be compiled: the loop then goes on step by step, uncompiled."""
+        ``(G,)``, or None: chosen; ``totals``: the progress callback's record) compiled (the native loop where it
+        runs the field, else :func:`_whole_solve` on the field's closed form under ``torch.compile``), in calls of
+        about :data:`CHUNK_SECONDS` each (:func:`_steps_per_call`), each going on from the last one's end; the
+        progress bar follows between them, and an interrupt lands there. After each call the progress callback is
+        called for each of its steps (at most :data:`LOGGED_STEPS` a call); with ``keep_steps`` (the start of every
+        accepted step kept), a step a call. Its steps, evaluations and failures are recorded as the step-by-step loop
+        records them; returns the final state ``x0``-shaped and, with ``save_all``, the states at the grid's times
+        ``(T, *x0.shape)`` (else None), or None (with a warning) where it cannot be compiled: the loop then goes on
+        step by step, uncompiled."""
         g = self.groups
         history = torch.ones((g, 2), dtype=torch.float64, device=self.device)
         times = (self.grid if save_all else self.grid[:0]).clone()  # (the end time is a view of the grid)
@@ -917,7 +918,8 @@ class _Loop:
         return NativeSolve.create(
             field.model,
             field.mask,
-            torch.empty(0, dtype=self.dtype, device=self.device),
+            self.dtype,
+            self.device,
             tau=field.tau,
             groups=self.groups,
             event=(self.samples_per_group, *self.x_shape[-2:]),
@@ -955,11 +957,11 @@ class _Loop:
         times: Tensor,
         may_fall_back: bool,
     ) -> _SolveEnd | None:
-        """One compiled call of :func:`_whole_solve`, of at most ``budget`` steps. Where it raises and
+        """One call of the native loop, or of :func:`_whole_solve` compiled, of at most ``budget`` steps. Where it raises and
         ``may_fall_back`` (nothing recorded yet), None, with a warning and the loop told not to compile again."""
         self.counting = False
         try:
-            with _threads_for(y):
+            with _threads_for(y if self.native is None else y[0]):  # (the native loop evaluates a group at a time)
                 if self.native is not None:
                     return _SolveEnd(*self.native(t, dt, history, y, f0, begin, budget, saved, times))
                 solve = _compiled_solve(self.device.type)

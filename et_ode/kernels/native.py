@@ -1,13 +1,14 @@
 """The native solve: an explicit embedded Runge-Kutta loop and the ET field's closed-form velocity in C (``native.c``).
 
-On the CPU, for an :class:`~et_ode.energy.model.EnergyTransformer` of the standard parts (an identity or LayerNorm
-neuron, :class:`~et_ode.energy.energies.EnergyAttention`, :class:`~et_ode.energy.energies.HopfieldMemory`, no mask),
-the whole solve runs in one C call: no dispatch of tensor operations between the field's matrix products, which go to
-the BLAS PyTorch itself links (its ``sgemm_``/``dgemm_``). The source is built once per machine with the system's C
-compiler (``$CC``, else ``cc`` or ``gcc``; ``-O3 -march=native``, so the CPU's own vector extensions, probed by the
-compiler) into a cache folder (``$ET_ODE_CACHE``, else ``$XDG_CACHE_HOME/et_ode`` or ``~/.cache/et_ode``), named by a
-hash of the source, the compiler, its flags and the CPU's feature flags. Without a compiler, the BLAS symbols or a
-passing probe, :meth:`NativeSolve.create` answers None and the caller goes on without.
+On the CPU, for an energy of an identity or LayerNorm neuron with one
+:class:`~et_ode.energy.energies.EnergyAttention` and one :class:`~et_ode.energy.energies.HopfieldMemory` (the ET's),
+without a mask, in float32 or float64 (:func:`supports`), the whole solve runs in C calls: no dispatch of tensor
+operations between the field's matrix products, which go to the BLAS PyTorch itself links (its ``sgemm_`` and
+``dgemm_``). The source is built once per machine with the system's C compiler (``$CC``, else ``cc`` or ``gcc``;
+``-O3 -march=native``, so the CPU's own vector extensions, probed by the compiler) into a cache folder
+(``$ET_ODE_CACHE``, else ``$XDG_CACHE_HOME/et_ode`` or ``~/.cache/et_ode``), named by a hash of the source, the
+compiler, its flags and the CPU's feature flags. Without a compiler, the BLAS symbols or a passing probe
+(:func:`library`), :meth:`NativeSolve.create` answers None and the caller goes on without.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from et_ode.energy.neurons import IdentityNeuron, LayerNormNeuron
 
 SOURCE = Path(__file__).with_name("native.c")
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared")
+BUILD_SECONDS = 120  # a build that takes longer is given up (the solve goes on without)
 _REALS = {torch.float32: ("float", "sgemm_", "sgemm_batch_"), torch.float64: ("double", "dgemm_", "dgemm_batch_")}
 _NEURONS = {IdentityNeuron: 0, LayerNormNeuron: 1}
 _HOPFIELD_FORMS = {"relu": 0, "softplus": 1, "softmax": 2}
@@ -86,7 +88,7 @@ def _cpu_flags() -> str:
 
 def _build(real: str) -> Path | None:
     """The library for ``real`` (``"float"`` or ``"double"``), built where the cache lacks it; None without a
-    compiler or where the build fails (logged)."""
+    compiler, or where the cache folder cannot be written or the build fails (logged)."""
     compiler = _compiler()
     if compiler is None:
         return None
@@ -95,14 +97,19 @@ def _build(real: str) -> Path | None:
     target = cache_folder() / "native" / f"et_native_{real}_{key}.so"
     if target.exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    with tempfile.TemporaryDirectory(dir=target.parent) as folder:
-        built = Path(folder) / target.name
-        result = subprocess.run([*command, "-o", str(built), str(SOURCE), "-lm"], capture_output=True, text=True)
-        if result.returncode != 0:
-            _LOG.info("native solve not built: %s", result.stderr.strip()[:500])
-            return None
-        os.replace(built, target)  # atomic: a concurrent build of the same key writes the same bytes
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        with tempfile.TemporaryDirectory(dir=target.parent) as folder:
+            built = Path(folder) / target.name
+            run = [*command, "-o", str(built), str(SOURCE), "-lm"]
+            result = subprocess.run(run, capture_output=True, text=True, timeout=BUILD_SECONDS)
+            if result.returncode != 0:
+                _LOG.info("native solve not built: %s", result.stderr.strip()[:500])
+                return None
+            os.replace(built, target)  # atomic: a concurrent build of the same key writes the same bytes
+    except (OSError, subprocess.TimeoutExpired) as error:
+        _LOG.info("native solve not built in %s: %s", target.parent, error)
+        return None
     return target
 
 
@@ -138,7 +145,12 @@ def library(dtype: torch.dtype) -> tuple[ctypes.CDLL, tuple[int, int]] | None:
     path = _build(real)
     if path is None:
         return None
-    lib = ctypes.CDLL(str(path))
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as error:  # (a damaged file in the cache: remove it, and the next process builds it again)
+        _LOG.info("native solve not loaded from %s: %s", path, error)
+        path.unlink(missing_ok=True)
+        return None
     lib.et_velocity.argtypes = [ctypes.c_void_p, _I64, ctypes.c_void_p, ctypes.c_void_p]
     lib.et_solve.argtypes = [ctypes.c_void_p] * 10 + [_I64, _I64]
     if not _probe(lib, blas, dtype):
@@ -207,18 +219,19 @@ def _parts(model: EnergyModel) -> tuple[EnergyAttention, HopfieldMemory] | None:
     return (attention[0], hopfield[0]) if len(parts) == 2 and len(attention) == len(hopfield) == 1 else None
 
 
-def supports(model: EnergyModel, mask: object, like: Tensor) -> bool:
-    """Whether the native solve computes the velocity of ``model`` with ``mask`` at states like ``like``: on the CPU,
-    in float32 or float64 (the model's), without a mask, for an identity or LayerNorm neuron and the interactions
-    :class:`~et_ode.energy.energies.EnergyAttention` and :class:`~et_ode.energy.energies.HopfieldMemory`, one each."""
+def supports(model: EnergyModel, mask: object, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the native solve computes the velocity of ``model`` with ``mask`` at states of ``dtype`` on
+    ``device``: on the CPU, in float32 or float64 (the model's), without a mask, for an identity or LayerNorm neuron
+    and the interactions :class:`~et_ode.energy.energies.EnergyAttention` and
+    :class:`~et_ode.energy.energies.HopfieldMemory`, one each."""
     parts = _parts(model)
     return (
         parts is not None
-        and like.device.type == "cpu"
-        and like.dtype in _REALS
+        and device.type == "cpu"
+        and dtype in _REALS
         and mask is None
         and type(model.neuron) in _NEURONS
-        and all(p.dtype == like.dtype and p.device == like.device for p in model.parameters())
+        and all(p.dtype == dtype and p.device == device for p in model.parameters())
     )
 
 
@@ -277,12 +290,14 @@ class NativeSolve:
         self.scratch = _scratch(self.sizes, self.samples, self.states)
 
     @classmethod
-    def create(cls, model: EnergyModel, mask: object, like: Tensor, **settings: object) -> NativeSolve | None:
-        """A native solve for states like ``like`` ``(G, 1, M)``, or None where :func:`supports` says no or
+    def create(
+        cls, model: EnergyModel, mask: object, dtype: torch.dtype, device: torch.device, **settings: object
+    ) -> NativeSolve | None:
+        """A native solve for states of ``dtype`` on ``device``, or None where :func:`supports` says no or
         :func:`library` has none; ``settings``: the constructor's other arguments."""
-        if not supports(model, mask, like):
+        if not supports(model, mask, dtype, device):
             return None
-        lib = library(like.dtype)
+        lib = library(dtype)
         return None if lib is None else cls(model, lib=lib, **settings)  # type: ignore[arg-type]
 
     def _field(self) -> tuple[_Field, tuple[Tensor, Tensor, Tensor]]:

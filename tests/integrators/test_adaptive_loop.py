@@ -676,42 +676,25 @@ SAVES_FIRST_STEPS_AND_WATCHED: list[tuple[str, float | None, Watcher]] = [
 
 @pytest.mark.parametrize(("step_control", "batch"), [("shared", 3), ("per_sample", 1), ("per_sample", 3)])
 @pytest.mark.parametrize(("save", "first_step", "watched"), SAVES_FIRST_STEPS_AND_WATCHED)
-def test_what_is_handed_to_the_compiler_integrates_the_field(
+@pytest.mark.parametrize(("engine", "chunk"), [("inductor", 0.0), ("native", 0.0), ("native", 1e6)])
+def test_a_compiled_solve_integrates_the_field(
     monkeypatch: pytest.MonkeyPatch,
     step_control: StepControl,
     batch: int,
     save: str,
     first_step: float | None,
     watched: Watcher,
-) -> None:
-    """What ``compile=True`` hands ``torch.compile``, run as it is, for shared steps and each sample's own: the whole
-    solve as one loop on the field's closed form, which writes the states at the saved times itself, in calls (here of
-    a step each), each going on from the last one's end, its evaluations counted by hand. The compiler itself is the
-    next test's (slow: minutes on a cold cache). The plain loop would agree too, so what was handed over is checked."""
-    handed = _engine(monkeypatch)
-    monkeypatch.setattr(adaptive_loop, "CHUNK_SECONDS", 0.0)  # (a step a call)
-    _check_compiled_solves(step_control, batch, save, first_step, watched)
-    assert len(handed["solve"]) > 8
-
-
-@pytest.mark.parametrize(("step_control", "batch"), [("shared", 3), ("per_sample", 1), ("per_sample", 3)])
-@pytest.mark.parametrize(("save", "first_step", "watched"), SAVES_FIRST_STEPS_AND_WATCHED)
-@pytest.mark.parametrize("chunk", [0.0, 1e6])
-def test_the_native_solve_integrates_the_plain_loop_s_solution(
-    monkeypatch: pytest.MonkeyPatch,
-    step_control: StepControl,
-    batch: int,
-    save: str,
-    first_step: float | None,
-    watched: Watcher,
+    engine: Engine,
     chunk: float,
 ) -> None:
-    """``compile=True`` on an ET without a mask runs the whole solve in C (a step a call, or all in one after a first
-    call of one step), its states at the saved times written by the method's interpolant: the plain loop's steps,
-    evaluations and float64 states, to the rounding of the C field's closed form."""
-    handed = _engine(monkeypatch, "native")
+    """``compile=True`` for shared steps and each sample's own: the whole solve as one loop on the field's closed
+    form, which writes the states at the saved times itself, in calls (a step each, or all steps in one after a first
+    call of one step), each going on from the last one's end, its evaluations counted by hand; on the native loop (the
+    C code itself), or as handed to ``torch.compile``, run as it is (the compiler itself is the slow test's: minutes
+    on a cold cache). The plain loop would agree too, so what ran is checked."""
+    handed = _engine(monkeypatch, engine)
     monkeypatch.setattr(adaptive_loop, "CHUNK_SECONDS", chunk)
-    _check_compiled_solves(step_control, batch, save, first_step, watched, engine="native")
+    _check_compiled_solves(step_control, batch, save, first_step, watched, engine)
     assert len(handed["solve"]) > (8 if chunk == 0.0 else 1)
 
 

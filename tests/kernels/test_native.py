@@ -7,6 +7,7 @@ import ctypes
 import logging
 import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -40,7 +41,7 @@ def _native_velocity(model: et_ode.EnergyModel, tau: float, x: torch.Tensor) -> 
     _needs_library(x.dtype)
     tableau = (torch.zeros(3, 2, dtype=F64), torch.zeros(2, 2, dtype=F64), 2)
     settings = dict(tau=tau, groups=1, event=tuple(x.shape), tableau=tableau, t_end=1.0, rtol=1e-6, atol=1e-6)
-    solve = native.NativeSolve.create(model, None, x, control=CONTROL, logged=1, **settings)  # type: ignore[arg-type]
+    solve = native.NativeSolve.create(model, None, x.dtype, x.device, control=CONTROL, logged=1, **settings)  # type: ignore[arg-type]
     assert solve is not None
     field, alive = solve._field()
     out = torch.empty_like(x)
@@ -77,6 +78,17 @@ def test_the_c_field_is_the_energy_s_gradient_flow(
     assert float((got - expected).norm() / expected.norm()) < tolerance
 
 
+@pytest.mark.parametrize("dim", [16, 40])
+def test_the_c_field_at_a_token_size_of_whole_and_partial_vectors(dim: int) -> None:
+    """Token sizes of whole blocks of 16 numbers and of two blocks and a rest (the C field's sums over a token run in
+    blocks of 16): autograd's velocity to 1e-12, three heads of size 5, 20 memories, 7 tokens, tau 1.3."""
+    model = random_model(dim, heads=3, head_dim=5, memories=20, eps=1e-4, beta=[0.2, 0.5, 1.1])
+    x = torch.randn(2, 7, dim, dtype=F64, generator=torch.Generator().manual_seed(5)) * 3 + 1
+    expected = et_ode.ETField(model, tau=1.3, derivative="autograd").velocity(x).detach()
+    got = _native_velocity(model, 1.3, x)
+    assert float((got - expected).norm() / expected.norm()) < 1e-12
+
+
 def test_the_c_field_keeps_the_softmax_exact_where_its_terms_underflow() -> None:
     """Scores spread over thousands (beta 40 and 25 on large states): most terms of each softmax fall below e^-707,
     which the C field's exp makes 0 (PyTorch's: subnormal or 0), and the few that count give autograd's velocity to
@@ -104,31 +116,32 @@ def test_what_the_native_solve_declines() -> None:
     """A mask, a state of another dtype or precision than float32/float64, another neuron or another interaction:
     :func:`~et_ode.kernels.native.supports` says no (the solve is then compiled by ``torch.compile``)."""
     model = random_model()
-    x = torch.zeros(2, 5, 8, dtype=F64)
-    assert native.supports(model, None, x)
-    assert not native.supports(model, torch.ones(5, 5, dtype=torch.bool), x)
-    assert not native.supports(model, None, x.float())
-    assert not native.supports(random_model(dtype=torch.bfloat16), None, x.bfloat16())
+    cpu = torch.device("cpu")
+    assert native.supports(model, None, F64, cpu)
+    assert not native.supports(model, torch.ones(5, 5, dtype=torch.bool), F64, cpu)
+    assert not native.supports(model, None, torch.float32, cpu)
+    assert not native.supports(random_model(dtype=torch.bfloat16), None, torch.bfloat16, cpu)
+    assert not native.supports(model, None, F64, torch.device("meta"))
     extra = et_ode.EnergyModel(
         model.neuron, {"attention": model.attention, "hopfield": model.hopfield, "again": model.hopfield}
     )
-    assert not native.supports(extra, None, x)
+    assert not native.supports(extra, None, F64, cpu)
     alone = et_ode.EnergyModel(model.neuron, {"hopfield": model.hopfield})
-    assert not native.supports(alone, None, x)
+    assert not native.supports(alone, None, F64, cpu)
 
     class Scaled(et_ode.LayerNormNeuron):
         pass
 
-    assert not native.supports(et_ode.EnergyModel(Scaled(8).double(), model.interactions), None, x)
+    assert not native.supports(et_ode.EnergyModel(Scaled(8).double(), model.interactions), None, F64, cpu)
 
 
-def test_the_library_is_built_once_into_the_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: object) -> None:
+def test_the_library_is_built_once_into_the_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """Built into ``$ET_ODE_CACHE`` under a name that hashes the source, the command and the CPU; a second build of
     the same finds it there and runs no compiler."""
     _needs_library()
     monkeypatch.setenv("ET_ODE_CACHE", str(tmp_path))
     built = native._build("double")
-    assert built is not None and built.parent == tmp_path / "native" and built.exists()  # type: ignore[operator]
+    assert built is not None and built.parent == tmp_path / "native" and built.exists()
 
     def no_compiler(*arguments: object, **settings: object) -> None:
         raise AssertionError("compiled again")
@@ -140,7 +153,7 @@ def test_the_library_is_built_once_into_the_cache(monkeypatch: pytest.MonkeyPatc
 @pytest.mark.usefixtures("fresh_library")
 @pytest.mark.parametrize("compiler", ["/nowhere/cc", "false"])
 def test_without_a_working_compiler_the_solve_is_compiled_by_torch(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: object, compiler: str
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, compiler: str
 ) -> None:
     """No C compiler (``$CC`` not found), or one that fails (logged): no library, and ``compile=True`` hands the
     solve to ``torch.compile`` (here run as it is), with the plain loop's steps."""
@@ -185,3 +198,27 @@ def test_the_probe_rejects_a_blas_that_computes_other_numbers(batched: bool) -> 
     single, single_batch = native._blas_symbol("sgemm_"), native._blas_symbol("sgemm_batch_")
     assert native._probe(lib, (product, batch if batched else 0), F64)
     assert not native._probe(lib, (single, single_batch if batched else 0), F64)
+
+
+def test_an_unwritable_cache_folder_leaves_the_native_solve_unused(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """``$ET_ODE_CACHE`` naming a file, where no folder can be made: no library (logged), no error."""
+    _needs_library()
+    blocked = tmp_path / "a file"
+    blocked.write_text("")
+    monkeypatch.setenv("ET_ODE_CACHE", str(blocked))
+    assert native._build("double") is None
+
+
+@pytest.mark.usefixtures("fresh_library")
+def test_a_damaged_library_in_the_cache_is_removed(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A cached library that does not load (here overwritten with text): the solve goes on without it, and the file
+    is removed, so that the next process builds it again."""
+    _needs_library()
+    monkeypatch.setenv("ET_ODE_CACHE", str(tmp_path))
+    built = native._build("double")
+    assert built is not None
+    built.write_text("not a library")
+    native.library.cache_clear()  # (_needs_library looked it up in the usual cache)
+    assert native.library(F64) is None and not built.exists()
+    native.library.cache_clear()
+    assert native.library(F64) is not None and built.exists()

@@ -71,7 +71,7 @@ static void gemm(const et_field *f, char ta, char tb, int64_t m, int64_t n, int6
 /* exp(x) for x <= 0 (the softmax's shifted arguments, -inf included) in a loop the compiler vectorises, in the
  * state's precision: x = n ln 2 + f, |f| <= ln(2) / 2 (ln 2 in two parts, so that f is exact), e^f by its Taylor
  * polynomial (to f^7 in float, f^13 in double: truncation below a tenth of the epsilon), times 2^n. Below e^-86 in
- * float (e^-707 in double) it is 0 rather than a subnormal number, which the CPU computes a hundred times slower:
+ * float (e^-707 in double) it is 0 rather than a subnormal number, which the CPU computes many times slower:
  * in a softmax such a term weighs less than the smallest normal number against the row's largest, which is 1. */
 #define EXP_TERMS (sizeof(real) == 4 ? 8 : 14)
 static const real INVERSE_FACTORIALS[14] = {
@@ -167,7 +167,8 @@ static void head_products(const et_field *f, int64_t b, int which, const real *p
         f->gemm_batch(&ta, &tb, &m, &n, which == 0 ? &y : &n, &one, a, &lda, bs, &ldb, &zero, c, &ldc, &size, &count);
         return;
     }
-    for (int64_t at = 0; at < count; at++) gemm(f, ta, tb, m, n, which == 0 ? y : n, 1, a[at], lda, bs[at], ldb, c[at], ldc);
+    for (int64_t at = 0; at < count; at++)
+        gemm(f, ta, tb, m, n, which == 0 ? y : n, 1, a[at], lda, bs[at], ldb, c[at], ldc);
 }
 
 /* S_h, the softmax over the keys of each query of beta_h K_k . Q_c (a query without a key: no attention), of the b
@@ -245,8 +246,6 @@ void et_velocity(const et_field *f, int64_t b, const real *x, real *out) {
 
 /* ---- the loop ---------------------------------------------------------------------------------------------- */
 
-static double power(double base, double exponent) { return pow(base, exponent); }
-
 /* into = y0 + sum_j weights[j] k_j over j < count (the sum first, then y0: as a batched product adds its input);
  * y0 NULL: the sum alone. Loops along the state, which the compiler vectorises. */
 static void combine(int64_t m, int64_t count, const real *weights, const real *k, const real *y0, real *into) {
@@ -282,7 +281,7 @@ static void attempt(const et_field *f, const et_solver *s, int64_t g, double t, 
     double dt = last ? remaining : wanted;
     s->step[g] = dt;
     s->t1[g] = last ? s->t_end : t + dt;
-    real h = (real)dt, weights[64];
+    real h = (real)dt, weights[64]; /* (a tableau has at most 64 stages) */
     memcpy(k, f0, m * sizeof(real));
     for (int64_t i = 1; i < stages; i++) {
         real *input = i == stages - 1 ? y1 : s->stage;
@@ -294,12 +293,12 @@ static void attempt(const et_field *f, const et_solver *s, int64_t g, double t, 
     double ratio = rms_ratio(s, weights, k, y0, y1);
     s->ratio[g] = ratio;
     int accepted = ratio <= 1;
-    double factor = s->safety * power(ratio, -(s->pcoeff + s->icoeff + s->dcoeff) / s->error_order);
+    double factor = s->safety * pow(ratio, -(s->pcoeff + s->icoeff + s->dcoeff) / s->error_order);
     double kept0 = history[0], kept1 = history[1];
     if (s->pcoeff != 0 || s->dcoeff != 0) {
         double inverse = 1 / ratio;
-        factor = factor * power(history[0], -(s->pcoeff + 2 * s->dcoeff) / s->error_order) *
-                 power(history[1], s->dcoeff / s->error_order);
+        factor = factor * pow(history[0], -(s->pcoeff + 2 * s->dcoeff) / s->error_order) *
+                 pow(history[1], s->dcoeff / s->error_order);
         if (accepted) {
             kept1 = history[0];
             kept0 = inverse == 0 || isinf(inverse) ? 1.0 : inverse;
@@ -374,7 +373,7 @@ static double first_step(const et_field *f, const et_solver *s, const real *y0, 
     }
     d2 = sqrt(d2 / (double)m) / h0;
     double largest = d1 > d2 ? d1 : d2;
-    double h1 = largest <= 1e-15 ? (h0 * 1e-3 > 1e-6 ? h0 * 1e-3 : 1e-6) : power(0.01 / largest, 1.0 / s->error_order);
+    double h1 = largest <= 1e-15 ? (h0 * 1e-3 > 1e-6 ? h0 * 1e-3 : 1e-6) : pow(0.01 / largest, 1.0 / s->error_order);
     return 100.0 * h0 < h1 ? 100.0 * h0 : h1;
 }
 

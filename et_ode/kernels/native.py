@@ -171,9 +171,12 @@ def _scratch(sizes: tuple[int, ...], samples: int, like: Tensor) -> tuple[Tensor
 
 
 def _describe(
-    sizes: tuple[int, ...], numbers: tuple[float, ...], tensors: tuple[Tensor, Tensor, Tensor],
-    scratch: tuple[Tensor, Tensor], blas: tuple[int, int],
-) -> _Field:  # fmt: skip
+    sizes: tuple[int, ...],
+    numbers: tuple[float, ...],
+    tensors: tuple[Tensor, Tensor, Tensor],
+    scratch: tuple[Tensor, Tensor],
+    blas: tuple[int, int],
+) -> _Field:
     """The field's description: ``sizes`` (tokens, dim, heads, head_dim, memories, neuron, Hopfield form,
     self-attention), ``numbers`` (gamma, eps, Hopfield beta, tau), ``tensors`` (the stacked weights ``(R, D)``, delta
     ``(D,)``, beta ``(H,)``), ``scratch`` (:func:`_scratch`'s); it points into them: keep them alive while it is used."""
@@ -250,6 +253,9 @@ class NativeSolve:
         control: ``(pcoeff, icoeff, dcoeff, safety, factor_min, factor_max)``.
         logged: the number of steps whose times each call logs.
         lib: :func:`library`'s answer for the model's dtype.
+
+    Raises:
+        ValueError: ``model`` is not of the parts the native loop computes (:func:`supports`).
     """
 
     def __init__(
@@ -267,7 +273,11 @@ class NativeSolve:
         lib: tuple[ctypes.CDLL, tuple[int, int]],
     ):
         parts = _parts(model)
-        assert parts is not None, "NativeSolve: the model's parts are not the native loop's (see supports)"
+        if parts is None or type(model.neuron) not in _NEURONS:
+            message = (
+                "the native loop computes an identity or LayerNorm neuron with one EnergyAttention and one HopfieldMemory"
+            )
+            raise ValueError(f"model: {message}")
         self.model, self.parts, self.tau, self.groups, self.logged = model, parts, tau, groups, logged
         (self.lib, self.blas), (self.samples, tokens, dim) = lib, event
         attention, hopfield = parts
@@ -279,11 +289,10 @@ class NativeSolve:
         self.numbers = torch.empty(6 * groups, dtype=torch.float64)  # ratio, step, t1, next dt (G) each, history (G, 2)
         size = self.states.element_size()
         state_at = [self.states.data_ptr() + i * width * size for i in (0, groups * stages, groups * stages + groups)]
-        numbers_at = [self.numbers.data_ptr() + i * groups * 8 for i in range(5)]
-        self.solver = _Solver(
-            groups, self.samples, stages, 0, logged, self.dense.shape[1] - 1, width, t_end, rtol, atol, float(order),
-            *control, self.matrix.data_ptr(), self.dense.data_ptr(), 0, *state_at, *numbers_at,
-        )  # fmt: skip
+        numbers_at = [self.numbers.data_ptr() + i * groups * self.numbers.element_size() for i in range(5)]
+        sizes = (groups, self.samples, stages, 0, logged, self.dense.shape[1] - 1, width)
+        settings = (t_end, rtol, atol, float(order), *control)
+        self.solver = _Solver(*sizes, *settings, self.matrix.data_ptr(), self.dense.data_ptr(), 0, *state_at, *numbers_at)
         neuron, form = _NEURONS[type(model.neuron)], _HOPFIELD_FORMS[hopfield.form]
         head = (attention.heads, attention.head_dim, hopfield.memories)
         self.sizes = (tokens, dim, *head, neuron, form, int(attention.self_attention))
@@ -316,9 +325,17 @@ class NativeSolve:
         return _describe(self.sizes, numbers, tensors, self.scratch, self.blas), tensors
 
     def __call__(
-        self, t: Tensor, dt: Tensor, history: Tensor, y: Tensor, f0: Tensor, begin: int, budget: int, saved: Tensor,
+        self,
+        t: Tensor,
+        dt: Tensor,
+        history: Tensor,
+        y: Tensor,
+        f0: Tensor,
+        begin: int,
+        budget: int,
+        saved: Tensor,
         times: Tensor,
-    ) -> tuple[Tensor, ...]:  # fmt: skip
+    ) -> tuple[Tensor, ...]:
         """One call: ``_whole_solve``'s arguments (``begin`` and ``budget`` as ints), its results as a tuple (new
         tensors; the arguments are left as they are)."""
         field, alive = self._field()

@@ -113,8 +113,9 @@ def test_a_lone_token_without_self_attention_has_no_attention() -> None:
 
 
 def test_what_the_native_solve_declines() -> None:
-    """A mask, a state of another dtype or precision than float32/float64, another neuron or another interaction:
-    :func:`~et_ode.kernels.native.supports` says no (the solve is then compiled by ``torch.compile``)."""
+    """A mask, a state of another dtype or precision than float32/float64, another device, another neuron or another
+    interaction: :func:`~et_ode.kernels.native.supports` says no (the solve is then compiled by ``torch.compile``),
+    and the native solve itself, made for such a model, raises a ValueError naming it."""
     model = random_model()
     cpu = torch.device("cpu")
     assert native.supports(model, None, F64, cpu)
@@ -128,6 +129,10 @@ def test_what_the_native_solve_declines() -> None:
     assert not native.supports(extra, None, F64, cpu)
     alone = et_ode.EnergyModel(model.neuron, {"hopfield": model.hopfield})
     assert not native.supports(alone, None, F64, cpu)
+    tableau = (torch.zeros(3, 2, dtype=F64), torch.zeros(2, 2, dtype=F64), 2)
+    settings = dict(tau=1.0, groups=1, event=(1, 5, 8), tableau=tableau, t_end=1.0, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="model: the native loop computes"):
+        native.NativeSolve(alone, control=CONTROL, logged=1, lib=(ctypes.CDLL(None), (0, 0)), **settings)  # type: ignore[arg-type]
 
     class Scaled(et_ode.LayerNormNeuron):
         pass

@@ -10,6 +10,7 @@ import torch
 
 import et_ode
 from et_ode.backend import runtime
+from et_ode.kernels import native
 
 # The test problems are tiny: one intra-op thread avoids OpenMP wake-up latency, which dominates them
 # (and explodes when the cores are shared).
@@ -26,6 +27,14 @@ def _solve_progress_off() -> Iterator[None]:
     runtime.show_solve_progress(False)
     yield
     runtime.show_solve_progress(False)
+
+
+@pytest.fixture
+def fresh_library() -> Iterator[None]:
+    """The native loop's library looked up again in the test (its environment patched) and after it."""
+    native.library.cache_clear()
+    yield
+    native.library.cache_clear()
 
 
 def random_model(

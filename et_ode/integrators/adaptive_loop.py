@@ -961,9 +961,10 @@ class _Loop:
         ``may_fall_back`` (nothing recorded yet), None, with a warning and the loop told not to compile again."""
         self.counting = False
         try:
+            threads = torch.get_num_threads()
             with _threads_for(y if self.native is None else y[0]):  # (the native loop evaluates a group at a time)
-                if self.native is not None:
-                    return _SolveEnd(*self.native(t, dt, history, y, f0, begin, budget, saved, times))
+                if self.native is not None:  # (its groups on the process's threads, each group on one)
+                    return _SolveEnd(*self.native(t, dt, history, y, f0, begin, budget, saved, times, threads))
                 solve = _compiled_solve(self.device.type)
                 begin_at, budget_at = (torch.tensor(number, device=self.device) for number in (begin, budget))
                 return solve(self, t, dt, history, y, f0, begin_at, budget_at, saved, times)

@@ -10,6 +10,9 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #ifndef REAL
 #define REAL float
@@ -58,7 +61,7 @@ typedef struct {
     const real *matrix;       /* (S + 1, S): stage inputs (rows 0 .. S-2), error (row S-1) */
     const real *dense;        /* (S, degree + 1): y(t0 + theta h) = y0 + h sum_j b_j(theta) k_j */
     const double *out_times;  /* (T) */
-    real *k, *y1, *stage;     /* workspace: (G, S, M), (G, M), (M) */
+    real *k, *y1, *stage;     /* workspace: (G, S, M), (G, M), (threads, M) */
     double *ratio, *step, *t1, *next_dt, *history; /* workspace: (G), (G), (G), (G), (G, 2) */
 } et_solver;
 
@@ -259,9 +262,9 @@ static void combine(int64_t m, int64_t count, const real *weights, const real *k
         for (int64_t e = 0; e < m; e++) into[e] += y0[e];
 }
 
-static double rms_ratio(const et_solver *s, const real *err_weights, const real *k, const real *y0, const real *y1) {
+static double rms_ratio(const et_solver *s, const real *err_weights, const real *k, const real *y0, const real *y1,
+                        real *err) {
     int64_t m = s->width;
-    real *err = s->stage;
     combine(m, s->stages, err_weights, k, NULL, err);
     for (int64_t i = 0; i < m; i++) {
         real a = y0[i] < 0 ? -y0[i] : y0[i], b = y1[i] < 0 ? -y1[i] : y1[i];
@@ -271,9 +274,9 @@ static double rms_ratio(const et_solver *s, const real *err_weights, const real 
 }
 
 /* One attempt of group g from y0 (first stage f0) at t of the size wanted: its stages in k, solution in y1, the
- * error ratio, the step's size and end, the controller's next step and history. */
-static void attempt(const et_field *f, const et_solver *s, int64_t g, double t, double wanted, const double *history,
-                    const real *y0, const real *f0) {
+ * error ratio, the step's size and end, the controller's next step and history; stage: workspace (M). */
+static void attempt(const et_field *f, const et_solver *s, real *stage, int64_t g, double t, double wanted,
+                    const double *history, const real *y0, const real *f0) {
     int64_t m = s->width, stages = s->stages;
     real *k = s->k + g * stages * m, *y1 = s->y1 + g * m;
     double remaining = s->t_end - t;
@@ -284,13 +287,13 @@ static void attempt(const et_field *f, const et_solver *s, int64_t g, double t, 
     real h = (real)dt, weights[64]; /* (a tableau has at most 64 stages) */
     memcpy(k, f0, m * sizeof(real));
     for (int64_t i = 1; i < stages; i++) {
-        real *input = i == stages - 1 ? y1 : s->stage;
+        real *input = i == stages - 1 ? y1 : stage;
         for (int64_t j = 0; j < i; j++) weights[j] = h * s->matrix[(i - 1) * stages + j];
         combine(m, i, weights, k, y0, input);
         et_velocity(f, s->samples, input, k + i * m);
     }
     for (int64_t j = 0; j < stages; j++) weights[j] = h * s->matrix[(stages - 1) * stages + j];
-    double ratio = rms_ratio(s, weights, k, y0, y1);
+    double ratio = rms_ratio(s, weights, k, y0, y1, stage);
     s->ratio[g] = ratio;
     int accepted = ratio <= 1;
     double factor = s->safety * pow(ratio, -(s->pcoeff + s->icoeff + s->dcoeff) / s->error_order);
@@ -350,8 +353,9 @@ static int all_finite(const real *y, int64_t m) {
     return total == 0;
 }
 
-/* torchdiffeq's and diffrax's starting step of group g (one evaluation, into the stage workspace). */
-static double first_step(const et_field *f, const et_solver *s, const real *y0, const real *f0) {
+/* torchdiffeq's and diffrax's starting step of group g (one evaluation; stage: workspace (M)). */
+static double first_step(const et_field *f, const et_solver *s, real *stage, int64_t g, const real *y0,
+                         const real *f0) {
     int64_t m = s->width;
     double d0 = 0, d1 = 0, d2 = 0;
     for (int64_t i = 0; i < m; i++) {
@@ -363,9 +367,9 @@ static double first_step(const et_field *f, const et_solver *s, const real *y0, 
     d0 = sqrt(d0 / (double)m);
     d1 = sqrt(d1 / (double)m);
     real h0 = d0 < 1e-5 || d1 < 1e-5 ? (real)1e-6 : (real)(0.01 * d0 / d1);
-    for (int64_t i = 0; i < m; i++) s->stage[i] = y0[i] + h0 * f0[i];
-    real *f1 = s->y1; /* (the first group's solution workspace, free before a step) */
-    et_velocity(f, s->samples, s->stage, f1);
+    for (int64_t i = 0; i < m; i++) stage[i] = y0[i] + h0 * f0[i];
+    real *f1 = s->y1 + g * m; /* (the group's solution workspace, free before a step) */
+    et_velocity(f, s->samples, stage, f1);
     for (int64_t i = 0; i < m; i++) {
         real scale = (real)s->atol + (y0[i] < 0 ? -y0[i] : y0[i]) * (real)s->rtol;
         real c = (f1[i] - f0[i]) / scale;
@@ -377,29 +381,84 @@ static double first_step(const et_field *f, const et_solver *s, const real *y0, 
     return 100.0 * h0 < h1 ? 100.0 * h0 : h1;
 }
 
+/* The flags of one round of attempts: whether a group was active, stalled, stepped backwards, and all states finite. */
+typedef struct {
+    int active, stalled, backwards, finite;
+} round_flags;
+
+/* The first stage of group g, and with begin > 1 its first step (on thread `thread`'s workspace). */
+static void start_group(const et_field *fields, const et_solver *s, int thread, int64_t g, int64_t begin, double *dt,
+                        const real *y, real *f0) {
+    int64_t m = s->width;
+    et_velocity(fields + thread, s->samples, y + g * m, f0 + g * m);
+    if (begin > 1) dt[g] = first_step(fields + thread, s, s->stage + thread * m, g, y + g * m, f0 + g * m);
+}
+
+/* The attempt of group g, where it is active, with its flags added to `flags`. */
+static void attempt_group(const et_field *fields, const et_solver *s, int thread, int64_t g, const double *t,
+                          const double *dt, const double *history, const real *y, const real *f0, round_flags *flags) {
+    int64_t m = s->width;
+    if (!(t[g] < s->t_end)) return;
+    attempt(fields + thread, s, s->stage + thread * m, g, t[g], dt[g], history + 2 * g, y + g * m, f0 + g * m);
+    int behind = s->t1[g] <= t[g];
+    flags->active = 1;
+    flags->backwards |= behind;
+    flags->stalled |= behind || isnan(s->ratio[g]);
+    flags->finite &= all_finite(y + g * m, m);
+}
+
+/* One round of every active group's attempt: with team > 1 (built with OpenMP), the groups on that many threads, a
+ * group on one (a parallel region only then: a library called inside one runs on one thread). */
+static round_flags attempt_round(const et_field *fields, const et_solver *s, int team, const double *t,
+                                 const double *dt, const double *history, const real *y, const real *f0) {
+    round_flags flags = {0, 0, 0, 1};
+    if (team > 1) {
+#ifdef _OPENMP
+        int active = 0, stalled = 0, backwards = 0, finite = 1;
+#pragma omp parallel for num_threads(team) schedule(dynamic, 1) reduction(| : active, stalled, backwards) \
+    reduction(& : finite)
+        for (int64_t g = 0; g < s->groups; g++) {
+            round_flags own = {0, 0, 0, 1};
+            attempt_group(fields, s, omp_get_thread_num(), g, t, dt, history, y, f0, &own);
+            active |= own.active;
+            stalled |= own.stalled;
+            backwards |= own.backwards;
+            finite &= own.finite;
+        }
+        round_flags joined = {active, stalled, backwards, finite};
+        return joined;
+#endif
+    }
+    for (int64_t g = 0; g < s->groups; g++) attempt_group(fields, s, 0, g, t, dt, history, y, f0, &flags);
+    return flags;
+}
+
 /* The solve of et_ode.integrators.adaptive_loop._whole_solve, in place on its state: t (G), dt (G), history (G, 2),
- * y and f0 (G, M), saved (T, G, M), log (logged, G); counters: steps, groups' steps tried and accepted, failed. */
-void et_solve(const et_field *f, const et_solver *s, double *t, double *dt, double *history, real *y, real *f0,
-              real *saved, double *log, int64_t *counters, int64_t begin, int64_t budget) {
+ * y and f0 (G, M), saved (T, G, M), log (logged, G); counters: steps, groups' steps tried and accepted, failed.
+ * fields: one description of the field per thread (each with its own workspace); with several groups, their
+ * attempts run on up to `threads` threads (built with OpenMP), a group on one. */
+void et_solve(const et_field *fields, const et_solver *s, int64_t threads, double *t, double *dt, double *history,
+              real *y, real *f0, real *saved, double *log, int64_t *counters, int64_t begin, int64_t budget) {
     int64_t groups = s->groups, m = s->width, stages = s->stages;
-    for (int64_t g = 0; g < groups && begin > 0; g++) {
-        et_velocity(f, s->samples, y + g * m, f0 + g * m);
-        if (begin > 1) dt[g] = first_step(f, s, y + g * m, f0 + g * m);
+#ifdef _OPENMP
+    int team = (int)(threads < groups ? threads : groups);
+#else
+    int team = 1;
+    (void)threads;
+#endif
+    if (begin > 0 && team > 1) {
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(team) schedule(dynamic, 1)
+        for (int64_t g = 0; g < groups; g++) start_group(fields, s, omp_get_thread_num(), g, begin, dt, y, f0);
+#endif
+    } else if (begin > 0) {
+        for (int64_t g = 0; g < groups; g++) start_group(fields, s, 0, g, begin, dt, y, f0);
     }
     counters[0] = counters[1] = counters[2] = counters[3] = 0;
     while (counters[0] < budget) {
-        int any_active = 0, stalled = 0, backwards = 0, finite = 1;
-        for (int64_t g = 0; g < groups; g++) {
-            if (!(t[g] < s->t_end)) continue;
-            any_active = 1;
-            attempt(f, s, g, t[g], dt[g], history + 2 * g, y + g * m, f0 + g * m);
-            int behind = s->t1[g] <= t[g];
-            backwards |= behind;
-            stalled |= behind || isnan(s->ratio[g]);
-            finite &= all_finite(y + g * m, m);
-        }
-        if (!any_active) break;
-        int failed = stalled && (backwards || !finite);
+        round_flags flags = attempt_round(fields, s, team, t, dt, history, y, f0);
+        if (!flags.active) break;
+        int failed = flags.stalled && (flags.backwards || !flags.finite);
         for (int64_t g = 0; g < groups; g++) {
             if (t[g] < s->t_end) {
                 int moves = s->ratio[g] <= 1 && !failed;

@@ -34,6 +34,7 @@ from et_ode.energy.neurons import IdentityNeuron, LayerNormNeuron
 
 SOURCE = Path(__file__).with_name("native.c")
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared")
+OPENMP = ("-fopenmp",)  # the groups of a per-sample solve on several threads, where the compiler has it
 BUILD_SECONDS = 120  # a build that takes longer is given up (the solve goes on without)
 _REALS = {torch.float32: ("float", "sgemm_", "sgemm_batch_"), torch.float64: ("double", "dgemm_", "dgemm_batch_")}
 _NEURONS = {IdentityNeuron: 0, LayerNormNeuron: 1}
@@ -87,16 +88,24 @@ def _cpu_flags() -> str:
 
 
 def _build(real: str) -> Path | None:
-    """The library for ``real`` (``"float"`` or ``"double"``), built where the cache lacks it; None without a
-    compiler, or where the cache folder cannot be written or the build fails (logged)."""
+    """The library for ``real`` (``"float"`` or ``"double"``), built where the cache lacks it, with OpenMP where the
+    compiler has it (else without); None without a compiler, or where the cache folder cannot be written or the build
+    fails (logged)."""
     compiler = _compiler()
     if compiler is None:
         return None
-    command = [compiler, *FLAGS, f"-DREAL={real}"]
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), *command, _cpu_flags()]).encode()).hexdigest()[:20]
-    target = cache_folder() / "native" / f"et_native_{real}_{key}.so"
-    if target.exists():
-        return target
+    for extra in (OPENMP, ()):
+        command = [compiler, *FLAGS, *extra, f"-DREAL={real}"]
+        key = hashlib.sha256("\n".join([SOURCE.read_text(), *command, _cpu_flags()]).encode()).hexdigest()[:20]
+        target = cache_folder() / "native" / f"et_native_{real}_{key}.so"
+        if target.exists() or _compile(command, target):
+            return target
+    return None
+
+
+def _compile(command: list[str], target: Path) -> bool:
+    """Whether ``command`` (a compiler and its flags) built the source into ``target`` (atomically; logged where
+    not)."""
     try:
         target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         with tempfile.TemporaryDirectory(dir=target.parent) as folder:
@@ -104,13 +113,13 @@ def _build(real: str) -> Path | None:
             run = [*command, "-o", str(built), str(SOURCE), "-lm"]
             result = subprocess.run(run, capture_output=True, text=True, timeout=BUILD_SECONDS)
             if result.returncode != 0:
-                _LOG.info("native solve not built: %s", result.stderr.strip()[:500])
-                return None
+                _LOG.info("native solve not built with %s: %s", " ".join(command[1:]), result.stderr.strip()[:500])
+                return False
             os.replace(built, target)  # atomic: a concurrent build of the same key writes the same bytes
     except (OSError, subprocess.TimeoutExpired) as error:
         _LOG.info("native solve not built in %s: %s", target.parent, error)
-        return None
-    return target
+        return False
+    return True
 
 
 def _blas_symbol(name: str) -> int:
@@ -152,7 +161,7 @@ def library(dtype: torch.dtype) -> tuple[ctypes.CDLL, tuple[int, int]] | None:
         path.unlink(missing_ok=True)
         return None
     lib.et_velocity.argtypes = [ctypes.c_void_p, _I64, ctypes.c_void_p, ctypes.c_void_p]
-    lib.et_solve.argtypes = [ctypes.c_void_p] * 10 + [_I64, _I64]
+    lib.et_solve.argtypes = [ctypes.c_void_p, ctypes.c_void_p, _I64, *[ctypes.c_void_p] * 8, _I64, _I64]
     if not _probe(lib, blas, dtype):
         _LOG.info("native solve not used: its velocity does not match PyTorch's with %s", product)
         return None
@@ -285,7 +294,9 @@ class NativeSolve:
         matrix, dense, order = tableau
         self.matrix, self.dense = matrix.to(dtype).contiguous(), dense.to(dtype).contiguous()
         stages, width = self.matrix.shape[1], self.samples * tokens * dim
-        self.states = torch.empty((groups * stages + groups + 1) * width, dtype=dtype)  # k (G, S, M), y1 (G, M), (M)
+        self.threads = max(1, min(groups, torch.get_num_threads()))  # (each with its own workspace)
+        # k (G, S, M), y1 (G, M), a stage input per thread (threads, M)
+        self.states = torch.empty((groups * stages + groups + self.threads) * width, dtype=dtype)
         self.numbers = torch.empty(6 * groups, dtype=torch.float64)  # ratio, step, t1, next dt (G) each, history (G, 2)
         size = self.states.element_size()
         state_at = [self.states.data_ptr() + i * width * size for i in (0, groups * stages, groups * stages + groups)]
@@ -296,7 +307,7 @@ class NativeSolve:
         neuron, form = _NEURONS[type(model.neuron)], _HOPFIELD_FORMS[hopfield.form]
         head = (attention.heads, attention.head_dim, hopfield.memories)
         self.sizes = (tokens, dim, *head, neuron, form, int(attention.self_attention))
-        self.scratch = _scratch(self.sizes, self.samples, self.states)
+        self.scratch = [_scratch(self.sizes, self.samples, self.states) for _ in range(self.threads)]
 
     @classmethod
     def create(
@@ -309,9 +320,9 @@ class NativeSolve:
         lib = library(dtype)
         return None if lib is None else cls(model, lib=lib, **settings)  # type: ignore[arg-type]
 
-    def _field(self) -> tuple[_Field, tuple[Tensor, Tensor, Tensor]]:
-        """The field's description with the model's weights at the call, and the weights it points into (keep
-        them alive while it is used)."""
+    def _field(self) -> tuple[ctypes.Array[_Field], tuple[Tensor, Tensor, Tensor]]:
+        """The field's description with the model's weights at the call, one per thread (each with its workspace),
+        and the weights they point into (keep them alive while they are used)."""
         (attention, hopfield), neuron = self.parts, self.model.neuron
         with torch.no_grad():
             d = attention.dim
@@ -322,7 +333,8 @@ class NativeSolve:
                 gamma, eps, delta = 1.0, 0.0, w.new_zeros(d)
         tensors = (w, delta, attention.beta.to(w.dtype))
         numbers = (gamma, eps, float(hopfield.beta), float(self.tau))
-        return _describe(self.sizes, numbers, tensors, self.scratch, self.blas), tensors
+        fields = [_describe(self.sizes, numbers, tensors, scratch, self.blas) for scratch in self.scratch]
+        return (_Field * self.threads)(*fields), tensors
 
     def __call__(
         self,
@@ -335,10 +347,12 @@ class NativeSolve:
         budget: int,
         saved: Tensor,
         times: Tensor,
+        threads: int = 1,
     ) -> tuple[Tensor, ...]:
         """One call: ``_whole_solve``'s arguments (``begin`` and ``budget`` as ints), its results as a tuple (new
-        tensors; the arguments are left as they are)."""
-        field, alive = self._field()
+        tensors; the arguments are left as they are); the groups' attempts on up to ``threads`` threads (a group on
+        one)."""
+        fields, alive = self._field()
         state = (t, dt, history, y, f0, saved)
         t, dt, history, y, f0, saved = (a.clone(memory_format=torch.contiguous_format) for a in state)
         times = times.to(torch.float64).contiguous()
@@ -346,7 +360,8 @@ class NativeSolve:
         counters = torch.zeros(4, dtype=torch.int64)
         self.solver.times, self.solver.out_times = len(times), times.data_ptr()
         pointers = (a.data_ptr() for a in (t, dt, history, y, f0, saved, log, counters))
-        self.lib.et_solve(ctypes.byref(field), ctypes.byref(self.solver), *pointers, begin, budget)
+        team = min(threads, self.threads)
+        self.lib.et_solve(fields, ctypes.byref(self.solver), team, *pointers, begin, budget)
         del alive
         steps, tried, accepted, failed = counters
         return t, dt, history, y, f0, saved, log, steps, tried, accepted, failed.bool()

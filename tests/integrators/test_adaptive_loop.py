@@ -9,6 +9,7 @@ import math
 import shutil
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Literal
 
 import pytest
@@ -925,6 +926,58 @@ def test_compiled_code_runs_on_one_thread_per_2048_state_elements(
         assert torch.get_num_threads() == 3
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_native_loop_steps_the_samples_on_several_threads_to_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Per sample, the native loop's samples step on the process's threads (each sample on one): on 3 threads the
+    same states at every saved time, bit for bit, as on one, and the same evaluations."""
+    handed = _engine(monkeypatch, "native")
+    monkeypatch.setattr(native.NativeSolve, "__call__", _handed_threads(native.NativeSolve.__call__, handed))
+    field, x0, before = _tiny_field(), _states(7), torch.get_num_threads()
+    solver, grid = et_ode.Adaptive(compile=True, step_control="per_sample"), torch.linspace(0.0, 3.0, 5, dtype=F64)
+    solutions = []
+    try:
+        for threads in (1, 3):
+            torch.set_num_threads(threads)
+            with torch.no_grad():
+                solutions.append(et_ode.solve(field, x0, grid, solver=solver))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(solutions[0].xs, solutions[1].xs) and (solutions[0].xs[-1] - x0).abs().max() > 1e-2
+    assert solutions[0].stats.sample_evaluations == solutions[1].stats.sample_evaluations
+    assert {1, 3} <= set(handed["teams"])
+
+
+@pytest.mark.usefixtures("fresh_library")
+def test_the_native_loop_built_without_openmp_steps_the_same(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Where the compiler has no OpenMP the native loop is built without it: the samples then step one after another
+    on 3 threads too, to the same bits as the loop built with it."""
+    _engine(monkeypatch, "native")
+    field, x0, before = _tiny_field(), _states(5), torch.get_num_threads()
+    solver, grid = et_ode.Adaptive(compile=True, step_control="per_sample"), torch.linspace(0.0, 3.0, 5, dtype=F64)
+    solutions = []
+    try:
+        torch.set_num_threads(3)
+        for openmp in (native.OPENMP, ()):
+            monkeypatch.setattr(native, "OPENMP", openmp)
+            monkeypatch.setenv("ET_ODE_CACHE", str(tmp_path / str(len(openmp))))
+            native.library.cache_clear()
+            with torch.no_grad():
+                solutions.append(et_ode.solve(field, x0, grid, solver=solver))
+    finally:
+        torch.set_num_threads(before)
+    assert [path.name.split("_")[2] for path in sorted(tmp_path.glob("*/native/*.so"))] == ["double", "double"]
+    assert torch.equal(solutions[0].xs, solutions[1].xs)
+
+
+def _handed_threads(call: Callable[..., object], handed: dict[str, list[object]]) -> Callable[..., object]:
+    """``NativeSolve.__call__`` recording the threads each call may use (into ``handed["teams"]``)."""
+
+    def recorded(solve: native.NativeSolve, *arguments: object) -> object:
+        handed.setdefault("teams", []).append(min(int(arguments[-1]), solve.threads))  # type: ignore[call-overload]
+        return call(solve, *arguments)
+
+    return recorded
 
 
 @pytest.mark.slow

@@ -6,7 +6,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,14 +18,6 @@ from tests.conftest import random_model
 
 F64 = torch.float64
 CONTROL = (0.0, 1.0, 0.0, 0.9, 0.2, 10.0)
-
-
-@pytest.fixture
-def fresh_library() -> Iterator[None]:
-    """Each dtype's library looked up again in the test (its environment patched) and after it."""
-    native.library.cache_clear()
-    yield
-    native.library.cache_clear()
 
 
 def _needs_library(dtype: torch.dtype = F64) -> None:
@@ -43,9 +34,9 @@ def _native_velocity(model: et_ode.EnergyModel, tau: float, x: torch.Tensor) -> 
     settings = dict(tau=tau, groups=1, event=tuple(x.shape), tableau=tableau, t_end=1.0, rtol=1e-6, atol=1e-6)
     solve = native.NativeSolve.create(model, None, x.dtype, x.device, control=CONTROL, logged=1, **settings)  # type: ignore[arg-type]
     assert solve is not None
-    field, alive = solve._field()
+    fields, alive = solve._field()
     out = torch.empty_like(x)
-    solve.lib.et_velocity(ctypes.byref(field), x.shape[0], x.contiguous().data_ptr(), out.data_ptr())
+    solve.lib.et_velocity(ctypes.byref(fields[0]), x.shape[0], x.contiguous().data_ptr(), out.data_ptr())
     del alive
     return out
 

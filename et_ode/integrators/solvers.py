@@ -105,26 +105,26 @@ class Adaptive:
             those of a single sample) of an ET field without gradients or a stop; everywhere else the steps run as
             without. The field's weights must not change during the solve (e.g. from ``progress``); a field that cannot
             be captured gets a ``RuntimeWarning`` and the solve runs on without the graph.
-        compile: et-ode's loop runs the whole solve as compiled code (every step, the first stage and the first
-            step's choice, and the states at the saved times), for an ET field without gradients or a stop, at any
-            batch and step control; everywhere else the steps run as without. On the CPU, for an energy of an identity
-            or LayerNorm neuron with one ``EnergyAttention`` and one ``HopfieldMemory``, without a mask, in float32 or
-            float64, it is et-ode's native loop: C built once per machine with the system's C compiler (about a
-            second, kept under ``$ET_ODE_CACHE`` or ``~/.cache/et_ode``), its matrix products in PyTorch's own BLAS;
-            per sample, a sample at the end is not evaluated again. Elsewhere (a mask, another energy, a GPU, no C
-            compiler) the loop hands the solve to ``torch.compile`` as one ``while_loop`` (per sample, a sample at
-            the end keeps its state while the others step on), compiled once per shape, dtype and setting in a
-            process (tens of seconds on a CPU; it needs a C++ compiler there). Either way it runs in calls of a
-            fraction of a second each (as many steps as the last call's time a step allows; the first call of a new
-            shape one step), between which a progress bar (``solve(progress=True)``) moves and Ctrl-C lands; with a
-            ``progress`` callback at most 64 steps a call (each call logs its steps' times), with ``save="steps"`` a
-            step a call. The solve evaluates the field's closed form, so states agree with the uncompiled loop to
-            rounding, not bit for bit. It pays where each evaluation is small (one sample of a small model), and not
-            where large matrix products dominate. On the CPU the compiled code uses at most one thread per 2048
-            elements of the state (PyTorch's thread count is set back after each call). A solve that
-            ``torch.compile`` cannot compile, whatever the compiler raises, gets a ``RuntimeWarning`` and runs on
-            without (inside the ``while_loop`` a view of a parameter, such as ``W.T`` in an energy, does not trace:
-            write ``nn.functional.linear(g, W)``).
+        compile: et-ode's loop runs the whole solve as compiled code (every step, the first stage and the first step's
+            choice, and the states at the saved times), for an ET field without gradients or a stop, at any batch and
+            step control; everywhere else the steps run as without. On the CPU, for an energy of an identity or
+            LayerNorm neuron with one ``EnergyAttention`` and one ``HopfieldMemory``, without a mask, in float32 or
+            float64, it is et-ode's native loop: C built once per machine with the system's C compiler (about a second,
+            kept under ``$ET_ODE_CACHE`` or ``~/.cache/et_ode``), its matrix products in PyTorch's own BLAS; per sample,
+            the samples step on the process's threads (each on one) and a sample at the end is not evaluated again.
+            Elsewhere (a mask, another energy, a GPU, no C compiler) the loop hands the solve to ``torch.compile`` as
+            one ``while_loop`` (per sample, a sample at the end keeps its state while the others step on), compiled once
+            per shape, dtype and setting in a process (tens of seconds on a CPU; it needs a C++ compiler there). Either
+            way it runs in calls of a fraction of a second each (as many steps as the last call's time a step allows;
+            the first call of a new shape one step), between which a progress bar (``solve(progress=True)``) moves and
+            Ctrl-C lands; with a ``progress`` callback at most 64 steps a call (each call logs its steps' times), with
+            ``save="steps"`` a step a call. The solve evaluates the field's closed form, so states agree with the
+            uncompiled loop to rounding, not bit for bit. It pays where each evaluation is small (one sample of a small
+            model), and not where large matrix products dominate. On the CPU the compiled code uses at most one thread
+            per 2048 elements of the state (in the native loop, of a group: the batch when shared, a sample per sample;
+            PyTorch's thread count is set back after each call). A solve that ``torch.compile`` cannot compile, whatever
+            the compiler raises, gets a ``RuntimeWarning`` and runs on without (inside the ``while_loop`` a view of a
+            parameter, such as ``W.T`` in an energy, does not trace: write ``nn.functional.linear(g, W)``).
 
     et-ode's loop runs the gradients ``Direct`` and ``Adjoint`` (its backward solve on the same loop); for stops see
     :meth:`check_stop`.

@@ -7,8 +7,9 @@ operations between the field's matrix products, which go to the BLAS PyTorch its
 ``dgemm_``). The source is built once per machine with the system's C compiler (``$CC``, else ``cc`` or ``gcc``;
 ``-O3 -march=native``, so the CPU's own vector extensions, probed by the compiler) into a cache folder
 (``$ET_ODE_CACHE``, else ``$XDG_CACHE_HOME/et_ode`` or ``~/.cache/et_ode``), named by a hash of the source, the
-compiler, its flags and the CPU's feature flags. Without a compiler, the BLAS symbols or a passing probe
-(:func:`library`), :meth:`NativeSolve.create` answers None and the caller goes on without.
+compiler, its flags and the CPU's feature flags; with OpenMP where the compiler has it, so that a per-sample solve's
+samples step on several threads. Without a compiler, the BLAS symbols or a passing probe (:func:`library`),
+:meth:`NativeSolve.create` answers None and the caller goes on without.
 """
 
 from __future__ import annotations

@@ -431,12 +431,12 @@ def _compile_options(device_type: str) -> dict[str, Any] | None:
 
 
 class _SolveEnd(NamedTuple):
-    """Where :func:`_whole_solve` ends, for ``G`` groups: their times ``t`` ``(G,)``, next step sizes ``dt`` (the
-    failed step's own where a step failed), the controller's history ``(G, 2)``, the states ``y`` and their velocities
-    ``f0`` ``(G, 1, M)``, the states at the output times ``(T * G, 1, M)`` (time-major; ``T = 0``: none kept), and
-    the groups' times after each of the call's first :data:`LOGGED_STEPS` steps ``(LOGGED_STEPS, G)`` (row ``i``: after
-    step ``i``; rows past the call's steps hold nothing), and (0-d) the numbers of steps taken (batched), of the groups'
-    steps tried and accepted, and whether the last step failed."""
+    """Where :func:`_whole_solve` (or the native loop's call) ends, for ``G`` groups: their times ``t`` ``(G,)``,
+    next step sizes ``dt`` (the failed step's own where a step failed), the controller's history ``(G, 2)``, the states
+    ``y`` and their velocities ``f0`` ``(G, 1, M)``, the states at the output times ``(T * G, 1, M)`` (time-major;
+    ``T = 0``: none kept), and the groups' times after each of the call's first :data:`LOGGED_STEPS` steps
+    ``(LOGGED_STEPS, G)`` (row ``i``: after step ``i``; rows past the call's steps hold nothing), and (0-d) the numbers
+    of steps taken (batched), of the groups' steps tried and accepted, and whether the last step failed."""
 
     t: Tensor
     dt: Tensor
@@ -989,13 +989,9 @@ class _Loop:
         self.progress.accepted += accepted
         self.progress.rejected += tried - accepted - (short if failed else 0)  # (a failed step: neither)
         evaluations = (self.tableau.stages - 1) * steps + at_start
-        if self.native is None:  # of every group: none leaves the batch
-            self.count_evaluations(evaluations)
-        else:  # of the groups still running
-            self.progress.sample_evaluations += (
-                (self.tableau.stages - 1) * tried + at_start * self.groups
-            ) * self.samples_per_group
-            self.field.count_evaluations(evaluations)  # type: ignore[attr-defined]
+        # torch.compile's solve evaluates every group at every step; the native loop the groups still running only
+        running = None if self.native is None else (self.tableau.stages - 1) * tried + at_start * self.groups
+        self.count_evaluations(evaluations, running)
         if not failed:
             self.progress.reached(float(end.t.min()))
         return steps, short > 0, bool(failed)
@@ -1084,10 +1080,11 @@ class _Loop:
             _warn_uncompiled("cuda_graph", "captured", error)
             return None
 
-    def count_evaluations(self, evaluations: int) -> None:
-        """Count ``evaluations`` of every active group made uncounted (a replayed step's, ``S - 1`` a step, or a
-        compiled call's) as :meth:`evaluate` counts its own."""
-        self.progress.sample_evaluations += evaluations * len(self.t_now) * self.samples_per_group
+    def count_evaluations(self, evaluations: int, group_evaluations: int | None = None) -> None:
+        """Count ``evaluations`` made uncounted (a replayed step's, ``S - 1`` a step, or a compiled call's) as
+        :meth:`evaluate` counts its own: of every active group, or ``group_evaluations`` of the groups in all."""
+        groups = evaluations * len(self.t_now) if group_evaluations is None else group_evaluations
+        self.progress.sample_evaluations += groups * self.samples_per_group
         self.field.count_evaluations(evaluations)  # type: ignore[attr-defined]
 
     def _accumulate(self, state: dict[str, Any], accepted: Tensor, y0: Tensor, k: Tensor, weights: Tensor) -> None:
@@ -1293,9 +1290,10 @@ def integrate(
         graph: ``"cuda"``: after :data:`WARM_STEPS` steps, capture a step in a CUDA graph and replay it (shared steps
             of an :class:`~et_ode.ETField` without gradients, a stop or a quadrature; otherwise the loop runs as
             without); ``"eager"``: the same capture and replay discipline run eagerly (see :class:`_StepGraph`);
-            ``"compile"``: the whole solve compiled by ``torch.compile`` (:func:`_whole_solve`, for the same fields,
-            without ``starts``), which writes the states at the grid's times too and takes per-sample steps at any
-            batch, every sample evaluated at every step, in calls of about :data:`CHUNK_SECONDS` (at most
+            ``"compile"``: the whole solve compiled (for the same fields, without ``starts``): the native loop
+            (:class:`~et_ode.kernels.native.NativeSolve`) where it computes the field, else :func:`_whole_solve` under
+            ``torch.compile`` (every sample evaluated at every step); either writes the states at the grid's times too
+            and takes per-sample steps at any batch, in calls of about :data:`CHUNK_SECONDS` (at most
             :data:`LOGGED_STEPS` steps a call with a ``callback``, a step a call with ``keep_steps``); None: no capture.
 
     Returns the :class:`Result`. Gradients

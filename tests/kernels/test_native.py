@@ -20,6 +20,12 @@ F64 = torch.float64
 CONTROL = (0.0, 1.0, 0.0, 0.9, 0.2, 10.0)
 
 
+def _settings(tau: float, event: tuple[int, ...]) -> dict[str, object]:
+    """A native solve's settings of one group of shape ``event`` (its loop unused: a velocity's tests)."""
+    tableau = (torch.zeros(3, 2, dtype=F64), torch.zeros(2, 2, dtype=F64), 2)
+    return dict(tau=tau, groups=1, event=event, tableau=tableau, t_end=1.0, rtol=1e-6, atol=1e-6, control=CONTROL, logged=1)
+
+
 def _needs_library(dtype: torch.dtype = F64) -> None:
     """Skip where this machine has no C compiler or PyTorch no Fortran BLAS; elsewhere the library must be there."""
     if not native.can_build():
@@ -30,9 +36,7 @@ def _needs_library(dtype: torch.dtype = F64) -> None:
 def _native_velocity(model: et_ode.EnergyModel, tau: float, x: torch.Tensor) -> torch.Tensor:
     """The C field's velocity at the samples ``x`` ``(B, N, D)``, as the native solve evaluates it."""
     _needs_library(x.dtype)
-    tableau = (torch.zeros(3, 2, dtype=F64), torch.zeros(2, 2, dtype=F64), 2)
-    settings = dict(tau=tau, groups=1, event=tuple(x.shape), tableau=tableau, t_end=1.0, rtol=1e-6, atol=1e-6)
-    solve = native.NativeSolve.create(model, None, x.dtype, x.device, control=CONTROL, logged=1, **settings)  # type: ignore[arg-type]
+    solve = native.NativeSolve.create(model, None, x.dtype, x.device, **_settings(tau, tuple(x.shape)))
     assert solve is not None
     fields, alive = solve._field()
     out = torch.empty_like(x)
@@ -120,10 +124,8 @@ def test_what_the_native_solve_declines() -> None:
     assert not native.supports(extra, None, F64, cpu)
     alone = et_ode.EnergyModel(model.neuron, {"hopfield": model.hopfield})
     assert not native.supports(alone, None, F64, cpu)
-    tableau = (torch.zeros(3, 2, dtype=F64), torch.zeros(2, 2, dtype=F64), 2)
-    settings = dict(tau=1.0, groups=1, event=(1, 5, 8), tableau=tableau, t_end=1.0, rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="model: the native loop computes"):
-        native.NativeSolve(alone, control=CONTROL, logged=1, lib=(ctypes.CDLL(None), (0, 0)), **settings)  # type: ignore[arg-type]
+        native.NativeSolve(alone, lib=(ctypes.CDLL(None), (0, 0)), **_settings(1.0, (1, 5, 8)))  # type: ignore[arg-type]
 
     class Scaled(et_ode.LayerNormNeuron):
         pass

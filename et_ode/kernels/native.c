@@ -52,6 +52,7 @@ typedef struct {
     gemm_batch_fn gemm_batch;
     real *g, *p, *coef, *scores; /* workspace: (b N D), (b N R), (b N R), (N + 3) b H N */
     void **pointers;             /* workspace: (3 b H) */
+    int64_t threads;             /* the threads of its own passes (those between the products) */
 } et_field;
 
 typedef struct {
@@ -64,6 +65,37 @@ typedef struct {
     real *k, *y1, *stage;     /* workspace: (G, S, M), (G, M), (threads, M) */
     double *ratio, *step, *t1, *next_dt, *history; /* workspace: (G), (G), (G), (G), (G, 2) */
 } et_solver;
+
+/* Run `call` once on each of `team` threads (team > 1, built with OpenMP), with [lo, hi) its contiguous part of
+ * [0, count), else once with the whole range; each element's work is the same either way, so are the bits. */
+#ifdef _OPENMP
+static void share(int64_t count, int64_t *lo, int64_t *hi) {
+    int64_t parts = omp_get_num_threads(), part = omp_get_thread_num(), size = count / parts, rest = count % parts;
+    *lo = part * size + (part < rest ? part : rest);
+    *hi = *lo + size + (part < rest);
+}
+#define SPREAD(team, count, lo, hi, call)                                                                              \
+    do {                                                                                                               \
+        int spread_team = (int)(team);                                                                                 \
+        if (spread_team > 1) {                                                                                         \
+            _Pragma("omp parallel num_threads(spread_team)") {                                                         \
+                int64_t lo, hi;                                                                                        \
+                share((count), &lo, &hi);                                                                              \
+                call;                                                                                                  \
+            }                                                                                                          \
+        } else {                                                                                                       \
+            int64_t lo = 0, hi = (count);                                                                              \
+            call;                                                                                                      \
+        }                                                                                                              \
+    } while (0)
+#else
+#define SPREAD(team, count, lo, hi, call)                                                                              \
+    do {                                                                                                               \
+        int64_t lo = 0, hi = (count);                                                                                  \
+        (void)(team);                                                                                                  \
+        call;                                                                                                          \
+    } while (0)
+#endif
 
 static void gemm(const et_field *f, char ta, char tb, int64_t m, int64_t n, int64_t k, real alpha, const real *a,
                  int64_t lda, const real *b, int64_t ldb, real *c, int64_t ldc) {
@@ -130,9 +162,10 @@ static double squares_in_double(const real *x, int64_t d) {
     return total;
 }
 
-static void normalize(const et_field *f, int64_t rows, const real *x, real *g) {
+/* g = the neuron's output at the rows [lo, hi) of x. */
+static void normalize(const et_field *f, int64_t lo, int64_t hi, const real *x, real *g) {
     int64_t d = f->dim;
-    for (int64_t i = 0; i < rows; i++) {
+    for (int64_t i = lo; i < hi; i++) {
         const real *xi = x + i * d;
         real *gi = g + i * d;
         if (f->neuron == 0) {
@@ -174,44 +207,55 @@ static void head_products(const et_field *f, int64_t b, int which, const real *p
         gemm(f, ta, tb, m, n, which == 0 ? y : n, 1, a[at], lda, bs[at], ldb, c[at], ldc);
 }
 
-/* S_h, the softmax over the keys of each query of beta_h K_k . Q_c (a query without a key: no attention), of the b
- * samples' projections p, then the two per-head products into the coefficients; the scores' layout is
- * head_products'. */
-static void attention(const et_field *f, int64_t b, const real *p, real *coef) {
-    int64_t n = f->tokens, lanes = b * f->heads * n;
-    real *s = f->scores, *largest = s + n * lanes, *sum = largest + lanes, *beta = sum + lanes;
-    head_products(f, b, 0, p, coef);
-    for (int64_t j = 0; j < lanes; j++) {
+/* The softmax over the keys (rows) of the columns [lo, hi) of the scores s (n rows of `lanes`): beta_h K_k . Q_c,
+ * minus the column's largest, its exp, over the column's sum (a query without a key: no attention); scratch: the
+ * columns' largest, sum and beta (lanes each). */
+static void softmax_columns(const et_field *f, int64_t lanes, int64_t lo, int64_t hi, real *s, real *largest,
+                            real *sum, real *beta) {
+    int64_t n = f->tokens;
+    for (int64_t j = lo; j < hi; j++) {
         beta[j] = f->beta[(j / n) % f->heads];
         largest[j] = -INFINITY;
         sum[j] = 0;
+        if (!f->self_attention) s[(j % n) * lanes + j] = -INFINITY;
     }
-    if (!f->self_attention)
-        for (int64_t j = 0; j < lanes; j++) s[(j % n) * lanes + j] = -INFINITY;
     for (int64_t k = 0; k < n; k++) {
         real *row = s + k * lanes;
-        for (int64_t j = 0; j < lanes; j++) {
+        for (int64_t j = lo; j < hi; j++) {
             real v = row[j] * beta[j];
             row[j] = v;
             largest[j] = v > largest[j] || v != v ? v : largest[j];
         }
     }
-    for (int64_t j = 0; j < lanes; j++) largest[j] = largest[j] == -INFINITY ? 0 : largest[j]; /* (keyless: exp 0) */
-    for (int64_t k = 0; k < n; k++)
-        for (int64_t j = 0; j < lanes; j++) s[k * lanes + j] -= largest[j];
-    exp_nonpositive(s, n * lanes);
-    for (int64_t k = 0; k < n; k++)
-        for (int64_t j = 0; j < lanes; j++) sum[j] += s[k * lanes + j];
-    for (int64_t k = 0; k < n; k++)
-        for (int64_t j = 0; j < lanes; j++) s[k * lanes + j] = sum[j] != 0 ? s[k * lanes + j] / sum[j] : 0;
+    for (int64_t j = lo; j < hi; j++) largest[j] = largest[j] == -INFINITY ? 0 : largest[j]; /* (keyless: exp 0) */
+    for (int64_t k = 0; k < n; k++) {
+        real *row = s + k * lanes;
+        for (int64_t j = lo; j < hi; j++) row[j] -= largest[j];
+        exp_nonpositive(row + lo, hi - lo);
+        for (int64_t j = lo; j < hi; j++) sum[j] += row[j];
+    }
+    for (int64_t k = 0; k < n; k++) {
+        real *row = s + k * lanes;
+        for (int64_t j = lo; j < hi; j++) row[j] = sum[j] != 0 ? row[j] / sum[j] : 0;
+    }
+}
+
+/* S_h, the softmax over the keys of each query of beta_h K_k . Q_c, of the b samples' projections p, then the two
+ * per-head products into the coefficients; the scores' layout is head_products'. */
+static void attention(const et_field *f, int64_t b, const real *p, real *coef) {
+    int64_t n = f->tokens, lanes = b * f->heads * n;
+    real *s = f->scores, *largest = s + n * lanes, *sum = largest + lanes, *beta = sum + lanes;
+    head_products(f, b, 0, p, coef);
+    SPREAD(f->threads, lanes, lo, hi, softmax_columns(f, lanes, lo, hi, s, largest, sum, beta));
     head_products(f, b, 1, p, coef);
     head_products(f, b, 2, p, coef);
 }
 
-static void hopfield(const et_field *f, int64_t rows, const real *p, real *coef) {
+/* phi(h), the memories' activation, at the rows [lo, hi) of the projections p, into the coefficients. */
+static void hopfield(const et_field *f, int64_t lo, int64_t hi, const real *p, real *coef) {
     int64_t hy = f->heads * f->head_dim, r = 2 * hy + f->memories, k = f->memories;
     real beta = (real)f->hopfield_beta;
-    for (int64_t i = 0; i < rows; i++) {
+    for (int64_t i = lo; i < hi; i++) {
         const real *h = p + i * r + 2 * hy;
         real *phi = coef + i * r + 2 * hy;
         if (f->hopfield == 0) {
@@ -240,36 +284,51 @@ static void hopfield(const et_field *f, int64_t rows, const real *p, real *coef)
 void et_velocity(const et_field *f, int64_t b, const real *x, real *out) {
     int64_t n = f->tokens, d = f->dim, rows = b * n;
     int64_t r = 2 * f->heads * f->head_dim + f->memories;
-    normalize(f, rows, x, f->g);
+    SPREAD(f->threads, rows, lo, hi, normalize(f, lo, hi, x, f->g));
     gemm(f, 'T', 'N', r, rows, d, 1, f->w, d, f->g, d, f->p, r);
     attention(f, b, f->p, f->coef);
-    hopfield(f, rows, f->p, f->coef);
+    SPREAD(f->threads, rows, lo, hi, hopfield(f, lo, hi, f->p, f->coef));
     gemm(f, 'N', 'N', d, rows, r, (real)(1.0 / f->tau), f->w, d, f->coef, r, out, d);
 }
 
 /* ---- the loop ---------------------------------------------------------------------------------------------- */
 
-/* into = y0 + sum_j weights[j] k_j over j < count (the sum first, then y0: as a batched product adds its input);
- * y0 NULL: the sum alone. Loops along the state, which the compiler vectorises. */
-static void combine(int64_t m, int64_t count, const real *weights, const real *k, const real *y0, real *into) {
-    for (int64_t e = 0; e < m; e++) into[e] = weights[0] * k[e];
+/* into = y0 + sum_j weights[j] k_j over j < count (the sum first, then y0: as a batched product adds its input) at
+ * the elements [lo, hi) of states of m; y0 NULL: the sum alone. Loops along the state, which the compiler
+ * vectorises. */
+static void combine_part(int64_t lo, int64_t hi, int64_t m, int64_t count, const real *weights, const real *k,
+                         const real *y0, real *into) {
+    for (int64_t e = lo; e < hi; e++) into[e] = weights[0] * k[e];
     for (int64_t j = 1; j < count; j++) {
         real w = weights[j];
         const real *kj = k + j * m;
-        for (int64_t e = 0; e < m; e++) into[e] += w * kj[e];
+        for (int64_t e = lo; e < hi; e++) into[e] += w * kj[e];
     }
     if (y0 != NULL)
-        for (int64_t e = 0; e < m; e++) into[e] += y0[e];
+        for (int64_t e = lo; e < hi; e++) into[e] += y0[e];
 }
 
-static double rms_ratio(const et_solver *s, const real *err_weights, const real *k, const real *y0, const real *y1,
-                        real *err) {
-    int64_t m = s->width;
-    combine(m, s->stages, err_weights, k, NULL, err);
-    for (int64_t i = 0; i < m; i++) {
+/* combine_part over the whole states, on `team` threads. */
+static void combine(int64_t team, int64_t m, int64_t count, const real *weights, const real *k, const real *y0,
+                    real *into) {
+    SPREAD(team, m, lo, hi, combine_part(lo, hi, m, count, weights, k, y0, into));
+}
+
+/* The error estimate sum_j err_weights[j] k_j over its scale atol + rtol max(|y0|, |y1|) at the elements [lo, hi). */
+static void scaled_error(const et_solver *s, int64_t lo, int64_t hi, const real *err_weights, const real *k,
+                         const real *y0, const real *y1, real *err) {
+    combine_part(lo, hi, s->width, s->stages, err_weights, k, NULL, err);
+    for (int64_t i = lo; i < hi; i++) {
         real a = y0[i] < 0 ? -y0[i] : y0[i], b = y1[i] < 0 ? -y1[i] : y1[i];
         err[i] /= (real)s->atol + (real)s->rtol * (a > b || b != b ? a : b);
     }
+}
+
+/* The RMS of the scaled error (its elements on `team` threads, their squares summed on one). */
+static double rms_ratio(const et_solver *s, int64_t team, const real *err_weights, const real *k, const real *y0,
+                        const real *y1, real *err) {
+    int64_t m = s->width;
+    SPREAD(team, m, lo, hi, scaled_error(s, lo, hi, err_weights, k, y0, y1, err));
     return sqrt(squares_in_double(err, m) / (double)m);
 }
 
@@ -289,11 +348,11 @@ static void attempt(const et_field *f, const et_solver *s, real *stage, int64_t 
     for (int64_t i = 1; i < stages; i++) {
         real *input = i == stages - 1 ? y1 : stage;
         for (int64_t j = 0; j < i; j++) weights[j] = h * s->matrix[(i - 1) * stages + j];
-        combine(m, i, weights, k, y0, input);
+        combine(f->threads, m, i, weights, k, y0, input);
         et_velocity(f, s->samples, input, k + i * m);
     }
     for (int64_t j = 0; j < stages; j++) weights[j] = h * s->matrix[(stages - 1) * stages + j];
-    double ratio = rms_ratio(s, weights, k, y0, y1, stage);
+    double ratio = rms_ratio(s, f->threads, weights, k, y0, y1, stage);
     s->ratio[g] = ratio;
     int accepted = ratio <= 1;
     double factor = s->safety * pow(ratio, -(s->pcoeff + s->icoeff + s->dcoeff) / s->error_order);
@@ -316,8 +375,9 @@ static void attempt(const et_field *f, const et_solver *s, real *stage, int64_t 
     s->history[2 * g + 1] = kept1;
 }
 
-/* The interpolant of group g's step from t (size dt) at the output times inside (t, t1], written into saved. */
-static void save_inside(const et_solver *s, int64_t g, double t, const real *y0, real *saved) {
+/* The interpolant of group g's step from t (size dt) at the output times inside (t, t1], written into saved (on
+ * `team` threads). */
+static void save_inside(const et_solver *s, int64_t team, int64_t g, double t, const real *y0, real *saved) {
     int64_t m = s->width, stages = s->stages, degree = s->degree;
     const real *k = s->k + g * stages * m, *y1 = s->y1 + g * m;
     double dt = s->step[g];
@@ -339,7 +399,7 @@ static void save_inside(const et_solver *s, int64_t g, double t, const real *y0,
             }
             b[j] = h * value;
         }
-        combine(m, stages, b, k, y0, into);
+        combine(team, m, stages, b, k, y0, into);
     }
 }
 
@@ -465,7 +525,7 @@ void et_solve(const et_field *fields, const et_solver *s, int64_t threads, doubl
                 counters[1] += 1;
                 if (moves) {
                     counters[2] += 1;
-                    if (s->times) save_inside(s, g, t[g], y + g * m, saved);
+                    if (s->times) save_inside(s, fields[0].threads, g, t[g], y + g * m, saved);
                     memcpy(y + g * m, s->y1 + g * m, m * sizeof(real));
                     memcpy(f0 + g * m, s->k + (g * stages + stages - 1) * m, m * sizeof(real));
                     t[g] = s->t1[g];

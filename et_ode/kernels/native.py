@@ -51,6 +51,7 @@ class _Field(ctypes.Structure):
         ("self_attention", _I64),
         *((name, _F64) for name in ("gamma", "eps", "hopfield_beta", "tau")),
         *((name, _PTR) for name in ("delta", "w", "beta", "gemm", "gemm_batch", "g", "p", "coef", "scores", "pointers")),
+        ("threads", _I64),  # of its passes between the products
     ]
 
 
@@ -186,10 +187,13 @@ def _describe(
     tensors: tuple[Tensor, Tensor, Tensor],
     scratch: tuple[Tensor, Tensor],
     blas: tuple[int, int],
+    threads: int = 1,
 ) -> _Field:
     """The field's description: ``sizes`` (tokens, dim, heads, head_dim, memories, neuron, Hopfield form,
     self-attention), ``numbers`` (gamma, eps, Hopfield beta, tau), ``tensors`` (the stacked weights ``(R, D)``, delta
-    ``(D,)``, beta ``(H,)``), ``scratch`` (:func:`_scratch`'s); it points into them: keep them alive while it is used."""
+    ``(D,)``, beta ``(H,)``), ``scratch`` (:func:`_scratch`'s), its passes between the matrix products (normalizing,
+    softmax, memories, the stages' sums) on ``threads`` threads (a part of the rows each: the same bits on any
+    number); it points into them: keep them alive while it is used."""
     w, delta, beta = tensors
     flat, table = scratch
     n, d, heads = sizes[:3]
@@ -198,7 +202,7 @@ def _describe(
     offsets = [0, rows * d, rows * d + rows * r, rows * d + 2 * rows * r]
     places = [flat.data_ptr() + offset * flat.element_size() for offset in offsets]
     pointers = [t.data_ptr() for t in (delta, w, beta)] + list(blas) + places + [table.data_ptr()]
-    return _Field(*sizes, *numbers, *pointers)
+    return _Field(*sizes, *numbers, *pointers, threads)
 
 
 def _probe(lib: ctypes.CDLL, blas: tuple[int, int], dtype: torch.dtype) -> bool:
@@ -321,9 +325,10 @@ class NativeSolve:
         lib = library(dtype)
         return None if lib is None else cls(model, lib=lib, **settings)  # type: ignore[arg-type]
 
-    def _field(self) -> tuple[ctypes.Array[_Field], tuple[Tensor, Tensor, Tensor]]:
-        """The field's description with the model's weights at the call, one per thread (each with its workspace),
-        and the weights they point into (keep them alive while they are used)."""
+    def _field(self, threads: int) -> tuple[ctypes.Array[_Field], tuple[Tensor, Tensor, Tensor]]:
+        """The field's description with the model's weights at the call, one per thread (each with its workspace,
+        its passes on ``threads`` threads), and the weights they point into (keep them alive while they are
+        used)."""
         (attention, hopfield), neuron = self.parts, self.model.neuron
         with torch.no_grad():
             d = attention.dim
@@ -334,7 +339,7 @@ class NativeSolve:
                 gamma, eps, delta = 1.0, 0.0, w.new_zeros(d)
         tensors = (w, delta, attention.beta.to(w.dtype))
         numbers = (gamma, eps, float(hopfield.beta), float(self.tau))
-        fields = [_describe(self.sizes, numbers, tensors, scratch, self.blas) for scratch in self.scratch]
+        fields = [_describe(self.sizes, numbers, tensors, scratch, self.blas, threads) for scratch in self.scratch]
         return (_Field * self.threads)(*fields), tensors
 
     def __call__(
@@ -352,8 +357,9 @@ class NativeSolve:
     ) -> tuple[Tensor, ...]:
         """One call: ``_whole_solve``'s arguments (``begin`` and ``budget`` as ints), its results as a tuple (new
         tensors; the arguments are left as they are); the groups' attempts on up to ``threads`` threads (a group on
-        one)."""
-        fields, alive = self._field()
+        one), or, for one group, its passes between the products on PyTorch's thread count (as its products)."""
+        team = min(threads, self.threads)
+        fields, alive = self._field(torch.get_num_threads() if team <= 1 else 1)
         state = (t, dt, history, y, f0, saved)
         t, dt, history, y, f0, saved = (a.clone(memory_format=torch.contiguous_format) for a in state)
         times = times.to(torch.float64).contiguous()
@@ -361,7 +367,6 @@ class NativeSolve:
         counters = torch.zeros(4, dtype=torch.int64)
         self.solver.times, self.solver.out_times = len(times), times.data_ptr()
         pointers = (a.data_ptr() for a in (t, dt, history, y, f0, saved, log, counters))
-        team = min(threads, self.threads)
         self.lib.et_solve(fields, ctypes.byref(self.solver), team, *pointers, begin, budget)
         del alive
         steps, tried, accepted, failed = counters

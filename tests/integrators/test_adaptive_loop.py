@@ -948,6 +948,30 @@ def test_the_native_loop_steps_the_samples_on_several_threads_to_the_same_bits(m
     assert {1, 3} <= set(handed["teams"])
 
 
+def test_the_native_loop_s_shared_passes_run_on_the_batch_s_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Shared, the native loop's one group has its passes between the products on as many threads as its products
+    (one per 2048 state elements): 3 for 160 samples of 5 tokens of 8 out of 3 threads, one out of one; the states at
+    every saved time agree to 1e-12 (the products' sums may differ with their threads), with the same steps."""
+    _engine(monkeypatch, "native")
+    handed: list[int] = []
+    described = native.NativeSolve._field
+    recorded = lambda solve, threads: handed.append(threads) or described(solve, threads)  # noqa: E731
+    monkeypatch.setattr(native.NativeSolve, "_field", recorded)
+    field, x0, before = _tiny_field(), _states(160), torch.get_num_threads()
+    solver, grid = et_ode.Adaptive(compile=True), torch.linspace(0.0, 3.0, 5, dtype=F64)
+    solutions = []
+    try:
+        for threads in (1, 3):
+            torch.set_num_threads(threads)
+            with torch.no_grad():
+                solutions.append(et_ode.solve(field, x0, grid, solver=solver))
+    finally:
+        torch.set_num_threads(before)
+    assert set(handed) == {1, 3}
+    assert float((solutions[0].xs - solutions[1].xs).abs().max()) < 1e-12 * float(x0.abs().max())
+    assert solutions[0].stats.accepted_steps == solutions[1].stats.accepted_steps
+
+
 @pytest.mark.usefixtures("fresh_library")
 def test_the_native_loop_built_without_openmp_steps_the_same(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """Where the compiler has no OpenMP the native loop is built without it: the samples then step one after another

@@ -33,12 +33,13 @@ def _needs_library(dtype: torch.dtype = F64) -> None:
     assert native.library(dtype) is not None, "a compiler and a BLAS are here: the build or its probe failed"
 
 
-def _native_velocity(model: et_ode.EnergyModel, tau: float, x: torch.Tensor) -> torch.Tensor:
-    """The C field's velocity at the samples ``x`` ``(B, N, D)``, as the native solve evaluates it."""
+def _native_velocity(model: et_ode.EnergyModel, tau: float, x: torch.Tensor, threads: int = 1) -> torch.Tensor:
+    """The C field's velocity at the samples ``x`` ``(B, N, D)``, as the native solve evaluates it (its passes
+    between the products on ``threads`` threads)."""
     _needs_library(x.dtype)
     solve = native.NativeSolve.create(model, None, x.dtype, x.device, **_settings(tau, tuple(x.shape)))
     assert solve is not None
-    fields, alive = solve._field()
+    fields, alive = solve._field(threads)
     out = torch.empty_like(x)
     solve.lib.et_velocity(ctypes.byref(fields[0]), x.shape[0], x.contiguous().data_ptr(), out.data_ptr())
     del alive
@@ -82,6 +83,21 @@ def test_the_c_field_at_a_token_size_of_whole_and_partial_vectors(dim: int) -> N
     expected = et_ode.ETField(model, tau=1.3, derivative="autograd").velocity(x).detach()
     got = _native_velocity(model, 1.3, x)
     assert float((got - expected).norm() / expected.norm()) < 1e-12
+
+
+@pytest.mark.parametrize("dtype", [F64, torch.float32])
+@pytest.mark.parametrize("hopfield", ["softplus", "softmax"])
+def test_the_c_field_s_passes_on_several_threads_give_the_same_bits(dtype: torch.dtype, hopfield: str) -> None:
+    """The passes between the products (LayerNorm, the attention's softmax, the memories) split over 2, 3 and 4
+    threads, in parts of unequal size (14 rows, 28 softmax columns): the same bits as on one, which match autograd's
+    velocity."""
+    model = _model("layer_norm", hopfield, False, [0.4, 1.2], dtype)
+    x = torch.randn(2, 7, 8, dtype=dtype, generator=torch.Generator().manual_seed(4)) * 2
+    alone = _native_velocity(model, 0.8, x)
+    for threads in (2, 3, 4):
+        assert torch.equal(_native_velocity(model, 0.8, x, threads), alone)
+    expected = et_ode.ETField(model, tau=0.8, derivative="autograd").velocity(x).detach()
+    assert float((alone - expected).norm() / expected.norm()) < (1e-12 if dtype == F64 else 2e-6)
 
 
 def test_the_c_field_keeps_the_softmax_exact_where_its_terms_underflow() -> None:

@@ -8,25 +8,26 @@ steps, and the largest difference of the final state from torchdiffeq's relative
 - ``bare loop``: the field evaluated at the very states torchdiffeq evaluates it at (recorded from one of its
   runs), in a plain Python loop: the floor any solver's machinery adds to;
 - ``torchdiffeq``: ``torchdiffeq.odeint`` on the ET field itself (no et-ode recorder);
-- ``et-ode shared``: ``solve`` with the default ``Adaptive("dopri5", ...)`` (et-ode's loop, one step size for the
-  batch);
-- ``et-ode per-sample``: ``Adaptive(step_control="per_sample")``; ``et-ode per-sample tsit5``: with Tsitouras' pair;
-- ``et-ode shared, compiled`` (``--compile``): ``Adaptive(compile=True)``; for this ET (no mask, on the CPU) the whole
-  solve runs in et-ode's native loop (C, built once per machine, before the timing), elsewhere every step inside one
-  ``while_loop`` compiled by ``torch.compile`` (before the timing, as diffrax's ``jax.jit``); and ``et-ode per-sample,
-  compiled``, each sample's own steps in the same loop; with ``--inductor`` also both on ``torch.compile``, the native
-  loop off (``..., torch.compile``: there a sample that has reached t1 keeps its state while the others step on, as
-  under diffrax's ``vmap``); with ``--watched`` also the shared compiled solve with a progress bar
-  (``solve(progress=True)``: the same calls, the bar moving between them) and with a progress callback (the same
-  loop, the callback called for each step after each call);
+- ``et-ode shared``: ``solve`` with the default ``Adaptive("dopri5", ...)``: et-ode's loop, one step size for the
+  batch; for this ET (no mask, on the CPU, no gradients) the default ``compile="auto"`` runs the whole solve in et-ode's
+  native loop (C, built once per machine, before the timing, as diffrax's ``jax.jit``);
+- ``et-ode per-sample``: ``Adaptive(step_control="per_sample")``, each sample its own steps in the same loop;
+  ``et-ode per-sample tsit5``: with Tsitouras' pair;
+- ``..., step by step``: the same with ``compile=False``, each step's stages dispatched from Python;
+- with ``--inductor``: ``Adaptive(compile=True)`` with the native loop off (``..., torch.compile``: every step inside
+  one ``while_loop`` compiled by ``torch.compile``, before the timing; a sample that has reached t1 keeps its state
+  while the others step on, as under diffrax's ``vmap``); with ``--watched``: the shared solve with a progress bar
+  (``solve(progress=True)``: the same calls, the bar moving between them) and, with ``compile=True``, with a progress
+  callback (the callback called for each step after each call);
 - ``torchode`` (where installed): its Dopri5 with an integral controller on our field, per sample;
 - ``diffrax batched`` and ``diffrax per-sample`` (where jax and diffrax are installed): ``jax.jit`` of
   ``diffeqsolve`` with Dopri5 and a PID controller of the I-controller's coefficients on the same weights written in
   JAX (``_common.jax_field``), the batch as one state, or ``vmap`` over the samples (each its own steps).
 
 The ``x own bare`` column divides an et-ode row's time by a bare loop over the states that row itself evaluated the
-field at (recorded from one of its runs): what its machinery adds; a compiled row, whose steps run no Python to
-record, is divided by its uncompiled row's bare loop (the same method and tolerances: compare their NFE). ``x diffrax``
+field at (recorded from one of its runs): what its machinery adds; a row whose steps run no Python to record (the
+native loop's, a compiled one's) is divided by its step-by-step row's bare loop (the same method and tolerances:
+compare their NFE). ``x diffrax``
 divides it by its diffrax peer's (batched for the shared rows, vmapped for the per-sample rows). Every ratio is the
 median over rounds of the two times within one round (``_common.paired_ratio``), which a drift of the machine's speed
 between rounds leaves alone.
@@ -42,9 +43,8 @@ environment, ``pip install torchdiffeq torchode jax diffrax`` beside et-ode.
     python benchmarks/adaptive.py --threads 1                  # digits, 28x28 (batch 64), ImageNet (batch 4)
     python benchmarks/adaptive.py --threads 2 --size mnist imagenet --reps 5
     python benchmarks/adaptive.py --batch 1                    # one sample per solve: the loop's fixed costs
-    python benchmarks/adaptive.py --batch 1 --compile          # with the compiled solve's rows
-    python benchmarks/adaptive.py --batch 1 --compile --inductor   # and those of torch.compile, the native loop off
-    python benchmarks/adaptive.py --batch 1 --compile --watched --size digits mnist   # and with progress shown
+    python benchmarks/adaptive.py --batch 1 --inductor         # and the rows of torch.compile, the native loop off
+    python benchmarks/adaptive.py --batch 1 --watched --size digits mnist   # and with progress shown
     python benchmarks/adaptive.py --device cuda --size digits mnist     # on a GPU, with the captured step's row
 """
 
@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib.util
 import os
 import sys
@@ -132,15 +133,15 @@ def et_ode_run(
     native_off: bool = False,
 ) -> Run:
     """``solve`` with ``solver`` (and ``stop``; ``bar``: with its progress bar, drawn to nowhere; ``native_off``: a
-    compiled solve handed to ``torch.compile`` even where the native loop runs the field), once recorded (a captured or
-    compiled step runs without Python, so a solve with ``cuda_graph`` or ``compile`` is not recorded: no own bare
-    loop)."""
+    compiled solve handed to ``torch.compile`` even where the native loop runs the field), once recorded where its
+    steps run from Python (``compile=False`` without ``cuda_graph``: the native loop's, a captured or compiled step run
+    none, so the others have no own bare loop)."""
 
     def call(target: et_ode.ETField = field) -> et_ode.Solution:
         with contextlib.redirect_stderr(NOWHERE) if bar else contextlib.nullcontext(), _native(not native_off):
             return et_ode.solve(target, x0, (0.0, t1), solver=solver, stop=stop, save="final", progress=bar)
 
-    inputs: list[torch.Tensor] | None = None if solver.cuda_graph or solver.compile else []
+    inputs: list[torch.Tensor] | None = None if solver.cuda_graph or solver.compile is not False else []
     with torch.no_grad():
         solution = call(field if inputs is None else _recorded(field, inputs))
     stats = solution.stats
@@ -274,29 +275,25 @@ def measure(name: str, args: argparse.Namespace) -> list[list[object]]:
     field = et_ode.ETField(model)
     x0 = initial_state(size).to(args.device)
     runs = torchdiffeq_runs(field, x0, t1, args)
+    shared = functools.partial(et_ode.Adaptive, "dopri5", args.rtol, args.atol)
+    per_sample = functools.partial(shared, step_control="per_sample")
     solvers = {
-        "et-ode shared": et_ode.Adaptive("dopri5", args.rtol, args.atol),
-        "et-ode per-sample": et_ode.Adaptive("dopri5", args.rtol, args.atol, step_control="per_sample"),
+        "et-ode shared": shared(),
+        "et-ode per-sample": per_sample(),
         "et-ode per-sample tsit5": et_ode.Adaptive("tsit5", args.rtol, args.atol, step_control="per_sample"),
+        "et-ode shared, step by step": shared(compile=False),
+        "et-ode per-sample, step by step": per_sample(compile=False),
     }
-    if args.compile:
-        solvers["et-ode shared, compiled"] = et_ode.Adaptive("dopri5", args.rtol, args.atol, compile=True)
-        solvers["et-ode per-sample, compiled"] = et_ode.Adaptive(
-            "dopri5", args.rtol, args.atol, step_control="per_sample", compile=True
-        )
     if x0.is_cuda:
-        solvers["et-ode shared, CUDA graph"] = et_ode.Adaptive("dopri5", args.rtol, args.atol, cuda_graph=True)
+        solvers["et-ode shared, CUDA graph"] = shared(cuda_graph=True)
     for label, solver in solvers.items():
         runs[label] = et_ode_run(field, x0, t1, solver)
-    if args.compile and args.inductor:  # the same solves handed to torch.compile, the native loop off
-        for label in ("et-ode shared", "et-ode per-sample"):
-            run = et_ode_run(field, x0, t1, solvers[f"{label}, compiled"], native_off=True)
-            runs[f"{label}, torch.compile"] = run
-    if args.compile and args.watched:  # the compiled solve with progress shown: a bar, and a callback
-        runs["et-ode shared, compiled, bar"] = et_ode_run(field, x0, t1, solvers["et-ode shared, compiled"], bar=True)
-        runs["et-ode shared, compiled, callback"] = et_ode_run(
-            field, x0, t1, et_ode.Adaptive("dopri5", args.rtol, args.atol, compile=True, progress=_ignored)
-        )
+    if args.inductor:  # compile=True handed to torch.compile, the native loop off
+        runs["et-ode shared, torch.compile"] = et_ode_run(field, x0, t1, shared(compile=True), native_off=True)
+        runs["et-ode per-sample, torch.compile"] = et_ode_run(field, x0, t1, per_sample(compile=True), native_off=True)
+    if args.watched:  # progress shown: a bar, and a callback (compile=True: else the steps run one by one)
+        runs["et-ode shared, bar"] = et_ode_run(field, x0, t1, solvers["et-ode shared"], bar=True)
+        runs["et-ode shared, callback"] = et_ode_run(field, x0, t1, shared(compile=True, progress=_ignored))
     if has("torchode"):
         runs["torchode per-sample"] = torchode_run(field, x0, t1, args)
     if has("diffrax") and has("jax") and not x0.is_cuda:  # (JAX on the CPU beside a CUDA solve: not a peer)
@@ -329,23 +326,22 @@ def _synchronised(call: Callable[[], object], like: torch.Tensor) -> Callable[[]
 
 #: the diffrax row (the same method, dopri5) each et-ode row is compared with: the batch as one state, or vmapped
 DIFFRAX_PEERS = {
-    "et-ode shared": "diffrax batched",
-    "et-ode shared, compiled": "diffrax batched",
-    "et-ode shared, compiled, bar": "diffrax batched",
-    "et-ode shared, compiled, callback": "diffrax batched",
-    "et-ode per-sample": "diffrax per-sample",
-    "et-ode per-sample, compiled": "diffrax per-sample",
-    "et-ode shared, torch.compile": "diffrax batched",
-    "et-ode per-sample, torch.compile": "diffrax per-sample",
+    **dict.fromkeys(
+        ["et-ode shared", *(f"et-ode shared, {how}" for how in ("step by step", "torch.compile", "bar", "callback"))],
+        "diffrax batched",
+    ),
+    **dict.fromkeys(
+        ["et-ode per-sample", *(f"et-ode per-sample, {how}" for how in ("step by step", "torch.compile"))],
+        "diffrax per-sample",
+    ),
 }
-#: the row whose bare loop a row without its own (a compiled step records nothing) is divided by: its steps uncompiled
+#: the row whose bare loop a row without its own (its steps run no Python) is divided by: its steps one by one
 BARE_STAND_INS = {
-    "et-ode shared, compiled": "et-ode shared",
-    "et-ode shared, compiled, bar": "et-ode shared",
-    "et-ode shared, compiled, callback": "et-ode shared",
-    "et-ode per-sample, compiled": "et-ode per-sample",
-    "et-ode shared, torch.compile": "et-ode shared",
-    "et-ode per-sample, torch.compile": "et-ode per-sample",
+    **dict.fromkeys(
+        ["et-ode shared", *(f"et-ode shared, {how}" for how in ("torch.compile", "bar", "callback"))],
+        "et-ode shared, step by step",
+    ),
+    **dict.fromkeys(["et-ode per-sample", "et-ode per-sample, torch.compile"], "et-ode per-sample, step by step"),
 }
 
 
@@ -469,12 +465,11 @@ def main() -> None:
         help="cpu: the process's CPU time (steadier where other jobs share the cores)",
     )
     parser.add_argument("--threads", type=int, default=1, help="pin the process (torch and XLA) to this many cores")
-    parser.add_argument("--compile", action="store_true", help="also Adaptive(compile=True)'s row")
     parser.add_argument(
-        "--inductor", action="store_true", help="with --compile: also its rows on torch.compile, the native loop off"
+        "--inductor", action="store_true", help="also the rows of Adaptive(compile=True) on torch.compile, native off"
     )
     parser.add_argument(
-        "--watched", action="store_true", help="with --compile: also its shared solve with a progress bar, and callback"
+        "--watched", action="store_true", help="also the shared solve with a progress bar, and with a callback"
     )
     parser.add_argument("--stop", action="store_true", help="also the rows to a steady state")
     parser.add_argument("--stop-tol", type=float, default=1e-3, help="the steady state: RMS dg/dt below this")

@@ -45,7 +45,8 @@ UNDERFLOW_ADVICE = (
 
 StepCallback = Callable[[Tensor, Tensor], None]
 CaptureMode = Literal["cuda", "eager"]  # how a step is captured and replayed (_StepGraph)
-GraphMode = CaptureMode | Literal["compile"]  # a step captured, or the whole solve compiled
+# a step captured, the whole solve compiled, or the whole solve in the native loop where it runs it
+GraphMode = CaptureMode | Literal["compile", "native"]
 StopTest = Callable[[Tensor, Tensor], Tensor]
 # a quantity integrated along the accepted steps, outside step control: called with the accepted groups' ids (n,),
 # the indices j of the stages the solution weighs, a function giving stage j's input (n, 1, M) (formed when asked)
@@ -624,8 +625,10 @@ class _Loop:
         # without gradients, a stop or a quadrature; a step is captured for shared steps (or a single sample's)
         one_group = not per_sample or self.groups == 1
         graphable = self.in_place and self.autonomous and stop is None and quadrature is None
-        self.graph_mode: CaptureMode | None = graph if graphable and one_group and graph != "compile" else None
-        self.whole_solve = graph == "compile" and graphable
+        captured = graph in ("cuda", "eager") and graphable and one_group
+        self.graph_mode: CaptureMode | None = cast(CaptureMode, graph) if captured else None
+        self.whole_solve = graph in ("compile", "native") and graphable
+        self.native_only = graph == "native"  # (where the native loop does not run the field: step by step)
         self.step_graph: _StepGraph | None = None
         self.traced_field: ETField | None = None  # the field the compiled solve evaluates (see trace_closed_form)
         self.native: NativeSolve | None = None  # the whole solve in C, where it computes the field
@@ -873,12 +876,14 @@ class _Loop:
         called for each of its steps (at most :data:`LOGGED_STEPS` a call); with ``keep_steps`` (the start of every
         accepted step kept), a step a call. Its steps, evaluations and failures are recorded as the step-by-step loop
         records them; returns the final state ``x0``-shaped and, with ``save_all``, the states at the grid's times
-        ``(T, *x0.shape)`` (else None), or None (with a warning) where it cannot be compiled: the loop then goes on
-        step by step, uncompiled."""
+        ``(T, *x0.shape)`` (else None), or None where it cannot be compiled (with a warning) or, for ``graph="native"``,
+        where the native loop does not run the field: the loop then goes on step by step, uncompiled."""
         g = self.groups
         history = torch.ones((g, 2), dtype=torch.float64, device=self.device)
         times = (self.grid if save_all else self.grid[:0]).clone()  # (the end time is a view of the grid)
         self.native = self._native_solve()
+        if self.native is None and self.native_only:
+            return None
         if self.native is None:
             self.trace_closed_form()
         saved = y.new_zeros((len(times) * g, 1, self.width))
@@ -1294,7 +1299,8 @@ def integrate(
             (:class:`~et_ode.kernels.native.NativeSolve`) where it computes the field, else :func:`_whole_solve` under
             ``torch.compile`` (every sample evaluated at every step); either writes the states at the grid's times too
             and takes per-sample steps at any batch, in calls of about :data:`CHUNK_SECONDS` (at most
-            :data:`LOGGED_STEPS` steps a call with a ``callback``, a step a call with ``keep_steps``); None: no capture.
+            :data:`LOGGED_STEPS` steps a call with a ``callback``, a step a call with ``keep_steps``); ``"native"``:
+            the native loop where it computes the field, else no capture; None: no capture.
 
     Returns the :class:`Result`. Gradients
     flow through the stages and the interpolant (the step sizes are constants to autograd, as in torchdiffeq and
@@ -1312,8 +1318,8 @@ def integrate(
         raise ValueError(f"pid must be three non-negative coefficients (pcoeff, icoeff, dcoeff), not all zero; got {pid!r}")
     if starts is not None and (not per_sample or save_all):
         raise ValueError("starts (a start time per sample) needs per_sample=True and save_all=False")
-    if graph not in (None, "cuda", "eager", "compile"):
-        raise ValueError(f"graph must be None, 'cuda', 'eager' or 'compile', got {graph!r}")
+    if graph not in (None, "cuda", "eager", "compile", "native"):
+        raise ValueError(f"graph must be None, 'cuda', 'eager', 'compile' or 'native', got {graph!r}")
     if progress is None:
         progress = Progress()
     loop = _Loop(
@@ -1335,6 +1341,17 @@ def integrate(
     x, xs = loop.run(x0, first_step, save_all, keep_steps, starts)
     ends = loop.stop_times if per_sample else loop.stop_times.expand(x0.shape[:-2].numel())
     return Result(x, xs, ends.reshape(x0.shape[:-2]).clone())
+
+
+def _graph_mode(solver: Adaptive, x0: Tensor) -> GraphMode | None:
+    """How ``solver``'s settings capture or compile a solve of ``x0``: the CUDA graph on CUDA, ``torch.compile`` or
+    the native loop (``compile=True``), the native loop alone (``compile="auto"`` without a progress callback, whose
+    steps it reports one at a time), or nothing."""
+    if solver.cuda_graph and x0.is_cuda:
+        return "cuda"
+    if solver.compile is True:
+        return "compile"
+    return "native" if solver.compile == "auto" and solver.progress is None else None
 
 
 def solve_adaptive(
@@ -1372,7 +1389,7 @@ def solve_adaptive(
         keep_steps=save == "steps",
         callback=solver.progress,
         stop=None if stop is None else functools.partial(_stop_value, stop, field, per_sample),
-        graph="cuda" if solver.cuda_graph and x0.is_cuda else "compile" if solver.compile else None,
+        graph=_graph_mode(solver, x0),
     )
     params = tuple(p for p in field.parameters() if p.requires_grad)
     if "adjoint_params" in arguments and torch.is_grad_enabled() and (x0.requires_grad or params):

@@ -98,33 +98,36 @@ class Adaptive:
         controller: ``"i"`` (the I-controller, torchdiffeq's) or ``"pid"`` (et-ode's loop: diffrax's PID form with
             the coefficients ``(pcoeff, icoeff, dcoeff) = (0.4, 0.3, 0)``).
         progress: et-ode's loop calls it after every step with each sample's time ``(B,)`` and number of accepted
-            steps ``(B,)`` (CPU tensors, the batch flattened), or None. With ``compile``, it is called for each step
-            in order after the compiled call that took it (weights it changes count from the next call on).
+            steps ``(B,)`` (CPU tensors, the batch flattened), or None. With ``compile=True``, it is called for each
+            step in order after the compiled call that took it (weights it changes count from the next call on).
         cuda_graph: on CUDA, et-ode's loop captures one step (its stages, error and controller) in a CUDA graph after
             two steps and replays it for the rest, one kernel launch for the step's many small ones: shared steps (or
             those of a single sample) of an ET field without gradients or a stop; everywhere else the steps run as
             without. The field's weights must not change during the solve (e.g. from ``progress``); a field that cannot
             be captured gets a ``RuntimeWarning`` and the solve runs on without the graph.
-        compile: et-ode's loop runs the whole solve as compiled code (every step, the first stage and the first step's
-            choice, and the states at the saved times), for an ET field without gradients or a stop, at any batch and
-            step control; everywhere else the steps run as without. On the CPU, for an energy of an identity or
-            LayerNorm neuron with one ``EnergyAttention`` and one ``HopfieldMemory``, without a mask, in float32 or
-            float64, it is et-ode's native loop: C built once per machine with the system's C compiler (about a second,
-            kept under ``$ET_ODE_CACHE`` or ``~/.cache/et_ode``), its matrix products in PyTorch's own BLAS; per sample,
-            the samples step on the process's threads (each on one) and a sample at the end is not evaluated again.
-            Elsewhere (a mask, another energy, a GPU, no C compiler) the loop hands the solve to ``torch.compile`` as
-            one ``while_loop`` (per sample, a sample at the end keeps its state while the others step on), compiled once
-            per shape, dtype and setting in a process (tens of seconds on a CPU; it needs a C++ compiler there). Either
-            way it runs in calls of a fraction of a second each (as many steps as the last call's time a step allows;
-            the first call of a new shape one step), between which a progress bar (``solve(progress=True)``) moves and
-            Ctrl-C lands; with a ``progress`` callback at most 64 steps a call (each call logs its steps' times), with
-            ``save="steps"`` a step a call. The solve evaluates the field's closed form, so states agree with the
-            uncompiled loop to rounding, not bit for bit. It pays where each evaluation is small (one sample of a small
-            model), and not where large matrix products dominate. On the CPU the compiled code uses at most one thread
-            per 2048 elements of the state (in the native loop, of a group: the batch when shared, a sample per sample;
-            PyTorch's thread count is set back after each call). A solve that ``torch.compile`` cannot compile, whatever
-            the compiler raises, gets a ``RuntimeWarning`` and runs on without (inside the ``while_loop`` a view of a
-            parameter, such as ``W.T`` in an energy, does not trace: write ``nn.functional.linear(g, W)``).
+        compile: how et-ode's loop runs a solve of an ET field without gradients or a stop (any batch and step
+            control): ``"auto"`` (the default) in the native loop where it computes the field and no ``progress``
+            callback is given, else step by step; ``True`` as compiled code, the native loop where it computes the
+            field, else ``torch.compile``; ``False`` step by step. The native loop runs the whole solve (every step,
+            the first stage and the first step's choice, the states at the saved times) in C, on the CPU, for an
+            energy of an identity or LayerNorm neuron with one ``EnergyAttention`` and one ``HopfieldMemory``, without
+            a mask, in float32 or float64: built once per machine with the system's C compiler (about a second, kept
+            under ``$ET_ODE_CACHE`` or ``~/.cache/et_ode``; without a compiler it is not used), its matrix products
+            in PyTorch's own BLAS; shared, the batch's passes between the products run on as many threads as its
+            products; per sample, the samples step on the process's threads (each on one) and a sample at the end is
+            not evaluated again. Elsewhere (a mask, another energy, a GPU, no C compiler) ``compile=True`` hands the
+            solve to ``torch.compile`` as one ``while_loop`` (per sample, a sample at the end keeps its state while
+            the others step on), compiled once per shape, dtype and setting in a process (tens of seconds on a CPU; it
+            needs a C++ compiler there). Either way the solve runs in calls of a fraction of a second each (as many
+            steps as the last call's time a step allows; the first call of a new shape one step), between which a
+            progress bar (``solve(progress=True)``) moves and Ctrl-C lands; with a ``progress`` callback at most 64
+            steps a call (each call logs its steps' times), with ``save="steps"`` a step a call. It evaluates the
+            field's closed form, so states agree with the step-by-step loop to rounding, not bit for bit. On the CPU
+            the compiled code uses at most one thread per 2048 elements of the state (in the native loop, of a group:
+            the batch when shared, a sample per sample; PyTorch's thread count is set back after each call). A solve
+            that ``torch.compile`` cannot compile, whatever the compiler raises, gets a ``RuntimeWarning`` and runs
+            on without (inside the ``while_loop`` a view of a parameter, such as ``W.T`` in an energy, does not trace:
+            write ``nn.functional.linear(g, W)``).
 
     et-ode's loop runs the gradients ``Direct`` and ``Adjoint`` (its backward solve on the same loop); for stops see
     :meth:`check_stop`.
@@ -133,7 +136,8 @@ class Adaptive:
         ValueError: an unknown ``method``, ``loop``, ``step_control`` or ``controller``; ``rtol`` or ``atol`` not
             positive; a setting of et-ode's loop with ``loop="torchdiffeq"``, or ``options`` it does not take; both
             ``cuda_graph`` and ``compile``.
-        TypeError: ``progress`` is not a callable or None; ``cuda_graph`` or ``compile`` not a bool.
+        TypeError: ``progress`` is not a callable or None; ``cuda_graph`` not a bool; ``compile`` not a bool or
+            ``"auto"``.
     """
 
     method: AdaptiveMethod | Literal["tsit5"] = "dopri5"
@@ -145,7 +149,7 @@ class Adaptive:
     controller: Literal["i", "pid"] = "i"
     progress: Callable[[Tensor, Tensor], None] | None = None
     cuda_graph: bool = False
-    compile: bool = False
+    compile: bool | Literal["auto"] = "auto"
 
     adaptive: ClassVar[bool] = True
     OWN_METHODS: ClassVar[tuple[str, ...]] = ("dopri5", "bosh3", "tsit5")  # the methods et-ode's loop runs
@@ -167,10 +171,11 @@ class Adaptive:
                 raise ValueError(f"Adaptive.{name} must be one of {valid}, got {getattr(self, name)!r}")
         if self.progress is not None and not callable(self.progress):
             raise TypeError(f"Adaptive.progress must be a callable or None, got {type(self.progress).__name__}")
-        for name in ("cuda_graph", "compile"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"Adaptive.{name} must be a bool, got {type(getattr(self, name)).__name__}")
-        if self.cuda_graph and self.compile:
+        if not isinstance(self.cuda_graph, bool):
+            raise TypeError(f"Adaptive.cuda_graph must be a bool, got {type(self.cuda_graph).__name__}")
+        if not isinstance(self.compile, bool) and self.compile != "auto":
+            raise TypeError(f"Adaptive.compile must be a bool or 'auto', got {self.compile!r}")
+        if self.cuda_graph and self.compile is True:
             raise ValueError("Adaptive: cuda_graph=True and compile=True are two ways to capture the step: choose one")
         wanted = [
             f"{name}={value!r}"
@@ -179,7 +184,7 @@ class Adaptive:
                 ("controller", self.controller, "i"),
                 ("progress", self.progress, None),
                 ("cuda_graph", self.cuda_graph, False),
-                ("compile", self.compile, False),
+                ("compile", self.compile is True, False),  # ("auto": the native loop where et-ode's loop runs)
             )
             if value != default
         ]
@@ -210,7 +215,7 @@ class Adaptive:
                 or self.controller != "i"
                 or self.progress is not None
                 or self.cuda_graph
-                or self.compile
+                or self.compile is True
                 or self.method not in ADAPTIVE_METHODS
             )
         )

@@ -25,6 +25,7 @@ from tests.conftest import counted_backend, random_model
 
 F64 = torch.float64
 StepControl = Literal["shared", "per_sample"]
+Compile = bool | Literal["auto"]
 
 
 def _rotation(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,7 +100,8 @@ def test_global_error_follows_the_tolerance(method: str, per_sample: bool) -> No
     assert errors[0] / errors[1] > 20
 
 
-def test_dense_output_on_the_et_field_matches_a_tight_reference() -> None:
+@pytest.mark.parametrize("compile", [False, "auto"])  # (step by step; the native loop where it runs)
+def test_dense_output_on_the_et_field_matches_a_tight_reference(compile: Compile) -> None:
     """States at 41 output times (most inside steps), against torchdiffeq's dopri5 at rtol=atol=1e-12: no further
     from it than the solve's own step ends are (the global error), nor than torchdiffeq at the same tolerance; and
     saving costs no evaluations (the same solve saving only the end takes as
@@ -107,7 +109,7 @@ def test_dense_output_on_the_et_field_matches_a_tight_reference() -> None:
     field = _tiny_field()
     x0 = _states(2)
     grid = torch.linspace(0, 1.5, 31, dtype=F64)
-    solver = et_ode.Adaptive(rtol=1e-8, atol=1e-8, loop="et_ode")
+    solver = et_ode.Adaptive(rtol=1e-8, atol=1e-8, loop="et_ode", compile=compile)
     with torch.no_grad():
         reference = odeint(field, x0, grid, method="dopri5", rtol=1e-12, atol=1e-12)
         theirs = odeint(field, x0, grid, method="dopri5", rtol=1e-8, atol=1e-8)
@@ -124,8 +126,9 @@ def test_dense_output_on_the_et_field_matches_a_tight_reference() -> None:
     assert torch.equal(dense.x, end.x)
 
 
+@pytest.mark.parametrize("compile", [False, "auto"])  # (step by step; the native loop where it runs)
 @pytest.mark.parametrize("step_control", ["per_sample", "shared"])
-def test_agrees_with_torchdiffeq_dopri5_on_the_et_field(step_control: StepControl) -> None:
+def test_agrees_with_torchdiffeq_dopri5_on_the_et_field(step_control: StepControl, compile: Compile) -> None:
     """On a tiny ET field, et-ode's dopri5 and torchdiffeq's at the same tolerances both land within their tolerance
     of a tight reference; shared step control takes about as many evaluations as torchdiffeq."""
     field = _tiny_field(1)
@@ -137,7 +140,7 @@ def test_agrees_with_torchdiffeq_dopri5_on_the_et_field(step_control: StepContro
         theirs = odeint(field, x0, grid, method="dopri5", rtol=1e-7, atol=1e-9)[-1]
         theirs_nfe = field.nfe - theirs_nfe
         ours = et_ode.solve(
-            field, x0, grid, solver=et_ode.Adaptive(rtol=1e-7, atol=1e-9, loop="et_ode", step_control=step_control)
+            field, x0, grid, solver=et_ode.Adaptive(rtol=1e-7, atol=1e-9, step_control=step_control, compile=compile)
         )
     scale = reference.abs().max().item()
     assert (theirs - reference).abs().max().item() < 1e-5 * scale
@@ -214,15 +217,16 @@ def test_the_controller_s_power_does_not_depend_on_an_element_s_place() -> None:
         assert torch.allclose(whole, base**exponent, rtol=1e-15, atol=0)
 
 
-def test_batch_composition_independence_through_solve_on_the_batched_et_field() -> None:
+@pytest.mark.parametrize("compile", [False, "auto"])  # (step by step; the native loop where it runs)
+def test_batch_composition_independence_through_solve_on_the_batched_et_field(compile: Compile) -> None:
     """Through ``solve`` with the ET field's batched products, whose last bits depend on the batch size (measured:
     up to 9e-15 on one evaluation), a sample's states alone and in other batches agree to 1e-11 of their scale
     (measured: 8e-13); shared step control, by contrast, moves a sample by far more when its batch changes."""
     field = _tiny_field()
     x0 = _states(12)
     grid = torch.linspace(0, 2, 5, dtype=F64)
-    per_sample = et_ode.Adaptive(rtol=1e-6, atol=1e-8, step_control="per_sample")
-    shared = et_ode.Adaptive(rtol=1e-6, atol=1e-8, loop="et_ode")
+    per_sample = et_ode.Adaptive(rtol=1e-6, atol=1e-8, step_control="per_sample", compile=compile)
+    shared = et_ode.Adaptive(rtol=1e-6, atol=1e-8, loop="et_ode", compile=compile)
     with torch.no_grad():
         full = et_ode.solve(field, x0, grid, solver=per_sample)
         full_shared = et_ode.solve(field, x0, grid, solver=shared)
@@ -236,7 +240,8 @@ def test_batch_composition_independence_through_solve_on_the_batched_et_field() 
     assert (alone_shared.x - full_shared.x[:1]).abs().max().item() > 1e-9 * scale
 
 
-def test_compaction_spends_evaluations_on_the_hard_samples_only() -> None:
+@pytest.mark.parametrize("compile", [False, "auto"])  # (step by step; the native loop where it runs)
+def test_compaction_spends_evaluations_on_the_hard_samples_only(compile: Compile) -> None:
     """A batch of two samples already at rest and two far from it: the per-sample mode lets the easy ones finish in
     few long steps and leave, so its sample-evaluations fall below the shared mode's (which steps everyone as the
     hardest sample), at the same accuracy."""
@@ -250,7 +255,11 @@ def test_compaction_spends_evaluations_on_the_hard_samples_only() -> None:
         grid = torch.tensor([0.0, 2.0], dtype=F64)
         runs = {
             mode: et_ode.solve(
-                field, x0, grid, save="final", solver=et_ode.Adaptive(rtol=1e-6, atol=1e-8, loop="et_ode", step_control=mode)
+                field,
+                x0,
+                grid,
+                save="final",
+                solver=et_ode.Adaptive(rtol=1e-6, atol=1e-8, step_control=mode, compile=compile),
             )
             for mode in ("per_sample", "shared")
         }
@@ -393,6 +402,8 @@ def test_the_own_loop_is_the_default_for_its_methods_where_it_runs_the_solve() -
     assert not own.own_loop(et_ode.SteadyState(1e-3, per_sample=True))
     assert per_sample.own_loop(et_ode.SteadyState(1e-3, per_sample=True))
     assert not own.own_loop(backward_method="dopri8") and own.own_loop(backward_method="bosh3")
+    for compile in ("auto", False):  # (a setting of et-ode's loop only where it compiles)
+        assert not et_ode.Adaptive(loop="torchdiffeq", compile=compile).own_loop()
 
 
 @pytest.mark.parametrize(
@@ -412,6 +423,7 @@ def test_the_own_loop_is_the_default_for_its_methods_where_it_runs_the_solve() -
         (dict(loop="torchdiffeq", cuda_graph=True), ValueError, "cuda_graph=True needs loop"),
         (dict(method="dopri8", cuda_graph=True), ValueError, "Adaptive.method"),
         (dict(compile="yes"), TypeError, "Adaptive.compile"),
+        (dict(compile=1), TypeError, "Adaptive.compile must be a bool or 'auto'"),
         (dict(loop="torchdiffeq", compile=True), ValueError, "compile=True needs loop"),
         (dict(cuda_graph=True, compile=True), ValueError, "cuda_graph=True and compile=True"),
     ],
@@ -432,18 +444,19 @@ def test_bad_combinations_with_solve_are_named() -> None:
         adaptive_loop.integrate(field, x0, torch.tensor([0.0, 1.0], dtype=F64), method="rk4")
 
 
-def test_shared_mode_saves_every_step_and_float32_runs() -> None:
+@pytest.mark.parametrize("compile", [False, "auto"])  # (step by step; the native loop where it runs)
+def test_shared_mode_saves_every_step_and_float32_runs(compile: Compile) -> None:
     """``save="steps"`` with shared control keeps the start of every accepted step and the end; float32 states
     integrate to within float32 tolerances of the float64 solve."""
     field = _tiny_field()
     x0 = _states(2)
     with torch.no_grad():
-        steps = et_ode.solve(field, x0, (0.0, 1.0), solver=et_ode.Adaptive(loop="et_ode"), save="steps")
+        steps = et_ode.solve(field, x0, (0.0, 1.0), solver=et_ode.Adaptive(loop="et_ode", compile=compile), save="steps")
         assert steps.xs is not None and len(steps.ts) == steps.stats.accepted_steps + 1
         assert torch.equal(steps.xs[0], x0) and bool((steps.ts[1:] > steps.ts[:-1]).all())
         field32 = et_ode.ETField(_smooth_model().float())
         single = et_ode.solve(
-            field32, x0.float(), (0.0, 1.0), solver=et_ode.Adaptive(step_control="per_sample"), save="final"
+            field32, x0.float(), (0.0, 1.0), solver=et_ode.Adaptive(step_control="per_sample", compile=compile), save="final"
         )
     assert (single.x.double() - steps.x).abs().max().item() < 1e-3
 
@@ -992,6 +1005,35 @@ def test_the_native_loop_built_without_openmp_steps_the_same(monkeypatch: pytest
         torch.set_num_threads(before)
     assert [path.name.split("_")[2] for path in sorted(tmp_path.glob("*/native/*.so"))] == ["double", "double"]
     assert torch.equal(solutions[0].xs, solutions[1].xs)
+
+
+@pytest.mark.parametrize("step_control", ["shared", "per_sample"])
+def test_compile_auto_runs_a_solve_in_the_native_loop_where_it_computes_the_field(
+    monkeypatch: pytest.MonkeyPatch, step_control: StepControl
+) -> None:
+    """The default ``compile="auto"``: a solve without gradients of a field the native loop computes runs there (the
+    same steps, evaluations and float64 states to 1e-12 as step by step, ``compile=False``); with a progress
+    callback, gradients, a mask or another energy it runs step by step, never handed to ``torch.compile``."""
+    handed = _engine(monkeypatch, "native")
+    monkeypatch.setattr(adaptive_loop, "_compiled_solve", lambda device_type: pytest.fail("torch.compile was asked"))
+    field, x0, grid = _tiny_field(), _states(3), torch.linspace(0.0, 3.0, 4, dtype=F64)
+
+    def solved(field: et_ode.ETField, x0: torch.Tensor, **settings: object) -> tuple[et_ode.Solution, int]:
+        before = len(handed["solve"])
+        solver = et_ode.Adaptive(rtol=1e-7, atol=1e-9, step_control=step_control, **settings)  # type: ignore[arg-type]
+        return et_ode.solve(field, x0, grid, solver=solver), len(handed["solve"]) - before
+
+    with torch.no_grad():
+        (auto, calls), (plain, none) = solved(field, x0), solved(field, x0, compile=False)
+        assert calls >= 1 and none == 0 and auto.xs is not None and plain.xs is not None
+        for stat in ("accepted_steps", "rejected_steps", "nfe_forward", "sample_evaluations"):
+            assert getattr(auto.stats, stat) == getattr(plain.stats, stat), stat
+        assert float((auto.xs - plain.xs).abs().max()) < 1e-12 < float((plain.x - x0).abs().max())
+        assert solved(field, x0, progress=lambda t, accepted: None)[1] == 0
+        assert solved(field.with_mask(torch.eye(5, dtype=torch.bool).logical_not()), x0)[1] == 0
+        hopfield_only = et_ode.EnergyModel(field.model.neuron, {"hopfield": field.model.hopfield})
+        assert solved(et_ode.ETField(hopfield_only), x0)[1] == 0
+    assert solved(field, x0.clone().requires_grad_())[1] == 0
 
 
 def _handed_threads(call: Callable[..., object], handed: dict[str, list[object]]) -> Callable[..., object]:

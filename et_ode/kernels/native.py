@@ -8,8 +8,9 @@ operations between the field's matrix products, which go to the BLAS PyTorch its
 ``-O3 -march=native``, so the CPU's own vector extensions, probed by the compiler) into a cache folder
 (``$ET_ODE_CACHE``, else ``$XDG_CACHE_HOME/et_ode`` or ``~/.cache/et_ode``), named by a hash of the source, the
 compiler, its flags and the CPU's feature flags; with OpenMP where the compiler has it, so that a per-sample solve's
-samples step on several threads. Without a compiler, the BLAS symbols or a passing probe (:func:`library`),
-:meth:`NativeSolve.create` answers None and the caller goes on without.
+samples step on several threads, and a group's passes between its matrix products run on as many threads as they.
+Without a compiler, the BLAS symbols or a passing probe (:func:`library`), :meth:`NativeSolve.create` answers None and
+the caller goes on without.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from et_ode.energy.neurons import IdentityNeuron, LayerNormNeuron
 
 SOURCE = Path(__file__).with_name("native.c")
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared")
-OPENMP = ("-fopenmp",)  # the groups of a per-sample solve on several threads, where the compiler has it
+OPENMP = ("-fopenmp",)  # the groups, or a group's passes, on several threads, where the compiler has it
 BUILD_SECONDS = 120  # a build that takes longer is given up (the solve goes on without)
 _REALS = {torch.float32: ("float", "sgemm_", "sgemm_batch_"), torch.float64: ("double", "dgemm_", "dgemm_batch_")}
 _NEURONS = {IdentityNeuron: 0, LayerNormNeuron: 1}

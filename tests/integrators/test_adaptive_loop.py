@@ -941,13 +941,9 @@ def test_compiled_code_runs_on_one_thread_per_2048_state_elements(
         torch.set_num_threads(before)
 
 
-def test_the_native_loop_steps_the_samples_on_several_threads_to_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Per sample, the native loop's samples step on the process's threads (each sample on one): on 3 threads the
-    same states at every saved time, bit for bit, as on one, and the same evaluations."""
-    handed = _engine(monkeypatch, "native")
-    monkeypatch.setattr(native.NativeSolve, "__call__", _handed_threads(native.NativeSolve.__call__, handed))
-    field, x0, before = _tiny_field(), _states(7), torch.get_num_threads()
-    solver, grid = et_ode.Adaptive(compile=True, step_control="per_sample"), torch.linspace(0.0, 3.0, 5, dtype=F64)
+def _on_one_and_three_threads(x0: torch.Tensor, solver: et_ode.Adaptive) -> list[et_ode.Solution]:
+    """The solves of ``x0`` to t = 3 (5 saved times) with ``solver`` on one thread and on three, without gradients."""
+    field, grid, before = _tiny_field(), torch.linspace(0.0, 3.0, 5, dtype=F64), torch.get_num_threads()
     solutions = []
     try:
         for threads in (1, 3):
@@ -956,6 +952,16 @@ def test_the_native_loop_steps_the_samples_on_several_threads_to_the_same_bits(m
                 solutions.append(et_ode.solve(field, x0, grid, solver=solver))
     finally:
         torch.set_num_threads(before)
+    return solutions
+
+
+def test_the_native_loop_steps_the_samples_on_several_threads_to_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Per sample, the native loop's samples step on the process's threads (each sample on one): on 3 threads the
+    same states at every saved time, bit for bit, as on one, and the same evaluations."""
+    handed = _engine(monkeypatch, "native")
+    monkeypatch.setattr(native.NativeSolve, "__call__", _handed_threads(native.NativeSolve.__call__, handed))
+    x0 = _states(7)
+    solutions = _on_one_and_three_threads(x0, et_ode.Adaptive(compile=True, step_control="per_sample"))
     assert torch.equal(solutions[0].xs, solutions[1].xs) and (solutions[0].xs[-1] - x0).abs().max() > 1e-2
     assert solutions[0].stats.sample_evaluations == solutions[1].stats.sample_evaluations
     assert {1, 3} <= set(handed["teams"])
@@ -970,16 +976,8 @@ def test_the_native_loop_s_shared_passes_run_on_the_batch_s_threads(monkeypatch:
     described = native.NativeSolve._field
     recorded = lambda solve, threads: handed.append(threads) or described(solve, threads)  # noqa: E731
     monkeypatch.setattr(native.NativeSolve, "_field", recorded)
-    field, x0, before = _tiny_field(), _states(160), torch.get_num_threads()
-    solver, grid = et_ode.Adaptive(compile=True), torch.linspace(0.0, 3.0, 5, dtype=F64)
-    solutions = []
-    try:
-        for threads in (1, 3):
-            torch.set_num_threads(threads)
-            with torch.no_grad():
-                solutions.append(et_ode.solve(field, x0, grid, solver=solver))
-    finally:
-        torch.set_num_threads(before)
+    x0 = _states(160)
+    solutions = _on_one_and_three_threads(x0, et_ode.Adaptive(compile=True))
     assert set(handed) == {1, 3}
     assert float((solutions[0].xs - solutions[1].xs).abs().max()) < 1e-12 * float(x0.abs().max())
     assert solutions[0].stats.accepted_steps == solutions[1].stats.accepted_steps

@@ -134,8 +134,8 @@ class Adaptive:
 
     Raises:
         ValueError: an unknown ``method``, ``loop``, ``step_control`` or ``controller``; ``rtol`` or ``atol`` not
-            positive; a setting of et-ode's loop with ``loop="torchdiffeq"``, or ``options`` it does not take; both
-            ``cuda_graph`` and ``compile``.
+            positive; a setting of et-ode's loop with ``loop="torchdiffeq"``, or ``options`` it does not take;
+            ``cuda_graph=True`` with ``compile=True``.
         TypeError: ``progress`` is not a callable or None; ``cuda_graph`` not a bool; ``compile`` not a bool or
             ``"auto"``.
     """

@@ -878,14 +878,14 @@ class _Loop:
         records them; returns the final state ``x0``-shaped and, with ``save_all``, the states at the grid's times
         ``(T, *x0.shape)`` (else None), or None where it cannot be compiled (with a warning) or, for ``graph="native"``,
         where the native loop does not run the field: the loop then goes on step by step, uncompiled."""
-        g = self.groups
-        history = torch.ones((g, 2), dtype=torch.float64, device=self.device)
-        times = (self.grid if save_all else self.grid[:0]).clone()  # (the end time is a view of the grid)
         self.native = self._native_solve()
         if self.native is None and self.native_only:
             return None
         if self.native is None:
             self.trace_closed_form()
+        g = self.groups
+        history = torch.ones((g, 2), dtype=torch.float64, device=self.device)
+        times = (self.grid if save_all else self.grid[:0]).clone()  # (the end time is a view of the grid)
         saved = y.new_zeros((len(times) * g, 1, self.width))
         if save_all:
             saved[:g] = y  # the grid's first time is the start
